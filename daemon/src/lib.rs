@@ -1,0 +1,1 @@
+//! `ublkd`: serves ublk block devices backed by a remote arena.

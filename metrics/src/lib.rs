@@ -1,0 +1,1 @@
+//! The observability contract shared by `ublkd` and `arenad`.

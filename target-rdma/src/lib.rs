@@ -1,0 +1,1 @@
+//! Block target, paging protocol, transports and the arena peer.
