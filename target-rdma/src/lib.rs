@@ -1,1 +1,3 @@
-//! Block target, paging protocol, transports and the arena peer.
+//! Block target, paging protocol, transports and the arena peer `arenad`.
+
+pub mod proto;

@@ -1,0 +1,1305 @@
+//! Wire format of the paging protocol spoken between `arenad` and its clients.
+//!
+//! Every frame is a fixed 24-byte little-endian header followed by a body whose
+//! length the header states and whose layout the opcode fixes. The decoder
+//! checks magic, version, opcode, reserved bits and every length against the
+//! limits below *before* it allocates, so a hostile peer cannot make us buffer
+//! more than one bounded frame. `docs/PROTOCOL.md` is the normative spec; keep
+//! the two in step.
+
+use std::io::{self, Read, Write};
+
+/// First four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"ARNA";
+/// The only protocol version this build speaks.
+pub const VERSION: u8 = 1;
+/// Size of the fixed frame header.
+pub const HEADER_LEN: usize = 24;
+/// Largest payload an inline WRITE or READ may carry (also the largest blob).
+pub const MAX_INLINE: u32 = 16 << 20;
+/// Largest body any frame may declare: an inline payload plus its fixed fields.
+pub const MAX_BODY: u32 = MAX_INLINE + 64;
+/// Most lease tokens one RELEASE may carry.
+pub const MAX_RELEASE_BATCH: u32 = 1024;
+/// Longest volume name.
+pub const MAX_VOLUME_NAME: usize = 64;
+/// Longest error message a peer may send.
+pub const MAX_ERROR_MESSAGE: usize = 256;
+/// Length of the authentication nonces and MACs.
+pub const NONCE_LEN: usize = 32;
+/// Length of an HMAC-SHA256 tag.
+pub const MAC_LEN: usize = 32;
+
+/// Header flag: this frame answers a request (or is server-initiated).
+pub const FLAG_RESPONSE: u16 = 1;
+const KNOWN_FLAGS: u16 = FLAG_RESPONSE;
+
+/// Capability bit: the client can move payloads inline on the TCP stream.
+pub const CAP_TCP_DATA: u32 = 1;
+/// Capability bit: the client can move payloads by one-sided RDMA.
+pub const CAP_RDMA: u32 = 1 << 1;
+
+/// Operation carried by a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// Server → client, first frame of a connection: versions and a nonce.
+    Challenge = 0x01,
+    /// Client → server: version, volume, capabilities and the auth MAC.
+    Hello = 0x02,
+    /// Lease a slot for writing; content is kept, a new key gets zeros.
+    Alloc = 0x10,
+    /// The leased slot's content is now the blob's content.
+    Commit = 0x11,
+    /// Lease a slot for reading, or NOT_FOUND.
+    Get = 0x12,
+    /// Drop a batch of leases.
+    Release = 0x13,
+    /// Drop every blob in a key range.
+    Remove = 0x14,
+    /// Make every acknowledged COMMIT and WRITE durable.
+    Flush = 0x15,
+    /// Write a byte range of a blob inline.
+    Write = 0x16,
+    /// Read a byte range of a blob inline.
+    Read = 0x17,
+    /// Server → client: give a lease back.
+    Revoke = 0x20,
+}
+
+impl Opcode {
+    /// Decodes an opcode byte.
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            0x01 => Self::Challenge,
+            0x02 => Self::Hello,
+            0x10 => Self::Alloc,
+            0x11 => Self::Commit,
+            0x12 => Self::Get,
+            0x13 => Self::Release,
+            0x14 => Self::Remove,
+            0x15 => Self::Flush,
+            0x16 => Self::Write,
+            0x17 => Self::Read,
+            0x20 => Self::Revoke,
+            _ => return None,
+        })
+    }
+
+    /// Stable lower-case name, used in logs and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Challenge => "challenge",
+            Self::Hello => "hello",
+            Self::Alloc => "alloc",
+            Self::Commit => "commit",
+            Self::Get => "get",
+            Self::Release => "release",
+            Self::Remove => "remove",
+            Self::Flush => "flush",
+            Self::Write => "write",
+            Self::Read => "read",
+            Self::Revoke => "revoke",
+        }
+    }
+}
+
+/// Outcome carried in a response header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum Status {
+    /// Success.
+    Ok = 0,
+    /// GET or READ of a key that holds no blob (READ: the range is zeros).
+    NotFound = 1,
+    /// Arena and swap are both full.
+    NoSpace = 2,
+    /// The volume's quota is used up.
+    QuotaExceeded = 3,
+    /// Every arena slot is leased; revocations were sent, retry shortly.
+    Busy = 4,
+    /// Malformed, oversized or out-of-order frame; the connection is closed.
+    Protocol = 5,
+    /// Authentication failed; the connection is closed.
+    AuthFailed = 6,
+    /// No common protocol version; the connection is closed.
+    VersionMismatch = 7,
+    /// The server is shutting down.
+    ShuttingDown = 8,
+    /// A storage error on the peer (swap or index I/O).
+    Internal = 9,
+}
+
+impl Status {
+    /// Decodes a status code.
+    pub fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            0 => Self::Ok,
+            1 => Self::NotFound,
+            2 => Self::NoSpace,
+            3 => Self::QuotaExceeded,
+            4 => Self::Busy,
+            5 => Self::Protocol,
+            6 => Self::AuthFailed,
+            7 => Self::VersionMismatch,
+            8 => Self::ShuttingDown,
+            9 => Self::Internal,
+            _ => return None,
+        })
+    }
+
+    /// Stable lower-case name, used in logs and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::NotFound => "not_found",
+            Self::NoSpace => "no_space",
+            Self::QuotaExceeded => "quota_exceeded",
+            Self::Busy => "busy",
+            Self::Protocol => "protocol",
+            Self::AuthFailed => "auth_failed",
+            Self::VersionMismatch => "version_mismatch",
+            Self::ShuttingDown => "shutting_down",
+            Self::Internal => "internal",
+        }
+    }
+}
+
+/// Why a frame was rejected. Each variant names the offending field and value.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The stream failed or ended.
+    #[error("stream error: {0}")]
+    Io(#[from] io::Error),
+    /// The stream ended inside a frame.
+    #[error("truncated frame: stream ended after {got} of {want} bytes")]
+    Truncated {
+        /// Bytes received.
+        got: usize,
+        /// Bytes the frame needed.
+        want: usize,
+    },
+    /// The first four bytes were not `ARNA`.
+    #[error("bad magic {0:02x?}, expected \"ARNA\"")]
+    BadMagic([u8; 4]),
+    /// A version this build does not speak.
+    #[error("unsupported protocol version {0}, this build speaks {VERSION}")]
+    BadVersion(u8),
+    /// An opcode byte with no meaning.
+    #[error("unknown opcode {0:#04x}")]
+    BadOpcode(u8),
+    /// Flag bits or reserved fields that must be zero were not.
+    #[error("reserved bits set: flags {flags:#06x}, reserved {reserved:#06x}")]
+    Reserved {
+        /// The flags field.
+        flags: u16,
+        /// The reserved field.
+        reserved: u16,
+    },
+    /// A status code with no meaning.
+    #[error("unknown status code {0}")]
+    BadStatus(u16),
+    /// A body longer than the protocol allows.
+    #[error("{what} length {len} exceeds the limit {max}")]
+    TooLong {
+        /// Which length.
+        what: &'static str,
+        /// The declared length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A body whose length does not match its opcode's layout.
+    #[error("{op} body is {len} bytes, expected {expected}")]
+    BadBodyLength {
+        /// The opcode's name.
+        op: &'static str,
+        /// The body length received.
+        len: usize,
+        /// What the layout requires.
+        expected: String,
+    },
+    /// A field with a value the protocol forbids.
+    #[error("invalid {field}: {detail}")]
+    Invalid {
+        /// The field's name.
+        field: &'static str,
+        /// What was wrong with it.
+        detail: String,
+    },
+    /// A frame that is valid on its own but not allowed in this direction or state.
+    #[error("unexpected {op} frame: {detail}")]
+    Unexpected {
+        /// The opcode's name.
+        op: &'static str,
+        /// Why it was unexpected.
+        detail: &'static str,
+    },
+}
+
+impl FrameError {
+    /// Bounded class of the error, for counters and logs.
+    pub fn class(&self) -> &'static str {
+        match self {
+            Self::Io(_) => "io",
+            Self::Truncated { .. } => "truncated",
+            Self::BadMagic(_) => "bad_magic",
+            Self::BadVersion(_) => "bad_version",
+            Self::BadOpcode(_) => "bad_opcode",
+            Self::Reserved { .. } => "reserved_bits",
+            Self::BadStatus(_) => "bad_status",
+            Self::TooLong { .. } => "oversized",
+            Self::BadBodyLength { .. } => "bad_length",
+            Self::Invalid { .. } => "invalid_field",
+            Self::Unexpected { .. } => "out_of_order",
+        }
+    }
+}
+
+/// Decoded frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// What the frame carries.
+    pub opcode: Opcode,
+    /// Flag bits (`FLAG_*`).
+    pub flags: u16,
+    /// Matches a response to its request; 0 for server-initiated frames.
+    pub request_id: u64,
+    /// Outcome; always `Ok` in requests.
+    pub status: Status,
+    /// Bytes of body that follow the header.
+    pub body_len: u32,
+}
+
+impl Header {
+    /// Whether this frame is a response or server-initiated.
+    pub fn is_response(&self) -> bool {
+        self.flags & FLAG_RESPONSE != 0
+    }
+
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.opcode as u8;
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        b[16..18].copy_from_slice(&(self.status as u16).to_le_bytes());
+        // b[18..20]: reserved, zero.
+        b[20..24].copy_from_slice(&self.body_len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates a header, including the body length limit.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, FrameError> {
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        if b[4] != VERSION {
+            return Err(FrameError::BadVersion(b[4]));
+        }
+        let opcode = Opcode::from_u8(b[5]).ok_or(FrameError::BadOpcode(b[5]))?;
+        let flags = u16::from_le_bytes([b[6], b[7]]);
+        let reserved = u16::from_le_bytes([b[18], b[19]]);
+        if flags & !KNOWN_FLAGS != 0 || reserved != 0 {
+            return Err(FrameError::Reserved { flags, reserved });
+        }
+        let request_id = u64::from_le_bytes(b[8..16].try_into().expect("8-byte slice"));
+        let raw_status = u16::from_le_bytes([b[16], b[17]]);
+        let status = Status::from_u16(raw_status).ok_or(FrameError::BadStatus(raw_status))?;
+        let body_len = u32::from_le_bytes(b[20..24].try_into().expect("4-byte slice"));
+        if body_len > MAX_BODY {
+            return Err(FrameError::TooLong {
+                what: "body",
+                len: body_len.into(),
+                max: MAX_BODY.into(),
+            });
+        }
+        Ok(Self {
+            opcode,
+            flags,
+            request_id,
+            status,
+            body_len,
+        })
+    }
+}
+
+/// Fills `buf` from the stream; a clean end before the first byte is `Ok(false)`.
+fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> Result<bool, FrameError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => {
+                return Err(FrameError::Truncated {
+                    got,
+                    want: buf.len(),
+                })
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(true)
+}
+
+/// Reads one frame. `Ok(None)` is a clean end of stream between frames.
+///
+/// The body is read into `body`, which is cleared and reused so that a
+/// connection does not allocate per frame.
+pub fn read_frame(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Option<Header>, FrameError> {
+    let mut hb = [0u8; HEADER_LEN];
+    if !read_exact_or_eof(r, &mut hb)? {
+        return Ok(None);
+    }
+    let header = Header::decode(&hb)?;
+    body.clear();
+    body.resize(header.body_len as usize, 0);
+    if !body.is_empty() && !read_exact_or_eof(r, body)? {
+        return Err(FrameError::Truncated {
+            got: HEADER_LEN,
+            want: HEADER_LEN + body.len(),
+        });
+    }
+    Ok(Some(header))
+}
+
+/// Bounds-checked little-endian reader over a frame body.
+struct Cursor<'a> {
+    op: &'static str,
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(op: Opcode, buf: &'a [u8]) -> Self {
+        Self {
+            op: op.name(),
+            buf,
+            pos: 0,
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FrameError> {
+        if self.buf.len() - self.pos < n {
+            return Err(FrameError::BadBodyLength {
+                op: self.op,
+                len: self.buf.len(),
+                expected: format!("at least {}", self.pos + n),
+            });
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> Result<u8, FrameError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, FrameError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
+    }
+    fn u32(&mut self) -> Result<u32, FrameError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64, FrameError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], FrameError> {
+        Ok(self.take(N)?.try_into().expect("N"))
+    }
+    fn rest(&mut self) -> &'a [u8] {
+        let s = &self.buf[self.pos..];
+        self.pos = self.buf.len();
+        s
+    }
+
+    /// Fails unless the whole body was consumed.
+    fn finish(self) -> Result<(), FrameError> {
+        if self.pos != self.buf.len() {
+            return Err(FrameError::BadBodyLength {
+                op: self.op,
+                len: self.buf.len(),
+                expected: format!("exactly {}", self.pos),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// First frame from the server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// Oldest protocol version the server speaks.
+    pub min_version: u16,
+    /// Newest protocol version the server speaks.
+    pub max_version: u16,
+    /// Fresh random nonce the client must MAC.
+    pub server_nonce: [u8; NONCE_LEN],
+    /// Most requests the client may keep in flight on this connection.
+    pub max_inflight: u32,
+    /// Largest inline payload the server accepts.
+    pub max_inline: u32,
+}
+
+/// Client's authenticated greeting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The protocol version the client chose from the challenge's range.
+    pub version: u16,
+    /// `CAP_*` bits the client offers.
+    pub caps: u32,
+    /// Blob size the client expects; 0 accepts the volume's.
+    pub blob_bytes: u32,
+    /// The client's nonce, MACed by the server in its reply.
+    pub client_nonce: [u8; NONCE_LEN],
+    /// HMAC over the handshake transcript with the volume secret.
+    pub mac: [u8; MAC_LEN],
+    /// The volume to open.
+    pub volume: String,
+}
+
+/// Server's answer to an accepted HELLO.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Welcome {
+    /// Process-unique session id, for correlating logs.
+    pub session_id: u64,
+    /// Incremented each time the arena restarts; leases from an older
+    /// generation are void.
+    pub generation: u64,
+    /// The volume's blob size.
+    pub blob_bytes: u32,
+    /// `CAP_*` bits in force for this session.
+    pub caps: u32,
+    /// The volume's quota in blobs.
+    pub quota_blobs: u64,
+    /// HMAC proving the server knows the secret too.
+    pub mac: [u8; MAC_LEN],
+}
+
+/// A slot lease: where the blob sits in the arena and the token that pins it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Lease {
+    /// Byte offset of the slot in the arena.
+    pub slot_offset: u64,
+    /// Token that COMMIT and RELEASE name.
+    pub token: u64,
+}
+
+/// A request a client sends after the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// See [`Opcode::Alloc`].
+    Alloc {
+        /// Blob key.
+        key: u64,
+    },
+    /// See [`Opcode::Commit`].
+    Commit {
+        /// Blob key.
+        key: u64,
+        /// Lease token from ALLOC.
+        token: u64,
+    },
+    /// See [`Opcode::Get`].
+    Get {
+        /// Blob key.
+        key: u64,
+    },
+    /// See [`Opcode::Release`].
+    Release {
+        /// Lease tokens to drop.
+        tokens: Vec<u64>,
+    },
+    /// See [`Opcode::Remove`]; drops keys in `start..end`.
+    Remove {
+        /// First key.
+        start: u64,
+        /// One past the last key.
+        end: u64,
+    },
+    /// See [`Opcode::Flush`].
+    Flush,
+    /// See [`Opcode::Write`].
+    Write {
+        /// Blob key.
+        key: u64,
+        /// Byte offset inside the blob.
+        offset: u32,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// See [`Opcode::Read`].
+    Read {
+        /// Blob key.
+        key: u64,
+        /// Byte offset inside the blob.
+        offset: u32,
+        /// Bytes wanted.
+        len: u32,
+    },
+}
+
+impl Request {
+    /// The request's opcode.
+    pub fn opcode(&self) -> Opcode {
+        match self {
+            Self::Alloc { .. } => Opcode::Alloc,
+            Self::Commit { .. } => Opcode::Commit,
+            Self::Get { .. } => Opcode::Get,
+            Self::Release { .. } => Opcode::Release,
+            Self::Remove { .. } => Opcode::Remove,
+            Self::Flush => Opcode::Flush,
+            Self::Write { .. } => Opcode::Write,
+            Self::Read { .. } => Opcode::Read,
+        }
+    }
+}
+
+/// Encodes a frame (header and body) into `out`, which is cleared first.
+pub fn encode_frame(
+    out: &mut Vec<u8>,
+    opcode: Opcode,
+    flags: u16,
+    request_id: u64,
+    status: Status,
+    body: impl FnOnce(&mut Vec<u8>),
+) {
+    out.clear();
+    out.extend_from_slice(&[0u8; HEADER_LEN]);
+    body(out);
+    let body_len = u32::try_from(out.len() - HEADER_LEN).expect("encoder bodies are bounded");
+    let h = Header {
+        opcode,
+        flags,
+        request_id,
+        status,
+        body_len,
+    };
+    out[..HEADER_LEN].copy_from_slice(&h.encode());
+}
+
+/// Encodes the header and the fixed fields of a request. For WRITE the
+/// payload itself is *not* appended: the caller sends it after these bytes
+/// (vectored), so a large payload is never copied into the frame buffer.
+pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request) {
+    let mut payload = 0;
+    encode_frame(
+        out,
+        req.opcode(),
+        0,
+        request_id,
+        Status::Ok,
+        |b| match req {
+            Request::Alloc { key } | Request::Get { key } => put_u64(b, *key),
+            Request::Commit { key, token } => {
+                put_u64(b, *key);
+                put_u64(b, *token);
+            }
+            Request::Release { tokens } => {
+                put_u32(b, tokens.len() as u32);
+                tokens.iter().for_each(|t| put_u64(b, *t));
+            }
+            Request::Remove { start, end } => {
+                put_u64(b, *start);
+                put_u64(b, *end);
+            }
+            Request::Flush => {}
+            Request::Write { key, offset, data } => {
+                put_u64(b, *key);
+                put_u32(b, *offset);
+                put_u32(b, data.len() as u32);
+                payload = data.len();
+            }
+            Request::Read { key, offset, len } => {
+                put_u64(b, *key);
+                put_u32(b, *offset);
+                put_u32(b, *len);
+            }
+        },
+    );
+    let body_len = (out.len() - HEADER_LEN + payload) as u32;
+    out[20..24].copy_from_slice(&body_len.to_le_bytes());
+}
+
+/// Encodes a whole request, payload included, into `out`.
+pub fn encode_request(out: &mut Vec<u8>, request_id: u64, req: &Request) {
+    encode_request_head(out, request_id, req);
+    if let Request::Write { data, .. } = req {
+        out.extend_from_slice(data);
+    }
+}
+
+/// Decodes a request body. HELLO and server-only opcodes are rejected here;
+/// the handshake has its own decoders.
+pub fn decode_request(h: &Header, body: &[u8]) -> Result<Request, FrameError> {
+    if h.is_response() {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "response flag set on a client request",
+        });
+    }
+    if h.status != Status::Ok {
+        return Err(FrameError::Invalid {
+            field: "status",
+            detail: format!("requests carry status 0, got {}", h.status as u16),
+        });
+    }
+    let mut c = Cursor::new(h.opcode, body);
+    let req = match h.opcode {
+        Opcode::Alloc => Request::Alloc { key: c.u64()? },
+        Opcode::Get => Request::Get { key: c.u64()? },
+        Opcode::Commit => Request::Commit {
+            key: c.u64()?,
+            token: c.u64()?,
+        },
+        Opcode::Release => {
+            let n = c.u32()?;
+            if n == 0 || n > MAX_RELEASE_BATCH {
+                return Err(FrameError::Invalid {
+                    field: "release count",
+                    detail: format!("{n} not in 1..={MAX_RELEASE_BATCH}"),
+                });
+            }
+            let tokens = (0..n).map(|_| c.u64()).collect::<Result<_, _>>()?;
+            Request::Release { tokens }
+        }
+        Opcode::Remove => {
+            let (start, end) = (c.u64()?, c.u64()?);
+            if start >= end {
+                return Err(FrameError::Invalid {
+                    field: "remove range",
+                    detail: format!("start {start} must be below end {end}"),
+                });
+            }
+            Request::Remove { start, end }
+        }
+        Opcode::Flush => Request::Flush,
+        Opcode::Write => {
+            let (key, offset, len) = (c.u64()?, c.u32()?, c.u32()?);
+            check_inline_len(len)?;
+            let data = c.rest();
+            if data.len() != len as usize {
+                return Err(FrameError::BadBodyLength {
+                    op: "write",
+                    len: body.len(),
+                    expected: format!("exactly {}", 16 + len as usize),
+                });
+            }
+            Request::Write {
+                key,
+                offset,
+                data: data.to_vec(),
+            }
+        }
+        Opcode::Read => {
+            let (key, offset, len) = (c.u64()?, c.u32()?, c.u32()?);
+            check_inline_len(len)?;
+            Request::Read { key, offset, len }
+        }
+        Opcode::Challenge | Opcode::Hello | Opcode::Revoke => {
+            return Err(FrameError::Unexpected {
+                op: h.opcode.name(),
+                detail: "not a request opcode after the handshake",
+            })
+        }
+    };
+    c.finish()?;
+    Ok(req)
+}
+
+/// Splits a WRITE body into its fixed fields and payload without copying.
+/// The server uses this on its hot path instead of [`decode_request`].
+pub fn split_write(body: &[u8]) -> Result<(u64, u32, &[u8]), FrameError> {
+    let mut c = Cursor::new(Opcode::Write, body);
+    let (key, offset, len) = (c.u64()?, c.u32()?, c.u32()?);
+    check_inline_len(len)?;
+    let data = c.rest();
+    if data.len() != len as usize {
+        return Err(FrameError::BadBodyLength {
+            op: "write",
+            len: body.len(),
+            expected: format!("exactly {}", 16 + len as usize),
+        });
+    }
+    Ok((key, offset, data))
+}
+
+fn check_inline_len(len: u32) -> Result<(), FrameError> {
+    if len == 0 {
+        return Err(FrameError::Invalid {
+            field: "inline length",
+            detail: "must be at least 1".into(),
+        });
+    }
+    if len > MAX_INLINE {
+        return Err(FrameError::TooLong {
+            what: "inline payload",
+            len: len.into(),
+            max: MAX_INLINE.into(),
+        });
+    }
+    Ok(())
+}
+
+fn put_u16(b: &mut Vec<u8>, v: u16) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u32(b: &mut Vec<u8>, v: u32) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut Vec<u8>, v: u64) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+
+impl Challenge {
+    /// Encodes the CHALLENGE frame.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        encode_frame(out, Opcode::Challenge, FLAG_RESPONSE, 0, Status::Ok, |b| {
+            put_u16(b, self.min_version);
+            put_u16(b, self.max_version);
+            b.extend_from_slice(&self.server_nonce);
+            put_u32(b, self.max_inflight);
+            put_u32(b, self.max_inline);
+        });
+    }
+
+    /// Decodes a CHALLENGE frame.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {
+        expect(h, Opcode::Challenge, true)?;
+        let mut c = Cursor::new(h.opcode, body);
+        let v = Self {
+            min_version: c.u16()?,
+            max_version: c.u16()?,
+            server_nonce: c.array()?,
+            max_inflight: c.u32()?,
+            max_inline: c.u32()?,
+        };
+        c.finish()?;
+        if v.min_version > v.max_version || v.max_inflight == 0 || v.max_inline == 0 {
+            return Err(FrameError::Invalid {
+                field: "challenge",
+                detail: format!(
+                    "versions {}..={}, max_inflight {}, max_inline {}",
+                    v.min_version, v.max_version, v.max_inflight, v.max_inline
+                ),
+            });
+        }
+        Ok(v)
+    }
+}
+
+impl Hello {
+    /// Encodes the HELLO frame.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        encode_frame(out, Opcode::Hello, 0, 0, Status::Ok, |b| {
+            put_u16(b, self.version);
+            put_u32(b, self.caps);
+            put_u32(b, self.blob_bytes);
+            b.extend_from_slice(&self.client_nonce);
+            b.extend_from_slice(&self.mac);
+            b.push(self.volume.len() as u8);
+            b.extend_from_slice(self.volume.as_bytes());
+        });
+    }
+
+    /// Decodes a HELLO frame, validating the volume name.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {
+        expect(h, Opcode::Hello, false)?;
+        let mut c = Cursor::new(h.opcode, body);
+        let version = c.u16()?;
+        let caps = c.u32()?;
+        let blob_bytes = c.u32()?;
+        let client_nonce = c.array()?;
+        let mac = c.array()?;
+        let n = c.u8()? as usize;
+        let name = c.take(n)?;
+        c.finish()?;
+        let volume = String::from_utf8(name.to_vec())
+            .ok()
+            .filter(|v| valid_volume_name(v))
+            .ok_or_else(|| FrameError::Invalid {
+                field: "volume name",
+                detail: format!("must be 1..={MAX_VOLUME_NAME} bytes of [A-Za-z0-9._-]"),
+            })?;
+        Ok(Self {
+            version,
+            caps,
+            blob_bytes,
+            client_nonce,
+            mac,
+            volume,
+        })
+    }
+}
+
+/// Whether `name` is an acceptable volume name: short, printable, no separators.
+pub fn valid_volume_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_VOLUME_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+impl Welcome {
+    /// Encodes the HELLO reply.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        encode_frame(out, Opcode::Hello, FLAG_RESPONSE, 0, Status::Ok, |b| {
+            put_u64(b, self.session_id);
+            put_u64(b, self.generation);
+            put_u32(b, self.blob_bytes);
+            put_u32(b, self.caps);
+            put_u64(b, self.quota_blobs);
+            b.extend_from_slice(&self.mac);
+        });
+    }
+
+    /// Decodes the HELLO reply; a non-OK status is returned as an error
+    /// message by [`decode_error`].
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {
+        expect(h, Opcode::Hello, true)?;
+        let mut c = Cursor::new(h.opcode, body);
+        let v = Self {
+            session_id: c.u64()?,
+            generation: c.u64()?,
+            blob_bytes: c.u32()?,
+            caps: c.u32()?,
+            quota_blobs: c.u64()?,
+            mac: c.array()?,
+        };
+        c.finish()?;
+        Ok(v)
+    }
+}
+
+fn expect(h: &Header, op: Opcode, response: bool) -> Result<(), FrameError> {
+    if h.opcode != op {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: if response {
+                "expected a different server frame here"
+            } else {
+                "expected a different client frame here"
+            },
+        });
+    }
+    if h.is_response() != response {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "wrong direction (response flag)",
+        });
+    }
+    Ok(())
+}
+
+/// Encodes an error response: the status and a short human-readable message.
+pub fn encode_error(
+    out: &mut Vec<u8>,
+    opcode: Opcode,
+    request_id: u64,
+    status: Status,
+    message: &str,
+) {
+    let mut end = message.len().min(MAX_ERROR_MESSAGE);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    encode_frame(out, opcode, FLAG_RESPONSE, request_id, status, |b| {
+        b.extend_from_slice(&message.as_bytes()[..end]);
+    });
+}
+
+/// Decodes the message of an error response.
+pub fn decode_error(body: &[u8]) -> String {
+    let end = body.len().min(MAX_ERROR_MESSAGE);
+    String::from_utf8_lossy(&body[..end]).into_owned()
+}
+
+/// Encodes a successful response with a lease body (ALLOC, GET).
+pub fn encode_lease(out: &mut Vec<u8>, opcode: Opcode, request_id: u64, lease: Lease) {
+    encode_frame(out, opcode, FLAG_RESPONSE, request_id, Status::Ok, |b| {
+        put_u64(b, lease.slot_offset);
+        put_u64(b, lease.token);
+    });
+}
+
+/// Decodes a lease body.
+pub fn decode_lease(h: &Header, body: &[u8]) -> Result<Lease, FrameError> {
+    let mut c = Cursor::new(h.opcode, body);
+    let l = Lease {
+        slot_offset: c.u64()?,
+        token: c.u64()?,
+    };
+    c.finish()?;
+    Ok(l)
+}
+
+/// Encodes a successful response with a single `u64` (REMOVE: blobs removed).
+pub fn encode_count(out: &mut Vec<u8>, opcode: Opcode, request_id: u64, count: u64) {
+    encode_frame(out, opcode, FLAG_RESPONSE, request_id, Status::Ok, |b| {
+        put_u64(b, count)
+    });
+}
+
+/// Decodes a `u64` response body.
+pub fn decode_count(h: &Header, body: &[u8]) -> Result<u64, FrameError> {
+    let mut c = Cursor::new(h.opcode, body);
+    let v = c.u64()?;
+    c.finish()?;
+    Ok(v)
+}
+
+/// Encodes an empty successful response (COMMIT, RELEASE, FLUSH, WRITE).
+pub fn encode_ok(out: &mut Vec<u8>, opcode: Opcode, request_id: u64) {
+    encode_frame(out, opcode, FLAG_RESPONSE, request_id, Status::Ok, |_| {});
+}
+
+/// Encodes the head of a READ response carrying `len` payload bytes, which
+/// the caller sends right after it.
+pub fn encode_read_head(out: &mut Vec<u8>, request_id: u64, len: u32) {
+    encode_frame(
+        out,
+        Opcode::Read,
+        FLAG_RESPONSE,
+        request_id,
+        Status::Ok,
+        |_| {},
+    );
+    out[20..24].copy_from_slice(&len.to_le_bytes());
+}
+
+/// Encodes a server-initiated REVOKE of a lease.
+pub fn encode_revoke(out: &mut Vec<u8>, key: u64, token: u64) {
+    encode_frame(out, Opcode::Revoke, FLAG_RESPONSE, 0, Status::Ok, |b| {
+        put_u64(b, key);
+        put_u64(b, token);
+    });
+}
+
+/// Decodes a REVOKE body into `(key, token)`.
+pub fn decode_revoke(h: &Header, body: &[u8]) -> Result<(u64, u64), FrameError> {
+    let mut c = Cursor::new(h.opcode, body);
+    let v = (c.u64()?, c.u64()?);
+    c.finish()?;
+    Ok(v)
+}
+
+/// Writes `head` then `payload` as one vectored write, retrying partial writes.
+pub fn write_vectored_all(w: &mut impl Write, head: &[u8], payload: &[u8]) -> io::Result<()> {
+    let (mut a, mut b) = (head, payload);
+    while !a.is_empty() || !b.is_empty() {
+        let n = w.write_vectored(&[io::IoSlice::new(a), io::IoSlice::new(b)])?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let from_a = n.min(a.len());
+        a = &a[from_a..];
+        b = &b[n - from_a..];
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(req: Request) {
+        let mut buf = Vec::new();
+        encode_request(&mut buf, 42, &req);
+        let mut body = Vec::new();
+        let h = read_frame(&mut &buf[..], &mut body).unwrap().unwrap();
+        assert_eq!(h.request_id, 42);
+        assert_eq!(h.opcode, req.opcode());
+        assert_eq!(decode_request(&h, &body).unwrap(), req);
+    }
+
+    #[test]
+    fn every_request_round_trips() {
+        roundtrip(Request::Alloc { key: 7 });
+        roundtrip(Request::Commit { key: 7, token: 99 });
+        roundtrip(Request::Get { key: u64::MAX });
+        roundtrip(Request::Release {
+            tokens: vec![1, 2, 3],
+        });
+        roundtrip(Request::Remove { start: 3, end: 9 });
+        roundtrip(Request::Flush);
+        roundtrip(Request::Write {
+            key: 1,
+            offset: 512,
+            data: vec![0xab; 4096],
+        });
+        roundtrip(Request::Read {
+            key: 1,
+            offset: 0,
+            len: 4096,
+        });
+    }
+
+    fn decode_one(buf: &[u8]) -> (Header, Vec<u8>) {
+        let mut body = Vec::new();
+        let h = read_frame(&mut &buf[..], &mut body).unwrap().unwrap();
+        (h, body)
+    }
+
+    #[test]
+    fn handshake_frames_round_trip() {
+        let ch = Challenge {
+            min_version: 1,
+            max_version: 1,
+            server_nonce: [5; NONCE_LEN],
+            max_inflight: 128,
+            max_inline: 1 << 20,
+        };
+        let mut buf = Vec::new();
+        ch.encode(&mut buf);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(Challenge::decode(&h, &b).unwrap(), ch);
+
+        let hello = Hello {
+            version: 1,
+            caps: CAP_TCP_DATA,
+            blob_bytes: 1 << 20,
+            client_nonce: [9; NONCE_LEN],
+            mac: [3; MAC_LEN],
+            volume: "vm-1.disk_a".into(),
+        };
+        hello.encode(&mut buf);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(Hello::decode(&h, &b).unwrap(), hello);
+
+        let w = Welcome {
+            session_id: 5,
+            generation: 2,
+            blob_bytes: 1 << 20,
+            caps: CAP_TCP_DATA,
+            quota_blobs: 1000,
+            mac: [8; MAC_LEN],
+        };
+        w.encode(&mut buf);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(Welcome::decode(&h, &b).unwrap(), w);
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        let mut buf = Vec::new();
+        let lease = Lease {
+            slot_offset: 1 << 30,
+            token: 77,
+        };
+        encode_lease(&mut buf, Opcode::Get, 9, lease);
+        let (h, b) = decode_one(&buf);
+        assert!(h.is_response());
+        assert_eq!((h.request_id, decode_lease(&h, &b).unwrap()), (9, lease));
+
+        encode_count(&mut buf, Opcode::Remove, 10, 12);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(decode_count(&h, &b).unwrap(), 12);
+
+        encode_ok(&mut buf, Opcode::Flush, 11);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(
+            (h.opcode, h.status, b.len()),
+            (Opcode::Flush, Status::Ok, 0)
+        );
+
+        encode_error(
+            &mut buf,
+            Opcode::Alloc,
+            12,
+            Status::NoSpace,
+            "arena and swap full",
+        );
+        let (h, b) = decode_one(&buf);
+        assert_eq!(h.status, Status::NoSpace);
+        assert_eq!(decode_error(&b), "arena and swap full");
+
+        encode_revoke(&mut buf, 4, 5);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(decode_revoke(&h, &b).unwrap(), (4, 5));
+
+        encode_read_head(&mut buf, 13, 3);
+        buf.extend_from_slice(b"abc");
+        let (h, b) = decode_one(&buf);
+        assert_eq!((h.opcode, &b[..]), (Opcode::Read, &b"abc"[..]));
+    }
+
+    fn frame_error(buf: &[u8]) -> FrameError {
+        let mut body = Vec::new();
+        match read_frame(&mut &buf[..], &mut body) {
+            Err(e) => e,
+            Ok(Some(h)) => decode_request(&h, &body).unwrap_err(),
+            Ok(None) => panic!("clean EOF"),
+        }
+    }
+
+    fn valid_alloc() -> Vec<u8> {
+        let mut buf = Vec::new();
+        encode_request(&mut buf, 1, &Request::Alloc { key: 1 });
+        buf
+    }
+
+    #[test]
+    fn decoder_rejects_each_malformed_case() {
+        let good = valid_alloc();
+        assert!(matches!(
+            frame_error(&good[..10]),
+            FrameError::Truncated { got: 10, want: 24 }
+        ));
+        assert!(matches!(
+            frame_error(&good[..30]),
+            FrameError::Truncated { .. }
+        ));
+
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(matches!(frame_error(&b), FrameError::BadMagic(_)));
+
+        let mut b = good.clone();
+        b[4] = 9;
+        assert!(matches!(frame_error(&b), FrameError::BadVersion(9)));
+
+        let mut b = good.clone();
+        b[5] = 0x7e;
+        assert!(matches!(frame_error(&b), FrameError::BadOpcode(0x7e)));
+
+        let mut b = good.clone();
+        b[7] = 0x80;
+        assert!(matches!(frame_error(&b), FrameError::Reserved { .. }));
+
+        let mut b = good.clone();
+        b[18] = 1;
+        assert!(matches!(frame_error(&b), FrameError::Reserved { .. }));
+
+        let mut b = good.clone();
+        b[16] = 200;
+        assert!(matches!(frame_error(&b), FrameError::BadStatus(200)));
+
+        let mut b = good.clone();
+        b[20..24].copy_from_slice(&(MAX_BODY + 1).to_le_bytes());
+        assert!(matches!(
+            frame_error(&b),
+            FrameError::TooLong { what: "body", .. }
+        ));
+
+        // Body length that does not match the opcode's layout, both ways.
+        let mut b = good.clone();
+        b.push(0);
+        b[20..24].copy_from_slice(&9u32.to_le_bytes());
+        assert!(matches!(frame_error(&b), FrameError::BadBodyLength { .. }));
+        let mut b = good[..HEADER_LEN + 4].to_vec();
+        b[20..24].copy_from_slice(&4u32.to_le_bytes());
+        assert!(matches!(frame_error(&b), FrameError::BadBodyLength { .. }));
+
+        // Oversized inline payload declared inside the body.
+        let mut b = Vec::new();
+        encode_request(
+            &mut b,
+            1,
+            &Request::Read {
+                key: 1,
+                offset: 0,
+                len: 1,
+            },
+        );
+        b[HEADER_LEN + 12..HEADER_LEN + 16].copy_from_slice(&(MAX_INLINE + 1).to_le_bytes());
+        assert!(matches!(
+            frame_error(&b),
+            FrameError::TooLong {
+                what: "inline payload",
+                ..
+            }
+        ));
+
+        // Inline write whose declared length disagrees with the body.
+        let mut b = Vec::new();
+        encode_request(
+            &mut b,
+            1,
+            &Request::Write {
+                key: 1,
+                offset: 0,
+                data: vec![1; 8],
+            },
+        );
+        b[HEADER_LEN + 12..HEADER_LEN + 16].copy_from_slice(&9u32.to_le_bytes());
+        assert!(matches!(frame_error(&b), FrameError::BadBodyLength { .. }));
+
+        // Empty range, empty and oversized release batches.
+        let mut b = Vec::new();
+        encode_request(&mut b, 1, &Request::Remove { start: 5, end: 5 });
+        assert!(matches!(
+            frame_error(&b),
+            FrameError::Invalid {
+                field: "remove range",
+                ..
+            }
+        ));
+        encode_request(&mut b, 1, &Request::Release { tokens: vec![] });
+        assert!(matches!(
+            frame_error(&b),
+            FrameError::Invalid {
+                field: "release count",
+                ..
+            }
+        ));
+        encode_request(
+            &mut b,
+            1,
+            &Request::Release {
+                tokens: vec![0; MAX_RELEASE_BATCH as usize + 1],
+            },
+        );
+        assert!(matches!(
+            frame_error(&b),
+            FrameError::Invalid {
+                field: "release count",
+                ..
+            }
+        ));
+
+        // Handshake and server-only opcodes are out of order as requests.
+        let mut b = Vec::new();
+        encode_revoke(&mut b, 1, 1);
+        assert!(matches!(frame_error(&b), FrameError::Unexpected { .. }));
+        let mut b = good.clone();
+        b[6] = FLAG_RESPONSE as u8;
+        assert!(matches!(frame_error(&b), FrameError::Unexpected { .. }));
+    }
+
+    #[test]
+    fn hello_rejects_bad_volume_names() {
+        for name in ["", "a/b", "..\u{e9}", &"x".repeat(65)] {
+            let hello = Hello {
+                version: 1,
+                caps: 0,
+                blob_bytes: 0,
+                client_nonce: [0; NONCE_LEN],
+                mac: [0; MAC_LEN],
+                volume: name.into(),
+            };
+            let mut buf = Vec::new();
+            hello.encode(&mut buf);
+            let (h, b) = decode_one(&buf);
+            assert!(Hello::decode(&h, &b).is_err(), "{name:?} accepted");
+        }
+    }
+
+    #[test]
+    fn clean_eof_between_frames_is_not_an_error() {
+        let mut body = Vec::new();
+        assert!(read_frame(&mut &[][..], &mut body).unwrap().is_none());
+    }
+
+    #[test]
+    fn vectored_write_sends_head_then_payload() {
+        let mut out = Vec::new();
+        write_vectored_all(&mut out, b"head", b"payload").unwrap();
+        assert_eq!(out, b"headpayload");
+    }
+}
