@@ -1,3 +1,12 @@
 //! Block target, paging protocol, transports and the arena peer `arenad`.
 
+pub mod arenad;
+pub mod auth;
+pub mod client;
+pub mod logging;
 pub mod proto;
+pub mod sd_notify;
+pub mod size;
+pub mod store;
+pub mod target;
+pub mod transport;

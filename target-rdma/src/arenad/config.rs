@@ -1,0 +1,323 @@
+//! `arenad.toml`: every key, its default, and the checks that stop a bad
+//! value at startup with a message naming the key and the allowed range.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::proto::{valid_volume_name, MAX_INLINE};
+use crate::size::{serde_size, HumanSize};
+
+/// Where the packaged service looks for its config.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/arenad/arenad.toml";
+
+/// The whole `arenad` configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArenadConfig {
+    /// `host:port` the control stream listens on.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// RAM arena size in bytes.
+    #[serde(
+        default = "default_arena",
+        deserialize_with = "serde_size::deserialize"
+    )]
+    pub arena_bytes: u64,
+    /// Blob (slot) size: a power of two from 4K to 16M.
+    #[serde(default = "default_blob", deserialize_with = "serde_size::deserialize")]
+    pub blob_bytes: u64,
+    /// Directory of the swap file and the index (journal + checkpoint).
+    #[serde(default = "default_swap_dir")]
+    pub swap_dir: PathBuf,
+    /// Swap file capacity in bytes.
+    #[serde(default = "default_swap", deserialize_with = "serde_size::deserialize")]
+    pub swap_bytes: u64,
+    /// Most concurrent client connections; more are refused.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
+    /// Most requests one connection may keep in flight (announced in CHALLENGE).
+    #[serde(default = "default_max_inflight")]
+    pub max_inflight: u32,
+    /// Seconds a new connection has to complete its HELLO.
+    #[serde(default = "default_handshake_timeout")]
+    pub handshake_timeout_secs: u64,
+    /// The volumes this peer serves.
+    #[serde(default, rename = "volume")]
+    pub volumes: Vec<VolumeConfig>,
+}
+
+/// One `[[volume]]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeConfig {
+    /// Name clients open; `[A-Za-z0-9._-]`, at most 64 bytes.
+    pub name: String,
+    /// File holding the volume's secret (mode 0600 or stricter).
+    pub secret_file: PathBuf,
+    /// Most bytes of blobs the volume may hold (rounded up to whole blobs).
+    #[serde(deserialize_with = "serde_size::deserialize")]
+    pub quota: u64,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:7070".into()
+}
+fn default_arena() -> u64 {
+    1 << 30
+}
+fn default_blob() -> u64 {
+    1 << 20
+}
+fn default_swap_dir() -> PathBuf {
+    PathBuf::from("/var/lib/arenad")
+}
+fn default_swap() -> u64 {
+    16 << 30
+}
+fn default_max_connections() -> u32 {
+    256
+}
+fn default_max_inflight() -> u32 {
+    128
+}
+fn default_handshake_timeout() -> u64 {
+    10
+}
+
+/// A config that could not be loaded or failed validation.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// TOML syntax, an unknown key, or a value of the wrong type.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, which names the key and line.
+        message: String,
+    },
+    /// A value outside its allowed range.
+    #[error("config key `{key}` = {value}: {allowed}")]
+    Invalid {
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
+}
+
+fn invalid(
+    key: impl Into<String>,
+    value: impl ToString,
+    allowed: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+impl ArenadConfig {
+    /// Reads and parses a TOML file (not yet validated).
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses TOML text; `path` only labels errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().to_owned(),
+        })
+    }
+
+    /// A config with every default and no volumes.
+    pub fn defaults() -> Self {
+        Self::parse("", Path::new("<defaults>")).expect("the empty config parses")
+    }
+
+    /// Checks every value; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(invalid(
+                "listen",
+                format!("{:?}", self.listen),
+                "must be an IP:port address such as 127.0.0.1:7070",
+            ));
+        }
+        let b = self.blob_bytes;
+        if !b.is_power_of_two() || !(4096..=u64::from(MAX_INLINE)).contains(&b) {
+            return Err(invalid(
+                "blob_bytes",
+                HumanSize(b),
+                "must be a power of two from 4K to 16M",
+            ));
+        }
+        if self.arena_bytes < 2 * b || !self.arena_bytes.is_multiple_of(b) {
+            return Err(invalid(
+                "arena_bytes",
+                HumanSize(self.arena_bytes),
+                format!(
+                    "must be a multiple of blob_bytes ({}) and hold at least 2 blobs",
+                    HumanSize(b)
+                ),
+            ));
+        }
+        if self.swap_bytes < self.arena_bytes || !self.swap_bytes.is_multiple_of(b) {
+            return Err(invalid(
+                "swap_bytes",
+                HumanSize(self.swap_bytes),
+                format!(
+                    "must be a multiple of blob_bytes ({}) and at least arena_bytes ({})",
+                    HumanSize(b),
+                    HumanSize(self.arena_bytes)
+                ),
+            ));
+        }
+        if !(1..=65536).contains(&self.max_connections) {
+            return Err(invalid(
+                "max_connections",
+                self.max_connections,
+                "must be in 1..=65536",
+            ));
+        }
+        if !(1..=4096).contains(&self.max_inflight) {
+            return Err(invalid(
+                "max_inflight",
+                self.max_inflight,
+                "must be in 1..=4096",
+            ));
+        }
+        if !(1..=600).contains(&self.handshake_timeout_secs) {
+            return Err(invalid(
+                "handshake_timeout_secs",
+                self.handshake_timeout_secs,
+                "must be in 1..=600",
+            ));
+        }
+        if self.volumes.is_empty() {
+            return Err(invalid(
+                "volume",
+                "[]",
+                "at least one [[volume]] with name, secret_file and quota is required",
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (i, v) in self.volumes.iter().enumerate() {
+            if !valid_volume_name(&v.name) {
+                return Err(invalid(
+                    format!("volume[{i}].name"),
+                    format!("{:?}", v.name),
+                    "must be 1..=64 bytes of [A-Za-z0-9._-]",
+                ));
+            }
+            if !seen.insert(&v.name) {
+                return Err(invalid(
+                    format!("volume[{i}].name"),
+                    format!("{:?}", v.name),
+                    "volume names must be unique",
+                ));
+            }
+            if v.quota < b {
+                return Err(invalid(
+                    format!("volume[{i}].quota"),
+                    HumanSize(v.quota),
+                    format!("must be at least one blob ({})", HumanSize(b)),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+listen = "127.0.0.1:7171"
+arena_bytes = "64M"
+blob_bytes = "1M"
+swap_dir = "/tmp/x"
+swap_bytes = "1G"
+[[volume]]
+name = "vm1"
+secret_file = "/etc/arenad/vm1.key"
+quota = "10G"
+"#;
+
+    fn parse(text: &str) -> Result<ArenadConfig, ConfigError> {
+        let c = ArenadConfig::parse(text, Path::new("test.toml"))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    #[test]
+    fn good_config_parses_with_units() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(
+            (c.arena_bytes, c.blob_bytes, c.swap_bytes),
+            (64 << 20, 1 << 20, 1 << 30)
+        );
+        assert_eq!(c.volumes[0].quota, 10 << 30);
+        assert_eq!(c.max_inflight, 128);
+    }
+
+    fn err(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn bad_values_name_the_key_and_the_range() {
+        let e = err(&GOOD.replace("\"1M\"", "\"3000\""));
+        assert!(
+            e.contains("`blob_bytes`") && e.contains("power of two from 4K to 16M"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("\"64M\"", "\"1M\""));
+        assert!(
+            e.contains("`arena_bytes` = 1M") && e.contains("at least 2 blobs"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("\"1G\"", "\"32M\""));
+        assert!(e.contains("`swap_bytes`"), "{e}");
+        let e = err(&GOOD.replace("\"10G\"", "\"4K\""));
+        assert!(e.contains("`volume[0].quota`"), "{e}");
+        let e = err(&GOOD.replace("vm1\"", "vm/1\""));
+        assert!(e.contains("`volume[0].name`"), "{e}");
+        let e = err(&format!("max_inflight = 0\n{GOOD}"));
+        assert!(e.contains("`max_inflight` = 0: must be in 1..=4096"), "{e}");
+        let e = err(&GOOD.replace("127.0.0.1:7171", "nowhere"));
+        assert!(e.contains("`listen`"), "{e}");
+        let e = err(&format!(
+            "{GOOD}\n[[volume]]\nname = \"vm1\"\nsecret_file = \"/x\"\nquota = \"1G\"\n"
+        ));
+        assert!(e.contains("unique"), "{e}");
+        let e = err("listen = \"127.0.0.1:1\"");
+        assert!(e.contains("at least one [[volume]]"), "{e}");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_sizes_are_parse_errors() {
+        let e = err(&format!("arena_size = 1\n{GOOD}"));
+        assert!(e.contains("test.toml") && e.contains("arena_size"), "{e}");
+        let e = err(&GOOD.replace("\"64M\"", "\"64Q\""));
+        assert!(e.contains("64Q") && e.contains("unknown unit"), "{e}");
+    }
+}

@@ -1,0 +1,533 @@
+//! The control-stream server: one thread per connection, frames handled in
+//! order, responses batched while more requests are already buffered.
+//!
+//! A connection reads one frame at a time, so its memory is bounded by one
+//! frame plus its buffers no matter how much a client pipelines; the client
+//! bounds its own pipeline by the `max_inflight` announced in CHALLENGE.
+//! Every protocol violation answers a `Protocol` error naming the problem,
+//! is counted by class, and closes that connection only.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufReader, BufWriter, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Weak};
+use std::thread;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tracing::{debug, info, warn};
+
+use crate::auth::{self, Secret};
+use crate::proto::{
+    self, Challenge, FrameError, Header, Hello, Opcode, Request, Status, Welcome, CAP_TCP_DATA,
+    MAC_LEN, MAX_INLINE, VERSION,
+};
+use crate::store::{HolderId, Store, StoreError, VolumeId};
+
+/// A volume as the server knows it: its store id and its secret.
+pub struct ServedVolume {
+    /// Name clients open.
+    pub name: String,
+    /// Secret the HELLO MAC must be made with.
+    pub secret: Secret,
+    /// The store's id for it.
+    pub id: VolumeId,
+    /// Quota in blobs, reported in WELCOME.
+    pub quota_blobs: u64,
+}
+
+/// Limits the server enforces.
+#[derive(Clone, Debug)]
+pub struct ServerLimits {
+    /// Most concurrent connections.
+    pub max_connections: u32,
+    /// Pipeline depth announced to clients.
+    pub max_inflight: u32,
+    /// Time a connection has to complete its HELLO.
+    pub handshake_timeout: Duration,
+}
+
+/// Counters of runtime events, read by tests and the metrics exporter.
+#[derive(Default)]
+pub struct ServerCounters {
+    /// Connections that completed the handshake.
+    pub sessions: AtomicU64,
+    /// Connections refused because `max_connections` was reached.
+    pub refused: AtomicU64,
+    /// HELLOs refused for a bad MAC or an unknown volume.
+    pub auth_failures: AtomicU64,
+    /// Revocations sent to clients.
+    pub revokes_sent: AtomicU64,
+    protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
+}
+
+impl ServerCounters {
+    fn protocol_error(&self, class: &'static str) {
+        *self.protocol_errors.lock().entry(class).or_default() += 1;
+    }
+
+    /// Protocol errors so far, by class.
+    pub fn protocol_errors(&self) -> BTreeMap<&'static str, u64> {
+        self.protocol_errors.lock().clone()
+    }
+}
+
+/// What the connection thread shares with the rest of the server.
+struct Conn {
+    /// A handle to shut the socket down from outside (graceful stop).
+    socket: TcpStream,
+    /// Responses and revocations both go through here.
+    writer: Mutex<BufWriter<TcpStream>>,
+}
+
+/// The server. Create with [`Server::new`], run with [`Server::serve`].
+pub struct Server {
+    store: Arc<Store>,
+    volumes: Vec<ServedVolume>,
+    limits: ServerLimits,
+    counters: ServerCounters,
+    conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
+    next_conn: AtomicU64,
+    stopping: AtomicBool,
+}
+
+/// Why a connection ended early; each becomes an error frame before close.
+enum Fatal {
+    Frame(FrameError),
+    Store(Opcode, u64, StoreError),
+    Auth(&'static str),
+    Hello(Status, String),
+    Io(io::Error),
+}
+
+impl From<FrameError> for Fatal {
+    fn from(e: FrameError) -> Self {
+        Fatal::Frame(e)
+    }
+}
+impl From<io::Error> for Fatal {
+    fn from(e: io::Error) -> Self {
+        Fatal::Io(e)
+    }
+}
+
+/// Status a store error answers with, and whether it ends the connection.
+fn store_status(e: &StoreError) -> (Status, bool) {
+    match e {
+        StoreError::NoSpace => (Status::NoSpace, false),
+        StoreError::QuotaExceeded { .. } => (Status::QuotaExceeded, false),
+        StoreError::Busy => (Status::Busy, false),
+        StoreError::UnknownLease { .. }
+        | StoreError::LeaseMismatch { .. }
+        | StoreError::OutOfRange { .. } => (Status::Protocol, true),
+        StoreError::Io { .. } | StoreError::Corrupt { .. } | StoreError::InvalidConfig { .. } => {
+            (Status::Internal, false)
+        }
+    }
+}
+
+impl Server {
+    /// Builds a server over an open store and installs its revoke hook.
+    pub fn new(store: Arc<Store>, volumes: Vec<ServedVolume>, limits: ServerLimits) -> Arc<Self> {
+        let server = Arc::new(Self {
+            store,
+            volumes,
+            limits,
+            counters: ServerCounters::default(),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+        });
+        // The store may call the hook with its lock held, so the hook only
+        // queues; a dedicated thread does the socket writes.
+        let (tx, rx) = mpsc::channel::<(HolderId, u64, u64)>();
+        let weak: Weak<Server> = Arc::downgrade(&server);
+        thread::Builder::new()
+            .name("arenad-revoke".into())
+            .spawn(move || {
+                for (holder, key, token) in rx {
+                    let Some(server) = weak.upgrade() else { return };
+                    server.send_revoke(holder, key, token);
+                }
+            })
+            .expect("spawn revoke thread");
+        let tx = Mutex::new(tx);
+        server
+            .store
+            .set_revoke_hook(Box::new(move |holder, _vol, key, token| {
+                let _ = tx.lock().send((holder, key, token));
+            }));
+        server
+    }
+
+    /// Runtime event counters.
+    pub fn counters(&self) -> &ServerCounters {
+        &self.counters
+    }
+
+    /// Stops accepting, ends every connection after the request it is
+    /// handling, and makes [`Server::serve`] return.
+    pub fn shutdown(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        for conn in self.conns.lock().values() {
+            let _ = conn.socket.shutdown(Shutdown::Read);
+        }
+    }
+
+    fn send_revoke(&self, holder: HolderId, key: u64, token: u64) {
+        let Some(conn) = self.conns.lock().get(&holder).cloned() else {
+            return;
+        };
+        let mut frame = Vec::new();
+        proto::encode_revoke(&mut frame, key, token);
+        let mut w = conn.writer.lock();
+        if w.write_all(&frame).and_then(|_| w.flush()).is_ok() {
+            self.counters.revokes_sent.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Accepts connections until [`Server::shutdown`], then waits for every
+    /// connection thread to finish.
+    pub fn serve(self: &Arc<Self>, listener: TcpListener) -> io::Result<()> {
+        listener.set_nonblocking(true)?;
+        let mut threads = Vec::new();
+        while !self.stopping.load(Ordering::SeqCst) {
+            if !wait_readable(&listener, Duration::from_millis(200))? {
+                threads.retain(|t: &thread::JoinHandle<()>| !t.is_finished());
+                continue;
+            }
+            let (stream, peer) = match listener.accept() {
+                Ok(v) => v,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => {
+                    warn!(event = "accept.failed", error = %e);
+                    thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            stream.set_nonblocking(false)?;
+            if self.conns.lock().len() >= self.limits.max_connections as usize {
+                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    event = "connection.refused",
+                    reason = "max_connections",
+                    limit = self.limits.max_connections
+                );
+                let mut frame = Vec::new();
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Challenge,
+                    0,
+                    Status::Busy,
+                    "too many connections",
+                );
+                let _ = (&stream).write_all(&frame);
+                continue;
+            }
+            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+            let server = Arc::clone(self);
+            debug!(event = "connection.accepted", conn = id, peer = %peer);
+            threads.push(
+                thread::Builder::new()
+                    .name(format!("arenad-conn-{id}"))
+                    .spawn(move || server.run_conn(id, stream))?,
+            );
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        Ok(())
+    }
+
+    fn run_conn(&self, id: HolderId, stream: TcpStream) {
+        let result = self.conn_loop(id, &stream);
+        self.conns.lock().remove(&id);
+        self.store.drop_holder(id);
+        if let Err(fatal) = result {
+            self.report_fatal(id, &stream, fatal);
+        }
+        let _ = stream.shutdown(Shutdown::Both);
+    }
+
+    /// Counts, logs and answers the error that ends a connection.
+    fn report_fatal(&self, id: HolderId, stream: &TcpStream, fatal: Fatal) {
+        let mut frame = Vec::new();
+        match fatal {
+            Fatal::Io(e) => {
+                debug!(event = "peer.disconnected", conn = id, error = %e);
+                return;
+            }
+            Fatal::Frame(FrameError::Io(e)) => {
+                debug!(event = "peer.disconnected", conn = id, error = %e);
+                return;
+            }
+            Fatal::Frame(e) => {
+                self.counters.protocol_error(e.class());
+                warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Hello,
+                    0,
+                    Status::Protocol,
+                    &e.to_string(),
+                );
+            }
+            Fatal::Store(op, request_id, e) => {
+                self.counters.protocol_error("bad_lease_or_range");
+                warn!(event = "protocol.error", conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
+                proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
+            }
+            Fatal::Auth(why) => {
+                self.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+                warn!(event = "auth.failed", conn = id, reason = why);
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Hello,
+                    0,
+                    Status::AuthFailed,
+                    "authentication failed",
+                );
+            }
+            Fatal::Hello(status, msg) => {
+                self.counters.protocol_error("hello");
+                warn!(event = "hello.refused", conn = id, status = status.name(), detail = %msg);
+                proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
+            }
+        }
+        let mut w = stream;
+        let _ = w.write_all(&frame);
+    }
+
+    /// Runs the handshake; returns the volume the session is bound to.
+    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<&ServedVolume, Fatal> {
+        let ch = Challenge {
+            min_version: u16::from(VERSION),
+            max_version: u16::from(VERSION),
+            server_nonce: auth::nonce(),
+            max_inflight: self.limits.max_inflight,
+            max_inline: self.store.blob_bytes().min(MAX_INLINE),
+        };
+        let mut frame = Vec::new();
+        ch.encode(&mut frame);
+        (&*stream).write_all(&frame)?;
+
+        stream.set_read_timeout(Some(self.limits.handshake_timeout))?;
+        let mut body = Vec::new();
+        let h = proto::read_frame(&mut &*stream, &mut body)?.ok_or(FrameError::Truncated {
+            got: 0,
+            want: proto::HEADER_LEN,
+        })?;
+        let hello = Hello::decode(&h, &body)?;
+        stream.set_read_timeout(None)?;
+
+        if !(ch.min_version..=ch.max_version).contains(&hello.version) {
+            return Err(Fatal::Hello(
+                Status::VersionMismatch,
+                format!(
+                    "client chose version {}, server speaks {}..={}",
+                    hello.version, ch.min_version, ch.max_version
+                ),
+            ));
+        }
+        // An unknown volume and a wrong secret look the same to the client,
+        // so a scan cannot discover volume names.
+        let vol = self
+            .volumes
+            .iter()
+            .find(|v| v.name == hello.volume)
+            .ok_or(Fatal::Auth("unknown volume"))?;
+        if !vol.secret.verify_hello(&ch, &hello) {
+            return Err(Fatal::Auth("bad mac"));
+        }
+        let blob = self.store.blob_bytes();
+        if hello.blob_bytes != 0 && hello.blob_bytes != blob {
+            return Err(Fatal::Hello(
+                Status::Protocol,
+                format!(
+                    "blob size mismatch: client expects {}, volume uses {blob}",
+                    hello.blob_bytes
+                ),
+            ));
+        }
+        let mut welcome = Welcome {
+            session_id: id,
+            generation: self.store.generation(),
+            blob_bytes: blob,
+            caps: hello.caps & CAP_TCP_DATA,
+            quota_blobs: vol.quota_blobs,
+            mac: [0; MAC_LEN],
+        };
+        welcome.mac = vol.secret.sign_welcome(&ch, &hello, &welcome);
+        welcome.encode(&mut frame);
+        (&*stream).write_all(&frame)?;
+        self.counters.sessions.fetch_add(1, Ordering::Relaxed);
+        info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation);
+        Ok(vol)
+    }
+
+    fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
+        stream.set_nodelay(true)?;
+        let vol = self.handshake(id, stream)?;
+        let conn = Arc::new(Conn {
+            socket: stream.try_clone()?,
+            writer: Mutex::new(BufWriter::with_capacity(256 << 10, stream.try_clone()?)),
+        });
+        self.conns.lock().insert(id, Arc::clone(&conn));
+        if self.stopping.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+
+        let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone()?);
+        let mut body = Vec::new();
+        let mut out = Vec::new();
+        let mut data = Vec::new();
+        while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
+            let payload = self.handle(vol.id, id, &h, &body, &mut out, &mut data)?;
+            let mut w = conn.writer.lock();
+            w.write_all(&out)?;
+            if let Some(p) = payload {
+                w.write_all(p)?;
+            }
+            if reader.buffer().is_empty() {
+                w.flush()?;
+            }
+        }
+        conn.writer.lock().flush()?;
+        Ok(())
+    }
+
+    /// Executes one request, leaving the response head in `out`. A READ's
+    /// payload is returned separately so it is never copied into `out`.
+    fn handle<'d>(
+        &self,
+        vol: VolumeId,
+        holder: HolderId,
+        h: &Header,
+        body: &[u8],
+        out: &mut Vec<u8>,
+        data: &'d mut Vec<u8>,
+    ) -> Result<Option<&'d [u8]>, Fatal> {
+        let op = h.opcode;
+        let rid = h.request_id;
+        let fail = |out: &mut Vec<u8>, e: StoreError| -> Result<Option<&'d [u8]>, Fatal> {
+            let (status, fatal) = store_status(&e);
+            if fatal {
+                return Err(Fatal::Store(op, rid, e));
+            }
+            if status == Status::Internal {
+                warn!(event = "store.error", conn = holder, op = op.name(), error = %e);
+            }
+            proto::encode_error(out, op, rid, status, &e.to_string());
+            Ok(None)
+        };
+        if op == Opcode::Write && !h.is_response() && h.status == Status::Ok {
+            let (key, offset, bytes) = proto::split_write(body)?;
+            return match self.store.write(vol, key, offset, bytes) {
+                Ok(()) => {
+                    proto::encode_ok(out, op, rid);
+                    Ok(None)
+                }
+                Err(e) => fail(out, e),
+            };
+        }
+        match proto::decode_request(h, body)? {
+            Request::Read { key, offset, len } => {
+                data.resize(len as usize, 0);
+                match self.store.read(vol, key, offset, data) {
+                    Ok(true) => {
+                        proto::encode_read_head(out, rid, len);
+                        Ok(Some(&data[..]))
+                    }
+                    Ok(false) => {
+                        proto::encode_error(out, op, rid, Status::NotFound, "");
+                        Ok(None)
+                    }
+                    Err(e) => fail(out, e),
+                }
+            }
+            Request::Alloc { key } => match self.store.alloc(vol, key, holder) {
+                Ok(lease) => {
+                    proto::encode_lease(out, op, rid, lease);
+                    Ok(None)
+                }
+                Err(e) => fail(out, e),
+            },
+            Request::Get { key } => match self.store.get(vol, key, holder) {
+                Ok(Some(lease)) => {
+                    proto::encode_lease(out, op, rid, lease);
+                    Ok(None)
+                }
+                Ok(None) => {
+                    proto::encode_error(out, op, rid, Status::NotFound, "");
+                    Ok(None)
+                }
+                Err(e) => fail(out, e),
+            },
+            Request::Commit { key, token } => self.ok_or(
+                out,
+                op,
+                rid,
+                self.store.commit(vol, key, token, holder),
+                fail,
+            ),
+            Request::Release { tokens } => {
+                let r = tokens
+                    .iter()
+                    .try_for_each(|t| self.store.release(*t, holder));
+                self.ok_or(out, op, rid, r, fail)
+            }
+            Request::Remove { start, end } => match self.store.remove(vol, start, end) {
+                Ok(n) => {
+                    proto::encode_count(out, op, rid, n);
+                    Ok(None)
+                }
+                Err(e) => fail(out, e),
+            },
+            Request::Flush => self.ok_or(out, op, rid, self.store.flush(), fail),
+            Request::Write { .. } => unreachable!("WRITE takes the split path above"),
+        }
+    }
+
+    fn ok_or<'d>(
+        &self,
+        out: &mut Vec<u8>,
+        op: Opcode,
+        rid: u64,
+        r: Result<(), StoreError>,
+        fail: impl Fn(&mut Vec<u8>, StoreError) -> Result<Option<&'d [u8]>, Fatal>,
+    ) -> Result<Option<&'d [u8]>, Fatal> {
+        match r {
+            Ok(()) => {
+                proto::encode_ok(out, op, rid);
+                Ok(None)
+            }
+            Err(e) => fail(out, e),
+        }
+    }
+}
+
+/// Waits up to `timeout` for the listener to have a connection pending.
+fn wait_readable(listener: &TcpListener, timeout: Duration) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is a valid, initialised pollfd that outlives the call,
+    // and we pass a count of exactly one.
+    let n = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as libc::c_int) };
+    match n {
+        -1 => {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            }
+        }
+        0 => Ok(false),
+        _ => Ok(true),
+    }
+}

@@ -1,0 +1,181 @@
+//! `arenad`: serves volumes of fixed-size blobs from a RAM arena backed by
+//! an NVMe swap file, over the paging protocol (docs/PROTOCOL.md).
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use tracing::info;
+
+use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
+use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
+use target_rdma::auth::Secret;
+use target_rdma::sd_notify;
+use target_rdma::size::parse_size;
+use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+
+/// Remote RAM arena peer for ublkd: blobs in RAM, cold ones paged to a swap
+/// file, FLUSHed data durable across crashes.
+///
+/// Settings come from the TOML config; each flag below overrides its key.
+#[derive(Parser, Debug)]
+#[command(name = "arenad", version)]
+struct Args {
+    /// Config file (TOML). Missing is an error unless it is the default path
+    /// and the flags supply at least one --volume.
+    #[arg(short, long, default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// Control-stream address, host:port [key: listen].
+    #[arg(long)]
+    listen: Option<String>,
+    /// RAM arena size, e.g. 1G [key: arena_bytes].
+    #[arg(long, value_parser = parse_size)]
+    arena_bytes: Option<u64>,
+    /// Blob size, power of two 4K..16M [key: blob_bytes].
+    #[arg(long, value_parser = parse_size)]
+    blob_bytes: Option<u64>,
+    /// Directory for the swap file and index [key: swap_dir].
+    #[arg(long)]
+    swap_dir: Option<PathBuf>,
+    /// Swap capacity, e.g. 64G [key: swap_bytes].
+    #[arg(long, value_parser = parse_size)]
+    swap_bytes: Option<u64>,
+    /// Most concurrent connections [key: max_connections].
+    #[arg(long)]
+    max_connections: Option<u32>,
+    /// Pipeline depth per connection [key: max_inflight].
+    #[arg(long)]
+    max_inflight: Option<u32>,
+    /// Add a volume: NAME:SECRET_FILE:QUOTA, e.g. vm1:/etc/arenad/vm1.key:64G
+    /// [table: [[volume]]].
+    #[arg(long = "volume", value_name = "NAME:SECRET_FILE:QUOTA")]
+    volumes: Vec<String>,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    log_json: bool,
+    /// Check the config and secrets, print the effective settings, and exit.
+    #[arg(long)]
+    check: bool,
+}
+
+fn load_config(args: &Args) -> Result<ArenadConfig> {
+    let mut cfg = if args.config.exists()
+        || args.config.as_os_str() != DEFAULT_CONFIG_PATH
+        || args.volumes.is_empty()
+    {
+        ArenadConfig::load(&args.config)?
+    } else {
+        ArenadConfig::defaults()
+    };
+    if let Some(v) = &args.listen {
+        cfg.listen = v.clone();
+    }
+    macro_rules! set {
+        ($($f:ident),*) => {$( if let Some(v) = args.$f { cfg.$f = v; } )*};
+    }
+    set!(
+        arena_bytes,
+        blob_bytes,
+        swap_bytes,
+        max_connections,
+        max_inflight
+    );
+    if let Some(v) = &args.swap_dir {
+        cfg.swap_dir = v.clone();
+    }
+    for spec in &args.volumes {
+        let parts: Vec<&str> = spec.splitn(3, ':').collect();
+        let [name, file, quota] = parts[..] else {
+            bail!("--volume {spec:?}: expected NAME:SECRET_FILE:QUOTA");
+        };
+        let quota = parse_size(quota).with_context(|| format!("--volume {spec:?}"))?;
+        cfg.volumes.push(target_rdma::arenad::config::VolumeConfig {
+            name: name.into(),
+            secret_file: file.into(),
+            quota,
+        });
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    target_rdma::logging::init(args.log_json);
+    let cfg = load_config(&args)?;
+    let blob = cfg.blob_bytes;
+    let mut specs = Vec::new();
+    let mut served = Vec::new();
+    for (i, v) in cfg.volumes.iter().enumerate() {
+        let secret =
+            Secret::from_file(&v.secret_file).with_context(|| format!("volume {:?}", v.name))?;
+        let quota_blobs = v.quota.div_ceil(blob);
+        specs.push(VolumeSpec {
+            name: v.name.clone(),
+            quota_blobs,
+        });
+        served.push(ServedVolume {
+            name: v.name.clone(),
+            secret,
+            id: i as u32,
+            quota_blobs,
+        });
+    }
+    if args.check {
+        println!(
+            "config OK: listen {}, arena {} B, blob {} B, swap {} B in {}, {} volume(s)",
+            cfg.listen,
+            cfg.arena_bytes,
+            cfg.blob_bytes,
+            cfg.swap_bytes,
+            cfg.swap_dir.display(),
+            cfg.volumes.len()
+        );
+        return Ok(());
+    }
+    std::fs::create_dir_all(&cfg.swap_dir)
+        .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
+    let store = Arc::new(
+        Store::open(
+            StoreConfig {
+                dir: cfg.swap_dir.clone(),
+                arena_bytes: cfg.arena_bytes,
+                blob_bytes: blob as u32,
+                swap_bytes: cfg.swap_bytes,
+            },
+            &specs,
+        )
+        .context("opening the arena store")?,
+    );
+    let listener =
+        TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;
+    let server = Server::new(
+        Arc::clone(&store),
+        served,
+        ServerLimits {
+            max_connections: cfg.max_connections,
+            max_inflight: cfg.max_inflight,
+            handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
+        },
+    );
+    let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    let stopper = Arc::clone(&server);
+    std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            info!(event = "shutdown.requested", signal = sig);
+            stopper.shutdown();
+        }
+    });
+    info!(event = "arenad.ready", listen = %listener.local_addr()?, generation = store.generation());
+    sd_notify::notify("READY=1").context("notifying systemd")?;
+    server.serve(listener).context("serving")?;
+    sd_notify::notify("STOPPING=1").ok();
+    store.flush().context("final flush")?;
+    info!(event = "arenad.stopped");
+    Ok(())
+}

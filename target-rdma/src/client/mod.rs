@@ -1,0 +1,827 @@
+//! `ArenaClient`: one authenticated control connection to `arenad` with many
+//! requests in flight.
+//!
+//! The client is executor-agnostic on purpose: a ublk queue thread runs its
+//! own io_uring executor, not tokio. Requests are written by the caller
+//! under a short lock and answered by a reader thread through oneshot
+//! channels, so any executor can await them. The same reader thread wakes
+//! every [`TICK`] to fail requests past their deadline, which keeps per-request
+//! timeouts without a timer runtime.
+//!
+//! After a disconnect the next call reconnects and idempotent requests
+//! (inline READ/WRITE, REMOVE) are retried once. FLUSH is never papered
+//! over: if the peer restarted (new generation) while writes it had
+//! acknowledged were not yet flushed, the next FLUSH fails with
+//! [`ArenaError::UnflushedDataLost`], because those writes are gone.
+
+mod reader;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use futures::channel::oneshot;
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+pub use reader::FrameReader;
+
+use crate::auth::{self, Secret};
+use crate::proto::{
+    self, Challenge, FrameError, Header, Hello, Lease, Opcode, Request, Status, Welcome,
+    CAP_TCP_DATA, MAC_LEN, VERSION,
+};
+use crate::store::StoreError;
+
+/// How often the reader thread checks request deadlines.
+const TICK: Duration = Duration::from_millis(50);
+/// Revocations kept for the lease owner to collect; older ones are dropped and counted.
+const MAX_QUEUED_REVOCATIONS: usize = 4096;
+
+/// Where and how to connect.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// `host:port` of `arenad`.
+    pub peer: String,
+    /// Volume to open.
+    pub volume: String,
+    /// The volume's secret.
+    pub secret: Secret,
+    /// Blob size the caller was built for; 0 accepts the volume's.
+    pub blob_bytes: u32,
+    /// Limit for TCP connect plus handshake.
+    pub connect_timeout: Duration,
+    /// Limit for each request, from send to answer.
+    pub request_timeout: Duration,
+}
+
+impl ClientConfig {
+    /// A config with 5 s connect and 30 s request timeouts.
+    pub fn new(peer: impl Into<String>, volume: impl Into<String>, secret: Secret) -> Self {
+        Self {
+            peer: peer.into(),
+            volume: volume.into(),
+            secret,
+            blob_bytes: 0,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A failed arena operation. Messages name the peer, the op and the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    /// TCP connect failed or timed out.
+    #[error("cannot connect to arena peer {peer}: {source}")]
+    Connect {
+        /// The peer.
+        peer: String,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The peer rejected our MAC: wrong secret or unknown volume.
+    #[error("arena peer {peer} refused authentication for volume {volume:?} (wrong secret or unknown volume)")]
+    AuthFailed {
+        /// The peer.
+        peer: String,
+        /// The volume asked for.
+        volume: String,
+    },
+    /// The peer's WELCOME MAC was wrong: it does not know the secret.
+    #[error("arena peer {peer} could not prove it knows the secret of volume {volume:?}; refusing to use it")]
+    PeerNotAuthentic {
+        /// The peer.
+        peer: String,
+        /// The volume asked for.
+        volume: String,
+    },
+    /// The handshake was refused for another reason.
+    #[error("arena peer {peer} refused the session ({status}): {message}", status = status.name())]
+    Refused {
+        /// The peer.
+        peer: String,
+        /// Why, as a status.
+        status: Status,
+        /// The peer's message.
+        message: String,
+    },
+    /// A request got no answer in time.
+    #[error("{op} to arena peer {peer} timed out after {after:?}", op = op.name())]
+    TimedOut {
+        /// The request.
+        op: Opcode,
+        /// The peer.
+        peer: String,
+        /// The limit.
+        after: Duration,
+    },
+    /// The connection broke before the answer.
+    #[error("connection to arena peer {peer} lost: {detail}")]
+    Disconnected {
+        /// The peer.
+        peer: String,
+        /// What happened.
+        detail: String,
+    },
+    /// The peer answered with an error status.
+    #[error("arena peer {peer} answered {op} with {status}: {message}", op = op.name(), status = status.name())]
+    Status {
+        /// The request.
+        op: Opcode,
+        /// The peer.
+        peer: String,
+        /// The status.
+        status: Status,
+        /// The peer's message.
+        message: String,
+    },
+    /// The peer sent something that breaks the protocol.
+    #[error("protocol error from arena peer {peer}: {source}")]
+    Protocol {
+        /// The peer.
+        peer: String,
+        /// What was wrong.
+        source: FrameError,
+    },
+    /// The peer restarted and lost writes it had acknowledged but not flushed.
+    #[error("arena peer {peer} restarted (generation {old} -> {new}) and lost acknowledged writes that were not yet flushed")]
+    UnflushedDataLost {
+        /// The peer.
+        peer: String,
+        /// Generation the writes were acknowledged in.
+        old: u64,
+        /// Generation after the restart.
+        new: u64,
+    },
+    /// The in-process transport's store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl ArenaError {
+    /// The peer's status, when the peer answered with one.
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            Self::Status { status, .. } | Self::Refused { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A successful answer.
+enum Reply {
+    Empty,
+    Lease(Lease),
+    Count(u64),
+    Data(Vec<u8>),
+    NotFound,
+}
+
+struct Pending {
+    op: Opcode,
+    deadline: Instant,
+    tx: oneshot::Sender<Result<Reply, ArenaError>>,
+}
+
+#[derive(Default)]
+struct PendingTable {
+    map: HashMap<u64, Pending>,
+    /// Set once the connection is dead; no request may be added after.
+    dead: Option<String>,
+}
+
+/// One live connection.
+struct Conn {
+    writer: Mutex<TcpStream>,
+    pending: Mutex<PendingTable>,
+    slots: Semaphore,
+    welcome: Welcome,
+    max_inline: u32,
+}
+
+impl Conn {
+    fn is_dead(&self) -> bool {
+        self.pending.lock().dead.is_some()
+    }
+
+    /// Marks the connection dead and fails everything in flight.
+    fn kill(&self, peer: &str, detail: &str) {
+        let drained: Vec<Pending> = {
+            let mut t = self.pending.lock();
+            if t.dead.is_none() {
+                t.dead = Some(detail.to_owned());
+            }
+            t.map.drain().map(|(_, p)| p).collect()
+        };
+        for p in drained {
+            let _ = p.tx.send(Err(ArenaError::Disconnected {
+                peer: peer.to_owned(),
+                detail: detail.to_owned(),
+            }));
+        }
+        self.slots.close();
+        let _ = self.writer.lock().shutdown(Shutdown::Both);
+    }
+}
+
+/// Counters a client keeps about itself.
+#[derive(Default, Debug)]
+pub struct ClientCounters {
+    /// Connections established (the first one included).
+    pub connects: AtomicU64,
+    /// Requests that failed for lack of an answer in time.
+    pub timeouts: AtomicU64,
+    /// Idempotent requests retried after a reconnect.
+    pub retries: AtomicU64,
+    /// Answers that arrived after their request had timed out.
+    pub late_answers: AtomicU64,
+    /// Times the peer's generation changed between connections.
+    pub peer_restarts: AtomicU64,
+    /// Revocations received.
+    pub revocations: AtomicU64,
+    /// Revocations dropped because the owner did not collect them.
+    pub revocations_dropped: AtomicU64,
+}
+
+struct Durability {
+    /// Generation the current connection was opened in.
+    generation: Option<u64>,
+    /// Writes acknowledged so far.
+    acked: u64,
+    /// `acked` as of the start of the last successful FLUSH.
+    flushed: u64,
+    /// Set when a restart lost acknowledged writes; the next FLUSH fails.
+    lost: Option<(u64, u64)>,
+}
+
+struct Shared {
+    cfg: ClientConfig,
+    conn: Mutex<Option<Arc<Conn>>>,
+    durability: Mutex<Durability>,
+    next_id: AtomicU64,
+    blob_bytes: AtomicU32,
+    counters: ClientCounters,
+    revocations: Mutex<VecDeque<(u64, u64)>>,
+}
+
+/// A client of one volume on one `arenad`. Cheap to clone; clones share the
+/// connection.
+#[derive(Clone)]
+pub struct ArenaClient {
+    shared: Arc<Shared>,
+}
+
+impl ArenaClient {
+    /// Connects and authenticates, failing with a message that names the
+    /// peer and the cause.
+    pub fn connect(cfg: ClientConfig) -> Result<Self, ArenaError> {
+        let client = Self {
+            shared: Arc::new(Shared {
+                cfg,
+                conn: Mutex::new(None),
+                durability: Mutex::new(Durability {
+                    generation: None,
+                    acked: 0,
+                    flushed: 0,
+                    lost: None,
+                }),
+                next_id: AtomicU64::new(1),
+                blob_bytes: AtomicU32::new(0),
+                counters: ClientCounters::default(),
+                revocations: Mutex::new(VecDeque::new()),
+            }),
+        };
+        client.conn()?;
+        Ok(client)
+    }
+
+    /// The peer's answer to our HELLO on the current connection.
+    pub fn welcome(&self) -> Result<Welcome, ArenaError> {
+        Ok(self.conn()?.welcome.clone())
+    }
+
+    /// Blob size of the volume.
+    pub fn blob_bytes(&self) -> Result<u32, ArenaError> {
+        Ok(self.conn()?.welcome.blob_bytes)
+    }
+
+    /// Blob size agreed at the first handshake; it cannot change for a volume.
+    pub fn session_blob_bytes(&self) -> u32 {
+        self.shared.blob_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether the connection is currently up.
+    pub fn is_connected(&self) -> bool {
+        self.shared
+            .conn
+            .lock()
+            .as_ref()
+            .is_some_and(|c| !c.is_dead())
+    }
+
+    /// The client's own counters.
+    pub fn counters(&self) -> &ClientCounters {
+        &self.shared.counters
+    }
+
+    /// Leases the peer asked back, as `(key, token)`; the owner must COMMIT
+    /// or RELEASE each.
+    pub fn take_revocations(&self) -> Vec<(u64, u64)> {
+        self.shared.revocations.lock().drain(..).collect()
+    }
+
+    /// The current connection, reconnecting if it is gone.
+    fn conn(&self) -> Result<Arc<Conn>, ArenaError> {
+        let mut slot = self.shared.conn.lock();
+        if let Some(c) = slot.as_ref().filter(|c| !c.is_dead()) {
+            return Ok(Arc::clone(c));
+        }
+        let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
+        let conn = Arc::new(handshake(&self.shared.cfg, agreed)?);
+        self.shared
+            .counters
+            .connects
+            .fetch_add(1, Ordering::Relaxed);
+        {
+            let mut d = self.shared.durability.lock();
+            let new = conn.welcome.generation;
+            if let Some(old) = d.generation.filter(|g| *g != new) {
+                self.shared
+                    .counters
+                    .peer_restarts
+                    .fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    event = "peer.restarted",
+                    old_generation = old,
+                    new_generation = new
+                );
+                if d.acked > d.flushed {
+                    d.lost = Some((old, new));
+                }
+                d.flushed = d.acked;
+            }
+            d.generation = Some(new);
+        }
+        self.shared
+            .blob_bytes
+            .store(conn.welcome.blob_bytes, Ordering::Relaxed);
+        let reader_stream =
+            conn.writer
+                .lock()
+                .try_clone()
+                .map_err(|source| ArenaError::Connect {
+                    peer: self.shared.cfg.peer.clone(),
+                    source,
+                })?;
+        let shared = Arc::clone(&self.shared);
+        let for_reader = Arc::clone(&conn);
+        thread::Builder::new()
+            .name("arena-client-rx".into())
+            .spawn(move || read_loop(&shared, &for_reader, reader_stream))
+            .map_err(|source| ArenaError::Connect {
+                peer: self.shared.cfg.peer.clone(),
+                source,
+            })?;
+        *slot = Some(Arc::clone(&conn));
+        Ok(conn)
+    }
+
+    async fn call(&self, req: &Request) -> Result<Reply, ArenaError> {
+        let idempotent = matches!(
+            req,
+            Request::Read { .. } | Request::Write { .. } | Request::Remove { .. }
+        );
+        match self.call_once(req).await {
+            Err(ArenaError::Disconnected { .. }) if idempotent => {
+                self.shared.counters.retries.fetch_add(1, Ordering::Relaxed);
+                self.call_once(req).await
+            }
+            r => r,
+        }
+    }
+
+    async fn call_once(&self, req: &Request) -> Result<Reply, ArenaError> {
+        let peer = &self.shared.cfg.peer;
+        let disconnected = |detail: &str| ArenaError::Disconnected {
+            peer: peer.clone(),
+            detail: detail.to_owned(),
+        };
+        let conn = self.conn()?;
+        let _permit = conn
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| disconnected("connection closed"))?;
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut t = conn.pending.lock();
+            if let Some(why) = &t.dead {
+                return Err(disconnected(why));
+            }
+            t.map.insert(
+                id,
+                Pending {
+                    op: req.opcode(),
+                    deadline: Instant::now() + self.shared.cfg.request_timeout,
+                    tx,
+                },
+            );
+        }
+        let mut head = Vec::with_capacity(64);
+        proto::encode_request_head(&mut head, id, req);
+        let payload: &[u8] = match req {
+            Request::Write { data, .. } => data,
+            _ => &[],
+        };
+        let sent = {
+            let mut w = conn.writer.lock();
+            proto::write_vectored_all(&mut *w, &head, payload)
+        };
+        if let Err(e) = sent {
+            conn.kill(peer, &format!("send failed: {e}"));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(disconnected("answer channel closed")))
+    }
+
+    fn unexpected(&self, op: Opcode) -> ArenaError {
+        ArenaError::Protocol {
+            peer: self.shared.cfg.peer.clone(),
+            source: FrameError::Unexpected {
+                op: op.name(),
+                detail: "answer of the wrong shape",
+            },
+        }
+    }
+
+    /// Writes `data` at `offset` inside blob `key`, inline on the stream.
+    pub async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
+        let req = Request::Write {
+            key,
+            offset,
+            data: data.to_vec(),
+        };
+        match self.call(&req).await? {
+            Reply::Empty => {
+                self.shared.durability.lock().acked += 1;
+                Ok(())
+            }
+            _ => Err(self.unexpected(Opcode::Write)),
+        }
+    }
+
+    /// Reads `out.len()` bytes at `offset` of blob `key` inline. Returns
+    /// `false` (and zeros) when the blob was never written.
+    pub async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
+        let req = Request::Read {
+            key,
+            offset,
+            len: out.len() as u32,
+        };
+        match self.call(&req).await? {
+            Reply::Data(d) if d.len() == out.len() => {
+                out.copy_from_slice(&d);
+                Ok(true)
+            }
+            Reply::NotFound => {
+                out.fill(0);
+                Ok(false)
+            }
+            _ => Err(self.unexpected(Opcode::Read)),
+        }
+    }
+
+    /// Leases blob `key` for writing.
+    pub async fn alloc(&self, key: u64) -> Result<Lease, ArenaError> {
+        match self.call(&Request::Alloc { key }).await? {
+            Reply::Lease(l) => Ok(l),
+            _ => Err(self.unexpected(Opcode::Alloc)),
+        }
+    }
+
+    /// Leases blob `key` for reading; `None` when it holds nothing.
+    pub async fn get(&self, key: u64) -> Result<Option<Lease>, ArenaError> {
+        match self.call(&Request::Get { key }).await? {
+            Reply::Lease(l) => Ok(Some(l)),
+            Reply::NotFound => Ok(None),
+            _ => Err(self.unexpected(Opcode::Get)),
+        }
+    }
+
+    /// Publishes an ALLOC lease's slot as the blob's content.
+    pub async fn commit(&self, key: u64, token: u64) -> Result<(), ArenaError> {
+        match self.call(&Request::Commit { key, token }).await? {
+            Reply::Empty => {
+                self.shared.durability.lock().acked += 1;
+                Ok(())
+            }
+            _ => Err(self.unexpected(Opcode::Commit)),
+        }
+    }
+
+    /// Drops leases, in batches of at most [`proto::MAX_RELEASE_BATCH`].
+    pub async fn release(&self, tokens: &[u64]) -> Result<(), ArenaError> {
+        for chunk in tokens.chunks(proto::MAX_RELEASE_BATCH as usize) {
+            match self
+                .call(&Request::Release {
+                    tokens: chunk.to_vec(),
+                })
+                .await?
+            {
+                Reply::Empty => {}
+                _ => return Err(self.unexpected(Opcode::Release)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops blobs `start..end`; returns how many existed.
+    pub async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
+        match self.call(&Request::Remove { start, end }).await? {
+            Reply::Count(n) => {
+                self.shared.durability.lock().acked += 1;
+                Ok(n)
+            }
+            _ => Err(self.unexpected(Opcode::Remove)),
+        }
+    }
+
+    /// Makes every write acknowledged before this call durable on the peer.
+    pub async fn flush(&self) -> Result<(), ArenaError> {
+        let upto = {
+            let mut d = self.shared.durability.lock();
+            if let Some((old, new)) = d.lost.take() {
+                return Err(ArenaError::UnflushedDataLost {
+                    peer: self.shared.cfg.peer.clone(),
+                    old,
+                    new,
+                });
+            }
+            (d.acked, d.generation)
+        };
+        match self.call(&Request::Flush).await? {
+            Reply::Empty => {
+                let mut d = self.shared.durability.lock();
+                if d.generation != upto.1 {
+                    // The peer restarted between our writes and this FLUSH.
+                    if let Some((old, new)) = d.lost.take() {
+                        return Err(ArenaError::UnflushedDataLost {
+                            peer: self.shared.cfg.peer.clone(),
+                            old,
+                            new,
+                        });
+                    }
+                }
+                d.flushed = d.flushed.max(upto.0);
+                Ok(())
+            }
+            _ => Err(self.unexpected(Opcode::Flush)),
+        }
+    }
+
+    /// Closes the connection; the next call reconnects.
+    pub fn disconnect(&self) {
+        if let Some(c) = self.shared.conn.lock().take() {
+            c.kill(&self.shared.cfg.peer, "closed by the client");
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.lock().take() {
+            c.kill(&self.cfg.peer, "client dropped");
+        }
+    }
+}
+
+/// Connects, authenticates both ways and returns the live connection. A
+/// reconnect insists on the blob size agreed the first time (`agreed`).
+fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaError> {
+    let peer = &cfg.peer;
+    let io_err = |source: io::Error| ArenaError::Connect {
+        peer: peer.clone(),
+        source,
+    };
+    let proto_err = |source: FrameError| match source {
+        FrameError::Io(e) => ArenaError::Connect {
+            peer: peer.clone(),
+            source: e,
+        },
+        source => ArenaError::Protocol {
+            peer: peer.clone(),
+            source,
+        },
+    };
+    let addrs: Vec<_> = peer.to_socket_addrs().map_err(io_err)?.collect();
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
+    let mut stream = None;
+    for a in &addrs {
+        match TcpStream::connect_timeout(a, cfg.connect_timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = e,
+        }
+    }
+    let mut stream = stream.ok_or_else(|| io_err(last))?;
+    stream.set_nodelay(true).map_err(io_err)?;
+    stream
+        .set_read_timeout(Some(cfg.connect_timeout))
+        .map_err(io_err)?;
+
+    let mut body = Vec::new();
+    let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
+    refused(peer, &h, &body)?;
+    let ch = Challenge::decode(&h, &body).map_err(proto_err)?;
+    let version = u16::from(VERSION);
+    if !(ch.min_version..=ch.max_version).contains(&version) {
+        return Err(ArenaError::Refused {
+            peer: peer.clone(),
+            status: Status::VersionMismatch,
+            message: format!(
+                "peer speaks versions {}..={}, this client {version}",
+                ch.min_version, ch.max_version
+            ),
+        });
+    }
+    let mut hello = Hello {
+        version,
+        caps: CAP_TCP_DATA,
+        blob_bytes: if agreed != 0 { agreed } else { cfg.blob_bytes },
+        client_nonce: auth::nonce(),
+        mac: [0; MAC_LEN],
+        volume: cfg.volume.clone(),
+    };
+    hello.mac = cfg.secret.sign_hello(&ch, &hello);
+    let mut frame = Vec::new();
+    hello.encode(&mut frame);
+    stream.write_all(&frame).map_err(io_err)?;
+
+    let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
+    if h.status == Status::AuthFailed {
+        return Err(ArenaError::AuthFailed {
+            peer: peer.clone(),
+            volume: cfg.volume.clone(),
+        });
+    }
+    refused(peer, &h, &body)?;
+    let welcome = Welcome::decode(&h, &body).map_err(proto_err)?;
+    if !cfg.secret.verify_welcome(&ch, &hello, &welcome) {
+        return Err(ArenaError::PeerNotAuthentic {
+            peer: peer.clone(),
+            volume: cfg.volume.clone(),
+        });
+    }
+    stream.set_read_timeout(Some(TICK)).map_err(io_err)?;
+    debug!(
+        event = "session.opened",
+        session = welcome.session_id,
+        generation = welcome.generation
+    );
+    Ok(Conn {
+        writer: Mutex::new(stream),
+        pending: Mutex::new(PendingTable::default()),
+        slots: Semaphore::new(ch.max_inflight as usize),
+        welcome,
+        max_inline: ch.max_inline,
+    })
+}
+
+fn read_answer(stream: &mut TcpStream, body: &mut Vec<u8>) -> Result<Header, FrameError> {
+    proto::read_frame(stream, body)?.ok_or(FrameError::Truncated {
+        got: 0,
+        want: proto::HEADER_LEN,
+    })
+}
+
+fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
+    if h.status == Status::Ok {
+        return Ok(());
+    }
+    Err(ArenaError::Refused {
+        peer: peer.to_owned(),
+        status: h.status,
+        message: proto::decode_error(body),
+    })
+}
+
+/// The reader thread: dispatches answers, queues revocations, expires requests.
+fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
+    let peer = &shared.cfg.peer;
+    let mut reader = FrameReader::default();
+    let mut last_sweep = Instant::now();
+    let why = loop {
+        match reader.next(&mut stream) {
+            Ok(Some((h, body))) => {
+                if let Err(e) = dispatch(shared, conn, &h, body) {
+                    break format!("protocol error: {e}");
+                }
+            }
+            Ok(None) => break "peer closed the connection".to_owned(),
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => break e.to_string(),
+        }
+        if conn.is_dead() {
+            return;
+        }
+        if last_sweep.elapsed() >= TICK {
+            last_sweep = Instant::now();
+            expire(shared, conn);
+        }
+    };
+    debug!(event = "peer.disconnected", detail = %why);
+    conn.kill(peer, &why);
+}
+
+/// Fails every request whose deadline has passed.
+fn expire(shared: &Shared, conn: &Conn) {
+    let now = Instant::now();
+    let expired: Vec<Pending> = {
+        let mut t = conn.pending.lock();
+        let ids: Vec<u64> = t
+            .map
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        ids.iter().filter_map(|id| t.map.remove(id)).collect()
+    };
+    for p in expired {
+        shared.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        let _ = p.tx.send(Err(ArenaError::TimedOut {
+            op: p.op,
+            peer: shared.cfg.peer.clone(),
+            after: shared.cfg.request_timeout,
+        }));
+    }
+}
+
+fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: &[u8]) -> Result<(), FrameError> {
+    if !h.is_response() {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "server frame without the response flag",
+        });
+    }
+    if h.opcode == Opcode::Revoke {
+        let rv = proto::decode_revoke(h, body)?;
+        shared.counters.revocations.fetch_add(1, Ordering::Relaxed);
+        let mut q = shared.revocations.lock();
+        if q.len() >= MAX_QUEUED_REVOCATIONS {
+            q.pop_front();
+            shared
+                .counters
+                .revocations_dropped
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        q.push_back(rv);
+        return Ok(());
+    }
+    let Some(p) = conn.pending.lock().map.remove(&h.request_id) else {
+        shared.counters.late_answers.fetch_add(1, Ordering::Relaxed);
+        return Ok(());
+    };
+    if p.op != h.opcode {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "answer opcode differs from the request's",
+        });
+    }
+    let reply = match (h.status, h.opcode) {
+        (Status::Ok, Opcode::Alloc | Opcode::Get) => {
+            Ok(Reply::Lease(proto::decode_lease(h, body)?))
+        }
+        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, body)?)),
+        (Status::Ok, Opcode::Read) => Ok(Reply::Data(body.to_vec())),
+        (Status::Ok, _) => Ok(Reply::Empty),
+        (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
+        (status, op) => Err(ArenaError::Status {
+            op,
+            peer: shared.cfg.peer.clone(),
+            status,
+            message: proto::decode_error(body),
+        }),
+    };
+    if let (Ok(Reply::Data(d)), true) = (&reply, h.body_len > conn.max_inline) {
+        return Err(FrameError::TooLong {
+            what: "inline answer",
+            len: d.len() as u64,
+            max: conn.max_inline.into(),
+        });
+    }
+    let _ = p.tx.send(reply);
+    Ok(())
+}

@@ -1,0 +1,158 @@
+//! A resumable frame reader: bytes accumulate in one buffer and whole frames
+//! are handed out, so a read timeout between or inside frames loses nothing.
+//! The client's reader thread relies on this to wake up periodically and
+//! expire requests without a second thread.
+
+use std::io::{self, Read};
+
+use crate::proto::{FrameError, Header, HEADER_LEN};
+
+/// Buffer for frames arriving on one stream.
+pub struct FrameReader {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        Self {
+            buf: vec![0; 256 << 10],
+            start: 0,
+            end: 0,
+        }
+    }
+}
+
+impl FrameReader {
+    /// Returns the next whole frame. `Ok(None)` is a clean end of stream
+    /// between frames; a timeout surfaces as `FrameError::Io` with the
+    /// partial frame kept for the next call.
+    pub fn next<'a>(
+        &'a mut self,
+        r: &mut impl Read,
+    ) -> Result<Option<(Header, &'a [u8])>, FrameError> {
+        loop {
+            let avail = self.end - self.start;
+            if avail >= HEADER_LEN {
+                let hb: &[u8; HEADER_LEN] = self.buf[self.start..self.start + HEADER_LEN]
+                    .try_into()
+                    .expect("header");
+                let h = Header::decode(hb)?;
+                let total = HEADER_LEN + h.body_len as usize;
+                if avail >= total {
+                    let body = self.start + HEADER_LEN..self.start + total;
+                    self.start += total;
+                    return Ok(Some((h, &self.buf[body])));
+                }
+                self.make_room(total);
+            } else {
+                self.make_room(HEADER_LEN);
+            }
+            match r.read(&mut self.buf[self.end..]) {
+                Ok(0) if self.end == self.start => return Ok(None),
+                Ok(0) => {
+                    return Err(FrameError::Truncated {
+                        got: self.end - self.start,
+                        want: HEADER_LEN.max(self.end - self.start + 1),
+                    })
+                }
+                Ok(n) => self.end += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Ensures `need` bytes fit from `start`, compacting or growing (growth
+    /// is bounded because `need` comes from a validated header).
+    fn make_room(&mut self, need: usize) {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        if self.buf.len() - self.start >= need && self.end < self.buf.len() {
+            return;
+        }
+        self.buf.copy_within(self.start..self.end, 0);
+        self.end -= self.start;
+        self.start = 0;
+        if self.buf.len() < need {
+            self.buf.resize(need, 0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{encode_ok, encode_read_head, Opcode};
+
+    /// Hands out at most `chunk` bytes per read, then reports a timeout once.
+    struct Trickle<'a> {
+        data: &'a [u8],
+        chunk: usize,
+        stall: bool,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            self.stall = !self.stall;
+            if self.stall && !self.data.is_empty() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let n = self.chunk.min(out.len()).min(self.data.len());
+            out[..n].copy_from_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn frames_survive_timeouts_and_split_reads() {
+        let mut stream = Vec::new();
+        let mut f = Vec::new();
+        for i in 0..50u64 {
+            encode_read_head(&mut f, i, 5000);
+            stream.extend_from_slice(&f);
+            stream.extend(std::iter::repeat_n(i as u8, 5000));
+            encode_ok(&mut f, Opcode::Flush, 1000 + i);
+            stream.extend_from_slice(&f);
+        }
+        let mut src = Trickle {
+            data: &stream,
+            chunk: 777,
+            stall: false,
+        };
+        let mut r = FrameReader::default();
+        let mut seen = Vec::new();
+        loop {
+            match r.next(&mut src) {
+                Ok(Some((h, body))) => {
+                    if h.opcode == Opcode::Read {
+                        assert!(body.iter().all(|b| *b == h.request_id as u8));
+                        assert_eq!(body.len(), 5000);
+                    }
+                    seen.push(h.request_id);
+                }
+                Ok(None) => break,
+                Err(FrameError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let want: Vec<u64> = (0..50).flat_map(|i| [i, 1000 + i]).collect();
+        assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn eof_inside_a_frame_is_truncation() {
+        let mut f = Vec::new();
+        encode_read_head(&mut f, 1, 10);
+        f.extend_from_slice(b"abc");
+        let mut r = FrameReader::default();
+        assert!(matches!(
+            r.next(&mut &f[..]),
+            Err(FrameError::Truncated { .. })
+        ));
+    }
+}

@@ -1,0 +1,408 @@
+//! The paging protocol end to end: a real `arenad` server on loopback and
+//! the real client, including hostile peers and malformed frames.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+use futures::executor::block_on;
+use futures::future::join_all;
+use target_rdma::client::{ArenaClient, ArenaError};
+use target_rdma::proto::{self, Challenge, Hello, Opcode, Request, Status, HEADER_LEN, MAC_LEN};
+
+#[test]
+fn inline_write_read_remove_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let c = peer.client("a", SECRET_A);
+    let blob = c.blob_bytes().unwrap() as usize;
+    assert_eq!(blob, 64 << 10);
+    block_on(async {
+        let mut out = vec![0xffu8; 4096];
+        assert!(
+            !c.read(7, 0, &mut out).await.unwrap(),
+            "unwritten blob reported present"
+        );
+        assert!(
+            out.iter().all(|b| *b == 0),
+            "unwritten blob must read as zeros"
+        );
+
+        let data = pattern(7, 1, 4096);
+        c.write(7, 8192, &data).await.unwrap();
+        assert!(c.read(7, 8192, &mut out).await.unwrap());
+        assert_eq!(out, data);
+        // The untouched part of a partially written blob reads as zeros.
+        assert!(c.read(7, 0, &mut out).await.unwrap());
+        assert!(out.iter().all(|b| *b == 0));
+
+        c.write(8, 0, &pattern(8, 1, blob)).await.unwrap();
+        c.flush().await.unwrap();
+        assert_eq!(c.remove(0, 8).await.unwrap(), 1, "only key 7 lies in 0..8");
+        assert!(!c.read(7, 8192, &mut out).await.unwrap());
+        let mut whole = vec![0; blob];
+        assert!(c.read(8, 0, &mut whole).await.unwrap());
+        assert_eq!(whole, pattern(8, 1, blob));
+    });
+}
+
+#[test]
+fn leases_alloc_commit_get_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let c = peer.client("a", SECRET_A);
+    block_on(async {
+        assert_eq!(c.get(3).await.unwrap(), None);
+        let lease = c.alloc(3).await.unwrap();
+        c.commit(3, lease.token).await.unwrap();
+        let read_lease = c.get(3).await.unwrap().expect("committed blob is present");
+        c.release(&[read_lease.token]).await.unwrap();
+        // A token is single use: releasing it again breaks the protocol and
+        // costs the connection.
+        let e = c.release(&[read_lease.token]).await.unwrap_err();
+        assert_eq!(e.status(), Some(Status::Protocol), "{e}");
+    });
+    assert_eq!(
+        peer.server
+            .counters()
+            .protocol_errors()
+            .values()
+            .sum::<u64>(),
+        1
+    );
+}
+
+#[test]
+fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let err = |volume: &str, s: &str| {
+        ArenaClient::connect(peer.config(volume, s))
+            .err()
+            .expect("connect must fail")
+    };
+
+    let e = err("a", "not-the-secret-of-anything");
+    assert!(matches!(e, ArenaError::AuthFailed { .. }), "{e}");
+    assert!(e.to_string().contains("volume \"a\""), "{e}");
+    // Holding volume b's secret does not open volume a, and vice versa.
+    assert!(matches!(err("a", SECRET_B), ArenaError::AuthFailed { .. }));
+    assert!(matches!(err("b", SECRET_A), ArenaError::AuthFailed { .. }));
+    // An unknown volume looks exactly like a wrong secret.
+    assert!(matches!(
+        err("nope", SECRET_A),
+        ArenaError::AuthFailed { .. }
+    ));
+    assert_eq!(
+        peer.server
+            .counters()
+            .auth_failures
+            .load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
+
+    // A missing secret file is refused before anything is sent.
+    let missing = target_rdma::auth::Secret::from_file(&dir.path().join("absent.key")).unwrap_err();
+    assert!(missing.to_string().contains("absent.key"), "{missing}");
+
+    // Volumes are isolated: b never sees a's blobs.
+    let a = peer.client("a", SECRET_A);
+    let b = peer.client("b", SECRET_B);
+    block_on(async {
+        a.write(1, 0, &pattern(1, 1, 512)).await.unwrap();
+        let mut out = vec![0; 512];
+        assert!(!b.read(1, 0, &mut out).await.unwrap());
+    });
+}
+
+#[test]
+fn the_client_refuses_an_impostor_peer() {
+    // A peer that does not know the secret cannot produce WELCOME's MAC.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let ch = Challenge {
+            min_version: 1,
+            max_version: 1,
+            server_nonce: [1; 32],
+            max_inflight: 4,
+            max_inline: 4096,
+        };
+        let mut f = Vec::new();
+        ch.encode(&mut f);
+        s.write_all(&f).unwrap();
+        let mut body = Vec::new();
+        proto::read_frame(&mut s, &mut body).unwrap();
+        let w = proto::Welcome {
+            session_id: 1,
+            generation: 1,
+            blob_bytes: 4096,
+            caps: 1,
+            quota_blobs: 1,
+            mac: [0; MAC_LEN],
+        };
+        w.encode(&mut f);
+        s.write_all(&f).unwrap();
+    });
+    let cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    let e = ArenaClient::connect(cfg).err().unwrap();
+    assert!(matches!(e, ArenaError::PeerNotAuthentic { .. }), "{e}");
+    fake.join().unwrap();
+}
+
+#[test]
+fn connect_errors_name_the_peer() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cfg =
+        target_rdma::client::ClientConfig::new(format!("127.0.0.1:{port}"), "a", secret(SECRET_A));
+    let e = ArenaClient::connect(cfg).err().unwrap();
+    assert!(matches!(e, ArenaError::Connect { .. }), "{e}");
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+}
+
+/// Opens a raw authenticated session so tests can send arbitrary bytes.
+fn raw_session(peer: &Peer) -> TcpStream {
+    let mut s = TcpStream::connect(peer.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut body = Vec::new();
+    let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+    let ch = Challenge::decode(&h, &body).unwrap();
+    let mut hello = Hello {
+        version: 1,
+        caps: 1,
+        blob_bytes: 0,
+        client_nonce: [2; 32],
+        mac: [0; MAC_LEN],
+        volume: "a".into(),
+    };
+    hello.mac = secret(SECRET_A).sign_hello(&ch, &hello);
+    let mut f = Vec::new();
+    hello.encode(&mut f);
+    s.write_all(&f).unwrap();
+    let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+    assert_eq!(h.status, Status::Ok);
+    s
+}
+
+/// Sends `bytes`, expects a PROTOCOL error frame whose message contains
+/// `needle`, then the connection closing.
+fn expect_protocol_error(peer: &Peer, bytes: &[u8], needle: &str) {
+    let mut s = raw_session(peer);
+    s.write_all(bytes).unwrap();
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut body = Vec::new();
+    let h = proto::read_frame(&mut s, &mut body)
+        .unwrap()
+        .expect("an error frame");
+    assert_eq!(h.status, Status::Protocol, "for {needle}");
+    let msg = proto::decode_error(&body);
+    assert!(msg.contains(needle), "message {msg:?} lacks {needle:?}");
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(
+        rest.is_empty(),
+        "connection stayed open after a protocol error"
+    );
+}
+
+#[test]
+fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let bystander = peer.client("a", SECRET_A);
+    block_on(bystander.write(1, 0, &pattern(1, 1, 4096))).unwrap();
+
+    let mut good = Vec::new();
+    proto::encode_request(&mut good, 1, &Request::Alloc { key: 1 });
+
+    let mut b = good.clone();
+    b[0] = b'Z';
+    expect_protocol_error(&peer, &b, "bad magic");
+    let mut b = good.clone();
+    b[4] = 2;
+    expect_protocol_error(&peer, &b, "unsupported protocol version 2");
+    let mut b = good.clone();
+    b[5] = 0x55;
+    expect_protocol_error(&peer, &b, "unknown opcode 0x55");
+    let mut b = good.clone();
+    b[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
+    expect_protocol_error(&peer, &b, "exceeds the limit");
+    expect_protocol_error(&peer, &good[..HEADER_LEN + 3], "truncated");
+    let mut b = Vec::new();
+    proto::encode_revoke(&mut b, 1, 1);
+    expect_protocol_error(&peer, &b, "unexpected revoke");
+    // Semantically bad requests: unknown lease token, COMMIT without ALLOC,
+    // a range past the end of the blob.
+    proto::encode_request(
+        &mut b,
+        5,
+        &Request::Release {
+            tokens: vec![12345],
+        },
+    );
+    expect_protocol_error(&peer, &b, "12345");
+    proto::encode_request(&mut b, 5, &Request::Commit { key: 9, token: 777 });
+    expect_protocol_error(&peer, &b, "777");
+    proto::encode_request(
+        &mut b,
+        5,
+        &Request::Read {
+            key: 1,
+            offset: 64 << 10,
+            len: 1,
+        },
+    );
+    expect_protocol_error(&peer, &b, "65536");
+
+    let errors: u64 = peer.server.counters().protocol_errors().values().sum();
+    assert_eq!(errors, 9, "{:?}", peer.server.counters().protocol_errors());
+
+    // The bystander's session and data were untouched throughout.
+    let mut out = vec![0; 4096];
+    assert!(block_on(bystander.read(1, 0, &mut out)).unwrap());
+    assert_eq!(out, pattern(1, 1, 4096));
+}
+
+#[test]
+fn a_client_that_vanishes_mid_request_hurts_nobody() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let mut s = raw_session(&peer);
+    let mut f = Vec::new();
+    proto::encode_request(
+        &mut f,
+        1,
+        &Request::Write {
+            key: 3,
+            offset: 0,
+            data: vec![7; 8192],
+        },
+    );
+    s.write_all(&f[..f.len() / 2]).unwrap();
+    drop(s);
+    let c = peer.client("a", SECRET_A);
+    let mut out = vec![1; 8192];
+    assert!(
+        !block_on(c.read(3, 0, &mut out)).unwrap(),
+        "a half-sent write must not land"
+    );
+    block_on(c.write(3, 0, &[9; 8192])).unwrap();
+    assert!(block_on(c.read(3, 0, &mut out)).unwrap());
+    assert_eq!(out, vec![9; 8192]);
+}
+
+#[test]
+fn many_clients_many_requests_in_flight_no_mixups() {
+    const CLIENTS: u64 = 8;
+    const INFLIGHT: u64 = 32;
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        &PeerOpts {
+            arena_bytes: 64 << 20,
+            ..PeerOpts::default()
+        },
+    );
+    let len = 16 << 10;
+    let threads: Vec<_> = (0..CLIENTS)
+        .map(|ci| {
+            let c = peer.client("a", SECRET_A);
+            std::thread::spawn(move || {
+                block_on(async {
+                    for round in 0..3u64 {
+                        let keys: Vec<u64> = (0..INFLIGHT).map(|i| ci * 1000 + i).collect();
+                        let writes = keys.iter().map(|k| {
+                            let c = c.clone();
+                            let data = pattern(*k, round, len);
+                            async move { c.write(*k, 0, &data).await }
+                        });
+                        for r in join_all(writes).await {
+                            r.unwrap();
+                        }
+                        let reads = keys.iter().map(|k| {
+                            let c = c.clone();
+                            async move {
+                                let mut out = vec![0; len];
+                                c.read(*k, 0, &mut out).await.map(|_| (*k, out))
+                            }
+                        });
+                        for r in join_all(reads).await {
+                            let (k, out) = r.unwrap();
+                            assert!(
+                                out == pattern(k, round, len),
+                                "key {k} round {round} mixed up"
+                            );
+                        }
+                    }
+                })
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn requests_time_out_and_say_so() {
+    // A peer that authenticates but never answers requests.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let ch = Challenge {
+            min_version: 1,
+            max_version: 1,
+            server_nonce: [1; 32],
+            max_inflight: 4,
+            max_inline: 4096,
+        };
+        let mut f = Vec::new();
+        ch.encode(&mut f);
+        s.write_all(&f).unwrap();
+        let mut body = Vec::new();
+        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+        let hello = Hello::decode(&h, &body).unwrap();
+        let mut w = proto::Welcome {
+            session_id: 1,
+            generation: 1,
+            blob_bytes: 4096,
+            caps: 1,
+            quota_blobs: 1,
+            mac: [0; MAC_LEN],
+        };
+        w.mac = secret(SECRET_A).sign_welcome(&ch, &hello, &w);
+        w.encode(&mut f);
+        s.write_all(&f).unwrap();
+        std::thread::sleep(Duration::from_secs(5));
+    });
+    let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.request_timeout = Duration::from_millis(300);
+    let c = ArenaClient::connect(cfg).unwrap();
+    let e = block_on(c.flush()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ArenaError::TimedOut {
+                op: Opcode::Flush,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("timed out after 300ms"), "{e}");
+    assert_eq!(
+        c.counters()
+            .timeouts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
