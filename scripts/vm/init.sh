@@ -7,7 +7,8 @@
 #   ublkvm.script=ABS    guest script, run with bash inside `chroot /host`
 #   ublkvm.timeout=SECS  timeout for the guest script
 # The guest script's environment comes from ABS_RESULTS/vm.env; its output
-# goes to ABS_RESULTS/guest.log and its exit status to ABS_RESULTS/exit-code.
+# goes to ABS_RESULTS/guest.log, the kernel log to ABS_RESULTS/dmesg.log and
+# its exit status to ABS_RESULTS/exit-code (written last).
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
 
 say() { echo "vm-init: $*"; }
@@ -79,6 +80,7 @@ chroot /host /usr/bin/env -i \
     vm-guest "$results/vm.env" "$script" \
     >"$R/guest.log" 2>&1 </dev/null
 rc=$?
+dmesg >"$R/dmesg.log" 2>&1
 echo "$rc" >"$R/exit-code"
 say "guest script exited with $rc"
 halt
