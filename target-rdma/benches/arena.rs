@@ -1,0 +1,271 @@
+//! `cargo bench --bench arena`: the arena's inline TCP data path and its swap,
+//! each against its medium's limit measured in the same run (ratios, not
+//! absolute numbers, are the result; docs/BENCHMARKS.md records them).
+//!
+//! - inline 1 MiB sequential and 4 KiB random reads and writes at QD 1 and
+//!   32 through a real `arenad` server and client on loopback, arena-resident;
+//! - the same requests with an arena 16x smaller than the data, so every read
+//!   faults in from swap and every write evicts a dirty slot;
+//! - baselines: a plain TCP socket copy of the same bytes (1 MiB chunks, and
+//!   a 4 KiB request/response ping-pong), and `dd` O_DIRECT sequential write
+//!   and read bandwidth of the swap directory's disk.
+//!
+//! `BENCH_SECS` (default 2) sets the time per case; `BENCH_DIR` the swap dir
+//! (default: a temp dir under target/).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::executor::block_on;
+use futures::stream::{FuturesUnordered, StreamExt};
+use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
+use target_rdma::auth::Secret;
+use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+
+const MIB: usize = 1 << 20;
+const SECRET: &[u8] = b"benchmark-secret-0123456789";
+
+fn secs() -> Duration {
+    Duration::from_secs_f64(std::env::var("BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0))
+}
+
+/// Bytes/s and ops/s of one case.
+struct Rate {
+    ops: u64,
+    bytes: u64,
+    elapsed: Duration,
+}
+
+impl Rate {
+    fn mib_s(&self) -> f64 {
+        self.bytes as f64 / MIB as f64 / self.elapsed.as_secs_f64()
+    }
+    fn iops(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Plain TCP: one thread sends `chunk`-sized writes, the receiver drains.
+fn raw_tcp_stream(chunk: usize) -> Rate {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let rx = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = vec![0; chunk];
+        let mut total = 0u64;
+        while let Ok(n) = s.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+        total
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    let buf = vec![7u8; chunk];
+    let start = Instant::now();
+    let mut ops = 0;
+    while start.elapsed() < secs() {
+        s.write_all(&buf).unwrap();
+        ops += 1;
+    }
+    drop(s);
+    let bytes = rx.join().unwrap();
+    Rate { ops, bytes, elapsed: start.elapsed() }
+}
+
+/// Plain TCP request/response: `size` bytes out, a 24-byte answer back, at
+/// queue depth 1: the floor of any protocol round trip.
+fn raw_tcp_pingpong(size: usize) -> Rate {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut buf = vec![0; size];
+        while s.read_exact(&mut buf).is_ok() {
+            if s.write_all(&[0; 24]).is_err() {
+                break;
+            }
+        }
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    let buf = vec![7u8; size];
+    let mut ans = [0u8; 24];
+    let start = Instant::now();
+    let mut ops = 0;
+    while start.elapsed() < secs() {
+        s.write_all(&buf).unwrap();
+        s.read_exact(&mut ans).unwrap();
+        ops += 1;
+    }
+    Rate { ops, bytes: ops * size as u64, elapsed: start.elapsed() }
+}
+
+struct Bench {
+    _server: Arc<Server>,
+    client: ArenaClient,
+    blob: usize,
+}
+
+fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
+    let blob = MIB as u32;
+    let store = Arc::new(
+        Store::open(
+            StoreConfig { dir: dir.to_owned(), arena_bytes: arena, blob_bytes: blob, swap_bytes: swap },
+            &[VolumeSpec { name: "bench".into(), quota_blobs: swap / u64::from(blob) }],
+        )
+        .unwrap(),
+    );
+    let secret = Secret::new(SECRET.to_vec()).unwrap();
+    let server = Server::new(
+        store,
+        vec![ServedVolume { name: "bench".into(), secret: secret.clone(), id: 0, quota_blobs: swap / u64::from(blob) }],
+        ServerLimits { max_connections: 8, max_inflight: 64, handshake_timeout: Duration::from_secs(5) },
+    );
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let s = Arc::clone(&server);
+    std::thread::spawn(move || s.serve(l));
+    let client = ArenaClient::connect(ClientConfig::new(addr.to_string(), "bench", secret)).unwrap();
+    Bench { _server: server, client, blob: blob as usize }
+}
+
+#[derive(Clone, Copy)]
+enum Dir {
+    Read,
+    Write,
+}
+
+/// Runs `size`-byte requests at queue depth `qd` for the case duration.
+/// Sequential: offsets walk the first `span` bytes in order. Random: a
+/// xorshift picks `size`-aligned offsets in `span`.
+fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool) -> Rate {
+    let blob = b.blob as u64;
+    let slots = span / size as u64;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut seq = 0u64;
+    let mut next = move || {
+        let i = if sequential {
+            seq += 1;
+            (seq - 1) % slots
+        } else {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % slots
+        };
+        let off = i * size as u64;
+        (off / blob, (off % blob) as u32)
+    };
+    let c = &b.client;
+    let data = vec![0x5au8; size];
+    let data = &data;
+    let start = Instant::now();
+    let mut ops = 0u64;
+    block_on(async {
+        let mut inflight = FuturesUnordered::new();
+        loop {
+            while inflight.len() < qd && start.elapsed() < secs() {
+                let (key, off) = next();
+                inflight.push(async move {
+                    match dir {
+                        Dir::Write => c.write(key, off, data).await,
+                        Dir::Read => {
+                            let mut out = vec![0u8; size];
+                            c.read(key, off, &mut out).await.map(|_| ())
+                        }
+                    }
+                });
+            }
+            match inflight.next().await {
+                Some(r) => {
+                    r.expect("bench request");
+                    ops += 1;
+                }
+                None => break,
+            }
+        }
+    });
+    Rate { ops, bytes: ops * size as u64, elapsed: start.elapsed() }
+}
+
+/// `dd` O_DIRECT sequential bandwidth of the disk under `dir`, in MiB/s.
+fn dd(dir: &Path, write: bool, mib: usize) -> f64 {
+    let file = dir.join("dd.bin").display().to_string();
+    let count = format!("count={mib}");
+    let args: Vec<String> = if write {
+        ["if=/dev/zero", &format!("of={file}"), "bs=1M", &count, "oflag=direct", "conv=fdatasync"].map(String::from).into()
+    } else {
+        [&format!("if={file}"), "of=/dev/null", "bs=1M", &count, "iflag=direct"].map(|s| s.to_string()).into()
+    };
+    let start = Instant::now();
+    let st = Command::new("dd").args(&args).stderr(std::process::Stdio::null()).status();
+    assert!(st.map(|s| s.success()).unwrap_or(false), "dd {args:?} failed");
+    mib as f64 / start.elapsed().as_secs_f64()
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let root = std::env::var_os("BENCH_DIR").map(Into::into).unwrap_or_else(|| {
+        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-arena");
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    });
+    let tmp = tempfile::tempdir_in(&root).unwrap();
+    println!("arena benchmark, {:?} per case, swap dir {}", secs(), tmp.path().display());
+
+    let tcp_1m = raw_tcp_stream(MIB);
+    let tcp_4k = raw_tcp_pingpong(4096);
+    println!("\n| baseline | MiB/s | ops/s |\n|---|---:|---:|");
+    println!("| raw TCP loopback stream, 1 MiB writes | {:.0} | {:.0} |", tcp_1m.mib_s(), tcp_1m.iops());
+    println!("| raw TCP 4 KiB request/response, QD1 | {:.1} | {:.0} |", tcp_4k.mib_s(), tcp_4k.iops());
+
+    // Resident: arena 1 GiB, data span 512 MiB.
+    let resident_dir = tmp.path().join("resident");
+    std::fs::create_dir_all(&resident_dir).unwrap();
+    let b = start(&resident_dir, 1 << 30, 2 << 30);
+    let span = 512 << 20;
+    run(&b, Dir::Write, MIB, 32, span, true); // populate so reads hit data
+    println!("\n| inline, arena-resident | MiB/s | ops/s | vs baseline |\n|---|---:|---:|---:|");
+    for (name, dir, size, qd, seq) in [
+        ("1 MiB seq write QD1", Dir::Write, MIB, 1, true),
+        ("1 MiB seq write QD32", Dir::Write, MIB, 32, true),
+        ("1 MiB seq read QD1", Dir::Read, MIB, 1, true),
+        ("1 MiB seq read QD32", Dir::Read, MIB, 32, true),
+        ("4 KiB rand write QD1", Dir::Write, 4096, 1, false),
+        ("4 KiB rand write QD32", Dir::Write, 4096, 32, false),
+        ("4 KiB rand read QD1", Dir::Read, 4096, 1, false),
+        ("4 KiB rand read QD32", Dir::Read, 4096, 32, false),
+    ] {
+        let r = run(&b, dir, size, qd, span, seq);
+        let ratio = if size == MIB { r.mib_s() / tcp_1m.mib_s() } else { r.iops() / tcp_4k.iops() };
+        let base = if size == MIB { "TCP stream" } else { "TCP ping-pong" };
+        println!("| {name} | {:.1} | {:.0} | {:.2}x {base} |", r.mib_s(), r.iops(), ratio);
+    }
+    drop(b);
+
+    // Swap-bound: arena 64 MiB under a 1 GiB data span.
+    let swap_dir = tmp.path().join("swap");
+    std::fs::create_dir_all(&swap_dir).unwrap();
+    let dd_w = dd(&swap_dir, true, 512);
+    let dd_r = dd(&swap_dir, false, 512);
+    std::fs::remove_file(swap_dir.join("dd.bin")).ok();
+    let b = start(&swap_dir, 64 << 20, 2 << 30);
+    let span = 1 << 30;
+    println!("\n| swap-bound (arena 64 MiB, data 1 GiB) | MiB/s | vs dd O_DIRECT |\n|---|---:|---:|");
+    println!("| dd O_DIRECT seq write 1 MiB (baseline) | {dd_w:.0} | 1.00x |");
+    println!("| dd O_DIRECT seq read 1 MiB (baseline) | {dd_r:.0} | 1.00x |");
+    let w = run(&b, Dir::Write, MIB, 32, span, true);
+    println!("| 1 MiB seq write QD32, evicting dirty slots (write-back) | {:.1} | {:.2}x write |", w.mib_s(), w.mib_s() / dd_w);
+    let r = run(&b, Dir::Read, MIB, 32, span, true);
+    println!("| 1 MiB seq read QD32, faulting in from swap | {:.1} | {:.2}x read |", r.mib_s(), r.mib_s() / dd_r);
+}

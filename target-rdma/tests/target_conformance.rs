@@ -1,0 +1,165 @@
+//! One suite, every block target: the arena target over each transport must
+//! match the in-memory reference target byte for byte.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use futures::executor::block_on;
+use proptest::prelude::*;
+use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+use target_rdma::target::{ArenaTarget, BlockTarget, MemTarget, TargetError};
+use target_rdma::transport::InProcess;
+
+const BLOB: u32 = 16 << 10;
+const SIZE: u64 = 1 << 20;
+
+struct Fixture<T> {
+    target: T,
+    _dir: Option<tempfile::TempDir>,
+    _peer: Option<Peer>,
+}
+
+fn mem() -> Fixture<MemTarget> {
+    Fixture { target: MemTarget::new(SIZE), _dir: None, _peer: None }
+}
+
+fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(
+        StoreConfig { dir: dir.path().to_owned(), arena_bytes: 8 * u64::from(BLOB), blob_bytes: BLOB, swap_bytes: 64 << 20 },
+        &[VolumeSpec { name: "a".into(), quota_blobs: 1 << 20 }],
+    )
+    .unwrap();
+    Fixture { target: ArenaTarget::new(InProcess::new(Arc::new(store), 0), SIZE), _dir: Some(dir), _peer: None }
+}
+
+fn arena_tcp() -> Fixture<ArenaTarget<target_rdma::client::ArenaClient>> {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts { arena_bytes: 8 * u64::from(BLOB), blob_bytes: BLOB, ..PeerOpts::default() });
+    let target = ArenaTarget::new(peer.client("a", SECRET_A), SIZE);
+    Fixture { target, _dir: Some(dir), _peer: Some(peer) }
+}
+
+fn read(t: &impl BlockTarget, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0xee; len];
+    block_on(t.read(offset, &mut buf)).unwrap();
+    buf
+}
+
+fn fresh_device_reads_zeros(t: &impl BlockTarget) {
+    assert!(read(t, 0, 64 << 10).iter().all(|b| *b == 0));
+    assert!(read(t, SIZE - 512, 512).iter().all(|b| *b == 0));
+}
+
+fn writes_spanning_blobs_read_back(t: &impl BlockTarget) {
+    let data = pattern(1, 1, 3 * BLOB as usize + 1536);
+    block_on(t.write(u64::from(BLOB) - 512, &data, false)).unwrap();
+    assert!(read(t, u64::from(BLOB) - 512, data.len()) == data);
+    assert!(read(t, 0, BLOB as usize - 512).iter().all(|b| *b == 0), "bytes before the write changed");
+}
+
+fn fua_and_flush_succeed(t: &impl BlockTarget) {
+    block_on(t.write(4096, &[7; 4096], true)).unwrap();
+    block_on(t.flush()).unwrap();
+    assert_eq!(read(t, 4096, 4096), vec![7; 4096]);
+}
+
+fn discard_and_write_zeroes_read_back_zeros(t: &impl BlockTarget) {
+    let all = pattern(2, 1, SIZE as usize / 4);
+    block_on(t.write(0, &all, false)).unwrap();
+    // Partial blob at each end and whole blobs in between.
+    let (off, len) = (1000u64, 3 * u64::from(BLOB) + 777);
+    block_on(t.discard(off, len)).unwrap();
+    let got = read(t, 0, all.len());
+    assert_eq!(got[..off as usize], all[..off as usize]);
+    assert!(got[off as usize..(off + len) as usize].iter().all(|b| *b == 0));
+    assert_eq!(got[(off + len) as usize..], all[(off + len) as usize..]);
+
+    block_on(t.write_zeroes(0, 512)).unwrap();
+    assert!(read(t, 0, 512).iter().all(|b| *b == 0));
+}
+
+fn out_of_range_is_eio_not_a_hang(t: &impl BlockTarget) {
+    let mut buf = vec![0; 1024];
+    let e = block_on(t.read(SIZE - 512, &mut buf)).unwrap_err();
+    assert!(matches!(e, TargetError::OutOfRange { .. }), "{e}");
+    assert_eq!(e.errno(), libc::EIO);
+    assert!(e.to_string().contains("past the end"), "{e}");
+    assert!(block_on(t.write(u64::MAX - 10, &buf, false)).is_err());
+    assert!(block_on(t.discard(SIZE, 1)).is_err());
+}
+
+macro_rules! conformance {
+    ($($target:ident),*) => {$(
+        mod $target {
+            #[test] fn fresh_device_reads_zeros() { super::fresh_device_reads_zeros(&super::$target().target) }
+            #[test] fn writes_spanning_blobs_read_back() { super::writes_spanning_blobs_read_back(&super::$target().target) }
+            #[test] fn fua_and_flush_succeed() { super::fua_and_flush_succeed(&super::$target().target) }
+            #[test] fn discard_and_write_zeroes_read_back_zeros() { super::discard_and_write_zeroes_read_back_zeros(&super::$target().target) }
+            #[test] fn out_of_range_is_eio_not_a_hang() { super::out_of_range_is_eio_not_a_hang(&super::$target().target) }
+        }
+    )*};
+}
+
+conformance!(mem, arena_in_process, arena_tcp);
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write(u64, usize, u8),
+    Read(u64, usize),
+    Discard(u64, u64),
+    Zeroes(u64, u64),
+    Flush,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let off = 0..SIZE - 70_000;
+    prop_oneof![
+        4 => (off.clone(), 1..70_000usize, any::<u8>()).prop_map(|(o, l, b)| Op::Write(o, l, b)),
+        3 => (off.clone(), 1..70_000usize).prop_map(|(o, l)| Op::Read(o, l)),
+        1 => (off.clone(), 1..70_000u64).prop_map(|(o, l)| Op::Discard(o, l)),
+        1 => (off, 1..70_000u64).prop_map(|(o, l)| Op::Zeroes(o, l)),
+        1 => Just(Op::Flush),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Random unaligned operations on the arena target (8-slot arena under a
+    /// 64-blob device, so eviction runs constantly) match the reference.
+    #[test]
+    fn arena_target_matches_the_reference(ops in proptest::collection::vec(op(), 1..40)) {
+        let reference = MemTarget::new(SIZE);
+        let f = arena_in_process();
+        block_on(async {
+            for op in ops {
+                match op {
+                    Op::Write(o, l, b) => {
+                        let data = vec![b; l];
+                        reference.write(o, &data, false).await.unwrap();
+                        f.target.write(o, &data, false).await.unwrap();
+                    }
+                    Op::Read(o, l) => {
+                        let (mut a, mut b) = (vec![0; l], vec![1; l]);
+                        reference.read(o, &mut a).await.unwrap();
+                        f.target.read(o, &mut b).await.unwrap();
+                        prop_assert!(a == b, "read {}+{} differs", o, l);
+                    }
+                    Op::Discard(o, l) => {
+                        reference.discard(o, l).await.unwrap();
+                        f.target.discard(o, l).await.unwrap();
+                    }
+                    Op::Zeroes(o, l) => {
+                        reference.write_zeroes(o, l).await.unwrap();
+                        f.target.write_zeroes(o, l).await.unwrap();
+                    }
+                    Op::Flush => f.target.flush().await.unwrap(),
+                }
+            }
+            Ok(())
+        })?;
+    }
+}

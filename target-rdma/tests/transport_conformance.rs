@@ -1,0 +1,123 @@
+//! One suite, every transport: each `BlobIo` implementation must behave the
+//! same. Add a transport by adding a line to `conformance!` below.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use futures::executor::block_on;
+use futures::future::join_all;
+use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+use target_rdma::transport::{BlobIo, InProcess, TransportKind};
+
+const BLOB: u32 = 64 << 10;
+
+/// A transport plus whatever must outlive it.
+struct Fixture<T> {
+    io: T,
+    _dir: tempfile::TempDir,
+    _peer: Option<Peer>,
+}
+
+fn in_process() -> Fixture<InProcess> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(
+        StoreConfig { dir: dir.path().to_owned(), arena_bytes: 1 << 20, blob_bytes: BLOB, swap_bytes: 64 << 20 },
+        &[VolumeSpec { name: "a".into(), quota_blobs: 1 << 20 }],
+    )
+    .unwrap();
+    Fixture { io: InProcess::new(Arc::new(store), 0), _dir: dir, _peer: None }
+}
+
+fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts { arena_bytes: 1 << 20, blob_bytes: BLOB, ..PeerOpts::default() });
+    let io = peer.client("a", SECRET_A);
+    Fixture { io, _dir: dir, _peer: Some(peer) }
+}
+
+fn unwritten_blobs_read_as_zeros(io: &impl BlobIo) {
+    let mut out = vec![0xaa; 4096];
+    assert!(!block_on(io.read(5, 100, &mut out)).unwrap());
+    assert!(out.iter().all(|b| *b == 0));
+}
+
+fn partial_writes_keep_the_rest_of_the_blob(io: &impl BlobIo) {
+    block_on(async {
+        io.write(1, 0, &[1; 1000]).await.unwrap();
+        io.write(1, 500, &[2; 100]).await.unwrap();
+        let mut out = vec![0; 2000];
+        assert!(io.read(1, 0, &mut out).await.unwrap());
+        assert!(out[..500].iter().all(|b| *b == 1));
+        assert!(out[500..600].iter().all(|b| *b == 2));
+        assert!(out[600..1000].iter().all(|b| *b == 1));
+        assert!(out[1000..].iter().all(|b| *b == 0));
+    });
+}
+
+fn whole_blobs_round_trip_beyond_the_arena(io: &impl BlobIo) {
+    // 40 blobs through a 16-slot arena: eviction and fault-in on every pass.
+    block_on(async {
+        for key in 0..40 {
+            io.write(key, 0, &pattern(key, 1, BLOB as usize)).await.unwrap();
+        }
+        let mut out = vec![0; BLOB as usize];
+        for key in (0..40).rev() {
+            assert!(io.read(key, 0, &mut out).await.unwrap());
+            assert!(out == pattern(key, 1, BLOB as usize), "blob {key} differs");
+        }
+    });
+}
+
+fn remove_drops_exactly_the_range(io: &impl BlobIo) {
+    block_on(async {
+        for key in 0..10 {
+            io.write(key, 0, &[key as u8 + 1; 16]).await.unwrap();
+        }
+        assert_eq!(io.remove(3, 7).await.unwrap(), 4);
+        assert_eq!(io.remove(3, 7).await.unwrap(), 0);
+        let mut out = [0u8; 16];
+        for key in 0..10 {
+            let present = io.read(key, 0, &mut out).await.unwrap();
+            assert_eq!(present, !(3..7).contains(&key), "key {key}");
+        }
+    });
+}
+
+fn ranges_past_the_blob_end_are_refused(io: &impl BlobIo) {
+    let e = block_on(io.write(1, BLOB - 10, &[0; 11])).unwrap_err();
+    assert!(e.to_string().contains(&(BLOB - 10).to_string()), "{e}");
+}
+
+fn concurrent_writes_to_many_keys(io: &impl BlobIo) {
+    block_on(async {
+        let writes = (0..32u64).map(|k| async move { io.write(k, 8, &pattern(k, 7, 3000)).await });
+        for r in join_all(writes).await {
+            r.unwrap();
+        }
+        io.flush().await.unwrap();
+        let mut out = vec![0; 3000];
+        for k in 0..32 {
+            io.read(k, 8, &mut out).await.unwrap();
+            assert!(out == pattern(k, 7, 3000));
+        }
+    });
+}
+
+macro_rules! conformance {
+    ($($transport:ident => $kind:expr),*) => {$(
+        mod $transport {
+            use super::*;
+            #[test] fn kind() { assert_eq!(super::$transport().io.kind(), $kind); }
+            #[test] fn unwritten_blobs_read_as_zeros() { super::unwritten_blobs_read_as_zeros(&super::$transport().io) }
+            #[test] fn partial_writes_keep_the_rest_of_the_blob() { super::partial_writes_keep_the_rest_of_the_blob(&super::$transport().io) }
+            #[test] fn whole_blobs_round_trip_beyond_the_arena() { super::whole_blobs_round_trip_beyond_the_arena(&super::$transport().io) }
+            #[test] fn remove_drops_exactly_the_range() { super::remove_drops_exactly_the_range(&super::$transport().io) }
+            #[test] fn ranges_past_the_blob_end_are_refused() { super::ranges_past_the_blob_end_are_refused(&super::$transport().io) }
+            #[test] fn concurrent_writes_to_many_keys() { super::concurrent_writes_to_many_keys(&super::$transport().io) }
+        }
+    )*};
+}
+
+conformance!(in_process => TransportKind::InProcess, tcp => TransportKind::Tcp);
