@@ -1,5 +1,8 @@
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex as StdMutex};
+
+use proptest::prelude::*;
 
 use super::*;
 
@@ -498,4 +501,120 @@ fn corrupt_checkpoint_is_an_error_naming_the_file() {
         matches!(e, StoreError::Corrupt { .. }) && e.to_string().contains("index.ckpt"),
         "{e}"
     );
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write {
+        key: u64,
+        offset: u32,
+        len: u32,
+        byte: u8,
+    },
+    Read {
+        key: u64,
+    },
+    AllocCommit {
+        holder: u64,
+        key: u64,
+        offset: u32,
+        len: u32,
+        byte: u8,
+        die: bool,
+    },
+    GetRelease {
+        holder: u64,
+        key: u64,
+    },
+    Remove {
+        start: u64,
+        len: u64,
+    },
+    Flush,
+    Crash,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let key = 0..32u64;
+    let range = (0..B as u32).prop_flat_map(|o| (Just(o), 1..=(B as u32 - o)));
+    prop_oneof![
+        6 => (key.clone(), range.clone(), any::<u8>()).prop_map(|(key, (offset, len), byte)| Op::Write { key, offset, len, byte }),
+        4 => key.clone().prop_map(|key| Op::Read { key }),
+        4 => (1..4u64, key.clone(), range, any::<u8>(), prop::bool::weighted(0.2))
+            .prop_map(|(holder, key, (offset, len), byte, die)| Op::AllocCommit { holder, key, offset, len, byte, die }),
+        3 => (1..4u64, key.clone()).prop_map(|(holder, key)| Op::GetRelease { holder, key }),
+        1 => (key, 1..6u64).prop_map(|(start, len)| Op::Remove { start, len }),
+        2 => Just(Op::Flush),
+        1 => Just(Op::Crash),
+    ]
+}
+
+fn apply(model: &mut HashMap<u64, Vec<u8>>, key: u64, offset: u32, len: u32, byte: u8) {
+    let b = model.entry(key).or_insert_with(|| vec![0; B as usize]);
+    b[offset as usize..(offset + len) as usize].fill(byte);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn store_matches_model_across_crashes(ops in prop::collection::vec(op(), 1..60)) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = open(dir.path(), 4, 256);
+        let mut cur: HashMap<u64, Vec<u8>> = HashMap::new();
+        let mut flushed = cur.clone();
+        for op in ops {
+            match op {
+                Op::Write { key, offset, len, byte } => {
+                    s.write(0, key, offset, &vec![byte; len as usize]).unwrap();
+                    apply(&mut cur, key, offset, len, byte);
+                }
+                Op::Read { key } => prop_assert_eq!(blob(&s, 0, key), cur.get(&key).cloned(), "read key {}", key),
+                Op::AllocCommit { holder, key, offset, len, byte, die } => {
+                    let l = s.alloc(0, key, holder).unwrap();
+                    let before = cur.get(&key).cloned().unwrap_or_else(|| vec![0; B as usize]);
+                    let seen = s.with_lease(l.token, holder, |b| {
+                        let seen = b.to_vec();
+                        b[offset as usize..(offset + len) as usize].fill(byte);
+                        seen
+                    }).unwrap();
+                    prop_assert_eq!(seen, before, "ALLOC content of key {}", key);
+                    if die { s.drop_holder(holder) } else { s.commit(0, key, l.token, holder).unwrap() }
+                    apply(&mut cur, key, offset, len, byte);
+                }
+                Op::GetRelease { holder, key } => match s.get(0, key, holder).unwrap() {
+                    Some(l) => {
+                        let seen = s.with_lease(l.token, holder, |b| b.to_vec()).unwrap();
+                        prop_assert_eq!(Some(seen), cur.get(&key).cloned(), "GET key {}", key);
+                        s.release(l.token, holder).unwrap();
+                    }
+                    None => prop_assert!(!cur.contains_key(&key), "GET lost key {}", key),
+                },
+                Op::Remove { start, len } => {
+                    let n = s.remove(0, start, start + len).unwrap();
+                    let before = cur.len();
+                    cur.retain(|k, _| !(start..start + len).contains(k));
+                    prop_assert_eq!(n as usize, before - cur.len());
+                }
+                Op::Flush => {
+                    s.flush().unwrap();
+                    flushed = cur.clone();
+                }
+                Op::Crash => {
+                    let g = s.generation();
+                    drop(s);
+                    s = open(dir.path(), 4, 256);
+                    prop_assert_eq!(s.generation(), g + 1);
+                    cur = flushed.clone();
+                    for k in 0..32 {
+                        prop_assert_eq!(blob(&s, 0, k), cur.get(&k).cloned(), "after crash, key {}", k);
+                    }
+                }
+            }
+            prop_assert_eq!(s.stats().leases_held, 0);
+        }
+        for k in 0..32 {
+            prop_assert_eq!(blob(&s, 0, k), cur.get(&k).cloned(), "final key {}", k);
+        }
+    }
 }
