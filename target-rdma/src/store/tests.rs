@@ -618,3 +618,48 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn concurrent_holders_and_a_flusher_agree() {
+    fn shared<T: Send + Sync>(_: &T) {}
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(open(dir.path(), 4, 256));
+    shared(&*s);
+    let workers: Vec<_> = (0..3u64)
+        .map(|h| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                for i in 0..150u64 {
+                    let key = h * 100 + i % 10;
+                    let v = (i % 251) as u8;
+                    if i % 2 == 0 {
+                        s.write(0, key, 0, &vec![v; B as usize]).unwrap();
+                    } else {
+                        let l = loop {
+                            match s.alloc(0, key, h) {
+                                Ok(l) => break l,
+                                Err(StoreError::Busy { .. }) => std::thread::yield_now(),
+                                Err(e) => panic!("{e}"),
+                            }
+                        };
+                        s.with_lease(l.token, h, |b| b.fill(v)).unwrap();
+                        s.commit(0, key, l.token, h).unwrap();
+                    }
+                    let mut out = vec![0u8; B as usize];
+                    assert!(s.read(0, key, 0, &mut out).unwrap());
+                    assert!(out.iter().all(|&b| b == v), "holder {h} key {key}");
+                }
+            })
+        })
+        .collect();
+    for _ in 0..20 {
+        s.flush().unwrap();
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    s.flush().unwrap();
+    let st = s.stats();
+    assert_eq!(st.leases_held, 0);
+    assert_eq!(st.slots_dirty + st.slots_leased, 0, "{st:?}");
+}
