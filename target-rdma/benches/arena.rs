@@ -31,7 +31,12 @@ const MIB: usize = 1 << 20;
 const SECRET: &[u8] = b"benchmark-secret-0123456789";
 
 fn secs() -> Duration {
-    Duration::from_secs_f64(std::env::var("BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0))
+    Duration::from_secs_f64(
+        std::env::var("BENCH_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2.0),
+    )
 }
 
 /// Bytes/s and ops/s of one case.
@@ -76,7 +81,11 @@ fn raw_tcp_stream(chunk: usize) -> Rate {
     }
     drop(s);
     let bytes = rx.join().unwrap();
-    Rate { ops, bytes, elapsed: start.elapsed() }
+    Rate {
+        ops,
+        bytes,
+        elapsed: start.elapsed(),
+    }
 }
 
 /// Plain TCP request/response: `size` bytes out, a 24-byte answer back, at
@@ -105,7 +114,11 @@ fn raw_tcp_pingpong(size: usize) -> Rate {
         s.read_exact(&mut ans).unwrap();
         ops += 1;
     }
-    Rate { ops, bytes: ops * size as u64, elapsed: start.elapsed() }
+    Rate {
+        ops,
+        bytes: ops * size as u64,
+        elapsed: start.elapsed(),
+    }
 }
 
 struct Bench {
@@ -118,23 +131,45 @@ fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
     let blob = MIB as u32;
     let store = Arc::new(
         Store::open(
-            StoreConfig { dir: dir.to_owned(), arena_bytes: arena, blob_bytes: blob, swap_bytes: swap },
-            &[VolumeSpec { name: "bench".into(), quota_blobs: swap / u64::from(blob) }],
+            StoreConfig {
+                dir: dir.to_owned(),
+                arena_bytes: arena,
+                blob_bytes: blob,
+                swap_bytes: swap,
+            },
+            &[VolumeSpec {
+                name: "bench".into(),
+                quota_blobs: swap / u64::from(blob),
+            }],
         )
         .unwrap(),
     );
     let secret = Secret::new(SECRET.to_vec()).unwrap();
     let server = Server::new(
         store,
-        vec![ServedVolume { name: "bench".into(), secret: secret.clone(), id: 0, quota_blobs: swap / u64::from(blob) }],
-        ServerLimits { max_connections: 8, max_inflight: 64, handshake_timeout: Duration::from_secs(5) },
+        vec![ServedVolume {
+            name: "bench".into(),
+            secret: secret.clone(),
+            id: 0,
+            quota_blobs: swap / u64::from(blob),
+        }],
+        ServerLimits {
+            max_connections: 8,
+            max_inflight: 64,
+            handshake_timeout: Duration::from_secs(5),
+        },
     );
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let s = Arc::clone(&server);
     std::thread::spawn(move || s.serve(l));
-    let client = ArenaClient::connect(ClientConfig::new(addr.to_string(), "bench", secret)).unwrap();
-    Bench { _server: server, client, blob: blob as usize }
+    let client =
+        ArenaClient::connect(ClientConfig::new(addr.to_string(), "bench", secret)).unwrap();
+    Bench {
+        _server: server,
+        client,
+        blob: blob as usize,
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -193,7 +228,11 @@ fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool)
             }
         }
     });
-    Rate { ops, bytes: ops * size as u64, elapsed: start.elapsed() }
+    Rate {
+        ops,
+        bytes: ops * size as u64,
+        elapsed: start.elapsed(),
+    }
 }
 
 /// `dd` O_DIRECT sequential bandwidth of the disk under `dir`, in MiB/s.
@@ -201,13 +240,36 @@ fn dd(dir: &Path, write: bool, mib: usize) -> f64 {
     let file = dir.join("dd.bin").display().to_string();
     let count = format!("count={mib}");
     let args: Vec<String> = if write {
-        ["if=/dev/zero", &format!("of={file}"), "bs=1M", &count, "oflag=direct", "conv=fdatasync"].map(String::from).into()
+        [
+            "if=/dev/zero",
+            &format!("of={file}"),
+            "bs=1M",
+            &count,
+            "oflag=direct",
+            "conv=fdatasync",
+        ]
+        .map(String::from)
+        .into()
     } else {
-        [&format!("if={file}"), "of=/dev/null", "bs=1M", &count, "iflag=direct"].map(|s| s.to_string()).into()
+        [
+            &format!("if={file}"),
+            "of=/dev/null",
+            "bs=1M",
+            &count,
+            "iflag=direct",
+        ]
+        .map(|s| s.to_string())
+        .into()
     };
     let start = Instant::now();
-    let st = Command::new("dd").args(&args).stderr(std::process::Stdio::null()).status();
-    assert!(st.map(|s| s.success()).unwrap_or(false), "dd {args:?} failed");
+    let st = Command::new("dd")
+        .args(&args)
+        .stderr(std::process::Stdio::null())
+        .status();
+    assert!(
+        st.map(|s| s.success()).unwrap_or(false),
+        "dd {args:?} failed"
+    );
     mib as f64 / start.elapsed().as_secs_f64()
 }
 
@@ -215,19 +277,33 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let root = std::env::var_os("BENCH_DIR").map(Into::into).unwrap_or_else(|| {
-        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-arena");
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    });
+    let root = std::env::var_os("BENCH_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| {
+            let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-arena");
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        });
     let tmp = tempfile::tempdir_in(&root).unwrap();
-    println!("arena benchmark, {:?} per case, swap dir {}", secs(), tmp.path().display());
+    println!(
+        "arena benchmark, {:?} per case, swap dir {}",
+        secs(),
+        tmp.path().display()
+    );
 
     let tcp_1m = raw_tcp_stream(MIB);
     let tcp_4k = raw_tcp_pingpong(4096);
     println!("\n| baseline | MiB/s | ops/s |\n|---|---:|---:|");
-    println!("| raw TCP loopback stream, 1 MiB writes | {:.0} | {:.0} |", tcp_1m.mib_s(), tcp_1m.iops());
-    println!("| raw TCP 4 KiB request/response, QD1 | {:.1} | {:.0} |", tcp_4k.mib_s(), tcp_4k.iops());
+    println!(
+        "| raw TCP loopback stream, 1 MiB writes | {:.0} | {:.0} |",
+        tcp_1m.mib_s(),
+        tcp_1m.iops()
+    );
+    println!(
+        "| raw TCP 4 KiB request/response, QD1 | {:.1} | {:.0} |",
+        tcp_4k.mib_s(),
+        tcp_4k.iops()
+    );
 
     // Resident: arena 1 GiB, data span 512 MiB.
     let resident_dir = tmp.path().join("resident");
@@ -247,9 +323,22 @@ fn main() {
         ("4 KiB rand read QD32", Dir::Read, 4096, 32, false),
     ] {
         let r = run(&b, dir, size, qd, span, seq);
-        let ratio = if size == MIB { r.mib_s() / tcp_1m.mib_s() } else { r.iops() / tcp_4k.iops() };
-        let base = if size == MIB { "TCP stream" } else { "TCP ping-pong" };
-        println!("| {name} | {:.1} | {:.0} | {:.2}x {base} |", r.mib_s(), r.iops(), ratio);
+        let ratio = if size == MIB {
+            r.mib_s() / tcp_1m.mib_s()
+        } else {
+            r.iops() / tcp_4k.iops()
+        };
+        let base = if size == MIB {
+            "TCP stream"
+        } else {
+            "TCP ping-pong"
+        };
+        println!(
+            "| {name} | {:.1} | {:.0} | {:.2}x {base} |",
+            r.mib_s(),
+            r.iops(),
+            ratio
+        );
     }
     drop(b);
 
@@ -261,11 +350,21 @@ fn main() {
     std::fs::remove_file(swap_dir.join("dd.bin")).ok();
     let b = start(&swap_dir, 64 << 20, 2 << 30);
     let span = 1 << 30;
-    println!("\n| swap-bound (arena 64 MiB, data 1 GiB) | MiB/s | vs dd O_DIRECT |\n|---|---:|---:|");
+    println!(
+        "\n| swap-bound (arena 64 MiB, data 1 GiB) | MiB/s | vs dd O_DIRECT |\n|---|---:|---:|"
+    );
     println!("| dd O_DIRECT seq write 1 MiB (baseline) | {dd_w:.0} | 1.00x |");
     println!("| dd O_DIRECT seq read 1 MiB (baseline) | {dd_r:.0} | 1.00x |");
     let w = run(&b, Dir::Write, MIB, 32, span, true);
-    println!("| 1 MiB seq write QD32, evicting dirty slots (write-back) | {:.1} | {:.2}x write |", w.mib_s(), w.mib_s() / dd_w);
+    println!(
+        "| 1 MiB seq write QD32, evicting dirty slots (write-back) | {:.1} | {:.2}x write |",
+        w.mib_s(),
+        w.mib_s() / dd_w
+    );
     let r = run(&b, Dir::Read, MIB, 32, span, true);
-    println!("| 1 MiB seq read QD32, faulting in from swap | {:.1} | {:.2}x read |", r.mib_s(), r.mib_s() / dd_r);
+    println!(
+        "| 1 MiB seq read QD32, faulting in from swap | {:.1} | {:.2}x read |",
+        r.mib_s(),
+        r.mib_s() / dd_r
+    );
 }

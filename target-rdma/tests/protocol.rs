@@ -406,3 +406,74 @@ fn requests_time_out_and_say_so() {
         1
     );
 }
+
+#[test]
+fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = PeerOpts {
+        arena_bytes: 2 * (64 << 10),
+        quota_blobs: 3,
+        ..PeerOpts::default()
+    };
+    let peer = Peer::start(dir.path(), &opts);
+    let c = peer.client("a", SECRET_A);
+    block_on(async {
+        let l1 = c.alloc(1).await.unwrap();
+        let l2 = c.alloc(2).await.unwrap();
+        // Both slots pinned: the third blob cannot get one, and the peer asks
+        // for the leases back.
+        let e = c.alloc(3).await.unwrap_err();
+        assert_eq!(e.status(), Some(Status::Busy), "{e}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut revoked = Vec::new();
+        while revoked.len() < 2 && std::time::Instant::now() < deadline {
+            revoked.extend(c.take_revocations());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        revoked.sort();
+        assert_eq!(revoked, vec![(1, l1.token), (2, l2.token)]);
+        // Honouring the revocations frees the slots.
+        c.commit(1, l1.token).await.unwrap();
+        c.commit(2, l2.token).await.unwrap();
+        c.write(3, 0, &[3; 16]).await.unwrap();
+        // A fourth distinct blob exceeds the quota of 3: a status, the
+        // session goes on.
+        let e = c.write(4, 0, &[4; 16]).await.unwrap_err();
+        assert_eq!(e.status(), Some(Status::QuotaExceeded), "{e}");
+        let mut out = [0u8; 16];
+        assert!(c.read(3, 0, &mut out).await.unwrap());
+        assert_eq!(out, [3; 16]);
+    });
+    assert_eq!(
+        c.counters()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let addr = peer.addr;
+    let c = peer.client("a", SECRET_A);
+    block_on(async {
+        c.write(1, 0, &[1; 4096]).await.unwrap();
+        c.flush().await.unwrap();
+    });
+    peer.stop();
+    let peer = Peer::start_at(dir.path(), &PeerOpts::default(), &addr.to_string());
+    let mut out = vec![0; 4096];
+    assert!(
+        block_on(c.read(1, 0, &mut out)).unwrap(),
+        "flushed data after the restart"
+    );
+    assert_eq!(out, vec![1; 4096]);
+    let n = |v: &std::sync::atomic::AtomicU64| v.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(n(&c.counters().connects), 2);
+    assert_eq!(n(&c.counters().peer_restarts), 1);
+    // Everything was flushed before the restart, so FLUSH has nothing to report.
+    block_on(c.flush()).unwrap();
+    drop(peer);
+}

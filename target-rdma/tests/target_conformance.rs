@@ -22,24 +22,51 @@ struct Fixture<T> {
 }
 
 fn mem() -> Fixture<MemTarget> {
-    Fixture { target: MemTarget::new(SIZE), _dir: None, _peer: None }
+    Fixture {
+        target: MemTarget::new(SIZE),
+        _dir: None,
+        _peer: None,
+    }
 }
 
 fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(
-        StoreConfig { dir: dir.path().to_owned(), arena_bytes: 8 * u64::from(BLOB), blob_bytes: BLOB, swap_bytes: 64 << 20 },
-        &[VolumeSpec { name: "a".into(), quota_blobs: 1 << 20 }],
+        StoreConfig {
+            dir: dir.path().to_owned(),
+            arena_bytes: 8 * u64::from(BLOB),
+            blob_bytes: BLOB,
+            swap_bytes: 64 << 20,
+        },
+        &[VolumeSpec {
+            name: "a".into(),
+            quota_blobs: 1 << 20,
+        }],
     )
     .unwrap();
-    Fixture { target: ArenaTarget::new(InProcess::new(Arc::new(store), 0), SIZE), _dir: Some(dir), _peer: None }
+    Fixture {
+        target: ArenaTarget::new(InProcess::new(Arc::new(store), 0), SIZE),
+        _dir: Some(dir),
+        _peer: None,
+    }
 }
 
 fn arena_tcp() -> Fixture<ArenaTarget<target_rdma::client::ArenaClient>> {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts { arena_bytes: 8 * u64::from(BLOB), blob_bytes: BLOB, ..PeerOpts::default() });
+    let peer = Peer::start(
+        dir.path(),
+        &PeerOpts {
+            arena_bytes: 8 * u64::from(BLOB),
+            blob_bytes: BLOB,
+            ..PeerOpts::default()
+        },
+    );
     let target = ArenaTarget::new(peer.client("a", SECRET_A), SIZE);
-    Fixture { target, _dir: Some(dir), _peer: Some(peer) }
+    Fixture {
+        target,
+        _dir: Some(dir),
+        _peer: Some(peer),
+    }
 }
 
 fn read(t: &impl BlockTarget, offset: u64, len: usize) -> Vec<u8> {
@@ -57,7 +84,10 @@ fn writes_spanning_blobs_read_back(t: &impl BlockTarget) {
     let data = pattern(1, 1, 3 * BLOB as usize + 1536);
     block_on(t.write(u64::from(BLOB) - 512, &data, false)).unwrap();
     assert!(read(t, u64::from(BLOB) - 512, data.len()) == data);
-    assert!(read(t, 0, BLOB as usize - 512).iter().all(|b| *b == 0), "bytes before the write changed");
+    assert!(
+        read(t, 0, BLOB as usize - 512).iter().all(|b| *b == 0),
+        "bytes before the write changed"
+    );
 }
 
 fn fua_and_flush_succeed(t: &impl BlockTarget) {
@@ -74,7 +104,9 @@ fn discard_and_write_zeroes_read_back_zeros(t: &impl BlockTarget) {
     block_on(t.discard(off, len)).unwrap();
     let got = read(t, 0, all.len());
     assert_eq!(got[..off as usize], all[..off as usize]);
-    assert!(got[off as usize..(off + len) as usize].iter().all(|b| *b == 0));
+    assert!(got[off as usize..(off + len) as usize]
+        .iter()
+        .all(|b| *b == 0));
     assert_eq!(got[(off + len) as usize..], all[(off + len) as usize..]);
 
     block_on(t.write_zeroes(0, 512)).unwrap();

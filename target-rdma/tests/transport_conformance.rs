@@ -23,18 +23,41 @@ struct Fixture<T> {
 fn in_process() -> Fixture<InProcess> {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(
-        StoreConfig { dir: dir.path().to_owned(), arena_bytes: 1 << 20, blob_bytes: BLOB, swap_bytes: 64 << 20 },
-        &[VolumeSpec { name: "a".into(), quota_blobs: 1 << 20 }],
+        StoreConfig {
+            dir: dir.path().to_owned(),
+            arena_bytes: 1 << 20,
+            blob_bytes: BLOB,
+            swap_bytes: 64 << 20,
+        },
+        &[VolumeSpec {
+            name: "a".into(),
+            quota_blobs: 1 << 20,
+        }],
     )
     .unwrap();
-    Fixture { io: InProcess::new(Arc::new(store), 0), _dir: dir, _peer: None }
+    Fixture {
+        io: InProcess::new(Arc::new(store), 0),
+        _dir: dir,
+        _peer: None,
+    }
 }
 
 fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts { arena_bytes: 1 << 20, blob_bytes: BLOB, ..PeerOpts::default() });
+    let peer = Peer::start(
+        dir.path(),
+        &PeerOpts {
+            arena_bytes: 1 << 20,
+            blob_bytes: BLOB,
+            ..PeerOpts::default()
+        },
+    );
     let io = peer.client("a", SECRET_A);
-    Fixture { io, _dir: dir, _peer: Some(peer) }
+    Fixture {
+        io,
+        _dir: dir,
+        _peer: Some(peer),
+    }
 }
 
 fn unwritten_blobs_read_as_zeros(io: &impl BlobIo) {
@@ -60,7 +83,9 @@ fn whole_blobs_round_trip_beyond_the_arena(io: &impl BlobIo) {
     // 40 blobs through a 16-slot arena: eviction and fault-in on every pass.
     block_on(async {
         for key in 0..40 {
-            io.write(key, 0, &pattern(key, 1, BLOB as usize)).await.unwrap();
+            io.write(key, 0, &pattern(key, 1, BLOB as usize))
+                .await
+                .unwrap();
         }
         let mut out = vec![0; BLOB as usize];
         for key in (0..40).rev() {

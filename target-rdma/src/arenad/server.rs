@@ -116,15 +116,19 @@ impl From<io::Error> for Fatal {
 /// Status a store error answers with, and whether it ends the connection.
 fn store_status(e: &StoreError) -> (Status, bool) {
     match e {
-        StoreError::NoSpace => (Status::NoSpace, false),
+        StoreError::NoSpace { .. } => (Status::NoSpace, false),
         StoreError::QuotaExceeded { .. } => (Status::QuotaExceeded, false),
-        StoreError::Busy => (Status::Busy, false),
+        StoreError::Busy { .. } | StoreError::LeaseLimit { .. } => (Status::Busy, false),
         StoreError::UnknownLease { .. }
         | StoreError::LeaseMismatch { .. }
         | StoreError::OutOfRange { .. } => (Status::Protocol, true),
-        StoreError::Io { .. } | StoreError::Corrupt { .. } | StoreError::InvalidConfig { .. } => {
-            (Status::Internal, false)
-        }
+        StoreError::UnknownVolume { .. }
+        | StoreError::Io { .. }
+        | StoreError::Uring { .. }
+        | StoreError::ArenaMap { .. }
+        | StoreError::Corrupt { .. }
+        | StoreError::InvalidConfig { .. }
+        | StoreError::Locked { .. } => (Status::Internal, false),
     }
 }
 

@@ -1,86 +1,432 @@
-//! Temporary in-memory stand-in for the swap-backed store, so the server, client and target build and test while the real engine is finished on its branch; replaced by it.
-use crate::proto::Lease;
-use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::path::PathBuf;
+//! The storage engine of `arenad`: RAM arena slots in front of a swap file,
+//! with a persistent (volume, key) -> extent index.
+//!
+//! One mutex guards the bookkeeping; slot bytes have their own per-slot
+//! locks so that connection threads copy payloads without holding the store
+//! lock. Lock order is store lock, then slot lock, never the reverse: code
+//! holding a slot lock never takes the store lock.
 
+mod arena;
+mod clock;
+mod engine;
+mod index;
+mod swap;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashSet;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::proto::{Lease, MAX_VOLUME_NAME};
+use arena::Arena;
+use engine::State;
+
+/// Where and how big the store is.
+#[derive(Clone, Debug)]
 pub struct StoreConfig {
+    /// Directory holding the swap file and the index.
     pub dir: PathBuf,
+    /// RAM arena size; a multiple of `blob_bytes`.
     pub arena_bytes: u64,
+    /// Blob (slot, extent) size: a power of two from 4 KiB to 16 MiB.
     pub blob_bytes: u32,
+    /// Swap file size; a multiple of `blob_bytes`, at least `arena_bytes`.
     pub swap_bytes: u64,
 }
+
+/// A volume the store serves.
+#[derive(Clone, Debug)]
 pub struct VolumeSpec {
+    /// Name clients ask for; the persisted index is keyed by it.
     pub name: String,
+    /// Most distinct blobs the volume may hold.
     pub quota_blobs: u64,
 }
+
+/// Index into the `volumes` slice given to [`Store::open`].
 pub type VolumeId = u32;
+/// A connection; owns leases.
 pub type HolderId = u64;
+/// Called once per lease the store wants back: (holder, volume, key, token).
 pub type RevokeHook = Box<dyn Fn(HolderId, VolumeId, u64, u64) + Send + Sync>;
+
+type BlobKey = (VolumeId, u64);
+
+/// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("no space")]
-    NoSpace,
-    #[error("quota {volume} {quota}")]
-    QuotaExceeded { volume: String, quota: u64 },
-    #[error("busy")]
-    Busy,
-    #[error("unknown lease {token}")]
-    UnknownLease { token: u64 },
-    #[error("lease mismatch {token}")]
-    LeaseMismatch { token: u64 },
-    #[error("out of range {offset} {len} {blob_bytes}")]
+    /// Arena and swap are both full.
+    #[error("no space: all {slots} arena slots and all {extents} swap extents are in use")]
+    NoSpace {
+        /// Arena slots.
+        slots: usize,
+        /// Swap extents.
+        extents: u32,
+    },
+    /// The volume already holds its quota of blobs.
+    #[error("volume {volume:?} is at its quota of {quota} blobs")]
+    QuotaExceeded {
+        /// Volume name.
+        volume: String,
+        /// Its quota.
+        quota: u64,
+    },
+    /// Every slot is pinned by a lease; the oldest leases were revoked.
+    #[error("all {slots} arena slots are pinned by leases; {revoked} leases revoked, retry later")]
+    Busy {
+        /// Arena slots.
+        slots: usize,
+        /// Leases newly asked back.
+        revoked: usize,
+    },
+    /// No lease has this token.
+    #[error("unknown lease token {token}")]
+    UnknownLease {
+        /// The token.
+        token: u64,
+    },
+    /// The lease exists but does not fit the request.
+    #[error("lease token {token} {detail}")]
+    LeaseMismatch {
+        /// The token.
+        token: u64,
+        /// What did not match.
+        detail: String,
+    },
+    /// Too many leases are outstanding.
+    #[error("too many leases outstanding: the limit is {limit}")]
+    LeaseLimit {
+        /// The limit.
+        limit: usize,
+    },
+    /// A byte range does not fit in a blob.
+    #[error("byte range at offset {offset} of length {len} exceeds the blob size {blob_bytes}")]
     OutOfRange {
+        /// Range start.
         offset: u32,
+        /// Range length.
         len: usize,
+        /// Blob size.
         blob_bytes: u32,
     },
-    #[error("io {what}: {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
+    /// No such volume.
+    #[error("unknown volume id {vol}: {count} volumes are configured")]
+    UnknownVolume {
+        /// The id.
+        vol: VolumeId,
+        /// Configured volumes.
+        count: usize,
     },
-    #[error("corrupt {file}: {detail}")]
-    Corrupt { file: PathBuf, detail: String },
+    /// A file operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// The operation, phrased to precede the path.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// io_uring could not be set up.
+    #[error("setting up io_uring for the swap file failed: {source}")]
+    Uring {
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The arena could not be mapped.
+    #[error("mapping a {bytes}-byte arena failed: {source}")]
+    ArenaMap {
+        /// Arena size.
+        bytes: u64,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// A persisted file does not parse.
+    #[error("corrupt {}: {detail}", file.display())]
+    Corrupt {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A configuration value is unusable.
     #[error("invalid config {key}: {detail}")]
-    InvalidConfig { key: &'static str, detail: String },
+    InvalidConfig {
+        /// The key.
+        key: &'static str,
+        /// Why, with the value.
+        detail: String,
+    },
+    /// Another process has the store open.
+    #[error("store directory {} is locked by another process", path.display())]
+    Locked {
+        /// The directory.
+        path: PathBuf,
+    },
 }
-#[derive(Default, Debug, Clone)]
-pub struct StoreStats {}
+
+/// A point-in-time view of the store for metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Arena slots.
+    pub slots_total: u64,
+    /// Slots holding no blob.
+    pub slots_free: u64,
+    /// Unpinned slots equal to their swap copy.
+    pub slots_clean: u64,
+    /// Unpinned slots newer than their swap copy.
+    pub slots_dirty: u64,
+    /// Slots pinned by a lease or an inline copy.
+    pub slots_leased: u64,
+    /// Outstanding leases.
+    pub leases_held: u64,
+    /// Leases asked back through the revoke hook.
+    pub revocations: u64,
+    /// Blobs dropped from RAM to make room.
+    pub evictions: u64,
+    /// Slots written to swap.
+    pub write_backs: u64,
+    /// Blobs read back from swap.
+    pub fault_ins: u64,
+    /// Bytes read from swap.
+    pub swap_bytes_read: u64,
+    /// Bytes written to swap.
+    pub swap_bytes_written: u64,
+    /// Swap extents holding a blob image.
+    pub swap_extents_used: u64,
+    /// Swap extents.
+    pub swap_extents_total: u64,
+    /// Completed FLUSH calls.
+    pub flushes: u64,
+    /// Journal records appended.
+    pub journal_records: u64,
+    /// Checkpoints written (including the one at open).
+    pub checkpoints: u64,
+    /// Whether swap I/O bypasses the page cache.
+    pub direct_io: bool,
+}
+
+/// The arena peer's storage engine. `Send + Sync`; call it from any thread.
 pub struct Store {
-    blob: u32,
-    m: Mutex<HashMap<(u32, u64), Vec<u8>>>,
-    leases: Mutex<HashMap<u64, (HolderId, u32, u64)>>,
-    next: Mutex<u64>,
+    arena: Arena,
+    state: Mutex<State>,
+    hook: RwLock<Option<RevokeHook>>,
+    blob_bytes: u32,
+    generation: u64,
+    /// Holds the advisory lock on the directory while the store is open.
+    _lock: File,
 }
-impl Store {
-    pub fn open(cfg: StoreConfig, _v: &[VolumeSpec]) -> Result<Store, StoreError> {
-        Ok(Store {
-            blob: cfg.blob_bytes,
-            m: Default::default(),
-            leases: Default::default(),
-            next: Mutex::new(1),
-        })
+
+const LOCK_FILE: &str = "lock";
+const SWAP_FILE: &str = "swap.dat";
+
+fn invalid(key: &'static str, detail: String) -> StoreError {
+    StoreError::InvalidConfig { key, detail }
+}
+
+/// Checks the configuration; returns (slots, extents).
+fn validate(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<(u32, u32), StoreError> {
+    if cfg.dir.as_os_str().is_empty() {
+        return Err(invalid("dir", "must not be empty".into()));
     }
-    pub fn generation(&self) -> u64 {
-        1
+    let b = cfg.blob_bytes;
+    if !b.is_power_of_two() || !(4096..=16 << 20).contains(&b) {
+        return Err(invalid(
+            "blob_bytes",
+            format!("must be a power of two from 4096 to 16777216, got {b}"),
+        ));
     }
-    pub fn blob_bytes(&self) -> u32 {
-        self.blob
+    let b64 = u64::from(b);
+    if !cfg.arena_bytes.is_multiple_of(b64) || cfg.arena_bytes / b64 < 2 {
+        return Err(invalid(
+            "arena_bytes",
+            format!(
+                "must be a multiple of blob_bytes ({b}) holding at least 2 slots, got {}",
+                cfg.arena_bytes
+            ),
+        ));
     }
-    pub fn set_revoke_hook(&self, _h: RevokeHook) {}
-    fn chk(&self, offset: u32, len: usize) -> Result<(), StoreError> {
-        if offset as usize + len > self.blob as usize {
-            Err(StoreError::OutOfRange {
-                offset,
-                len,
-                blob_bytes: self.blob,
-            })
-        } else {
-            Ok(())
+    let slots = u32::try_from(cfg.arena_bytes / b64)
+        .ok()
+        .filter(|_| usize::try_from(cfg.arena_bytes).is_ok())
+        .ok_or_else(|| {
+            invalid(
+                "arena_bytes",
+                format!("{} is too large for this machine", cfg.arena_bytes),
+            )
+        })?;
+    if !cfg.swap_bytes.is_multiple_of(b64) || cfg.swap_bytes < cfg.arena_bytes {
+        return Err(invalid(
+            "swap_bytes",
+            format!(
+                "must be a multiple of blob_bytes ({b}) and at least arena_bytes ({}), got {}",
+                cfg.arena_bytes, cfg.swap_bytes
+            ),
+        ));
+    }
+    let extents = u32::try_from(cfg.swap_bytes / b64).map_err(|_| {
+        invalid(
+            "swap_bytes",
+            format!(
+                "{} holds more than 2^32 extents of {b} bytes",
+                cfg.swap_bytes
+            ),
+        )
+    })?;
+    if volumes.len() > index::MAX_VOLUMES {
+        return Err(invalid(
+            "volumes",
+            format!(
+                "{} volumes, the limit is {}",
+                volumes.len(),
+                index::MAX_VOLUMES
+            ),
+        ));
+    }
+    let mut seen = HashSet::new();
+    for v in volumes {
+        if v.name.is_empty() || v.name.len() > MAX_VOLUME_NAME {
+            return Err(invalid(
+                "volumes.name",
+                format!("{:?} must be 1 to {MAX_VOLUME_NAME} bytes long", v.name),
+            ));
+        }
+        if !seen.insert(v.name.as_str()) {
+            return Err(invalid(
+                "volumes.name",
+                format!("{:?} is configured twice", v.name),
+            ));
         }
     }
+    Ok((slots, extents))
+}
+
+/// Takes an exclusive advisory lock so that two processes never share a
+/// swap file and journal.
+fn lock_dir(dir: &Path) -> Result<File, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|source| StoreError::Io {
+            what: "opening lock file",
+            path: path.clone(),
+            source,
+        })?;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let source = io::Error::last_os_error();
+        if source.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(StoreError::Locked {
+                path: dir.to_path_buf(),
+            });
+        }
+        return Err(StoreError::Io {
+            what: "locking",
+            path,
+            source,
+        });
+    }
+    Ok(file)
+}
+
+impl Store {
+    /// Opens or creates the store in `cfg.dir`: loads the checkpoint, replays
+    /// the journal (dropping a torn tail), then writes a fresh checkpoint
+    /// carrying the bumped generation, so each run starts with an empty
+    /// journal whose volume numbers are this run's.
+    pub fn open(cfg: StoreConfig, volumes: &[VolumeSpec]) -> Result<Store, StoreError> {
+        let (slots, extents) = validate(&cfg, volumes)?;
+        fs::create_dir_all(&cfg.dir).map_err(|source| StoreError::Io {
+            what: "creating store directory",
+            path: cfg.dir.clone(),
+            source,
+        })?;
+        let lock = lock_dir(&cfg.dir)?;
+        let image = index::load(&cfg.dir, cfg.blob_bytes, extents)?;
+        let arena = Arena::new(slots as usize, cfg.blob_bytes as usize).map_err(|source| {
+            StoreError::ArenaMap {
+                bytes: cfg.arena_bytes,
+                source,
+            }
+        })?;
+        let state = State::open(
+            &cfg,
+            &arena,
+            slots,
+            extents,
+            volumes,
+            image,
+            &cfg.dir.join(SWAP_FILE),
+        )?;
+        Ok(Store {
+            blob_bytes: cfg.blob_bytes,
+            generation: state.generation(),
+            arena,
+            state: Mutex::new(state),
+            hook: RwLock::new(None),
+            _lock: lock,
+        })
+    }
+
+    /// Bumped on every open, so clients can tell that leases did not survive.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Blob size in bytes.
+    pub fn blob_bytes(&self) -> u32 {
+        self.blob_bytes
+    }
+
+    /// Installs the callback that asks a holder to give a lease back. It runs
+    /// without the store lock held, so it may call back into the store (but
+    /// not replace the hook from inside it).
+    pub fn set_revoke_hook(&self, hook: RevokeHook) {
+        *self.hook.write() = Some(hook);
+    }
+
+    /// Runs `f` under the store lock, then delivers any revocations it queued
+    /// after the lock is dropped.
+    fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let (r, revoked) = {
+            let mut st = self.state.lock();
+            let r = f(&mut st);
+            (r, st.take_revocations())
+        };
+        if !revoked.is_empty() {
+            if let Some(hook) = self.hook.read().as_ref() {
+                for (holder, vol, key, token) in revoked {
+                    hook(holder, vol, key, token);
+                }
+            }
+        }
+        r
+    }
+
+    fn check_range(&self, offset: u32, len: usize) -> Result<(), StoreError> {
+        if (offset as usize).saturating_add(len) > self.blob_bytes as usize {
+            return Err(StoreError::OutOfRange {
+                offset,
+                len,
+                blob_bytes: self.blob_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` inside blob `key`; a new key starts as zeros.
     pub fn write(
         &self,
         vol: VolumeId,
@@ -88,14 +434,19 @@ impl Store {
         offset: u32,
         data: &[u8],
     ) -> Result<(), StoreError> {
-        self.chk(offset, data.len())?;
-        let mut m = self.m.lock();
-        let b = m
-            .entry((vol, key))
-            .or_insert_with(|| vec![0; self.blob as usize]);
-        b[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        self.check_range(offset, data.len())?;
+        let slot = self.locked(|st| st.pin_or_create(&self.arena, vol, key))?;
+        {
+            let mut bytes = self.arena.write(slot);
+            let o = offset as usize;
+            bytes[o..o + data.len()].copy_from_slice(data);
+        }
+        self.locked(|st| st.unpin(slot, true));
         Ok(())
     }
+
+    /// Reads from blob `key` at `offset`; `Ok(false)` (and zeros) when the
+    /// key holds no blob.
     pub fn read(
         &self,
         vol: VolumeId,
@@ -103,87 +454,88 @@ impl Store {
         offset: u32,
         out: &mut [u8],
     ) -> Result<bool, StoreError> {
-        self.chk(offset, out.len())?;
-        let m = self.m.lock();
-        match m.get(&(vol, key)) {
-            Some(b) => {
-                out.copy_from_slice(&b[offset as usize..offset as usize + out.len()]);
-                Ok(true)
-            }
-            None => {
-                out.fill(0);
-                Ok(false)
-            }
+        self.check_range(offset, out.len())?;
+        let Some(slot) = self.locked(|st| st.pin(&self.arena, vol, key))? else {
+            out.fill(0);
+            return Ok(false);
+        };
+        {
+            let bytes = self.arena.read(slot);
+            let o = offset as usize;
+            out.copy_from_slice(&bytes[o..o + out.len()]);
         }
+        self.locked(|st| st.unpin(slot, false));
+        Ok(true)
     }
-    fn lease(&self, vol: VolumeId, key: u64, holder: HolderId) -> Lease {
-        let mut n = self.next.lock();
-        *n += 1;
-        self.leases.lock().insert(*n, (holder, vol, key));
-        Lease {
-            slot_offset: 0,
-            token: *n,
-        }
-    }
+
+    /// Leases blob `key`'s own slot for writing in place; the blob is created
+    /// (zeroed) if absent. The slot counts as dirty from now on, because the
+    /// holder may change it at any moment.
     pub fn alloc(&self, vol: VolumeId, key: u64, holder: HolderId) -> Result<Lease, StoreError> {
-        self.m
-            .lock()
-            .entry((vol, key))
-            .or_insert_with(|| vec![0; self.blob as usize]);
-        Ok(self.lease(vol, key, holder))
+        self.locked(|st| st.alloc(&self.arena, vol, key, holder))
     }
+
+    /// Leases blob `key`'s slot for reading; `None` when the key holds no blob.
     pub fn get(
         &self,
         vol: VolumeId,
         key: u64,
         holder: HolderId,
     ) -> Result<Option<Lease>, StoreError> {
-        if !self.m.lock().contains_key(&(vol, key)) {
-            return Ok(None);
-        }
-        Ok(Some(self.lease(vol, key, holder)))
+        self.locked(|st| st.get(&self.arena, vol, key, holder))
     }
+
+    /// Ends an ALLOC lease, keeping what its holder wrote as the blob content.
     pub fn commit(
         &self,
-        _vol: VolumeId,
-        _key: u64,
+        vol: VolumeId,
+        key: u64,
         token: u64,
         holder: HolderId,
     ) -> Result<(), StoreError> {
-        self.release(token, holder)
+        self.locked(|st| st.commit(vol, key, token, holder))
     }
+
+    /// Ends a lease. An uncommitted ALLOC slot stays dirty: its bytes may
+    /// have changed in place.
     pub fn release(&self, token: u64, holder: HolderId) -> Result<(), StoreError> {
-        match self.leases.lock().remove(&token) {
-            Some((h, _, _)) if h == holder => Ok(()),
-            _ => Err(StoreError::UnknownLease { token }),
-        }
+        self.locked(|st| st.release(token, holder))
     }
+
+    /// Hands the leased slot's bytes to `f`, the in-process stand-in for an
+    /// RDMA READ/WRITE into the slot. `f` must not call back into the store
+    /// (a FLUSH waits for the slot while holding the store lock). Changes
+    /// through a GET lease are not marked dirty: GET slots are read-only by
+    /// contract, as their RDMA registration would be.
     pub fn with_lease<R>(
         &self,
         token: u64,
-        _holder: HolderId,
+        holder: HolderId,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, StoreError> {
-        let (_, v, k) = *self
-            .leases
-            .lock()
-            .get(&token)
-            .ok_or(StoreError::UnknownLease { token })?;
-        Ok(f(self.m.lock().get_mut(&(v, k)).unwrap()))
+        let slot = self.locked(|st| st.pin_lease(token, holder))?;
+        let r = f(&mut self.arena.write(slot));
+        self.locked(|st| st.unpin(slot, false));
+        Ok(r)
     }
+
+    /// Drops keys `start..end` of `vol`; returns how many blobs existed.
     pub fn remove(&self, vol: VolumeId, start: u64, end: u64) -> Result<u64, StoreError> {
-        let mut m = self.m.lock();
-        let before = m.len();
-        m.retain(|(v, k), _| !(*v == vol && *k >= start && *k < end));
-        Ok((before - m.len()) as u64)
+        self.locked(|st| st.remove(vol, start, end))
     }
+
+    /// Makes every write and commit acknowledged before the call durable.
     pub fn flush(&self) -> Result<(), StoreError> {
-        Ok(())
+        self.locked(|st| st.flush(&self.arena))
     }
+
+    /// Releases every lease of a dead connection.
     pub fn drop_holder(&self, holder: HolderId) {
-        self.leases.lock().retain(|_, (h, _, _)| *h != holder);
+        self.locked(|st| st.drop_holder(holder))
     }
+
+    /// Counters and gauges for metrics.
     pub fn stats(&self) -> StoreStats {
-        StoreStats::default()
+        self.locked(|st| st.stats())
     }
 }

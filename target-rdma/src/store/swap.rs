@@ -1,0 +1,265 @@
+//! The swap file: blob-sized extents, moved by io_uring, O_DIRECT when the
+//! filesystem allows it.
+//!
+//! Direct I/O keeps cold blobs out of the page cache (the arena already is
+//! the cache) and lets write-back run straight from slot memory. Filesystems
+//! that refuse it (tmpfs on old kernels, some FUSE mounts) still work through
+//! buffered I/O, because durability comes from fdatasync either way.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use io_uring::{opcode, types, IoUring};
+
+use super::StoreError;
+
+/// Submission queue depth; also the most extents moved per submission.
+const RING_ENTRIES: u32 = 64;
+
+/// The swap file, its ring and the extent free list.
+pub(super) struct Swap {
+    file: File,
+    path: PathBuf,
+    ring: IoUring,
+    direct: bool,
+    extent_bytes: u32,
+    total: u32,
+    /// Free extents, lowest on top so the file fills from the front.
+    free: Vec<u32>,
+    /// Set when a submission failed half-way: queued entries might still run
+    /// later against buffers we no longer own, so the ring must not be reused.
+    broken: bool,
+    pub(super) bytes_read: u64,
+    pub(super) bytes_written: u64,
+}
+
+/// One extent transfer: the extent and the slot memory it moves from or to.
+enum Op {
+    Read { extent: u32, buf: *mut u8 },
+    Write { extent: u32, buf: *const u8 },
+}
+
+impl Swap {
+    /// Opens (creating and sizing) the swap file. `used[e]` marks extents the
+    /// durable index references. `probe` is page-aligned scratch memory (a
+    /// free slot) used to check that the filesystem accepts O_DIRECT.
+    pub(super) fn open(
+        path: &Path,
+        extent_bytes: u32,
+        total: u32,
+        used: &[bool],
+        probe: &mut [u8],
+    ) -> Result<Swap, StoreError> {
+        let io_err = |what: &'static str| {
+            let path = path.to_path_buf();
+            move |source| StoreError::Io { what, path, source }
+        };
+        let ring = IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?;
+        let want_len = u64::from(total) * u64::from(extent_bytes);
+        let (file, direct) = match open_file(path, true) {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
+                open_file(path, false).map_err(io_err("opening swap file"))?,
+                false,
+            ),
+            Err(e) => return Err(io_err("opening swap file")(e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(io_err("reading metadata of swap file"))?
+            .len();
+        if len != want_len {
+            file.set_len(want_len).map_err(io_err("sizing swap file"))?;
+        }
+        let free = (0..total).rev().filter(|&e| !used[e as usize]).collect();
+        let mut swap = Swap {
+            file,
+            path: path.to_path_buf(),
+            ring,
+            direct,
+            extent_bytes,
+            total,
+            free,
+            broken: false,
+            bytes_read: 0,
+            bytes_written: 0,
+        };
+        if swap.direct {
+            // Some filesystems accept O_DIRECT at open and refuse it per I/O.
+            match swap.read_extent(0, probe) {
+                Ok(()) => swap.bytes_read = 0,
+                Err(StoreError::Io { source, .. })
+                    if source.raw_os_error() == Some(libc::EINVAL) =>
+                {
+                    swap.file = open_file(path, false).map_err(io_err("opening swap file"))?;
+                    swap.direct = false;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if !swap.direct {
+            tracing::warn!(
+                event = "swap_direct_io_unavailable",
+                path = %path.display(),
+                "filesystem refuses O_DIRECT; swap uses buffered I/O with fdatasync"
+            );
+        }
+        Ok(swap)
+    }
+
+    pub(super) fn direct(&self) -> bool {
+        self.direct
+    }
+
+    pub(super) fn total(&self) -> u32 {
+        self.total
+    }
+
+    pub(super) fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    pub(super) fn alloc(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    pub(super) fn free(&mut self, extent: u32) {
+        debug_assert!(extent < self.total && !self.free.contains(&extent));
+        self.free.push(extent);
+    }
+
+    /// Reads one extent into `buf` (a slot).
+    pub(super) fn read_extent(&mut self, extent: u32, buf: &mut [u8]) -> Result<(), StoreError> {
+        debug_assert_eq!(buf.len(), self.extent_bytes as usize);
+        self.run(&[Op::Read {
+            extent,
+            buf: buf.as_mut_ptr(),
+        }])
+    }
+
+    /// Writes each `(extent, slot bytes)` pair, many per submission.
+    pub(super) fn write_extents(&mut self, writes: &[(u32, &[u8])]) -> Result<(), StoreError> {
+        let ops: Vec<Op> = writes
+            .iter()
+            .map(|&(extent, buf)| {
+                debug_assert_eq!(buf.len(), self.extent_bytes as usize);
+                Op::Write {
+                    extent,
+                    buf: buf.as_ptr(),
+                }
+            })
+            .collect();
+        self.run(&ops)
+    }
+
+    /// Makes every completed write durable.
+    pub(super) fn sync(&self) -> Result<(), StoreError> {
+        self.file.sync_data().map_err(|source| StoreError::Io {
+            what: "syncing swap file",
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    /// Runs transfers through the ring, `RING_ENTRIES` at a time, and checks
+    /// that each moved a whole extent. The buffers must stay valid until this
+    /// returns, which the callers guarantee by holding the slot guards.
+    fn run(&mut self, ops: &[Op]) -> Result<(), StoreError> {
+        let err = |what: &'static str, path: &Path, source: io::Error| StoreError::Io {
+            what,
+            path: path.to_path_buf(),
+            source,
+        };
+        if self.broken {
+            return Err(err(
+                "using swap file",
+                &self.path,
+                io::Error::other("an earlier io_uring submission failed; restart arenad"),
+            ));
+        }
+        let fd = types::Fd(self.file.as_raw_fd());
+        let len = self.extent_bytes;
+        for chunk in ops.chunks(RING_ENTRIES as usize) {
+            for (i, op) in chunk.iter().enumerate() {
+                let entry = match *op {
+                    Op::Read { extent, buf } => opcode::Read::new(fd, buf, len)
+                        .offset(u64::from(extent) * u64::from(len))
+                        .build(),
+                    Op::Write { extent, buf } => opcode::Write::new(fd, buf, len)
+                        .offset(u64::from(extent) * u64::from(len))
+                        .build(),
+                };
+                // SAFETY: the entry's buffer is a whole slot that the caller
+                // holds a guard on until `run` returns, and `run` does not
+                // return before every pushed entry has completed (or the ring
+                // is marked broken and never used again). The chunk is no
+                // larger than the queue, which is empty here.
+                let pushed = unsafe { self.ring.submission().push(&entry.user_data(i as u64)) };
+                if pushed.is_err() {
+                    self.broken = true;
+                    return Err(err(
+                        "queueing swap I/O for",
+                        &self.path,
+                        io::Error::other("submission queue full"),
+                    ));
+                }
+            }
+            let mut results: Vec<Option<i32>> = vec![None; chunk.len()];
+            let mut done = 0;
+            while done < chunk.len() {
+                match self.ring.submit_and_wait(chunk.len() - done) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        self.broken = true;
+                        return Err(err("submitting swap I/O for", &self.path, e));
+                    }
+                }
+                for cqe in self.ring.completion() {
+                    if let Some(r) = results.get_mut(cqe.user_data() as usize) {
+                        if r.replace(cqe.result()).is_none() {
+                            done += 1;
+                        }
+                    }
+                }
+            }
+            for (op, res) in chunk.iter().zip(results) {
+                let (what, extent) = match *op {
+                    Op::Read { extent, .. } => ("reading swap extent from", extent),
+                    Op::Write { extent, .. } => ("writing swap extent to", extent),
+                };
+                let res = res.unwrap_or(-libc::EIO);
+                if res < 0 {
+                    return Err(err(what, &self.path, io::Error::from_raw_os_error(-res)));
+                }
+                if res as u32 != len {
+                    return Err(err(
+                        what,
+                        &self.path,
+                        io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!("extent {extent}: short transfer of {res} of {len} bytes"),
+                        ),
+                    ));
+                }
+                match op {
+                    Op::Read { .. } => self.bytes_read += u64::from(len),
+                    Op::Write { .. } => self.bytes_written += u64::from(len),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn open_file(path: &Path, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(true).create(true).truncate(false);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
