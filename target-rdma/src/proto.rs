@@ -490,9 +490,10 @@ pub struct Lease {
     pub token: u64,
 }
 
-/// A request a client sends after the handshake.
+/// A request a client sends after the handshake. A WRITE borrows its
+/// payload, so neither side copies it into or out of a frame buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Request {
+pub enum Request<'a> {
     /// See [`Opcode::Alloc`].
     Alloc {
         /// Blob key.
@@ -531,7 +532,7 @@ pub enum Request {
         /// Byte offset inside the blob.
         offset: u32,
         /// The bytes.
-        data: Vec<u8>,
+        data: &'a [u8],
     },
     /// See [`Opcode::Read`].
     Read {
@@ -544,7 +545,7 @@ pub enum Request {
     },
 }
 
-impl Request {
+impl Request<'_> {
     /// The request's opcode.
     pub fn opcode(&self) -> Opcode {
         match self {
@@ -586,7 +587,7 @@ pub fn encode_frame(
 /// Encodes the header and the fixed fields of a request. For WRITE the
 /// payload itself is *not* appended: the caller sends it after these bytes
 /// (vectored), so a large payload is never copied into the frame buffer.
-pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request) {
+pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request<'_>) {
     let mut payload = 0;
     encode_frame(
         out,
@@ -627,7 +628,7 @@ pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request) {
 }
 
 /// Encodes a whole request, payload included, into `out`.
-pub fn encode_request(out: &mut Vec<u8>, request_id: u64, req: &Request) {
+pub fn encode_request(out: &mut Vec<u8>, request_id: u64, req: &Request<'_>) {
     encode_request_head(out, request_id, req);
     if let Request::Write { data, .. } = req {
         out.extend_from_slice(data);
@@ -636,7 +637,7 @@ pub fn encode_request(out: &mut Vec<u8>, request_id: u64, req: &Request) {
 
 /// Decodes a request body. HELLO and server-only opcodes are rejected here;
 /// the handshake has its own decoders.
-pub fn decode_request(h: &Header, body: &[u8]) -> Result<Request, FrameError> {
+pub fn decode_request<'a>(h: &Header, body: &'a [u8]) -> Result<Request<'a>, FrameError> {
     if h.is_response() {
         return Err(FrameError::Unexpected {
             op: h.opcode.name(),
@@ -690,11 +691,7 @@ pub fn decode_request(h: &Header, body: &[u8]) -> Result<Request, FrameError> {
                     expected: format!("exactly {}", 16 + len as usize),
                 });
             }
-            Request::Write {
-                key,
-                offset,
-                data: data.to_vec(),
-            }
+            Request::Write { key, offset, data }
         }
         Opcode::Read => {
             let (key, offset, len) = (c.u64()?, c.u32()?, c.u32()?);
@@ -710,23 +707,6 @@ pub fn decode_request(h: &Header, body: &[u8]) -> Result<Request, FrameError> {
     };
     c.finish()?;
     Ok(req)
-}
-
-/// Splits a WRITE body into its fixed fields and payload without copying.
-/// The server uses this on its hot path instead of [`decode_request`].
-pub fn split_write(body: &[u8]) -> Result<(u64, u32, &[u8]), FrameError> {
-    let mut c = Cursor::new(Opcode::Write, body);
-    let (key, offset, len) = (c.u64()?, c.u32()?, c.u32()?);
-    check_inline_len(len)?;
-    let data = c.rest();
-    if data.len() != len as usize {
-        return Err(FrameError::BadBodyLength {
-            op: "write",
-            len: body.len(),
-            expected: format!("exactly {}", 16 + len as usize),
-        });
-    }
-    Ok((key, offset, data))
 }
 
 fn check_inline_len(len: u32) -> Result<(), FrameError> {
@@ -1008,7 +988,7 @@ pub fn write_vectored_all(w: &mut impl Write, head: &[u8], payload: &[u8]) -> io
 mod tests {
     use super::*;
 
-    fn roundtrip(req: Request) {
+    fn roundtrip(req: Request<'_>) {
         let mut buf = Vec::new();
         encode_request(&mut buf, 42, &req);
         let mut body = Vec::new();
@@ -1031,7 +1011,7 @@ mod tests {
         roundtrip(Request::Write {
             key: 1,
             offset: 512,
-            data: vec![0xab; 4096],
+            data: &[0xab; 4096],
         });
         roundtrip(Request::Read {
             key: 1,
@@ -1224,7 +1204,7 @@ mod tests {
             &Request::Write {
                 key: 1,
                 offset: 0,
-                data: vec![1; 8],
+                data: &[1; 8],
             },
         );
         b[HEADER_LEN + 12..HEADER_LEN + 16].copy_from_slice(&9u32.to_le_bytes());

@@ -283,7 +283,7 @@ fn a_client_that_vanishes_mid_request_hurts_nobody() {
         &Request::Write {
             key: 3,
             offset: 0,
-            data: vec![7; 8192],
+            data: &[7; 8192],
         },
     );
     s.write_all(&f[..f.len() / 2]).unwrap();

@@ -426,16 +426,6 @@ impl Server {
             proto::encode_error(out, op, rid, status, &e.to_string());
             Ok(None)
         };
-        if op == Opcode::Write && !h.is_response() && h.status == Status::Ok {
-            let (key, offset, bytes) = proto::split_write(body)?;
-            return match self.store.write(vol, key, offset, bytes) {
-                Ok(()) => {
-                    proto::encode_ok(out, op, rid);
-                    Ok(None)
-                }
-                Err(e) => fail(out, e),
-            };
-        }
         match proto::decode_request(h, body)? {
             Request::Read { key, offset, len } => {
                 data.resize(len as usize, 0);
@@ -490,7 +480,9 @@ impl Server {
                 Err(e) => fail(out, e),
             },
             Request::Flush => self.ok_or(out, op, rid, self.store.flush(), fail),
-            Request::Write { .. } => unreachable!("WRITE takes the split path above"),
+            Request::Write { key, offset, data } => {
+                self.ok_or(out, op, rid, self.store.write(vol, key, offset, data), fail)
+            }
         }
     }
 

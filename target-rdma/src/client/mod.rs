@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-pub use reader::FrameReader;
+pub use reader::{Body, FrameReader};
 
 use crate::auth::{self, Secret};
 use crate::proto::{
@@ -392,7 +392,7 @@ impl ArenaClient {
         Ok(conn)
     }
 
-    async fn call(&self, req: &Request) -> Result<Reply, ArenaError> {
+    async fn call(&self, req: &Request<'_>) -> Result<Reply, ArenaError> {
         let idempotent = matches!(
             req,
             Request::Read { .. } | Request::Write { .. } | Request::Remove { .. }
@@ -406,7 +406,7 @@ impl ArenaClient {
         }
     }
 
-    async fn call_once(&self, req: &Request) -> Result<Reply, ArenaError> {
+    async fn call_once(&self, req: &Request<'_>) -> Result<Reply, ArenaError> {
         let peer = &self.shared.cfg.peer;
         let disconnected = |detail: &str| ArenaError::Disconnected {
             peer: peer.clone(),
@@ -463,11 +463,7 @@ impl ArenaClient {
 
     /// Writes `data` at `offset` inside blob `key`, inline on the stream.
     pub async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
-        let req = Request::Write {
-            key,
-            offset,
-            data: data.to_vec(),
-        };
+        let req = Request::Write { key, offset, data };
         match self.call(&req).await? {
             Reply::Empty => {
                 self.shared.durability.lock().acked += 1;
@@ -769,7 +765,7 @@ fn expire(shared: &Shared, conn: &Conn) {
     }
 }
 
-fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: &[u8]) -> Result<(), FrameError> {
+fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<(), FrameError> {
     if !h.is_response() {
         return Err(FrameError::Unexpected {
             op: h.opcode.name(),
@@ -777,7 +773,7 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: &[u8]) -> Result<(),
         });
     }
     if h.opcode == Opcode::Revoke {
-        let rv = proto::decode_revoke(h, body)?;
+        let rv = proto::decode_revoke(h, &body)?;
         shared.counters.revocations.fetch_add(1, Ordering::Relaxed);
         let mut q = shared.revocations.lock();
         if q.len() >= MAX_QUEUED_REVOCATIONS {
@@ -802,17 +798,17 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: &[u8]) -> Result<(),
     }
     let reply = match (h.status, h.opcode) {
         (Status::Ok, Opcode::Alloc | Opcode::Get) => {
-            Ok(Reply::Lease(proto::decode_lease(h, body)?))
+            Ok(Reply::Lease(proto::decode_lease(h, &body)?))
         }
-        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, body)?)),
-        (Status::Ok, Opcode::Read) => Ok(Reply::Data(body.to_vec())),
+        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, &body)?)),
+        (Status::Ok, Opcode::Read) => Ok(Reply::Data(body.into_vec())),
         (Status::Ok, _) => Ok(Reply::Empty),
         (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
         (status, op) => Err(ArenaError::Status {
             op,
             peer: shared.cfg.peer.clone(),
             status,
-            message: proto::decode_error(body),
+            message: proto::decode_error(&body),
         }),
     };
     if let (Ok(Reply::Data(d)), true) = (&reply, h.body_len > conn.max_inline) {

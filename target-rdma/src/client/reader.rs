@@ -7,11 +7,45 @@ use std::io::{self, Read};
 
 use crate::proto::{FrameError, Header, HEADER_LEN};
 
+/// Bodies at least this large are read straight into a buffer of their own
+/// and handed over by value, so a READ answer is not copied twice.
+pub const OWNED_BODY_MIN: usize = 64 << 10;
+
+/// A frame body: a view into the reader's buffer, or a large body it owns.
+pub enum Body<'a> {
+    /// Small body, valid until the next call.
+    Buffered(&'a [u8]),
+    /// Large body, read directly from the stream.
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Body<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Body::Buffered(b) => b,
+            Body::Owned(v) => v,
+        }
+    }
+}
+
+impl Body<'_> {
+    /// The body as an owned vector (no copy for large bodies).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            Body::Buffered(b) => b.to_vec(),
+            Body::Owned(v) => v,
+        }
+    }
+}
+
 /// Buffer for frames arriving on one stream.
 pub struct FrameReader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// A large body being filled: its header, the body, bytes filled so far.
+    large: Option<(Header, Vec<u8>, usize)>,
 }
 
 impl Default for FrameReader {
@@ -20,6 +54,7 @@ impl Default for FrameReader {
             buf: vec![0; 256 << 10],
             start: 0,
             end: 0,
+            large: None,
         }
     }
 }
@@ -31,19 +66,46 @@ impl FrameReader {
     pub fn next<'a>(
         &'a mut self,
         r: &mut impl Read,
-    ) -> Result<Option<(Header, &'a [u8])>, FrameError> {
+    ) -> Result<Option<(Header, Body<'a>)>, FrameError> {
         loop {
+            if let Some((h, body, filled)) = &mut self.large {
+                while *filled < body.len() {
+                    match r.read(&mut body[*filled..]) {
+                        Ok(0) => {
+                            return Err(FrameError::Truncated {
+                                got: HEADER_LEN + *filled,
+                                want: HEADER_LEN + body.len(),
+                            })
+                        }
+                        Ok(n) => *filled += n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                let h = *h;
+                let (_, body, _) = self.large.take().expect("checked above");
+                return Ok(Some((h, Body::Owned(body))));
+            }
             let avail = self.end - self.start;
             if avail >= HEADER_LEN {
                 let hb: &[u8; HEADER_LEN] = self.buf[self.start..self.start + HEADER_LEN]
                     .try_into()
                     .expect("header");
                 let h = Header::decode(hb)?;
-                let total = HEADER_LEN + h.body_len as usize;
+                let len = h.body_len as usize;
+                let total = HEADER_LEN + len;
                 if avail >= total {
                     let body = self.start + HEADER_LEN..self.start + total;
                     self.start += total;
-                    return Ok(Some((h, &self.buf[body])));
+                    return Ok(Some((h, Body::Buffered(&self.buf[body]))));
+                }
+                if len >= OWNED_BODY_MIN {
+                    let mut body = vec![0; len];
+                    let have = avail - HEADER_LEN;
+                    body[..have].copy_from_slice(&self.buf[self.start + HEADER_LEN..self.end]);
+                    self.start = self.end;
+                    self.large = Some((h, body, have));
+                    continue;
                 }
                 self.make_room(total);
             } else {
@@ -65,7 +127,7 @@ impl FrameReader {
     }
 
     /// Ensures `need` bytes fit from `start`, compacting or growing (growth
-    /// is bounded because `need` comes from a validated header).
+    /// is bounded: only bodies below `OWNED_BODY_MIN` are buffered here).
     fn make_room(&mut self, need: usize) {
         if self.start == self.end {
             self.start = 0;
@@ -113,9 +175,11 @@ mod tests {
         let mut stream = Vec::new();
         let mut f = Vec::new();
         for i in 0..50u64 {
-            encode_read_head(&mut f, i, 5000);
+            // Alternate buffered and owned (large) bodies.
+            let len = if i % 2 == 0 { 5000 } else { OWNED_BODY_MIN + 3 };
+            encode_read_head(&mut f, i, len as u32);
             stream.extend_from_slice(&f);
-            stream.extend(std::iter::repeat_n(i as u8, 5000));
+            stream.extend(std::iter::repeat_n(i as u8, len));
             encode_ok(&mut f, Opcode::Flush, 1000 + i);
             stream.extend_from_slice(&f);
         }
@@ -131,7 +195,9 @@ mod tests {
                 Ok(Some((h, body))) => {
                     if h.opcode == Opcode::Read {
                         assert!(body.iter().all(|b| *b == h.request_id as u8));
-                        assert_eq!(body.len(), 5000);
+                        let large = h.request_id % 2 == 1;
+                        assert_eq!(matches!(body, Body::Owned(_)), large);
+                        assert_eq!(body.len(), if large { OWNED_BODY_MIN + 3 } else { 5000 });
                     }
                     seen.push(h.request_id);
                 }
