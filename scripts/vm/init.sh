@@ -50,7 +50,12 @@ ip link set lo up
 o=trans=virtio,version=9p2000.L,msize=262144
 mkdir -p /host
 mount -t 9p -o "$o,ro,cache=loose" host /host || die "cannot mount the host root (9p tag host)"
-mount -t tmpfs tmpfs /host/tmp || die "tmpfs /host/tmp"
+# /tmp is the host's /tmp seen through a tmpfs overlay: a checkout or a
+# results dir under the host's /tmp (where CI may clone) stays visible at the
+# same path, and the guest's writes stay in the guest.
+mkdir -p /ovl && mount -t tmpfs tmpfs /ovl && mkdir -p /ovl/up /ovl/work
+mount -t overlay overlay -o lowerdir=/host/tmp,upperdir=/ovl/up,workdir=/ovl/work /host/tmp ||
+    die "overlay on /host/tmp"
 mount -t tmpfs tmpfs /host/run || die "tmpfs /host/run"
 mount -o rbind /proc /host/proc || die "bind /proc"
 mount -o rbind /sys /host/sys || die "bind /sys"
