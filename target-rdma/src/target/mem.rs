@@ -1,0 +1,59 @@
+//! The in-memory reference target: a flat byte vector, no network, no
+//! cleverness. The conformance suite checks the arena target against it.
+
+use parking_lot::Mutex;
+
+use super::{check_range, BlockOp, BlockTarget, TargetError};
+
+/// A RAM disk of fixed size.
+pub struct MemTarget {
+    data: Mutex<Vec<u8>>,
+}
+
+impl MemTarget {
+    /// A zero-filled device of `size` bytes.
+    pub fn new(size: u64) -> Self {
+        Self {
+            data: Mutex::new(vec![0; size as usize]),
+        }
+    }
+
+    fn zero(&self, op: BlockOp, offset: u64, len: u64) -> Result<(), TargetError> {
+        let mut d = self.data.lock();
+        check_range(op, offset, len, d.len() as u64)?;
+        d[offset as usize..(offset + len) as usize].fill(0);
+        Ok(())
+    }
+}
+
+impl BlockTarget for MemTarget {
+    fn size(&self) -> u64 {
+        self.data.lock().len() as u64
+    }
+
+    async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TargetError> {
+        let d = self.data.lock();
+        check_range(BlockOp::Read, offset, buf.len() as u64, d.len() as u64)?;
+        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+
+    async fn write(&self, offset: u64, buf: &[u8], _fua: bool) -> Result<(), TargetError> {
+        let mut d = self.data.lock();
+        check_range(BlockOp::Write, offset, buf.len() as u64, d.len() as u64)?;
+        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), TargetError> {
+        Ok(())
+    }
+
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), TargetError> {
+        self.zero(BlockOp::Discard, offset, len)
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), TargetError> {
+        self.zero(BlockOp::WriteZeroes, offset, len)
+    }
+}

@@ -1,0 +1,139 @@
+//! Block targets: what a ublk queue calls to serve READ, WRITE, FLUSH,
+//! DISCARD and WRITE_ZEROES.
+//!
+//! [`BlockTarget`] is implemented by the arena-backed target ([`ArenaTarget`])
+//! and by a plain in-memory reference ([`MemTarget`]); one conformance suite
+//! (`tests/target_conformance.rs`) runs against both. Errors become errnos in
+//! exactly one place, [`TargetError::errno`].
+
+mod arena;
+mod mem;
+
+use std::future::Future;
+
+pub use arena::ArenaTarget;
+pub use mem::MemTarget;
+
+use crate::client::ArenaError;
+use crate::proto::Status;
+use crate::store::StoreError;
+
+/// Block operation, a closed set used for metric labels and logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockOp {
+    /// Read.
+    Read,
+    /// Write (FUA or not).
+    Write,
+    /// Cache flush.
+    Flush,
+    /// Discard.
+    Discard,
+    /// Write zeroes.
+    WriteZeroes,
+}
+
+impl BlockOp {
+    /// Stable lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Write => "write",
+            Self::Flush => "flush",
+            Self::Discard => "discard",
+            Self::WriteZeroes => "write_zeroes",
+        }
+    }
+}
+
+/// A block request that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// The range does not fit the device.
+    #[error("{op} of {len} bytes at byte {offset} is past the end of the {size}-byte device", op = op.name())]
+    OutOfRange {
+        /// The operation.
+        op: BlockOp,
+        /// Start byte.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+        /// Device size in bytes.
+        size: u64,
+    },
+    /// The arena failed the request.
+    #[error("{op} failed: {source}", op = op.name())]
+    Arena {
+        /// The operation.
+        op: BlockOp,
+        /// The cause.
+        source: ArenaError,
+    },
+}
+
+impl TargetError {
+    /// The errno the block layer gets (positive; ublk wants it negated).
+    ///
+    /// The kernel turns these into block statuses: ENOSPC → `BLK_STS_NOSPC`,
+    /// ETIMEDOUT → `BLK_STS_TIMEOUT`, ENOLINK → `BLK_STS_TRANSPORT`, the
+    /// rest → `BLK_STS_IOERR`.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Self::OutOfRange { .. } => libc::EIO,
+            Self::Arena { source, .. } => match source {
+                ArenaError::TimedOut { .. } => libc::ETIMEDOUT,
+                ArenaError::Connect { .. } | ArenaError::Disconnected { .. } => libc::ENOLINK,
+                ArenaError::Status {
+                    status: Status::NoSpace | Status::QuotaExceeded,
+                    ..
+                } => libc::ENOSPC,
+                ArenaError::Store(StoreError::NoSpace { .. } | StoreError::QuotaExceeded { .. }) => {
+                    libc::ENOSPC
+                }
+                _ => libc::EIO,
+            },
+        }
+    }
+}
+
+/// Serves block requests for one queue. Byte offsets and lengths; the
+/// device size is fixed at creation.
+///
+/// Futures need not be `Send`: each ublk queue thread owns its target.
+pub trait BlockTarget {
+    /// Device size in bytes.
+    fn size(&self) -> u64;
+    /// Fills `buf` from byte `offset`; unwritten ranges read as zeros.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> impl Future<Output = Result<(), TargetError>>;
+    /// Writes `buf` at byte `offset`; with `fua` it is durable on completion.
+    fn write(
+        &self,
+        offset: u64,
+        buf: &[u8],
+        fua: bool,
+    ) -> impl Future<Output = Result<(), TargetError>>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> impl Future<Output = Result<(), TargetError>>;
+    /// Drops the range; it reads as zeros afterwards.
+    fn discard(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), TargetError>>;
+    /// Zeroes the range.
+    fn write_zeroes(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), TargetError>>;
+}
+
+/// Checks that `offset..offset+len` lies inside a device of `size` bytes.
+pub(crate) fn check_range(
+    op: BlockOp,
+    offset: u64,
+    len: u64,
+    size: u64,
+) -> Result<(), TargetError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(TargetError::OutOfRange {
+            op,
+            offset,
+            len,
+            size,
+        }),
+    }
+}
