@@ -95,6 +95,12 @@ impl IoRequest {
 /// request larger than it would overrun the buffer, so it is refused
 /// (`EIO`) instead of trusted. Unknown ops get `EOPNOTSUPP`.
 pub fn decode(desc: &IoDesc, buf_len: usize) -> Result<IoRequest, i32> {
+    let op = desc.op_flags & 0xff;
+    // A FLUSH carries no range: the kernel leaves its sector fields as
+    // garbage (observed: start_sector = u64::MAX), so they are not read.
+    if op == sys::UBLK_IO_OP_FLUSH {
+        return Ok(IoRequest::Flush);
+    }
     let offset = desc.start_sector.checked_mul(512).ok_or(libc::EIO)?;
     let len = u64::from(desc.nr_sectors) * 512;
     let data_len = || {
@@ -103,7 +109,7 @@ pub fn decode(desc: &IoDesc, buf_len: usize) -> Result<IoRequest, i32> {
             .filter(|l| *l <= buf_len)
             .ok_or(libc::EIO)
     };
-    match desc.op_flags & 0xff {
+    match op {
         sys::UBLK_IO_OP_READ => Ok(IoRequest::Read {
             offset,
             len: data_len()?,
@@ -113,7 +119,6 @@ pub fn decode(desc: &IoDesc, buf_len: usize) -> Result<IoRequest, i32> {
             len: data_len()?,
             fua: desc.op_flags & sys::UBLK_IO_F_FUA != 0,
         }),
-        sys::UBLK_IO_OP_FLUSH => Ok(IoRequest::Flush),
         sys::UBLK_IO_OP_DISCARD => Ok(IoRequest::Discard { offset, len }),
         sys::UBLK_IO_OP_WRITE_ZEROES => Ok(IoRequest::WriteZeroes { offset, len }),
         _ => Err(libc::EOPNOTSUPP),
@@ -293,6 +298,8 @@ mod tests {
         let q = FakeQueue::new(MemTarget::new(1 << 20));
         q.write(0, 0, &pattern(16384, 3), false);
         assert_eq!(q.issue(0, desc(sys::UBLK_IO_OP_FLUSH, 0, 0, 0)), 0);
+        // What the kernel really sends for a FLUSH: no range, garbage sector.
+        assert_eq!(q.issue(0, desc(sys::UBLK_IO_OP_FLUSH, 0, u64::MAX, 0)), 0);
         assert_eq!(q.issue(1, desc(sys::UBLK_IO_OP_DISCARD, 0, 0, 8)), 0);
         assert_eq!(q.issue(2, desc(sys::UBLK_IO_OP_WRITE_ZEROES, 0, 24, 8)), 0);
         let (_, got) = q.read(3, 0, 16384);
@@ -306,7 +313,7 @@ mod tests {
             "zeroed range reads zeros"
         );
         let s = q.stats.snapshot();
-        assert_eq!((s.flushes, s.discards, s.write_zeroes), (1, 1, 1));
+        assert_eq!((s.flushes, s.discards, s.write_zeroes), (2, 1, 1));
         assert_eq!(s.bytes_discarded, 8192);
     }
 
