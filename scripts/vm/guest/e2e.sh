@@ -150,11 +150,18 @@ else fail ctl-del-refuses-mounted "mount failed"; fi
 
 # ---- 5: discard reads back zeros -----------------------------------------
 log "discard"
-head -c 8M /dev/urandom | dd of="$DEV" bs=1M oflag=direct conv=fsync status=none
+head -c 8M /dev/urandom >"$W/rand8"
+dd if="$W/rand8" of="$DEV" bs=1M oflag=direct conv=fsync status=none
+head -c 8M /dev/zero >"$W/zero8"
 if timeout 120 blkdiscard -o 0 -l 8M "$DEV" &&
-    timeout 120 dd if="$DEV" bs=1M count=8 iflag=direct status=none | cmp -s - <(head -c 8M /dev/zero); then
+    timeout 120 dd if="$DEV" of="$W/after8" bs=1M count=8 iflag=direct status=none &&
+    cmp "$W/after8" "$W/zero8"; then
     pass discard-reads-zeros
-else fail discard-reads-zeros; fi
+else
+    fail discard-reads-zeros "$(cmp "$W/after8" "$W/zero8" 2>&1 | head -1)"
+    od -An -tx1 "$W/after8" | head -3
+    ctl stats "$ID"
+fi
 
 # ---- 3: kill -9 ublkd under a write workload, restart, recover ----------
 log "crash recovery"
