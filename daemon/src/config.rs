@@ -338,7 +338,7 @@ pub fn check_geometry(
             format!("must be between 1 and {MAX_DEPTH}"),
         ));
     }
-    if !(4096..=MAX_IO_BUF).contains(&io_buf) || io_buf % 4096 != 0 {
+    if !(4096..=MAX_IO_BUF).contains(&io_buf) || !io_buf.is_multiple_of(4096) {
         return Err(invalid(
             "device.io_buf",
             HumanSize(io_buf),
@@ -376,7 +376,9 @@ impl DeviceDefaults {
         }
         if self.max_io_size != 0
             && (self.max_io_size > self.io_buf
-                || self.max_io_size % u64::from(self.logical_block_size) != 0)
+                || !self
+                    .max_io_size
+                    .is_multiple_of(u64::from(self.logical_block_size)))
         {
             return Err(invalid(
                 "device.max_io_size",
@@ -388,7 +390,7 @@ impl DeviceDefaults {
             ("device.max_discard_size", self.max_discard_size),
             ("device.max_write_zeroes_size", self.max_write_zeroes_size),
         ] {
-            if v == 0 || v % 512 != 0 || v >> 9 > u64::from(u32::MAX) {
+            if v == 0 || !v.is_multiple_of(512) || v >> 9 > u64::from(u32::MAX) {
                 return Err(invalid(
                     key,
                     HumanSize(v),

@@ -277,14 +277,16 @@ pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Respon
 }
 
 /// Parses one request line, answering protocol problems as responses.
-pub fn parse_request(line: &str) -> Result<Request, Response> {
+pub fn parse_request(line: &str) -> Result<Request, Box<Response>> {
     #[derive(Deserialize)]
     struct VersionOnly {
         version: Option<u32>,
     }
-    let bad = |message: String| Response::Error {
-        kind: ErrorKind::BadRequest,
-        message,
+    let bad = |message: String| {
+        Box::new(Response::Error {
+            kind: ErrorKind::BadRequest,
+            message,
+        })
     };
     let v: VersionOnly =
         serde_json::from_str(line).map_err(|e| bad(format!("not a JSON object: {e}")))?;
@@ -292,12 +294,12 @@ pub fn parse_request(line: &str) -> Result<Request, Response> {
         None => return Err(bad("missing \"version\"".into())),
         Some(VERSION) => {}
         Some(other) => {
-            return Err(Response::Error {
+            return Err(Box::new(Response::Error {
                 kind: ErrorKind::UnsupportedVersion,
                 message: format!(
                     "protocol version {other} is not supported; this ublkd speaks version {VERSION}"
                 ),
-            })
+            }))
         }
     }
     serde_json::from_str::<RequestLine>(line)
@@ -330,7 +332,7 @@ mod tests {
 
     #[test]
     fn protocol_errors_are_answered_not_dropped() {
-        let kind = |line: &str| match parse_request(line) {
+        let kind = |line: &str| match parse_request(line).map_err(|b| *b) {
             Err(Response::Error { kind, message }) => (kind, message),
             other => panic!("{other:?}"),
         };

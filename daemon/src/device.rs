@@ -608,7 +608,7 @@ impl Manager {
             other => DeviceError::BadRequest(other.to_string()),
         })?;
         let lbs = u64::from(d.logical_block_size);
-        if a.size == 0 || a.size % lbs != 0 {
+        if a.size == 0 || !a.size.is_multiple_of(lbs) {
             return Err(DeviceError::BadRequest(format!(
                 "invalid --size {}: must be a non-zero multiple of the {lbs}-byte logical block size",
                 a.size

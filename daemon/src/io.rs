@@ -179,7 +179,6 @@ mod tests {
     //! A fake queue: the same descriptors and per-tag buffers the kernel
     //! would hand a queue thread, driven through [`serve`].
     use std::cell::RefCell;
-    use std::future::Future;
 
     use futures::executor::LocalPool;
     use target_rdma::client::ArenaError;
@@ -384,25 +383,20 @@ mod tests {
         fn size(&self) -> u64 {
             1 << 20
         }
-        fn read(&self, _: u64, _: &mut [u8]) -> impl Future<Output = Result<(), TargetError>> {
-            async { Err(broken(BlockOp::Read)) }
+        async fn read(&self, _: u64, _: &mut [u8]) -> Result<(), TargetError> {
+            Err(broken(BlockOp::Read))
         }
-        fn write(
-            &self,
-            _: u64,
-            _: &[u8],
-            _: bool,
-        ) -> impl Future<Output = Result<(), TargetError>> {
-            async { Err(broken(BlockOp::Write)) }
+        async fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), TargetError> {
+            Err(broken(BlockOp::Write))
         }
-        fn flush(&self) -> impl Future<Output = Result<(), TargetError>> {
-            async { Err(broken(BlockOp::Flush)) }
+        async fn flush(&self) -> Result<(), TargetError> {
+            Err(broken(BlockOp::Flush))
         }
-        fn discard(&self, _: u64, _: u64) -> impl Future<Output = Result<(), TargetError>> {
-            async { Err(broken(BlockOp::Discard)) }
+        async fn discard(&self, _: u64, _: u64) -> Result<(), TargetError> {
+            Err(broken(BlockOp::Discard))
         }
-        fn write_zeroes(&self, _: u64, _: u64) -> impl Future<Output = Result<(), TargetError>> {
-            async { Err(broken(BlockOp::WriteZeroes)) }
+        async fn write_zeroes(&self, _: u64, _: u64) -> Result<(), TargetError> {
+            Err(broken(BlockOp::WriteZeroes))
         }
     }
 

@@ -141,7 +141,7 @@ fn serve_conn(manager: &Manager, stream: UnixStream) {
                     tracing::debug!(event = "ctl.request", request = ?req);
                     handle(manager, req)
                 }
-                Err(resp) => resp,
+                Err(resp) => *resp,
             }
         };
         let mut out = match serde_json::to_string(&ResponseLine {
