@@ -1,0 +1,323 @@
+//! `ublkctl`: operate `ublkd`'s devices over its control socket.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args as ClapArgs, Parser, Subcommand};
+use target_rdma::size::{parse_size, HumanSize};
+use ublkd::config::Transport;
+use ublkd::ctl::{self, AddArgs, DeviceInfo, ErrorKind, Reply, Request, Response};
+
+/// Control ublkd's block devices.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// ublkd's control socket.
+    #[arg(long, global = true, default_value = "/run/ublkd/ublkd.sock")]
+    socket: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Seconds to wait for an answer (add and del can take a while).
+    #[arg(long, global = true, default_value_t = 120)]
+    timeout: u64,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Create a device; prints its /dev/ublkbN.
+    Add(Add),
+    /// Delete a device (refused while mounted or open, unless --force).
+    Del(Del),
+    /// List devices.
+    List(List),
+    /// Show one device.
+    Show(Id),
+    /// I/O counters of one device or all.
+    Stats(Stats),
+    /// Re-attach a device whose queues stopped.
+    Recover(Id),
+    /// What the running kernel's ublk driver supports.
+    Features(List),
+}
+
+#[derive(ClapArgs, Debug)]
+struct Add {
+    /// arenad's HOST:PORT.
+    #[arg(long)]
+    peer: String,
+    /// Volume name on arenad.
+    #[arg(long)]
+    volume: String,
+    /// File with the volume's secret (read by ublkd).
+    #[arg(long)]
+    secret_file: PathBuf,
+    /// Device size, e.g. 64G.
+    #[arg(long, value_parser = parse_size)]
+    size: u64,
+    /// Hardware queues (one thread and arena connection each).
+    #[arg(long)]
+    queues: Option<u32>,
+    /// Requests in flight per queue.
+    #[arg(long)]
+    depth: Option<u32>,
+    /// Blob size to ask of the volume, e.g. 1M.
+    #[arg(long, value_parser = parse_size)]
+    blob_size: Option<u64>,
+    /// Data path: tcp, rdma or auto.
+    #[arg(long, value_parser = parse_transport)]
+    transport: Option<Transport>,
+    /// Per-request buffer (and largest I/O), e.g. 512K.
+    #[arg(long, value_parser = parse_size)]
+    io_buf: Option<u64>,
+}
+
+#[derive(ClapArgs, Debug)]
+struct Del {
+    /// Device id (N of /dev/ublkbN).
+    id: u32,
+    /// Delete even if mounted or open (its users get I/O errors).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(ClapArgs, Debug)]
+struct List {}
+
+#[derive(ClapArgs, Debug)]
+struct Id {
+    /// Device id (N of /dev/ublkbN).
+    id: u32,
+}
+
+#[derive(ClapArgs, Debug)]
+struct Stats {
+    /// Device id; all devices when omitted.
+    id: Option<u32>,
+}
+
+fn parse_transport(s: &str) -> Result<Transport, String> {
+    Transport::parse(s).ok_or_else(|| format!("unknown transport {s:?}: use tcp, rdma or auto"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ublkctl: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: &Cli) -> anyhow::Result<()> {
+    let request = match &cli.cmd {
+        Cmd::Add(a) => {
+            let secret_file = std::path::absolute(&a.secret_file)
+                .with_context(|| format!("--secret-file {}", a.secret_file.display()))?;
+            Request::Add(AddArgs {
+                peer: a.peer.clone(),
+                volume: a.volume.clone(),
+                secret_file,
+                size: a.size,
+                queues: a.queues,
+                depth: a.depth,
+                blob_size: a.blob_size,
+                transport: a.transport,
+                io_buf: a.io_buf,
+            })
+        }
+        Cmd::Del(d) => Request::Del {
+            id: d.id,
+            force: d.force,
+        },
+        Cmd::List(_) => Request::List,
+        Cmd::Show(i) => Request::Show { id: i.id },
+        Cmd::Stats(s) => Request::Stats { id: s.id },
+        Cmd::Recover(i) => Request::Recover { id: i.id },
+        Cmd::Features(_) => Request::Features,
+    };
+    let response = ctl::call(&cli.socket, request, Duration::from_secs(cli.timeout))?;
+    let reply = match response {
+        Response::Ok { reply } => reply,
+        Response::Error { kind, message } => {
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"error": {"kind": kind, "message": message}})
+                );
+            }
+            bail!("{}", explain(kind, &message));
+        }
+    };
+    if cli.json {
+        println!("{}", serde_json::to_string_pretty(&reply)?);
+        return Ok(());
+    }
+    print_human(&cli.cmd, &reply)
+}
+
+/// Adds the next step to errors where one is obvious.
+fn explain(kind: ErrorKind, message: &str) -> String {
+    match kind {
+        ErrorKind::PeerUnreachable => format!("{message} (is arenad running and reachable?)"),
+        ErrorKind::AuthFailed => {
+            format!("authentication failed: {message} (check --volume and --secret-file)")
+        }
+        _ => message.to_owned(),
+    }
+}
+
+fn print_device(d: &DeviceInfo) {
+    println!("device {}  {}", d.id, d.node);
+    println!("  state      {}", d.state);
+    if let Some(e) = &d.error {
+        println!("  error      {e}");
+    }
+    println!("  size       {} ({} bytes)", HumanSize(d.size), d.size);
+    println!("  queues     {} x depth {}", d.queues, d.depth);
+    println!("  io buffer  {}", HumanSize(d.io_buf));
+    println!("  blob size  {}", HumanSize(d.blob_size));
+    println!("  block size {}", d.logical_block_size);
+    println!("  peer       {}", d.peer);
+    println!("  volume     {}", d.volume);
+    println!(
+        "  transport  {} (requested {})",
+        d.transport, d.transport_requested
+    );
+}
+
+fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
+    match (cmd, reply) {
+        (Cmd::Add(_), Reply::Device { device }) => println!("{}", device.node),
+        (_, Reply::Device { device }) => print_device(device),
+        (_, Reply::Deleted { id }) => println!("deleted /dev/ublkb{id}"),
+        (_, Reply::Devices { devices }) => {
+            println!(
+                "{:<4} {:<13} {:>8} {:>8} {:<10} {:<22} {:<16} TRANSPORT",
+                "ID", "NODE", "SIZE", "Q/DEPTH", "STATE", "PEER", "VOLUME"
+            );
+            for d in devices {
+                println!(
+                    "{:<4} {:<13} {:>8} {:>8} {:<10} {:<22} {:<16} {}",
+                    d.id,
+                    d.node,
+                    HumanSize(d.size).to_string(),
+                    format!("{}/{}", d.queues, d.depth),
+                    d.state,
+                    d.peer,
+                    d.volume,
+                    d.transport
+                );
+            }
+        }
+        (_, Reply::Stats { devices }) => {
+            for d in devices {
+                let s = &d.stats;
+                println!("device {}  {}", d.id, d.node);
+                println!(
+                    "  reads         {:>12}  {:>14} bytes",
+                    s.reads, s.bytes_read
+                );
+                println!(
+                    "  writes        {:>12}  {:>14} bytes",
+                    s.writes, s.bytes_written
+                );
+                println!("  flushes       {:>12}", s.flushes);
+                println!(
+                    "  discards      {:>12}  {:>14} bytes (with write-zeroes)",
+                    s.discards, s.bytes_discarded
+                );
+                println!("  write-zeroes  {:>12}", s.write_zeroes);
+                println!("  errors        {:>12}", s.errors);
+                println!("  in flight     {:>12}", s.in_flight);
+            }
+        }
+        (_, Reply::Features { mask, names }) => {
+            println!("ublk driver features: {mask:#x}");
+            for n in names {
+                println!("  {n}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn bad_sizes_and_transports_are_rejected_with_the_reason() {
+        let e = Cli::try_parse_from([
+            "ublkctl",
+            "add",
+            "--peer",
+            "h:1",
+            "--volume",
+            "v",
+            "--secret-file",
+            "/s",
+            "--size",
+            "64Q",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("invalid size \"64Q\": unknown unit"), "{e}");
+        let e = Cli::try_parse_from([
+            "ublkctl",
+            "add",
+            "--peer",
+            "h:1",
+            "--volume",
+            "v",
+            "--secret-file",
+            "/s",
+            "--size",
+            "1G",
+            "--transport",
+            "udp",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("unknown transport \"udp\": use tcp, rdma or auto"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn peer_and_auth_errors_get_a_hint() {
+        assert_eq!(
+            explain(ErrorKind::PeerUnreachable, "cannot connect"),
+            "cannot connect (is arenad running and reachable?)"
+        );
+        assert!(explain(ErrorKind::AuthFailed, "x").starts_with("authentication failed: x"));
+        assert_eq!(explain(ErrorKind::Busy, "busy"), "busy");
+    }
+
+    #[test]
+    fn a_missing_daemon_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let cli = Cli::try_parse_from([
+            "ublkctl",
+            "--socket",
+            dir.path().join("none.sock").to_str().unwrap(),
+            "list",
+        ])
+        .unwrap();
+        let e = run(&cli).unwrap_err().to_string();
+        assert!(e.starts_with("ublkd is not running"), "{e}");
+    }
+}

@@ -1,0 +1,68 @@
+//! `ublkd`: the ublk device daemon. Loads its config, brings back the
+//! persisted devices, serves the control socket, tells systemd it is ready,
+//! and on SIGTERM keeps or removes the devices as configured.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
+use ublkd::device::Manager;
+use ublkd::server;
+
+/// Serve ublk block devices backed by a remote arena (arenad).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Config file.
+    #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// Check the config and exit.
+    #[arg(long)]
+    check_config: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let cfg = UblkdConfig::load(&args.config)?;
+    if args.check_config {
+        println!("{}: ok", args.config.display());
+        return Ok(());
+    }
+    target_rdma::logging::init(cfg.log_format == "json");
+    let on_shutdown = cfg.on_shutdown;
+    let socket = cfg.socket.clone();
+    let group = cfg.socket_group.clone();
+    // Signals first, so a SIGTERM during a long restore is not lost.
+    let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    let manager = Arc::new(Manager::new(cfg)?);
+    let listener = server::bind(&socket, group.as_deref())?;
+    manager.restore()?;
+    {
+        let m = Arc::clone(&manager);
+        std::thread::Builder::new()
+            .name("ublkd-accept".into())
+            .spawn(move || server::serve(listener, m))
+            .context("starting the control socket thread")?;
+    }
+    if let Err(e) = target_rdma::sd_notify::notify("READY=1") {
+        tracing::warn!(event = "sd_notify.failed", error = %e);
+    }
+    tracing::info!(event = "ublkd.ready", socket = %socket.display(), devices = manager.list().len());
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!(event = "ublkd.signal", signal = sig);
+    }
+    let _ = target_rdma::sd_notify::notify("STOPPING=1");
+    match on_shutdown {
+        OnShutdown::Keep => manager.shutdown_keep(),
+        OnShutdown::Remove => manager.shutdown_remove(),
+    }
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!(event = "ublkd.exit", on_shutdown = ?on_shutdown);
+    // Device threads are parked in the kernel; exiting closes their file
+    // descriptors, which is what hands kept devices over to recovery.
+    std::process::exit(0);
+}

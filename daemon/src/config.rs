@@ -1,0 +1,551 @@
+//! `ublkd.toml`: every key, its default, and the checks that stop a bad
+//! value at startup with a message naming the key and the reason.
+//! `docs/OPERATIONS.md` documents the same keys for operators.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use target_rdma::size::{serde_size, HumanSize};
+
+/// Where the packaged service looks for its config.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/ublkd/ublkd.toml";
+
+/// Largest per-tag I/O buffer libublk accepts.
+pub const MAX_IO_BUF: u64 = 1 << 20;
+/// Largest queue depth the ublk driver accepts.
+pub const MAX_DEPTH: u32 = 4096;
+/// Most hardware queues the ublk driver accepts.
+pub const MAX_QUEUES: u32 = 4096;
+
+/// A config the daemon refuses to start with.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema (unknown key, wrong type).
+    #[error("invalid config {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, which names the key.
+        message: String,
+    },
+    /// A key has a value outside its allowed range.
+    #[error("invalid config: {key} = {value}: {reason}")]
+    Invalid {
+        /// Dotted key name, e.g. `device.depth`.
+        key: &'static str,
+        /// The value as given.
+        value: String,
+        /// What is allowed.
+        reason: String,
+    },
+}
+
+/// What SIGTERM does with live devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnShutdown {
+    /// Leave the kernel devices in place (quiesced) so the next `ublkd`
+    /// recovers them; I/O waits meanwhile instead of failing.
+    Keep,
+    /// Delete the devices and their definitions.
+    Remove,
+}
+
+/// How arena payloads travel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Inline on the TCP control stream.
+    Tcp,
+    /// One-sided RDMA (not in this build).
+    Rdma,
+    /// RDMA when available, else TCP; in this build always TCP.
+    Auto,
+}
+
+impl Transport {
+    /// Stable lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Rdma => "rdma",
+            Self::Auto => "auto",
+        }
+    }
+
+    /// Parses a command-line value.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "tcp" => Some(Self::Tcp),
+            "rdma" => Some(Self::Rdma),
+            "auto" => Some(Self::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// The whole `ublkd` configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UblkdConfig {
+    /// Device definitions live in `<state_dir>/devices/<id>.json`.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// Control socket path.
+    #[serde(default = "default_socket")]
+    pub socket: PathBuf,
+    /// Group allowed to use the socket (mode 0660); root only (0600) when unset.
+    #[serde(default)]
+    pub socket_group: Option<String>,
+    /// What SIGTERM does with devices.
+    #[serde(default = "default_on_shutdown")]
+    pub on_shutdown: OnShutdown,
+    /// `text` or `json` log lines on stderr.
+    #[serde(default = "default_log_format")]
+    pub log_format: String,
+    /// Limit for connecting to and authenticating with `arenad`, in ms.
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_ms: u64,
+    /// Limit for each arena request, in ms; a request past it fails with ETIMEDOUT.
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_ms: u64,
+    /// Defaults for new devices.
+    #[serde(default)]
+    pub device: DeviceDefaults,
+}
+
+/// `[device]`: parameters of new devices. `ublkctl add` overrides queues,
+/// depth, io_buf, blob_size and transport per device.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceDefaults {
+    /// Hardware queues (one thread and one arena connection each).
+    #[serde(default = "default_queues")]
+    pub queues: u32,
+    /// Requests in flight per queue.
+    #[serde(default = "default_depth")]
+    pub depth: u32,
+    /// Per-request buffer; also the largest I/O the kernel sends.
+    #[serde(
+        default = "default_io_buf",
+        deserialize_with = "serde_size::deserialize"
+    )]
+    pub io_buf: u64,
+    /// Blob size asked of the volume; 0 accepts the volume's own.
+    #[serde(default, deserialize_with = "serde_size::deserialize")]
+    pub blob_size: u64,
+    /// `tcp`, `rdma` or `auto`.
+    #[serde(default = "default_transport")]
+    pub transport: Transport,
+    /// Logical block size: 512, 1024, 2048 or 4096.
+    #[serde(default = "default_lbs")]
+    pub logical_block_size: u32,
+    /// Physical block size: a power of two from the logical block size to 64K.
+    #[serde(default = "default_pbs")]
+    pub physical_block_size: u32,
+    /// Largest request the kernel may send; at most `io_buf`. 0 means `io_buf`.
+    #[serde(default, deserialize_with = "serde_size::deserialize")]
+    pub max_io_size: u64,
+    /// Advertise DISCARD.
+    #[serde(default = "yes")]
+    pub discard: bool,
+    /// Largest DISCARD; a multiple of 512.
+    #[serde(
+        default = "default_max_discard",
+        deserialize_with = "serde_size::deserialize"
+    )]
+    pub max_discard_size: u64,
+    /// Advertise WRITE_ZEROES.
+    #[serde(default = "yes")]
+    pub write_zeroes: bool,
+    /// Largest WRITE_ZEROES; a multiple of 512.
+    #[serde(
+        default = "default_max_discard",
+        deserialize_with = "serde_size::deserialize"
+    )]
+    pub max_write_zeroes_size: u64,
+    /// Advertise a volatile write cache, so FLUSH is the durability point.
+    #[serde(default = "yes")]
+    pub write_cache: bool,
+    /// Advertise FUA (needs `write_cache`).
+    #[serde(default = "yes")]
+    pub fua: bool,
+}
+
+fn default_state_dir() -> PathBuf {
+    PathBuf::from("/var/lib/ublkd")
+}
+fn default_socket() -> PathBuf {
+    PathBuf::from("/run/ublkd/ublkd.sock")
+}
+fn default_on_shutdown() -> OnShutdown {
+    OnShutdown::Keep
+}
+fn default_log_format() -> String {
+    "text".into()
+}
+fn default_connect_timeout() -> u64 {
+    5000
+}
+fn default_request_timeout() -> u64 {
+    30000
+}
+fn default_queues() -> u32 {
+    1
+}
+fn default_depth() -> u32 {
+    64
+}
+fn default_io_buf() -> u64 {
+    512 << 10
+}
+fn default_transport() -> Transport {
+    Transport::Auto
+}
+fn default_lbs() -> u32 {
+    512
+}
+fn default_pbs() -> u32 {
+    4096
+}
+fn default_max_discard() -> u64 {
+    1 << 30
+}
+fn yes() -> bool {
+    true
+}
+
+impl Default for DeviceDefaults {
+    fn default() -> Self {
+        // Same as an empty `[device]` table.
+        toml::from_str("").unwrap_or_else(|_| unreachable!("every key has a default"))
+    }
+}
+
+fn invalid(key: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl UblkdConfig {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates `text` (read from `path`, named in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let cfg: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.message().to_owned()
+                + &e.span()
+                    .map(|s| format!(" (at byte {})", s.start))
+                    .unwrap_or_default(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The configuration with every default.
+    pub fn defaults() -> Self {
+        toml::from_str("").unwrap_or_else(|_| unreachable!("every key has a default"))
+    }
+
+    /// Checks every key; the first bad one is reported.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.state_dir.is_absolute() {
+            return Err(invalid(
+                "state_dir",
+                self.state_dir.display(),
+                "must be an absolute path",
+            ));
+        }
+        if !self.socket.is_absolute() {
+            return Err(invalid(
+                "socket",
+                self.socket.display(),
+                "must be an absolute path",
+            ));
+        }
+        if let Some(g) = &self.socket_group {
+            if g.is_empty() {
+                return Err(invalid(
+                    "socket_group",
+                    "\"\"",
+                    "must name a group; leave the key out for root-only access",
+                ));
+            }
+        }
+        if self.log_format != "text" && self.log_format != "json" {
+            return Err(invalid(
+                "log_format",
+                &self.log_format,
+                "must be \"text\" or \"json\"",
+            ));
+        }
+        if !(100..=600_000).contains(&self.connect_timeout_ms) {
+            return Err(invalid(
+                "connect_timeout_ms",
+                self.connect_timeout_ms,
+                "must be between 100 and 600000",
+            ));
+        }
+        if !(100..=600_000).contains(&self.request_timeout_ms) {
+            return Err(invalid(
+                "request_timeout_ms",
+                self.request_timeout_ms,
+                "must be between 100 and 600000",
+            ));
+        }
+        self.device.validate()
+    }
+}
+
+/// Checks queues, depth, io_buf and blob_size, which `ublkctl add` may
+/// override and which therefore are checked again per request.
+pub fn check_geometry(
+    queues: u32,
+    depth: u32,
+    io_buf: u64,
+    blob_size: u64,
+) -> Result<(), ConfigError> {
+    if !(1..=MAX_QUEUES).contains(&queues) {
+        return Err(invalid(
+            "device.queues",
+            queues,
+            format!("must be between 1 and {MAX_QUEUES}"),
+        ));
+    }
+    if !(1..=MAX_DEPTH).contains(&depth) {
+        return Err(invalid(
+            "device.depth",
+            depth,
+            format!("must be between 1 and {MAX_DEPTH}"),
+        ));
+    }
+    if !(4096..=MAX_IO_BUF).contains(&io_buf) || !io_buf.is_multiple_of(4096) {
+        return Err(invalid(
+            "device.io_buf",
+            HumanSize(io_buf),
+            "must be a multiple of 4K between 4K and 1M",
+        ));
+    }
+    if blob_size != 0 && (!blob_size.is_power_of_two() || !(4096..=16 << 20).contains(&blob_size)) {
+        return Err(invalid(
+            "device.blob_size",
+            HumanSize(blob_size),
+            "must be 0 (the volume's) or a power of two from 4K to 16M",
+        ));
+    }
+    Ok(())
+}
+
+impl DeviceDefaults {
+    /// Checks every `[device]` key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_geometry(self.queues, self.depth, self.io_buf, self.blob_size)?;
+        if ![512, 1024, 2048, 4096].contains(&self.logical_block_size) {
+            return Err(invalid(
+                "device.logical_block_size",
+                self.logical_block_size,
+                "must be 512, 1024, 2048 or 4096",
+            ));
+        }
+        let pbs = self.physical_block_size;
+        if !pbs.is_power_of_two() || pbs < self.logical_block_size || pbs > 65536 {
+            return Err(invalid(
+                "device.physical_block_size",
+                pbs,
+                "must be a power of two from logical_block_size to 65536",
+            ));
+        }
+        if self.max_io_size != 0
+            && (self.max_io_size > self.io_buf
+                || !self
+                    .max_io_size
+                    .is_multiple_of(u64::from(self.logical_block_size)))
+        {
+            return Err(invalid(
+                "device.max_io_size",
+                HumanSize(self.max_io_size),
+                "must be 0 (io_buf) or a multiple of logical_block_size no larger than io_buf",
+            ));
+        }
+        for (key, v) in [
+            ("device.max_discard_size", self.max_discard_size),
+            ("device.max_write_zeroes_size", self.max_write_zeroes_size),
+        ] {
+            if v == 0 || !v.is_multiple_of(512) || v >> 9 > u64::from(u32::MAX) {
+                return Err(invalid(
+                    key,
+                    HumanSize(v),
+                    "must be a non-zero multiple of 512 below 2T",
+                ));
+            }
+        }
+        if self.fua && !self.write_cache {
+            return Err(invalid(
+                "device.fua",
+                true,
+                "needs device.write_cache = true (FUA means nothing without a volatile cache)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The largest request the kernel may send.
+    pub fn effective_max_io(&self, io_buf: u64) -> u64 {
+        if self.max_io_size == 0 {
+            io_buf
+        } else {
+            self.max_io_size.min(io_buf)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        UblkdConfig::parse(text, Path::new("/etc/ublkd/ublkd.toml"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn empty_file_gives_documented_defaults() {
+        let c = UblkdConfig::parse("", Path::new("x")).unwrap();
+        assert_eq!(c.state_dir, Path::new("/var/lib/ublkd"));
+        assert_eq!(c.socket, Path::new("/run/ublkd/ublkd.sock"));
+        assert_eq!(c.on_shutdown, OnShutdown::Keep);
+        assert_eq!(c.socket_group, None);
+        assert_eq!(c.device.queues, 1);
+        assert_eq!(c.device.depth, 64);
+        assert_eq!(c.device.io_buf, 512 << 10);
+        assert_eq!(c.device.transport, Transport::Auto);
+        assert!(c.device.write_cache && c.device.fua && c.device.discard);
+    }
+
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let text = include_str!("../../systemd/ublkd.toml");
+        UblkdConfig::parse(text, Path::new("systemd/ublkd.toml")).unwrap();
+    }
+
+    #[test]
+    fn sizes_accept_strings_and_integers() {
+        let c = UblkdConfig::parse(
+            "[device]\nio_buf = \"256K\"\nblob_size = 65536\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(c.device.io_buf, 256 << 10);
+        assert_eq!(c.device.blob_size, 65536);
+    }
+
+    #[test]
+    fn bad_values_name_the_key_and_the_reason() {
+        assert_eq!(
+            err("[device]\ndepth = 0"),
+            "invalid config: device.depth = 0: must be between 1 and 4096"
+        );
+        assert_eq!(
+            err("[device]\nqueues = 5000"),
+            "invalid config: device.queues = 5000: must be between 1 and 4096"
+        );
+        assert_eq!(
+            err("[device]\nio_buf = \"2M\""),
+            "invalid config: device.io_buf = 2M: must be a multiple of 4K between 4K and 1M"
+        );
+        assert_eq!(
+            err("[device]\nblob_size = \"3K\""),
+            "invalid config: device.blob_size = 3K: must be 0 (the volume's) or a power of two from 4K to 16M"
+        );
+        assert_eq!(
+            err("[device]\nlogical_block_size = 520"),
+            "invalid config: device.logical_block_size = 520: must be 512, 1024, 2048 or 4096"
+        );
+        assert_eq!(
+            err("[device]\nphysical_block_size = 256"),
+            "invalid config: device.physical_block_size = 256: must be a power of two from logical_block_size to 65536"
+        );
+        assert_eq!(
+            err("[device]\nmax_io_size = \"1M\""),
+            "invalid config: device.max_io_size = 1M: must be 0 (io_buf) or a multiple of logical_block_size no larger than io_buf"
+        );
+        assert_eq!(
+            err("[device]\nmax_discard_size = 100"),
+            "invalid config: device.max_discard_size = 100: must be a non-zero multiple of 512 below 2T"
+        );
+        assert_eq!(
+            err("[device]\nwrite_cache = false"),
+            "invalid config: device.fua = true: needs device.write_cache = true (FUA means nothing without a volatile cache)"
+        );
+        assert_eq!(
+            err("state_dir = \"var/lib\""),
+            "invalid config: state_dir = var/lib: must be an absolute path"
+        );
+        assert_eq!(
+            err("socket = \"ublkd.sock\""),
+            "invalid config: socket = ublkd.sock: must be an absolute path"
+        );
+        assert_eq!(
+            err("socket_group = \"\""),
+            "invalid config: socket_group = \"\": must name a group; leave the key out for root-only access"
+        );
+        assert_eq!(
+            err("log_format = \"xml\""),
+            "invalid config: log_format = xml: must be \"text\" or \"json\""
+        );
+        assert_eq!(
+            err("request_timeout_ms = 5"),
+            "invalid config: request_timeout_ms = 5: must be between 100 and 600000"
+        );
+        assert_eq!(
+            err("connect_timeout_ms = 0"),
+            "invalid config: connect_timeout_ms = 0: must be between 100 and 600000"
+        );
+    }
+
+    #[test]
+    fn schema_errors_name_the_file_and_the_key() {
+        let e = err("on_shutdown = \"explode\"");
+        assert!(
+            e.starts_with("invalid config /etc/ublkd/ublkd.toml: unknown variant `explode`"),
+            "{e}"
+        );
+        assert!(e.contains("expected `keep` or `remove`"), "{e}");
+        let e = err("colour = 1");
+        assert!(e.contains("unknown field `colour`"), "{e}");
+        let e = err("[device]\ntransport = \"udp\"");
+        assert!(e.contains("unknown variant `udp`"), "{e}");
+        let e = err("[device]\nio_buf = \"12Q\"");
+        assert!(e.contains("invalid size \"12Q\": unknown unit"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_file_is_a_read_error_naming_the_path() {
+        let e = UblkdConfig::load(Path::new("/nonexistent/ublkd.toml")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("cannot read config /nonexistent/ublkd.toml: "),
+            "{e}"
+        );
+    }
+}

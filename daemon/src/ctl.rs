@@ -1,0 +1,388 @@
+//! The control protocol between `ublkctl` and `ublkd`: one JSON object per
+//! line each way over the Unix control socket, every object carrying
+//! `version`. A daemon answers a request whose version it does not speak
+//! with an `unsupported_version` error instead of guessing, so old and new
+//! tools fail clearly. `docs/OPERATIONS.md` shows the wire format.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Transport;
+use crate::stats::StatsSnapshot;
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// Longest request or response line accepted.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// A request line.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestLine {
+    /// Protocol version of the sender.
+    pub version: u32,
+    /// The request.
+    #[serde(flatten)]
+    pub request: Request,
+}
+
+/// What a client can ask.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Create a device.
+    Add(AddArgs),
+    /// Delete a device.
+    Del {
+        /// Device id.
+        id: u32,
+        /// Delete even when mounted or open.
+        force: bool,
+    },
+    /// All devices.
+    List,
+    /// One device.
+    Show {
+        /// Device id.
+        id: u32,
+    },
+    /// I/O counters of one device or all.
+    Stats {
+        /// Device id; all when absent.
+        id: Option<u32>,
+    },
+    /// Re-attach a device whose queues stopped (ublk user recovery).
+    Recover {
+        /// Device id.
+        id: u32,
+    },
+    /// What the running kernel's ublk driver supports.
+    Features,
+}
+
+/// Arguments of `add`; absent fields take the daemon's `[device]` defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AddArgs {
+    /// `host:port` of `arenad`.
+    pub peer: String,
+    /// Volume name on the peer.
+    pub volume: String,
+    /// File holding the volume's secret, read by the daemon.
+    pub secret_file: PathBuf,
+    /// Device size in bytes.
+    pub size: u64,
+    /// Hardware queues.
+    pub queues: Option<u32>,
+    /// Queue depth.
+    pub depth: Option<u32>,
+    /// Blob size to ask the volume for.
+    pub blob_size: Option<u64>,
+    /// Data path.
+    pub transport: Option<Transport>,
+    /// Per-request buffer size.
+    pub io_buf: Option<u64>,
+}
+
+/// A response line.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResponseLine {
+    /// Protocol version of the daemon.
+    pub version: u32,
+    /// Success or failure.
+    #[serde(flatten)]
+    pub response: Response,
+}
+
+/// Success with a reply, or an error of a closed kind with a message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Response {
+    /// The request succeeded.
+    Ok {
+        /// What it produced.
+        reply: Reply,
+    },
+    /// The request failed.
+    Error {
+        /// Machine-readable class.
+        kind: ErrorKind,
+        /// Human-readable explanation.
+        message: String,
+    },
+}
+
+/// Error classes a script can branch on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// Malformed or invalid request.
+    BadRequest,
+    /// The request's protocol version is not spoken here.
+    UnsupportedVersion,
+    /// No such device.
+    UnknownDevice,
+    /// The device is mounted or open.
+    Busy,
+    /// The arena peer cannot be reached.
+    PeerUnreachable,
+    /// The arena peer refused the volume's secret.
+    AuthFailed,
+    /// The arena peer failed otherwise.
+    Peer,
+    /// `/dev/ublk-control` is missing.
+    UblkMissing,
+    /// The requested transport is not in this build.
+    TransportUnavailable,
+    /// The ublk driver or the system failed.
+    System,
+}
+
+/// A successful reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Reply {
+    /// `add`, `show` and `recover`.
+    Device {
+        /// The device.
+        device: DeviceInfo,
+    },
+    /// `del`.
+    Deleted {
+        /// The device id.
+        id: u32,
+    },
+    /// `list`.
+    Devices {
+        /// Every device, by id.
+        devices: Vec<DeviceInfo>,
+    },
+    /// `stats`.
+    Stats {
+        /// Per-device counters, by id.
+        devices: Vec<DeviceStatsInfo>,
+    },
+    /// `features`.
+    Features {
+        /// The raw `UBLK_F_*` mask.
+        mask: u64,
+        /// Names of the set bits this build knows.
+        names: Vec<String>,
+    },
+}
+
+/// A device as `list` and `show` describe it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// ublk device id (N in `/dev/ublkbN`).
+    pub id: u32,
+    /// Block device node.
+    pub node: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Hardware queues.
+    pub queues: u32,
+    /// Queue depth.
+    pub depth: u32,
+    /// Per-request buffer in bytes.
+    pub io_buf: u64,
+    /// Blob size in use, 0 until the first connection.
+    pub blob_size: u64,
+    /// `live`, `starting`, `recovering`, `stopped` or `failed`.
+    pub state: String,
+    /// Why it is `failed`, when it is.
+    pub error: Option<String>,
+    /// `host:port` of `arenad`.
+    pub peer: String,
+    /// Volume name.
+    pub volume: String,
+    /// Data path in use (`tcp` in this build).
+    pub transport: String,
+    /// What `add` asked for (`tcp`, `rdma` or `auto`).
+    pub transport_requested: String,
+    /// Logical block size.
+    pub logical_block_size: u32,
+}
+
+/// One device's counters.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStatsInfo {
+    /// Device id.
+    pub id: u32,
+    /// Block device node.
+    pub node: String,
+    /// Counters.
+    pub stats: StatsSnapshot,
+}
+
+/// Why talking to the daemon failed (before any answer).
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No socket file.
+    #[error("ublkd is not running: control socket {0} does not exist (start it with `systemctl start ublkd`)")]
+    NotRunning(PathBuf),
+    /// The file exists but nobody listens.
+    #[error("ublkd is not running: nothing listens on {0} (stale socket; start it with `systemctl start ublkd`)")]
+    Refused(PathBuf),
+    /// Socket permissions.
+    #[error("permission denied on {0}: run as root or as a member of the daemon's socket_group")]
+    PermissionDenied(PathBuf),
+    /// Any other I/O failure.
+    #[error("talking to ublkd on {path}: {source}")]
+    Io {
+        /// Socket path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The daemon's answer was not understood.
+    #[error("ublkd sent an answer this ublkctl does not understand: {0}")]
+    BadAnswer(String),
+}
+
+/// Sends one request and waits for its response.
+pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
+    let io = |source: std::io::Error| ClientError::Io {
+        path: socket.to_owned(),
+        source,
+    };
+    let mut stream = UnixStream::connect(socket).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ClientError::NotRunning(socket.to_owned()),
+        std::io::ErrorKind::ConnectionRefused => ClientError::Refused(socket.to_owned()),
+        std::io::ErrorKind::PermissionDenied => ClientError::PermissionDenied(socket.to_owned()),
+        _ => io(e),
+    })?;
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    let mut line = serde_json::to_string(&RequestLine {
+        version: VERSION,
+        request,
+    })
+    .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    line.push('\n');
+    stream.write_all(line.as_bytes()).map_err(io)?;
+    let mut answer = String::new();
+    BufReader::new(stream.take(MAX_LINE as u64))
+        .read_line(&mut answer)
+        .map_err(io)?;
+    if answer.is_empty() {
+        return Err(ClientError::BadAnswer(
+            "connection closed without an answer".into(),
+        ));
+    }
+    let r: ResponseLine =
+        serde_json::from_str(&answer).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    Ok(r.response)
+}
+
+/// Parses one request line, answering protocol problems as responses.
+pub fn parse_request(line: &str) -> Result<Request, Box<Response>> {
+    #[derive(Deserialize)]
+    struct VersionOnly {
+        version: Option<u32>,
+    }
+    let bad = |message: String| {
+        Box::new(Response::Error {
+            kind: ErrorKind::BadRequest,
+            message,
+        })
+    };
+    let v: VersionOnly =
+        serde_json::from_str(line).map_err(|e| bad(format!("not a JSON object: {e}")))?;
+    match v.version {
+        None => return Err(bad("missing \"version\"".into())),
+        Some(VERSION) => {}
+        Some(other) => {
+            return Err(Box::new(Response::Error {
+                kind: ErrorKind::UnsupportedVersion,
+                message: format!(
+                    "protocol version {other} is not supported; this ublkd speaks version {VERSION}"
+                ),
+            }))
+        }
+    }
+    serde_json::from_str::<RequestLine>(line)
+        .map(|r| r.request)
+        .map_err(|e| bad(format!("invalid request: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_with_a_version_field() {
+        let r = RequestLine {
+            version: VERSION,
+            request: Request::Del { id: 3, force: true },
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(s, r#"{"version":1,"op":"del","id":3,"force":true}"#);
+        assert_eq!(parse_request(&s).unwrap(), r.request);
+        let s = r#"{"version":1,"op":"add","peer":"h:1","volume":"v","secret_file":"/s","size":4096,"queues":null,"depth":2,"blob_size":null,"transport":"tcp","io_buf":null}"#;
+        match parse_request(s).unwrap() {
+            Request::Add(a) => {
+                assert_eq!(a.depth, Some(2));
+                assert_eq!(a.transport, Some(Transport::Tcp));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn protocol_errors_are_answered_not_dropped() {
+        let kind = |line: &str| match parse_request(line).map_err(|b| *b) {
+            Err(Response::Error { kind, message }) => (kind, message),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            kind(r#"{"version":2,"op":"list"}"#),
+            (
+                ErrorKind::UnsupportedVersion,
+                "protocol version 2 is not supported; this ublkd speaks version 1".into()
+            )
+        );
+        assert_eq!(
+            kind(r#"{"op":"list"}"#),
+            (ErrorKind::BadRequest, "missing \"version\"".into())
+        );
+        assert!(kind("nonsense").1.starts_with("not a JSON object"));
+        assert!(kind(r#"{"version":1,"op":"explode"}"#)
+            .1
+            .starts_with("invalid request: unknown variant `explode`"));
+    }
+
+    #[test]
+    fn responses_carry_status_and_kind() {
+        let r = ResponseLine {
+            version: VERSION,
+            response: Response::Error {
+                kind: ErrorKind::UnknownDevice,
+                message: "no device 9".into(),
+            },
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"version":1,"status":"error","kind":"unknown_device","message":"no device 9"}"#
+        );
+    }
+
+    #[test]
+    fn client_errors_say_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope.sock");
+        let e = call(&missing, Request::List, Duration::from_secs(1)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "ublkd is not running: control socket {} does not exist (start it with `systemctl start ublkd`)",
+                missing.display()
+            )
+        );
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        let e = call(&stale, Request::List, Duration::from_secs(1)).unwrap_err();
+        assert!(e.to_string().contains("nothing listens on"), "{e}");
+    }
+}

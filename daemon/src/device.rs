@@ -1,0 +1,947 @@
+//! The control plane's device manager: creates, recovers and deletes ublk
+//! devices and keeps their definitions on disk, so a restarted `ublkd`
+//! (after a crash, an upgrade or a reboot) brings the same devices back.
+//!
+//! Every device runs on its own thread inside libublk's `run_target`, which
+//! spawns the queue threads (`queue.rs`). Devices are created with
+//! `UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE`: when `ublkd` dies,
+//! the kernel keeps `/dev/ublkbN` and holds its I/O, and the next `ublkd`
+//! re-attaches and gets the unfinished requests again.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
+use libublk::io::UblkDev;
+use libublk::{sys, UblkFlags};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use target_rdma::auth::Secret;
+use target_rdma::client::{ArenaClient, ArenaError, ClientConfig};
+use target_rdma::target::ArenaTarget;
+
+use crate::busy;
+use crate::config::{check_geometry, ConfigError, DeviceDefaults, Transport, UblkdConfig};
+use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind};
+use crate::stats::DeviceStats;
+
+/// The ublk control node; absent when `ublk_drv` is not loaded.
+pub const UBLK_CONTROL: &str = "/dev/ublk-control";
+/// How long a device may take from ADD to LIVE before `add` gives up.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A device definition, persisted as `<state_dir>/devices/<id>.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// ublk device id.
+    pub id: u32,
+    /// `host:port` of `arenad`.
+    pub peer: String,
+    /// Volume name.
+    pub volume: String,
+    /// Secret file, read again at every start so rotation needs no re-add.
+    pub secret_file: PathBuf,
+    /// Size in bytes.
+    pub size: u64,
+    /// Hardware queues.
+    pub queues: u32,
+    /// Queue depth.
+    pub depth: u32,
+    /// Per-request buffer.
+    pub io_buf: u64,
+    /// Blob size asked for (0: the volume's).
+    pub blob_size: u64,
+    /// Transport asked for.
+    pub transport: Transport,
+    /// Logical block size.
+    pub logical_block_size: u32,
+    /// Physical block size.
+    pub physical_block_size: u32,
+    /// Largest request.
+    pub max_io_size: u64,
+    /// DISCARD advertised.
+    pub discard: bool,
+    /// Largest DISCARD.
+    pub max_discard_size: u64,
+    /// WRITE_ZEROES advertised.
+    pub write_zeroes: bool,
+    /// Largest WRITE_ZEROES.
+    pub max_write_zeroes_size: u64,
+    /// Volatile write cache advertised.
+    pub write_cache: bool,
+    /// FUA advertised.
+    pub fua: bool,
+}
+
+/// A request the manager refused or could not carry out.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// No such device.
+    #[error("no device {0} (see `ublkctl list`)")]
+    Unknown(u32),
+    /// Mounted or open.
+    #[error("device {id} (/dev/ublkb{id}) is busy: {why}; unmount it or stop its users first, or pass --force")]
+    Busy {
+        /// Device id.
+        id: u32,
+        /// What holds it.
+        why: String,
+    },
+    /// Invalid arguments.
+    #[error("{0}")]
+    BadRequest(String),
+    /// `transport = rdma` asked of a TCP-only build.
+    #[error("RDMA transport not available in this build; use --transport tcp or --transport auto")]
+    RdmaUnavailable,
+    /// The secret file could not be used.
+    #[error("secret file {path}: {reason}")]
+    Secret {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The arena refused or could not be reached.
+    #[error("{0}")]
+    Arena(#[from] ArenaError),
+    /// `ublk_drv` is not loaded.
+    #[error("the ublk driver is not loaded: {UBLK_CONTROL} is missing (run `modprobe ublk_drv`)")]
+    UblkMissing,
+    /// A ublk control command failed.
+    #[error("ublk {what} for device {id} failed: {detail}")]
+    Ublk {
+        /// The step.
+        what: &'static str,
+        /// Device id (-1 before the kernel assigned one).
+        id: i64,
+        /// The driver's error.
+        detail: String,
+    },
+    /// The state directory failed.
+    #[error("state dir {path}: {source}")]
+    State {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+}
+
+impl DeviceError {
+    /// The protocol error class.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Unknown(_) => ErrorKind::UnknownDevice,
+            Self::Busy { .. } => ErrorKind::Busy,
+            Self::BadRequest(_) | Self::Secret { .. } => ErrorKind::BadRequest,
+            Self::RdmaUnavailable => ErrorKind::TransportUnavailable,
+            Self::Arena(ArenaError::Connect { .. }) => ErrorKind::PeerUnreachable,
+            Self::Arena(ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. }) => {
+                ErrorKind::AuthFailed
+            }
+            Self::Arena(_) => ErrorKind::Peer,
+            Self::UblkMissing => ErrorKind::UblkMissing,
+            Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
+        }
+    }
+}
+
+/// Reads and writes device definitions.
+pub struct SpecStore {
+    dir: PathBuf,
+}
+
+impl SpecStore {
+    /// The store under `<state_dir>/devices`, created if missing.
+    pub fn open(state_dir: &Path) -> Result<Self, DeviceError> {
+        let dir = state_dir.join("devices");
+        fs::create_dir_all(&dir).map_err(|source| DeviceError::State {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(Self { dir })
+    }
+
+    fn path(&self, id: u32) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    /// Writes atomically (temp file, fsync, rename) so a crash never
+    /// leaves a half-written definition behind.
+    pub fn save(&self, spec: &DeviceSpec) -> Result<(), DeviceError> {
+        let path = self.path(spec.id);
+        let tmp = self.dir.join(format!(".{}.json.tmp", spec.id));
+        let err = |source| DeviceError::State {
+            path: path.clone(),
+            source,
+        };
+        let mut f = fs::File::create(&tmp).map_err(err)?;
+        let text = serde_json::to_string_pretty(spec).map_err(|e| err(e.into()))?;
+        f.write_all(text.as_bytes()).map_err(err)?;
+        f.sync_all().map_err(err)?;
+        fs::rename(&tmp, &path).map_err(err)?;
+        fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(err)
+    }
+
+    /// Deletes a definition; a missing one is fine.
+    pub fn remove(&self, id: u32) -> Result<(), DeviceError> {
+        match fs::remove_file(self.path(id)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(DeviceError::State {
+                path: self.path(id),
+                source: e,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every readable definition; unreadable ones are logged and skipped
+    /// so one bad file does not keep the other devices down.
+    pub fn load_all(&self) -> Result<Vec<DeviceSpec>, DeviceError> {
+        let rd = fs::read_dir(&self.dir).map_err(|source| DeviceError::State {
+            path: self.dir.clone(),
+            source,
+        })?;
+        let mut specs = Vec::new();
+        for entry in rd.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            match fs::read_to_string(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| serde_json::from_str::<DeviceSpec>(&t).map_err(|e| e.to_string()))
+            {
+                Ok(s) => specs.push(s),
+                Err(e) => {
+                    tracing::error!(event = "device.spec_unreadable", path = %path.display(), error = %e)
+                }
+            }
+        }
+        specs.sort_by_key(|s| s.id);
+        Ok(specs)
+    }
+}
+
+/// Where a device is in its life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    Starting,
+    Recovering,
+    Live,
+    Stopped,
+    Failed(String),
+}
+
+impl State {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Recovering => "recovering",
+            Self::Live => "live",
+            Self::Stopped => "stopped",
+            Self::Failed(_) => "failed",
+        }
+    }
+}
+
+/// One device the manager knows.
+struct Device {
+    spec: DeviceSpec,
+    stats: Arc<DeviceStats>,
+    state: Arc<Mutex<State>>,
+    /// Clones of the queues' clients, for FLUSH at shutdown.
+    clients: Vec<ArenaClient>,
+    blob_bytes: u32,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How a device thread attaches to the kernel.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// ADD a new device; `-1` lets the kernel pick the id.
+    Add(i32),
+    /// START_USER_RECOVERY of an existing, quiesced device.
+    Recover(u32),
+}
+
+enum Event {
+    Built(u32),
+    Started,
+    Failed(String),
+}
+
+/// Owns every device's lifecycle.
+pub struct Manager {
+    cfg: UblkdConfig,
+    store: SpecStore,
+    devices: Mutex<BTreeMap<u32, Device>>,
+    /// Serialises add/del/recover; reads (list, stats) never wait on it.
+    ops: Mutex<()>,
+}
+
+fn ublk_err(what: &'static str, id: i64) -> impl Fn(libublk::UblkError) -> DeviceError {
+    move |e| DeviceError::Ublk {
+        what,
+        id,
+        detail: e.to_string(),
+    }
+}
+
+/// The kernel's state for device `id`, or `None` when it has no such device.
+fn kernel_state(id: u32) -> Option<u32> {
+    if !Path::new(&format!("/dev/ublkc{id}")).exists() {
+        return None;
+    }
+    UblkCtrl::new_simple(id as i32)
+        .ok()
+        .map(|c| u32::from(c.dev_info().state))
+}
+
+/// ublk parameters for a spec.
+fn params(spec: &DeviceSpec) -> sys::ublk_params {
+    let shift = |v: u64| v.trailing_zeros() as u8;
+    let mut attrs = 0;
+    if spec.write_cache {
+        attrs |= sys::UBLK_ATTR_VOLATILE_CACHE;
+    }
+    if spec.fua {
+        attrs |= sys::UBLK_ATTR_FUA;
+    }
+    let mut p = sys::ublk_params {
+        types: sys::UBLK_PARAM_TYPE_BASIC,
+        basic: sys::ublk_param_basic {
+            attrs,
+            logical_bs_shift: shift(spec.logical_block_size.into()),
+            physical_bs_shift: shift(spec.physical_block_size.into()),
+            io_opt_shift: shift(spec.physical_block_size.into()),
+            io_min_shift: shift(spec.logical_block_size.into()),
+            max_sectors: (spec.max_io_size >> 9) as u32,
+            dev_sectors: spec.size >> 9,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    if spec.discard || spec.write_zeroes {
+        p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
+        p.discard = sys::ublk_param_discard {
+            discard_alignment: 0,
+            discard_granularity: spec.physical_block_size,
+            max_discard_sectors: if spec.discard {
+                (spec.max_discard_size >> 9) as u32
+            } else {
+                0
+            },
+            max_write_zeroes_sectors: if spec.write_zeroes {
+                (spec.max_write_zeroes_size >> 9) as u32
+            } else {
+                0
+            },
+            max_discard_segments: 1,
+            ..Default::default()
+        };
+    }
+    p
+}
+
+/// The device thread: attaches to the kernel, serves until the device
+/// stops, then deletes the dead kernel device.
+fn device_thread(
+    spec: DeviceSpec,
+    mode: Mode,
+    clients: Vec<ArenaClient>,
+    stats: Arc<DeviceStats>,
+    state: Arc<Mutex<State>>,
+    tx: mpsc::Sender<Event>,
+) {
+    let fail = |tx: &mpsc::Sender<Event>, e: DeviceError| {
+        let _ = tx.send(Event::Failed(e.to_string()));
+    };
+    let (id, dev_flags) = match mode {
+        Mode::Add(id) => (id, UblkFlags::UBLK_DEV_F_ADD_DEV),
+        Mode::Recover(id) => {
+            let r = UblkCtrl::new_simple(id as i32)
+                .and_then(|c| c.start_user_recover())
+                .map_err(ublk_err("START_USER_RECOVERY", id.into()));
+            if let Err(e) = r {
+                return fail(&tx, e);
+            }
+            (id as i32, UblkFlags::UBLK_DEV_F_RECOVER_DEV)
+        }
+    };
+    let ctrl = match UblkCtrlBuilder::default()
+        .name("ublkd")
+        .id(id)
+        .nr_queues(spec.queues as u16)
+        .depth(spec.depth as u16)
+        .io_buf_bytes(spec.io_buf as u32)
+        .ctrl_flags((sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64)
+        .dev_flags(dev_flags)
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => return fail(&tx, ublk_err("ADD_DEV", id.into())(e)),
+    };
+    let dev_id = ctrl.dev_info().dev_id;
+    let _ = tx.send(Event::Built(dev_id));
+
+    let queue_clients: Arc<Mutex<Vec<Option<ArenaClient>>>> =
+        Arc::new(Mutex::new(clients.into_iter().map(Some).collect()));
+    let size = spec.size;
+    let qstats = Arc::clone(&stats);
+    let q_fn = move |qid: u16, dev: &UblkDev| {
+        let Some(client) = queue_clients
+            .lock()
+            .get_mut(qid as usize)
+            .and_then(Option::take)
+        else {
+            tracing::error!(event = "queue.no_client", qid);
+            return;
+        };
+        crate::queue::run(
+            qid,
+            dev,
+            ArenaTarget::new(client, size),
+            Arc::clone(&qstats),
+        );
+    };
+    let ublk_params = params(&spec);
+    let tgt_init = move |dev: &mut UblkDev| {
+        dev.tgt.dev_size = size;
+        dev.tgt.params = ublk_params;
+        Ok(())
+    };
+    let started_state = Arc::clone(&state);
+    let started_tx = tx.clone();
+    let on_started = move |_: &UblkCtrl| {
+        *started_state.lock() = State::Live;
+        let _ = started_tx.send(Event::Started);
+    };
+    let result = ctrl.run_target(tgt_init, q_fn, on_started);
+    // The queues are gone: the device was stopped (by `del` or from
+    // outside). A stopped ublk device is dead for good, so remove it.
+    let _ = ctrl.del_dev();
+    match result {
+        Ok(_) => {
+            *state.lock() = State::Stopped;
+            tracing::info!(event = "device.stopped", id = dev_id);
+        }
+        Err(e) => {
+            let e = ublk_err("START_DEV", dev_id.into())(e);
+            *state.lock() = State::Failed(e.to_string());
+            fail(&tx, e);
+        }
+    }
+}
+
+impl Manager {
+    /// A manager with no devices yet; [`Manager::restore`] brings back the
+    /// persisted ones.
+    pub fn new(cfg: UblkdConfig) -> Result<Self, DeviceError> {
+        let store = SpecStore::open(&cfg.state_dir)?;
+        Ok(Self {
+            cfg,
+            store,
+            devices: Mutex::new(BTreeMap::new()),
+            ops: Mutex::new(()),
+        })
+    }
+
+    /// Re-creates or recovers every persisted device. Failures are logged
+    /// and leave the device listed as `failed` for `ublkctl recover`.
+    pub fn restore(&self) -> Result<(), DeviceError> {
+        let _op = self.ops.lock();
+        for spec in self.store.load_all()? {
+            let id = spec.id;
+            match self.bring_back(spec.clone()) {
+                Ok(()) => tracing::info!(event = "device.restored", id),
+                Err(e) => {
+                    tracing::error!(event = "device.restore_failed", id, error = %e);
+                    self.devices.lock().insert(
+                        id,
+                        Device {
+                            spec,
+                            stats: Arc::default(),
+                            state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
+                            clients: Vec::new(),
+                            blob_bytes: 0,
+                            thread: None,
+                        },
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Recovers a quiesced kernel device, or re-creates a missing or dead one
+    /// under the same id.
+    fn bring_back(&self, spec: DeviceSpec) -> Result<(), DeviceError> {
+        let id = spec.id;
+        let mode = match kernel_state(id) {
+            Some(s) if s == sys::UBLK_S_DEV_QUIESCED || s == sys::UBLK_S_DEV_LIVE => {
+                Mode::Recover(id)
+            }
+            Some(_) => {
+                // DEAD or FAIL_IO: nothing to recover; start over, same id.
+                let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.del_dev());
+                Mode::Add(id as i32)
+            }
+            None => Mode::Add(id as i32),
+        };
+        tracing::info!(event = "device.bring_back", id, mode = ?mode);
+        self.launch(spec, mode).map(|_| ())
+    }
+
+    /// Connects the queues' clients, starts the device thread and waits
+    /// until the device is live. Returns the device id.
+    fn launch(&self, mut spec: DeviceSpec, mode: Mode) -> Result<u32, DeviceError> {
+        if spec.transport == Transport::Rdma {
+            return Err(DeviceError::RdmaUnavailable);
+        }
+        let secret = Secret::from_file(&spec.secret_file).map_err(|e| DeviceError::Secret {
+            path: spec.secret_file.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut clients = Vec::with_capacity(spec.queues as usize);
+        for _ in 0..spec.queues {
+            let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
+            cc.blob_bytes = spec.blob_size as u32;
+            cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
+            cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
+            clients.push(ArenaClient::connect(cc)?);
+        }
+        let blob_bytes = clients.first().map_or(0, |c| c.session_blob_bytes());
+        if !Path::new(UBLK_CONTROL).exists() {
+            return Err(DeviceError::UblkMissing);
+        }
+        let stats = Arc::new(DeviceStats::default());
+        let state = Arc::new(Mutex::new(match mode {
+            Mode::Add(_) => State::Starting,
+            Mode::Recover(_) => State::Recovering,
+        }));
+        let (tx, rx) = mpsc::channel();
+        let thread = {
+            let (spec, clients, stats, state) = (
+                spec.clone(),
+                clients.clone(),
+                Arc::clone(&stats),
+                Arc::clone(&state),
+            );
+            std::thread::Builder::new()
+                .name("ublk-dev".into())
+                .spawn(move || device_thread(spec, mode, clients, stats, state, tx))
+                .map_err(|source| DeviceError::State {
+                    path: PathBuf::from("(thread)"),
+                    source,
+                })?
+        };
+        let wanted_id = match mode {
+            Mode::Add(id) => i64::from(id),
+            Mode::Recover(id) => i64::from(id),
+        };
+        let failed = |thread: JoinHandle<()>, detail: String| {
+            let _ = thread.join();
+            DeviceError::Ublk {
+                what: "start",
+                id: wanted_id,
+                detail,
+            }
+        };
+        let id = match rx.recv_timeout(START_TIMEOUT) {
+            Ok(Event::Built(id)) => id,
+            Ok(Event::Failed(detail)) => return Err(failed(thread, detail)),
+            Ok(Event::Started) | Err(_) => {
+                return Err(failed(thread, "device thread gave no answer".into()))
+            }
+        };
+        spec.id = id;
+        // Persist before the device is live: if we crash from here on, the
+        // next ublkd knows the kernel device is ours.
+        self.store.save(&spec)?;
+        match rx.recv_timeout(START_TIMEOUT) {
+            Ok(Event::Started) => {}
+            Ok(Event::Failed(detail)) => {
+                let _ = self.store.remove(id);
+                return Err(failed(thread, detail));
+            }
+            Ok(Event::Built(_)) | Err(_) => {
+                tracing::error!(event = "device.start_timeout", id);
+                let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.kill_dev());
+                let _ = self.store.remove(id);
+                return Err(failed(thread, "device did not become live in time".into()));
+            }
+        }
+        self.devices.lock().insert(
+            id,
+            Device {
+                spec,
+                stats,
+                state,
+                clients,
+                blob_bytes,
+                thread: Some(thread),
+            },
+        );
+        tracing::info!(event = "device.live", id, blob_bytes);
+        Ok(id)
+    }
+
+    /// Builds a spec from `add` arguments and the `[device]` defaults.
+    fn spec_for(&self, a: &AddArgs) -> Result<DeviceSpec, DeviceError> {
+        let d: &DeviceDefaults = &self.cfg.device;
+        let queues = a.queues.unwrap_or(d.queues);
+        let depth = a.depth.unwrap_or(d.depth);
+        let io_buf = a.io_buf.unwrap_or(d.io_buf);
+        let blob_size = a.blob_size.unwrap_or(d.blob_size);
+        check_geometry(queues, depth, io_buf, blob_size).map_err(|e| match e {
+            ConfigError::Invalid { key, value, reason } => DeviceError::BadRequest(format!(
+                "invalid --{} {value}: {reason}",
+                key.trim_start_matches("device.").replace('_', "-")
+            )),
+            other => DeviceError::BadRequest(other.to_string()),
+        })?;
+        let lbs = u64::from(d.logical_block_size);
+        if a.size == 0 || !a.size.is_multiple_of(lbs) {
+            return Err(DeviceError::BadRequest(format!(
+                "invalid --size {}: must be a non-zero multiple of the {lbs}-byte logical block size",
+                a.size
+            )));
+        }
+        if a.peer.is_empty() || a.volume.is_empty() {
+            return Err(DeviceError::BadRequest(
+                "--peer and --volume must not be empty".into(),
+            ));
+        }
+        Ok(DeviceSpec {
+            id: 0,
+            peer: a.peer.clone(),
+            volume: a.volume.clone(),
+            secret_file: a.secret_file.clone(),
+            size: a.size,
+            queues,
+            depth,
+            io_buf,
+            blob_size,
+            transport: a.transport.unwrap_or(d.transport),
+            logical_block_size: d.logical_block_size,
+            physical_block_size: d.physical_block_size,
+            max_io_size: d.effective_max_io(io_buf),
+            discard: d.discard,
+            max_discard_size: d.max_discard_size,
+            write_zeroes: d.write_zeroes,
+            max_write_zeroes_size: d.max_write_zeroes_size,
+            write_cache: d.write_cache,
+            fua: d.fua,
+        })
+    }
+
+    /// `add`: creates a device and returns its description.
+    pub fn add(&self, a: &AddArgs) -> Result<DeviceInfo, DeviceError> {
+        let spec = self.spec_for(a)?;
+        if !a.secret_file.is_absolute() {
+            return Err(DeviceError::BadRequest(format!(
+                "--secret-file {} must be an absolute path (ublkd resolves it, not your shell)",
+                a.secret_file.display()
+            )));
+        }
+        let _op = self.ops.lock();
+        let id = self.launch(spec, Mode::Add(-1))?;
+        self.info(id)
+    }
+
+    /// `del`: stops and deletes a device and its definition.
+    pub fn del(&self, id: u32, force: bool) -> Result<(), DeviceError> {
+        let _op = self.ops.lock();
+        if !self.devices.lock().contains_key(&id) {
+            return Err(DeviceError::Unknown(id));
+        }
+        if !force {
+            match busy::check(id) {
+                Ok(Some(why)) => {
+                    return Err(DeviceError::Busy {
+                        id,
+                        why: why.to_string(),
+                    })
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(event = "device.busy_check_failed", id, error = %e),
+            }
+        }
+        let dev = self.devices.lock().remove(&id);
+        if let Some(mut dev) = dev {
+            self.stop(id, &mut dev);
+        }
+        let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.del_dev());
+        self.store.remove(id)?;
+        tracing::info!(event = "device.deleted", id, force);
+        Ok(())
+    }
+
+    /// Stops the kernel device and waits for its thread.
+    fn stop(&self, id: u32, dev: &mut Device) {
+        if kernel_state(id).is_some() {
+            if let Err(e) = UblkCtrl::new_simple(id as i32).and_then(|c| c.kill_dev()) {
+                tracing::warn!(event = "device.stop_failed", id, error = %e);
+            }
+        }
+        if let Some(t) = dev.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// `recover`: brings a stopped or failed device back.
+    pub fn recover(&self, id: u32) -> Result<DeviceInfo, DeviceError> {
+        let _op = self.ops.lock();
+        let spec = {
+            let devs = self.devices.lock();
+            let dev = devs.get(&id).ok_or(DeviceError::Unknown(id))?;
+            let state = dev.state.lock().clone();
+            if state == State::Live {
+                return Err(DeviceError::BadRequest(format!(
+                    "device {id} is live; there is nothing to recover"
+                )));
+            }
+            dev.spec.clone()
+        };
+        if let Some(mut dev) = self.devices.lock().remove(&id) {
+            if let Some(t) = dev.thread.take() {
+                let _ = t.join();
+            }
+        }
+        if let Err(e) = self.bring_back(spec.clone()) {
+            self.devices.lock().insert(
+                id,
+                Device {
+                    spec,
+                    stats: Arc::default(),
+                    state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
+                    clients: Vec::new(),
+                    blob_bytes: 0,
+                    thread: None,
+                },
+            );
+            return Err(e);
+        }
+        self.info(id)
+    }
+
+    fn describe(id: u32, dev: &Device) -> DeviceInfo {
+        let state = dev.state.lock().clone();
+        DeviceInfo {
+            id,
+            node: format!("/dev/ublkb{id}"),
+            size: dev.spec.size,
+            queues: dev.spec.queues,
+            depth: dev.spec.depth,
+            io_buf: dev.spec.io_buf,
+            blob_size: u64::from(dev.blob_bytes),
+            state: state.name().into(),
+            error: match state {
+                State::Failed(e) => Some(e),
+                _ => None,
+            },
+            peer: dev.spec.peer.clone(),
+            volume: dev.spec.volume.clone(),
+            // `auto` falls back to TCP: this build has no RDMA data path.
+            transport: "tcp".into(),
+            transport_requested: dev.spec.transport.name().into(),
+            logical_block_size: dev.spec.logical_block_size,
+        }
+    }
+
+    /// `show`.
+    pub fn info(&self, id: u32) -> Result<DeviceInfo, DeviceError> {
+        let devs = self.devices.lock();
+        let dev = devs.get(&id).ok_or(DeviceError::Unknown(id))?;
+        Ok(Self::describe(id, dev))
+    }
+
+    /// `list`.
+    pub fn list(&self) -> Vec<DeviceInfo> {
+        self.devices
+            .lock()
+            .iter()
+            .map(|(id, d)| Self::describe(*id, d))
+            .collect()
+    }
+
+    /// `stats`.
+    pub fn stats(&self, id: Option<u32>) -> Result<Vec<DeviceStatsInfo>, DeviceError> {
+        let devs = self.devices.lock();
+        if let Some(id) = id {
+            if !devs.contains_key(&id) {
+                return Err(DeviceError::Unknown(id));
+            }
+        }
+        Ok(devs
+            .iter()
+            .filter(|(i, _)| id.is_none_or(|want| want == **i))
+            .map(|(i, d)| DeviceStatsInfo {
+                id: *i,
+                node: format!("/dev/ublkb{i}"),
+                stats: d.stats.snapshot(),
+            })
+            .collect())
+    }
+
+    /// SIGTERM with `on_shutdown = "keep"`: FLUSH every device's arena
+    /// session so everything acknowledged is durable, and leave the kernel
+    /// devices for the next `ublkd` to recover. The caller then exits; the
+    /// kernel quiesces the devices when our file descriptors close.
+    pub fn shutdown_keep(&self) {
+        let _op = self.ops.lock();
+        for (id, dev) in self.devices.lock().iter() {
+            for c in &dev.clients {
+                if let Err(e) = futures::executor::block_on(c.flush()) {
+                    tracing::warn!(event = "device.flush_failed", id, error = %e);
+                }
+            }
+            tracing::info!(event = "device.kept", id);
+        }
+    }
+
+    /// SIGTERM with `on_shutdown = "remove"`: delete every device.
+    pub fn shutdown_remove(&self) {
+        let ids: Vec<u32> = self.devices.lock().keys().copied().collect();
+        for id in ids {
+            if let Err(e) = self.del(id, true) {
+                tracing::warn!(event = "device.remove_failed", id, error = %e);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(dir: &Path) -> UblkdConfig {
+        let mut c = UblkdConfig::defaults();
+        c.state_dir = dir.to_owned();
+        c
+    }
+
+    fn args() -> AddArgs {
+        AddArgs {
+            peer: "127.0.0.1:1".into(),
+            volume: "vol".into(),
+            secret_file: "/nonexistent/secret".into(),
+            size: 64 << 20,
+            queues: None,
+            depth: None,
+            blob_size: None,
+            transport: None,
+            io_buf: None,
+        }
+    }
+
+    #[test]
+    fn specs_persist_and_reload() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::new(cfg(dir.path())).unwrap();
+        let mut s = m.spec_for(&args()).unwrap();
+        s.id = 7;
+        m.store.save(&s).unwrap();
+        fs::write(dir.path().join("devices/broken.json"), "{").unwrap();
+        assert_eq!(m.store.load_all().unwrap(), vec![s.clone()]);
+        m.store.remove(7).unwrap();
+        m.store.remove(7).unwrap();
+        assert!(m.store.load_all().unwrap().is_empty());
+    }
+
+    #[test]
+    fn add_arguments_are_checked_with_clear_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::new(cfg(dir.path())).unwrap();
+        let msg = |f: &dyn Fn(&mut AddArgs)| {
+            let mut a = args();
+            f(&mut a);
+            let e = m.add(&a).unwrap_err();
+            (e.kind(), e.to_string())
+        };
+        assert_eq!(
+            msg(&|a| a.size = 1000),
+            (
+                ErrorKind::BadRequest,
+                "invalid --size 1000: must be a non-zero multiple of the 512-byte logical block size"
+                    .into()
+            )
+        );
+        assert_eq!(
+            msg(&|a| a.depth = Some(0)).1,
+            "invalid --depth 0: must be between 1 and 4096"
+        );
+        assert_eq!(
+            msg(&|a| a.io_buf = Some(3000)).1,
+            "invalid --io-buf 3000: must be a multiple of 4K between 4K and 1M"
+        );
+        assert_eq!(
+            msg(&|a| a.blob_size = Some(5000)).1,
+            "invalid --blob-size 5000: must be 0 (the volume's) or a power of two from 4K to 16M"
+        );
+        assert_eq!(
+            msg(&|a| a.secret_file = "rel/secret".into()).1,
+            "--secret-file rel/secret must be an absolute path (ublkd resolves it, not your shell)"
+        );
+        assert_eq!(
+            msg(&|a| a.transport = Some(Transport::Rdma)),
+            (
+                ErrorKind::TransportUnavailable,
+                "RDMA transport not available in this build; use --transport tcp or --transport auto"
+                    .into()
+            )
+        );
+        let (kind, text) = msg(&|_| {});
+        assert_eq!(kind, ErrorKind::BadRequest);
+        assert!(
+            text.starts_with("secret file /nonexistent/secret: "),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn unknown_devices_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::new(cfg(dir.path())).unwrap();
+        for e in [
+            m.del(4, false).unwrap_err(),
+            m.info(4).unwrap_err(),
+            m.recover(4).unwrap_err(),
+            m.stats(Some(4)).unwrap_err(),
+        ] {
+            assert_eq!(e.kind(), ErrorKind::UnknownDevice);
+            assert_eq!(e.to_string(), "no device 4 (see `ublkctl list`)");
+        }
+        assert!(m.list().is_empty());
+    }
+
+    #[test]
+    fn params_carry_cache_fua_and_discard_limits() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::new(cfg(dir.path())).unwrap();
+        let s = m.spec_for(&args()).unwrap();
+        let p = params(&s);
+        assert_eq!(
+            p.types,
+            sys::UBLK_PARAM_TYPE_BASIC | sys::UBLK_PARAM_TYPE_DISCARD
+        );
+        assert_eq!(
+            p.basic.attrs,
+            sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA
+        );
+        assert_eq!(p.basic.logical_bs_shift, 9);
+        assert_eq!(p.basic.physical_bs_shift, 12);
+        assert_eq!(p.basic.dev_sectors, (64 << 20) >> 9);
+        assert_eq!(p.basic.max_sectors, (512 << 10) >> 9);
+        assert_eq!(p.discard.max_discard_sectors, (1 << 30) >> 9);
+        assert_eq!(p.discard.max_write_zeroes_sectors, (1 << 30) >> 9);
+        assert_eq!(p.discard.max_discard_segments, 1);
+    }
+}

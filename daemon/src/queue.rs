@@ -1,0 +1,118 @@
+//! The I/O plane's kernel side: one thread per hardware queue, each with
+//! its own io_uring (libublk's thread-local ring) and local executor, one
+//! task per tag, and its own target (its own arena connection).
+//!
+//! The arena client completes requests on its reader thread, so the queue
+//! thread must be woken from outside: every request runs inside
+//! [`CrossThread`], which writes the queue's eventfd, and a helper task
+//! keeps a POLL_ADD on that eventfd in the ring so the write becomes a CQE
+//! that ends the thread's wait in the kernel.
+
+use std::os::fd::AsRawFd;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+use libublk::helpers::IoBuf;
+use libublk::io::UblkQueue;
+use libublk::uring_async::ublk_submit_sqe_async;
+use libublk::{BufDesc, UblkError, UblkUringData};
+use target_rdma::target::BlockTarget;
+
+use crate::io::{serve, IoDesc};
+use crate::stats::DeviceStats;
+use crate::wake::{CrossThread, EventFd};
+
+/// Serves one tag until the queue goes down.
+async fn io_task<T: BlockTarget>(
+    q: &UblkQueue<'_>,
+    tag: u16,
+    target: &T,
+    efd: &Arc<EventFd>,
+    stats: &DeviceStats,
+) -> Result<(), UblkError> {
+    let mut buf = IoBuf::<u8>::new(q.dev.dev_info.max_io_buf_bytes as usize);
+    q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(&buf))
+        .await?;
+    loop {
+        let desc = IoDesc::from(q.get_iod(tag));
+        let res = CrossThread::new(
+            serve(target, &desc, buf.as_mut_slice(), stats),
+            Arc::clone(efd),
+        )
+        .await;
+        q.submit_io_commit_cmd(tag, BufDesc::Slice(buf.as_slice()), res)
+            .await?;
+    }
+}
+
+/// Keeps a POLL_ADD on the eventfd armed so foreign wake-ups end the ring wait.
+async fn wake_task(efd: Arc<EventFd>) {
+    loop {
+        let sqe = opcode::PollAdd::new(types::Fd(efd.as_raw_fd()), libc::POLLIN as u32).build();
+        match ublk_submit_sqe_async(sqe, UblkUringData::Target as u64).await {
+            Ok(r) if r >= 0 => {
+                efd.drain();
+            }
+            Ok(r) => {
+                tracing::error!(event = "queue.wake_poll_failed", errno = -r);
+                return;
+            }
+            Err(e) => {
+                tracing::error!(event = "queue.wake_poll_failed", error = %e);
+                return;
+            }
+        }
+    }
+}
+
+/// Runs queue `qid` of `dev` against `target` until the device stops.
+pub fn run<T: BlockTarget + 'static>(
+    qid: u16,
+    dev: &libublk::io::UblkDev,
+    target: T,
+    stats: Arc<DeviceStats>,
+) {
+    let efd = match EventFd::new() {
+        Ok(e) => Arc::new(e),
+        Err(e) => {
+            tracing::error!(event = "queue.eventfd_failed", qid, error = %e);
+            return;
+        }
+    };
+    let q = match UblkQueue::new(qid, dev) {
+        Ok(q) => Rc::new(q),
+        Err(e) => {
+            tracing::error!(event = "queue.create_failed", qid, error = %e);
+            return;
+        }
+    };
+    let target = Rc::new(target);
+    let exe = Rc::new(smol::LocalExecutor::new());
+    let mut tasks = Vec::new();
+    for tag in q.tags() {
+        let (q, target, efd, stats) = (
+            Rc::clone(&q),
+            Rc::clone(&target),
+            Arc::clone(&efd),
+            Arc::clone(&stats),
+        );
+        tasks.push(exe.spawn(async move {
+            match io_task(&q, tag, &*target, &efd, &stats).await {
+                Err(UblkError::QueueIsDown) | Ok(()) => {}
+                Err(e) => tracing::error!(event = "queue.tag_failed", qid, tag, error = %e),
+            }
+        }));
+    }
+    let waker = exe.spawn(wake_task(Arc::clone(&efd)));
+    let run_exe = Rc::clone(&exe);
+    smol::block_on(exe.run(async move {
+        let run_ops = || while run_exe.try_tick() {};
+        let done = || tasks.iter().all(|t| t.is_finished());
+        if let Err(e) = libublk::wait_and_handle_io_events(&q, Some(20), run_ops, done).await {
+            tracing::error!(event = "queue.loop_failed", qid, error = %e);
+        }
+    }));
+    drop(waker);
+    tracing::info!(event = "queue.stopped", qid);
+}

@@ -1,0 +1,221 @@
+//! The control socket: a Unix stream socket, root-only (0600) unless a
+//! `socket_group` is configured (0660, that group). Each connection may send
+//! several request lines; each gets one response line.
+
+use std::ffi::CString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::ctl::{self, ErrorKind, Reply, Request, Response, ResponseLine};
+use crate::device::{DeviceError, Manager, UBLK_CONTROL};
+use crate::features;
+
+/// Why the socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    /// Another daemon answers on the path.
+    #[error("another ublkd is already listening on {0}")]
+    InUse(String),
+    /// The group does not exist.
+    #[error("socket_group {0:?} does not exist")]
+    NoSuchGroup(String),
+    /// Filesystem trouble.
+    #[error("control socket {path}: {source}")]
+    Io {
+        /// The path.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+fn gid_of(group: &str) -> Option<u32> {
+    let name = CString::new(group).ok()?;
+    // SAFETY: getgrnam reads a NUL-terminated string we own; the result is
+    // only dereferenced when non-null, before any other getgr* call.
+    let gr = unsafe { libc::getgrnam(name.as_ptr()) };
+    if gr.is_null() {
+        None
+    } else {
+        // SAFETY: non-null pointer to libc's static group record.
+        Some(unsafe { (*gr).gr_gid })
+    }
+}
+
+/// Binds the socket with the configured ownership and mode.
+pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketError> {
+    let io = |source| SocketError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(SocketError::InUse(path.display().to_string()));
+        }
+        // Left behind by a crashed ublkd.
+        std::fs::remove_file(path).map_err(io)?;
+    }
+    let gid = match group {
+        Some(g) => Some(gid_of(g).ok_or_else(|| SocketError::NoSuchGroup(g.to_owned()))?),
+        None => None,
+    };
+    // Bind with a umask that leaves no window where others could connect.
+    // SAFETY: umask only changes this process's file creation mask.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(io)?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(io)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(io)?;
+    } else {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    }
+    Ok(listener)
+}
+
+/// Runs one request against the manager.
+pub fn handle(manager: &Manager, request: Request) -> Response {
+    let result: Result<Reply, DeviceError> = match request {
+        Request::Add(a) => manager.add(&a).map(|device| Reply::Device { device }),
+        Request::Del { id, force } => manager.del(id, force).map(|()| Reply::Deleted { id }),
+        Request::List => Ok(Reply::Devices {
+            devices: manager.list(),
+        }),
+        Request::Show { id } => manager.info(id).map(|device| Reply::Device { device }),
+        Request::Stats { id } => manager.stats(id).map(|devices| Reply::Stats { devices }),
+        Request::Recover { id } => manager.recover(id).map(|device| Reply::Device { device }),
+        Request::Features => features_reply(),
+    };
+    match result {
+        Ok(reply) => Response::Ok { reply },
+        Err(e) => Response::Error {
+            kind: e.kind(),
+            message: e.to_string(),
+        },
+    }
+}
+
+fn features_reply() -> Result<Reply, DeviceError> {
+    if !Path::new(UBLK_CONTROL).exists() {
+        return Err(DeviceError::UblkMissing);
+    }
+    let mask = libublk::ctrl::UblkCtrl::get_features().ok_or(DeviceError::Ublk {
+        what: "GET_FEATURES",
+        id: -1,
+        detail: "the driver did not answer (kernel older than 6.5?)".into(),
+    })?;
+    Ok(Reply::Features {
+        mask,
+        names: features::names(mask),
+    })
+}
+
+fn serve_conn(manager: &Manager, stream: UnixStream) {
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream.take(u64::MAX));
+    loop {
+        let mut line = String::new();
+        reader.get_mut().set_limit(ctl::MAX_LINE as u64);
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let response = if !line.ends_with('\n') && line.len() >= ctl::MAX_LINE {
+            Response::Error {
+                kind: ErrorKind::BadRequest,
+                message: format!("request longer than {} bytes", ctl::MAX_LINE),
+            }
+        } else {
+            match ctl::parse_request(line.trim_end()) {
+                Ok(req) => {
+                    tracing::debug!(event = "ctl.request", request = ?req);
+                    handle(manager, req)
+                }
+                Err(resp) => *resp,
+            }
+        };
+        let mut out = match serde_json::to_string(&ResponseLine {
+            version: ctl::VERSION,
+            response,
+        }) {
+            Ok(s) => s,
+            Err(_) => return,
+        };
+        out.push('\n');
+        if writer.write_all(out.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// Accepts connections forever, one thread each (a handful of operators,
+/// never a hot path).
+pub fn serve(listener: UnixListener, manager: Arc<Manager>) {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(stream) => {
+                let m = Arc::clone(&manager);
+                if let Err(e) = std::thread::Builder::new()
+                    .name("ublkd-ctl".into())
+                    .spawn(move || serve_conn(&m, stream))
+                {
+                    tracing::error!(event = "ctl.spawn_failed", error = %e);
+                }
+            }
+            Err(e) => tracing::warn!(event = "ctl.accept_failed", error = %e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::UblkdConfig;
+
+    #[test]
+    fn a_daemon_answers_over_its_socket_and_refuses_a_second_bind() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = UblkdConfig::defaults();
+        cfg.state_dir = dir.path().join("state");
+        let sock = dir.path().join("run/ublkd.sock");
+        let listener = bind(&sock, None).unwrap();
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let m = Arc::new(Manager::new(cfg).unwrap());
+        std::thread::spawn(move || serve(listener, m));
+        let r = ctl::call(&sock, Request::List, Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            r,
+            Response::Ok {
+                reply: Reply::Devices { devices: vec![] }
+            }
+        );
+        let r = ctl::call(&sock, Request::Show { id: 3 }, Duration::from_secs(5)).unwrap();
+        assert!(matches!(
+            r,
+            Response::Error {
+                kind: ErrorKind::UnknownDevice,
+                ..
+            }
+        ));
+        assert!(matches!(bind(&sock, None), Err(SocketError::InUse(_))));
+        assert_eq!(
+            bind(&dir.path().join("x.sock"), Some("no-such-group-here"))
+                .unwrap_err()
+                .to_string(),
+            "socket_group \"no-such-group-here\" does not exist"
+        );
+    }
+}

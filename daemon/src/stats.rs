@@ -1,0 +1,103 @@
+//! Per-device I/O counters, shared by every queue thread of a device.
+//!
+//! Relaxed atomics only: they are statistics, not synchronisation, and a
+//! queue must never wait on another queue to count a request.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::{Deserialize, Serialize};
+use target_rdma::target::BlockOp;
+
+/// Live counters of one device.
+#[derive(Default, Debug)]
+pub struct DeviceStats {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    flushes: AtomicU64,
+    discards: AtomicU64,
+    write_zeroes: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_discarded: AtomicU64,
+    errors: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+/// A copy of the counters at one moment, as `ublkctl stats` shows them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatsSnapshot {
+    /// Completed READs.
+    pub reads: u64,
+    /// Completed WRITEs (FUA included).
+    pub writes: u64,
+    /// Completed FLUSHes.
+    pub flushes: u64,
+    /// Completed DISCARDs.
+    pub discards: u64,
+    /// Completed WRITE_ZEROES.
+    pub write_zeroes: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Bytes discarded or zeroed.
+    pub bytes_discarded: u64,
+    /// Requests completed with an error.
+    pub errors: u64,
+    /// Requests being served now.
+    pub in_flight: u64,
+}
+
+/// Decrements the in-flight gauge when the request ends, however it ends
+/// (completion, error, or the future being dropped at queue shutdown).
+pub struct InFlight<'a>(&'a AtomicU64);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+impl DeviceStats {
+    /// Marks a request as started.
+    pub fn start(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Relaxed);
+        InFlight(&self.in_flight)
+    }
+
+    /// Counts a successful request.
+    pub fn done(&self, op: BlockOp, bytes: u64) {
+        let (count, byte_counter) = match op {
+            BlockOp::Read => (&self.reads, Some(&self.bytes_read)),
+            BlockOp::Write => (&self.writes, Some(&self.bytes_written)),
+            BlockOp::Flush => (&self.flushes, None),
+            BlockOp::Discard => (&self.discards, Some(&self.bytes_discarded)),
+            BlockOp::WriteZeroes => (&self.write_zeroes, Some(&self.bytes_discarded)),
+        };
+        count.fetch_add(1, Relaxed);
+        if let Some(b) = byte_counter {
+            b.fetch_add(bytes, Relaxed);
+        }
+    }
+
+    /// Counts a request that failed, in the target or before reaching it.
+    pub fn failed(&self) {
+        self.errors.fetch_add(1, Relaxed);
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            reads: self.reads.load(Relaxed),
+            writes: self.writes.load(Relaxed),
+            flushes: self.flushes.load(Relaxed),
+            discards: self.discards.load(Relaxed),
+            write_zeroes: self.write_zeroes.load(Relaxed),
+            bytes_read: self.bytes_read.load(Relaxed),
+            bytes_written: self.bytes_written.load(Relaxed),
+            bytes_discarded: self.bytes_discarded.load(Relaxed),
+            errors: self.errors.load(Relaxed),
+            in_flight: self.in_flight.load(Relaxed),
+        }
+    }
+}

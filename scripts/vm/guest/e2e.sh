@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# Real-kernel end-to-end scenarios for ublkd + arenad, run inside the VM by
+# scripts/vm/e2e (which builds the release binaries on the host first).
+# Prints `PASS name` / `FAIL name` per scenario and exits non-zero if any
+# failed. Everything lives under /tmp (guest tmpfs); logs go to
+# $UBLK_VM_RESULTS.
+set -u
+
+BIN=${UBLK_E2E_BIN:-$UBLK_VM_REPO/target/release}
+R=${UBLK_VM_RESULTS:-/tmp/e2e-results}
+W=/tmp/e2e
+SOCK=$W/run/ublkd.sock
+PEER=127.0.0.1:7070
+DEV_SIZE=96M       # larger than the arena, so swap is in play
+ARENA=32M
+failures=0
+declare -a summary=()
+
+mkdir -p "$R" "$W"/{state,arena,run,mnt}
+log() { printf '%s e2e: %s\n' "$(date +%T)" "$*" >&2; }
+pass() { echo "PASS $1"; summary+=("PASS $1"); }
+fail() { echo "FAIL $1${2:+ ($2)}"; summary+=("FAIL $1"); failures=$((failures + 1)); }
+ctl() { timeout 180 "$BIN/ublkctl" --socket "$SOCK" "$@"; }
+
+for b in arenad ublkd ublkctl; do
+    [[ -x "$BIN/$b" ]] || { echo "FAIL setup (missing $BIN/$b: run scripts/vm/e2e, which builds it)"; exit 1; }
+done
+[[ -c /dev/ublk-control ]] || { echo "FAIL setup (/dev/ublk-control missing)"; exit 1; }
+
+printf 'e2e-volume-secret-0123456789abcdef\n' >"$W/vol.key"
+chmod 600 "$W/vol.key"
+cat >"$W/arenad.toml" <<TOML
+listen = "$PEER"
+arena_bytes = "$ARENA"
+blob_bytes = "256K"
+swap_dir = "$W/arena"
+swap_bytes = "512M"
+[[volume]]
+name = "e2e"
+secret_file = "$W/vol.key"
+quota = "1G"
+TOML
+cat >"$W/ublkd.toml" <<TOML
+state_dir = "$W/state"
+socket = "$SOCK"
+on_shutdown = "keep"
+request_timeout_ms = 60000
+[device]
+queues = 2
+depth = 16
+io_buf = "1M"
+TOML
+
+start_arenad() {
+    "$BIN/arenad" --config "$W/arenad.toml" >>"$R/arenad.log" 2>&1 &
+    ARENAD_PID=$!
+    for _ in $(seq 100); do
+        (exec 3<>/dev/tcp/127.0.0.1/7070) 2>/dev/null && return 0
+        sleep 0.1
+    done
+    return 1
+}
+start_ublkd() {
+    RUST_LOG=${RUST_LOG:-info} "$BIN/ublkd" --config "$W/ublkd.toml" >>"$R/ublkd.log" 2>&1 &
+    UBLKD_PID=$!
+    for _ in $(seq 600); do
+        ctl list >/dev/null 2>&1 && return 0
+        kill -0 "$UBLKD_PID" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+wait_node() {
+    for _ in $(seq 200); do [[ -b "$1" ]] && return 0; sleep 0.05; done
+    return 1
+}
+cleanup() {
+    mountpoint -q "$W/mnt" && umount -l "$W/mnt"
+    [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" 2>/dev/null
+    [[ -n "${ARENAD_PID:-}" ]] && kill "$ARENAD_PID" 2>/dev/null
+    wait 2>/dev/null
+}
+trap cleanup EXIT
+
+t0=$SECONDS
+start_arenad || { echo "FAIL setup (arenad did not listen; see arenad.log)"; exit 1; }
+start_ublkd || { echo "FAIL setup (ublkd did not come up; see ublkd.log)"; cat "$R/ublkd.log"; exit 1; }
+
+# ---- control-plane errors and add -------------------------------------
+out=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 64M --transport rdma 2>&1)
+if [[ $? -ne 0 && "$out" == *"RDMA transport not available in this build"* ]]; then pass ctl-rdma-refused
+else fail ctl-rdma-refused "$out"; fi
+out=$(ctl add --peer 127.0.0.1:1 --volume e2e --secret-file "$W/vol.key" --size 64M 2>&1)
+if [[ $? -ne 0 && "$out" == *"cannot connect to arena peer 127.0.0.1:1"* ]]; then pass ctl-peer-unreachable
+else fail ctl-peer-unreachable "$out"; fi
+printf 'a-wrong-secret-0123456789abcdef\n' >"$W/bad.key"; chmod 600 "$W/bad.key"
+out=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/bad.key" --size 64M 2>&1)
+if [[ $? -ne 0 && "$out" == *"authentication failed"* ]]; then pass ctl-auth-failed
+else fail ctl-auth-failed "$out"; fi
+out=$(ctl show 42 2>&1)
+if [[ $? -ne 0 && "$out" == *"no device 42"* ]]; then pass ctl-unknown-device
+else fail ctl-unknown-device "$out"; fi
+out=$(ctl features 2>&1)
+if [[ $? -eq 0 && "$out" == *USER_RECOVERY* ]]; then pass ctl-features; else fail ctl-features "$out"; fi
+echo "$out" >"$R/features.txt"
+
+DEV=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size "$DEV_SIZE" --transport auto 2>"$R/add.err")
+if [[ "$DEV" =~ ^/dev/ublkb[0-9]+$ ]] && wait_node "$DEV"; then pass "add ($DEV)"
+else echo "FAIL add ($(cat "$R/add.err"))"; exit 1; fi
+ID=${DEV#/dev/ublkb}
+ctl list | tee "$R/list.txt" | grep -q "tcp" && pass ctl-list-says-tcp || fail ctl-list-says-tcp
+ctl --json show "$ID" >"$R/show.json" && grep -q '"state": "live"' "$R/show.json" && pass ctl-show-live || fail ctl-show-live
+
+# ---- 1: fio verify, sequential + random, 4k..1M, several jobs ----------
+log "fio"
+if timeout 900 fio --output="$R/fio-verify.txt" --filename="$DEV" --direct=1 --ioengine=libaio \
+    --verify=crc32c --do_verify=1 --verify_state_save=0 --verify_fatal=1 --bssplit=4k/30:64k/30:256k/20:1m/20 --iodepth=8 \
+    --name=seq --rw=write --offset=0 --size=40M \
+    --name=rand1 --rw=randwrite --offset=40M --size=28M \
+    --name=rand2 --rw=randwrite --offset=68M --size=28M; then
+    pass fio-verify
+else fail fio-verify "see fio-verify.txt"; fi
+
+# ---- 2: ext4 mkfs, copy a tree, fsck, remount, checksums -----------------
+log "ext4"
+fs_ok=1
+timeout 300 mkfs.ext4 -q -F "$DEV" >"$R/mkfs.log" 2>&1 || fs_ok=0
+((fs_ok)) && timeout 60 mount "$DEV" "$W/mnt" || fs_ok=0
+if ((fs_ok)); then
+    mkdir -p "$W/mnt/tree"
+    cp -a "$UBLK_VM_REPO/daemon" "$UBLK_VM_REPO/target-rdma" "$UBLK_VM_REPO/docs" "$W/mnt/tree/" || fs_ok=0
+    head -c 12M /dev/urandom >"$W/mnt/tree/random.bin"
+    (cd "$W/mnt/tree" && find . -type f -print0 | sort -z | xargs -0 sha256sum) >"$W/sums"
+    sync
+    timeout 60 umount "$W/mnt" || fs_ok=0
+    timeout 300 e2fsck -fn "$DEV" >"$R/e2fsck.log" 2>&1 || fs_ok=0
+    timeout 60 mount "$DEV" "$W/mnt" || fs_ok=0
+    (cd "$W/mnt/tree" && sha256sum --quiet -c "$W/sums") >"$R/sha256.log" 2>&1 || fs_ok=0
+    umount "$W/mnt" 2>/dev/null
+fi
+((fs_ok)) && pass "ext4 ($(wc -l <"$W/sums") files, e2fsck clean, checksums match)" || fail ext4 "see mkfs/e2fsck/sha256 logs"
+
+# ---- del refuses a mounted device ---------------------------------------
+if timeout 60 mount "$DEV" "$W/mnt"; then
+    out=$(ctl del "$ID" 2>&1)
+    if [[ $? -ne 0 && "$out" == *"is busy"* ]]; then pass ctl-del-refuses-mounted
+    else fail ctl-del-refuses-mounted "$out"; echo "FAIL setup (device gone)"; exit 1; fi
+    umount "$W/mnt"
+else fail ctl-del-refuses-mounted "mount failed"; fi
+
+# ---- 5: discard reads back zeros -----------------------------------------
+log "discard"
+head -c 8M /dev/urandom >"$W/rand8"
+dd if="$W/rand8" of="$DEV" bs=1M oflag=direct conv=fsync status=none
+head -c 8M /dev/zero >"$W/zero8"
+if timeout 120 blkdiscard -o 0 -l 8M "$DEV" &&
+    timeout 120 dd if="$DEV" of="$W/after8" bs=1M count=8 iflag=direct status=none &&
+    cmp "$W/after8" "$W/zero8"; then
+    pass discard-reads-zeros
+else
+    fail discard-reads-zeros "$(cmp "$W/after8" "$W/zero8" 2>&1 | head -1)"
+    od -An -tx1 "$W/after8" | head -3
+    ctl stats "$ID"
+fi
+
+# ---- 3: kill -9 ublkd under a write workload, restart, recover ----------
+log "crash recovery"
+before=$(stat -c %t:%T "$DEV")
+timeout 900 fio --output="$R/fio-crash.txt" --filename="$DEV" --direct=1 --ioengine=libaio \
+    --verify=crc32c --do_verify=1 --verify_state_save=0 --verify_fatal=1 --bs=64k --iodepth=8 \
+    --name=crash --rw=write --offset=0 --size=48M &
+FIO=$!
+sleep 4
+kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
+log "ublkd killed; device state: $(cat /sys/block/ublkb$ID/stat 2>/dev/null | awk '{print $9}') in flight"
+sleep 1
+node_stayed=0; [[ -b "$DEV" ]] && node_stayed=1
+start_ublkd || log "ublkd restart failed"
+recovered=0
+for _ in $(seq 300); do
+    ctl --json show "$ID" 2>/dev/null | grep -q '"state": "live"' && { recovered=1; break; }
+    sleep 0.2
+done
+wait "$FIO"; fio_rc=$?
+after=$(stat -c %t:%T "$DEV" 2>/dev/null)
+if ((node_stayed && recovered)) && [[ $fio_rc -eq 0 && "$before" == "$after" ]]; then
+    pass "crash-recovery (kill -9 mid-write, same $DEV, fio verify ok)"
+else
+    fail crash-recovery "node_stayed=$node_stayed recovered=$recovered fio_rc=$fio_rc dev $before -> $after"
+fi
+
+ctl stats "$ID" | tee "$R/stats.txt" | grep -q "writes" && pass ctl-stats || fail ctl-stats
+
+# ---- 4: arenad restart after sync keeps data ----------------------------
+log "arenad restart"
+head -c 16M /dev/urandom >"$W/pattern"
+dd if="$W/pattern" of="$DEV" bs=1M oflag=direct conv=fsync status=none
+sync
+kill "$ARENAD_PID"; wait "$ARENAD_PID" 2>/dev/null
+start_arenad || log "arenad restart failed"
+if timeout 300 dd if="$DEV" bs=1M count=16 iflag=direct status=none | cmp -s - "$W/pattern"; then
+    pass arenad-restart-keeps-flushed-data
+else
+    fail arenad-restart-keeps-flushed-data "data differs after arenad restart: needs the swap-backed store (the in-memory stand-in loses everything on restart)"
+fi
+
+# ---- teardown ------------------------------------------------------------
+if out=$(ctl del "$ID" 2>&1); then pass "ctl-del ($out)"; else fail ctl-del "$out"; fi
+ctl list >>"$R/list.txt"
+
+echo "---- summary ($((SECONDS - t0)) s) ----"
+printf '%s\n' "${summary[@]}"
+exit $((failures > 0))
