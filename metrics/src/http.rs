@@ -187,11 +187,11 @@ fn read_head(stream: &mut TcpStream, max: usize) -> Option<Vec<u8>> {
             return None;
         }
         buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > max {
+            return None;
+        }
         if buf.windows(4).any(|w| w == b"\r\n\r\n") {
             return Some(buf);
-        }
-        if buf.len() >= max {
-            return None;
         }
     }
 }
