@@ -7,7 +7,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use ublk_metrics::{Daemon, HttpConfig, MetricsServer, NotReadyReason, NotReadySet, Probes, Telemetry};
+use ublk_metrics::{
+    Daemon, HttpConfig, MetricsServer, NotReadyReason, NotReadySet, Probes, Telemetry,
+};
 
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect");
@@ -15,7 +17,10 @@ fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
     let status = resp[9..12].parse().expect("status");
-    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -43,7 +48,8 @@ impl Probes for Daemonish {
 #[test]
 fn endpoints_answer_and_ready_follows_the_peer() {
     let t = Telemetry::isolated(Daemon::Ublkd, "9.9.9");
-    let server = MetricsServer::start("127.0.0.1:0", t.clone(), HttpConfig::default()).expect("start");
+    let server =
+        MetricsServer::start("127.0.0.1:0", t.clone(), HttpConfig::default()).expect("start");
     let addr = server.local_addr();
 
     assert_eq!(get(addr, "/health"), (200, "ok\n".to_string()));
@@ -62,14 +68,27 @@ fn endpoints_answer_and_ready_follows_the_peer() {
     t.set_probes(probes.clone());
     let (s, body) = get(addr, "/ready");
     assert_eq!(s, 503);
-    assert!(body.contains("\"reasons\":[\"peer_disconnected\"]"), "{body}");
+    assert!(
+        body.contains("\"reasons\":[\"peer_disconnected\"]"),
+        "{body}"
+    );
 
     let (s, metrics) = get(addr, "/metrics");
     assert_eq!(s, 200);
     assert_eq!(value(&metrics, "ublkd_ready", &[]), 0.0);
-    assert_eq!(value(&metrics, "ublkd_not_ready", &[("reason", "peer_disconnected")]), 1.0);
+    assert_eq!(
+        value(
+            &metrics,
+            "ublkd_not_ready",
+            &[("reason", "peer_disconnected")]
+        ),
+        1.0
+    );
     assert_eq!(value(&metrics, "ublkd_metrics_http_server_up", &[]), 1.0);
-    assert_eq!(value(&metrics, "ublkd_build_info", &[("version", "9.9.9")]), 1.0);
+    assert_eq!(
+        value(&metrics, "ublkd_build_info", &[("version", "9.9.9")]),
+        1.0
+    );
 
     probes.peer_up.store(true, Ordering::Release);
     let (s, body) = get(addr, "/ready");
@@ -109,7 +128,11 @@ fn oversized_requests_are_refused() {
     };
     let server = MetricsServer::start("127.0.0.1:0", t, cfg).unwrap();
     let mut s = TcpStream::connect(server.local_addr()).unwrap();
-    let _ = write!(s, "GET /metrics HTTP/1.1\r\nX-Pad: {}\r\n\r\n", "a".repeat(500));
+    let _ = write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nX-Pad: {}\r\n\r\n",
+        "a".repeat(500)
+    );
     let mut resp = String::new();
     let _ = s.read_to_string(&mut resp);
     assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
@@ -123,5 +146,8 @@ fn bind_failure_is_reported_and_counted() {
     let err = MetricsServer::start(&taken, t.clone(), HttpConfig::default()).unwrap_err();
     assert!(err.to_string().contains(&taken), "{err}");
     let m = t.render().unwrap();
-    assert_eq!(value(&m, "ublkd_metrics_http_start_failures_total", &[]), 1.0);
+    assert_eq!(
+        value(&m, "ublkd_metrics_http_start_failures_total", &[]),
+        1.0
+    );
 }
