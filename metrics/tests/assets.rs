@@ -345,3 +345,37 @@ fn metrics_doc_describes_every_family_and_reason() {
         assert!(doc.contains(&format!("`{e}`")), "event {e} undocumented");
     }
 }
+
+/// GitHub-style anchor of a Markdown heading.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+#[test]
+fn every_alert_links_to_a_runbook_section() {
+    let runbook = std::fs::read_to_string(repo().join("docs/RUNBOOK.md")).expect("docs/RUNBOOK.md");
+    let anchors: BTreeSet<String> = runbook
+        .lines()
+        .filter_map(|l| l.strip_prefix("## "))
+        .map(slug)
+        .collect();
+    let alerts = std::fs::read_to_string(repo().join("dashboards/alerts.yml")).unwrap();
+    let mut links = 0;
+    for line in alerts.lines() {
+        if let Some((_, anchor)) = line.split_once("docs/RUNBOOK.md#") {
+            let anchor = anchor.trim_end_matches('"');
+            assert!(
+                anchors.contains(anchor),
+                "alert links to missing runbook section #{anchor}"
+            );
+            links += 1;
+        }
+    }
+    assert!(links >= 9, "{links} alert runbook links");
+}
