@@ -141,13 +141,8 @@ impl Telemetry {
         handle: PrometheusHandle,
         local: Option<PrometheusRecorder>,
     ) -> Telemetry {
-        let with = |f: &mut dyn FnMut()| match &local {
-            Some(r) => metrics::with_local_recorder(r, f),
-            None => f(),
-        };
         let p = daemon.prefix();
-        let mut selfm = None;
-        with(&mut || {
+        let register = || {
             for fam in families::IO
                 .iter()
                 .chain(families::ACCOUNTING)
@@ -160,7 +155,7 @@ impl Telemetry {
                 describe(format!("{p}{}", fam.name), fam.kind, fam.help);
             }
             metrics::gauge!(format!("{p}_build_info"), "version" => version).set(1.0);
-            selfm = Some(SelfMetrics {
+            SelfMetrics {
                 ready: metrics::gauge!(format!("{p}_ready")),
                 not_ready: NotReadyReason::ALL
                     .iter()
@@ -179,11 +174,11 @@ impl Telemetry {
                 scanner_last_run: metrics::gauge!(format!(
                     "{p}_scanner_last_run_timestamp_seconds"
                 )),
-            });
-        });
-        let selfm = match selfm {
-            Some(s) => s,
-            None => unreachable!("the registration closure always runs"),
+            }
+        };
+        let selfm = match &local {
+            Some(r) => metrics::with_local_recorder(r, register),
+            None => register(),
         };
         // Touch the zero-valued counters so they render before first use.
         selfm.http_start_failures.increment(0);
