@@ -1,1 +1,45 @@
 //! The observability contract shared by `ublkd` and `arenad`.
+//!
+//! Wiring, in order:
+//!
+//! 1. [`Telemetry::install`] once at start-up (installs the Prometheus
+//!    recorder); every handle below is registered through it.
+//! 2. Per target: [`IoMetrics::new`] and a [`TrackerTable`], registered with
+//!    the process's single [`Scanner`] (started with [`Scanner::spawn`]).
+//! 3. Per I/O: [`TrackerTable::start`] then [`TrackerGuard::complete`].
+//! 4. [`DriverStatsRegistry`], [`RequestAccounting`] (ublkd) or
+//!    [`ArenaMetrics`] (arenad).
+//! 5. [`Telemetry::set_probes`] and [`MetricsServer::start`].
+//!
+//! Families are listed in [`families`] and documented in `docs/METRICS.md`.
+
+pub mod accounting;
+pub mod arena;
+pub mod clock;
+pub mod correlation;
+pub mod driver;
+pub mod events;
+pub mod families;
+pub mod health;
+pub mod histogram;
+pub mod http;
+pub mod io;
+pub mod labels;
+pub mod scanner;
+pub mod telemetry;
+pub mod tracker;
+
+pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
+pub use arena::{ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ProtocolErrorClass, SlotState};
+pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use correlation::CorrelationId;
+pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};
+pub use families::Daemon;
+pub use health::{NotReadyReason, NotReadySet, Probes};
+pub use histogram::{LatencyHistogram, LATENCY_BUCKETS_SECONDS};
+pub use http::{HttpConfig, HttpError, MetricsServer};
+pub use io::IoMetrics;
+pub use labels::{ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
+pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
+pub use telemetry::{Collector, Readiness, RenderError, Telemetry, TelemetryError};
+pub use tracker::{TrackerConfig, TrackerError, TrackerGuard, TrackerTable};

@@ -1,0 +1,264 @@
+//! arenad families: paging operations, slots, leases, paging to swap,
+//! durability latency and protocol/authentication failures.
+//!
+//! This crate cannot depend on the store, so the periodic update takes plain
+//! numbers ([`ArenaStats`]); the server calls the per-operation methods.
+
+use crate::histogram::LatencyHistogram;
+use crate::labels::{closed_enum, count_variants};
+use crate::telemetry::{Collector, Telemetry};
+use metrics::{Counter, Gauge};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+
+closed_enum! {
+    /// Paging-protocol operation.
+    ArenaOp {
+        /// HELLO / session setup.
+        Hello => "hello",
+        /// ALLOC.
+        Alloc => "alloc",
+        /// COMMIT.
+        Commit => "commit",
+        /// GET.
+        Get => "get",
+        /// RELEASE.
+        Release => "release",
+        /// REMOVE.
+        Remove => "remove",
+        /// FLUSH.
+        Flush => "flush",
+        /// Payload READ over TCP.
+        Read => "read",
+        /// Payload WRITE over TCP.
+        Write => "write",
+        /// STAT / keepalive.
+        Stat => "stat",
+    }
+}
+
+closed_enum! {
+    /// Result of one paging operation.
+    ArenaOutcome {
+        /// Served.
+        Ok => "ok",
+        /// The key does not exist.
+        NotFound => "not_found",
+        /// Arena and swap are full.
+        NoSpace => "no_space",
+        /// Refused: bad lease, quota, or not authorised.
+        Denied => "denied",
+        /// Failed (I/O error, internal error).
+        Error => "error",
+    }
+}
+
+closed_enum! {
+    /// State of an arena slot.
+    SlotState {
+        /// Unused.
+        Free => "free",
+        /// Resident and identical to swap.
+        Clean => "clean",
+        /// Resident and newer than swap.
+        Dirty => "dirty",
+        /// Pinned by a client lease.
+        Leased => "leased",
+    }
+}
+
+closed_enum! {
+    /// Class of a protocol error.
+    ProtocolErrorClass {
+        /// Bad magic or frame header.
+        Framing => "framing",
+        /// Unsupported protocol version.
+        Version => "version",
+        /// Unknown opcode.
+        Opcode => "opcode",
+        /// Length field out of bounds.
+        Length => "length",
+        /// Frame not valid in the session's state.
+        Sequence => "sequence",
+        /// Anything else.
+        Other => "other",
+    }
+}
+
+/// Store state sampled periodically; plain numbers so arenad can fill it
+/// from its store without this crate depending on it. Cumulative counters
+/// are totals since the store started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ArenaStats {
+    /// Slots per state, indexed by [`SlotState::index`].
+    pub slots: [u64; SlotState::COUNT],
+    /// Leases held.
+    pub leases_held: u64,
+    /// Evictions since start.
+    pub evictions: u64,
+    /// Write-backs since start.
+    pub writebacks: u64,
+    /// Fault-ins since start.
+    pub fault_ins: u64,
+    /// Bytes read from swap since start.
+    pub swap_read_bytes: u64,
+    /// Bytes written to swap since start.
+    pub swap_written_bytes: u64,
+    /// Swap bytes in use.
+    pub swap_used_bytes: u64,
+    /// Swap capacity in bytes.
+    pub swap_capacity_bytes: u64,
+    /// Arena bytes in use.
+    pub arena_used_bytes: u64,
+    /// Arena capacity in bytes.
+    pub arena_capacity_bytes: u64,
+}
+
+/// The arenad families.
+pub struct ArenaMetrics {
+    ops: [[Counter; ArenaOutcome::COUNT]; ArenaOp::COUNT],
+    op_latency: [Arc<LatencyHistogram>; ArenaOp::COUNT],
+    slots: [Gauge; SlotState::COUNT],
+    leases: Gauge,
+    evictions: Counter,
+    writebacks: Counter,
+    fault_ins: Counter,
+    swap_read: Counter,
+    swap_written: Counter,
+    swap_util: Gauge,
+    arena_util: Gauge,
+    journal: Arc<LatencyHistogram>,
+    checkpoint: Arc<LatencyHistogram>,
+    flush: Arc<LatencyHistogram>,
+    protocol_errors: [Counter; ProtocolErrorClass::COUNT],
+    auth_failures: Counter,
+    source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
+}
+
+impl std::fmt::Debug for ArenaMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaMetrics").finish_non_exhaustive()
+    }
+}
+
+fn ratio(used: u64, cap: u64) -> f64 {
+    if cap == 0 {
+        0.0
+    } else {
+        (used as f64 / cap as f64).clamp(0.0, 1.0)
+    }
+}
+
+impl ArenaMetrics {
+    /// Registers the families and makes the result a collector of
+    /// `telemetry` (see [`ArenaMetrics::set_source`]).
+    pub fn new(telemetry: &Arc<Telemetry>) -> Arc<Self> {
+        let t = &**telemetry;
+        let c0 = |name: &str| {
+            let c = t.counter(name, &[]);
+            c.increment(0);
+            c
+        };
+        let m = Arc::new(ArenaMetrics {
+            ops: ArenaOp::ALL.map(|op| {
+                ArenaOutcome::ALL.map(|o| {
+                    t.counter(
+                        "arenad_ops_total",
+                        &[("op", op.as_str()), ("outcome", o.as_str())],
+                    )
+                })
+            }),
+            op_latency: ArenaOp::ALL
+                .map(|op| t.histogram("arenad_op_latency_seconds", &[("op", op.as_str())])),
+            slots: SlotState::ALL.map(|s| t.gauge("arenad_slots", &[("state", s.as_str())])),
+            leases: t.gauge("arenad_leases_held", &[]),
+            evictions: c0("arenad_evictions_total"),
+            writebacks: c0("arenad_writebacks_total"),
+            fault_ins: c0("arenad_fault_ins_total"),
+            swap_read: c0("arenad_swap_read_bytes_total"),
+            swap_written: c0("arenad_swap_written_bytes_total"),
+            swap_util: t.gauge("arenad_swap_utilisation_ratio", &[]),
+            arena_util: t.gauge("arenad_arena_utilisation_ratio", &[]),
+            journal: t.histogram("arenad_journal_latency_seconds", &[]),
+            checkpoint: t.histogram("arenad_checkpoint_latency_seconds", &[]),
+            flush: t.histogram("arenad_flush_latency_seconds", &[]),
+            protocol_errors: ProtocolErrorClass::ALL
+                .map(|c| t.counter("arenad_protocol_errors_total", &[("class", c.as_str())])),
+            auth_failures: c0("arenad_auth_failures_total"),
+            source: Mutex::new(None),
+        });
+        m.update_from(&ArenaStats::default());
+        telemetry.register_collector(&m);
+        m
+    }
+
+    /// Accounts one served operation.
+    #[inline]
+    pub fn record_op(&self, op: ArenaOp, outcome: ArenaOutcome, latency: Duration) {
+        self.ops[op.index()][outcome.index()].increment(1);
+        self.op_latency[op.index()].record(latency);
+    }
+
+    /// Accounts one journal append + sync.
+    pub fn record_journal(&self, latency: Duration) {
+        self.journal.record(latency);
+    }
+
+    /// Accounts one checkpoint.
+    pub fn record_checkpoint(&self, latency: Duration) {
+        self.checkpoint.record(latency);
+    }
+
+    /// Accounts one client FLUSH made durable.
+    pub fn record_flush(&self, latency: Duration) {
+        self.flush.record(latency);
+    }
+
+    /// Counts a malformed or unexpected frame.
+    pub fn protocol_error(&self, class: ProtocolErrorClass) {
+        self.protocol_errors[class.index()].increment(1);
+    }
+
+    /// Counts a connection refused at authentication.
+    pub fn auth_failure(&self) {
+        self.auth_failures.increment(1);
+    }
+
+    /// Publishes store state. Cumulative fields are applied as absolute
+    /// values that never decrease, so a store that restarts its counts does
+    /// not make the exported counters go back.
+    pub fn update_from(&self, s: &ArenaStats) {
+        for (g, v) in self.slots.iter().zip(s.slots) {
+            g.set(v as f64);
+        }
+        self.leases.set(s.leases_held as f64);
+        self.evictions.absolute(s.evictions);
+        self.writebacks.absolute(s.writebacks);
+        self.fault_ins.absolute(s.fault_ins);
+        self.swap_read.absolute(s.swap_read_bytes);
+        self.swap_written.absolute(s.swap_written_bytes);
+        self.swap_util
+            .set(ratio(s.swap_used_bytes, s.swap_capacity_bytes));
+        self.arena_util
+            .set(ratio(s.arena_used_bytes, s.arena_capacity_bytes));
+    }
+
+    /// Sets a function sampled at every scrape to refresh the store gauges
+    /// (instead of, or in addition to, calling [`Self::update_from`] from a
+    /// timer). It runs on the scrape thread: it must be cheap and must not
+    /// block on the store's I/O.
+    pub fn set_source(&self, source: impl Fn() -> ArenaStats + Send + Sync + 'static) {
+        *self.source.lock() = Some(Box::new(source));
+    }
+}
+
+impl Collector for ArenaMetrics {
+    fn collect(&self) {
+        let stats = self.source.lock().as_ref().map(|f| f());
+        if let Some(s) = stats {
+            self.update_from(&s);
+        }
+    }
+}

@@ -1,0 +1,496 @@
+//! Driver statistics: what the data path really did.
+//!
+//! Choosing RDMA does not prove that payloads moved over RDMA: a request can
+//! be declined, too large, or fall back to TCP after a registration failure.
+//! Each data-path driver reports named counters and gauges through one
+//! transport-neutral trait; this module sums them over devices, exports them
+//! as `ublk_driver_*` families and writes the `ublkctl stats` summary.
+
+use crate::families::Kind;
+use crate::labels::{IoOp, Transport};
+use crate::telemetry::{Collector, Telemetry};
+use metrics::{Counter, Gauge};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+/// Well-known statistic names. Drivers may report others (exported the same
+/// way); these are the ones the summary, dashboard and alerts understand.
+pub mod names {
+    /// RDMA requests posted (per op).
+    pub const RDMA_REQUESTS: &str = "rdma_requests";
+    /// RDMA requests whose payload moved over RDMA (per op).
+    pub const RDMA_TRANSFERRED: &str = "rdma_transferred";
+    /// RDMA requests the peer declined, then served over TCP (per op).
+    pub const RDMA_DECLINED_SERVED_TCP: &str = "rdma_declined_served_tcp";
+    /// RDMA requests the peer declined that then failed (per op).
+    pub const RDMA_DECLINED_FAILED: &str = "rdma_declined_failed";
+    /// RDMA requests that failed (work completion error, post failure).
+    pub const RDMA_FAILED: &str = "rdma_failed";
+    /// RDMA requests answered with a protocol error.
+    pub const RDMA_PROTOCOL_ERRORS: &str = "rdma_protocol_errors";
+    /// RDMA requests that timed out.
+    pub const RDMA_TIMED_OUT: &str = "rdma_timed_out";
+    /// Payload requests sent inline over TCP (per op, with a `reason`).
+    pub const TCP_PAYLOAD_REQUESTS: &str = "tcp_payload_requests";
+    /// Payload bytes sent inline over TCP (per op, with a `reason`).
+    pub const TCP_PAYLOAD_BYTES: &str = "tcp_payload_bytes";
+    /// Buffer registrations from the pool.
+    pub const REGISTRATIONS_POOLED: &str = "registrations_pooled";
+    /// Buffer registrations made for one operation.
+    pub const REGISTRATIONS_PER_OP: &str = "registrations_per_op";
+    /// Memory registration failures.
+    pub const REGISTRATION_FAILURES: &str = "registration_failures";
+    /// Buffer allocation failures.
+    pub const ALLOCATION_FAILURES: &str = "allocation_failures";
+    /// Lease (token) failures.
+    pub const LEASE_FAILURES: &str = "lease_failures";
+    /// Buffers free in the pool.
+    pub const BUFFER_POOL_FREE: &str = "buffer_pool_free";
+    /// Buffers in use.
+    pub const BUFFER_POOL_IN_USE: &str = "buffer_pool_in_use";
+    /// Most buffers ever in use.
+    pub const BUFFER_POOL_PEAK: &str = "buffer_pool_peak";
+
+    /// Every well-known counter name.
+    pub const COUNTERS: &[&str] = &[
+        RDMA_REQUESTS,
+        RDMA_TRANSFERRED,
+        RDMA_DECLINED_SERVED_TCP,
+        RDMA_DECLINED_FAILED,
+        RDMA_FAILED,
+        RDMA_PROTOCOL_ERRORS,
+        RDMA_TIMED_OUT,
+        TCP_PAYLOAD_REQUESTS,
+        TCP_PAYLOAD_BYTES,
+        REGISTRATIONS_POOLED,
+        REGISTRATIONS_PER_OP,
+        REGISTRATION_FAILURES,
+        ALLOCATION_FAILURES,
+        LEASE_FAILURES,
+    ];
+    /// Every well-known gauge name.
+    pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];
+    /// Counters that indicate a problem: the summary prints one line for
+    /// each that is non-zero.
+    pub const PROBLEMS: &[&str] = &[
+        RDMA_DECLINED_SERVED_TCP,
+        RDMA_DECLINED_FAILED,
+        RDMA_FAILED,
+        RDMA_PROTOCOL_ERRORS,
+        RDMA_TIMED_OUT,
+        REGISTRATION_FAILURES,
+        ALLOCATION_FAILURES,
+        LEASE_FAILURES,
+    ];
+}
+
+/// Most distinct statistic families one registry exports; keeps a driver
+/// that invents names from growing the exposition without bound.
+pub const MAX_FAMILIES: usize = 128;
+
+/// One counter value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CounterValue {
+    /// snake_case name, without `_total`.
+    pub name: Cow<'static, str>,
+    /// Block op the count belongs to, when it is per op.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<IoOp>,
+    /// Sub-reason (e.g. why a payload went over TCP), exported as a `reason`
+    /// label; must come from a closed set in the driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<Cow<'static, str>>,
+    /// Monotonic value since the driver started.
+    pub value: u64,
+}
+
+/// One gauge value.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GaugeValue {
+    /// snake_case name.
+    pub name: Cow<'static, str>,
+    /// Current value.
+    pub value: f64,
+}
+
+/// A driver's statistics at one instant. Serializable so that `ublkctl`
+/// can fetch it over the control socket.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct DriverSnapshot {
+    /// Driver name (`rdma`, `tcp`); becomes the `driver` label.
+    pub driver: Cow<'static, str>,
+    /// Counters.
+    pub counters: Vec<CounterValue>,
+    /// Gauges.
+    pub gauges: Vec<GaugeValue>,
+}
+
+impl DriverSnapshot {
+    /// Sum of a counter over ops and reasons, optionally for one op.
+    pub fn counter(&self, name: &str, op: Option<IoOp>) -> u64 {
+        self.counters
+            .iter()
+            .filter(|c| c.name == name && (op.is_none() || c.op == op))
+            .fold(0u64, |a, c| a.saturating_add(c.value))
+    }
+}
+
+/// Implemented by each data-path driver (TCP now, RDMA later).
+pub trait DriverStats: Send + Sync {
+    /// Current statistics. Called at scrape time and by `ublkctl stats`,
+    /// never on the I/O path; it may allocate.
+    fn snapshot(&self) -> DriverSnapshot;
+}
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.as_bytes()[0].is_ascii_lowercase()
+        && n.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+// (name, op, reason)
+type StatKey = (String, Option<IoOp>, Option<String>);
+
+struct Device {
+    configured: Transport,
+    source: Arc<dyn DriverStats>,
+    driver: String,
+    // Per statistic: last raw value seen and the monotonic total derived
+    // from it (a driver restart that resets its counters adds, never
+    // subtracts).
+    seen: BTreeMap<StatKey, (u64, u64)>,
+}
+
+impl Device {
+    fn absorb(&mut self, snap: &DriverSnapshot) {
+        self.driver = snap.driver.to_string();
+        for c in &snap.counters {
+            let key = (
+                c.name.to_string(),
+                c.op,
+                c.reason.as_ref().map(|r| r.to_string()),
+            );
+            let e = self.seen.entry(key).or_insert((0, 0));
+            let delta = if c.value >= e.0 {
+                c.value - e.0
+            } else {
+                c.value
+            };
+            e.0 = c.value;
+            e.1 = e.1.saturating_add(delta);
+        }
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    devices: BTreeMap<u32, Device>,
+    // (driver, name, reason) -> totals of removed devices.
+    retired: BTreeMap<(String, String, Option<String>), u64>,
+    counters: BTreeMap<(String, String, Option<String>), Counter>,
+    gauges: BTreeMap<(String, String), Gauge>,
+    families: BTreeSet<String>,
+}
+
+/// Per-device driver statistics and their Prometheus export (ublkd).
+pub struct DriverStatsRegistry {
+    telemetry: Arc<Telemetry>,
+    reporting: Gauge,
+    partial: Gauge,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for DriverStatsRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriverStatsRegistry")
+            .finish_non_exhaustive()
+    }
+}
+
+/// One device's entry in the `ublkctl stats` summary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceDriverReport {
+    /// Device id (N of `/dev/ublkbN`).
+    pub device: u32,
+    /// Transport the device was configured for (`auto` devices pass the
+    /// transport they prefer, normally RDMA).
+    pub configured: Transport,
+    /// Its statistics, `None` when the driver reports nothing.
+    pub stats: Option<DriverSnapshot>,
+}
+
+impl DriverStatsRegistry {
+    /// Creates the registry and registers it as a collector of `telemetry`,
+    /// so every scrape refreshes the `ublk_driver_*` families.
+    pub fn new(telemetry: &Arc<Telemetry>) -> Arc<Self> {
+        let reg = Arc::new(DriverStatsRegistry {
+            telemetry: Arc::clone(telemetry),
+            reporting: telemetry.gauge("ublk_driver_reporting", &[]),
+            partial: telemetry.gauge("ublk_driver_partial", &[]),
+            inner: Mutex::new(Inner::default()),
+        });
+        telemetry.register_collector(&reg);
+        reg
+    }
+
+    /// Adds a device's driver. Replaces an earlier source for the same
+    /// device id (its counts so far are retired first, so nothing is lost).
+    pub fn add_device(&self, device: u32, configured: Transport, source: Arc<dyn DriverStats>) {
+        let mut inner = self.inner.lock();
+        if let Some(old) = inner.devices.remove(&device) {
+            Self::retire(&mut inner, old);
+        }
+        inner.devices.insert(
+            device,
+            Device {
+                configured,
+                source,
+                driver: String::new(),
+                seen: BTreeMap::new(),
+            },
+        );
+    }
+
+    /// Removes a device, folding its final counts into the totals so that
+    /// exported counters do not drop.
+    pub fn remove_device(&self, device: u32) {
+        let mut inner = self.inner.lock();
+        if let Some(dev) = inner.devices.remove(&device) {
+            Self::retire(&mut inner, dev);
+        }
+    }
+
+    fn retire(inner: &mut Inner, mut dev: Device) {
+        let snap = dev.source.snapshot();
+        dev.absorb(&snap);
+        for ((name, _op, reason), (_, total)) in dev.seen {
+            let e = inner
+                .retired
+                .entry((dev.driver.clone(), name, reason))
+                .or_insert(0);
+            *e = e.saturating_add(total);
+        }
+    }
+
+    /// Snapshots of every device, for `ublkctl stats` (send them over the
+    /// control socket, then call [`summarize`]).
+    pub fn reports(&self) -> Vec<DeviceDriverReport> {
+        let inner = self.inner.lock();
+        inner
+            .devices
+            .iter()
+            .map(|(id, d)| {
+                let snap = d.source.snapshot();
+                let empty = snap.counters.is_empty() && snap.gauges.is_empty();
+                DeviceDriverReport {
+                    device: *id,
+                    configured: d.configured,
+                    stats: (!empty).then_some(snap),
+                }
+            })
+            .collect()
+    }
+
+    /// Refreshes the exported families from every device's driver.
+    pub fn publish(&self) {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let mut gauge_sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut reporting = 0u32;
+        for dev in inner.devices.values_mut() {
+            let snap = dev.source.snapshot();
+            if snap.counters.is_empty() && snap.gauges.is_empty() {
+                continue;
+            }
+            reporting += 1;
+            dev.absorb(&snap);
+            for g in &snap.gauges {
+                *gauge_sums.entry(g.name.to_string()).or_insert(0.0) += g.value;
+            }
+        }
+        let drivers: BTreeSet<String> = inner
+            .devices
+            .values()
+            .filter(|d| !d.driver.is_empty())
+            .map(|d| d.driver.clone())
+            .collect();
+        self.reporting.set(f64::from(reporting));
+        if drivers.len() > 1 {
+            // Sums over different drivers mean nothing; keep the last
+            // exported values (counters must not go back) and say so.
+            self.partial.set(1.0);
+            return;
+        }
+        self.partial.set(0.0);
+        let mut totals: BTreeMap<(String, String, Option<String>), u64> =
+            inner.retired.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        for dev in inner.devices.values() {
+            for ((name, _op, reason), (_, total)) in &dev.seen {
+                let e = totals
+                    .entry((dev.driver.clone(), name.clone(), reason.clone()))
+                    .or_insert(0);
+                *e = e.saturating_add(*total);
+            }
+        }
+        for ((driver, name, reason), value) in totals {
+            if let Some(c) = self.counter_handle(inner, &driver, &name, reason.as_deref()) {
+                // absolute() keeps the maximum, so the series never drops.
+                c.absolute(value);
+            }
+        }
+        if let Some(driver) = drivers.into_iter().next() {
+            for (name, value) in gauge_sums {
+                if let Some(g) = self.gauge_handle(inner, &driver, &name) {
+                    g.set(value);
+                }
+            }
+        }
+    }
+
+    fn admit_family(inner: &mut Inner, family: &str) -> bool {
+        if inner.families.contains(family) {
+            return true;
+        }
+        if inner.families.len() >= MAX_FAMILIES {
+            return false;
+        }
+        inner.families.insert(family.to_string());
+        true
+    }
+
+    fn counter_handle(
+        &self,
+        inner: &mut Inner,
+        driver: &str,
+        name: &str,
+        reason: Option<&str>,
+    ) -> Option<Counter> {
+        let key = (
+            driver.to_string(),
+            name.to_string(),
+            reason.map(str::to_string),
+        );
+        if let Some(c) = inner.counters.get(&key) {
+            return Some(c.clone());
+        }
+        if !valid_name(name) || !valid_name(driver) || reason.is_some_and(|r| !valid_name(r)) {
+            return None;
+        }
+        let base = name.strip_suffix("_total").unwrap_or(name);
+        let family = format!("ublk_driver_{base}_total");
+        if !Self::admit_family(inner, &family) {
+            return None;
+        }
+        self.telemetry.describe(
+            family.clone(),
+            Kind::Counter,
+            "Driver statistic reported by the data path; see docs/METRICS.md.",
+        );
+        let mut labels: Vec<(&'static str, &str)> = vec![("driver", driver)];
+        if let Some(r) = reason {
+            labels.push(("reason", r));
+        }
+        let c = self.telemetry.counter(family, &labels);
+        inner.counters.insert(key, c.clone());
+        Some(c)
+    }
+
+    fn gauge_handle(&self, inner: &mut Inner, driver: &str, name: &str) -> Option<Gauge> {
+        let key = (driver.to_string(), name.to_string());
+        if let Some(g) = inner.gauges.get(&key) {
+            return Some(g.clone());
+        }
+        if !valid_name(name) || !valid_name(driver) {
+            return None;
+        }
+        let family = format!("ublk_driver_{name}");
+        if !Self::admit_family(inner, &family) {
+            return None;
+        }
+        self.telemetry.describe(
+            family.clone(),
+            Kind::Gauge,
+            "Driver level reported by the data path; see docs/METRICS.md.",
+        );
+        let g = self.telemetry.gauge(family, &[("driver", driver)]);
+        inner.gauges.insert(key, g.clone());
+        Some(g)
+    }
+}
+
+impl Collector for DriverStatsRegistry {
+    fn collect(&self) {
+        self.publish();
+    }
+}
+
+fn driver_title(driver: &str) -> String {
+    match driver {
+        "rdma" => "RDMA".to_string(),
+        "tcp" => "TCP".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// The `ublkctl stats` driver block: per device and op, transfers over RDMA
+/// and payload requests over TCP; one line per non-zero problem counter; a
+/// warning for an RDMA device that moved nothing over RDMA and for a device
+/// with no statistics. Counts only: a percentage would hide small numbers.
+pub fn summarize(reports: &[DeviceDriverReport]) -> String {
+    let mut out = String::new();
+    for r in reports {
+        let dev = format!("ublkb{}", r.device);
+        let Some(s) = &r.stats else {
+            let _ = writeln!(out, "{dev}: warning: no driver statistics reported");
+            continue;
+        };
+        let title = driver_title(&s.driver);
+        let mut any_op = false;
+        for op in IoOp::ALL {
+            let rdma = s.counter(names::RDMA_TRANSFERRED, Some(op));
+            let tcp = s.counter(names::TCP_PAYLOAD_REQUESTS, Some(op));
+            if rdma == 0 && tcp == 0 {
+                continue;
+            }
+            any_op = true;
+            let _ = writeln!(
+                out,
+                "{dev}: {title} data path - {}: {rdma} transfers over RDMA, {tcp} payload requests over TCP",
+                op.title()
+            );
+        }
+        if !any_op {
+            let _ = writeln!(out, "{dev}: {title} data path - no payload requests");
+        }
+        for problem in names::PROBLEMS {
+            for c in s
+                .counters
+                .iter()
+                .filter(|c| c.name == *problem && c.value > 0)
+            {
+                let op =
+                    c.op.map(|o| format!(" ({})", o.as_str()))
+                        .unwrap_or_default();
+                let reason = c
+                    .reason
+                    .as_ref()
+                    .map(|r| format!(" [{r}]"))
+                    .unwrap_or_default();
+                let _ = writeln!(out, "{dev}:   {problem}{op}{reason}: {}", c.value);
+            }
+        }
+        if r.configured == Transport::Rdma && s.counter(names::RDMA_TRANSFERRED, None) == 0 {
+            let _ = writeln!(
+                out,
+                "{dev}: warning: configured for RDMA but moved no payload over RDMA"
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,183 @@
+//! Stable structured log events.
+//!
+//! Event names are part of the operator contract (the runbook searches for
+//! them), so they are constants emitted in the `event` field, and each event
+//! has one helper that fixes its fields. Correlation ids link events of one
+//! request; no helper takes payloads, keys, addresses or secrets.
+
+use crate::correlation::CorrelationId;
+use crate::labels::{ErrnoClass, IoOp, Phase, Reason, Transport};
+use std::time::Duration;
+use thiserror::Error;
+
+/// A logical block request failed (completed to the kernel with an error).
+pub const REQUEST_FAILED: &str = "request.failed";
+/// A request completed after more than the slow threshold.
+pub const REQUEST_SLOW: &str = "request.slow";
+/// A request crossed the stall threshold while still pending (logged once).
+pub const REQUEST_STUCK: &str = "request.stuck";
+/// One physical attempt failed (the request may still succeed).
+pub const ATTEMPT_FAILED: &str = "attempt.failed";
+/// A request moved from one transport to another.
+pub const TRANSPORT_FAILOVER: &str = "transport.failover";
+/// The arena peer connection was lost.
+pub const PEER_DISCONNECTED: &str = "peer.disconnected";
+
+/// Every stable event name.
+pub const ALL: &[&str] = &[
+    REQUEST_FAILED,
+    REQUEST_SLOW,
+    REQUEST_STUCK,
+    ATTEMPT_FAILED,
+    TRANSPORT_FAILOVER,
+    PEER_DISCONNECTED,
+];
+
+fn dev(device: Option<u32>) -> i64 {
+    device.map_or(-1, i64::from)
+}
+
+/// Logs [`REQUEST_FAILED`].
+pub fn request_failed(
+    corr: CorrelationId,
+    device: Option<u32>,
+    op: IoOp,
+    errno: ErrnoClass,
+    phase: Phase,
+    reason: Reason,
+) {
+    tracing::warn!(
+        event = REQUEST_FAILED,
+        corr = corr.get(),
+        device = dev(device),
+        op = op.as_str(),
+        errno = errno.as_str(),
+        phase = phase.as_str(),
+        reason = reason.as_str(),
+        "block request failed"
+    );
+}
+
+/// Logs [`REQUEST_SLOW`].
+pub fn request_slow(
+    corr: CorrelationId,
+    target: &str,
+    device: Option<u32>,
+    op: IoOp,
+    latency: Duration,
+) {
+    tracing::warn!(
+        event = REQUEST_SLOW,
+        corr = corr.get(),
+        target,
+        device = dev(device),
+        op = op.as_str(),
+        latency_ms = latency.as_millis() as u64,
+        "block request completed slowly"
+    );
+}
+
+/// Logs [`REQUEST_STUCK`].
+pub fn request_stuck(
+    corr: CorrelationId,
+    target: &str,
+    device: Option<u32>,
+    op: IoOp,
+    age: Duration,
+) {
+    tracing::warn!(
+        event = REQUEST_STUCK,
+        corr = corr.get(),
+        target,
+        device = dev(device),
+        op = op.as_str(),
+        age_ms = age.as_millis() as u64,
+        "block request pending past the stall threshold"
+    );
+}
+
+/// Logs [`ATTEMPT_FAILED`].
+pub fn attempt_failed(
+    corr: CorrelationId,
+    op: IoOp,
+    transport: Transport,
+    phase: Phase,
+    reason: Reason,
+) {
+    tracing::info!(
+        event = ATTEMPT_FAILED,
+        corr = corr.get(),
+        op = op.as_str(),
+        transport = transport.as_str(),
+        phase = phase.as_str(),
+        reason = reason.as_str(),
+        "transport attempt failed"
+    );
+}
+
+/// Logs [`TRANSPORT_FAILOVER`].
+pub fn transport_failover(corr: CorrelationId, op: IoOp, from: Transport, to: Transport) {
+    tracing::info!(
+        event = TRANSPORT_FAILOVER,
+        corr = corr.get(),
+        op = op.as_str(),
+        from = from.as_str(),
+        to = to.as_str(),
+        "request moved to another transport"
+    );
+}
+
+/// Logs [`PEER_DISCONNECTED`]. `device` identifies the device, never the
+/// peer's address.
+pub fn peer_disconnected(device: Option<u32>, phase: Phase, reason: Reason) {
+    tracing::warn!(
+        event = PEER_DISCONNECTED,
+        device = dev(device),
+        phase = phase.as_str(),
+        reason = reason.as_str(),
+        "arena peer disconnected"
+    );
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log shippers.
+    Json,
+}
+
+/// Logging could not be set up.
+#[derive(Debug, Error)]
+pub enum LogInitError {
+    /// The filter directive did not parse.
+    #[error("invalid log filter {filter:?}: {message}")]
+    Filter {
+        /// The rejected directive.
+        filter: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// A global subscriber was already set.
+    #[error("a global tracing subscriber is already installed")]
+    AlreadySet,
+}
+
+/// Installs the process's `tracing` subscriber writing to stderr, with an
+/// `EnvFilter` directive such as `info` or `ublkd=debug`.
+pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), LogInitError> {
+    use tracing_subscriber::EnvFilter;
+    let env = EnvFilter::try_new(filter).map_err(|e| LogInitError::Filter {
+        filter: filter.to_string(),
+        message: e.to_string(),
+    })?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(env)
+        .with_writer(std::io::stderr);
+    let res = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    res.map_err(|_| LogInitError::AlreadySet)
+}

@@ -1,0 +1,409 @@
+//! The catalogue of exported metric families.
+//!
+//! One table feeds the `# HELP` lines, the documentation check and the
+//! dashboard check, so a family cannot be exported without being listed
+//! here, and a dashboard cannot query a family that is not exported.
+
+use crate::driver::names as driver_names;
+
+/// Prometheus metric type of a family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Monotonic counter (`_total`).
+    Counter,
+    /// Gauge.
+    Gauge,
+    /// Histogram (`_bucket`, `_sum`, `_count`).
+    Histogram,
+}
+
+/// One metric family.
+#[derive(Debug, Clone, Copy)]
+pub struct Family {
+    /// Full name, as rendered (for self-observability families, the part
+    /// after the daemon prefix, starting with `_`).
+    pub name: &'static str,
+    /// Type.
+    pub kind: Kind,
+    /// Label names (optional ones in brackets, e.g. `[device]`).
+    pub labels: &'static [&'static str],
+    /// `# HELP` text.
+    pub help: &'static str,
+}
+
+const fn f(
+    name: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Family {
+    Family {
+        name,
+        kind,
+        labels,
+        help,
+    }
+}
+
+use Kind::{Counter, Gauge, Histogram};
+
+/// Device I/O accounting and scanner families (ublkd).
+pub const IO: &[Family] = &[
+    f(
+        "ublk_io_requests_total",
+        Counter,
+        &["target", "op", "[device]"],
+        "Block requests completed by the target, successful or failed.",
+    ),
+    f(
+        "ublk_io_bytes_total",
+        Counter,
+        &["target", "op", "[device]"],
+        "Bytes of successfully completed block requests.",
+    ),
+    f(
+        "ublk_io_errors_total",
+        Counter,
+        &["target", "op", "errno", "[device]"],
+        "Block requests completed with an error, by errno class.",
+    ),
+    f(
+        "ublk_io_latency_seconds",
+        Histogram,
+        &["target", "op", "[device]"],
+        "Time from the target taking a block request to its completion.",
+    ),
+    f(
+        "ublk_io_inflight",
+        Gauge,
+        &["target", "op", "[device]"],
+        "Block requests in flight at the last scan.",
+    ),
+    f(
+        "ublk_io_stalled",
+        Gauge,
+        &["target", "op", "[device]"],
+        "Block requests pending for at least the stall threshold at the last scan.",
+    ),
+    f(
+        "ublk_io_oldest_inflight_seconds",
+        Gauge,
+        &["target", "[device]"],
+        "Age of the oldest in-flight block request at the last scan; 0 when idle.",
+    ),
+];
+
+/// Logical request and physical attempt accounting (ublkd).
+pub const ACCOUNTING: &[Family] = &[
+    f(
+        "ublk_requests_started_total",
+        Counter,
+        &["op", "transport"],
+        "Logical block requests started.",
+    ),
+    f(
+        "ublk_request_outcomes_total",
+        Counter,
+        &["op", "transport", "outcome"],
+        "Logical block requests that reached a terminal outcome.",
+    ),
+    f(
+        "ublk_requests_inflight",
+        Gauge,
+        &["op", "transport"],
+        "Logical block requests started and not yet terminal.",
+    ),
+    f(
+        "ublk_attempts_started_total",
+        Counter,
+        &["op", "transport"],
+        "Physical transport attempts started.",
+    ),
+    f(
+        "ublk_attempt_outcomes_total",
+        Counter,
+        &["op", "transport", "outcome"],
+        "Physical transport attempts that reached a terminal outcome.",
+    ),
+    f(
+        "ublk_attempts_inflight",
+        Gauge,
+        &["op", "transport"],
+        "Physical transport attempts started and not yet terminal.",
+    ),
+    f(
+        "ublk_failovers_total",
+        Counter,
+        &["op", "from", "to"],
+        "Logical requests that moved to another transport (counted once per request).",
+    ),
+    f(
+        "ublk_request_failures_total",
+        Counter,
+        &["transport", "phase", "reason"],
+        "Logical block requests that failed, by failing phase and reason.",
+    ),
+    f(
+        "ublk_attempt_failures_total",
+        Counter,
+        &["transport", "phase", "reason"],
+        "Physical attempts that failed, by failing phase and reason.",
+    ),
+];
+
+/// Driver statistics aggregates (ublkd); the per-counter families are in
+/// [`driver_families`].
+pub const DRIVER: &[Family] = &[
+    f(
+        "ublk_driver_reporting",
+        Gauge,
+        &[],
+        "Devices whose data-path driver reports statistics.",
+    ),
+    f(
+        "ublk_driver_partial",
+        Gauge,
+        &[],
+        "1 when reporting devices use different drivers, so no sums are exported.",
+    ),
+];
+
+/// arenad families.
+pub const ARENA: &[Family] = &[
+    f(
+        "arenad_ops_total",
+        Counter,
+        &["op", "outcome"],
+        "Paging-protocol operations served, by op and outcome.",
+    ),
+    f(
+        "arenad_op_latency_seconds",
+        Histogram,
+        &["op"],
+        "Time to serve one paging-protocol operation.",
+    ),
+    f("arenad_slots", Gauge, &["state"], "Arena slots by state."),
+    f(
+        "arenad_leases_held",
+        Gauge,
+        &[],
+        "Leases currently held by clients.",
+    ),
+    f(
+        "arenad_evictions_total",
+        Counter,
+        &[],
+        "Blobs evicted from the RAM arena.",
+    ),
+    f(
+        "arenad_writebacks_total",
+        Counter,
+        &[],
+        "Dirty blobs written back to swap.",
+    ),
+    f(
+        "arenad_fault_ins_total",
+        Counter,
+        &[],
+        "Blobs read back from swap into the arena.",
+    ),
+    f(
+        "arenad_swap_read_bytes_total",
+        Counter,
+        &[],
+        "Bytes read from the swap file.",
+    ),
+    f(
+        "arenad_swap_written_bytes_total",
+        Counter,
+        &[],
+        "Bytes written to the swap file.",
+    ),
+    f(
+        "arenad_swap_utilisation_ratio",
+        Gauge,
+        &[],
+        "Used fraction of the swap file (0-1).",
+    ),
+    f(
+        "arenad_arena_utilisation_ratio",
+        Gauge,
+        &[],
+        "Used fraction of the RAM arena (0-1).",
+    ),
+    f(
+        "arenad_journal_latency_seconds",
+        Histogram,
+        &[],
+        "Time to append and sync one journal record.",
+    ),
+    f(
+        "arenad_checkpoint_latency_seconds",
+        Histogram,
+        &[],
+        "Time to write one index checkpoint.",
+    ),
+    f(
+        "arenad_flush_latency_seconds",
+        Histogram,
+        &[],
+        "Time to make a client FLUSH durable.",
+    ),
+    f(
+        "arenad_protocol_errors_total",
+        Counter,
+        &["class"],
+        "Malformed or unexpected frames, by class.",
+    ),
+    f(
+        "arenad_auth_failures_total",
+        Counter,
+        &[],
+        "Connections refused at authentication.",
+    ),
+];
+
+/// Self-observability families; the name is appended to the daemon prefix
+/// (`ublkd`, `arenad`).
+pub const SELF: &[Family] = &[
+    f(
+        "_build_info",
+        Gauge,
+        &["version"],
+        "Always 1; identifies the running build.",
+    ),
+    f(
+        "_ready",
+        Gauge,
+        &[],
+        "1 when the last readiness evaluation passed, else 0.",
+    ),
+    f(
+        "_not_ready",
+        Gauge,
+        &["reason"],
+        "1 for each readiness check failing at the last evaluation.",
+    ),
+    f(
+        "_metrics_http_server_up",
+        Gauge,
+        &[],
+        "1 while the metrics HTTP listener is serving.",
+    ),
+    f(
+        "_metrics_http_start_failures_total",
+        Counter,
+        &[],
+        "Failures to bind or start the metrics HTTP listener.",
+    ),
+    f(
+        "_metrics_serialization_attempts_total",
+        Counter,
+        &[],
+        "Renders of the metrics exposition.",
+    ),
+    f(
+        "_metrics_serialization_failures_total",
+        Counter,
+        &[],
+        "Renders that failed (a collector panicked or the output exceeded its bound).",
+    ),
+    f(
+        "_metrics_last_success_timestamp_seconds",
+        Gauge,
+        &[],
+        "Unix time of the last successful render.",
+    ),
+    f(
+        "_scanner_runs_total",
+        Counter,
+        &[],
+        "Completed tracker scans.",
+    ),
+    f(
+        "_scanner_last_run_timestamp_seconds",
+        Gauge,
+        &[],
+        "Unix time of the last tracker scan.",
+    ),
+];
+
+/// Which daemon a [`crate::Telemetry`] belongs to; selects the prefix of the
+/// self-observability families.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Daemon {
+    /// The ublk daemon.
+    Ublkd,
+    /// The arena peer.
+    Arenad,
+}
+
+impl Daemon {
+    /// Metric name prefix.
+    pub const fn prefix(self) -> &'static str {
+        match self {
+            Daemon::Ublkd => "ublkd",
+            Daemon::Arenad => "arenad",
+        }
+    }
+}
+
+/// Families exported for each driver-statistics name documented in
+/// [`crate::driver::names`].
+pub fn driver_families() -> Vec<(String, Kind)> {
+    let mut out: Vec<(String, Kind)> = driver_names::COUNTERS
+        .iter()
+        .map(|n| (format!("ublk_driver_{n}_total"), Counter))
+        .collect();
+    out.extend(
+        driver_names::GAUGES
+            .iter()
+            .map(|n| (format!("ublk_driver_{n}"), Gauge)),
+    );
+    out
+}
+
+/// Every family name the project exports, with its type.
+pub fn exported() -> Vec<(String, Kind)> {
+    let mut out: Vec<(String, Kind)> = IO
+        .iter()
+        .chain(ACCOUNTING)
+        .chain(DRIVER)
+        .chain(ARENA)
+        .map(|f| (f.name.to_string(), f.kind))
+        .collect();
+    out.extend(driver_families());
+    for d in [Daemon::Ublkd, Daemon::Arenad] {
+        out.extend(
+            SELF.iter()
+                .map(|f| (format!("{}{}", d.prefix(), f.name), f.kind)),
+        );
+    }
+    out
+}
+
+/// Every sample name a scrape can contain (histograms expand to their
+/// `_bucket`, `_sum` and `_count` series).
+pub fn exported_sample_names() -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, kind) in exported() {
+        if kind == Histogram {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                out.push(format!("{name}{suffix}"));
+            }
+        }
+        out.push(name);
+    }
+    out
+}
+
+/// Help text of a fixed (non-driver, non-self) family.
+pub(crate) fn help(name: &str) -> &'static str {
+    IO.iter()
+        .chain(ACCOUNTING)
+        .chain(DRIVER)
+        .chain(ARENA)
+        .find(|f| f.name == name)
+        .map(|f| f.help)
+        .unwrap_or("")
+}
