@@ -27,6 +27,8 @@ pub(super) struct SlotMeta {
     /// The extent a write-back running without the store lock is writing;
     /// nothing else may write, free or journal it until that ends.
     pub(super) writing: Option<u32>,
+    /// Read ahead and not used yet; its first use extends the read-ahead.
+    pub(super) read_ahead: bool,
 }
 
 /// The CLOCK hand.
@@ -62,7 +64,8 @@ impl Clock {
                 m.referenced = false;
                 continue;
             }
-            if clean_only && m.dirty {
+            // The second turn passes slots the first one already took.
+            if (clean_only && m.dirty) || out.contains(&(i as u32)) {
                 continue;
             }
             out.push(i as u32);

@@ -42,6 +42,9 @@ const WRITE_BATCH: usize = 64;
 /// Most write-backs per cleaner submission: enough to keep the disk queue
 /// busy, few enough that slots come back clean at a steady pace.
 const CLEAN_BATCH: usize = 8;
+/// Blobs read ahead of a sequential reader: enough to keep the disk busy
+/// while the connection sends the previous ones.
+const READ_AHEAD: u64 = 4;
 /// How long the cleaner rests after a failed write-back, so a broken disk
 /// does not make it spin.
 const CLEAN_RETRY: Duration = Duration::from_millis(50);
@@ -123,6 +126,11 @@ pub(super) struct State {
     cleaner_kicked: bool,
     /// The store is closing: the cleaner exits.
     stopping: bool,
+    /// The last blob a reader faulted in or found read ahead; the next key
+    /// after it means a sequential reader.
+    last_read: Option<BlobKey>,
+    /// Blobs to read ahead, for the background thread.
+    read_ahead: Vec<BlobKey>,
 }
 
 /// A write-back the store lock has set up: `slot`'s bytes go to `extent`.
@@ -272,6 +280,8 @@ impl State {
             flush_waiting: 0,
             cleaner_kicked: false,
             stopping: false,
+            last_read: None,
+            read_ahead: Vec::new(),
         };
         Ok((state, swap))
     }
@@ -328,7 +338,9 @@ impl State {
 
     /// Whether to wake the cleaner now; notes that it was woken.
     fn cleaner_due(&mut self) -> bool {
-        let due = !self.cleaner_kicked && !self.stopping && self.below_low_water();
+        let due = !self.cleaner_kicked
+            && !self.stopping
+            && (self.below_low_water() || !self.read_ahead.is_empty());
         self.cleaner_kicked |= due;
         due
     }
@@ -344,6 +356,39 @@ impl State {
             *m = SlotMeta::default();
             self.free_slots.push(slot);
         }
+    }
+
+    /// Notes a read of `key` from swap (or from read-ahead); a run of
+    /// consecutive keys queues the next ones for the background thread.
+    fn note_read(&mut self, key: BlobKey) {
+        let sequential = self.last_read == Some((key.0, key.1.wrapping_sub(1)));
+        self.last_read = Some(key);
+        if sequential {
+            self.read_ahead = (1..=READ_AHEAD)
+                .filter_map(|d| key.1.checked_add(d))
+                .map(|k| (key.0, k))
+                .rev()
+                .collect();
+        }
+    }
+
+    /// Ends a fault-in's transition; whether the slot still belongs to `key`
+    /// (it did not, or no longer does, when the read failed or the blob was
+    /// removed meanwhile; the slot is then free again).
+    fn finish_load(&mut self, slot: u32, key: BlobKey, ok: bool) -> bool {
+        self.in_transit -= 1;
+        let m = &mut self.slots[slot as usize];
+        m.loading = false;
+        m.pins -= 1;
+        let ours = m.owner == Some(key);
+        if ours && !ok {
+            m.owner = None;
+            if let Some(b) = self.blobs.get_mut(&key) {
+                b.slot = None;
+            }
+        }
+        self.free_if_orphaned(slot);
+        ours && ok
     }
 
     /// Drops a clean unpinned slot's content (its blob stays in swap).
@@ -663,7 +708,9 @@ impl State {
                 .count()
         );
         for m in &self.slots {
-            if m.pins > 0 {
+            // A fault-in or write-back in flight is not a lease.
+            let transit = u32::from(m.loading || m.writing.is_some());
+            if m.pins > transit {
                 s.slots_leased += 1;
             } else if m.owner.is_none() {
                 s.slots_free += 1;
@@ -813,11 +860,15 @@ impl Core {
                 return Ok(None);
             };
             if let Some(s) = blob.slot {
-                if st.slots[s as usize].loading {
+                let m = &mut st.slots[s as usize];
+                if m.loading {
                     self.settled.wait(g);
                     continue;
                 }
-                st.slots[s as usize].referenced = true;
+                m.referenced = true;
+                if std::mem::take(&mut m.read_ahead) {
+                    st.note_read(key);
+                }
                 return Ok(Some(Staged::Ready(s)));
             }
             // May drop the lock, after which the blob may have changed.
@@ -848,30 +899,15 @@ impl Core {
                 self.swap.read_extent(extent, &mut self.arena.write(slot))
             });
             let st = &mut **g;
-            st.in_transit -= 1;
-            let m = &mut st.slots[slot as usize];
-            m.loading = false;
-            m.pins -= 1;
-            let ours = m.owner == Some(key);
+            let ours = st.finish_load(slot, key, read.is_ok());
             self.settled.notify_all();
-            match read {
-                Ok(()) if ours => {
-                    st.counters.fault_ins += 1;
-                    return Ok(Some(Staged::Ready(slot)));
-                }
-                // Removed while loading: look again.
-                Ok(()) => st.free_if_orphaned(slot),
-                Err(e) => {
-                    if ours {
-                        if let Some(b) = st.blobs.get_mut(&key) {
-                            b.slot = None;
-                        }
-                        st.slots[slot as usize].owner = None;
-                    }
-                    st.free_if_orphaned(slot);
-                    return Err(e);
-                }
+            read?;
+            if ours {
+                st.counters.fault_ins += 1;
+                st.note_read(key);
+                return Ok(Some(Staged::Ready(slot)));
             }
+            // Removed while loading: look again.
         }
     }
 
@@ -1149,6 +1185,70 @@ impl Core {
         Ok(())
     }
 
+    /// Faults in the queued read-ahead blobs, one submission, into free or
+    /// clean slots only: read-ahead never writes a victim back or waits.
+    /// The slots start unreferenced, so an unused guess is evicted first.
+    fn read_ahead(&self, g: &mut Guard<'_>) {
+        let st = &mut **g;
+        let mut loads = Vec::new();
+        while let Some(key) = st.read_ahead.pop() {
+            let Some(extent) = st
+                .blobs
+                .get(&key)
+                .filter(|b| b.slot.is_none())
+                .and_then(|b| b.extent)
+            else {
+                continue;
+            };
+            let slot = match st.free_slots.pop() {
+                Some(s) => s,
+                None => match st.clock.pick(&mut st.slots, 1, true).first() {
+                    Some(&s) => {
+                        st.counters.evictions += 1;
+                        st.evict_slot(s);
+                        st.free_slots.pop().unwrap_or(s)
+                    }
+                    None => break,
+                },
+            };
+            if let Some(b) = st.blobs.get_mut(&key) {
+                b.slot = Some(slot);
+            }
+            st.slots[slot as usize] = SlotMeta {
+                owner: Some(key),
+                pins: 1,
+                loading: true,
+                read_ahead: true,
+                ..SlotMeta::default()
+            };
+            st.in_transit += 1;
+            loads.push((slot, key, extent));
+        }
+        st.read_ahead.clear();
+        if loads.is_empty() {
+            return;
+        }
+        let read = MutexGuard::unlocked(g, || {
+            let mut guards: Vec<_> = loads.iter().map(|l| self.arena.write(l.0)).collect();
+            let mut reads: Vec<(u32, &mut [u8])> = loads
+                .iter()
+                .zip(guards.iter_mut())
+                .map(|(l, b)| (l.2, &mut **b))
+                .collect();
+            self.swap.read_extents(&mut reads)
+        });
+        let st = &mut **g;
+        for &(slot, key, _) in &loads {
+            if st.finish_load(slot, key, read.is_ok()) {
+                st.counters.fault_ins += 1;
+            }
+        }
+        self.settled.notify_all();
+        if let Err(e) = read {
+            tracing::warn!(event = "read_ahead_failed", error = %e, "read-ahead failed; readers fault the blobs in themselves");
+        }
+    }
+
     pub(super) fn stats(&self, g: &Guard<'_>) -> StoreStats {
         g.stats(&self.swap)
     }
@@ -1163,6 +1263,10 @@ impl Core {
         // Between the watermarks: keep cleaning once started.
         let mut active = false;
         while !g.stopping {
+            if !g.read_ahead.is_empty() {
+                self.read_ahead(&mut g);
+                continue;
+            }
             let clean = g.slots.len() - g.n_dirty;
             active = (active && clean < 2 * g.low_water()) || g.below_low_water();
             if g.flush_waiting > 0 || !active {

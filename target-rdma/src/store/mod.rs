@@ -9,8 +9,9 @@
 //! Swap I/O runs without the store lock (see [`engine`]): a slot being
 //! faulted in or written back is pinned and marked in transition under the
 //! lock, moved with only its slot lock held, and settled under the lock
-//! again. A background cleaner thread writes dirty slots back ahead of
-//! demand, so that eviction usually finds a clean victim.
+//! again. A background thread writes dirty slots back ahead of demand, so
+//! that eviction usually finds a clean victim, and reads ahead of a
+//! sequential reader, so that its disk reads overlap the network.
 
 mod arena;
 mod clock;

@@ -165,11 +165,22 @@ impl Swap {
 
     /// Reads one extent into `buf` (a slot).
     pub(super) fn read_extent(&self, extent: u32, buf: &mut [u8]) -> Result<(), StoreError> {
-        debug_assert_eq!(buf.len(), self.extent_bytes as usize);
-        self.run(&[Op::Read {
-            extent,
-            buf: buf.as_mut_ptr(),
-        }])
+        self.read_extents(&mut [(extent, buf)])
+    }
+
+    /// Reads each `(extent, slot bytes)` pair, many per submission.
+    pub(super) fn read_extents(&self, reads: &mut [(u32, &mut [u8])]) -> Result<(), StoreError> {
+        let ops: Vec<Op> = reads
+            .iter_mut()
+            .map(|(extent, buf)| {
+                debug_assert_eq!(buf.len(), self.extent_bytes as usize);
+                Op::Read {
+                    extent: *extent,
+                    buf: buf.as_mut_ptr(),
+                }
+            })
+            .collect();
+        self.run(&ops)
     }
 
     /// Writes each `(extent, slot bytes)` pair, many per submission.
