@@ -11,7 +11,8 @@
 //!   and read bandwidth of the swap directory's disk.
 //!
 //! `BENCH_SECS` (default 2) sets the time per case; `BENCH_DIR` the swap dir
-//! (default: a temp dir under target/).
+//! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
+//! baselines and the swap-bound cases.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -291,6 +292,7 @@ fn main() {
         tmp.path().display()
     );
 
+    let swap_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "swap");
     let tcp_1m = raw_tcp_stream(MIB);
     let tcp_4k = raw_tcp_pingpong(4096);
     println!("\n| baseline | MiB/s | ops/s |\n|---|---:|---:|");
@@ -306,6 +308,13 @@ fn main() {
     );
 
     // Resident: arena 1 GiB, data span 512 MiB.
+    if !swap_only {
+        resident(&tmp, &tcp_1m, &tcp_4k);
+    }
+    swap_bound(&tmp);
+}
+
+fn resident(tmp: &tempfile::TempDir, tcp_1m: &Rate, tcp_4k: &Rate) {
     let resident_dir = tmp.path().join("resident");
     std::fs::create_dir_all(&resident_dir).unwrap();
     let b = start(&resident_dir, 1 << 30, 2 << 30);
@@ -340,9 +349,10 @@ fn main() {
             ratio
         );
     }
-    drop(b);
+}
 
-    // Swap-bound: arena 64 MiB under a 1 GiB data span.
+/// Swap-bound: arena 64 MiB under a 1 GiB data span.
+fn swap_bound(tmp: &tempfile::TempDir) {
     let swap_dir = tmp.path().join("swap");
     std::fs::create_dir_all(&swap_dir).unwrap();
     let dd_w = dd(&swap_dir, true, 512);

@@ -7,14 +7,27 @@
 //! fresh extent or to the blob's own not-yet-durable one. A commit first
 //! syncs the swap file, then journals the new mappings, and only then frees
 //! the extents they superseded.
+//!
+//! Fault-ins and evicting or background write-backs run their I/O without
+//! the store lock, so that a connection's disk time neither blocks the other
+//! connections nor keeps the network idle. Under the lock such a slot is
+//! put in transition (pinned, plus `loading` or `writing`), the lock is
+//! dropped for the I/O, then retaken to finish the change. While in
+//! transition a slot is never a victim, never written back again, and its
+//! extent is neither freed nor journaled; users of a loading blob wait on
+//! [`Core::settled`]. A flush waits for in-flight write-backs, then does its
+//! own under the lock as before, so its ordering is unchanged.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::arena::{Arena, SlotRead};
 use super::clock::{Clock, SlotMeta};
 use super::index::{self, Image, Index, Record, Snapshot};
-use super::swap::Swap;
+use super::swap::{Extents, Swap};
 use super::{BlobKey, HolderId, StoreConfig, StoreError, StoreStats, VolumeId, VolumeSpec};
 use crate::proto::Lease;
 
@@ -26,6 +39,18 @@ const REVOKE_BATCH: usize = 8;
 const LEASES_PER_SLOT: usize = 16;
 /// Most write-backs per submission during a flush.
 const WRITE_BATCH: usize = 64;
+/// Most write-backs per cleaner submission: enough to keep the disk queue
+/// busy, few enough that slots come back clean at a steady pace.
+const CLEAN_BATCH: usize = 8;
+/// Blobs read ahead of a sequential reader: enough to keep the disk busy
+/// while the connection sends the previous ones.
+const READ_AHEAD: u64 = 4;
+/// How long the cleaner rests after a failed write-back, so a broken disk
+/// does not make it spin.
+const CLEAN_RETRY: Duration = Duration::from_millis(50);
+
+/// The store lock held.
+pub(super) type Guard<'a> = MutexGuard<'a, State>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum LeaseKind {
@@ -78,7 +103,6 @@ pub(super) struct State {
     /// By token; tokens grow, so iteration order is age order.
     leases: BTreeMap<u64, LeaseInfo>,
     next_token: u64,
-    swap: Swap,
     index: Index,
     /// Blobs whose `extent` holds a written-back image the index lacks.
     unjournaled: BTreeSet<BlobKey>,
@@ -88,6 +112,66 @@ pub(super) struct State {
     pending_free: Vec<u32>,
     revocations: Vec<(HolderId, VolumeId, u64, u64)>,
     counters: Counters,
+    extents: Extents,
+    /// Occupied dirty slots; kept so the watermark check is O(1).
+    n_dirty: usize,
+    /// Slots loading or writing without the store lock.
+    in_transit: usize,
+    /// Of those, the ones writing.
+    writes_in_flight: usize,
+    /// Flushes waiting for in-flight write-backs; while non-zero no new
+    /// write-back starts, so a flush cannot starve.
+    flush_waiting: usize,
+    /// The cleaner was woken and has not gone back to sleep yet.
+    cleaner_kicked: bool,
+    /// The store is closing: the cleaner exits.
+    stopping: bool,
+    /// The last blob a reader faulted in or found read ahead; the next key
+    /// after it means a sequential reader.
+    last_read: Option<BlobKey>,
+    /// Blobs to read ahead, for the background thread.
+    read_ahead: Vec<BlobKey>,
+}
+
+/// A write-back the store lock has set up: `slot`'s bytes go to `extent`.
+struct WriteBack {
+    slot: u32,
+    key: BlobKey,
+    extent: u32,
+    /// `extent` was free, not the blob's own.
+    fresh: bool,
+}
+
+/// A slot handed out for use.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Staged {
+    /// Holds the blob's bytes.
+    Ready(u32),
+    /// Attached to the blob but unread and pinned in transition, because the
+    /// caller overwrites all of it: reading (or zeroing) bytes about to be
+    /// replaced would only cost a disk read. Others wait until the write
+    /// ends, as for a fault-in.
+    Staged(u32),
+}
+
+impl Staged {
+    pub(super) fn slot(self) -> u32 {
+        match self {
+            Staged::Ready(s) | Staged::Staged(s) => s,
+        }
+    }
+}
+
+/// The shared engine: the state under its lock, and what runs outside it.
+pub(super) struct Core {
+    pub(super) arena: Arena,
+    pub(super) swap: Swap,
+    pub(super) state: Mutex<State>,
+    /// Signalled whenever a slot leaves transition and when a flush is done:
+    /// fault-in waiters, evictors short of victims and flushes wait on it.
+    settled: Condvar,
+    /// Wakes the cleaner.
+    kick: Condvar,
 }
 
 fn names(volumes: &[Volume]) -> Vec<&str> {
@@ -103,7 +187,7 @@ impl State {
         specs: &[VolumeSpec],
         image: Option<Image>,
         swap_path: &Path,
-    ) -> Result<State, StoreError> {
+    ) -> Result<(State, Swap), StoreError> {
         let mut volumes: Vec<Volume> = specs
             .iter()
             .map(|v| Volume {
@@ -152,13 +236,7 @@ impl State {
                 (img.generation, img.epoch)
             }
         };
-        let swap = Swap::open(
-            swap_path,
-            cfg.blob_bytes,
-            extents,
-            &used,
-            &mut arena.write(0),
-        )?;
+        let swap = Swap::open(swap_path, cfg.blob_bytes, extents, &mut arena.write(0))?;
         let generation = generation + 1;
         let index = {
             let names = names(&volumes);
@@ -178,7 +256,7 @@ impl State {
                 },
             )?
         };
-        Ok(State {
+        let state = State {
             blob_bytes: cfg.blob_bytes,
             generation,
             configured: specs.len(),
@@ -189,14 +267,23 @@ impl State {
             clock: Clock::default(),
             leases: BTreeMap::new(),
             next_token: 1,
-            swap,
+            extents: Extents::new(extents, &used),
             index,
             unjournaled: BTreeSet::new(),
             pending_removes: Vec::new(),
             pending_free: Vec::new(),
             revocations: Vec::new(),
             counters: Counters::default(),
-        })
+            n_dirty: 0,
+            in_transit: 0,
+            writes_in_flight: 0,
+            flush_waiting: 0,
+            cleaner_kicked: false,
+            stopping: false,
+            last_read: None,
+            read_ahead: Vec::new(),
+        };
+        Ok((state, swap))
     }
 
     pub(super) fn generation(&self) -> u64 {
@@ -221,115 +308,110 @@ impl State {
     fn no_space(&self) -> StoreError {
         StoreError::NoSpace {
             slots: self.slots.len(),
-            extents: self.swap.total(),
+            extents: self.extents.total(),
         }
     }
 
-    /// The blob's slot, faulting it in from swap if needed.
-    fn resident(&mut self, arena: &Arena, key: BlobKey) -> Result<Option<u32>, StoreError> {
-        let Some(blob) = self.blobs.get(&key) else {
-            return Ok(None);
-        };
-        if let Some(s) = blob.slot {
-            self.slots[s as usize].referenced = true;
-            return Ok(Some(s));
+    /// Sets a slot's dirty bit, keeping `n_dirty` in step; call it before
+    /// giving a slot an owner's dirty state and before taking its owner away.
+    fn set_dirty(&mut self, slot: u32, dirty: bool) {
+        let m = &mut self.slots[slot as usize];
+        if m.owner.is_some() && m.dirty != dirty {
+            if dirty {
+                self.n_dirty += 1;
+            } else {
+                self.n_dirty -= 1;
+            }
         }
-        let extent = blob
-            .extent
-            .expect("a blob without a slot has a swap extent");
-        let slot = self.take_slot(arena)?;
-        let read = self.swap.read_extent(extent, &mut arena.write(slot));
-        if let Err(e) = read {
+        m.dirty = dirty;
+    }
+
+    /// Clean plus free slots below which the cleaner runs; it stops at twice
+    /// this, so it works in batches rather than one slot at a time.
+    fn low_water(&self) -> usize {
+        (self.slots.len() / 8).max(1)
+    }
+
+    fn below_low_water(&self) -> bool {
+        self.slots.len() - self.n_dirty < self.low_water()
+    }
+
+    /// Whether to wake the cleaner now; notes that it was woken.
+    fn cleaner_due(&mut self) -> bool {
+        let due = !self.cleaner_kicked
+            && !self.stopping
+            && (self.below_low_water() || !self.read_ahead.is_empty());
+        self.cleaner_kicked |= due;
+        due
+    }
+
+    pub(super) fn stop(&mut self) {
+        self.stopping = true;
+    }
+
+    /// Gives a slot that lost its blob back to the free list once unpinned.
+    fn free_if_orphaned(&mut self, slot: u32) {
+        let m = &mut self.slots[slot as usize];
+        if m.owner.is_none() && m.pins == 0 {
+            *m = SlotMeta::default();
             self.free_slots.push(slot);
-            return Err(e);
         }
-        self.slots[slot as usize] = SlotMeta {
-            owner: Some(key),
-            referenced: true,
-            ..SlotMeta::default()
-        };
-        if let Some(b) = self.blobs.get_mut(&key) {
-            b.slot = Some(slot);
-        }
-        self.counters.fault_ins += 1;
-        Ok(Some(slot))
     }
 
-    /// The blob's slot; a new blob gets a zeroed one, within the quota.
-    fn resident_or_create(&mut self, arena: &Arena, key: BlobKey) -> Result<u32, StoreError> {
-        if let Some(s) = self.resident(arena, key)? {
-            return Ok(s);
+    /// Notes a read of `key` from swap (or from read-ahead); a run of
+    /// consecutive keys queues the next ones for the background thread.
+    fn note_read(&mut self, key: BlobKey) {
+        let sequential = self.last_read == Some((key.0, key.1.wrapping_sub(1)));
+        self.last_read = Some(key);
+        if sequential {
+            self.read_ahead = (1..=READ_AHEAD)
+                .filter_map(|d| key.1.checked_add(d))
+                .map(|k| (key.0, k))
+                .rev()
+                .collect();
         }
-        let v = &self.volumes[key.0 as usize];
-        if v.blobs >= v.quota {
-            return Err(StoreError::QuotaExceeded {
-                volume: v.name.clone(),
-                quota: v.quota,
-            });
-        }
-        // Swap is the capacity, the arena a cache over it. One extent stays
-        // spare so that a dirty slot can always be written back (a commit
-        // frees the extent it supersedes), which keeps fault-in possible.
-        if self.blobs.len() as u64 + 1 >= u64::from(self.swap.total()) {
-            return Err(self.no_space());
-        }
-        let slot = self.take_slot(arena)?;
-        arena.write(slot).fill(0);
-        self.slots[slot as usize] = SlotMeta {
-            owner: Some(key),
-            dirty: true,
-            referenced: true,
-            ..SlotMeta::default()
-        };
-        self.blobs.insert(
-            key,
-            Blob {
-                slot: Some(slot),
-                extent: None,
-                durable: None,
-            },
-        );
-        self.volumes[key.0 as usize].blobs += 1;
-        Ok(slot)
     }
 
-    pub(super) fn pin(
-        &mut self,
-        arena: &Arena,
-        vol: VolumeId,
-        key: u64,
-    ) -> Result<Option<u32>, StoreError> {
-        self.check_vol(vol)?;
-        let slot = self.resident(arena, (vol, key))?;
-        if let Some(s) = slot {
-            self.slots[s as usize].pins += 1;
+    /// Ends a fault-in's transition; whether the slot still belongs to `key`
+    /// (it did not, or no longer does, when the read failed or the blob was
+    /// removed meanwhile; the slot is then free again).
+    fn finish_load(&mut self, slot: u32, key: BlobKey, ok: bool) -> bool {
+        self.in_transit -= 1;
+        let m = &mut self.slots[slot as usize];
+        m.loading = false;
+        m.pins -= 1;
+        let ours = m.owner == Some(key);
+        if ours && !ok {
+            m.owner = None;
+            if let Some(b) = self.blobs.get_mut(&key) {
+                b.slot = None;
+            }
         }
-        Ok(slot)
+        self.free_if_orphaned(slot);
+        ours && ok
     }
 
-    pub(super) fn pin_or_create(
-        &mut self,
-        arena: &Arena,
-        vol: VolumeId,
-        key: u64,
-    ) -> Result<u32, StoreError> {
-        self.check_vol(vol)?;
-        let s = self.resident_or_create(arena, (vol, key))?;
-        self.slots[s as usize].pins += 1;
-        Ok(s)
+    /// Drops a clean unpinned slot's content (its blob stays in swap).
+    fn evict_slot(&mut self, slot: u32) {
+        let m = &mut self.slots[slot as usize];
+        debug_assert!(!m.dirty && m.pins == 0);
+        if let Some(key) = m.owner.take() {
+            if let Some(b) = self.blobs.get_mut(&key) {
+                b.slot = None;
+            }
+        }
+        *m = SlotMeta::default();
+        self.free_slots.push(slot);
     }
 
     /// Drops a pin; `wrote` marks the blob dirty. A slot whose blob was
     /// removed while pinned becomes free with its last pin.
     pub(super) fn unpin(&mut self, slot: u32, wrote: bool) {
-        let m = &mut self.slots[slot as usize];
-        m.pins -= 1;
-        if m.owner.is_some() {
-            m.dirty |= wrote;
-        } else if m.pins == 0 {
-            *m = SlotMeta::default();
-            self.free_slots.push(slot);
+        self.slots[slot as usize].pins -= 1;
+        if wrote {
+            self.set_dirty(slot, true);
         }
+        self.free_if_orphaned(slot);
     }
 
     fn new_lease(&mut self, holder: HolderId, key: BlobKey, slot: u32, kind: LeaseKind) -> Lease {
@@ -337,7 +419,7 @@ impl State {
         m.pins += 1;
         if kind == LeaseKind::Alloc {
             m.writers += 1;
-            m.dirty = true;
+            self.set_dirty(slot, true);
         }
         let token = self.next_token;
         self.next_token += 1;
@@ -366,33 +448,6 @@ impl State {
         Ok(())
     }
 
-    pub(super) fn alloc(
-        &mut self,
-        arena: &Arena,
-        vol: VolumeId,
-        key: u64,
-        holder: HolderId,
-    ) -> Result<Lease, StoreError> {
-        self.check_vol(vol)?;
-        self.check_lease_limit()?;
-        let slot = self.resident_or_create(arena, (vol, key))?;
-        Ok(self.new_lease(holder, (vol, key), slot, LeaseKind::Alloc))
-    }
-
-    pub(super) fn get(
-        &mut self,
-        arena: &Arena,
-        vol: VolumeId,
-        key: u64,
-        holder: HolderId,
-    ) -> Result<Option<Lease>, StoreError> {
-        self.check_vol(vol)?;
-        self.check_lease_limit()?;
-        Ok(self
-            .resident(arena, (vol, key))?
-            .map(|slot| self.new_lease(holder, (vol, key), slot, LeaseKind::Get)))
-    }
-
     fn find_lease(&self, token: u64, holder: HolderId) -> Result<&LeaseInfo, StoreError> {
         let l = self
             .leases
@@ -408,12 +463,9 @@ impl State {
     }
 
     fn end_lease(&mut self, l: &LeaseInfo) {
-        let m = &mut self.slots[l.slot as usize];
         if l.kind == LeaseKind::Alloc {
-            m.writers -= 1;
-            if m.owner.is_some() {
-                m.dirty = true;
-            }
+            self.slots[l.slot as usize].writers -= 1;
+            self.set_dirty(l.slot, true);
         }
         self.unpin(l.slot, false);
     }
@@ -509,18 +561,18 @@ impl State {
             return;
         };
         self.volumes[key.0 as usize].blobs -= 1;
+        // An extent an in-flight write-back targets is freed when that ends.
+        let mut writing = None;
         if let Some(s) = blob.slot {
+            self.set_dirty(s, false);
             let m = &mut self.slots[s as usize];
             m.owner = None;
-            m.dirty = false;
             m.referenced = false;
-            if m.pins == 0 {
-                *m = SlotMeta::default();
-                self.free_slots.push(s);
-            }
+            writing = m.writing;
+            self.free_if_orphaned(s);
         }
         match blob.extent {
-            Some(e) if blob.extent != blob.durable => self.swap.free(e),
+            Some(e) if blob.extent != blob.durable && writing != Some(e) => self.extents.free(e),
             _ => {}
         }
         if let Some(d) = blob.durable {
@@ -528,14 +580,6 @@ impl State {
             self.pending_removes.push(key);
         }
         self.unjournaled.remove(&key);
-    }
-
-    fn take_slot(&mut self, arena: &Arena) -> Result<u32, StoreError> {
-        if let Some(s) = self.free_slots.pop() {
-            return Ok(s);
-        }
-        self.evict(arena)?;
-        self.free_slots.pop().ok_or_else(|| self.no_space())
     }
 
     /// Whether writing the slot back needs a fresh extent (its blob has none
@@ -546,59 +590,6 @@ impl State {
         };
         let b = &self.blobs[&key];
         !matches!(b.extent, Some(e) if b.durable != Some(e))
-    }
-
-    /// Frees a batch of unpinned slots chosen by CLOCK, writing dirty ones
-    /// back first. Dirty victims that find no extent stay resident.
-    fn evict(&mut self, arena: &Arena) -> Result<(), StoreError> {
-        let want = self.slots.len().div_ceil(8).clamp(1, EVICT_BATCH);
-        let victims = self.clock.pick(&mut self.slots, want);
-        if victims.is_empty() {
-            return Err(self.busy());
-        }
-        let dirty: Vec<u32> = victims
-            .iter()
-            .copied()
-            .filter(|&s| self.slots[s as usize].dirty)
-            .collect();
-        let need = dirty.iter().filter(|&&s| self.needs_fresh(s)).count();
-        if self.swap.free_count() < need {
-            // Superseded durable extents come back once the index moves on.
-            self.commit_index()?;
-        }
-        let mut fresh_left = self.swap.free_count();
-        let writable: Vec<u32> = dirty
-            .into_iter()
-            .filter(|&s| {
-                if !self.needs_fresh(s) {
-                    return true;
-                }
-                let ok = fresh_left > 0;
-                fresh_left = fresh_left.saturating_sub(1);
-                ok
-            })
-            .collect();
-        self.write_back(arena, &writable)?;
-        let mut evicted = 0;
-        for s in victims {
-            let m = &mut self.slots[s as usize];
-            if m.dirty {
-                continue;
-            }
-            if let Some(key) = m.owner.take() {
-                if let Some(b) = self.blobs.get_mut(&key) {
-                    b.slot = None;
-                }
-            }
-            *m = SlotMeta::default();
-            self.free_slots.push(s);
-            evicted += 1;
-        }
-        self.counters.evictions += evicted;
-        if evicted == 0 {
-            return Err(self.no_space());
-        }
-        Ok(())
     }
 
     /// Every slot is pinned: asks the oldest leases back.
@@ -621,97 +612,52 @@ impl State {
         }
     }
 
-    /// Writes slots to extents the durable index does not name, several per
-    /// submission, and marks them clean (ALLOC-leased ones stay dirty).
-    fn write_back(&mut self, arena: &Arena, slots: &[u32]) -> Result<(), StoreError> {
-        for chunk in slots.chunks(WRITE_BATCH) {
-            let mut plan: Vec<(u32, BlobKey, u32, bool)> = Vec::with_capacity(chunk.len());
-            for &s in chunk {
-                let key = self.slots[s as usize]
-                    .owner
-                    .expect("write-back of an occupied slot");
-                let b = &self.blobs[&key];
-                let (extent, fresh) = match b.extent {
-                    Some(e) if b.durable != Some(e) => (e, false),
-                    _ => match self.swap.alloc() {
-                        Some(e) => (e, true),
-                        None => {
-                            for &(_, _, e, fresh) in &plan {
-                                if fresh {
-                                    self.swap.free(e);
-                                }
-                            }
-                            return Err(self.no_space());
-                        }
-                    },
-                };
-                plan.push((s, key, extent, fresh));
-            }
-            let guards: Vec<SlotRead<'_>> = plan.iter().map(|p| arena.read(p.0)).collect();
-            let ios: Vec<(u32, &[u8])> =
-                plan.iter().zip(&guards).map(|(p, g)| (p.2, &**g)).collect();
-            let res = self.swap.write_extents(&ios);
-            drop(ios);
-            drop(guards);
-            if let Err(e) = res {
-                for (_, key, extent, fresh) in plan {
-                    if !fresh {
-                        // Possibly half-written: the blob no longer has a
-                        // valid swap image, only its (dirty) slot.
-                        if let Some(b) = self.blobs.get_mut(&key) {
-                            b.extent = None;
-                        }
-                        self.unjournaled.remove(&key);
-                    }
-                    self.swap.free(extent);
-                }
-                return Err(e);
-            }
-            for (s, key, extent, _) in plan {
-                if let Some(b) = self.blobs.get_mut(&key) {
-                    b.extent = Some(extent);
-                }
-                let m = &mut self.slots[s as usize];
-                if m.writers == 0 {
-                    m.dirty = false;
-                }
-                self.unjournaled.insert(key);
-                self.counters.write_backs += 1;
-            }
-        }
-        Ok(())
-    }
-
     /// Makes written-back images and removals durable: sync the swap file,
-    /// journal the mappings, then free the extents they superseded.
-    fn commit_index(&mut self) -> Result<(), StoreError> {
+    /// journal the mappings, then free the extents they superseded. A blob
+    /// whose own extent is being rewritten right now stays unjournaled: its
+    /// image is not complete until that write-back ends.
+    fn commit_index(&mut self, swap: &Swap) -> Result<(), StoreError> {
         if self.unjournaled.is_empty() && self.pending_removes.is_empty() {
             return Ok(());
         }
-        self.swap.sync()?;
-        let mut records = Vec::with_capacity(self.pending_removes.len() + self.unjournaled.len());
+        let (ready, busy): (BTreeSet<BlobKey>, BTreeSet<BlobKey>) =
+            std::mem::take(&mut self.unjournaled)
+                .into_iter()
+                .partition(|k| {
+                    let slot = self.blobs.get(k).and_then(|b| b.slot);
+                    slot.is_none_or(|s| self.slots[s as usize].writing.is_none())
+                });
+        self.unjournaled = busy;
+        if let Err(e) = swap.sync() {
+            self.unjournaled.extend(ready);
+            return Err(e);
+        }
+        let mut records = Vec::with_capacity(self.pending_removes.len() + ready.len());
         records.extend(
             self.pending_removes
                 .iter()
                 .map(|&(vol, key)| Record::Remove { vol, key }),
         );
-        for &(vol, key) in &self.unjournaled {
+        for &(vol, key) in &ready {
             let extent = self.blobs[&(vol, key)]
                 .extent
                 .expect("an unjournaled blob has a swap image");
             records.push(Record::Put { vol, key, extent });
         }
-        self.index.append(&records)?;
-        for key in std::mem::take(&mut self.unjournaled) {
+        if let Err(e) = self.index.append(&records) {
+            self.unjournaled.extend(ready);
+            return Err(e);
+        }
+        for key in ready {
             if let Some(b) = self.blobs.get_mut(&key) {
                 let old = std::mem::replace(&mut b.durable, b.extent);
                 if let Some(old) = old.filter(|&o| Some(o) != b.extent) {
-                    self.swap.free(old);
+                    self.extents.free(old);
                 }
             }
         }
         for e in std::mem::take(&mut self.pending_free) {
-            self.swap.free(e);
+            self.extents.free(e);
         }
         self.pending_removes.clear();
         if self.index.wants_checkpoint() {
@@ -719,7 +665,7 @@ impl State {
             let snap = Snapshot {
                 generation: self.generation,
                 blob_bytes: self.blob_bytes,
-                extents: self.swap.total(),
+                extents: self.extents.total(),
                 volumes: &names,
                 blob_count: self.blobs.values().filter(|b| b.durable.is_some()).count() as u64,
                 blobs: self
@@ -736,45 +682,7 @@ impl State {
         Ok(())
     }
 
-    /// Writes back every dirty slot, leased ones included (their bytes are
-    /// in place), and commits the index. Runs in rounds when free extents
-    /// are short: each commit frees the extents the last round superseded.
-    pub(super) fn flush(&mut self, arena: &Arena) -> Result<(), StoreError> {
-        let dirty: Vec<u32> = (0..self.slots.len() as u32)
-            .filter(|&s| {
-                let m = &self.slots[s as usize];
-                m.owner.is_some() && m.dirty
-            })
-            .collect();
-        let mut todo = &dirty[..];
-        while !todo.is_empty() {
-            let mut free = self.swap.free_count();
-            let mut n = 0;
-            for &s in todo {
-                if self.needs_fresh(s) {
-                    if free == 0 {
-                        break;
-                    }
-                    free -= 1;
-                }
-                n += 1;
-            }
-            if n == 0 {
-                self.commit_index()?;
-                if self.swap.free_count() == 0 {
-                    return Err(self.no_space());
-                }
-                continue;
-            }
-            self.write_back(arena, &todo[..n])?;
-            todo = &todo[n..];
-        }
-        self.commit_index()?;
-        self.counters.flushes += 1;
-        Ok(())
-    }
-
-    pub(super) fn stats(&self) -> StoreStats {
+    pub(super) fn stats(&self, swap: &Swap) -> StoreStats {
         let mut s = StoreStats {
             slots_total: self.slots.len() as u64,
             leases_held: self.leases.len() as u64,
@@ -782,18 +690,27 @@ impl State {
             evictions: self.counters.evictions,
             write_backs: self.counters.write_backs,
             fault_ins: self.counters.fault_ins,
-            swap_bytes_read: self.swap.bytes_read,
-            swap_bytes_written: self.swap.bytes_written,
-            swap_extents_used: u64::from(self.swap.total()) - self.swap.free_count() as u64,
-            swap_extents_total: u64::from(self.swap.total()),
+            swap_bytes_read: swap.bytes_read(),
+            swap_bytes_written: swap.bytes_written(),
+            swap_extents_used: u64::from(self.extents.total()) - self.extents.free_count() as u64,
+            swap_extents_total: u64::from(self.extents.total()),
             flushes: self.counters.flushes,
             journal_records: self.index.journal_records,
             checkpoints: self.index.checkpoints,
-            direct_io: self.swap.direct(),
+            direct_io: swap.direct(),
             ..StoreStats::default()
         };
+        debug_assert_eq!(
+            self.n_dirty,
+            self.slots
+                .iter()
+                .filter(|m| m.owner.is_some() && m.dirty)
+                .count()
+        );
         for m in &self.slots {
-            if m.pins > 0 {
+            // A fault-in or write-back in flight is not a lease.
+            let transit = u32::from(m.loading || m.writing.is_some());
+            if m.pins > transit {
                 s.slots_leased += 1;
             } else if m.owner.is_none() {
                 s.slots_free += 1;
@@ -804,5 +721,583 @@ impl State {
             }
         }
         s
+    }
+
+    /// Chooses extents for writing back `slots` and puts those slots in
+    /// transition. Slots that find no extent are left out (they stay dirty
+    /// and resident). With `commit`, commits the index first when extents
+    /// are short, since that frees the extents earlier write-backs
+    /// superseded; the cleaner does not, so that it never makes unflushed
+    /// data durable on its own.
+    fn plan_write_back(
+        &mut self,
+        swap: &Swap,
+        slots: &[u32],
+        commit: bool,
+    ) -> Result<Vec<WriteBack>, StoreError> {
+        let need = slots.iter().filter(|&&s| self.needs_fresh(s)).count();
+        if commit && self.extents.free_count() < need {
+            self.commit_index(swap)?;
+        }
+        let mut plan = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let Some(key) = self.slots[slot as usize].owner else {
+                continue;
+            };
+            let b = &self.blobs[&key];
+            let (extent, fresh) = match b.extent {
+                Some(e) if b.durable != Some(e) => (e, false),
+                _ => match self.extents.alloc() {
+                    Some(e) => (e, true),
+                    None => continue,
+                },
+            };
+            plan.push(WriteBack {
+                slot,
+                key,
+                extent,
+                fresh,
+            });
+        }
+        for w in &plan {
+            let m = &mut self.slots[w.slot as usize];
+            m.pins += 1;
+            m.writing = Some(w.extent);
+            // Clean from now on unless changed again before the write ends;
+            // ALLOC-leased slots may change at any moment, so stay dirty.
+            let writers = m.writers;
+            self.set_dirty(w.slot, writers > 0);
+        }
+        self.in_transit += plan.len();
+        self.writes_in_flight += plan.len();
+        Ok(plan)
+    }
+
+    /// Ends the transition of a planned write-back: on success the blob's
+    /// swap image moves to the written extent (and, with `evict`, slots
+    /// still clean and unpinned are freed); on failure the slot is dirty
+    /// again and a half-written extent of its own is dropped.
+    fn finish_write_back(&mut self, plan: &[WriteBack], ok: bool, evict: bool) {
+        self.in_transit -= plan.len();
+        self.writes_in_flight -= plan.len();
+        let mut evicted = 0;
+        for w in plan {
+            let m = &mut self.slots[w.slot as usize];
+            m.pins -= 1;
+            m.writing = None;
+            if m.owner != Some(w.key) {
+                // Removed meanwhile; `drop_blob` left the extent to us.
+                self.extents.free(w.extent);
+                self.free_if_orphaned(w.slot);
+                continue;
+            }
+            if ok {
+                if let Some(b) = self.blobs.get_mut(&w.key) {
+                    b.extent = Some(w.extent);
+                }
+                self.unjournaled.insert(w.key);
+                self.counters.write_backs += 1;
+                let m = &self.slots[w.slot as usize];
+                if evict && m.pins == 0 && !m.dirty {
+                    self.evict_slot(w.slot);
+                    evicted += 1;
+                }
+            } else {
+                if !w.fresh {
+                    // Possibly half-written: the blob no longer has a valid
+                    // swap image, only its (dirty) slot.
+                    if let Some(b) = self.blobs.get_mut(&w.key) {
+                        b.extent = None;
+                    }
+                    self.unjournaled.remove(&w.key);
+                }
+                self.extents.free(w.extent);
+                self.set_dirty(w.slot, true);
+            }
+        }
+        self.counters.evictions += evicted;
+    }
+}
+
+impl Core {
+    pub(super) fn new(arena: Arena, swap: Swap, state: State) -> Core {
+        Core {
+            arena,
+            swap,
+            state: Mutex::new(state),
+            settled: Condvar::new(),
+            kick: Condvar::new(),
+        }
+    }
+
+    /// Wakes the cleaner if clean slots ran short; called after every
+    /// locked operation so the check lives in one place.
+    pub(super) fn kick_cleaner_if_due(&self, g: &mut Guard<'_>) {
+        if g.cleaner_due() {
+            self.kick.notify_one();
+        }
+    }
+
+    /// Asks the cleaner to exit.
+    pub(super) fn stop_cleaner(&self) {
+        self.state.lock().stop();
+        self.kick.notify_all();
+    }
+
+    /// The blob's slot, faulting it in from swap if needed. Returns with the
+    /// lock held and the slot usable; the caller pins it before unlocking.
+    /// With `stage` the caller is about to overwrite the whole blob, so a
+    /// slot that is not resident is attached unread (see [`Staged`]).
+    fn resident(
+        &self,
+        g: &mut Guard<'_>,
+        key: BlobKey,
+        stage: bool,
+    ) -> Result<Option<Staged>, StoreError> {
+        loop {
+            let st = &mut **g;
+            let Some(blob) = st.blobs.get(&key) else {
+                return Ok(None);
+            };
+            if let Some(s) = blob.slot {
+                let m = &mut st.slots[s as usize];
+                if m.loading {
+                    self.settled.wait(g);
+                    continue;
+                }
+                m.referenced = true;
+                if std::mem::take(&mut m.read_ahead) {
+                    st.note_read(key);
+                }
+                return Ok(Some(Staged::Ready(s)));
+            }
+            // May drop the lock, after which the blob may have changed.
+            let slot = self.take_slot(g)?;
+            let st = &mut **g;
+            let extent = match st.blobs.get_mut(&key) {
+                Some(b) if b.slot.is_none() => {
+                    b.slot = Some(slot);
+                    b.extent.expect("a blob without a slot has a swap extent")
+                }
+                _ => {
+                    st.free_slots.push(slot);
+                    continue;
+                }
+            };
+            st.slots[slot as usize] = SlotMeta {
+                owner: Some(key),
+                pins: 1,
+                referenced: true,
+                loading: true,
+                ..SlotMeta::default()
+            };
+            st.in_transit += 1;
+            if stage {
+                return Ok(Some(Staged::Staged(slot)));
+            }
+            let read = MutexGuard::unlocked(g, || {
+                self.swap.read_extent(extent, &mut self.arena.write(slot))
+            });
+            let st = &mut **g;
+            let ours = st.finish_load(slot, key, read.is_ok());
+            self.settled.notify_all();
+            read?;
+            if ours {
+                st.counters.fault_ins += 1;
+                st.note_read(key);
+                return Ok(Some(Staged::Ready(slot)));
+            }
+            // Removed while loading: look again.
+        }
+    }
+
+    /// The blob's slot; a new blob gets a zeroed one, within the quota, or
+    /// with `stage` an unzeroed staged one.
+    fn resident_or_create(
+        &self,
+        g: &mut Guard<'_>,
+        key: BlobKey,
+        stage: bool,
+    ) -> Result<Staged, StoreError> {
+        loop {
+            if let Some(s) = self.resident(g, key, stage)? {
+                return Ok(s);
+            }
+            let st = &mut **g;
+            let v = &st.volumes[key.0 as usize];
+            if v.blobs >= v.quota {
+                return Err(StoreError::QuotaExceeded {
+                    volume: v.name.clone(),
+                    quota: v.quota,
+                });
+            }
+            // Swap is the capacity, the arena a cache over it. One extent
+            // stays spare so that a dirty slot can always be written back (a
+            // commit frees the extent it supersedes), which keeps fault-in
+            // possible.
+            if st.blobs.len() as u64 + 1 >= u64::from(st.extents.total()) {
+                return Err(st.no_space());
+            }
+            let slot = self.take_slot(g)?;
+            let st = &mut **g;
+            if st.blobs.contains_key(&key) {
+                // Created by another thread while we evicted.
+                st.free_slots.push(slot);
+                continue;
+            }
+            if stage {
+                st.slots[slot as usize] = SlotMeta {
+                    owner: Some(key),
+                    pins: 1,
+                    referenced: true,
+                    loading: true,
+                    ..SlotMeta::default()
+                };
+                st.in_transit += 1;
+            } else {
+                self.arena.write(slot).fill(0);
+                st.slots[slot as usize] = SlotMeta {
+                    owner: Some(key),
+                    referenced: true,
+                    ..SlotMeta::default()
+                };
+                st.set_dirty(slot, true);
+            }
+            st.blobs.insert(
+                key,
+                Blob {
+                    slot: Some(slot),
+                    extent: None,
+                    durable: None,
+                },
+            );
+            st.volumes[key.0 as usize].blobs += 1;
+            return Ok(if stage {
+                Staged::Staged(slot)
+            } else {
+                Staged::Ready(slot)
+            });
+        }
+    }
+
+    pub(super) fn pin(
+        &self,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+    ) -> Result<Option<u32>, StoreError> {
+        g.check_vol(vol)?;
+        let slot = self.resident(g, (vol, key), false)?.map(Staged::slot);
+        if let Some(s) = slot {
+            g.slots[s as usize].pins += 1;
+        }
+        Ok(slot)
+    }
+
+    /// Pins the blob's slot for a write; `whole` (the write covers the blob)
+    /// may give a staged slot, which [`Core::unpin_written`] completes.
+    pub(super) fn pin_or_create(
+        &self,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+        whole: bool,
+    ) -> Result<Staged, StoreError> {
+        g.check_vol(vol)?;
+        let s = self.resident_or_create(g, (vol, key), whole)?;
+        if let Staged::Ready(s) = s {
+            g.slots[s as usize].pins += 1;
+        }
+        Ok(s)
+    }
+
+    /// Ends a write's pin; a staged slot leaves transition, now holding the
+    /// blob's bytes, and its waiters go on.
+    pub(super) fn unpin_written(&self, g: &mut Guard<'_>, slot: Staged) {
+        if let Staged::Staged(s) = slot {
+            g.slots[s as usize].loading = false;
+            g.in_transit -= 1;
+            self.settled.notify_all();
+        }
+        g.unpin(slot.slot(), true);
+    }
+
+    pub(super) fn alloc(
+        &self,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+        holder: HolderId,
+    ) -> Result<Lease, StoreError> {
+        g.check_vol(vol)?;
+        g.check_lease_limit()?;
+        let slot = self.resident_or_create(g, (vol, key), false)?.slot();
+        Ok(g.new_lease(holder, (vol, key), slot, LeaseKind::Alloc))
+    }
+
+    pub(super) fn get(
+        &self,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+        holder: HolderId,
+    ) -> Result<Option<Lease>, StoreError> {
+        g.check_vol(vol)?;
+        g.check_lease_limit()?;
+        Ok(self
+            .resident(g, (vol, key), false)?
+            .map(|s| g.new_lease(holder, (vol, key), s.slot(), LeaseKind::Get)))
+    }
+
+    /// A free slot, evicting if there is none. May drop the lock.
+    fn take_slot(&self, g: &mut Guard<'_>) -> Result<u32, StoreError> {
+        loop {
+            if let Some(s) = g.free_slots.pop() {
+                return Ok(s);
+            }
+            self.evict(g)?;
+        }
+    }
+
+    /// Frees unpinned slots chosen by CLOCK. Clean victims go at once; only
+    /// when every victim is dirty (the cleaner fell behind) does this thread
+    /// write them back itself, without the lock, and free those still clean
+    /// after. `Ok` without a free slot means "look again": the lock was
+    /// dropped and things changed.
+    fn evict(&self, g: &mut Guard<'_>) -> Result<(), StoreError> {
+        if g.flush_waiting > 0 {
+            self.settled.wait(g);
+            return Ok(());
+        }
+        let st = &mut **g;
+        let want = st.slots.len().div_ceil(8).clamp(1, EVICT_BATCH);
+        let clean = st.clock.pick(&mut st.slots, want, true);
+        if !clean.is_empty() {
+            st.counters.evictions += clean.len() as u64;
+            for s in clean {
+                st.evict_slot(s);
+            }
+            return Ok(());
+        }
+        if st.writes_in_flight > 0 {
+            // Clean slots are on their way; waiting beats writing a victim.
+            self.settled.wait(g);
+            return Ok(());
+        }
+        let victims = st.clock.pick(&mut st.slots, want, false);
+        if victims.is_empty() {
+            if st.in_transit > 0 {
+                // Slots are only held by in-flight I/O; wait for it rather
+                // than asking leases back.
+                self.settled.wait(g);
+                return Ok(());
+            }
+            return Err(st.busy());
+        }
+        // No write-back is in flight, so every victim is dirty.
+        let plan = st.plan_write_back(&self.swap, &victims, true)?;
+        if plan.is_empty() {
+            return Err(st.no_space());
+        }
+        self.write_back(g, &plan, true, true)
+    }
+
+    /// Runs a planned write-back, several extents per submission, without
+    /// the lock when `unlocked`, then finishes it under the lock.
+    fn write_back(
+        &self,
+        g: &mut Guard<'_>,
+        plan: &[WriteBack],
+        evict: bool,
+        unlocked: bool,
+    ) -> Result<(), StoreError> {
+        let io = || {
+            let guards: Vec<SlotRead<'_>> = plan.iter().map(|w| self.arena.read(w.slot)).collect();
+            let ios: Vec<(u32, &[u8])> = plan
+                .iter()
+                .zip(&guards)
+                .map(|(w, b)| (w.extent, &**b))
+                .collect();
+            self.swap.write_extents(&ios)
+        };
+        let res = if unlocked {
+            MutexGuard::unlocked(g, io)
+        } else {
+            io()
+        };
+        g.finish_write_back(plan, res.is_ok(), evict);
+        self.settled.notify_all();
+        res
+    }
+
+    /// Writes back every dirty slot, leased ones included (their bytes are
+    /// in place), and commits the index. Runs in rounds when free extents
+    /// are short: each commit frees the extents the last round superseded.
+    /// In-flight write-backs are waited for first, and the lock is then held
+    /// throughout, so everything acknowledged before the call is covered.
+    pub(super) fn flush(&self, g: &mut Guard<'_>) -> Result<(), StoreError> {
+        g.flush_waiting += 1;
+        while g.writes_in_flight > 0 {
+            self.settled.wait(g);
+        }
+        g.flush_waiting -= 1;
+        let res = self.flush_locked(g);
+        // Evictors held back while we waited may go on.
+        self.settled.notify_all();
+        res
+    }
+
+    fn flush_locked(&self, g: &mut Guard<'_>) -> Result<(), StoreError> {
+        let st = &mut **g;
+        let dirty: Vec<u32> = (0..st.slots.len() as u32)
+            .filter(|&s| {
+                let m = &st.slots[s as usize];
+                m.owner.is_some() && m.dirty
+            })
+            .collect();
+        let mut todo = &dirty[..];
+        while !todo.is_empty() {
+            let st = &mut **g;
+            let mut free = st.extents.free_count();
+            let mut n = 0;
+            for &s in todo.iter().take(WRITE_BATCH) {
+                if st.needs_fresh(s) {
+                    if free == 0 {
+                        break;
+                    }
+                    free -= 1;
+                }
+                n += 1;
+            }
+            if n == 0 {
+                st.commit_index(&self.swap)?;
+                if st.extents.free_count() == 0 {
+                    return Err(st.no_space());
+                }
+                continue;
+            }
+            let plan = st.plan_write_back(&self.swap, &todo[..n], true)?;
+            self.write_back(g, &plan, false, false)?;
+            todo = &todo[n..];
+        }
+        g.commit_index(&self.swap)?;
+        g.counters.flushes += 1;
+        Ok(())
+    }
+
+    /// Faults in the queued read-ahead blobs, one submission, into free or
+    /// clean slots only: read-ahead never writes a victim back or waits.
+    /// The slots start unreferenced, so an unused guess is evicted first.
+    fn read_ahead(&self, g: &mut Guard<'_>) {
+        let st = &mut **g;
+        let mut loads = Vec::new();
+        while let Some(key) = st.read_ahead.pop() {
+            let Some(extent) = st
+                .blobs
+                .get(&key)
+                .filter(|b| b.slot.is_none())
+                .and_then(|b| b.extent)
+            else {
+                continue;
+            };
+            let slot = match st.free_slots.pop() {
+                Some(s) => s,
+                None => match st.clock.pick(&mut st.slots, 1, true).first() {
+                    Some(&s) => {
+                        st.counters.evictions += 1;
+                        st.evict_slot(s);
+                        st.free_slots.pop().unwrap_or(s)
+                    }
+                    None => break,
+                },
+            };
+            if let Some(b) = st.blobs.get_mut(&key) {
+                b.slot = Some(slot);
+            }
+            st.slots[slot as usize] = SlotMeta {
+                owner: Some(key),
+                pins: 1,
+                loading: true,
+                read_ahead: true,
+                ..SlotMeta::default()
+            };
+            st.in_transit += 1;
+            loads.push((slot, key, extent));
+        }
+        st.read_ahead.clear();
+        if loads.is_empty() {
+            return;
+        }
+        let read = MutexGuard::unlocked(g, || {
+            let mut guards: Vec<_> = loads.iter().map(|l| self.arena.write(l.0)).collect();
+            let mut reads: Vec<(u32, &mut [u8])> = loads
+                .iter()
+                .zip(guards.iter_mut())
+                .map(|(l, b)| (l.2, &mut **b))
+                .collect();
+            self.swap.read_extents(&mut reads)
+        });
+        let st = &mut **g;
+        for &(slot, key, _) in &loads {
+            if st.finish_load(slot, key, read.is_ok()) {
+                st.counters.fault_ins += 1;
+            }
+        }
+        self.settled.notify_all();
+        if let Err(e) = read {
+            tracing::warn!(event = "read_ahead_failed", error = %e, "read-ahead failed; readers fault the blobs in themselves");
+        }
+    }
+
+    pub(super) fn stats(&self, g: &Guard<'_>) -> StoreStats {
+        g.stats(&self.swap)
+    }
+
+    /// The cleaner thread: while clean plus free slots are below the low
+    /// watermark, writes back the dirty unpinned slots the CLOCK hand will
+    /// reach next, a batch per submission and without the lock, so demand
+    /// eviction finds clean victims and disk writes overlap the network.
+    /// Stays clear of flushes, which do their own write-back.
+    pub(super) fn clean(&self) {
+        let mut g = self.state.lock();
+        // Between the watermarks: keep cleaning once started.
+        let mut active = false;
+        while !g.stopping {
+            if !g.read_ahead.is_empty() {
+                self.read_ahead(&mut g);
+                continue;
+            }
+            let clean = g.slots.len() - g.n_dirty;
+            active = (active && clean < 2 * g.low_water()) || g.below_low_water();
+            if g.flush_waiting > 0 || !active {
+                g.cleaner_kicked = false;
+                self.kick.wait(&mut g);
+                continue;
+            }
+            let st = &mut *g;
+            let want = (2 * st.low_water())
+                .saturating_sub(st.slots.len() - st.n_dirty)
+                .clamp(1, CLEAN_BATCH);
+            let batch = st.clock.dirty_ahead(&st.slots, want);
+            let plan = match st.plan_write_back(&self.swap, &batch, false) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(event = "cleaner_failed", error = %e, "background write-back could not be planned");
+                    MutexGuard::unlocked(&mut g, || std::thread::sleep(CLEAN_RETRY));
+                    continue;
+                }
+            };
+            if plan.is_empty() {
+                // Every dirty slot is pinned or no extent is free: wait for
+                // the next change rather than spin.
+                g.cleaner_kicked = false;
+                self.kick.wait(&mut g);
+                continue;
+            }
+            if let Err(e) = self.write_back(&mut g, &plan, false, true) {
+                tracing::warn!(event = "cleaner_failed", error = %e, "background write-back failed; slots stay dirty");
+                MutexGuard::unlocked(&mut g, || std::thread::sleep(CLEAN_RETRY));
+            }
+        }
     }
 }

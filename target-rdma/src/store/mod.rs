@@ -5,6 +5,13 @@
 //! locks so that connection threads copy payloads without holding the store
 //! lock. Lock order is store lock, then slot lock, never the reverse: code
 //! holding a slot lock never takes the store lock.
+//!
+//! Swap I/O runs without the store lock (see [`engine`]): a slot being
+//! faulted in or written back is pinned and marked in transition under the
+//! lock, moved with only its slot lock held, and settled under the lock
+//! again. A background thread writes dirty slots back ahead of demand, so
+//! that eviction usually finds a clean victim, and reads ahead of a
+//! sequential reader, so that its disk reads overlap the network.
 
 mod arena;
 mod clock;
@@ -19,12 +26,14 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
-use engine::State;
+use engine::{Core, Guard, State};
 
 /// Where and how big the store is.
 #[derive(Clone, Debug)]
@@ -216,11 +225,12 @@ pub struct StoreStats {
 
 /// The arena peer's storage engine. `Send + Sync`; call it from any thread.
 pub struct Store {
-    arena: Arena,
-    state: Mutex<State>,
+    core: Arc<Core>,
     hook: RwLock<Option<RevokeHook>>,
     blob_bytes: u32,
     generation: u64,
+    /// The background write-back thread; joined on drop.
+    cleaner: Option<JoinHandle<()>>,
     /// Holds the advisory lock on the directory while the store is open.
     _lock: File,
 }
@@ -361,7 +371,7 @@ impl Store {
                 source,
             }
         })?;
-        let state = State::open(
+        let (state, swap) = State::open(
             &cfg,
             &arena,
             slots,
@@ -370,12 +380,25 @@ impl Store {
             image,
             &cfg.dir.join(SWAP_FILE),
         )?;
+        let generation = state.generation();
+        let core = Arc::new(Core::new(arena, swap, state));
+        let cleaner = {
+            let core = Arc::clone(&core);
+            std::thread::Builder::new()
+                .name("arenad-cleaner".into())
+                .spawn(move || core.clean())
+                .map_err(|source| StoreError::Io {
+                    what: "starting the write-back thread for",
+                    path: cfg.dir.clone(),
+                    source,
+                })?
+        };
         Ok(Store {
             blob_bytes: cfg.blob_bytes,
-            generation: state.generation(),
-            arena,
-            state: Mutex::new(state),
+            generation,
+            core,
             hook: RwLock::new(None),
+            cleaner: Some(cleaner),
             _lock: lock,
         })
     }
@@ -399,11 +422,12 @@ impl Store {
 
     /// Runs `f` under the store lock, then delivers any revocations it queued
     /// after the lock is dropped.
-    fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+    fn locked<R>(&self, f: impl FnOnce(&Core, &mut Guard<'_>) -> R) -> R {
         let (r, revoked) = {
-            let mut st = self.state.lock();
-            let r = f(&mut st);
-            (r, st.take_revocations())
+            let mut g = self.core.state.lock();
+            let r = f(&self.core, &mut g);
+            self.core.kick_cleaner_if_due(&mut g);
+            (r, g.take_revocations())
         };
         if !revoked.is_empty() {
             if let Some(hook) = self.hook.read().as_ref() {
@@ -435,13 +459,14 @@ impl Store {
         data: &[u8],
     ) -> Result<(), StoreError> {
         self.check_range(offset, data.len())?;
-        let slot = self.locked(|st| st.pin_or_create(&self.arena, vol, key))?;
+        let whole = data.len() == self.blob_bytes as usize;
+        let slot = self.locked(|c, g| c.pin_or_create(g, vol, key, whole))?;
         {
-            let mut bytes = self.arena.write(slot);
+            let mut bytes = self.core.arena.write(slot.slot());
             let o = offset as usize;
             bytes[o..o + data.len()].copy_from_slice(data);
         }
-        self.locked(|st| st.unpin(slot, true));
+        self.locked(|c, g| c.unpin_written(g, slot));
         Ok(())
     }
 
@@ -455,16 +480,16 @@ impl Store {
         out: &mut [u8],
     ) -> Result<bool, StoreError> {
         self.check_range(offset, out.len())?;
-        let Some(slot) = self.locked(|st| st.pin(&self.arena, vol, key))? else {
+        let Some(slot) = self.locked(|c, g| c.pin(g, vol, key))? else {
             out.fill(0);
             return Ok(false);
         };
         {
-            let bytes = self.arena.read(slot);
+            let bytes = self.core.arena.read(slot);
             let o = offset as usize;
             out.copy_from_slice(&bytes[o..o + out.len()]);
         }
-        self.locked(|st| st.unpin(slot, false));
+        self.locked(|_, g| g.unpin(slot, false));
         Ok(true)
     }
 
@@ -472,7 +497,7 @@ impl Store {
     /// (zeroed) if absent. The slot counts as dirty from now on, because the
     /// holder may change it at any moment.
     pub fn alloc(&self, vol: VolumeId, key: u64, holder: HolderId) -> Result<Lease, StoreError> {
-        self.locked(|st| st.alloc(&self.arena, vol, key, holder))
+        self.locked(|c, g| c.alloc(g, vol, key, holder))
     }
 
     /// Leases blob `key`'s slot for reading; `None` when the key holds no blob.
@@ -482,7 +507,7 @@ impl Store {
         key: u64,
         holder: HolderId,
     ) -> Result<Option<Lease>, StoreError> {
-        self.locked(|st| st.get(&self.arena, vol, key, holder))
+        self.locked(|c, g| c.get(g, vol, key, holder))
     }
 
     /// Ends an ALLOC lease, keeping what its holder wrote as the blob content.
@@ -493,13 +518,13 @@ impl Store {
         token: u64,
         holder: HolderId,
     ) -> Result<(), StoreError> {
-        self.locked(|st| st.commit(vol, key, token, holder))
+        self.locked(|_, g| g.commit(vol, key, token, holder))
     }
 
     /// Ends a lease. An uncommitted ALLOC slot stays dirty: its bytes may
     /// have changed in place.
     pub fn release(&self, token: u64, holder: HolderId) -> Result<(), StoreError> {
-        self.locked(|st| st.release(token, holder))
+        self.locked(|_, g| g.release(token, holder))
     }
 
     /// Hands the leased slot's bytes to `f`, the in-process stand-in for an
@@ -513,29 +538,45 @@ impl Store {
         holder: HolderId,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, StoreError> {
-        let slot = self.locked(|st| st.pin_lease(token, holder))?;
-        let r = f(&mut self.arena.write(slot));
-        self.locked(|st| st.unpin(slot, false));
+        let slot = self.locked(|_, g| g.pin_lease(token, holder))?;
+        let r = f(&mut self.core.arena.write(slot));
+        self.locked(|_, g| g.unpin(slot, false));
         Ok(r)
     }
 
     /// Drops keys `start..end` of `vol`; returns how many blobs existed.
     pub fn remove(&self, vol: VolumeId, start: u64, end: u64) -> Result<u64, StoreError> {
-        self.locked(|st| st.remove(vol, start, end))
+        self.locked(|_, g| g.remove(vol, start, end))
     }
 
     /// Makes every write and commit acknowledged before the call durable.
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.locked(|st| st.flush(&self.arena))
+        self.locked(|c, g| c.flush(g))
     }
 
     /// Releases every lease of a dead connection.
     pub fn drop_holder(&self, holder: HolderId) {
-        self.locked(|st| st.drop_holder(holder))
+        self.locked(|_, g| g.drop_holder(holder))
     }
 
     /// Counters and gauges for metrics.
     pub fn stats(&self) -> StoreStats {
-        self.locked(|st| st.stats())
+        self.locked(|c, g| c.stats(g))
+    }
+}
+
+impl Drop for Store {
+    /// Stops the cleaner before the arena and swap go away; its in-flight
+    /// write-back (if any) completes first.
+    fn drop(&mut self) {
+        self.core.stop_cleaner();
+        if let Some(t) = self.cleaner.take() {
+            if t.join().is_err() {
+                tracing::error!(
+                    event = "cleaner_panicked",
+                    "the store's write-back thread panicked"
+                );
+            }
+        }
     }
 }

@@ -5,35 +5,79 @@
 //! the cache) and lets write-back run straight from slot memory. Filesystems
 //! that refuse it (tmpfs on old kernels, some FUSE mounts) still work through
 //! buffered I/O, because durability comes from fdatasync either way.
+//!
+//! The file side ([`Swap`]) is shared and runs without the store lock, so
+//! that connection threads and the cleaner move extents in parallel; the
+//! extent free list ([`Extents`]) is bookkeeping and lives under the lock.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use io_uring::{opcode, types, IoUring};
+use parking_lot::Mutex;
 
 use super::StoreError;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;
 
-/// The swap file, its ring and the extent free list.
+/// The swap file and its rings. `Sync`: every transfer borrows a ring of
+/// its own.
 pub(super) struct Swap {
     file: File,
     path: PathBuf,
-    ring: IoUring,
     direct: bool,
     extent_bytes: u32,
+    /// Idle rings. A transfer takes one (making one when none is idle) so
+    /// that concurrent transfers never share a queue; there are never more
+    /// than the threads that ran transfers at once.
+    rings: Mutex<Vec<IoUring>>,
+    /// Set when a submission failed half-way: queued entries might still run
+    /// later against buffers we no longer own, so no more I/O may start.
+    broken: AtomicBool,
+    /// The rings that failed so, kept open (never reused) until the store
+    /// closes rather than torn down under entries that may still run.
+    wrecks: Mutex<Vec<IoUring>>,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+/// The extent free list.
+pub(super) struct Extents {
     total: u32,
     /// Free extents, lowest on top so the file fills from the front.
     free: Vec<u32>,
-    /// Set when a submission failed half-way: queued entries might still run
-    /// later against buffers we no longer own, so the ring must not be reused.
-    broken: bool,
-    pub(super) bytes_read: u64,
-    pub(super) bytes_written: u64,
+}
+
+impl Extents {
+    /// `used[e]` marks extents the durable index references.
+    pub(super) fn new(total: u32, used: &[bool]) -> Extents {
+        Extents {
+            total,
+            free: (0..total).rev().filter(|&e| !used[e as usize]).collect(),
+        }
+    }
+
+    pub(super) fn total(&self) -> u32 {
+        self.total
+    }
+
+    pub(super) fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    pub(super) fn alloc(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    pub(super) fn free(&mut self, extent: u32) {
+        debug_assert!(extent < self.total && !self.free.contains(&extent));
+        self.free.push(extent);
+    }
 }
 
 /// One extent transfer: the extent and the slot memory it moves from or to.
@@ -43,14 +87,13 @@ enum Op {
 }
 
 impl Swap {
-    /// Opens (creating and sizing) the swap file. `used[e]` marks extents the
-    /// durable index references. `probe` is page-aligned scratch memory (a
-    /// free slot) used to check that the filesystem accepts O_DIRECT.
+    /// Opens (creating and sizing) the swap file of `total` extents. `probe`
+    /// is page-aligned scratch memory (a free slot) used to check that the
+    /// filesystem accepts O_DIRECT.
     pub(super) fn open(
         path: &Path,
         extent_bytes: u32,
         total: u32,
-        used: &[bool],
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let io_err = |what: &'static str| {
@@ -74,23 +117,21 @@ impl Swap {
         if len != want_len {
             file.set_len(want_len).map_err(io_err("sizing swap file"))?;
         }
-        let free = (0..total).rev().filter(|&e| !used[e as usize]).collect();
         let mut swap = Swap {
             file,
             path: path.to_path_buf(),
-            ring,
             direct,
             extent_bytes,
-            total,
-            free,
-            broken: false,
-            bytes_read: 0,
-            bytes_written: 0,
+            rings: Mutex::new(vec![ring]),
+            broken: AtomicBool::new(false),
+            wrecks: Mutex::new(Vec::new()),
+            bytes_read: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
         };
         if swap.direct {
             // Some filesystems accept O_DIRECT at open and refuse it per I/O.
             match swap.read_extent(0, probe) {
-                Ok(()) => swap.bytes_read = 0,
+                Ok(()) => swap.bytes_read = AtomicU64::new(0),
                 Err(StoreError::Io { source, .. })
                     if source.raw_os_error() == Some(libc::EINVAL) =>
                 {
@@ -114,34 +155,36 @@ impl Swap {
         self.direct
     }
 
-    pub(super) fn total(&self) -> u32 {
-        self.total
+    pub(super) fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
     }
 
-    pub(super) fn free_count(&self) -> usize {
-        self.free.len()
-    }
-
-    pub(super) fn alloc(&mut self) -> Option<u32> {
-        self.free.pop()
-    }
-
-    pub(super) fn free(&mut self, extent: u32) {
-        debug_assert!(extent < self.total && !self.free.contains(&extent));
-        self.free.push(extent);
+    pub(super) fn bytes_written(&self) -> u64 {
+        self.bytes_written.load(Ordering::Relaxed)
     }
 
     /// Reads one extent into `buf` (a slot).
-    pub(super) fn read_extent(&mut self, extent: u32, buf: &mut [u8]) -> Result<(), StoreError> {
-        debug_assert_eq!(buf.len(), self.extent_bytes as usize);
-        self.run(&[Op::Read {
-            extent,
-            buf: buf.as_mut_ptr(),
-        }])
+    pub(super) fn read_extent(&self, extent: u32, buf: &mut [u8]) -> Result<(), StoreError> {
+        self.read_extents(&mut [(extent, buf)])
+    }
+
+    /// Reads each `(extent, slot bytes)` pair, many per submission.
+    pub(super) fn read_extents(&self, reads: &mut [(u32, &mut [u8])]) -> Result<(), StoreError> {
+        let ops: Vec<Op> = reads
+            .iter_mut()
+            .map(|(extent, buf)| {
+                debug_assert_eq!(buf.len(), self.extent_bytes as usize);
+                Op::Read {
+                    extent: *extent,
+                    buf: buf.as_mut_ptr(),
+                }
+            })
+            .collect();
+        self.run(&ops)
     }
 
     /// Writes each `(extent, slot bytes)` pair, many per submission.
-    pub(super) fn write_extents(&mut self, writes: &[(u32, &[u8])]) -> Result<(), StoreError> {
+    pub(super) fn write_extents(&self, writes: &[(u32, &[u8])]) -> Result<(), StoreError> {
         let ops: Vec<Op> = writes
             .iter()
             .map(|&(extent, buf)| {
@@ -164,16 +207,33 @@ impl Swap {
         })
     }
 
-    /// Runs transfers through the ring, `RING_ENTRIES` at a time, and checks
+    /// Runs transfers through a ring of this call's own, and keeps the ring
+    /// for the next call unless it broke.
+    fn run(&self, ops: &[Op]) -> Result<(), StoreError> {
+        let ring = self.rings.lock().pop();
+        let mut ring = match ring {
+            Some(r) => r,
+            None => IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?,
+        };
+        let res = self.run_on(&mut ring, ops);
+        if self.broken.load(Ordering::Acquire) {
+            self.wrecks.lock().push(ring);
+        } else {
+            self.rings.lock().push(ring);
+        }
+        res
+    }
+
+    /// Runs transfers through `ring`, `RING_ENTRIES` at a time, and checks
     /// that each moved a whole extent. The buffers must stay valid until this
     /// returns, which the callers guarantee by holding the slot guards.
-    fn run(&mut self, ops: &[Op]) -> Result<(), StoreError> {
+    fn run_on(&self, ring: &mut IoUring, ops: &[Op]) -> Result<(), StoreError> {
         let err = |what: &'static str, path: &Path, source: io::Error| StoreError::Io {
             what,
             path: path.to_path_buf(),
             source,
         };
-        if self.broken {
+        if self.broken.load(Ordering::Acquire) {
             return Err(err(
                 "using swap file",
                 &self.path,
@@ -193,13 +253,15 @@ impl Swap {
                         .build(),
                 };
                 // SAFETY: the entry's buffer is a whole slot that the caller
-                // holds a guard on until `run` returns, and `run` does not
-                // return before every pushed entry has completed (or the ring
-                // is marked broken and never used again). The chunk is no
-                // larger than the queue, which is empty here.
-                let pushed = unsafe { self.ring.submission().push(&entry.user_data(i as u64)) };
+                // holds a guard on until `run_on` returns, and `run_on` does
+                // not return before every pushed entry has completed (or the
+                // swap is marked broken and the ring parked in `wrecks`,
+                // never used again). The chunk is no larger than the queue,
+                // which is empty here: a ring is only reused after every
+                // entry of its last call completed.
+                let pushed = unsafe { ring.submission().push(&entry.user_data(i as u64)) };
                 if pushed.is_err() {
-                    self.broken = true;
+                    self.broken.store(true, Ordering::Release);
                     return Err(err(
                         "queueing swap I/O for",
                         &self.path,
@@ -210,15 +272,15 @@ impl Swap {
             let mut results: Vec<Option<i32>> = vec![None; chunk.len()];
             let mut done = 0;
             while done < chunk.len() {
-                match self.ring.submit_and_wait(chunk.len() - done) {
+                match ring.submit_and_wait(chunk.len() - done) {
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
-                        self.broken = true;
+                        self.broken.store(true, Ordering::Release);
                         return Err(err("submitting swap I/O for", &self.path, e));
                     }
                 }
-                for cqe in self.ring.completion() {
+                for cqe in ring.completion() {
                     if let Some(r) = results.get_mut(cqe.user_data() as usize) {
                         if r.replace(cqe.result()).is_none() {
                             done += 1;
@@ -245,10 +307,11 @@ impl Swap {
                         ),
                     ));
                 }
-                match op {
-                    Op::Read { .. } => self.bytes_read += u64::from(len),
-                    Op::Write { .. } => self.bytes_written += u64::from(len),
-                }
+                let counter = match op {
+                    Op::Read { .. } => &self.bytes_read,
+                    Op::Write { .. } => &self.bytes_written,
+                };
+                counter.fetch_add(u64::from(len), Ordering::Relaxed);
             }
         }
         Ok(())
