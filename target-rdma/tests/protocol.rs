@@ -477,3 +477,34 @@ fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() 
     block_on(c.flush()).unwrap();
     drop(peer);
 }
+
+#[test]
+fn inline_payloads_are_counted_as_tcp_driver_statistics() {
+    use target_rdma::transport::TcpPayloadStats;
+    use ublk_metrics::driver::names::{TCP_PAYLOAD_BYTES, TCP_PAYLOAD_REQUESTS};
+    use ublk_metrics::{DriverStats, IoOp};
+
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let stats = std::sync::Arc::new(TcpPayloadStats::default());
+    let mut cfg = peer.config("a", SECRET_A);
+    cfg.payload_stats = Some(stats.clone());
+    // Two connections of one device share the counters.
+    let (c1, c2) = (
+        ArenaClient::connect(cfg.clone()).unwrap(),
+        ArenaClient::connect(cfg).unwrap(),
+    );
+    block_on(async {
+        c1.write(1, 0, &[1; 4096]).await.unwrap();
+        c2.write(2, 0, &[2; 512]).await.unwrap();
+        let mut out = vec![0; 1024];
+        c1.read(1, 0, &mut out).await.unwrap();
+        c2.read(99, 0, &mut out).await.unwrap(); // absent: a request, no payload
+    });
+    let snap = stats.snapshot();
+    assert_eq!(snap.driver, "tcp");
+    assert_eq!(snap.counter(TCP_PAYLOAD_REQUESTS, Some(IoOp::Write)), 2);
+    assert_eq!(snap.counter(TCP_PAYLOAD_BYTES, Some(IoOp::Write)), 4608);
+    assert_eq!(snap.counter(TCP_PAYLOAD_REQUESTS, Some(IoOp::Read)), 2);
+    assert_eq!(snap.counter(TCP_PAYLOAD_BYTES, Some(IoOp::Read)), 1024);
+}

@@ -37,6 +37,7 @@ use crate::proto::{
     CAP_TCP_DATA, MAC_LEN, VERSION,
 };
 use crate::store::StoreError;
+use crate::transport::TcpPayloadStats;
 
 /// How often the reader thread checks request deadlines.
 const TICK: Duration = Duration::from_millis(50);
@@ -58,6 +59,8 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Limit for each request, from send to answer.
     pub request_timeout: Duration,
+    /// Where inline payloads are counted; shared by a device's connections.
+    pub payload_stats: Option<Arc<TcpPayloadStats>>,
 }
 
 impl ClientConfig {
@@ -70,6 +73,7 @@ impl ClientConfig {
             blob_bytes: 0,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
+            payload_stats: None,
         }
     }
 }
@@ -467,6 +471,9 @@ impl ArenaClient {
         match self.call(&req).await? {
             Reply::Empty => {
                 self.shared.durability.lock().acked += 1;
+                if let Some(s) = &self.shared.cfg.payload_stats {
+                    s.write(data.len());
+                }
                 Ok(())
             }
             _ => Err(self.unexpected(Opcode::Write)),
@@ -484,10 +491,16 @@ impl ArenaClient {
         match self.call(&req).await? {
             Reply::Data(d) if d.len() == out.len() => {
                 out.copy_from_slice(&d);
+                if let Some(s) = &self.shared.cfg.payload_stats {
+                    s.read(d.len());
+                }
                 Ok(true)
             }
             Reply::NotFound => {
                 out.fill(0);
+                if let Some(s) = &self.shared.cfg.payload_stats {
+                    s.read(0);
+                }
                 Ok(false)
             }
             _ => Err(self.unexpected(Opcode::Read)),

@@ -7,10 +7,12 @@
 //! RDMA path. `tests/transport_conformance.rs` runs one suite against all.
 
 mod inproc;
+mod stats;
 
 use std::future::Future;
 
 pub use inproc::InProcess;
+pub use stats::{TcpPayloadStats, REASON_CONFIGURED_TCP};
 
 use crate::client::{ArenaClient, ArenaError};
 
