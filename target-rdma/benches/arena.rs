@@ -10,9 +10,11 @@
 //!   a 4 KiB request/response ping-pong), and `dd` O_DIRECT sequential write
 //!   and read bandwidth of the swap directory's disk.
 //!
-//! `BENCH_SECS` (default 2) sets the time per case; `BENCH_DIR` the swap dir
+//! Each case runs `BENCH_ROUNDS` (default 3) rounds of baseline-then-case and
+//! reports the median ratio, so load on a shared machine shifts both sides.
+//! `BENCH_SECS` (default 2) sets the time per run; `BENCH_DIR` the swap dir
 //! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
-//! baselines and the swap-bound cases.
+//! swap-bound cases.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -293,34 +295,36 @@ fn main() {
     );
 
     let swap_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "swap");
-    let tcp_1m = raw_tcp_stream(MIB);
-    let tcp_4k = raw_tcp_pingpong(4096);
-    println!("\n| baseline | MiB/s | ops/s |\n|---|---:|---:|");
-    println!(
-        "| raw TCP loopback stream, 1 MiB writes | {:.0} | {:.0} |",
-        tcp_1m.mib_s(),
-        tcp_1m.iops()
-    );
-    println!(
-        "| raw TCP 4 KiB request/response, QD1 | {:.1} | {:.0} |",
-        tcp_4k.mib_s(),
-        tcp_4k.iops()
-    );
-
-    // Resident: arena 1 GiB, data span 512 MiB.
     if !swap_only {
-        resident(&tmp, &tcp_1m, &tcp_4k);
+        resident(&tmp);
     }
     swap_bound(&tmp);
 }
 
-fn resident(tmp: &tempfile::TempDir, tcp_1m: &Rate, tcp_4k: &Rate) {
+/// Rounds per case: each round measures the baseline and then the case, so a
+/// ratio compares two runs seconds apart; the median ratio is reported.
+fn rounds() -> usize {
+    std::env::var("BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Resident: arena 1 GiB, data span 512 MiB.
+fn resident(tmp: &tempfile::TempDir) {
     let resident_dir = tmp.path().join("resident");
     std::fs::create_dir_all(&resident_dir).unwrap();
     let b = start(&resident_dir, 1 << 30, 2 << 30);
     let span = 512 << 20;
     run(&b, Dir::Write, MIB, 32, span, true); // populate so reads hit data
-    println!("\n| inline, arena-resident | MiB/s | ops/s | vs baseline |\n|---|---:|---:|---:|");
+    println!(
+        "\n| inline, arena-resident | MiB/s | ops/s | baseline | median ratio |\n|---|---:|---:|---|---:|"
+    );
     for (name, dir, size, qd, seq) in [
         ("1 MiB seq write QD1", Dir::Write, MIB, 1, true),
         ("1 MiB seq write QD32", Dir::Write, MIB, 32, true),
@@ -331,50 +335,78 @@ fn resident(tmp: &tempfile::TempDir, tcp_1m: &Rate, tcp_4k: &Rate) {
         ("4 KiB rand read QD1", Dir::Read, 4096, 1, false),
         ("4 KiB rand read QD32", Dir::Read, 4096, 32, false),
     ] {
-        let r = run(&b, dir, size, qd, span, seq);
-        let ratio = if size == MIB {
-            r.mib_s() / tcp_1m.mib_s()
-        } else {
-            r.iops() / tcp_4k.iops()
-        };
+        let (mut rates, mut ratios, mut bases) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds() {
+            // 1 MiB requests against a raw stream of the same chunks; 4 KiB
+            // ones against a raw request/response of the same size at QD1.
+            let (base, base_ops) = if size == MIB {
+                let r = raw_tcp_stream(MIB);
+                (r.mib_s(), r.iops())
+            } else {
+                let r = raw_tcp_pingpong(4096);
+                (r.mib_s(), r.iops())
+            };
+            let r = run(&b, dir, size, qd, span, seq);
+            ratios.push(r.iops() / base_ops);
+            bases.push(base);
+            rates.push((r.mib_s(), r.iops()));
+        }
+        rates.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (mib, iops) = rates[rates.len() / 2];
         let base = if size == MIB {
             "TCP stream"
         } else {
-            "TCP ping-pong"
+            "TCP ping-pong QD1"
         };
         println!(
-            "| {name} | {:.1} | {:.0} | {:.2}x {base} |",
-            r.mib_s(),
-            r.iops(),
-            ratio
+            "| {name} | {mib:.1} | {iops:.0} | {base} {:.1} MiB/s | {:.2}x |",
+            median(bases),
+            median(ratios)
         );
     }
 }
 
-/// Swap-bound: arena 64 MiB under a 1 GiB data span.
+/// Swap-bound: arena 64 MiB under a 1 GiB data span, against `dd` O_DIRECT
+/// on the same directory.
 fn swap_bound(tmp: &tempfile::TempDir) {
     let swap_dir = tmp.path().join("swap");
     std::fs::create_dir_all(&swap_dir).unwrap();
-    let dd_w = dd(&swap_dir, true, 512);
-    let dd_r = dd(&swap_dir, false, 512);
-    std::fs::remove_file(swap_dir.join("dd.bin")).ok();
     let b = start(&swap_dir, 64 << 20, 2 << 30);
     let span = 1 << 30;
-    println!(
-        "\n| swap-bound (arena 64 MiB, data 1 GiB) | MiB/s | vs dd O_DIRECT |\n|---|---:|---:|"
+    let (mut w, mut r, mut dw, mut dr, mut rw, mut rr) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
     );
-    println!("| dd O_DIRECT seq write 1 MiB (baseline) | {dd_w:.0} | 1.00x |");
-    println!("| dd O_DIRECT seq read 1 MiB (baseline) | {dd_r:.0} | 1.00x |");
-    let w = run(&b, Dir::Write, MIB, 32, span, true);
+    for _ in 0..rounds() {
+        let dd_w = dd(&swap_dir, true, 512);
+        let store_w = run(&b, Dir::Write, MIB, 32, span, true).mib_s();
+        let dd_r = dd(&swap_dir, false, 512);
+        let store_r = run(&b, Dir::Read, MIB, 32, span, true).mib_s();
+        rw.push(store_w / dd_w);
+        rr.push(store_r / dd_r);
+        w.push(store_w);
+        r.push(store_r);
+        dw.push(dd_w);
+        dr.push(dd_r);
+    }
+    std::fs::remove_file(swap_dir.join("dd.bin")).ok();
     println!(
-        "| 1 MiB seq write QD32, evicting dirty slots (write-back) | {:.1} | {:.2}x write |",
-        w.mib_s(),
-        w.mib_s() / dd_w
+        "\n| swap-bound (arena 64 MiB, data 1 GiB) | MiB/s | dd O_DIRECT MiB/s | median ratio |\n|---|---:|---:|---:|"
     );
-    let r = run(&b, Dir::Read, MIB, 32, span, true);
     println!(
-        "| 1 MiB seq read QD32, faulting in from swap | {:.1} | {:.2}x read |",
-        r.mib_s(),
-        r.mib_s() / dd_r
+        "| 1 MiB seq write QD32, evicting dirty slots (write-back) | {:.1} | {:.0} | {:.2}x |",
+        median(w),
+        median(dw),
+        median(rw)
+    );
+    println!(
+        "| 1 MiB seq read QD32, faulting in from swap | {:.1} | {:.0} | {:.2}x |",
+        median(r),
+        median(dr),
+        median(rr)
     );
 }

@@ -386,14 +386,9 @@ impl Server {
         let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone()?);
         let mut body = Vec::new();
         let mut out = Vec::new();
-        let mut data = Vec::new();
         while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
-            let payload = self.handle(vol.id, id, &h, &body, &mut out, &mut data)?;
             let mut w = conn.writer.lock();
-            w.write_all(&out)?;
-            if let Some(p) = payload {
-                w.write_all(p)?;
-            }
+            self.handle(vol.id, id, &h, &body, &mut out, &mut *w)?;
             if reader.buffer().is_empty() {
                 w.flush()?;
             }
@@ -402,20 +397,65 @@ impl Server {
         Ok(())
     }
 
-    /// Executes one request, leaving the response head in `out`. A READ's
-    /// payload is returned separately so it is never copied into `out`.
-    fn handle<'d>(
+    /// Executes one request and writes its answer to `w`. A READ's payload
+    /// goes from the arena slot straight into the socket buffer, unstaged.
+    fn handle(
         &self,
         vol: VolumeId,
         holder: HolderId,
         h: &Header,
         body: &[u8],
         out: &mut Vec<u8>,
-        data: &'d mut Vec<u8>,
-    ) -> Result<Option<&'d [u8]>, Fatal> {
+        w: &mut impl Write,
+    ) -> Result<(), Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
-        let fail = |out: &mut Vec<u8>, e: StoreError| -> Result<Option<&'d [u8]>, Fatal> {
+        let result = match proto::decode_request(h, body)? {
+            Request::Read { key, offset, len } => {
+                let sent =
+                    self.store
+                        .read_with(vol, key, offset, len as usize, |bytes| match bytes {
+                            Some(b) => {
+                                proto::encode_read_head(out, rid, len);
+                                w.write_all(out).and_then(|()| w.write_all(b))
+                            }
+                            None => {
+                                proto::encode_error(out, op, rid, Status::NotFound, "");
+                                w.write_all(out)
+                            }
+                        });
+                match sent {
+                    Ok(io) => return Ok(io?),
+                    Err(e) => Err(e),
+                }
+            }
+            Request::Alloc { key } => self
+                .store
+                .alloc(vol, key, holder)
+                .map(|lease| proto::encode_lease(out, op, rid, lease)),
+            Request::Get { key } => self.store.get(vol, key, holder).map(|lease| match lease {
+                Some(lease) => proto::encode_lease(out, op, rid, lease),
+                None => proto::encode_error(out, op, rid, Status::NotFound, ""),
+            }),
+            Request::Commit { key, token } => self
+                .store
+                .commit(vol, key, token, holder)
+                .map(|()| proto::encode_ok(out, op, rid)),
+            Request::Release { tokens } => tokens
+                .iter()
+                .try_for_each(|t| self.store.release(*t, holder))
+                .map(|()| proto::encode_ok(out, op, rid)),
+            Request::Remove { start, end } => self
+                .store
+                .remove(vol, start, end)
+                .map(|n| proto::encode_count(out, op, rid, n)),
+            Request::Flush => self.store.flush().map(|()| proto::encode_ok(out, op, rid)),
+            Request::Write { key, offset, data } => self
+                .store
+                .write(vol, key, offset, data)
+                .map(|()| proto::encode_ok(out, op, rid)),
+        };
+        if let Err(e) = result {
             let (status, fatal) = store_status(&e);
             if fatal {
                 return Err(Fatal::Store(op, rid, e));
@@ -424,83 +464,9 @@ impl Server {
                 warn!(event = "store.error", conn = holder, op = op.name(), error = %e);
             }
             proto::encode_error(out, op, rid, status, &e.to_string());
-            Ok(None)
-        };
-        match proto::decode_request(h, body)? {
-            Request::Read { key, offset, len } => {
-                data.resize(len as usize, 0);
-                match self.store.read(vol, key, offset, data) {
-                    Ok(true) => {
-                        proto::encode_read_head(out, rid, len);
-                        Ok(Some(&data[..]))
-                    }
-                    Ok(false) => {
-                        proto::encode_error(out, op, rid, Status::NotFound, "");
-                        Ok(None)
-                    }
-                    Err(e) => fail(out, e),
-                }
-            }
-            Request::Alloc { key } => match self.store.alloc(vol, key, holder) {
-                Ok(lease) => {
-                    proto::encode_lease(out, op, rid, lease);
-                    Ok(None)
-                }
-                Err(e) => fail(out, e),
-            },
-            Request::Get { key } => match self.store.get(vol, key, holder) {
-                Ok(Some(lease)) => {
-                    proto::encode_lease(out, op, rid, lease);
-                    Ok(None)
-                }
-                Ok(None) => {
-                    proto::encode_error(out, op, rid, Status::NotFound, "");
-                    Ok(None)
-                }
-                Err(e) => fail(out, e),
-            },
-            Request::Commit { key, token } => self.ok_or(
-                out,
-                op,
-                rid,
-                self.store.commit(vol, key, token, holder),
-                fail,
-            ),
-            Request::Release { tokens } => {
-                let r = tokens
-                    .iter()
-                    .try_for_each(|t| self.store.release(*t, holder));
-                self.ok_or(out, op, rid, r, fail)
-            }
-            Request::Remove { start, end } => match self.store.remove(vol, start, end) {
-                Ok(n) => {
-                    proto::encode_count(out, op, rid, n);
-                    Ok(None)
-                }
-                Err(e) => fail(out, e),
-            },
-            Request::Flush => self.ok_or(out, op, rid, self.store.flush(), fail),
-            Request::Write { key, offset, data } => {
-                self.ok_or(out, op, rid, self.store.write(vol, key, offset, data), fail)
-            }
         }
-    }
-
-    fn ok_or<'d>(
-        &self,
-        out: &mut Vec<u8>,
-        op: Opcode,
-        rid: u64,
-        r: Result<(), StoreError>,
-        fail: impl Fn(&mut Vec<u8>, StoreError) -> Result<Option<&'d [u8]>, Fatal>,
-    ) -> Result<Option<&'d [u8]>, Fatal> {
-        match r {
-            Ok(()) => {
-                proto::encode_ok(out, op, rid);
-                Ok(None)
-            }
-            Err(e) => fail(out, e),
-        }
+        w.write_all(out)?;
+        Ok(())
     }
 }
 

@@ -479,18 +479,41 @@ impl Store {
         offset: u32,
         out: &mut [u8],
     ) -> Result<bool, StoreError> {
-        self.check_range(offset, out.len())?;
+        self.read_with(vol, key, offset, out.len(), |bytes| match bytes {
+            Some(b) => {
+                out.copy_from_slice(b);
+                true
+            }
+            None => {
+                out.fill(0);
+                false
+            }
+        })
+    }
+
+    /// Hands `len` bytes at `offset` of blob `key` to `f` straight from its
+    /// slot (`None` when the key holds no blob), so the server can send them
+    /// without staging a copy. The slot stays pinned and read-locked while
+    /// `f` runs: `f` must not call back into the store.
+    pub fn read_with<R>(
+        &self,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        len: usize,
+        f: impl FnOnce(Option<&[u8]>) -> R,
+    ) -> Result<R, StoreError> {
+        self.check_range(offset, len)?;
         let Some(slot) = self.locked(|c, g| c.pin(g, vol, key))? else {
-            out.fill(0);
-            return Ok(false);
+            return Ok(f(None));
         };
-        {
+        let r = {
             let bytes = self.core.arena.read(slot);
             let o = offset as usize;
-            out.copy_from_slice(&bytes[o..o + out.len()]);
-        }
+            f(Some(&bytes[o..o + len]))
+        };
         self.locked(|_, g| g.unpin(slot, false));
-        Ok(true)
+        Ok(r)
     }
 
     /// Leases blob `key`'s own slot for writing in place; the blob is created
