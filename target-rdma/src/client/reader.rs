@@ -44,8 +44,8 @@ pub struct FrameReader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
-    /// A large body being filled: its header, the body, bytes filled so far.
-    large: Option<(Header, Vec<u8>, usize)>,
+    /// A large body being filled: its header and the bytes so far.
+    large: Option<(Header, Vec<u8>)>,
 }
 
 impl Default for FrameReader {
@@ -68,22 +68,25 @@ impl FrameReader {
         r: &mut impl Read,
     ) -> Result<Option<(Header, Body<'a>)>, FrameError> {
         loop {
-            if let Some((h, body, filled)) = &mut self.large {
-                while *filled < body.len() {
-                    match r.read(&mut body[*filled..]) {
-                        Ok(0) => {
+            if let Some((h, body)) = &mut self.large {
+                let want = h.body_len as usize;
+                while body.len() < want {
+                    // Appends without zeroing; on a timeout the bytes read so
+                    // far stay in `body` for the next call.
+                    match r.take((want - body.len()) as u64).read_to_end(body) {
+                        Ok(_) if body.len() < want => {
                             return Err(FrameError::Truncated {
-                                got: HEADER_LEN + *filled,
-                                want: HEADER_LEN + body.len(),
+                                got: HEADER_LEN + body.len(),
+                                want: HEADER_LEN + want,
                             })
                         }
-                        Ok(n) => *filled += n,
+                        Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                         Err(e) => return Err(e.into()),
                     }
                 }
                 let h = *h;
-                let (_, body, _) = self.large.take().expect("checked above");
+                let (_, body) = self.large.take().expect("checked above");
                 return Ok(Some((h, Body::Owned(body))));
             }
             let avail = self.end - self.start;
@@ -100,11 +103,10 @@ impl FrameReader {
                     return Ok(Some((h, Body::Buffered(&self.buf[body]))));
                 }
                 if len >= OWNED_BODY_MIN {
-                    let mut body = vec![0; len];
-                    let have = avail - HEADER_LEN;
-                    body[..have].copy_from_slice(&self.buf[self.start + HEADER_LEN..self.end]);
+                    let mut body = Vec::with_capacity(len);
+                    body.extend_from_slice(&self.buf[self.start + HEADER_LEN..self.end]);
                     self.start = self.end;
-                    self.large = Some((h, body, have));
+                    self.large = Some((h, body));
                     continue;
                 }
                 self.make_room(total);
