@@ -118,7 +118,7 @@ impl CompletionEngine {
                 TICK
             };
             if self.qp.wait(wait).is_err() {
-                self.mark_broken("waiting for completion events failed");
+                self.fail("waiting for completion events failed");
             }
         }
     }
@@ -127,7 +127,7 @@ impl CompletionEngine {
     pub fn pump(&self, buf: &mut Vec<Completion>) {
         buf.clear();
         if let Err(e) = self.qp.poll(buf) {
-            self.mark_broken(&e.to_string());
+            self.fail(&e.to_string());
         }
         for c in buf.drain(..) {
             self.complete(c);
@@ -145,7 +145,9 @@ impl CompletionEngine {
         self.table.lock().waiting.len()
     }
 
-    fn mark_broken(&self, why: &str) {
+    /// Puts the QP out of service (error state): for failures and for
+    /// requests abandoned mid-flight, whose buffers the device must stop touching.
+    pub fn fail(&self, why: &str) {
         let first = {
             let mut t = self.table.lock();
             let first = t.broken.is_none();
@@ -189,7 +191,7 @@ impl CompletionEngine {
             t.waiting.remove(&wr.wr_id);
             let why = e.to_string();
             drop(t);
-            self.mark_broken(&why);
+            self.fail(&why);
             return Err(OpError::QpDown(why));
         }
         self.stats.inc(|s| &s.rdma_requests);
@@ -205,7 +207,7 @@ impl CompletionEngine {
             None => Ok(()),
             Some(category) => {
                 self.stats.wc_error(category);
-                self.mark_broken(&format!("work completion error {}", category.name()));
+                self.fail(&format!("work completion error {}", category.name()));
                 Err(OpError::Wc {
                     category,
                     status: c.status,
@@ -229,7 +231,7 @@ impl CompletionEngine {
             return;
         }
         // Stop the device first: after this no buffer of these requests is touched.
-        self.mark_broken("a work request timed out");
+        self.fail("a work request timed out");
         for id in overdue {
             if let Some(w) = self.table.lock().waiting.remove(&id) {
                 let _ = w.tx.send(Err(OpError::TimedOut(self.timeout)));
@@ -240,7 +242,7 @@ impl CompletionEngine {
     /// Stops the thread, errors the QP and fails whatever is still waiting.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
-        self.mark_broken("rail shut down");
+        self.fail("rail shut down");
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
         }

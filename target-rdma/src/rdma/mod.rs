@@ -12,6 +12,7 @@
 pub mod completion;
 pub mod loopback;
 pub mod stats;
+pub mod transport;
 pub mod verbs;
 
 use std::any::Any;
@@ -21,7 +22,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use stats::DriverStats;
+pub use stats::{DriverStats, TcpReason};
+pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig};
 
 /// Whether a daemon uses RDMA: a config value (`rdma = "auto"|"off"|"on"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]

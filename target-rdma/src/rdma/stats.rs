@@ -2,10 +2,12 @@
 //! that the metrics crate exports as `ublk_driver_<name>_total` (counters)
 //! and `ublk_driver_<name>` (gauges). Counters only ever increase.
 //!
-//! Accounting identity, checked by tests: every RDMA request sent ends in
-//! exactly one outcome, so `rdma_requests = rdma_transferred +
-//! rdma_declined + rdma_failed + rdma_protocol_errors + rdma_timed_out +
-//! in flight`.
+//! Accounting, checked by tests: every RDMA work request posted ends in
+//! exactly one attempt outcome, so `rdma_requests = rdma_transferred +
+//! rdma_failed + rdma_timed_out + in flight`. A block request whose attempts
+//! failed and that was then served over TCP counts once in `rdma_declined`
+//! (and once in `tcp_payload_qp_error`); one whose lease answer made no sense
+//! counts in `rdma_protocol_errors` and is never posted.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -24,16 +26,23 @@ pub enum TcpReason {
     RegistrationFailed,
     /// The QP is in error and being re-established.
     QpError,
+    /// This host has no usable RDMA device (`transport = auto`).
+    NoLocalDevice,
+    /// The peer had no slot to lease (BUSY even after our idle cached
+    /// leases were given back); an inline request needs no lease.
+    ArenaBusy,
 }
 
 impl TcpReason {
     /// Every reason, for exporters that pre-create series.
-    pub const ALL: [TcpReason; 5] = [
+    pub const ALL: [TcpReason; 7] = [
         Self::BelowThreshold,
         Self::TooLarge,
         Self::Declined,
         Self::RegistrationFailed,
         Self::QpError,
+        Self::NoLocalDevice,
+        Self::ArenaBusy,
     ];
 
     /// Stable lower-case name.
@@ -44,6 +53,8 @@ impl TcpReason {
             Self::Declined => "declined_by_peer",
             Self::RegistrationFailed => "registration_failed",
             Self::QpError => "qp_error",
+            Self::NoLocalDevice => "no_local_device",
+            Self::ArenaBusy => "arena_busy",
         }
     }
 }
@@ -55,16 +66,16 @@ pub struct DriverStats {
     pub rdma_requests: AtomicU64,
     /// Requests whose payload moved by RDMA.
     pub rdma_transferred: AtomicU64,
-    /// Requests that failed on RDMA and were then served over TCP (failover).
+    /// Block requests that failed on RDMA and were then served over TCP (failover).
     pub rdma_declined: AtomicU64,
-    /// Requests that failed on RDMA and failed the block request.
+    /// Work requests that completed in error (or could not be posted).
     pub rdma_failed: AtomicU64,
-    /// Requests that failed because the peer broke the protocol (bad lease or rail answer).
+    /// Block requests refused before posting because the peer's lease or rail answer made no sense.
     pub rdma_protocol_errors: AtomicU64,
-    /// Requests that got no completion in time.
+    /// Work requests that got no completion in time.
     pub rdma_timed_out: AtomicU64,
     /// Payload requests sent inline on TCP, by reason (see [`TcpReason::ALL`]).
-    pub tcp_payload: [AtomicU64; 5],
+    pub tcp_payload: [AtomicU64; 7],
     /// Transfers served from pre-registered memory (the pool or a registered I/O region).
     pub registrations_pooled: AtomicU64,
     /// Transfers that registered the caller's memory just for themselves.
@@ -199,6 +210,8 @@ fn tcp_name(r: TcpReason) -> &'static str {
         TcpReason::Declined => "tcp_payload_declined_by_peer",
         TcpReason::RegistrationFailed => "tcp_payload_registration_failed",
         TcpReason::QpError => "tcp_payload_qp_error",
+        TcpReason::NoLocalDevice => "tcp_payload_no_local_device",
+        TcpReason::ArenaBusy => "tcp_payload_arena_busy",
     }
 }
 
