@@ -172,7 +172,7 @@ fn concurrent_writes_to_many_keys(io: &impl BlobIo) {
         let mut out = vec![0; 3000];
         for k in 0..32 {
             io.read(k, 8, &mut out).await.unwrap();
-            assert!(out == pattern(k, 7, 3000));
+            assert!(out == pattern(k, 7, 3000), "blob {k} differs");
         }
     });
 }

@@ -249,6 +249,9 @@ pub struct RdmaTransport {
     regions: Mutex<Vec<MemoryRegion>>,
     pool: Option<Pool>,
     slots: Semaphore,
+    /// Requests holding a lease now, and who waits for one of them to end:
+    /// a BUSY peer (every slot pinned) may be pinned by our own requests.
+    active: Mutex<(usize, Vec<oneshot::Sender<()>>)>,
     peer: String,
 }
 
@@ -314,6 +317,7 @@ impl RdmaTransport {
             leases: Mutex::new(LeaseCache::default()),
             regions: Mutex::new(Vec::new()),
             pool,
+            active: Mutex::new((0, Vec::new())),
             peer,
         };
         if matches!(*t.rail.lock(), RailState::Down(_)) {
@@ -529,6 +533,7 @@ impl RdmaTransport {
                     e.users += 1;
                     e.last_use = tick;
                     self.stats.inc(|s| &s.lease_cache_hits);
+                    self.active.lock().0 += 1;
                     return Ok(Some(HeldLease {
                         key,
                         lease: e.lease,
@@ -551,6 +556,26 @@ impl RdmaTransport {
                     retried = true;
                     self.shrink_cache(0).await;
                 }
+                Err(e) if e.status() == Some(Status::Busy) => {
+                    // Our own requests in flight may pin the rest: retry when one ends.
+                    let rx = {
+                        let mut a = self.active.lock();
+                        if a.0 == 0 {
+                            self.stats.inc(|s| {
+                                if write {
+                                    &s.alloc_failures
+                                } else {
+                                    &s.lease_failures
+                                }
+                            });
+                            return Err(e);
+                        }
+                        let (tx, rx) = oneshot::channel();
+                        a.1.push(tx);
+                        rx
+                    };
+                    let _ = rx.await;
+                }
                 Err(e) => {
                     self.stats.inc(|s| {
                         if write {
@@ -565,6 +590,7 @@ impl RdmaTransport {
                 Ok(Some(l)) => break l,
             }
         };
+        self.active.lock().0 += 1;
         let cached = self.cache_insert(key, lease, write, epoch).await;
         Ok(Some(HeldLease {
             key,
@@ -643,6 +669,19 @@ impl RdmaTransport {
 
     /// Ends a request's use of its lease; `wrote` after a successful write.
     async fn unlease(&self, held: HeldLease, wrote: bool) -> Result<(), ArenaError> {
+        let r = self.unlease_inner(held, wrote).await;
+        let waiters = {
+            let mut a = self.active.lock();
+            a.0 = a.0.saturating_sub(1);
+            std::mem::take(&mut a.1)
+        };
+        for tx in waiters {
+            let _ = tx.send(());
+        }
+        r
+    }
+
+    async fn unlease_inner(&self, held: HeldLease, wrote: bool) -> Result<(), ArenaError> {
         if !held.cached {
             return self.end_lease(held.key, held.lease, held.write).await;
         }
