@@ -318,6 +318,18 @@ fn revoked_leases_are_given_back() {
     assert_eq!(peer.store.stats().leases_held, 2);
     let other = peer.client("a", SECRET_A);
     assert!(block_on(other.write(3, 0, &[3; 4096])).is_err());
+    // REVOKE frames arrive asynchronously: wait until ours has been read.
+    for _ in 0..2000 {
+        if t.client()
+            .counters()
+            .revocations
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+        {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     // Our next request sees the revocations and gives the leases back.
     let mut out = [0u8; 1024];
     block_on(t.read(1, 0, &mut out)).unwrap();
