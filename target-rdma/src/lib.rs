@@ -5,6 +5,7 @@ pub mod auth;
 pub mod client;
 pub mod logging;
 pub mod proto;
+pub mod rdma;
 pub mod sd_notify;
 pub mod size;
 pub mod store;

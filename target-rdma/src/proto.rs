@@ -9,6 +9,8 @@
 
 use std::io::{self, Read, Write};
 
+use crate::rdma::Endpoint;
+
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"ARNA";
 /// The only protocol version this build speaks.
@@ -47,6 +49,9 @@ pub enum Opcode {
     Challenge = 0x01,
     /// Client → server: version, volume, capabilities and the auth MAC.
     Hello = 0x02,
+    /// Client → server after a HELLO that granted `CAP_RDMA`: exchange QP
+    /// endpoints; the answer names the arena's memory region.
+    RailConnect = 0x03,
     /// Lease a slot for writing; content is kept, a new key gets zeros.
     Alloc = 0x10,
     /// The leased slot's content is now the blob's content.
@@ -73,6 +78,7 @@ impl Opcode {
         Some(match v {
             0x01 => Self::Challenge,
             0x02 => Self::Hello,
+            0x03 => Self::RailConnect,
             0x10 => Self::Alloc,
             0x11 => Self::Commit,
             0x12 => Self::Get,
@@ -91,6 +97,7 @@ impl Opcode {
         match self {
             Self::Challenge => "challenge",
             Self::Hello => "hello",
+            Self::RailConnect => "rail_connect",
             Self::Alloc => "alloc",
             Self::Commit => "commit",
             Self::Get => "get",
@@ -421,6 +428,35 @@ impl<'a> Cursor<'a> {
         s
     }
 
+    fn endpoint(&mut self) -> Result<Endpoint, FrameError> {
+        let ep = Endpoint {
+            qpn: self.u32()?,
+            psn: self.u32()?,
+            lid: self.u16()?,
+            mtu: self.u8()?,
+            gid: {
+                let reserved = self.u8()?;
+                if reserved != 0 {
+                    return Err(FrameError::Invalid {
+                        field: "endpoint reserved byte",
+                        detail: format!("must be 0, got {reserved}"),
+                    });
+                }
+                self.array()?
+            },
+        };
+        if ep.qpn > 0xff_ffff || ep.psn > 0xff_ffff || !(1..=5).contains(&ep.mtu) {
+            return Err(FrameError::Invalid {
+                field: "endpoint",
+                detail: format!(
+                    "qpn {:#x} and psn {:#x} must fit 24 bits, mtu {} must be 1..=5",
+                    ep.qpn, ep.psn, ep.mtu
+                ),
+            });
+        }
+        Ok(ep)
+    }
+
     /// Fails unless the whole body was consumed.
     fn finish(self) -> Result<(), FrameError> {
         if self.pos != self.buf.len() {
@@ -546,6 +582,8 @@ pub enum Request<'a> {
         /// Bytes wanted.
         len: u32,
     },
+    /// See [`Opcode::RailConnect`]: the client's QP endpoint.
+    RailConnect(Endpoint),
 }
 
 impl Request<'_> {
@@ -560,6 +598,7 @@ impl Request<'_> {
             Self::Flush => Opcode::Flush,
             Self::Write { .. } => Opcode::Write,
             Self::Read { .. } => Opcode::Read,
+            Self::RailConnect(_) => Opcode::RailConnect,
         }
     }
 }
@@ -624,6 +663,7 @@ pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request<'_>
                 put_u32(b, *offset);
                 put_u32(b, *len);
             }
+            Request::RailConnect(ep) => put_endpoint(b, ep),
         },
     );
     let body_len = (out.len() - HEADER_LEN + payload) as u32;
@@ -701,6 +741,7 @@ pub fn decode_request<'a>(h: &Header, body: &'a [u8]) -> Result<Request<'a>, Fra
             check_inline_len(len)?;
             Request::Read { key, offset, len }
         }
+        Opcode::RailConnect => Request::RailConnect(c.endpoint()?),
         Opcode::Challenge | Opcode::Hello | Opcode::Revoke => {
             return Err(FrameError::Unexpected {
                 op: h.opcode.name(),
@@ -727,6 +768,70 @@ fn check_inline_len(len: u32) -> Result<(), FrameError> {
         });
     }
     Ok(())
+}
+
+fn put_endpoint(b: &mut Vec<u8>, ep: &Endpoint) {
+    put_u32(b, ep.qpn);
+    put_u32(b, ep.psn);
+    put_u16(b, ep.lid);
+    b.push(ep.mtu);
+    b.push(0);
+    b.extend_from_slice(&ep.gid);
+}
+
+/// The server's answer to RAIL_CONNECT: its QP endpoint and the arena's
+/// memory region (remote address = `arena_base + slot_offset + offset`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RailAccept {
+    /// The server's QP.
+    pub endpoint: Endpoint,
+    /// Address of the arena's first byte in the server's address space.
+    pub arena_base: u64,
+    /// Arena length in bytes.
+    pub arena_len: u64,
+    /// Remote key of the arena region.
+    pub rkey: u32,
+}
+
+impl RailAccept {
+    /// Encodes the successful RAIL_CONNECT answer.
+    pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) {
+        encode_frame(
+            out,
+            Opcode::RailConnect,
+            FLAG_RESPONSE,
+            request_id,
+            Status::Ok,
+            |b| {
+                put_endpoint(b, &self.endpoint);
+                put_u64(b, self.arena_base);
+                put_u64(b, self.arena_len);
+                put_u32(b, self.rkey);
+            },
+        );
+    }
+
+    /// Decodes the successful RAIL_CONNECT answer.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(h.opcode, body);
+        let v = Self {
+            endpoint: c.endpoint()?,
+            arena_base: c.u64()?,
+            arena_len: c.u64()?,
+            rkey: c.u32()?,
+        };
+        c.finish()?;
+        if v.arena_base.checked_add(v.arena_len).is_none() {
+            return Err(FrameError::Invalid {
+                field: "arena region",
+                detail: format!(
+                    "base {:#x} + length {} overflows",
+                    v.arena_base, v.arena_len
+                ),
+            });
+        }
+        Ok(v)
+    }
 }
 
 fn put_u16(b: &mut Vec<u8>, v: u16) {
@@ -1021,6 +1126,51 @@ mod tests {
             offset: 0,
             len: 4096,
         });
+        roundtrip(Request::RailConnect(test_endpoint()));
+    }
+
+    fn test_endpoint() -> Endpoint {
+        Endpoint {
+            qpn: 0x12_3456,
+            psn: 0xab_cdef,
+            lid: 7,
+            mtu: 3,
+            gid: [0x11; 16],
+        }
+    }
+
+    #[test]
+    fn rail_frames_round_trip_and_reject_bad_endpoints() {
+        let acc = RailAccept {
+            endpoint: test_endpoint(),
+            arena_base: 0x7f00_0000_0000,
+            arena_len: 1 << 30,
+            rkey: 0x1234,
+        };
+        let mut buf = Vec::new();
+        acc.encode(&mut buf, 5);
+        let (h, b) = decode_one(&buf);
+        assert_eq!(
+            (h.request_id, RailAccept::decode(&h, &b).unwrap()),
+            (5, acc)
+        );
+        assert_eq!(b.len(), 48);
+
+        let mut req = Vec::new();
+        encode_request(&mut req, 1, &Request::RailConnect(test_endpoint()));
+        assert_eq!(req.len(), HEADER_LEN + 28);
+        for (at, val, field) in [
+            (HEADER_LEN + 3, 0x01, "endpoint"), // qpn above 24 bits
+            (HEADER_LEN + 10, 9, "endpoint"),   // mtu enum
+            (HEADER_LEN + 11, 1, "endpoint reserved byte"),
+        ] {
+            let mut bad = req.clone();
+            bad[at] = val;
+            assert!(
+                matches!(frame_error(&bad), FrameError::Invalid { field: f, .. } if f == field),
+                "{field}"
+            );
+        }
     }
 
     fn decode_one(buf: &[u8]) -> (Header, Vec<u8>) {

@@ -8,6 +8,9 @@ use std::sync::Arc;
 use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
+use target_rdma::rdma::loopback::LoopbackProvider;
+use target_rdma::rdma::verbs::SidewayProvider;
+use target_rdma::rdma::{DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig};
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 use target_rdma::transport::{BlobIo, InProcess, TransportKind};
 
@@ -58,6 +61,50 @@ fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
         _dir: dir,
         _peer: Some(peer),
     }
+}
+
+/// RDMA over `provider` on both sides, every payload by RDMA (threshold 1
+/// byte), a lease cache small enough to leave the 16-slot arena room to evict.
+fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        &PeerOpts {
+            arena_bytes: 1 << 20,
+            blob_bytes: BLOB,
+            rdma: Some(Arc::clone(&provider)),
+            ..PeerOpts::default()
+        },
+    );
+    let io = RdmaTransport::connect(
+        peer.config("a", SECRET_A),
+        Ok(provider),
+        RdmaTransportConfig {
+            min_rdma_bytes: 1,
+            buffer_bytes: BLOB,
+            pool_buffers: 8,
+            lease_cache: 4,
+            require_rdma: true,
+            ..RdmaTransportConfig::default()
+        },
+    )
+    .unwrap();
+    Fixture {
+        io,
+        _dir: dir,
+        _peer: Some(peer),
+    }
+}
+
+fn rdma_loopback() -> Fixture<RdmaTransport> {
+    rdma_over(LoopbackProvider::new())
+}
+
+/// Real verbs: needs an RDMA device (soft-RoCE in the VM suite,
+/// `scripts/vm/guest/rdma.sh`), hence ignored elsewhere.
+fn rdma_verbs() -> Fixture<RdmaTransport> {
+    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
+    rdma_over(Arc::new(p))
 }
 
 fn unwritten_blobs_read_as_zeros(io: &impl BlobIo) {
@@ -125,24 +172,30 @@ fn concurrent_writes_to_many_keys(io: &impl BlobIo) {
         let mut out = vec![0; 3000];
         for k in 0..32 {
             io.read(k, 8, &mut out).await.unwrap();
-            assert!(out == pattern(k, 7, 3000));
+            assert!(out == pattern(k, 7, 3000), "blob {k} differs");
         }
     });
 }
 
 macro_rules! conformance {
-    ($($transport:ident => $kind:expr),*) => {$(
+    ($($(#[$attr:meta])* $transport:ident => $kind:expr),*) => {$(
         mod $transport {
             use super::*;
-            #[test] fn kind() { assert_eq!(super::$transport().io.kind(), $kind); }
-            #[test] fn unwritten_blobs_read_as_zeros() { super::unwritten_blobs_read_as_zeros(&super::$transport().io) }
-            #[test] fn partial_writes_keep_the_rest_of_the_blob() { super::partial_writes_keep_the_rest_of_the_blob(&super::$transport().io) }
-            #[test] fn whole_blobs_round_trip_beyond_the_arena() { super::whole_blobs_round_trip_beyond_the_arena(&super::$transport().io) }
-            #[test] fn remove_drops_exactly_the_range() { super::remove_drops_exactly_the_range(&super::$transport().io) }
-            #[test] fn ranges_past_the_blob_end_are_refused() { super::ranges_past_the_blob_end_are_refused(&super::$transport().io) }
-            #[test] fn concurrent_writes_to_many_keys() { super::concurrent_writes_to_many_keys(&super::$transport().io) }
+            $(#[$attr])* #[test] fn kind() { assert_eq!(super::$transport().io.kind(), $kind); }
+            $(#[$attr])* #[test] fn unwritten_blobs_read_as_zeros() { super::unwritten_blobs_read_as_zeros(&super::$transport().io) }
+            $(#[$attr])* #[test] fn partial_writes_keep_the_rest_of_the_blob() { super::partial_writes_keep_the_rest_of_the_blob(&super::$transport().io) }
+            $(#[$attr])* #[test] fn whole_blobs_round_trip_beyond_the_arena() { super::whole_blobs_round_trip_beyond_the_arena(&super::$transport().io) }
+            $(#[$attr])* #[test] fn remove_drops_exactly_the_range() { super::remove_drops_exactly_the_range(&super::$transport().io) }
+            $(#[$attr])* #[test] fn ranges_past_the_blob_end_are_refused() { super::ranges_past_the_blob_end_are_refused(&super::$transport().io) }
+            $(#[$attr])* #[test] fn concurrent_writes_to_many_keys() { super::concurrent_writes_to_many_keys(&super::$transport().io) }
         }
     )*};
 }
 
-conformance!(in_process => TransportKind::InProcess, tcp => TransportKind::Tcp);
+conformance!(
+    in_process => TransportKind::InProcess,
+    tcp => TransportKind::Tcp,
+    rdma_loopback => TransportKind::Rdma,
+    #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+    rdma_verbs => TransportKind::Rdma
+);

@@ -43,6 +43,19 @@ pub struct ArenadConfig {
     /// Seconds a new connection has to complete its HELLO.
     #[serde(default = "default_handshake_timeout")]
     pub handshake_timeout_secs: u64,
+    /// RDMA: `"auto"` (register the arena when a device opens, else serve
+    /// TCP and say so), `"on"` (a device or a startup error), `"off"`.
+    #[serde(default)]
+    pub rdma: crate::rdma::RdmaMode,
+    /// RDMA device name (`rxe0`, `mlx5_0`); unset takes the first with an active port.
+    #[serde(default)]
+    pub rdma_device: Option<String>,
+    /// RDMA port; unset takes the device's first active port.
+    #[serde(default)]
+    pub rdma_port: Option<u8>,
+    /// GID index: 1 is the IPv4-mapped RoCEv2 GID on soft-RoCE.
+    #[serde(default = "default_gid_index")]
+    pub rdma_gid_index: u8,
     /// The volumes this peer serves.
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,
@@ -81,6 +94,9 @@ fn default_max_connections() -> u32 {
 }
 fn default_max_inflight() -> u32 {
     128
+}
+fn default_gid_index() -> u8 {
+    1
 }
 fn default_handshake_timeout() -> u64 {
     10
@@ -150,6 +166,15 @@ impl ArenadConfig {
     /// A config with every default and no volumes.
     pub fn defaults() -> Self {
         Self::parse("", Path::new("<defaults>")).expect("the empty config parses")
+    }
+
+    /// The device selection the `rdma_*` keys describe.
+    pub fn rdma_selector(&self) -> crate::rdma::DeviceSelector {
+        crate::rdma::DeviceSelector {
+            device: self.rdma_device.clone(),
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+        }
     }
 
     /// Checks every value; the first problem found is returned.

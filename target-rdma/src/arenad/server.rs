@@ -21,9 +21,10 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{self, Secret};
 use crate::proto::{
-    self, Challenge, FrameError, Header, Hello, Opcode, Request, Status, Welcome, CAP_TCP_DATA,
-    MAC_LEN, MAX_INLINE, VERSION,
+    self, Challenge, FrameError, Header, Hello, Opcode, RailAccept, Request, Status, Welcome,
+    CAP_RDMA, CAP_TCP_DATA, MAC_LEN, MAX_INLINE, VERSION,
 };
+use crate::rdma::{Endpoint, MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{HolderId, Store, StoreError, VolumeId};
 
 /// A volume as the server knows it: its store id and its secret.
@@ -60,6 +61,10 @@ pub struct ServerCounters {
     pub auth_failures: AtomicU64,
     /// Revocations sent to clients.
     pub revokes_sent: AtomicU64,
+    /// RDMA rails (QPs) brought up for clients.
+    pub rdma_rails: AtomicU64,
+    /// Clients that asked for RDMA and were declined (no device, or the QP setup failed).
+    pub rdma_declined: AtomicU64,
     protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -82,8 +87,63 @@ struct Conn {
     writer: Mutex<BufWriter<TcpStream>>,
 }
 
+/// The arena registered with an RDMA device: what RAIL_CONNECT hands out.
+pub struct ServerRdma {
+    // Field order is drop order: the region is deregistered before the
+    // provider (and its protection domain) goes.
+    arena: MemoryRegion,
+    provider: Arc<dyn RdmaProvider>,
+    qp_depth: u32,
+}
+
+impl ServerRdma {
+    /// Registers `store`'s arena for remote read and write on `provider`.
+    pub fn register(
+        provider: Arc<dyn RdmaProvider>,
+        store: &Store,
+        qp_depth: u32,
+    ) -> Result<Self, RdmaError> {
+        let (base, len) = store.arena_region();
+        // SAFETY: the arena mapping lives as long as the store, and the
+        // server holds the store (declared after `rdma`, so dropped later);
+        // remote access only touches slots leased to the accessing client.
+        let arena = unsafe { provider.register(base, len, true)? };
+        Ok(Self {
+            arena,
+            provider,
+            qp_depth,
+        })
+    }
+
+    /// The device the arena is registered on.
+    pub fn device_name(&self) -> String {
+        self.provider.device_name()
+    }
+
+    fn accept(&self, client: &Endpoint) -> Result<(Box<dyn QueuePair>, RailAccept), RdmaError> {
+        let qp = self.provider.create_qp(self.qp_depth)?;
+        qp.connect(client)?;
+        let acc = RailAccept {
+            endpoint: qp.endpoint(),
+            arena_base: self.arena.addr as u64,
+            arena_len: self.arena.len as u64,
+            rkey: self.arena.rkey,
+        };
+        Ok((qp, acc))
+    }
+}
+
+/// A connection's RDMA state: whether its HELLO was granted `CAP_RDMA`,
+/// and its one QP (replaced when the client re-establishes the rail).
+#[derive(Default)]
+struct Rail {
+    granted: bool,
+    qp: Option<Box<dyn QueuePair>>,
+}
+
 /// The server. Create with [`Server::new`], run with [`Server::serve`].
 pub struct Server {
+    rdma: Option<ServerRdma>,
     store: Arc<Store>,
     volumes: Vec<ServedVolume>,
     limits: ServerLimits,
@@ -135,7 +195,18 @@ fn store_status(e: &StoreError) -> (Status, bool) {
 impl Server {
     /// Builds a server over an open store and installs its revoke hook.
     pub fn new(store: Arc<Store>, volumes: Vec<ServedVolume>, limits: ServerLimits) -> Arc<Self> {
+        Self::with_rdma(store, volumes, limits, None)
+    }
+
+    /// Like [`Server::new`], granting RDMA to clients that ask when `rdma` is set.
+    pub fn with_rdma(
+        store: Arc<Store>,
+        volumes: Vec<ServedVolume>,
+        limits: ServerLimits,
+        rdma: Option<ServerRdma>,
+    ) -> Arc<Self> {
         let server = Arc::new(Self {
+            rdma,
             store,
             volumes,
             limits,
@@ -305,7 +376,7 @@ impl Server {
     }
 
     /// Runs the handshake; returns the volume the session is bound to.
-    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<&ServedVolume, Fatal> {
+    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<(&ServedVolume, bool), Fatal> {
         let ch = Challenge {
             min_version: u16::from(VERSION),
             max_version: u16::from(VERSION),
@@ -355,11 +426,26 @@ impl Server {
                 ),
             ));
         }
+        let rdma = hello.caps & CAP_RDMA != 0;
+        if rdma && self.rdma.is_none() {
+            self.counters.rdma_declined.fetch_add(1, Ordering::Relaxed);
+            info!(
+                event = "rdma.declined",
+                conn = id,
+                reason = "no RDMA device on this peer"
+            );
+        }
+        let granted = rdma && self.rdma.is_some();
         let mut welcome = Welcome {
             session_id: id,
             generation: self.store.generation(),
             blob_bytes: blob,
-            caps: hello.caps & CAP_TCP_DATA,
+            caps: hello.caps
+                & if granted {
+                    CAP_TCP_DATA | CAP_RDMA
+                } else {
+                    CAP_TCP_DATA
+                },
             quota_blobs: vol.quota_blobs,
             mac: [0; MAC_LEN],
         };
@@ -367,13 +453,14 @@ impl Server {
         welcome.encode(&mut frame);
         (&*stream).write_all(&frame)?;
         self.counters.sessions.fetch_add(1, Ordering::Relaxed);
-        info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation);
-        Ok(vol)
+        info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted);
+        Ok((vol, granted))
     }
 
     fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
         stream.set_nodelay(true)?;
-        let vol = self.handshake(id, stream)?;
+        let (vol, granted) = self.handshake(id, stream)?;
+        let mut rail = Rail { granted, qp: None };
         let conn = Arc::new(Conn {
             socket: stream.try_clone()?,
             writer: Mutex::new(BufWriter::with_capacity(256 << 10, stream.try_clone()?)),
@@ -388,7 +475,7 @@ impl Server {
         let mut out = Vec::new();
         while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
             let mut w = conn.writer.lock();
-            self.handle(vol.id, id, &h, &body, &mut out, &mut *w)?;
+            self.handle(vol.id, id, &h, &body, &mut out, &mut *w, &mut rail)?;
             if reader.buffer().is_empty() {
                 w.flush()?;
             }
@@ -399,6 +486,7 @@ impl Server {
 
     /// Executes one request and writes its answer to `w`. A READ's payload
     /// goes from the arena slot straight into the socket buffer, unstaged.
+    #[allow(clippy::too_many_arguments)]
     fn handle(
         &self,
         vol: VolumeId,
@@ -407,6 +495,7 @@ impl Server {
         body: &[u8],
         out: &mut Vec<u8>,
         w: &mut impl Write,
+        rail: &mut Rail,
     ) -> Result<(), Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
@@ -454,6 +543,35 @@ impl Server {
                 .store
                 .write(vol, key, offset, data)
                 .map(|()| proto::encode_ok(out, op, rid)),
+            Request::RailConnect(client) => {
+                let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
+                    return Err(Fatal::Frame(FrameError::Unexpected {
+                        op: op.name(),
+                        detail: "RAIL_CONNECT on a session that was not granted CAP_RDMA",
+                    }));
+                };
+                // One QP per connection: a new RAIL_CONNECT replaces the old one.
+                rail.qp = None;
+                match rdma.accept(&client) {
+                    Ok((qp, acc)) => {
+                        rail.qp = Some(qp);
+                        self.counters.rdma_rails.fetch_add(1, Ordering::Relaxed);
+                        acc.encode(out, rid);
+                    }
+                    Err(e) => {
+                        self.counters.rdma_declined.fetch_add(1, Ordering::Relaxed);
+                        warn!(event = "rdma.declined", conn = holder, error = %e);
+                        proto::encode_error(
+                            out,
+                            op,
+                            rid,
+                            Status::Internal,
+                            &format!("RDMA rail refused: {e}"),
+                        );
+                    }
+                }
+                Ok(())
+            }
         };
         if let Err(e) = result {
             let (status, fatal) = store_status(&e);

@@ -13,8 +13,9 @@ use signal_hook::iterator::Signals;
 use tracing::info;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
-use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
+use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use target_rdma::auth::Secret;
+use target_rdma::rdma::open_provider;
 use target_rdma::sd_notify;
 use target_rdma::size::parse_size;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
@@ -154,7 +155,19 @@ fn main() -> Result<()> {
     );
     let listener =
         TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;
-    let server = Server::new(
+    let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
+        Ok(provider) => {
+            let r = ServerRdma::register(provider, &store, cfg.max_inflight.max(16))
+                .context("registering the arena for RDMA")?;
+            info!(event = "rdma.enabled", device = %r.device_name());
+            Some(r)
+        }
+        Err(why) => {
+            info!(event = "rdma.disabled", reason = %why, "clients asking for RDMA are declined and use TCP");
+            None
+        }
+    };
+    let server = Server::with_rdma(
         Arc::clone(&store),
         served,
         ServerLimits {
@@ -162,6 +175,7 @@ fn main() -> Result<()> {
             max_inflight: cfg.max_inflight,
             handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
         },
+        rdma,
     );
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
     let stopper = Arc::clone(&server);

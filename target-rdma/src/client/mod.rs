@@ -33,9 +33,10 @@ pub use reader::{Body, FrameReader};
 
 use crate::auth::{self, Secret};
 use crate::proto::{
-    self, Challenge, FrameError, Header, Hello, Lease, Opcode, Request, Status, Welcome,
-    CAP_TCP_DATA, MAC_LEN, VERSION,
+    self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Request, Status,
+    Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
 };
+use crate::rdma::Endpoint;
 use crate::store::StoreError;
 use crate::transport::TcpPayloadStats;
 
@@ -61,6 +62,8 @@ pub struct ClientConfig {
     pub request_timeout: Duration,
     /// Where inline payloads are counted; shared by a device's connections.
     pub payload_stats: Option<Arc<TcpPayloadStats>>,
+    /// Offer `CAP_RDMA` in HELLO (the RDMA transport sets it).
+    pub offer_rdma: bool,
 }
 
 impl ClientConfig {
@@ -74,6 +77,7 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             payload_stats: None,
+            offer_rdma: false,
         }
     }
 }
@@ -185,6 +189,7 @@ enum Reply {
     Count(u64),
     Data(Vec<u8>),
     NotFound,
+    Rail(RailAccept),
 }
 
 struct Pending {
@@ -207,6 +212,8 @@ struct Conn {
     slots: Semaphore,
     welcome: Welcome,
     max_inline: u32,
+    /// Which connection of this client this is (1 for the first).
+    epoch: u64,
 }
 
 impl Conn {
@@ -329,6 +336,34 @@ impl ArenaClient {
             .is_some_and(|c| !c.is_dead())
     }
 
+    /// Which connection is live now (1 for the first, +1 per reconnect),
+    /// or `None` while disconnected. Leases and RDMA rails belong to one
+    /// connection: a different epoch means they are gone.
+    pub fn connection_epoch(&self) -> Option<u64> {
+        self.shared
+            .conn
+            .lock()
+            .as_ref()
+            .filter(|c| !c.is_dead())
+            .map(|c| c.epoch)
+    }
+
+    /// Counts a write that another data path (RDMA into a leased slot)
+    /// acknowledged, so that a peer restart before the next FLUSH makes
+    /// that FLUSH fail instead of claiming durability.
+    pub fn record_acknowledged_write(&self) {
+        self.shared.durability.lock().acked += 1;
+    }
+
+    /// Exchanges QP endpoints on the current connection (RAIL_CONNECT);
+    /// only valid when its WELCOME granted `CAP_RDMA`.
+    pub async fn rail_connect(&self, endpoint: Endpoint) -> Result<RailAccept, ArenaError> {
+        match self.call(&Request::RailConnect(endpoint)).await? {
+            Reply::Rail(r) => Ok(r),
+            _ => Err(self.unexpected(Opcode::RailConnect)),
+        }
+    }
+
     /// The client's own counters.
     pub fn counters(&self) -> &ClientCounters {
         &self.shared.counters
@@ -347,11 +382,14 @@ impl ArenaClient {
             return Ok(Arc::clone(c));
         }
         let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
-        let conn = Arc::new(handshake(&self.shared.cfg, agreed)?);
-        self.shared
+        let mut conn = handshake(&self.shared.cfg, agreed)?;
+        conn.epoch = self
+            .shared
             .counters
             .connects
-            .fetch_add(1, Ordering::Relaxed);
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        let conn = Arc::new(conn);
         {
             let mut d = self.shared.durability.lock();
             let new = conn.welcome.generation;
@@ -664,7 +702,11 @@ fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaError> {
     }
     let mut hello = Hello {
         version,
-        caps: CAP_TCP_DATA,
+        caps: if cfg.offer_rdma {
+            CAP_TCP_DATA | CAP_RDMA
+        } else {
+            CAP_TCP_DATA
+        },
         blob_bytes: if agreed != 0 { agreed } else { cfg.blob_bytes },
         client_nonce: auth::nonce(),
         mac: [0; MAC_LEN],
@@ -702,6 +744,7 @@ fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaError> {
         slots: Semaphore::new(ch.max_inflight as usize),
         welcome,
         max_inline: ch.max_inline,
+        epoch: 0,
     })
 }
 
@@ -815,6 +858,7 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
         }
         (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, &body)?)),
         (Status::Ok, Opcode::Read) => Ok(Reply::Data(body.into_vec())),
+        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(RailAccept::decode(h, &body)?)),
         (Status::Ok, _) => Ok(Reply::Empty),
         (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
         (status, op) => Err(ArenaError::Status {

@@ -582,6 +582,16 @@ impl Store {
         self.locked(|_, g| g.drop_holder(holder))
     }
 
+    /// The arena mapping as `(base, len)`, for registering it with an RDMA
+    /// device so that lease holders read and write slots in place: slot `s`
+    /// starts at `base + s * blob_bytes`, which is what lease offsets say.
+    /// Called once at startup; it briefly takes slot 0's lock.
+    pub fn arena_region(&self) -> (*mut u8, usize) {
+        let slots = self.stats().slots_total as usize;
+        let base = self.core.arena.write(0).as_mut_ptr();
+        (base, slots * self.blob_bytes as usize)
+    }
+
     /// Counters and gauges for metrics.
     pub fn stats(&self) -> StoreStats {
         self.locked(|c, g| c.stats(g))

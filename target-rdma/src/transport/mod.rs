@@ -23,6 +23,9 @@ pub enum TransportKind {
     Tcp,
     /// Direct calls into a store in the same process.
     InProcess,
+    /// One-sided RDMA into the peer's arena, TCP inline as counted fallback
+    /// ([`RdmaTransport`](crate::rdma::RdmaTransport)).
+    Rdma,
 }
 
 impl TransportKind {
@@ -31,6 +34,7 @@ impl TransportKind {
         match self {
             Self::Tcp => "tcp",
             Self::InProcess => "in_process",
+            Self::Rdma => "rdma",
         }
     }
 }

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
+use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use target_rdma::auth::Secret;
 use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::rdma::RdmaProvider;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 
 pub const SECRET_A: &str = "secret-of-volume-a-0123456789";
@@ -42,6 +43,8 @@ pub struct PeerOpts {
     pub swap_bytes: u64,
     pub quota_blobs: u64,
     pub max_inflight: u32,
+    /// Register the arena on this device and grant RDMA to clients.
+    pub rdma: Option<Arc<dyn RdmaProvider>>,
 }
 
 impl Default for PeerOpts {
@@ -52,6 +55,7 @@ impl Default for PeerOpts {
             swap_bytes: 64 << 20,
             quota_blobs: 1 << 20,
             max_inflight: 64,
+            rdma: None,
         }
     }
 }
@@ -91,7 +95,11 @@ impl Peer {
             .collect();
         let listener = TcpListener::bind(addr).unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = Server::new(
+        let rdma = opts
+            .rdma
+            .clone()
+            .map(|p| ServerRdma::register(p, &store, 64).unwrap());
+        let server = Server::with_rdma(
             Arc::clone(&store),
             volumes,
             ServerLimits {
@@ -99,6 +107,7 @@ impl Peer {
                 max_inflight: opts.max_inflight,
                 handshake_timeout: Duration::from_secs(5),
             },
+            rdma,
         );
         let s = Arc::clone(&server);
         let thread = Some(std::thread::spawn(move || s.serve(listener).unwrap()));

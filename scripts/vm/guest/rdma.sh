@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Usage: cargo test --release -p target-rdma --no-run --test transport_conformance --test rdma_transport
+#        scripts/vm/run scripts/vm/guest/rdma.sh [TIMEOUT_S]
+#
+# Guest scenario: the RDMA transport over real verbs on soft-RoCE (rxe on
+# lo, GID index 1). Runs the transport conformance suite against the RDMA
+# transport, then the counters test that asserts payloads went by RDMA
+# (transferred > 0, TCP payload requests = 0) and that a request above the
+# registered buffer size is counted as `too_large`. Prints "PASS name" /
+# "FAIL name" per test and exits non-zero if any failed.
+set -uo pipefail
+
+[[ "${UBLK_VM:-}" == 1 ]] || { echo "run me via scripts/vm/run" >&2; exit 2; }
+
+failed=0
+newest() { # newest PATTERN : newest host-built test binary matching PATTERN
+    find target/release/deps -maxdepth 1 -type f -executable -name "$1" -printf '%T@ %p\n' |
+        sort -n | tail -1 | cut -d' ' -f2-
+}
+run_tests() { # run_tests BINARY FILTER : one PASS/FAIL line per test
+    local bin=$1 filter=$2 log="$UBLK_VM_RESULTS/$(basename "$1")-$2.log"
+    if [[ -z "$bin" ]]; then
+        echo "FAIL $filter (test binary not built on the host)"
+        failed=1
+        return
+    fi
+    RUST_BACKTRACE=1 timeout 600 "$bin" --ignored --exact --test-threads=1 "${@:3}" >"$log" 2>&1
+    local rc=$?
+    grep -E '^test .* \.\.\. (ok|FAILED)$' "$log" |
+        sed -E 's/^test (.*) \.\.\. ok$/PASS \1/; s/^test (.*) \.\.\. FAILED$/FAIL \1/'
+    if ((rc != 0)) || ! grep -q '^test result: ok' "$log"; then
+        failed=1
+        sed 's/^/    /' "$log" | tail -40
+    fi
+}
+
+timeout 10 /usr/sbin/ip link set lo up
+timeout 10 /usr/bin/rdma link add rxe0 type rxe netdev lo || { echo "FAIL rxe-add"; exit 1; }
+for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; done
+echo "PASS rxe0-up"
+
+conf=$(newest 'transport_conformance-*')
+rt=$(newest 'rdma_transport-*')
+tests=()
+for t in kind unwritten_blobs_read_as_zeros partial_writes_keep_the_rest_of_the_blob \
+    whole_blobs_round_trip_beyond_the_arena remove_drops_exactly_the_range \
+    ranges_past_the_blob_end_are_refused concurrent_writes_to_many_keys; do
+    tests+=("rdma_verbs::$t")
+done
+run_tests "$conf" conformance "${tests[@]}"
+run_tests "$rt" counters verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted
+
+if ((failed)); then echo "rdma: FAILED"; else echo "rdma: all checks passed"; fi
+exit "$failed"

@@ -1,0 +1,339 @@
+//! The RDMA transport's decisions, proven from its driver counters: where
+//! payloads went, each fallback reason, recovery from a failed QP, the lease
+//! cache. Runs over the loopback provider here; the `verbs_*` tests run over
+//! real verbs (soft-RoCE) in the VM suite, `scripts/vm/guest/rdma.sh`.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use futures::executor::block_on;
+use target_rdma::rdma::loopback::LoopbackProvider;
+use target_rdma::rdma::verbs::SidewayProvider;
+use target_rdma::rdma::{
+    wc_status, DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig, TcpReason,
+};
+use target_rdma::transport::BlobIo;
+
+const BLOB: u32 = 64 << 10;
+
+fn count(t: &RdmaTransport, name: &str) -> u64 {
+    t.stats()
+        .snapshot()
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no counter {name}"))
+        .1
+}
+
+fn tcp_total(t: &RdmaTransport) -> u64 {
+    TcpReason::ALL.iter().map(|r| t.stats().tcp_count(*r)).sum()
+}
+
+fn cfg() -> RdmaTransportConfig {
+    RdmaTransportConfig {
+        min_rdma_bytes: 512,
+        buffer_bytes: 16 << 10,
+        pool_buffers: 4,
+        lease_cache: 8,
+        ..RdmaTransportConfig::default()
+    }
+}
+
+struct Setup {
+    t: RdmaTransport,
+    _peer: Peer,
+    _dir: tempfile::TempDir,
+}
+
+fn setup(
+    server: Option<Arc<dyn RdmaProvider>>,
+    client: Result<Arc<dyn RdmaProvider>, String>,
+    cfg: RdmaTransportConfig,
+) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        &PeerOpts {
+            arena_bytes: 4 << 20,
+            blob_bytes: BLOB,
+            rdma: server,
+            ..PeerOpts::default()
+        },
+    );
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), client, cfg).unwrap();
+    Setup {
+        t,
+        _peer: peer,
+        _dir: dir,
+    }
+}
+
+fn loopback() -> (Arc<LoopbackProvider>, Setup) {
+    let p = LoopbackProvider::new();
+    let s = setup(Some(p.clone()), Ok(p.clone()), cfg());
+    (p, s)
+}
+
+/// Writes and reads back 64 x 4 KiB at mixed offsets; returns nothing, asserts data.
+fn workload(t: &RdmaTransport) {
+    block_on(async {
+        for k in 0..16u64 {
+            for part in 0..4u32 {
+                t.write(k, part * 8192, &pattern(k, u64::from(part), 4096))
+                    .await
+                    .unwrap();
+            }
+        }
+        t.flush().await.unwrap();
+        let mut out = vec![0; 4096];
+        for k in 0..16u64 {
+            for part in 0..4u32 {
+                assert!(t.read(k, part * 8192, &mut out).await.unwrap());
+                assert!(
+                    out == pattern(k, u64::from(part), 4096),
+                    "key {k} part {part}"
+                );
+            }
+        }
+    });
+}
+
+/// Payloads went by RDMA and nothing silently used TCP; then a request
+/// above the buffer size is counted as `too_large` and still served.
+fn payloads_go_by_rdma_and_a_forced_fallback_is_counted(t: &RdmaTransport) {
+    workload(t);
+    assert_eq!(count(t, "rdma_transferred"), 128);
+    assert_eq!(tcp_total(t), 0, "{:?}", t.stats().snapshot());
+    assert_eq!(count(t, "rdma_requests"), 128);
+    assert_eq!(count(t, "bytes_written"), 64 * 4096);
+    assert_eq!(count(t, "bytes_read"), 64 * 4096);
+    assert!(count(t, "lease_cache_hits") > 0);
+    let big = pattern(99, 1, 32 << 10);
+    block_on(t.write(99, 0, &big)).unwrap();
+    let mut out = vec![0; 32 << 10];
+    assert!(block_on(t.read(99, 0, &mut out)).unwrap());
+    assert!(out == big);
+    assert_eq!(t.stats().tcp_count(TcpReason::TooLarge), 2);
+    assert_eq!(count(t, "rdma_transferred"), 128);
+}
+
+#[test]
+fn loopback_payloads_go_by_rdma_and_a_forced_fallback_is_counted() {
+    let (_p, s) = loopback();
+    payloads_go_by_rdma_and_a_forced_fallback_is_counted(&s.t);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted() {
+    let p: Arc<dyn RdmaProvider> =
+        Arc::new(SidewayProvider::open(&DeviceSelector::default()).unwrap());
+    let s = setup(Some(p.clone()), Ok(p), cfg());
+    assert!(s.t.rdma_status().is_ok());
+    payloads_go_by_rdma_and_a_forced_fallback_is_counted(&s.t);
+}
+
+#[test]
+fn small_payloads_go_inline_counted_below_threshold() {
+    let (_p, s) = loopback();
+    block_on(s.t.write(1, 0, &[7; 100])).unwrap();
+    let mut out = [0; 100];
+    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap());
+    assert_eq!(out, [7; 100]);
+    assert_eq!(s.t.stats().tcp_count(TcpReason::BelowThreshold), 2);
+    assert_eq!(count(&s.t, "rdma_requests"), 0);
+}
+
+#[test]
+fn a_peer_without_rdma_declines_and_every_payload_is_counted() {
+    let p = LoopbackProvider::new();
+    let s = setup(None, Ok(p), cfg());
+    assert!(s.t.rdma_status().unwrap_err().contains("declined"));
+    block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
+    assert_eq!(s.t.stats().tcp_count(TcpReason::Declined), 1);
+    assert_eq!(
+        s._peer
+            .server
+            .counters()
+            .rdma_declined
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn transport_rdma_refuses_to_start_without_rdma() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let e = RdmaTransport::connect(
+        peer.config("a", SECRET_A),
+        Err("no RDMA device: listing RDMA devices failed: Function not implemented".into()),
+        RdmaTransportConfig {
+            require_rdma: true,
+            ..cfg()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("transport = rdma"), "{e}");
+    assert!(e.to_string().contains("no local RDMA device"), "{e}");
+}
+
+#[test]
+fn no_local_device_is_counted_by_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let t =
+        RdmaTransport::connect(peer.config("a", SECRET_A), Err("ENOSYS".into()), cfg()).unwrap();
+    block_on(t.write(1, 0, &[1; 4096])).unwrap();
+    assert_eq!(t.stats().tcp_count(TcpReason::NoLocalDevice), 1);
+}
+
+#[test]
+fn a_pool_that_cannot_register_sends_payloads_to_tcp_counted() {
+    let p = LoopbackProvider::new();
+    p.refuse_registrations_of(4 * (16 << 10));
+    let s = setup(Some(p.clone()), Ok(p), cfg());
+    block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
+    assert_eq!(s.t.stats().tcp_count(TcpReason::RegistrationFailed), 1);
+    assert_eq!(count(&s.t, "registration_failures"), 1);
+}
+
+#[test]
+fn an_exhausted_pool_registers_per_operation() {
+    let p = LoopbackProvider::new();
+    let s = setup(
+        Some(p.clone()),
+        Ok(p),
+        RdmaTransportConfig {
+            pool_buffers: 1,
+            ..cfg()
+        },
+    );
+    block_on(async {
+        let writes = (0..8u64).map(|k| {
+            let t = &s.t;
+            async move { t.write(k, 0, &pattern(k, 3, 4096)).await }
+        });
+        for r in futures::future::join_all(writes).await {
+            r.unwrap();
+        }
+    });
+    assert_eq!(
+        count(&s.t, "registrations_pooled") + count(&s.t, "registrations_per_op"),
+        8
+    );
+    assert_eq!(count(&s.t, "pool_buffers_peak"), 1);
+    let mut out = vec![0; 4096];
+    for k in 0..8 {
+        block_on(s.t.read(k, 0, &mut out)).unwrap();
+        assert!(out == pattern(k, 3, 4096));
+    }
+}
+
+#[test]
+fn io_buffers_registered_once_are_used_in_place() {
+    let (_p, s) = loopback();
+    let mut bufs = vec![0u8; 64 << 10];
+    // SAFETY: `bufs` outlives the transport's use of it (dropped after `s`
+    // is done with it; the transport is not used after this test body).
+    unsafe { s.t.register_io_buffers(bufs.as_mut_ptr(), bufs.len()) }.unwrap();
+    bufs[..4096].copy_from_slice(&pattern(5, 5, 4096));
+    block_on(s.t.write(5, 0, &bufs[..4096])).unwrap();
+    let (_, rest) = bufs.split_at_mut(8192);
+    assert!(block_on(s.t.read(5, 0, &mut rest[..4096])).unwrap());
+    assert!(rest[..4096] == pattern(5, 5, 4096)[..]);
+    assert_eq!(count(&s.t, "bounce_copies"), 0);
+    assert_eq!(count(&s.t, "registrations_pooled"), 2);
+    drop(s);
+}
+
+#[test]
+fn a_failed_completion_rebuilds_the_rail_and_retries_once() {
+    let (p, s) = loopback();
+    block_on(s.t.write(1, 0, &pattern(1, 1, 4096))).unwrap();
+    p.inject(wc_status::RETRY_EXC_ERR);
+    block_on(s.t.write(1, 0, &pattern(1, 2, 4096))).unwrap();
+    let mut out = vec![0; 4096];
+    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap());
+    assert!(out == pattern(1, 2, 4096));
+    assert_eq!(count(&s.t, "wc_error_retry_exceeded"), 1);
+    assert_eq!(count(&s.t, "rail_connects"), 2);
+    assert_eq!(count(&s.t, "rdma_failed"), 1);
+    assert_eq!(count(&s.t, "rdma_transferred"), 3);
+    assert_eq!(tcp_total(&s.t), 0);
+    // Attempts add up: requests = transferred + failed + timed out.
+    assert_eq!(count(&s.t, "rdma_requests"), 3 + 1);
+}
+
+#[test]
+fn a_second_failure_fails_over_to_tcp_counted_and_the_data_is_right() {
+    let (p, s) = loopback();
+    p.inject(wc_status::REM_ACCESS_ERR);
+    p.inject(wc_status::RETRY_EXC_ERR);
+    block_on(s.t.write(2, 100, &pattern(2, 1, 4096))).unwrap();
+    assert_eq!(count(&s.t, "rdma_declined_served_tcp"), 1);
+    assert_eq!(s.t.stats().tcp_count(TcpReason::QpError), 1);
+    assert_eq!(count(&s.t, "wc_error_remote_access"), 1);
+    let mut out = vec![0; 4096];
+    assert!(block_on(s.t.read(2, 100, &mut out)).unwrap());
+    assert!(out == pattern(2, 1, 4096));
+}
+
+#[test]
+fn dirty_cached_leases_are_committed_by_flush() {
+    let (_p, s) = loopback();
+    block_on(s.t.write(3, 0, &[9; 4096])).unwrap();
+    block_on(s.t.write(3, 4096, &[8; 4096])).unwrap();
+    assert_eq!(count(&s.t, "lease_cache_hits"), 1);
+    assert_eq!(s._peer.store.stats().leases_held, 1);
+    block_on(s.t.flush()).unwrap();
+    assert_eq!(s._peer.store.stats().leases_held, 0);
+    // The peer has it: a plain TCP client reads it back.
+    let c = s._peer.client("a", SECRET_A);
+    let mut out = vec![0; 8192];
+    assert!(block_on(c.read(3, 0, &mut out)).unwrap());
+    assert!(out[..4096].iter().all(|b| *b == 9) && out[4096..].iter().all(|b| *b == 8));
+}
+
+#[test]
+fn revoked_leases_are_given_back() {
+    let p = LoopbackProvider::new();
+    let dir = tempfile::tempdir().unwrap();
+    // Two slots: a cached lease on one, then a second client's demand revokes it.
+    let peer = Peer::start(
+        dir.path(),
+        &PeerOpts {
+            arena_bytes: 2 * u64::from(BLOB),
+            blob_bytes: BLOB,
+            rdma: Some(p.clone()),
+            ..PeerOpts::default()
+        },
+    );
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    block_on(t.write(1, 0, &[1; 4096])).unwrap();
+    block_on(t.write(2, 0, &[2; 4096])).unwrap();
+    assert_eq!(peer.store.stats().leases_held, 2);
+    let other = peer.client("a", SECRET_A);
+    assert!(block_on(other.write(3, 0, &[3; 4096])).is_err());
+    // REVOKE frames arrive asynchronously: wait until ours has been read.
+    for _ in 0..2000 {
+        if t.client()
+            .counters()
+            .revocations
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+        {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Our next request sees the revocations and gives the leases back.
+    let mut out = [0u8; 1024];
+    block_on(t.read(1, 0, &mut out)).unwrap();
+    assert!(count(&t, "lease_revocations") >= 1);
+    block_on(t.flush()).unwrap();
+    block_on(other.write(3, 0, &[3; 4096])).unwrap();
+}
