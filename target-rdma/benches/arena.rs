@@ -205,6 +205,10 @@ fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool)
     let c = &b.client;
     let data = vec![0x5au8; size];
     let data = &data;
+    // Read buffers are reused, as a ublk queue's are: allocating 1 MiB per
+    // request would measure the allocator.
+    let pool = std::cell::RefCell::new(vec![vec![0u8; size]; qd]);
+    let pool = &pool;
     let start = Instant::now();
     let mut ops = 0u64;
     block_on(async {
@@ -216,8 +220,10 @@ fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool)
                     match dir {
                         Dir::Write => c.write(key, off, data).await,
                         Dir::Read => {
-                            let mut out = vec![0u8; size];
-                            c.read(key, off, &mut out).await.map(|_| ())
+                            let mut out = pool.borrow_mut().pop().expect("one buffer per slot");
+                            let r = c.read(key, off, &mut out).await.map(|_| ());
+                            pool.borrow_mut().push(out);
+                            r
                         }
                     }
                 });

@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-pub use reader::{Body, FrameReader};
+pub use reader::{Body, BodyPool, FrameReader};
 
 use crate::auth::{self, Secret};
 use crate::proto::{
@@ -277,6 +277,7 @@ struct Shared {
     durability: Mutex<Durability>,
     next_id: AtomicU64,
     blob_bytes: AtomicU32,
+    bodies: Arc<BodyPool>,
     counters: ClientCounters,
     revocations: Mutex<VecDeque<(u64, u64)>>,
 }
@@ -304,6 +305,7 @@ impl ArenaClient {
                 }),
                 next_id: AtomicU64::new(1),
                 blob_bytes: AtomicU32::new(0),
+                bodies: Arc::default(),
                 counters: ClientCounters::default(),
                 revocations: Mutex::new(VecDeque::new()),
             }),
@@ -532,6 +534,7 @@ impl ArenaClient {
                 if let Some(s) = &self.shared.cfg.payload_stats {
                     s.read(d.len());
                 }
+                self.shared.bodies.give(d);
                 Ok(true)
             }
             Reply::NotFound => {
@@ -769,7 +772,7 @@ fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
 /// The reader thread: dispatches answers, queues revocations, expires requests.
 fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
     let peer = &shared.cfg.peer;
-    let mut reader = FrameReader::default();
+    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies));
     let mut last_sweep = Instant::now();
     let why = loop {
         match reader.next(&mut stream) {

@@ -39,6 +39,33 @@ impl Body<'_> {
     }
 }
 
+/// Large-body buffers handed back by their consumers for reuse, so a
+/// stream of 1 MiB answers does not allocate (and page-fault) 1 MiB each.
+#[derive(Default)]
+pub struct BodyPool {
+    free: parking_lot::Mutex<Vec<Vec<u8>>>,
+}
+
+impl BodyPool {
+    /// Buffers kept at most; beyond that returned buffers are freed.
+    const KEEP: usize = 16;
+
+    /// Returns a buffer for reuse.
+    pub fn give(&self, mut buf: Vec<u8>) {
+        let mut free = self.free.lock();
+        if free.len() < Self::KEEP {
+            buf.clear();
+            free.push(buf);
+        }
+    }
+
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut buf = self.free.lock().pop().unwrap_or_default();
+        buf.reserve_exact(len);
+        buf
+    }
+}
+
 /// Buffer for frames arriving on one stream.
 pub struct FrameReader {
     buf: Vec<u8>,
@@ -46,6 +73,7 @@ pub struct FrameReader {
     end: usize,
     /// A large body being filled: its header and the bytes so far.
     large: Option<(Header, Vec<u8>)>,
+    pool: std::sync::Arc<BodyPool>,
 }
 
 impl Default for FrameReader {
@@ -55,11 +83,20 @@ impl Default for FrameReader {
             start: 0,
             end: 0,
             large: None,
+            pool: std::sync::Arc::default(),
         }
     }
 }
 
 impl FrameReader {
+    /// A reader that takes its large-body buffers from `pool`.
+    pub fn with_pool(pool: std::sync::Arc<BodyPool>) -> Self {
+        Self {
+            pool,
+            ..Self::default()
+        }
+    }
+
     /// Returns the next whole frame. `Ok(None)` is a clean end of stream
     /// between frames; a timeout surfaces as `FrameError::Io` with the
     /// partial frame kept for the next call.
@@ -103,7 +140,7 @@ impl FrameReader {
                     return Ok(Some((h, Body::Buffered(&self.buf[body]))));
                 }
                 if len >= OWNED_BODY_MIN {
-                    let mut body = Vec::with_capacity(len);
+                    let mut body = self.pool.take(len);
                     body.extend_from_slice(&self.buf[self.start + HEADER_LEN..self.end]);
                     self.start = self.end;
                     self.large = Some((h, body));
