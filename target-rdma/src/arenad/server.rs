@@ -12,13 +12,14 @@ use std::io::{self, BufReader, BufWriter, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Weak};
+use std::sync::{mpsc, Arc, OnceLock, Weak};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
+use crate::arenad::telemetry::ArenadTelemetry;
 use crate::auth::{self, Secret};
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Opcode, Request, Status, Welcome, CAP_TCP_DATA,
@@ -91,6 +92,7 @@ pub struct Server {
     conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
     next_conn: AtomicU64,
     stopping: AtomicBool,
+    telemetry: OnceLock<Arc<ArenadTelemetry>>,
 }
 
 /// Why a connection ended early; each becomes an error frame before close.
@@ -143,6 +145,7 @@ impl Server {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            telemetry: OnceLock::new(),
         });
         // The store may call the hook with its lock held, so the hook only
         // queues; a dedicated thread does the socket writes.
@@ -169,6 +172,16 @@ impl Server {
     /// Runtime event counters.
     pub fn counters(&self) -> &ServerCounters {
         &self.counters
+    }
+
+    /// Feeds the arenad metrics from now on (once).
+    pub fn set_telemetry(&self, telemetry: Arc<ArenadTelemetry>) {
+        let _ = self.telemetry.set(telemetry);
+    }
+
+    /// Connections with a completed handshake, now.
+    pub fn connections(&self) -> usize {
+        self.conns.lock().len()
     }
 
     /// Stops accepting, ends every connection after the request it is
@@ -269,6 +282,9 @@ impl Server {
             }
             Fatal::Frame(e) => {
                 self.counters.protocol_error(e.class());
+                if let Some(t) = self.telemetry.get() {
+                    t.frame_error(&e);
+                }
                 warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
                 proto::encode_error(
                     &mut frame,
@@ -285,6 +301,9 @@ impl Server {
             }
             Fatal::Auth(why) => {
                 self.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+                if let Some(t) = self.telemetry.get() {
+                    t.auth_failed();
+                }
                 warn!(event = "auth.failed", conn = id, reason = why);
                 proto::encode_error(
                     &mut frame,
@@ -296,6 +315,9 @@ impl Server {
             }
             Fatal::Hello(status, msg) => {
                 self.counters.protocol_error("hello");
+                if let Some(t) = self.telemetry.get() {
+                    t.hello_refused(status);
+                }
                 warn!(event = "hello.refused", conn = id, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
@@ -373,7 +395,11 @@ impl Server {
 
     fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
         stream.set_nodelay(true)?;
+        let started = Instant::now();
         let vol = self.handshake(id, stream)?;
+        if let Some(t) = self.telemetry.get() {
+            t.hello_ok(started.elapsed());
+        }
         let conn = Arc::new(Conn {
             socket: stream.try_clone()?,
             writer: Mutex::new(BufWriter::with_capacity(256 << 10, stream.try_clone()?)),
@@ -388,7 +414,16 @@ impl Server {
         let mut out = Vec::new();
         let mut data = Vec::new();
         while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
-            let payload = self.handle(vol.id, id, &h, &body, &mut out, &mut data)?;
+            let started = Instant::now();
+            let payload = self.handle(vol.id, id, &h, &body, &mut out, &mut data);
+            if let Some(t) = self.telemetry.get() {
+                match &payload {
+                    Ok(_) => t.answered(h.opcode, &out, started.elapsed()),
+                    Err(Fatal::Store(op, ..)) => t.refused(*op, started.elapsed()),
+                    Err(_) => {}
+                }
+            }
+            let payload = payload?;
             let mut w = conn.writer.lock();
             w.write_all(&out)?;
             if let Some(p) = payload {
