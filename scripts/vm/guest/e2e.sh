@@ -248,9 +248,12 @@ else
     fail crash-recovery "node_stayed=$node_stayed recovered=$recovered fio_rc=$fio_rc dev $before -> $after"
 fi
 
+# Counters restart with ublkd (the crash above): read 1 MiB so this ublkd has
+# moved payloads whatever the timing of the crash scenario.
+timeout 120 dd if="$DEV" of=/dev/null bs=64k count=16 iflag=direct status=none
 ctl stats "$ID" >"$R/stats.txt" 2>&1
 if grep -q "writes" "$R/stats.txt" && grep -q "stalled" "$R/stats.txt" &&
-    grep -q "ublkb$ID: TCP data path - Write: 0 transfers over RDMA, [1-9][0-9]* payload requests over TCP" "$R/stats.txt" &&
+    grep -Eq "ublkb$ID: TCP data path - Read: 0 transfers over RDMA, [1-9][0-9]* payload requests over TCP" "$R/stats.txt" &&
     grep -q "ublkb$ID: warning: configured for RDMA but moved no payload over RDMA" "$R/stats.txt"; then
     pass "ctl-stats (counters, stalled, driver block and its RDMA warning)"
 else fail ctl-stats "$(cat "$R/stats.txt")"; fi
