@@ -16,6 +16,9 @@ pub const MAX_IO_BUF: u64 = 1 << 20;
 pub const MAX_DEPTH: u32 = 4096;
 /// Most hardware queues the ublk driver accepts.
 pub const MAX_QUEUES: u32 = 4096;
+/// Most requests one device may have in flight (queues x depth): the size
+/// bound of its request tracker table.
+pub const MAX_TRACKED: usize = ublk_metrics::tracker::MAX_SLOTS;
 
 /// A config the daemon refuses to start with.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +123,85 @@ pub struct UblkdConfig {
     /// Defaults for new devices.
     #[serde(default)]
     pub device: DeviceDefaults,
+    /// The metrics listener and the request trackers.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: the Prometheus/health listener and the request trackers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `IP:port` of the metrics listener (`/metrics`, `/health`, `/live`,
+    /// `/ready`, `/diagnostics`); `""` or `"off"` disables it.
+    #[serde(default = "default_metrics_listen")]
+    pub listen: String,
+    /// Adds a `device` label to the device I/O families (small hosts only:
+    /// it multiplies their series by the number of devices).
+    #[serde(default)]
+    pub per_device_labels: bool,
+    /// Seconds between two scans of the in-flight request trackers.
+    #[serde(default = "default_scan_interval")]
+    pub scan_interval_secs: u64,
+    /// Age in seconds at which an in-flight request counts as stalled.
+    #[serde(default = "default_stall_threshold")]
+    pub stall_threshold_secs: u64,
+    /// Requests completing at or above this many ms log `request.slow`;
+    /// 0 disables the event.
+    #[serde(default = "default_slow_threshold")]
+    pub slow_threshold_ms: u64,
+}
+
+impl MetricsConfig {
+    /// The listener address, `None` when the listener is disabled.
+    pub fn listen_addr(&self) -> Option<&str> {
+        match self.listen.as_str() {
+            "" | "off" => None,
+            a => Some(a),
+        }
+    }
+
+    /// Checks every `[metrics]` key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(a) = self.listen_addr() {
+            if a.parse::<std::net::SocketAddr>().is_err() {
+                return Err(invalid(
+                    "metrics.listen",
+                    a,
+                    "must be IP:port (e.g. \"127.0.0.1:9477\"), or \"off\" to disable the listener",
+                ));
+            }
+        }
+        if !(1..=300).contains(&self.scan_interval_secs) {
+            return Err(invalid(
+                "metrics.scan_interval_secs",
+                self.scan_interval_secs,
+                "must be between 1 and 300",
+            ));
+        }
+        if !(1..=86_400).contains(&self.stall_threshold_secs) {
+            return Err(invalid(
+                "metrics.stall_threshold_secs",
+                self.stall_threshold_secs,
+                "must be between 1 and 86400",
+            ));
+        }
+        if self.slow_threshold_ms > 3_600_000 {
+            return Err(invalid(
+                "metrics.slow_threshold_ms",
+                self.slow_threshold_ms,
+                "must be between 0 (off) and 3600000",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        // Same as an empty `[metrics]` table.
+        toml::from_str("").unwrap_or_else(|_| unreachable!("every key has a default"))
+    }
 }
 
 /// `[device]`: parameters of new devices. `ublkctl add` overrides queues,
@@ -197,6 +279,18 @@ fn default_connect_timeout() -> u64 {
 }
 fn default_request_timeout() -> u64 {
     30000
+}
+fn default_metrics_listen() -> String {
+    "127.0.0.1:9477".into()
+}
+fn default_scan_interval() -> u64 {
+    5
+}
+fn default_stall_threshold() -> u64 {
+    30
+}
+fn default_slow_threshold() -> u64 {
+    5000
 }
 fn default_queues() -> u32 {
     1
@@ -312,7 +406,8 @@ impl UblkdConfig {
                 "must be between 100 and 600000",
             ));
         }
-        self.device.validate()
+        self.device.validate()?;
+        self.metrics.validate()
     }
 }
 
@@ -336,6 +431,13 @@ pub fn check_geometry(
             "device.depth",
             depth,
             format!("must be between 1 and {MAX_DEPTH}"),
+        ));
+    }
+    if u64::from(queues) * u64::from(depth) > MAX_TRACKED as u64 {
+        return Err(invalid(
+            "device.depth",
+            depth,
+            format!("queues x depth must be at most {MAX_TRACKED} (one request tracker slot each)"),
         ));
     }
     if !(4096..=MAX_IO_BUF).contains(&io_buf) || !io_buf.is_multiple_of(4096) {
@@ -440,6 +542,22 @@ mod tests {
         assert_eq!(c.device.io_buf, 512 << 10);
         assert_eq!(c.device.transport, Transport::Auto);
         assert!(c.device.write_cache && c.device.fua && c.device.discard);
+        assert_eq!(c.metrics.listen_addr(), Some("127.0.0.1:9477"));
+        assert!(!c.metrics.per_device_labels);
+        assert_eq!(c.metrics.scan_interval_secs, 5);
+        assert_eq!(c.metrics.stall_threshold_secs, 30);
+        assert_eq!(c.metrics.slow_threshold_ms, 5000);
+    }
+
+    #[test]
+    fn the_metrics_listener_can_be_turned_off() {
+        for off in ["\"\"", "\"off\""] {
+            let c = UblkdConfig::parse(&format!("[metrics]\nlisten = {off}\n"), Path::new("x"))
+                .unwrap();
+            assert_eq!(c.metrics.listen_addr(), None);
+        }
+        let c = UblkdConfig::parse("[metrics]\nlisten = \"[::1]:0\"\n", Path::new("x")).unwrap();
+        assert_eq!(c.metrics.listen_addr(), Some("[::1]:0"));
     }
 
     #[test]
@@ -464,6 +582,10 @@ mod tests {
         assert_eq!(
             err("[device]\ndepth = 0"),
             "invalid config: device.depth = 0: must be between 1 and 4096"
+        );
+        assert_eq!(
+            err("[device]\nqueues = 512\ndepth = 4096"),
+            "invalid config: device.depth = 4096: queues x depth must be at most 1048576 (one request tracker slot each)"
         );
         assert_eq!(
             err("[device]\nqueues = 5000"),
@@ -521,6 +643,24 @@ mod tests {
             err("connect_timeout_ms = 0"),
             "invalid config: connect_timeout_ms = 0: must be between 100 and 600000"
         );
+        assert_eq!(
+            err("[metrics]\nlisten = \"localhost:9477\""),
+            "invalid config: metrics.listen = localhost:9477: must be IP:port (e.g. \"127.0.0.1:9477\"), or \"off\" to disable the listener"
+        );
+        assert_eq!(
+            err("[metrics]\nscan_interval_secs = 0"),
+            "invalid config: metrics.scan_interval_secs = 0: must be between 1 and 300"
+        );
+        assert_eq!(
+            err("[metrics]\nstall_threshold_secs = 0"),
+            "invalid config: metrics.stall_threshold_secs = 0: must be between 1 and 86400"
+        );
+        assert_eq!(
+            err("[metrics]\nslow_threshold_ms = 3600001"),
+            "invalid config: metrics.slow_threshold_ms = 3600001: must be between 0 (off) and 3600000"
+        );
+        let e = err("[metrics]\nper_device_labels = \"yes\"");
+        assert!(e.contains("invalid type"), "{e}");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::Transport;
 use crate::stats::StatsSnapshot;
+use ublk_metrics::DeviceDriverReport;
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
@@ -160,10 +161,7 @@ pub enum Reply {
         devices: Vec<DeviceInfo>,
     },
     /// `stats`.
-    Stats {
-        /// Per-device counters, by id.
-        devices: Vec<DeviceStatsInfo>,
-    },
+    Stats(StatsReply),
     /// `features`.
     Features {
         /// The raw `UBLK_F_*` mask.
@@ -206,6 +204,17 @@ pub struct DeviceInfo {
     pub logical_block_size: u32,
 }
 
+/// The answer to `stats`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StatsReply {
+    /// Per-device counters, by id.
+    pub devices: Vec<DeviceStatsInfo>,
+    /// Data-path (driver) statistics of the same devices, by id; print them
+    /// with `ublk_metrics::summarize`.
+    #[serde(default)]
+    pub driver: Vec<DeviceDriverReport>,
+}
+
 /// One device's counters.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceStatsInfo {
@@ -215,6 +224,12 @@ pub struct DeviceStatsInfo {
     pub node: String,
     /// Counters.
     pub stats: StatsSnapshot,
+    /// Requests in flight for at least `metrics.stall_threshold_secs`.
+    #[serde(default)]
+    pub stalled: u64,
+    /// Age of the oldest request in flight, in ms (0 when idle).
+    #[serde(default)]
+    pub oldest_inflight_ms: u64,
 }
 
 /// Why talking to the daemon failed (before any answer).

@@ -24,11 +24,13 @@ use serde::{Deserialize, Serialize};
 use target_rdma::auth::Secret;
 use target_rdma::client::{ArenaClient, ArenaError, ClientConfig};
 use target_rdma::target::ArenaTarget;
+use target_rdma::transport::TcpPayloadStats;
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, Transport, UblkdConfig};
-use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind};
+use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
 use crate::stats::DeviceStats;
+use crate::telemetry::{DevState, DeviceShape, Observability};
 
 /// The ublk control node; absent when `ublk_drv` is not loaded.
 pub const UBLK_CONTROL: &str = "/dev/ublk-control";
@@ -240,14 +242,28 @@ enum State {
 }
 
 impl State {
-    fn name(&self) -> &'static str {
+    fn dev_state(&self) -> DevState {
         match self {
-            Self::Starting => "starting",
-            Self::Recovering => "recovering",
-            Self::Live => "live",
-            Self::Stopped => "stopped",
-            Self::Failed(_) => "failed",
+            Self::Starting => DevState::Starting,
+            Self::Recovering => DevState::Recovering,
+            Self::Live => DevState::Live,
+            Self::Stopped => DevState::Stopped,
+            Self::Failed(_) => DevState::Failed,
         }
+    }
+
+    fn name(&self) -> &'static str {
+        self.dev_state().name()
+    }
+}
+
+fn shape(spec: &DeviceSpec) -> DeviceShape {
+    DeviceShape {
+        id: spec.id,
+        // Bounded by check_geometry (at most MAX_QUEUES / MAX_DEPTH).
+        queues: spec.queues as u16,
+        depth: spec.depth as u16,
+        transport: spec.transport,
     }
 }
 
@@ -284,6 +300,7 @@ pub struct Manager {
     devices: Mutex<BTreeMap<u32, Device>>,
     /// Serialises add/del/recover; reads (list, stats) never wait on it.
     ops: Mutex<()>,
+    obs: Arc<Observability>,
 }
 
 fn ublk_err(what: &'static str, id: i64) -> impl Fn(libublk::UblkError) -> DeviceError {
@@ -350,16 +367,29 @@ fn params(spec: &DeviceSpec) -> sys::ublk_params {
     p
 }
 
-/// The device thread: attaches to the kernel, serves until the device
-/// stops, then deletes the dead kernel device.
-fn device_thread(
+/// What a device thread is started with.
+struct DeviceStart {
     spec: DeviceSpec,
     mode: Mode,
     clients: Vec<ArenaClient>,
     stats: Arc<DeviceStats>,
+    payload: Arc<TcpPayloadStats>,
     state: Arc<Mutex<State>>,
-    tx: mpsc::Sender<Event>,
-) {
+    obs: Arc<Observability>,
+}
+
+/// The device thread: attaches to the kernel, serves until the device
+/// stops, then deletes the dead kernel device.
+fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
+    let DeviceStart {
+        spec,
+        mode,
+        clients,
+        stats,
+        payload,
+        state,
+        obs,
+    } = start;
     let fail = |tx: &mpsc::Sender<Event>, e: DeviceError| {
         let _ = tx.send(Event::Failed(e.to_string()));
     };
@@ -389,12 +419,29 @@ fn device_thread(
         Err(e) => return fail(&tx, ublk_err("ADD_DEV", id.into())(e)),
     };
     let dev_id = ctrl.dev_info().dev_id;
+    let initial = state.lock().dev_state();
+    let dobs = match obs.register(
+        shape(&DeviceSpec {
+            id: dev_id,
+            ..spec.clone()
+        }),
+        initial,
+        Arc::clone(&stats),
+        clients.clone(),
+        payload,
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = ctrl.del_dev();
+            return fail(&tx, DeviceError::BadRequest(e.to_string()));
+        }
+    };
     let _ = tx.send(Event::Built(dev_id));
 
     let queue_clients: Arc<Mutex<Vec<Option<ArenaClient>>>> =
         Arc::new(Mutex::new(clients.into_iter().map(Some).collect()));
     let size = spec.size;
-    let qstats = Arc::clone(&stats);
+    let qobs = Arc::clone(&dobs);
     let q_fn = move |qid: u16, dev: &UblkDev| {
         let Some(client) = queue_clients
             .lock()
@@ -404,12 +451,7 @@ fn device_thread(
             tracing::error!(event = "queue.no_client", qid);
             return;
         };
-        crate::queue::run(
-            qid,
-            dev,
-            ArenaTarget::new(client, size),
-            Arc::clone(&qstats),
-        );
+        crate::queue::run(qid, dev, ArenaTarget::new(client, size), Arc::clone(&qobs));
     };
     let ublk_params = params(&spec);
     let tgt_init = move |dev: &mut UblkDev| {
@@ -418,9 +460,11 @@ fn device_thread(
         Ok(())
     };
     let started_state = Arc::clone(&state);
+    let started_obs = Arc::clone(&dobs);
     let started_tx = tx.clone();
     let on_started = move |_: &UblkCtrl| {
         *started_state.lock() = State::Live;
+        started_obs.set_state(DevState::Live);
         let _ = started_tx.send(Event::Started);
     };
     let result = ctrl.run_target(tgt_init, q_fn, on_started);
@@ -430,11 +474,13 @@ fn device_thread(
     match result {
         Ok(_) => {
             *state.lock() = State::Stopped;
+            dobs.set_state(DevState::Stopped);
             tracing::info!(event = "device.stopped", id = dev_id);
         }
         Err(e) => {
             let e = ublk_err("START_DEV", dev_id.into())(e);
             *state.lock() = State::Failed(e.to_string());
+            dobs.set_state(DevState::Failed);
             fail(&tx, e);
         }
     }
@@ -443,14 +489,41 @@ fn device_thread(
 impl Manager {
     /// A manager with no devices yet; [`Manager::restore`] brings back the
     /// persisted ones.
-    pub fn new(cfg: UblkdConfig) -> Result<Self, DeviceError> {
+    pub fn new(cfg: UblkdConfig, obs: Arc<Observability>) -> Result<Self, DeviceError> {
         let store = SpecStore::open(&cfg.state_dir)?;
         Ok(Self {
             cfg,
             store,
             devices: Mutex::new(BTreeMap::new()),
             ops: Mutex::new(()),
+            obs,
         })
+    }
+
+    /// Lists a device that could not be brought back as `failed` (it stays
+    /// configured, so readiness reports it as not running).
+    fn insert_failed(&self, spec: DeviceSpec, e: &DeviceError) {
+        let id = spec.id;
+        if let Err(oe) = self.obs.register(
+            shape(&spec),
+            DevState::Failed,
+            Arc::default(),
+            Vec::new(),
+            Arc::default(),
+        ) {
+            tracing::warn!(event = "device.metrics_failed", id, error = %oe);
+        }
+        self.devices.lock().insert(
+            id,
+            Device {
+                spec,
+                stats: Arc::default(),
+                state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
+                clients: Vec::new(),
+                blob_bytes: 0,
+                thread: None,
+            },
+        );
     }
 
     /// Re-creates or recovers every persisted device. Failures are logged
@@ -463,17 +536,7 @@ impl Manager {
                 Ok(()) => tracing::info!(event = "device.restored", id),
                 Err(e) => {
                     tracing::error!(event = "device.restore_failed", id, error = %e);
-                    self.devices.lock().insert(
-                        id,
-                        Device {
-                            spec,
-                            stats: Arc::default(),
-                            state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
-                            clients: Vec::new(),
-                            blob_bytes: 0,
-                            thread: None,
-                        },
-                    );
+                    self.insert_failed(spec, &e);
                 }
             }
         }
@@ -509,10 +572,12 @@ impl Manager {
             path: spec.secret_file.clone(),
             reason: e.to_string(),
         })?;
+        let payload = Arc::new(TcpPayloadStats::default());
         let mut clients = Vec::with_capacity(spec.queues as usize);
         for _ in 0..spec.queues {
             let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
             cc.blob_bytes = spec.blob_size as u32;
+            cc.payload_stats = Some(Arc::clone(&payload));
             cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
             cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
             clients.push(ArenaClient::connect(cc)?);
@@ -528,15 +593,18 @@ impl Manager {
         }));
         let (tx, rx) = mpsc::channel();
         let thread = {
-            let (spec, clients, stats, state) = (
-                spec.clone(),
-                clients.clone(),
-                Arc::clone(&stats),
-                Arc::clone(&state),
-            );
+            let start = DeviceStart {
+                spec: spec.clone(),
+                mode,
+                clients: clients.clone(),
+                stats: Arc::clone(&stats),
+                payload,
+                state: Arc::clone(&state),
+                obs: Arc::clone(&self.obs),
+            };
             std::thread::Builder::new()
                 .name("ublk-dev".into())
-                .spawn(move || device_thread(spec, mode, clients, stats, state, tx))
+                .spawn(move || device_thread(start, tx))
                 .map_err(|source| DeviceError::State {
                     path: PathBuf::from("(thread)"),
                     source,
@@ -569,12 +637,14 @@ impl Manager {
             Ok(Event::Started) => {}
             Ok(Event::Failed(detail)) => {
                 let _ = self.store.remove(id);
+                self.obs.unregister(id);
                 return Err(failed(thread, detail));
             }
             Ok(Event::Built(_)) | Err(_) => {
                 tracing::error!(event = "device.start_timeout", id);
                 let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.kill_dev());
                 let _ = self.store.remove(id);
+                self.obs.unregister(id);
                 return Err(failed(thread, "device did not become live in time".into()));
             }
         }
@@ -679,6 +749,7 @@ impl Manager {
             self.stop(id, &mut dev);
         }
         let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.del_dev());
+        self.obs.unregister(id);
         self.store.remove(id)?;
         tracing::info!(event = "device.deleted", id, force);
         Ok(())
@@ -716,17 +787,7 @@ impl Manager {
             }
         }
         if let Err(e) = self.bring_back(spec.clone()) {
-            self.devices.lock().insert(
-                id,
-                Device {
-                    spec,
-                    stats: Arc::default(),
-                    state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
-                    clients: Vec::new(),
-                    blob_bytes: 0,
-                    thread: None,
-                },
-            );
+            self.insert_failed(spec, &e);
             return Err(e);
         }
         self.info(id)
@@ -772,23 +833,35 @@ impl Manager {
             .collect()
     }
 
-    /// `stats`.
-    pub fn stats(&self, id: Option<u32>) -> Result<Vec<DeviceStatsInfo>, DeviceError> {
+    /// `stats`: per-device counters (with the stalled requests from the
+    /// trackers) and the driver statistics of the same devices.
+    pub fn stats(&self, id: Option<u32>) -> Result<StatsReply, DeviceError> {
         let devs = self.devices.lock();
         if let Some(id) = id {
             if !devs.contains_key(&id) {
                 return Err(DeviceError::Unknown(id));
             }
         }
-        Ok(devs
+        let threshold = self.obs.stall_threshold();
+        let devices = devs
             .iter()
             .filter(|(i, _)| id.is_none_or(|want| want == **i))
-            .map(|(i, d)| DeviceStatsInfo {
-                id: *i,
-                node: format!("/dev/ublkb{i}"),
-                stats: d.stats.snapshot(),
+            .map(|(i, d)| {
+                let tracked = self.obs.device(*i).map(|o| o.table().snapshot(threshold));
+                DeviceStatsInfo {
+                    id: *i,
+                    node: format!("/dev/ublkb{i}"),
+                    stats: d.stats.snapshot(),
+                    stalled: tracked.map_or(0, |t| t.stalled),
+                    oldest_inflight_ms: tracked.map_or(0, |t| t.oldest.as_millis() as u64),
+                }
             })
-            .collect())
+            .collect();
+        drop(devs);
+        Ok(StatsReply {
+            devices,
+            driver: self.obs.driver_reports(id),
+        })
     }
 
     /// SIGTERM with `on_shutdown = "keep"`: FLUSH every device's arena
@@ -828,6 +901,15 @@ mod tests {
         c
     }
 
+    fn manager(dir: &Path) -> Manager {
+        let c = cfg(dir);
+        let obs = Observability::new(
+            ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
+            &c.metrics,
+        );
+        Manager::new(c, obs).unwrap()
+    }
+
     fn args() -> AddArgs {
         AddArgs {
             peer: "127.0.0.1:1".into(),
@@ -845,7 +927,7 @@ mod tests {
     #[test]
     fn specs_persist_and_reload() {
         let dir = tempfile::tempdir().unwrap();
-        let m = Manager::new(cfg(dir.path())).unwrap();
+        let m = manager(dir.path());
         let mut s = m.spec_for(&args()).unwrap();
         s.id = 7;
         m.store.save(&s).unwrap();
@@ -859,7 +941,7 @@ mod tests {
     #[test]
     fn add_arguments_are_checked_with_clear_messages() {
         let dir = tempfile::tempdir().unwrap();
-        let m = Manager::new(cfg(dir.path())).unwrap();
+        let m = manager(dir.path());
         let msg = |f: &dyn Fn(&mut AddArgs)| {
             let mut a = args();
             f(&mut a);
@@ -909,7 +991,7 @@ mod tests {
     #[test]
     fn unknown_devices_are_reported() {
         let dir = tempfile::tempdir().unwrap();
-        let m = Manager::new(cfg(dir.path())).unwrap();
+        let m = manager(dir.path());
         for e in [
             m.del(4, false).unwrap_err(),
             m.info(4).unwrap_err(),
@@ -925,7 +1007,7 @@ mod tests {
     #[test]
     fn params_carry_cache_fua_and_discard_limits() {
         let dir = tempfile::tempdir().unwrap();
-        let m = Manager::new(cfg(dir.path())).unwrap();
+        let m = manager(dir.path());
         let s = m.spec_for(&args()).unwrap();
         let p = params(&s);
         assert_eq!(

@@ -4,10 +4,18 @@
 //! `-errno`) comes out. The queue loop (`queue.rs`) only moves descriptors
 //! and buffers between the kernel and [`serve`].
 
-use libublk::sys;
-use target_rdma::target::{BlockOp, BlockTarget};
+use std::time::{Duration, Instant};
 
-use crate::stats::DeviceStats;
+use libublk::sys;
+use target_rdma::client::ArenaError;
+use target_rdma::proto::Status;
+use target_rdma::target::{BlockOp, BlockTarget, TargetError};
+use ublk_metrics::{
+    events, CorrelationId, ErrnoClass, IoOp, Phase, Reason, TrackerGuard, TrackerTable,
+    Transport as MetricsTransport,
+};
+
+use crate::telemetry::DeviceObs;
 
 /// What the kernel put in the queue's descriptor array for one tag, copied
 /// out so the request can be served without holding a reference into the
@@ -125,31 +133,146 @@ pub fn decode(desc: &IoDesc, buf_len: usize) -> Result<IoRequest, i32> {
     }
 }
 
-/// Serves one descriptor against `target` and returns what the kernel gets
-/// as the command result: bytes transferred for READ/WRITE, 0 for the
-/// others, `-errno` on failure. It always returns (the target's own
-/// timeouts bound the wait), and every outcome is counted in `stats`.
+/// The metrics op of a ublk op code, `None` for ops ublkd does not serve.
+pub fn metrics_op(op_flags: u32) -> Option<IoOp> {
+    match op_flags & 0xff {
+        sys::UBLK_IO_OP_READ => Some(IoOp::Read),
+        sys::UBLK_IO_OP_WRITE => Some(IoOp::Write),
+        sys::UBLK_IO_OP_FLUSH => Some(IoOp::Flush),
+        sys::UBLK_IO_OP_DISCARD => Some(IoOp::Discard),
+        sys::UBLK_IO_OP_WRITE_ZEROES => Some(IoOp::WriteZeroes),
+        _ => None,
+    }
+}
+
+/// Where a failed request failed, in the failure taxonomy of
+/// `docs/METRICS.md`.
+pub fn classify(e: &TargetError) -> (Phase, Reason) {
+    let TargetError::Arena { op, source } = e else {
+        return (Phase::Post, Reason::Protocol);
+    };
+    match source {
+        ArenaError::Connect { .. } => (Phase::Connect, Reason::Unavailable),
+        ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. } => {
+            (Phase::Handshake, Reason::Auth)
+        }
+        ArenaError::Refused { .. } => (Phase::Handshake, Reason::Unavailable),
+        ArenaError::TimedOut { .. } => (Phase::Poll, Reason::Timeout),
+        ArenaError::Disconnected { .. } => (Phase::Poll, Reason::PeerClosed),
+        ArenaError::Protocol { .. } => (Phase::Poll, Reason::Protocol),
+        ArenaError::UnflushedDataLost { .. } => (Phase::Flush, Reason::Io),
+        ArenaError::Status { status, .. } => match status {
+            Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
+                (Phase::Alloc, Reason::ResourceExhausted)
+            }
+            Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
+            Status::AuthFailed => (Phase::Completion, Reason::Auth),
+            Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
+            _ if *op == BlockOp::Flush => (Phase::Flush, Reason::Io),
+            _ => (Phase::Completion, Reason::Io),
+        },
+        ArenaError::Store(_) => (Phase::Completion, Reason::Io),
+    }
+}
+
+/// Whether an error means the arena connection is gone (readiness then
+/// reports `peer_disconnected` until it is back).
+fn peer_gone(e: &TargetError) -> bool {
+    matches!(
+        e,
+        TargetError::Arena {
+            source: ArenaError::Connect { .. }
+                | ArenaError::Disconnected { .. }
+                | ArenaError::Refused { .. },
+            ..
+        }
+    )
+}
+
+/// Serves one descriptor of (`queue`, `tag`) against `target` and returns
+/// what the kernel gets as the command result: bytes transferred for
+/// READ/WRITE, 0 for the others, `-errno` on failure. It always returns
+/// (the target's own timeouts bound the wait).
+///
+/// Every READ/WRITE/FLUSH/DISCARD/WRITE_ZEROES is tracked in the device's
+/// slot for (`queue`, `tag`) from here to completion, counted in the device
+/// I/O families (errno class, latency), in the request/attempt accounting
+/// and in the device's `ublkctl stats` counters. Nothing here allocates or
+/// formats unless the request fails.
 pub async fn serve<T: BlockTarget>(
     target: &T,
     desc: &IoDesc,
     buf: &mut [u8],
-    stats: &DeviceStats,
+    dev: &DeviceObs,
+    queue: u16,
+    tag: u16,
 ) -> i32 {
+    let stats = dev.stats();
+    let Some(op) = metrics_op(desc.op_flags) else {
+        stats.failed();
+        tracing::warn!(
+            event = "request.rejected",
+            op_flags = desc.op_flags,
+            errno = libc::EOPNOTSUPP
+        );
+        return -libc::EOPNOTSUPP;
+    };
+    let guard = match dev.table().start(queue, tag, op) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            // ublk never reuses a busy tag and the table has the device's
+            // geometry, so this is a bug; count the request anyway.
+            tracing::error!(event = "tracker.failed", device = dev.id(), error = %e);
+            None
+        }
+    };
+    let untracked_start = guard.is_none().then(Instant::now);
+    let corr = guard
+        .as_ref()
+        .map_or_else(CorrelationId::next, |g| g.correlation_id());
+    let span = dev
+        .accounting()
+        .start_request(op, MetricsTransport::Tcp, corr);
+    let complete =
+        |guard: Option<TrackerGuard<&TrackerTable>>, bytes: u64, r: Result<(), i32>| match (
+            guard,
+            untracked_start,
+        ) {
+            (Some(g), _) => {
+                g.complete(dev.io(), bytes, r);
+            }
+            (None, start) => {
+                dev.io()
+                    .record(op, bytes, r, start.map_or(Duration::ZERO, |s| s.elapsed()));
+            }
+        };
     let req = match decode(desc, buf.len()) {
         Ok(r) => r,
         Err(errno) => {
             stats.failed();
+            span.fail(Phase::Post, Reason::Protocol);
+            events::request_failed(
+                corr,
+                Some(dev.id()),
+                op,
+                ErrnoClass::from_errno(errno),
+                Phase::Post,
+                Reason::Protocol,
+            );
             tracing::warn!(
                 event = "request.rejected",
+                corr = corr.get(),
                 op_flags = desc.op_flags,
                 start_sector = desc.start_sector,
                 nr_sectors = desc.nr_sectors,
                 errno
             );
+            complete(guard, 0, Err(errno));
             return -errno;
         }
     };
     let _inflight = stats.start();
+    let attempt = span.attempt(MetricsTransport::Tcp);
     let result = match req {
         IoRequest::Read { offset, len } => target.read(offset, &mut buf[..len]).await,
         IoRequest::Write { offset, len, fua } => target.write(offset, &buf[..len], fua).await,
@@ -159,7 +282,11 @@ pub async fn serve<T: BlockTarget>(
     };
     match result {
         Ok(()) => {
+            attempt.succeed();
+            span.succeed();
+            dev.peer_ok();
             stats.done(req.op(), req.bytes());
+            complete(guard, req.bytes(), Ok(()));
             match req {
                 // Bounded by the buffer size, which fits an i32 (libublk caps it).
                 IoRequest::Read { len, .. } | IoRequest::Write { len, .. } => len as i32,
@@ -167,9 +294,25 @@ pub async fn serve<T: BlockTarget>(
             }
         }
         Err(e) => {
+            let errno = e.errno();
+            let (phase, reason) = classify(&e);
+            attempt.fail(phase, reason);
+            span.fail(phase, reason);
+            if peer_gone(&e) {
+                dev.peer_lost(phase, reason);
+            }
             stats.failed();
-            tracing::warn!(event = "request.failed", op = req.op().name(), error = %e);
-            -e.errno()
+            events::request_failed(
+                corr,
+                Some(dev.id()),
+                op,
+                ErrnoClass::from_errno(errno),
+                phase,
+                reason,
+            );
+            tracing::debug!(event = "request.error", corr = corr.get(), error = %e);
+            complete(guard, 0, Err(errno));
+            -errno
         }
     }
 }
@@ -179,12 +322,15 @@ mod tests {
     //! A fake queue: the same descriptors and per-tag buffers the kernel
     //! would hand a queue thread, driven through [`serve`].
     use std::cell::RefCell;
+    use std::sync::Arc;
 
     use futures::executor::LocalPool;
-    use target_rdma::client::ArenaError;
-    use target_rdma::target::{MemTarget, TargetError};
+    use target_rdma::target::MemTarget;
+    use ublk_metrics::{Daemon, Telemetry};
 
     use super::*;
+    use crate::config::{MetricsConfig, Transport};
+    use crate::telemetry::{DevState, DeviceShape, Observability};
 
     const DEPTH: usize = 4;
     const BUF: usize = 64 * 1024;
@@ -192,7 +338,8 @@ mod tests {
     /// Per-tag buffers and the completions posted so far.
     struct FakeQueue<T> {
         target: T,
-        stats: DeviceStats,
+        obs: Arc<Observability>,
+        dev: Arc<DeviceObs>,
         bufs: Vec<RefCell<Vec<u8>>>,
     }
 
@@ -206,17 +353,44 @@ mod tests {
 
     impl<T: BlockTarget> FakeQueue<T> {
         fn new(target: T) -> Self {
+            let obs = Observability::new(
+                Telemetry::isolated(Daemon::Ublkd, "test"),
+                &MetricsConfig::default(),
+            );
+            let dev = obs
+                .register(
+                    DeviceShape {
+                        id: 0,
+                        queues: 1,
+                        depth: DEPTH as u16,
+                        transport: Transport::Tcp,
+                    },
+                    DevState::Live,
+                    Arc::default(),
+                    Vec::new(),
+                    Arc::default(),
+                )
+                .unwrap();
             Self {
                 target,
-                stats: DeviceStats::default(),
+                obs,
+                dev,
                 bufs: (0..DEPTH).map(|_| RefCell::new(vec![0; BUF])).collect(),
             }
+        }
+
+        fn snapshot(&self) -> crate::stats::StatsSnapshot {
+            self.dev.stats().snapshot()
+        }
+
+        fn metrics(&self) -> String {
+            self.obs.telemetry().render().unwrap()
         }
 
         /// Issues one request on `tag` and runs it to completion.
         fn issue(&self, tag: usize, d: IoDesc) -> i32 {
             let mut buf = self.bufs[tag].borrow_mut();
-            futures::executor::block_on(serve(&self.target, &d, &mut buf, &self.stats))
+            futures::executor::block_on(serve(&self.target, &d, &mut buf, &self.dev, 0, tag as u16))
         }
 
         /// Issues one request per tag concurrently, like a full queue.
@@ -230,10 +404,10 @@ mod tests {
                 .enumerate()
                 .map(|(i, (buf, d))| {
                     let results = &results;
-                    let stats = &self.stats;
+                    let dev = &*self.dev;
                     let target = &self.target;
                     async move {
-                        let r = serve(target, d, buf, stats).await;
+                        let r = serve(target, d, buf, dev, 0, i as u16).await;
                         results.borrow_mut()[i] = r;
                     }
                 })
@@ -278,7 +452,7 @@ mod tests {
         let (r, got) = q.read(1, 16, 8192);
         assert_eq!(r, 8192);
         assert_eq!(got, data);
-        let s = q.stats.snapshot();
+        let s = q.snapshot();
         assert_eq!((s.writes, s.reads), (1, 1));
         assert_eq!((s.bytes_written, s.bytes_read), (8192, 8192));
         assert_eq!((s.errors, s.in_flight), (0, 0));
@@ -289,7 +463,7 @@ mod tests {
         let q = FakeQueue::new(MemTarget::new(1 << 20));
         assert_eq!(q.write(2, 0, &pattern(4096, 1), true), 4096);
         assert_eq!(q.read(0, 0, 4096).1, pattern(4096, 1));
-        assert_eq!(q.stats.snapshot().writes, 1);
+        assert_eq!(q.snapshot().writes, 1);
     }
 
     #[test]
@@ -311,7 +485,7 @@ mod tests {
             got[12288..].iter().all(|b| *b == 0),
             "zeroed range reads zeros"
         );
-        let s = q.stats.snapshot();
+        let s = q.snapshot();
         assert_eq!((s.flushes, s.discards, s.write_zeroes), (2, 1, 1));
         assert_eq!(s.bytes_discarded, 8192);
     }
@@ -324,7 +498,7 @@ mod tests {
         assert_eq!(r, -libc::EIO);
         let r = q.issue(0, desc(sys::UBLK_IO_OP_DISCARD, 0, 1 << 40, 8));
         assert_eq!(r, -libc::EIO);
-        let s = q.stats.snapshot();
+        let s = q.snapshot();
         assert_eq!((s.errors, s.in_flight), (2, 0));
     }
 
@@ -348,7 +522,7 @@ mod tests {
             q.issue(0, desc(sys::UBLK_IO_OP_READ, 0, u64::MAX, 8)),
             -libc::EIO
         );
-        assert_eq!(q.stats.snapshot().errors, 4);
+        assert_eq!(q.snapshot().errors, 4);
     }
 
     #[test]
@@ -415,11 +589,137 @@ mod tests {
             q.issue(0, desc(sys::UBLK_IO_OP_WRITE_ZEROES, 0, 0, 8)),
             -libc::ENOLINK
         );
-        let s = q.stats.snapshot();
+        let s = q.snapshot();
         assert_eq!((s.errors, s.in_flight), (5, 0));
         assert_eq!(
             s.reads + s.writes + s.flushes + s.discards + s.write_zeroes,
             0
         );
+    }
+
+    /// The value of the sample of `name` whose labels include `labels`.
+    fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+            .filter(|l| {
+                labels
+                    .iter()
+                    .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    }
+
+    #[test]
+    fn every_request_is_counted_tracked_and_accounted() {
+        let q = FakeQueue::new(MemTarget::new(1 << 20));
+        q.write(0, 0, &pattern(8192, 1), false);
+        q.read(1, 0, 4096);
+        q.issue(2, desc(sys::UBLK_IO_OP_FLUSH, 0, u64::MAX, 0));
+        q.issue(3, desc(sys::UBLK_IO_OP_DISCARD, 0, 0, 8));
+        q.issue(0, desc(sys::UBLK_IO_OP_WRITE_ZEROES, 0, 8, 8));
+        // Past the end: EIO from the target.
+        q.issue(1, desc(sys::UBLK_IO_OP_READ, 0, 1 << 20, 8));
+        let m = q.metrics();
+        let io = |op: &str| {
+            sample(
+                &m,
+                "ublk_io_requests_total",
+                &[("target", "arena"), ("op", op)],
+            )
+        };
+        assert_eq!(
+            [
+                io("read"),
+                io("write"),
+                io("flush"),
+                io("discard"),
+                io("write_zeroes")
+            ],
+            [2.0, 1.0, 1.0, 1.0, 1.0]
+        );
+        assert_eq!(
+            sample(&m, "ublk_io_bytes_total", &[("op", "write")]),
+            8192.0
+        );
+        assert_eq!(
+            sample(&m, "ublk_io_bytes_total", &[("op", "read")]),
+            4096.0,
+            "a failed request adds no bytes"
+        );
+        assert_eq!(
+            sample(
+                &m,
+                "ublk_io_errors_total",
+                &[("op", "read"), ("errno", "eio")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            sample(&m, "ublk_io_latency_seconds_count", &[("op", "read")]),
+            2.0
+        );
+        // started = outcomes + in flight, for requests and attempts.
+        for (started, outcomes) in [
+            ("ublk_requests_started_total", "ublk_request_outcomes_total"),
+            ("ublk_attempts_started_total", "ublk_attempt_outcomes_total"),
+        ] {
+            let tcp = [("transport", "tcp")];
+            assert_eq!(sample(&m, started, &tcp), 6.0);
+            assert_eq!(sample(&m, outcomes, &tcp), 6.0);
+        }
+        assert_eq!(
+            sample(
+                &m,
+                "ublk_request_outcomes_total",
+                &[("op", "read"), ("transport", "tcp"), ("outcome", "failure")]
+            ),
+            1.0
+        );
+        let snap = q.dev.table().snapshot(Duration::from_secs(30));
+        assert_eq!(snap.inflight, 0, "every slot was cleared");
+        assert!(q.dev.peer_connected(), "answered requests mark the peer up");
+    }
+
+    #[test]
+    fn a_lost_peer_clears_the_device_peer_flag_and_success_sets_it() {
+        let q = FakeQueue::new(BrokenTarget);
+        q.dev.peer_ok();
+        assert!(q.dev.peer_connected());
+        assert_eq!(
+            q.issue(0, desc(sys::UBLK_IO_OP_READ, 0, 0, 8)),
+            -libc::ENOLINK
+        );
+        assert!(!q.dev.peer_connected());
+        let m = q.metrics();
+        assert_eq!(
+            sample(
+                &m,
+                "ublk_request_failures_total",
+                &[
+                    ("transport", "tcp"),
+                    ("phase", "poll"),
+                    ("reason", "peer_closed")
+                ]
+            ),
+            1.0
+        );
+        assert_eq!(
+            sample(
+                &m,
+                "ublk_io_errors_total",
+                &[("op", "read"), ("errno", "enolink")]
+            ),
+            1.0
+        );
+        let ok = FakeQueue::new(MemTarget::new(1 << 20));
+        ok.dev.peer_lost(Phase::Poll, Reason::PeerClosed);
+        assert!(!ok.dev.peer_connected());
+        ok.read(0, 0, 4096);
+        assert!(ok.dev.peer_connected());
     }
 }

@@ -20,7 +20,7 @@ use libublk::{BufDesc, UblkError, UblkUringData};
 use target_rdma::target::BlockTarget;
 
 use crate::io::{serve, IoDesc};
-use crate::stats::DeviceStats;
+use crate::telemetry::DeviceObs;
 use crate::wake::{CrossThread, EventFd};
 
 /// Serves one tag until the queue goes down.
@@ -29,7 +29,7 @@ async fn io_task<T: BlockTarget>(
     tag: u16,
     target: &T,
     efd: &Arc<EventFd>,
-    stats: &DeviceStats,
+    dev: &DeviceObs,
 ) -> Result<(), UblkError> {
     let mut buf = IoBuf::<u8>::new(q.dev.dev_info.max_io_buf_bytes as usize);
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(&buf))
@@ -37,7 +37,7 @@ async fn io_task<T: BlockTarget>(
     loop {
         let desc = IoDesc::from(q.get_iod(tag));
         let res = CrossThread::new(
-            serve(target, &desc, buf.as_mut_slice(), stats),
+            serve(target, &desc, buf.as_mut_slice(), dev, q.get_qid(), tag),
             Arc::clone(efd),
         )
         .await;
@@ -71,7 +71,7 @@ pub fn run<T: BlockTarget + 'static>(
     qid: u16,
     dev: &libublk::io::UblkDev,
     target: T,
-    stats: Arc<DeviceStats>,
+    obs: Arc<DeviceObs>,
 ) {
     let efd = match EventFd::new() {
         Ok(e) => Arc::new(e),
@@ -91,14 +91,14 @@ pub fn run<T: BlockTarget + 'static>(
     let exe = Rc::new(smol::LocalExecutor::new());
     let mut tasks = Vec::new();
     for tag in q.tags() {
-        let (q, target, efd, stats) = (
+        let (q, target, efd, obs) = (
             Rc::clone(&q),
             Rc::clone(&target),
             Arc::clone(&efd),
-            Arc::clone(&stats),
+            Arc::clone(&obs),
         );
         tasks.push(exe.spawn(async move {
-            match io_task(&q, tag, &*target, &efd, &stats).await {
+            match io_task(&q, tag, &*target, &efd, &obs).await {
                 Err(UblkError::QueueIsDown) | Ok(()) => {}
                 Err(e) => tracing::error!(event = "queue.tag_failed", qid, tag, error = %e),
             }

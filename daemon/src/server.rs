@@ -90,7 +90,7 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
             devices: manager.list(),
         }),
         Request::Show { id } => manager.info(id).map(|device| Reply::Device { device }),
-        Request::Stats { id } => manager.stats(id).map(|devices| Reply::Stats { devices }),
+        Request::Stats { id } => manager.stats(id).map(Reply::Stats),
         Request::Recover { id } => manager.recover(id).map(|device| Reply::Device { device }),
         Request::Features => features_reply(),
     };
@@ -193,7 +193,11 @@ mod tests {
         let listener = bind(&sock, None).unwrap();
         let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        let m = Arc::new(Manager::new(cfg).unwrap());
+        let obs = crate::telemetry::Observability::new(
+            ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
+            &cfg.metrics,
+        );
+        let m = Arc::new(Manager::new(cfg, obs).unwrap());
         std::thread::spawn(move || serve(listener, m));
         let r = ctl::call(&sock, Request::List, Duration::from_secs(5)).unwrap();
         assert_eq!(

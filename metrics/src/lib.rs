@@ -42,4 +42,4 @@ pub use io::IoMetrics;
 pub use labels::{ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
 pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
 pub use telemetry::{Collector, Readiness, RenderError, Telemetry, TelemetryError};
-pub use tracker::{TrackerConfig, TrackerError, TrackerGuard, TrackerTable};
+pub use tracker::{TableSnapshot, TrackerConfig, TrackerError, TrackerGuard, TrackerTable};

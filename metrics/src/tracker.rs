@@ -165,6 +165,26 @@ impl TrackerTable {
         &*self.clock
     }
 
+    /// Counts this table's requests in flight now, those pending at least
+    /// `stall_threshold`, and the oldest one's age. O(slots): for
+    /// `ublkctl stats` and `/diagnostics`, never for the I/O path or
+    /// `/ready`.
+    pub fn snapshot(&self, stall_threshold: Duration) -> TableSnapshot {
+        let threshold_ns = u64::try_from(stall_threshold.as_nanos()).unwrap_or(u64::MAX);
+        let now = self.clock.now_ns();
+        let mut snap = TableSnapshot::default();
+        for slot in self.slots.iter() {
+            let Some(s) = slot.sample() else { continue };
+            let age = now.saturating_sub(s.start_ns);
+            snap.inflight += 1;
+            if age >= threshold_ns {
+                snap.stalled += 1;
+            }
+            snap.oldest = snap.oldest.max(Duration::from_nanos(age));
+        }
+        snap
+    }
+
     /// Marks (queue, tag) in flight and returns the guard that clears it.
     #[inline]
     pub fn start(
@@ -232,6 +252,17 @@ impl TrackerTable {
         // MAX_SLOTS < 2^32, checked in new().
         Ok((index as u32, now, corr))
     }
+}
+
+/// One table's in-flight requests at an instant ([`TrackerTable::snapshot`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableSnapshot {
+    /// Requests in flight.
+    pub inflight: u64,
+    /// Requests pending at least the stall threshold.
+    pub stalled: u64,
+    /// Age of the oldest request in flight (zero when none).
+    pub oldest: Duration,
 }
 
 /// Clears its slot when dropped: on completion through

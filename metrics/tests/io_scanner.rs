@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 use ublk_metrics::{
-    Daemon, IoMetrics, IoOp, ManualClock, Scanner, ScannerConfig, Telemetry, TrackerConfig,
-    TrackerError, TrackerTable,
+    Daemon, IoMetrics, IoOp, ManualClock, Scanner, ScannerConfig, TableSnapshot, Telemetry,
+    TrackerConfig, TrackerError, TrackerTable,
 };
 
 fn table(
@@ -352,4 +352,25 @@ fn spawned_scanner_stops_when_dropped() {
     let th = scanner.spawn().unwrap();
     drop(th); // joins; must not wait for the interval
     assert!(value(&render(&t), "ublkd_scanner_runs_total", &[]) >= 1.0);
+}
+
+#[test]
+fn a_table_snapshot_counts_inflight_stalled_and_the_oldest() {
+    let clock = Arc::new(ManualClock::new());
+    let tab = table(&clock, None, None);
+    let threshold = Duration::from_secs(30);
+    assert_eq!(tab.snapshot(threshold), TableSnapshot::default());
+    let old = tab.start(0, 1, IoOp::Read).unwrap();
+    clock.advance(Duration::from_millis(29_900));
+    let young = tab.start(1, 3, IoOp::Flush).unwrap();
+    let s = tab.snapshot(threshold);
+    assert_eq!((s.inflight, s.stalled), (2, 0));
+    assert_eq!(s.oldest, Duration::from_millis(29_900));
+    clock.advance(Duration::from_millis(100));
+    let s = tab.snapshot(threshold);
+    assert_eq!((s.inflight, s.stalled), (2, 1), "30 s exactly is stalled");
+    assert_eq!(s.oldest, Duration::from_secs(30));
+    drop(old);
+    drop(young);
+    assert_eq!(tab.snapshot(threshold), TableSnapshot::default());
 }

@@ -7,8 +7,11 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::size::{parse_size, HumanSize};
+use ublk_metrics::summarize;
 use ublkd::config::Transport;
-use ublkd::ctl::{self, AddArgs, DeviceInfo, ErrorKind, Reply, Request, Response};
+use ublkd::ctl::{
+    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, Reply, Request, Response, StatsReply,
+};
 
 /// Control ublkd's block devices.
 #[derive(Parser, Debug)]
@@ -37,7 +40,7 @@ enum Cmd {
     List(List),
     /// Show one device.
     Show(Id),
-    /// I/O counters of one device or all.
+    /// I/O counters of one device or all, and what the data path did.
     Stats(Stats),
     /// Re-attach a device whose queues stopped.
     Recover(Id),
@@ -192,6 +195,31 @@ fn print_device(d: &DeviceInfo) {
     );
 }
 
+fn print_stats(d: &DeviceStatsInfo) {
+    let s = &d.stats;
+    println!("device {}  {}", d.id, d.node);
+    println!(
+        "  reads         {:>12}  {:>14} bytes",
+        s.reads, s.bytes_read
+    );
+    println!(
+        "  writes        {:>12}  {:>14} bytes",
+        s.writes, s.bytes_written
+    );
+    println!("  flushes       {:>12}", s.flushes);
+    println!(
+        "  discards      {:>12}  {:>14} bytes (with write-zeroes)",
+        s.discards, s.bytes_discarded
+    );
+    println!("  write-zeroes  {:>12}", s.write_zeroes);
+    println!("  errors        {:>12}", s.errors);
+    println!("  in flight     {:>12}", s.in_flight);
+    println!(
+        "  stalled       {:>12}  (oldest in flight {} ms)",
+        d.stalled, d.oldest_inflight_ms
+    );
+}
+
 fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
     match (cmd, reply) {
         (Cmd::Add(_), Reply::Device { device }) => println!("{}", device.node),
@@ -216,26 +244,16 @@ fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
                 );
             }
         }
-        (_, Reply::Stats { devices }) => {
+        (_, Reply::Stats(StatsReply { devices, driver })) => {
             for d in devices {
-                let s = &d.stats;
-                println!("device {}  {}", d.id, d.node);
-                println!(
-                    "  reads         {:>12}  {:>14} bytes",
-                    s.reads, s.bytes_read
-                );
-                println!(
-                    "  writes        {:>12}  {:>14} bytes",
-                    s.writes, s.bytes_written
-                );
-                println!("  flushes       {:>12}", s.flushes);
-                println!(
-                    "  discards      {:>12}  {:>14} bytes (with write-zeroes)",
-                    s.discards, s.bytes_discarded
-                );
-                println!("  write-zeroes  {:>12}", s.write_zeroes);
-                println!("  errors        {:>12}", s.errors);
-                println!("  in flight     {:>12}", s.in_flight);
+                print_stats(d);
+            }
+            let block = summarize(driver);
+            if !block.is_empty() {
+                println!("data path");
+                for line in block.lines() {
+                    println!("  {line}");
+                }
             }
         }
         (_, Reply::Features { mask, names }) => {

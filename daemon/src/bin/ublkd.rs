@@ -1,6 +1,7 @@
-//! `ublkd`: the ublk device daemon. Loads its config, brings back the
-//! persisted devices, serves the control socket, tells systemd it is ready,
-//! and on SIGTERM keeps or removes the devices as configured.
+//! `ublkd`: the ublk device daemon. Loads its config, starts the metrics
+//! listener, brings back the persisted devices, serves the control socket,
+//! tells systemd it is ready, and on SIGTERM keeps or removes the devices as
+//! configured.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,9 +10,12 @@ use anyhow::Context;
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
+use ublk_metrics::events::{init_logging, LogFormat};
+use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::device::Manager;
 use ublkd::server;
+use ublkd::telemetry::{spawn_peer_monitor, Observability};
 
 /// Serve ublk block devices backed by a remote arena (arenad).
 #[derive(Parser, Debug)]
@@ -32,13 +36,42 @@ fn main() -> anyhow::Result<()> {
         println!("{}: ok", args.config.display());
         return Ok(());
     }
-    target_rdma::logging::init(cfg.log_format == "json");
+    let format = if cfg.log_format == "json" {
+        LogFormat::Json
+    } else {
+        LogFormat::Text
+    };
+    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    init_logging(format, &filter).context("setting up logging (RUST_LOG)")?;
     let on_shutdown = cfg.on_shutdown;
     let socket = cfg.socket.clone();
     let group = cfg.socket_group.clone();
     // Signals first, so a SIGTERM during a long restore is not lost.
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
-    let manager = Arc::new(Manager::new(cfg)?);
+    let tel = Telemetry::install(Daemon::Ublkd, env!("CARGO_PKG_VERSION"))?;
+    let obs = Observability::new(Arc::clone(&tel), &cfg.metrics);
+    let _scanner = obs
+        .scanner()
+        .spawn()
+        .context("starting the tracker scanner")?;
+    spawn_peer_monitor(&obs).context("starting the peer monitor")?;
+    // Up before the restore, so /ready answers (503) while devices come back.
+    let _metrics = match cfg.metrics.listen_addr() {
+        Some(addr) => match MetricsServer::start(addr, Arc::clone(&tel), HttpConfig::default()) {
+            Ok(m) => {
+                tracing::info!(event = "metrics.listening", addr = %m.local_addr());
+                Some(m)
+            }
+            // Devices matter more than their metrics: keep serving, and let
+            // the failed scrapes (and this event) say so.
+            Err(e) => {
+                tracing::error!(event = "metrics.listen_failed", error = %e);
+                None
+            }
+        },
+        None => None,
+    };
+    let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
     let listener = server::bind(&socket, group.as_deref())?;
     manager.restore()?;
     {
@@ -48,6 +81,7 @@ fn main() -> anyhow::Result<()> {
             .spawn(move || server::serve(listener, m))
             .context("starting the control socket thread")?;
     }
+    obs.set_control_socket_up(true);
     if let Err(e) = target_rdma::sd_notify::notify("READY=1") {
         tracing::warn!(event = "sd_notify.failed", error = %e);
     }
@@ -56,6 +90,7 @@ fn main() -> anyhow::Result<()> {
         tracing::info!(event = "ublkd.signal", signal = sig);
     }
     let _ = target_rdma::sd_notify::notify("STOPPING=1");
+    tel.begin_shutdown();
     match on_shutdown {
         OnShutdown::Keep => manager.shutdown_keep(),
         OnShutdown::Remove => manager.shutdown_remove(),

@@ -35,6 +35,7 @@ arena_bytes = "$ARENA"
 blob_bytes = "256K"
 swap_dir = "$W/arena"
 swap_bytes = "512M"
+metrics_listen = "127.0.0.1:9478"
 [[volume]]
 name = "e2e"
 secret_file = "$W/vol.key"
@@ -49,6 +50,8 @@ request_timeout_ms = 60000
 queues = 2
 depth = 16
 io_buf = "1M"
+[metrics]
+listen = "127.0.0.1:9477"
 TOML
 
 start_arenad() {
@@ -74,7 +77,20 @@ wait_node() {
     for _ in $(seq 200); do [[ -b "$1" ]] && return 0; sleep 0.05; done
     return 1
 }
+# GET on 127.0.0.1; prints the body, exit status 0 only for HTTP 200.
+http() { timeout 30 /usr/bin/curl -sf "http://127.0.0.1:$1"; }
+# HTTP status of a GET (000 when nothing answers).
+http_code() { timeout 30 /usr/bin/curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1"; }
+# Polls ublkd's /ready until it answers $1 (200 or 503), up to 60 s.
+ready_is() {
+    for _ in $(seq 120); do
+        [[ "$(http_code 9477/ready)" == "$1" ]] && return 0
+        sleep 0.5
+    done
+    return 1
+}
 cleanup() {
+    [[ -n "${PROM_PID:-}" ]] && kill "$PROM_PID" 2>/dev/null
     mountpoint -q "$W/mnt" && umount -l "$W/mnt"
     [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" 2>/dev/null
     [[ -n "${ARENAD_PID:-}" ]] && kill "$ARENAD_PID" 2>/dev/null
@@ -120,6 +136,49 @@ if timeout 900 fio --output="$R/fio-verify.txt" --filename="$DEV" --direct=1 --i
     --name=rand2 --rw=randwrite --offset=68M --size=28M; then
     pass fio-verify
 else fail fio-verify "see fio-verify.txt"; fi
+
+# ---- metrics: a real Prometheus scrapes both daemons; the request counter
+# equals the I/Os the kernel completed for the device ----------------------
+log "prometheus"
+http 9477/ready >"$R/ublkd-ready.json" && pass "ublkd-ready ($(cat "$R/ublkd-ready.json"))" ||
+    fail ublkd-ready "$(cat "$R/ublkd-ready.json")"
+http 9477/metrics >"$R/ublkd-metrics.txt"; http 9478/metrics >"$R/arenad-metrics.txt"
+if /usr/bin/promtool check metrics <"$R/ublkd-metrics.txt" >"$R/promtool.txt" 2>&1 &&
+    /usr/bin/promtool check metrics <"$R/arenad-metrics.txt" >>"$R/promtool.txt" 2>&1; then
+    pass promtool-check-metrics
+else fail promtool-check-metrics "see promtool.txt"; fi
+http 9477/diagnostics >"$R/ublkd-diagnostics.json"; http 9478/diagnostics >"$R/arenad-diagnostics.json"
+if grep -qs -e e2e-volume-secret -e "$PEER" -e '"e2e"' "$R/ublkd-diagnostics.json" "$R/arenad-diagnostics.json"; then
+    fail diagnostics-redacted "secret, peer or volume in diagnostics"
+else pass diagnostics-redacted; fi
+cat >"$W/prom.yml" <<YML
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+scrape_configs:
+  - job_name: ublkd
+    static_configs: [{targets: ["127.0.0.1:9477"]}]
+  - job_name: arenad
+    static_configs: [{targets: ["127.0.0.1:9478"]}]
+YML
+/usr/bin/prometheus --config.file="$W/prom.yml" --storage.tsdb.path="$W/prom" \
+    --web.listen-address=127.0.0.1:9090 >"$R/prometheus.log" 2>&1 &
+PROM_PID=$!
+# The kernel's completed I/Os: reads, writes (with write-zeroes), discards, flushes.
+kernel_ios=$(awk '{print $1 + $5 + $12 + $16}' "/sys/block/ublkb$ID/stat")
+query() { http "9090/api/v1/query?query=$1" | sed -n 's/.*"value":\[[^,]*,"\([^"]*\)"\].*/\1/p'; }
+prom_ios=""; up=""
+for _ in $(seq 240); do
+    up=$(query 'sum(up)')
+    prom_ios=$(query 'sum(ublk_io_requests_total)')
+    [[ "$up" == 2 && "$prom_ios" == "$kernel_ios" ]] && break
+    sleep 0.5
+done
+echo "kernel completed $kernel_ios I/Os ($(cat "/sys/block/ublkb$ID/stat")); prometheus: sum(ublk_io_requests_total) = ${prom_ios:-none}, sum(up) = ${up:-none}" | tee "$R/prometheus-query.txt"
+if [[ "$up" == 2 && -n "$prom_ios" && "$prom_ios" == "$kernel_ios" ]]; then
+    pass "prometheus-request-count ($prom_ios = kernel completions)"
+else fail prometheus-request-count "prometheus ${prom_ios:-none} vs kernel $kernel_ios, up ${up:-none}; see prometheus.log"; fi
+kill "$PROM_PID" 2>/dev/null; wait "$PROM_PID" 2>/dev/null; PROM_PID=
 
 # ---- 2: ext4 mkfs, copy a tree, fsck, remount, checksums -----------------
 log "ext4"
@@ -189,15 +248,29 @@ else
     fail crash-recovery "node_stayed=$node_stayed recovered=$recovered fio_rc=$fio_rc dev $before -> $after"
 fi
 
-ctl stats "$ID" | tee "$R/stats.txt" | grep -q "writes" && pass ctl-stats || fail ctl-stats
+# Counters restart with ublkd (the crash above): read 1 MiB so this ublkd has
+# moved payloads whatever the timing of the crash scenario.
+timeout 120 dd if="$DEV" of=/dev/null bs=64k count=16 iflag=direct status=none
+ctl stats "$ID" >"$R/stats.txt" 2>&1
+if grep -q "writes" "$R/stats.txt" && grep -q "stalled" "$R/stats.txt" &&
+    grep -Eq "ublkb$ID: TCP data path - Read: 0 transfers over RDMA, [1-9][0-9]* payload requests over TCP" "$R/stats.txt" &&
+    grep -q "ublkb$ID: warning: configured for RDMA but moved no payload over RDMA" "$R/stats.txt"; then
+    pass "ctl-stats (counters, stalled, driver block and its RDMA warning)"
+else fail ctl-stats "$(cat "$R/stats.txt")"; fi
 
 # ---- 4: arenad restart after sync keeps data ----------------------------
 log "arenad restart"
 head -c 16M /dev/urandom >"$W/pattern"
 dd if="$W/pattern" of="$DEV" bs=1M oflag=direct conv=fsync status=none
 sync
+ready_is 200 || log "ublkd not ready before the arenad restart: $(http 9477/ready)"
 kill "$ARENAD_PID"; wait "$ARENAD_PID" 2>/dev/null
+if ready_is 503 && timeout 30 /usr/bin/curl -s http://127.0.0.1:9477/ready | grep -q peer_disconnected; then
+    peer_down=1
+else peer_down=0; fi
 start_arenad || log "arenad restart failed"
+if ((peer_down)) && ready_is 200; then pass "ready-follows-peer (503 peer_disconnected, then 200)"
+else fail ready-follows-peer "peer_down=$peer_down, now $(timeout 30 /usr/bin/curl -s http://127.0.0.1:9477/ready)"; fi
 if timeout 300 dd if="$DEV" bs=1M count=16 iflag=direct status=none | cmp -s - "$W/pattern"; then
     pass arenad-restart-keeps-flushed-data
 else

@@ -56,6 +56,10 @@ pub struct ArenadConfig {
     /// GID index: 1 is the IPv4-mapped RoCEv2 GID on soft-RoCE.
     #[serde(default = "default_gid_index")]
     pub rdma_gid_index: u8,
+    /// `IP:port` of the metrics listener (`/metrics`, `/health`, `/live`,
+    /// `/ready`, `/diagnostics`); `""` or `"off"` disables it.
+    #[serde(default = "default_metrics_listen")]
+    pub metrics_listen: String,
     /// The volumes this peer serves.
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,
@@ -100,6 +104,9 @@ fn default_gid_index() -> u8 {
 }
 fn default_handshake_timeout() -> u64 {
     10
+}
+fn default_metrics_listen() -> String {
+    "127.0.0.1:9478".into()
 }
 
 /// A config that could not be loaded or failed validation.
@@ -177,8 +184,25 @@ impl ArenadConfig {
         }
     }
 
+    /// The metrics listener address, `None` when it is disabled.
+    pub fn metrics_listen_addr(&self) -> Option<&str> {
+        match self.metrics_listen.as_str() {
+            "" | "off" => None,
+            a => Some(a),
+        }
+    }
+
     /// Checks every value; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(a) = self.metrics_listen_addr() {
+            if a.parse::<std::net::SocketAddr>().is_err() {
+                return Err(invalid(
+                    "metrics_listen",
+                    format!("{a:?}"),
+                    "must be an IP:port address such as 127.0.0.1:9478, or \"off\"",
+                ));
+            }
+        }
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(invalid(
                 "listen",
@@ -336,6 +360,23 @@ quota = "10G"
         assert!(e.contains("unique"), "{e}");
         let e = err("listen = \"127.0.0.1:1\"");
         assert!(e.contains("at least one [[volume]]"), "{e}");
+        let e = err(&format!("metrics_listen = \"metrics.local:80\"\n{GOOD}"));
+        assert_eq!(
+            e,
+            "config key `metrics_listen` = \"metrics.local:80\": must be an IP:port address such as 127.0.0.1:9478, or \"off\""
+        );
+    }
+
+    #[test]
+    fn the_metrics_listener_defaults_on_and_can_be_turned_off() {
+        assert_eq!(
+            parse(GOOD).unwrap().metrics_listen_addr(),
+            Some("127.0.0.1:9478")
+        );
+        for off in ["", "off"] {
+            let c = parse(&format!("metrics_listen = \"{off}\"\n{GOOD}")).unwrap();
+            assert_eq!(c.metrics_listen_addr(), None);
+        }
     }
 
     #[test]

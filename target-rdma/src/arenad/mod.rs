@@ -1,5 +1,6 @@
-//! The arena peer: configuration and the connection server. The storage
-//! engine it serves lives in [`crate::store`].
+//! The arena peer: configuration, the connection server and its
+//! telemetry. The storage engine it serves lives in [`crate::store`].
 
 pub mod config;
 pub mod server;
+pub mod telemetry;

@@ -12,13 +12,14 @@ use std::io::{self, BufReader, BufWriter, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Weak};
+use std::sync::{mpsc, Arc, OnceLock, Weak};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
+use crate::arenad::telemetry::ArenadTelemetry;
 use crate::auth::{self, Secret};
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Opcode, RailAccept, Request, Status, Welcome,
@@ -151,6 +152,7 @@ pub struct Server {
     conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
     next_conn: AtomicU64,
     stopping: AtomicBool,
+    telemetry: OnceLock<Arc<ArenadTelemetry>>,
 }
 
 /// Why a connection ended early; each becomes an error frame before close.
@@ -214,6 +216,7 @@ impl Server {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            telemetry: OnceLock::new(),
         });
         // The store may call the hook with its lock held, so the hook only
         // queues; a dedicated thread does the socket writes.
@@ -240,6 +243,16 @@ impl Server {
     /// Runtime event counters.
     pub fn counters(&self) -> &ServerCounters {
         &self.counters
+    }
+
+    /// Feeds the arenad metrics from now on (once).
+    pub fn set_telemetry(&self, telemetry: Arc<ArenadTelemetry>) {
+        let _ = self.telemetry.set(telemetry);
+    }
+
+    /// Connections with a completed handshake, now.
+    pub fn connections(&self) -> usize {
+        self.conns.lock().len()
     }
 
     /// Stops accepting, ends every connection after the request it is
@@ -340,6 +353,9 @@ impl Server {
             }
             Fatal::Frame(e) => {
                 self.counters.protocol_error(e.class());
+                if let Some(t) = self.telemetry.get() {
+                    t.frame_error(&e);
+                }
                 warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
                 proto::encode_error(
                     &mut frame,
@@ -356,6 +372,9 @@ impl Server {
             }
             Fatal::Auth(why) => {
                 self.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+                if let Some(t) = self.telemetry.get() {
+                    t.auth_failed();
+                }
                 warn!(event = "auth.failed", conn = id, reason = why);
                 proto::encode_error(
                     &mut frame,
@@ -367,6 +386,9 @@ impl Server {
             }
             Fatal::Hello(status, msg) => {
                 self.counters.protocol_error("hello");
+                if let Some(t) = self.telemetry.get() {
+                    t.hello_refused(status);
+                }
                 warn!(event = "hello.refused", conn = id, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
@@ -459,7 +481,11 @@ impl Server {
 
     fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
         stream.set_nodelay(true)?;
+        let started = Instant::now();
         let (vol, granted) = self.handshake(id, stream)?;
+        if let Some(t) = self.telemetry.get() {
+            t.hello_ok(started.elapsed());
+        }
         let mut rail = Rail { granted, qp: None };
         let conn = Arc::new(Conn {
             socket: stream.try_clone()?,
@@ -474,8 +500,17 @@ impl Server {
         let mut body = Vec::new();
         let mut out = Vec::new();
         while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
+            let started = Instant::now();
             let mut w = conn.writer.lock();
-            self.handle(vol.id, id, &h, &body, &mut out, &mut *w, &mut rail)?;
+            let answered = self.handle(vol.id, id, &h, &body, &mut out, &mut *w, &mut rail);
+            if let Some(t) = self.telemetry.get() {
+                match &answered {
+                    Ok(()) => t.answered(h.opcode, &out, started.elapsed()),
+                    Err(Fatal::Store(op, ..)) => t.refused(*op, started.elapsed()),
+                    Err(_) => {}
+                }
+            }
+            answered?;
             if reader.buffer().is_empty() {
                 w.flush()?;
             }

@@ -10,10 +10,11 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use tracing::info;
+use tracing::{error, info};
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
 use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
+use target_rdma::arenad::telemetry::ArenadTelemetry;
 use target_rdma::auth::Secret;
 use target_rdma::rdma::open_provider;
 use target_rdma::sd_notify;
@@ -52,6 +53,9 @@ struct Args {
     /// Pipeline depth per connection [key: max_inflight].
     #[arg(long)]
     max_inflight: Option<u32>,
+    /// Metrics listener, IP:port or "off" [key: metrics_listen].
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// Add a volume: NAME:SECRET_FILE:QUOTA, e.g. vm1:/etc/arenad/vm1.key:64G
     /// [table: [[volume]]].
     #[arg(long = "volume", value_name = "NAME:SECRET_FILE:QUOTA")]
@@ -89,6 +93,9 @@ fn load_config(args: &Args) -> Result<ArenadConfig> {
     if let Some(v) = &args.swap_dir {
         cfg.swap_dir = v.clone();
     }
+    if let Some(v) = &args.metrics_listen {
+        cfg.metrics_listen = v.clone();
+    }
     for spec in &args.volumes {
         let parts: Vec<&str> = spec.splitn(3, ':').collect();
         let [name, file, quota] = parts[..] else {
@@ -103,6 +110,20 @@ fn load_config(args: &Args) -> Result<ArenadConfig> {
     }
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// Installs the metrics recorder and starts the listener (before the store
+/// opens, so `/ready` says why it is not ready yet). A listener that cannot
+/// bind is logged, not fatal: the arena matters more than its metrics.
+fn start_telemetry(cfg: &ArenadConfig) -> Result<Arc<ArenadTelemetry>> {
+    let telemetry = ArenadTelemetry::install(env!("CARGO_PKG_VERSION"))?;
+    if let Some(addr) = cfg.metrics_listen_addr() {
+        match telemetry.listen(addr) {
+            Ok(local) => info!(event = "metrics.listening", addr = %local),
+            Err(e) => error!(event = "metrics.listen_failed", error = %e),
+        }
+    }
+    Ok(telemetry)
 }
 
 fn main() -> Result<()> {
@@ -139,6 +160,7 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    let telemetry = start_telemetry(&cfg)?;
     std::fs::create_dir_all(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(
@@ -153,6 +175,7 @@ fn main() -> Result<()> {
         )
         .context("opening the arena store")?,
     );
+    telemetry.store_opened(&store, cfg.volumes.len());
     let listener =
         TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
@@ -177,11 +200,15 @@ fn main() -> Result<()> {
         },
         rdma,
     );
+    server.set_telemetry(Arc::clone(&telemetry));
+    telemetry.server_started(&server);
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
     let stopper = Arc::clone(&server);
+    let stopping = Arc::clone(&telemetry);
     std::thread::spawn(move || {
         if let Some(sig) = signals.forever().next() {
             info!(event = "shutdown.requested", signal = sig);
+            stopping.begin_shutdown();
             stopper.shutdown();
         }
     });

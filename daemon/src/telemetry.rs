@@ -1,0 +1,459 @@
+//! ublkd's wiring of the observability contract (`ublk-metrics`): one
+//! [`Observability`] per process owns the telemetry plane, the tracker
+//! scanner, the driver-statistics registry and the request accounting, and
+//! one [`DeviceObs`] per device holds what its queues update on the I/O
+//! path (tracker table, I/O counters) and what readiness reads (state and
+//! peer flags, kept up to date by the device and queue code so that `/ready`
+//! costs O(devices)).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use target_rdma::client::ArenaClient;
+use target_rdma::transport::TcpPayloadStats;
+use ublk_metrics::{
+    events, Clock, DeviceDriverReport, DriverStatsRegistry, IoMetrics, MonotonicClock,
+    NotReadyReason, NotReadySet, Phase, Probes, Reason, RequestAccounting, Scanner, ScannerConfig,
+    TableSnapshot, Telemetry, TrackerConfig, TrackerError, TrackerTable, Transport,
+};
+
+use crate::config::{self, MetricsConfig};
+use crate::stats::DeviceStats;
+
+/// The target label of every ublkd device (the arena target).
+pub const TARGET: &str = "arena";
+/// How often the peer monitor checks (and re-establishes) the arena
+/// connections of live devices.
+pub const PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Where a device is in its life, as readiness and `/diagnostics` see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DevState {
+    /// Being added.
+    Starting = 0,
+    /// Re-attaching to a quiesced kernel device.
+    Recovering = 1,
+    /// Serving I/O.
+    Live = 2,
+    /// Its queues stopped.
+    Stopped = 3,
+    /// Could not be started or recovered.
+    Failed = 4,
+}
+
+impl DevState {
+    /// Stable lower-case name (`ublkctl list` uses the same).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Recovering => "recovering",
+            Self::Live => "live",
+            Self::Stopped => "stopped",
+            Self::Failed => "failed",
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Starting,
+            1 => Self::Recovering,
+            2 => Self::Live,
+            3 => Self::Stopped,
+            _ => Self::Failed,
+        }
+    }
+}
+
+/// What the metrics side of a device needs to know about it.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceShape {
+    /// Device id (N of `/dev/ublkbN`).
+    pub id: u32,
+    /// Hardware queues.
+    pub queues: u16,
+    /// Tags per queue.
+    pub depth: u16,
+    /// Transport the device was configured for.
+    pub transport: config::Transport,
+}
+
+/// One device's observability state, shared by its queue threads.
+pub struct DeviceObs {
+    shape: DeviceShape,
+    state: AtomicU8,
+    peer_connected: AtomicBool,
+    stats: Arc<DeviceStats>,
+    table: Arc<TrackerTable>,
+    io: IoMetrics,
+    acct: Arc<RequestAccounting>,
+    clients: Vec<ArenaClient>,
+}
+
+impl std::fmt::Debug for DeviceObs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceObs")
+            .field("shape", &self.shape)
+            .field("state", &self.state())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceObs {
+    /// Device id.
+    pub fn id(&self) -> u32 {
+        self.shape.id
+    }
+
+    /// The device's counters for `ublkctl stats`.
+    pub fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    /// The in-flight slots, one per (queue, tag).
+    pub fn table(&self) -> &TrackerTable {
+        &self.table
+    }
+
+    /// The device I/O families this device counts into.
+    pub fn io(&self) -> &IoMetrics {
+        &self.io
+    }
+
+    /// Logical request / physical attempt accounting.
+    pub fn accounting(&self) -> &RequestAccounting {
+        &self.acct
+    }
+
+    /// Current state.
+    pub fn state(&self) -> DevState {
+        DevState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    /// Sets the state (device thread).
+    pub fn set_state(&self, s: DevState) {
+        self.state.store(s as u8, Ordering::Release);
+    }
+
+    /// Whether every queue's arena connection was up at the last check.
+    pub fn peer_connected(&self) -> bool {
+        self.peer_connected.load(Ordering::Acquire)
+    }
+
+    /// A request reached the peer and got an answer: the connection is up.
+    /// One load on the I/O path; a store only on a change.
+    #[inline]
+    pub fn peer_ok(&self) {
+        if !self.peer_connected.load(Ordering::Relaxed) {
+            self.peer_connected.store(true, Ordering::Release);
+        }
+    }
+
+    /// The peer was lost (or could not be reached): readiness reports
+    /// `peer_disconnected` and `peer.disconnected` is logged once per loss.
+    pub fn peer_lost(&self, phase: Phase, reason: Reason) {
+        if self.peer_connected.swap(false, Ordering::AcqRel) {
+            events::peer_disconnected(Some(self.shape.id), phase, reason);
+        }
+    }
+
+    /// Checks the queues' arena connections and re-establishes lost ones
+    /// (so a device that is idle when its peer comes back turns ready
+    /// again). Blocks up to the connect timeout per lost connection: run it
+    /// from the peer monitor, never from `/ready`.
+    pub fn check_peer(&self) {
+        let mut up = true;
+        for c in &self.clients {
+            if !c.is_connected() && c.welcome().is_err() {
+                up = false;
+            }
+        }
+        if up {
+            if !self.peer_connected.swap(true, Ordering::AcqRel) {
+                tracing::info!(event = "peer.reconnected", device = self.shape.id);
+            }
+        } else {
+            self.peer_lost(Phase::Connect, Reason::Unavailable);
+        }
+    }
+
+    fn diagnostics(&self, stall_threshold: Duration) -> serde_json::Value {
+        let TableSnapshot {
+            inflight,
+            stalled,
+            oldest,
+        } = self.table.snapshot(stall_threshold);
+        let connections: Vec<&str> = self
+            .clients
+            .iter()
+            .map(|c| {
+                if c.is_connected() {
+                    "connected"
+                } else {
+                    "disconnected"
+                }
+            })
+            .collect();
+        serde_json::json!({
+            "id": self.shape.id,
+            "state": self.state().name(),
+            "queues": self.shape.queues,
+            "queue_depth": self.shape.depth,
+            "transport_configured": self.shape.transport.name(),
+            "transport_in_use": "tcp",
+            "peer_connected": self.peer_connected(),
+            "connections": connections,
+            "inflight": inflight,
+            "stalled": stalled,
+            "oldest_inflight_seconds": oldest.as_secs_f64(),
+        })
+    }
+}
+
+/// Registering a device's metrics failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ObsError {
+    /// The tracker table could not be built for this geometry.
+    #[error("device {id}: request tracker: {source}")]
+    Tracker {
+        /// Device id.
+        id: u32,
+        /// Why.
+        source: TrackerError,
+    },
+}
+
+/// The process's observability: see the module documentation.
+pub struct Observability {
+    tel: Arc<Telemetry>,
+    scanner: Arc<Scanner>,
+    driver: Arc<DriverStatsRegistry>,
+    acct: Arc<RequestAccounting>,
+    clock: Arc<dyn Clock>,
+    per_device_labels: bool,
+    scan_interval: Duration,
+    stall_threshold: Duration,
+    slow_threshold: Option<Duration>,
+    control_socket_up: AtomicBool,
+    devices: Mutex<BTreeMap<u32, Arc<DeviceObs>>>,
+}
+
+impl std::fmt::Debug for Observability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Observability").finish_non_exhaustive()
+    }
+}
+
+/// `/ready` and `/diagnostics` of ublkd. Holds the [`Observability`]
+/// weakly: the telemetry plane owns the probes, and the observability owns
+/// the telemetry plane.
+struct UblkdProbes(Weak<Observability>);
+
+impl Probes for UblkdProbes {
+    fn check_ready(&self, failing: &mut NotReadySet) {
+        match self.0.upgrade() {
+            Some(obs) => obs.check_ready(failing),
+            None => failing.insert(NotReadyReason::ShuttingDown),
+        }
+    }
+
+    fn diagnostics(&self) -> serde_json::Value {
+        self.0
+            .upgrade()
+            .map_or(serde_json::Value::Null, |o| o.diagnostics())
+    }
+}
+
+impl Observability {
+    /// Sets up the scanner, driver statistics and accounting on `tel` and
+    /// registers the readiness and diagnostics probes.
+    pub fn new(tel: Arc<Telemetry>, cfg: &MetricsConfig) -> Arc<Self> {
+        let scan_interval = Duration::from_secs(cfg.scan_interval_secs);
+        let stall_threshold = Duration::from_secs(cfg.stall_threshold_secs);
+        let scanner = Scanner::new(
+            Arc::clone(&tel),
+            ScannerConfig {
+                interval: scan_interval,
+                stall_threshold,
+            },
+        );
+        let obs = Arc::new(Self {
+            driver: DriverStatsRegistry::new(&tel),
+            acct: Arc::new(RequestAccounting::new(&tel)),
+            scanner,
+            clock: Arc::new(MonotonicClock::new()),
+            per_device_labels: cfg.per_device_labels,
+            scan_interval,
+            stall_threshold,
+            slow_threshold: (cfg.slow_threshold_ms > 0)
+                .then(|| Duration::from_millis(cfg.slow_threshold_ms)),
+            control_socket_up: AtomicBool::new(false),
+            devices: Mutex::new(BTreeMap::new()),
+            tel,
+        });
+        obs.tel
+            .set_probes(Arc::new(UblkdProbes(Arc::downgrade(&obs))));
+        obs
+    }
+
+    /// The telemetry plane.
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.tel
+    }
+
+    /// The tracker scanner (start it with [`Scanner::spawn`]).
+    pub fn scanner(&self) -> &Arc<Scanner> {
+        &self.scanner
+    }
+
+    /// The stall threshold in force.
+    pub fn stall_threshold(&self) -> Duration {
+        self.stall_threshold
+    }
+
+    /// Records whether the control socket is accepting.
+    pub fn set_control_socket_up(&self, up: bool) {
+        self.control_socket_up.store(up, Ordering::Release);
+    }
+
+    /// Registers (or replaces) device `shape.id`: its tracker table, I/O
+    /// series and driver statistics. `clients` are its queues' arena
+    /// connections (shared handles), `payload` the TCP data path's driver
+    /// statistics.
+    pub fn register(
+        &self,
+        shape: DeviceShape,
+        state: DevState,
+        stats: Arc<DeviceStats>,
+        clients: Vec<ArenaClient>,
+        payload: Arc<TcpPayloadStats>,
+    ) -> Result<Arc<DeviceObs>, ObsError> {
+        let id = shape.id;
+        let label = self.per_device_labels.then_some(id);
+        let table = TrackerTable::new(
+            TrackerConfig {
+                target: TARGET.into(),
+                device: label,
+                queues: shape.queues,
+                depth: shape.depth,
+                slow_threshold: self.slow_threshold,
+            },
+            Some(id),
+            Arc::clone(&self.clock),
+        )
+        .map_err(|source| ObsError::Tracker { id, source })?;
+        let io = IoMetrics::new(&self.tel, TARGET, label).map_err(|e| ObsError::Tracker {
+            id,
+            source: TrackerError::Label(e),
+        })?;
+        let table = Arc::new(table);
+        self.scanner.register(&table);
+        let configured = match shape.transport {
+            config::Transport::Tcp => Transport::Tcp,
+            // `auto` prefers RDMA: a device that silently moved everything
+            // over TCP is what the driver summary warns about.
+            config::Transport::Rdma | config::Transport::Auto => Transport::Rdma,
+        };
+        self.driver.add_device(id, configured, payload);
+        let dev = Arc::new(DeviceObs {
+            shape,
+            state: AtomicU8::new(state as u8),
+            peer_connected: AtomicBool::new(!clients.is_empty()),
+            stats,
+            table,
+            io,
+            acct: Arc::clone(&self.acct),
+            clients,
+        });
+        self.devices.lock().insert(id, Arc::clone(&dev));
+        Ok(dev)
+    }
+
+    /// Forgets a device: its table goes (the next scan zeroes its gauges)
+    /// and its driver statistics are folded into the retired totals.
+    pub fn unregister(&self, id: u32) {
+        self.devices.lock().remove(&id);
+        self.driver.remove_device(id);
+    }
+
+    /// A registered device.
+    pub fn device(&self, id: u32) -> Option<Arc<DeviceObs>> {
+        self.devices.lock().get(&id).cloned()
+    }
+
+    fn all(&self) -> Vec<Arc<DeviceObs>> {
+        self.devices.lock().values().cloned().collect()
+    }
+
+    /// Checks (and re-establishes) the arena connections of live devices.
+    pub fn check_peers(&self) {
+        for d in self.all() {
+            if d.state() == DevState::Live {
+                d.check_peer();
+            }
+        }
+    }
+
+    /// Driver statistics of one device or all, for `ublkctl stats`.
+    pub fn driver_reports(&self, id: Option<u32>) -> Vec<DeviceDriverReport> {
+        self.driver
+            .reports()
+            .into_iter()
+            .filter(|r| id.is_none_or(|want| want == r.device))
+            .collect()
+    }
+
+    /// Readiness: the control socket accepts, and every configured device
+    /// is live with its peer connected. Reads flags only: O(devices).
+    pub fn check_ready(&self, failing: &mut NotReadySet) {
+        if !self.control_socket_up.load(Ordering::Acquire) {
+            failing.insert(NotReadyReason::ControlSocketDown);
+        }
+        for d in self.devices.lock().values() {
+            if d.state() != DevState::Live {
+                failing.insert(NotReadyReason::DeviceNotRunning);
+            } else if !d.peer_connected() {
+                failing.insert(NotReadyReason::PeerDisconnected);
+            }
+        }
+    }
+
+    /// The `details` of `/diagnostics`: states, depths, connection states
+    /// and ages. No peer address, volume, secret or payload.
+    pub fn diagnostics(&self) -> serde_json::Value {
+        let devices: Vec<serde_json::Value> = self
+            .all()
+            .iter()
+            .map(|d| d.diagnostics(self.stall_threshold))
+            .collect();
+        serde_json::json!({
+            "control_socket": if self.control_socket_up.load(Ordering::Acquire) { "up" } else { "down" },
+            "metrics": {
+                "per_device_labels": self.per_device_labels,
+                "scan_interval_seconds": self.scan_interval.as_secs(),
+                "stall_threshold_seconds": self.stall_threshold.as_secs(),
+                "slow_threshold_ms": self.slow_threshold.map_or(0, |d| d.as_millis() as u64),
+            },
+            "devices": devices,
+        })
+    }
+}
+
+/// Runs [`Observability::check_peers`] every [`PEER_CHECK_INTERVAL`] on its
+/// own thread, for as long as the observability lives.
+pub fn spawn_peer_monitor(obs: &Arc<Observability>) -> std::io::Result<JoinHandle<()>> {
+    let weak = Arc::downgrade(obs);
+    std::thread::Builder::new()
+        .name("ublkd-peers".into())
+        .spawn(move || loop {
+            std::thread::sleep(PEER_CHECK_INTERVAL);
+            match weak.upgrade() {
+                Some(o) => o.check_peers(),
+                None => return,
+            }
+        })
+}

@@ -1,0 +1,401 @@
+//! ublkd's metrics listener, without the ublk kernel module:
+//!
+//! - the real `ublkd` binary with its control socket and metrics listener
+//!   and no devices: `/metrics` passes `promtool check metrics`, `/ready`
+//!   is 200, `ublkctl stats` answers;
+//! - the device side in process, against a real (in-process) arena server:
+//!   I/O through the queue's `serve` is counted and passes promtool, `/ready`
+//!   goes 503 `peer_disconnected` when the peer stops and back to 200 when
+//!   it returns, `/diagnostics` leaks no secret, volume or address, and the
+//!   driver summary shows the TCP data path and its RDMA warning.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use libublk::sys;
+use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
+use target_rdma::auth::Secret;
+use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+use target_rdma::target::ArenaTarget;
+use target_rdma::transport::TcpPayloadStats;
+use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
+use ublkd::config::{MetricsConfig, Transport};
+use ublkd::io::{serve, IoDesc};
+use ublkd::telemetry::{DevState, DeviceShape, Observability};
+
+const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
+const VOLUME: &str = "vol-ublkd-endpoint";
+
+fn promtool() -> PathBuf {
+    std::env::var_os("PROMTOOL")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("PATH").and_then(|p| {
+                std::env::split_paths(&p)
+                    .map(|d| d.join("promtool"))
+                    .find(|f| f.is_file())
+            })
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "promtool not found: install it with `apt-get install -y --no-install-recommends prometheus` \
+                 (Debian package `prometheus`) or set PROMTOOL"
+            )
+        })
+}
+
+fn promtool_check(text: &str) {
+    let mut child = Command::new(promtool())
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One GET; returns the status code and the body.
+fn get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
+    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (code, body.to_string())
+}
+
+struct Ublkd(Child);
+
+impl Drop for Ublkd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("ublkd.sock");
+    let cfg = dir.path().join("ublkd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{}\"\nsocket = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
+            dir.path().join("state").display(),
+            sock.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ublkd"))
+        .arg("--config")
+        .arg(&cfg)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ublkd");
+    let stderr = child.stderr.take().unwrap();
+    let daemon = Ublkd(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut metrics = None;
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("ublkd logs its start (or exited)");
+        if let Some(at) = line
+            .find("127.0.0.1:")
+            .filter(|_| line.contains("metrics.listening"))
+        {
+            metrics = Some(
+                line[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                    .collect::<String>(),
+            );
+        }
+        if line.contains("ublkd.ready") {
+            break;
+        }
+    }
+    let metrics = metrics.expect("metrics.listening logged before ublkd.ready");
+
+    let (code, body) = get(&metrics, "/ready");
+    assert_eq!(
+        (code, body.trim()),
+        (200, r#"{"ready":true,"reasons":[],"schema_version":1}"#)
+    );
+    let (code, text) = get(&metrics, "/metrics");
+    assert_eq!(code, 200);
+    promtool_check(&text);
+    for want in [
+        "ublkd_ready 1",
+        "ublkd_metrics_http_server_up 1",
+        "ublkd_build_info{version=",
+        "ublkd_scanner_runs_total",
+        "ublk_requests_started_total{op=\"read\",transport=\"tcp\"} 0",
+        "ublk_driver_reporting 0",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    let (code, diag) = get(&metrics, "/diagnostics");
+    assert_eq!(code, 200);
+    let v: serde_json::Value = serde_json::from_str(&diag).unwrap();
+    assert_eq!(v["details"]["control_socket"], "up");
+    assert_eq!(v["details"]["devices"], serde_json::json!([]));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_ublkctl"))
+        .arg("--socket")
+        .arg(&sock)
+        .arg("stats")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    drop(daemon);
+}
+
+/// An in-process arena peer that can be stopped and started again on the
+/// same address, over the same store.
+struct Peer {
+    store: Arc<Store>,
+    addr: SocketAddr,
+    running: Option<(Arc<Server>, JoinHandle<()>)>,
+}
+
+impl Peer {
+    fn start(dir: &Path) -> Peer {
+        let store = Arc::new(
+            Store::open(
+                StoreConfig {
+                    dir: dir.to_owned(),
+                    arena_bytes: 4 << 20,
+                    blob_bytes: 64 << 10,
+                    swap_bytes: 16 << 20,
+                },
+                &[VolumeSpec {
+                    name: VOLUME.into(),
+                    quota_blobs: 256,
+                }],
+            )
+            .unwrap(),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut p = Peer {
+            store,
+            addr,
+            running: None,
+        };
+        p.serve(listener);
+        p
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        let server = Server::new(
+            Arc::clone(&self.store),
+            vec![ServedVolume {
+                name: VOLUME.into(),
+                secret: Secret::new(SECRET.as_bytes().to_vec()).unwrap(),
+                id: 0,
+                quota_blobs: 256,
+            }],
+            ServerLimits {
+                max_connections: 16,
+                max_inflight: 32,
+                handshake_timeout: Duration::from_secs(5),
+            },
+        );
+        let s = Arc::clone(&server);
+        let t = std::thread::spawn(move || s.serve(listener).unwrap());
+        self.running = Some((server, t));
+    }
+
+    fn stop(&mut self) {
+        if let Some((server, t)) = self.running.take() {
+            server.shutdown();
+            t.join().unwrap();
+        }
+    }
+
+    fn restart(&mut self) {
+        let listener = TcpListener::bind(self.addr).expect("rebind the same address");
+        self.serve(listener);
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Runs the peer monitor's check until `/ready` answers `want`.
+fn ready_becomes(obs: &Observability, metrics: &str, want: u16) -> String {
+    loop {
+        obs.check_peers();
+        let (code, body) = get(metrics, "/ready");
+        if code == want {
+            return body;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn desc(op: u32, sector: u64, sectors: u32) -> IoDesc {
+    IoDesc {
+        op_flags: op,
+        start_sector: sector,
+        nr_sectors: sectors,
+    }
+}
+
+#[test]
+fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut peer = Peer::start(dir.path());
+    let tel = Telemetry::isolated(Daemon::Ublkd, "test");
+    let obs = Observability::new(Arc::clone(&tel), &MetricsConfig::default());
+    let http =
+        MetricsServer::start("127.0.0.1:0", Arc::clone(&tel), HttpConfig::default()).unwrap();
+    let metrics = http.local_addr().to_string();
+
+    // Not ready until the control socket is up.
+    let (code, body) = get(&metrics, "/ready");
+    assert_eq!(code, 503);
+    assert!(body.contains("control_socket_down"), "{body}");
+    obs.set_control_socket_up(true);
+
+    let payload = Arc::new(TcpPayloadStats::default());
+    let mut cc = ClientConfig::new(
+        peer.addr.to_string(),
+        VOLUME,
+        Secret::new(SECRET.as_bytes().to_vec()).unwrap(),
+    );
+    cc.payload_stats = Some(Arc::clone(&payload));
+    let client = ArenaClient::connect(cc).expect("connect to the peer");
+    let dev = obs
+        .register(
+            DeviceShape {
+                id: 5,
+                queues: 1,
+                depth: 4,
+                transport: Transport::Auto,
+            },
+            DevState::Starting,
+            Arc::default(),
+            vec![client.clone()],
+            payload,
+        )
+        .unwrap();
+    let (code, body) = get(&metrics, "/ready");
+    assert_eq!(code, 503);
+    assert!(body.contains("device_not_running"), "{body}");
+    dev.set_state(DevState::Live);
+    assert_eq!(get(&metrics, "/ready").0, 200);
+
+    // I/O as a queue thread serves it.
+    let target = ArenaTarget::new(client, 64 << 20);
+    let mut buf = vec![0x5au8; 64 << 10];
+    futures::executor::block_on(async {
+        let w = desc(sys::UBLK_IO_OP_WRITE, 0, 16);
+        assert_eq!(serve(&target, &w, &mut buf, &dev, 0, 0).await, 8192);
+        let r = desc(sys::UBLK_IO_OP_READ, 0, 16);
+        assert_eq!(serve(&target, &r, &mut buf, &dev, 0, 1).await, 8192);
+        let f = desc(sys::UBLK_IO_OP_FLUSH, u64::MAX, 0);
+        assert_eq!(serve(&target, &f, &mut buf, &dev, 0, 2).await, 0);
+    });
+    obs.scanner().scan();
+    let (_, text) = get(&metrics, "/metrics");
+    promtool_check(&text);
+    for want in [
+        "ublk_io_requests_total{target=\"arena\",op=\"write\"} 1",
+        "ublk_io_requests_total{target=\"arena\",op=\"read\"} 1",
+        "ublk_io_requests_total{target=\"arena\",op=\"flush\"} 1",
+        "ublk_io_bytes_total{target=\"arena\",op=\"write\"} 8192",
+        "ublk_io_inflight{target=\"arena\",op=\"read\"} 0",
+        "ublk_driver_tcp_payload_requests_total{driver=\"tcp\",reason=\"configured_tcp\"}",
+        "ublk_driver_reporting 1",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    let summary = summarize(&obs.driver_reports(Some(5)));
+    assert!(
+        summary.contains(
+            "ublkb5: TCP data path - Write: 0 transfers over RDMA, 1 payload requests over TCP"
+        ),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("ublkb5: warning: configured for RDMA but moved no payload over RDMA"),
+        "{summary}"
+    );
+
+    // The peer goes away: not ready, peer_disconnected.
+    peer.stop();
+    let body = ready_becomes(&obs, &metrics, 503);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["reasons"], serde_json::json!(["peer_disconnected"]));
+    let (_, diag) = get(&metrics, "/diagnostics");
+    let d: serde_json::Value = serde_json::from_str(&diag).unwrap();
+    assert_eq!(d["details"]["devices"][0]["peer_connected"], false);
+    assert_eq!(d["details"]["devices"][0]["state"], "live");
+    assert_eq!(d["details"]["devices"][0]["queue_depth"], 4);
+    let addr = peer.addr.to_string();
+    for secret in [SECRET, VOLUME, addr.as_str(), "127.0.0.1"] {
+        assert!(
+            !diag.contains(secret),
+            "/diagnostics leaks {secret:?}: {diag}"
+        );
+    }
+
+    // It comes back: the monitor reconnects the idle device, ready again.
+    peer.restart();
+    let body = ready_becomes(&obs, &metrics, 200);
+    assert!(body.contains("\"ready\":true"), "{body}");
+
+    // Removing the device prunes it: gone from readiness and diagnostics.
+    drop(target);
+    obs.unregister(5);
+    drop(dev);
+    obs.scanner().scan();
+    let (_, diag) = get(&metrics, "/diagnostics");
+    assert!(diag.contains("\"devices\":[]"), "{diag}");
+    let (_, text) = get(&metrics, "/metrics");
+    assert!(text.contains("ublk_driver_reporting 0"), "{text}");
+    assert!(
+        text.contains(
+            "ublk_driver_tcp_payload_requests_total{driver=\"tcp\",reason=\"configured_tcp\"} 2"
+        ),
+        "removed devices' counts stay: {text}"
+    );
+}

@@ -1,0 +1,353 @@
+//! arenad's wiring of the observability contract (`ublk-metrics`): the
+//! arenad families fed by the server (operations by op and outcome with
+//! latency, FLUSH latency, protocol errors by class, authentication
+//! failures) and sampled from [`Store::stats`] at each scrape, readiness
+//! (store open and not shutting down) and a redacted `/diagnostics`.
+//!
+//! The server only calls the hooks below; everything else lives here.
+
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use ublk_metrics::{
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, Daemon, HttpConfig, HttpError, MetricsServer,
+    NotReadyReason, NotReadySet, Probes, ProtocolErrorClass, SlotState, Telemetry, TelemetryError,
+};
+
+use crate::arenad::server::Server;
+use crate::proto::{FrameError, Header, Opcode, Status, HEADER_LEN};
+use crate::store::{Store, StoreStats};
+
+#[derive(Default)]
+struct Shared {
+    store: OnceLock<Arc<Store>>,
+    volumes: OnceLock<usize>,
+    server: OnceLock<Weak<Server>>,
+}
+
+/// The telemetry of one arenad process.
+pub struct ArenadTelemetry {
+    tel: Arc<Telemetry>,
+    metrics: Arc<ArenaMetrics>,
+    shared: Arc<Shared>,
+    listener: OnceLock<MetricsServer>,
+}
+
+impl std::fmt::Debug for ArenadTelemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenadTelemetry").finish_non_exhaustive()
+    }
+}
+
+struct ArenadProbes(Arc<Shared>);
+
+impl Probes for ArenadProbes {
+    fn check_ready(&self, failing: &mut NotReadySet) {
+        // The store opens its swap file and replays its index together:
+        // until `Store::open` returned, neither is usable.
+        if self.0.store.get().is_none() {
+            failing.insert(NotReadyReason::SwapNotOpen);
+            failing.insert(NotReadyReason::IndexNotOpen);
+        }
+    }
+
+    fn diagnostics(&self) -> serde_json::Value {
+        let Some(store) = self.0.store.get() else {
+            return serde_json::json!({ "store": "opening" });
+        };
+        let s = store.stats();
+        let connections = self
+            .0
+            .server
+            .get()
+            .and_then(Weak::upgrade)
+            .map(|srv| srv.connections());
+        serde_json::json!({
+            "store": "open",
+            "generation": store.generation(),
+            "blob_bytes": store.blob_bytes(),
+            "volumes": self.0.volumes.get().copied().unwrap_or(0),
+            "connections": connections,
+            "slots": {
+                "total": s.slots_total,
+                "free": s.slots_free,
+                "clean": s.slots_clean,
+                "dirty": s.slots_dirty,
+                "leased": s.slots_leased,
+            },
+            "leases_held": s.leases_held,
+            "swap_extents": { "used": s.swap_extents_used, "total": s.swap_extents_total },
+            "direct_io": s.direct_io,
+        })
+    }
+}
+
+/// The sampled part of the arenad families, from the store's statistics.
+pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
+    let mut slots = [0; SlotState::COUNT];
+    slots[SlotState::Free.index()] = s.slots_free;
+    slots[SlotState::Clean.index()] = s.slots_clean;
+    slots[SlotState::Dirty.index()] = s.slots_dirty;
+    slots[SlotState::Leased.index()] = s.slots_leased;
+    let blob = u64::from(blob_bytes);
+    ArenaStats {
+        slots,
+        leases_held: s.leases_held,
+        evictions: s.evictions,
+        writebacks: s.write_backs,
+        fault_ins: s.fault_ins,
+        swap_read_bytes: s.swap_bytes_read,
+        swap_written_bytes: s.swap_bytes_written,
+        swap_used_bytes: s.swap_extents_used.saturating_mul(blob),
+        swap_capacity_bytes: s.swap_extents_total.saturating_mul(blob),
+        arena_used_bytes: s
+            .slots_total
+            .saturating_sub(s.slots_free)
+            .saturating_mul(blob),
+        arena_capacity_bytes: s.slots_total.saturating_mul(blob),
+    }
+}
+
+fn arena_op(op: Opcode) -> ArenaOp {
+    match op {
+        // RAIL_CONNECT completes an RDMA session's setup, so it counts with HELLO.
+        Opcode::Challenge | Opcode::Hello | Opcode::RailConnect => ArenaOp::Hello,
+        Opcode::Alloc => ArenaOp::Alloc,
+        Opcode::Commit => ArenaOp::Commit,
+        Opcode::Get => ArenaOp::Get,
+        Opcode::Release | Opcode::Revoke => ArenaOp::Release,
+        Opcode::Remove => ArenaOp::Remove,
+        Opcode::Flush => ArenaOp::Flush,
+        Opcode::Write => ArenaOp::Write,
+        Opcode::Read => ArenaOp::Read,
+    }
+}
+
+fn outcome(status: Status) -> ArenaOutcome {
+    match status {
+        Status::Ok => ArenaOutcome::Ok,
+        Status::NotFound => ArenaOutcome::NotFound,
+        Status::NoSpace => ArenaOutcome::NoSpace,
+        Status::QuotaExceeded
+        | Status::Busy
+        | Status::Protocol
+        | Status::AuthFailed
+        | Status::VersionMismatch => ArenaOutcome::Denied,
+        Status::ShuttingDown | Status::Internal => ArenaOutcome::Error,
+    }
+}
+
+/// The protocol-error class of a frame error.
+pub fn frame_class(e: &FrameError) -> ProtocolErrorClass {
+    match e {
+        FrameError::Truncated { .. } | FrameError::BadMagic(_) | FrameError::Reserved { .. } => {
+            ProtocolErrorClass::Framing
+        }
+        FrameError::BadVersion(_) => ProtocolErrorClass::Version,
+        FrameError::BadOpcode(_) => ProtocolErrorClass::Opcode,
+        FrameError::TooLong { .. } | FrameError::BadBodyLength { .. } => ProtocolErrorClass::Length,
+        FrameError::Unexpected { .. } => ProtocolErrorClass::Sequence,
+        FrameError::Io(_) | FrameError::BadStatus(_) | FrameError::Invalid { .. } => {
+            ProtocolErrorClass::Other
+        }
+    }
+}
+
+impl ArenadTelemetry {
+    /// Registers the arenad families and the probes on `tel`.
+    pub fn new(tel: Arc<Telemetry>) -> Arc<Self> {
+        let shared = Arc::new(Shared::default());
+        tel.set_probes(Arc::new(ArenadProbes(Arc::clone(&shared))));
+        Arc::new(Self {
+            metrics: ArenaMetrics::new(&tel),
+            tel,
+            shared,
+            listener: OnceLock::new(),
+        })
+    }
+
+    /// Installs the process-global recorder and registers the families.
+    pub fn install(version: &'static str) -> Result<Arc<Self>, TelemetryError> {
+        Ok(Self::new(Telemetry::install(Daemon::Arenad, version)?))
+    }
+
+    /// Starts the metrics listener on `addr` (once; later calls are no-ops).
+    pub fn listen(&self, addr: &str) -> Result<std::net::SocketAddr, HttpError> {
+        if let Some(l) = self.listener.get() {
+            return Ok(l.local_addr());
+        }
+        let server = MetricsServer::start(addr, Arc::clone(&self.tel), HttpConfig::default())?;
+        let local = server.local_addr();
+        let _ = self.listener.set(server);
+        Ok(local)
+    }
+
+    /// The telemetry plane.
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.tel
+    }
+
+    /// The store is open (swap and index usable): readiness passes, and
+    /// every scrape samples its statistics.
+    pub fn store_opened(&self, store: &Arc<Store>, volumes: usize) {
+        let _ = self.shared.volumes.set(volumes);
+        let _ = self.shared.store.set(Arc::clone(store));
+        let weak = Arc::downgrade(store);
+        self.metrics.set_source(move || {
+            weak.upgrade()
+                .map(|s| arena_stats(&s.stats(), s.blob_bytes()))
+                .unwrap_or_default()
+        });
+    }
+
+    /// The server is serving; `/diagnostics` reports its connection count.
+    pub fn server_started(&self, server: &Arc<Server>) {
+        let _ = self.shared.server.set(Arc::downgrade(server));
+    }
+
+    /// `/ready` answers 503 `shutting_down` from now on.
+    pub fn begin_shutdown(&self) {
+        self.tel.begin_shutdown();
+    }
+
+    /// A request of `op` was answered with the frame in `response` (its
+    /// header carries the status) after `latency`.
+    pub fn answered(&self, op: Opcode, response: &[u8], latency: Duration) {
+        let status = response
+            .get(..HEADER_LEN)
+            .and_then(|h| <&[u8; HEADER_LEN]>::try_from(h).ok())
+            .and_then(|h| Header::decode(h).ok())
+            .map_or(Status::Internal, |h| h.status);
+        let out = outcome(status);
+        self.metrics.record_op(arena_op(op), out, latency);
+        if op == Opcode::Flush && out == ArenaOutcome::Ok {
+            self.metrics.record_flush(latency);
+        }
+    }
+
+    /// A request of `op` broke the protocol (bad lease or range) and ends
+    /// its connection.
+    pub fn refused(&self, op: Opcode, latency: Duration) {
+        self.metrics
+            .record_op(arena_op(op), ArenaOutcome::Denied, latency);
+        self.metrics.protocol_error(ProtocolErrorClass::Sequence);
+    }
+
+    /// A session was opened (HELLO accepted) after `latency`.
+    pub fn hello_ok(&self, latency: Duration) {
+        self.metrics
+            .record_op(ArenaOp::Hello, ArenaOutcome::Ok, latency);
+    }
+
+    /// A HELLO was refused for authentication (bad MAC or unknown volume).
+    pub fn auth_failed(&self) {
+        self.metrics.auth_failure();
+        self.metrics
+            .record_op(ArenaOp::Hello, ArenaOutcome::Denied, Duration::ZERO);
+    }
+
+    /// A HELLO was refused for another reason (`status`).
+    pub fn hello_refused(&self, status: Status) {
+        self.metrics
+            .protocol_error(if status == Status::VersionMismatch {
+                ProtocolErrorClass::Version
+            } else {
+                ProtocolErrorClass::Other
+            });
+        self.metrics
+            .record_op(ArenaOp::Hello, outcome(status), Duration::ZERO);
+    }
+
+    /// A malformed or unexpected frame ended a connection.
+    pub fn frame_error(&self, e: &FrameError) {
+        self.metrics.protocol_error(frame_class(e));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_stats_map_to_arena_stats_in_bytes() {
+        let s = StoreStats {
+            slots_total: 8,
+            slots_free: 2,
+            slots_clean: 3,
+            slots_dirty: 2,
+            slots_leased: 1,
+            swap_extents_used: 5,
+            swap_extents_total: 20,
+            write_backs: 7,
+            ..StoreStats::default()
+        };
+        let a = arena_stats(&s, 4096);
+        assert_eq!(a.slots, [2, 3, 2, 1]);
+        assert_eq!(
+            (a.arena_used_bytes, a.arena_capacity_bytes),
+            (6 * 4096, 8 * 4096)
+        );
+        assert_eq!(
+            (a.swap_used_bytes, a.swap_capacity_bytes),
+            (5 * 4096, 20 * 4096)
+        );
+        assert_eq!(a.writebacks, 7);
+    }
+
+    #[test]
+    fn readiness_waits_for_the_store_and_shutdown() {
+        let t = ArenadTelemetry::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        let r = t.telemetry().readiness();
+        assert!(r.failing.contains(NotReadyReason::SwapNotOpen));
+        assert!(r.failing.contains(NotReadyReason::IndexNotOpen));
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(
+            Store::open(
+                crate::store::StoreConfig {
+                    dir: dir.path().to_owned(),
+                    arena_bytes: 1 << 20,
+                    blob_bytes: 64 << 10,
+                    swap_bytes: 4 << 20,
+                },
+                &[crate::store::VolumeSpec {
+                    name: "v".into(),
+                    quota_blobs: 16,
+                }],
+            )
+            .unwrap(),
+        );
+        t.store_opened(&store, 1);
+        assert!(t.telemetry().readiness().is_ready());
+        let text = t.telemetry().render().unwrap();
+        assert!(text.contains("arenad_slots{state=\"free\"} 16"), "{text}");
+        t.begin_shutdown();
+        assert!(t
+            .telemetry()
+            .readiness()
+            .failing
+            .contains(NotReadyReason::ShuttingDown));
+    }
+
+    #[test]
+    fn response_status_decides_the_outcome_and_flush_latency() {
+        let t = ArenadTelemetry::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        let mut out = Vec::new();
+        crate::proto::encode_ok(&mut out, Opcode::Flush, 1);
+        t.answered(Opcode::Flush, &out, Duration::from_millis(2));
+        crate::proto::encode_error(&mut out, Opcode::Get, 2, Status::NotFound, "");
+        t.answered(Opcode::Get, &out, Duration::from_micros(30));
+        t.auth_failed();
+        t.frame_error(&FrameError::BadOpcode(0x77));
+        let text = t.telemetry().render().unwrap();
+        for want in [
+            "arenad_ops_total{op=\"flush\",outcome=\"ok\"} 1",
+            "arenad_ops_total{op=\"get\",outcome=\"not_found\"} 1",
+            "arenad_ops_total{op=\"hello\",outcome=\"denied\"} 1",
+            "arenad_flush_latency_seconds_count 1",
+            "arenad_auth_failures_total 1",
+            "arenad_protocol_errors_total{class=\"opcode\"} 1",
+        ] {
+            assert!(text.contains(want), "{want} missing in:\n{text}");
+        }
+    }
+}

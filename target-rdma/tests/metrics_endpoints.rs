@@ -1,0 +1,209 @@
+//! The real `arenad` binary's metrics listener: `/metrics` passes
+//! `promtool check metrics` and counts what clients did, `/ready` is 200
+//! once the store is open, and `/diagnostics` leaks no secret, volume name
+//! or address from the config.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::secret_file;
+use target_rdma::client::{ArenaClient, ClientConfig};
+
+const SECRET: &str = "arenad-endpoint-test-secret-7f3a9c";
+const VOLUME: &str = "vol-endpoint-test";
+
+/// promtool from `$PROMTOOL` or PATH; its absence fails the test (CI
+/// installs it, and a silently skipped check never runs).
+fn promtool() -> PathBuf {
+    std::env::var_os("PROMTOOL")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("PATH").and_then(|p| {
+                std::env::split_paths(&p)
+                    .map(|d| d.join("promtool"))
+                    .find(|f| f.is_file())
+            })
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "promtool not found: install it with `apt-get install -y --no-install-recommends prometheus` \
+                 (Debian package `prometheus`) or set PROMTOOL"
+            )
+        })
+}
+
+fn promtool_check(text: &str) -> String {
+    let mut child = Command::new(promtool())
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{report}"
+    );
+    report
+}
+
+/// One GET; returns the status code and the body.
+fn get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
+    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (code, body.to_string())
+}
+
+/// The `IP:port` logged after `marker` by the daemon (it binds port 0).
+fn addr_after(line: &str, marker: &str) -> Option<String> {
+    let rest = &line[line.find(marker)?..];
+    let start = rest.find("127.0.0.1:")?;
+    let addr: String = rest[start..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+        .collect();
+    Some(addr)
+}
+
+struct Arenad {
+    child: Child,
+    metrics: String,
+    data: String,
+}
+
+impl Drop for Arenad {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_arenad(dir: &std::path::Path) -> Arenad {
+    let key = secret_file(dir, "vol.key", SECRET);
+    let cfg = dir.join("arenad.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen = \"127.0.0.1:0\"\narena_bytes = \"4M\"\nblob_bytes = \"64K\"\n\
+             swap_dir = \"{}\"\nswap_bytes = \"16M\"\nmetrics_listen = \"127.0.0.1:0\"\n\
+             [[volume]]\nname = \"{VOLUME}\"\nsecret_file = \"{}\"\nquota = \"16M\"\n",
+            dir.join("swap").display(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arenad"))
+        .arg("--config")
+        .arg(&cfg)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start arenad");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (mut metrics, mut data) = (None, None);
+    while metrics.is_none() || data.is_none() {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("arenad logs its listeners (or exited)");
+        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
+        data = data.or_else(|| addr_after(&line, "arenad.ready"));
+    }
+    Arenad {
+        child,
+        metrics: metrics.unwrap(),
+        data: data.unwrap(),
+    }
+}
+
+#[test]
+fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_arenad(dir.path());
+
+    // Some traffic: inline write, read, flush; and a refused HELLO.
+    let cfg = ClientConfig::new(d.data.clone(), VOLUME, common::secret(SECRET));
+    let client = ArenaClient::connect(cfg).expect("client connects");
+    futures::executor::block_on(async {
+        client.write(3, 0, &[7u8; 4096]).await.unwrap();
+        let mut buf = [0u8; 4096];
+        assert!(client.read(3, 0, &mut buf).await.unwrap());
+        client.flush().await.unwrap();
+    });
+    let bad = ClientConfig::new(
+        d.data.clone(),
+        VOLUME,
+        common::secret("not-the-secret-0123456789"),
+    );
+    assert!(ArenaClient::connect(bad).is_err());
+
+    let (code, text) = get(&d.metrics, "/metrics");
+    assert_eq!(code, 200);
+    promtool_check(&text);
+    for want in [
+        "arenad_ops_total{op=\"write\",outcome=\"ok\"} 1",
+        "arenad_ops_total{op=\"read\",outcome=\"ok\"} 1",
+        "arenad_ops_total{op=\"flush\",outcome=\"ok\"} 1",
+        "arenad_ops_total{op=\"hello\",outcome=\"ok\"} 1",
+        "arenad_auth_failures_total 1",
+        "arenad_flush_latency_seconds_count 1",
+        "arenad_slots{state=\"dirty\"}",
+        "arenad_ready 1",
+        "arenad_build_info{version=",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+
+    let (code, body) = get(&d.metrics, "/ready");
+    assert_eq!(
+        (code, body.trim()),
+        (200, r#"{"ready":true,"reasons":[],"schema_version":1}"#)
+    );
+
+    let (code, diag) = get(&d.metrics, "/diagnostics");
+    assert_eq!(code, 200);
+    let v: serde_json::Value = serde_json::from_str(&diag).unwrap();
+    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["details"]["volumes"], 1);
+    assert_eq!(v["details"]["connections"], 1);
+    for secret in [SECRET, VOLUME, "127.0.0.1", dir.path().to_str().unwrap()] {
+        assert!(
+            !diag.contains(secret),
+            "/diagnostics leaks {secret:?}: {diag}"
+        );
+    }
+    drop(client);
+}
