@@ -1,1 +1,2 @@
-//! Cross-crate integration and end-to-end tests live in `tests/tests/`.
+//! Cross-crate end-to-end tests. `tests/vm.rs` drives the real-kernel VM
+//! suites (ublk and soft-RoCE) from cargo.
