@@ -180,6 +180,8 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
         "arenad_ops_total{op=\"hello\",outcome=\"ok\"} 1",
         "arenad_auth_failures_total 1",
         "arenad_flush_latency_seconds_count 1",
+        // The FLUSH journaled the write: one journal append was timed.
+        "arenad_journal_latency_seconds_count 1",
         "arenad_slots{state=\"dirty\"}",
         "arenad_ready 1",
         "arenad_build_info{version=",

@@ -16,7 +16,7 @@ use ublk_metrics::{
 
 use crate::arenad::server::Server;
 use crate::proto::{FrameError, Header, Opcode, Status, HEADER_LEN};
-use crate::store::{Store, StoreStats};
+use crate::store::{IndexWrite, Store, StoreStats};
 
 #[derive(Default)]
 struct Shared {
@@ -198,6 +198,11 @@ impl ArenadTelemetry {
                 .map(|s| arena_stats(&s.stats(), s.blob_bytes()))
                 .unwrap_or_default()
         });
+        let metrics = Arc::clone(&self.metrics);
+        store.set_timing_hook(Box::new(move |write, latency| match write {
+            IndexWrite::Journal => metrics.record_journal(latency),
+            IndexWrite::Checkpoint => metrics.record_checkpoint(latency),
+        }));
     }
 
     /// The server is serving; `/diagnostics` reports its connection count.

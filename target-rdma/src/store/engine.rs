@@ -682,6 +682,10 @@ impl State {
         Ok(())
     }
 
+    pub(super) fn set_timing_hook(&mut self, hook: super::TimingHook) {
+        self.index.timing = Some(hook);
+    }
+
     pub(super) fn stats(&self, swap: &Swap) -> StoreStats {
         let mut s = StoreStats {
             slots_total: self.slots.len() as u64,

@@ -75,6 +75,8 @@ pub(super) struct Index {
     stale_journal: bool,
     pub(super) journal_records: u64,
     pub(super) checkpoints: u64,
+    /// Told how long each journal append and checkpoint took.
+    pub(super) timing: Option<super::TimingHook>,
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
@@ -411,6 +413,7 @@ impl Index {
             stale_journal: false,
             journal_records: 0,
             checkpoints: 1,
+            timing: None,
         })
     }
 
@@ -452,6 +455,7 @@ impl Index {
             buf.extend_from_slice(&crc32c::crc32c(&p[..len]).to_le_bytes());
             buf.extend_from_slice(&p[..len]);
         }
+        let started = std::time::Instant::now();
         let res = self
             .journal
             .write_all(&buf)
@@ -466,6 +470,9 @@ impl Index {
                 self.broken = true;
             }
             return Err(io_err("appending to journal", &path)(e));
+        }
+        if let Some(hook) = &self.timing {
+            hook(super::IndexWrite::Journal, started.elapsed());
         }
         self.journal_len += buf.len() as u64;
         self.journal_records += records.len() as u64;
@@ -485,7 +492,11 @@ impl Index {
         I: Iterator<Item = (u32, u64, u32)>,
     {
         let epoch = self.epoch + 1;
+        let started = std::time::Instant::now();
         write_checkpoint(&self.dir, epoch, snap)?;
+        if let Some(hook) = &self.timing {
+            hook(super::IndexWrite::Checkpoint, started.elapsed());
+        }
         self.epoch = epoch;
         self.records_since_checkpoint = 0;
         self.checkpoints += 1;

@@ -61,6 +61,19 @@ pub struct VolumeSpec {
 pub type VolumeId = u32;
 /// A connection; owns leases.
 pub type HolderId = u64;
+/// Which durable index write a timing belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexWrite {
+    /// A journal append, fsync included (once per FLUSH that had records).
+    Journal,
+    /// A checkpoint: written, fsynced and renamed into place.
+    Checkpoint,
+}
+
+/// Told the duration of each index write; runs under the store lock, so it
+/// must only record (e.g. into a histogram).
+pub type TimingHook = Box<dyn Fn(IndexWrite, std::time::Duration) + Send + Sync>;
+
 /// Called once per lease the store wants back: (holder, volume, key, token).
 pub type RevokeHook = Box<dyn Fn(HolderId, VolumeId, u64, u64) + Send + Sync>;
 
@@ -418,6 +431,12 @@ impl Store {
     /// not replace the hook from inside it).
     pub fn set_revoke_hook(&self, hook: RevokeHook) {
         *self.hook.write() = Some(hook);
+    }
+
+    /// Installs the callback told how long journal appends and checkpoints
+    /// take (arenad's journal and checkpoint latency histograms).
+    pub fn set_timing_hook(&self, hook: TimingHook) {
+        self.locked(|_, g| g.set_timing_hook(hook));
     }
 
     /// Runs `f` under the store lock, then delivers any revocations it queued
