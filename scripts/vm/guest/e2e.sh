@@ -8,7 +8,7 @@ set -u
 
 BIN=${UBLK_E2E_BIN:-$UBLK_VM_REPO/target/release}
 R=${UBLK_VM_RESULTS:-/tmp/e2e-results}
-W=/tmp/e2e
+W=$(mktemp -d /tmp/ublk-e2e.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
 SOCK=$W/run/ublkd.sock
 PEER=127.0.0.1:7070
 DEV_SIZE=96M       # larger than the arena, so swap is in play

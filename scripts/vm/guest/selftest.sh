@@ -48,7 +48,7 @@ check module-autoload bash -c '/usr/sbin/ip link add vmtest0 type dummy && /usr/
 # shellcheck disable=SC2016 # expands in the inner bash
 check results-write bash -c 'echo ok >"$UBLK_VM_RESULTS/selftest-wrote" && test "$(cat "$UBLK_VM_RESULTS/selftest-wrote")" = ok'
 check repo-readable test -f "$UBLK_VM_REPO/Cargo.toml"
-check tmp-writable bash -c 'echo x >/tmp/probe && rm /tmp/probe'
+check tmp-writable bash -c 'f=$(mktemp /tmp/selftest.XXXXXX) && echo x >"$f" && rm "$f"'
 
 if ((failed)); then echo "selftest: FAILED"; else echo "selftest: all checks passed"; fi
 exit "$failed"
