@@ -9,13 +9,14 @@
 //!   it returns, `/diagnostics` leaks no secret, volume or address, and the
 //!   driver summary shows the TCP data path and its RDMA warning.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
 
 use libublk::sys;
 use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
@@ -31,63 +32,6 @@ use ublkd::telemetry::{DevState, DeviceShape, Observability};
 
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
-
-fn promtool() -> PathBuf {
-    std::env::var_os("PROMTOOL")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("PATH").and_then(|p| {
-                std::env::split_paths(&p)
-                    .map(|d| d.join("promtool"))
-                    .find(|f| f.is_file())
-            })
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "promtool not found: install it with `apt-get install -y --no-install-recommends prometheus` \
-                 (Debian package `prometheus`) or set PROMTOOL"
-            )
-        })
-}
-
-fn promtool_check(text: &str) {
-    let mut child = Command::new(promtool())
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run promtool");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// One GET; returns the status code and the body.
-fn get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
-    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (code, body.to_string())
-}
 
 struct Ublkd(Child);
 

@@ -27,6 +27,7 @@ pub mod io;
 pub mod labels;
 pub mod scanner;
 pub mod telemetry;
+pub mod testing;
 pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};

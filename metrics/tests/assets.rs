@@ -3,13 +3,12 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use ublk_metrics::driver::{names, CounterValue, GaugeValue};
 use ublk_metrics::families;
+use ublk_metrics::testing::run_promtool;
 use ublk_metrics::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, CorrelationId, Daemon, DriverSnapshot,
     DriverStats, DriverStatsRegistry, IoMetrics, IoOp, ManualClock, Phase, ProtocolErrorClass,
@@ -19,54 +18,6 @@ use ublk_metrics::{
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// promtool from PATH (or $PROMTOOL). Its absence fails the test: CI
-/// installs it, and a silently skipped check is a check that never runs.
-fn promtool() -> PathBuf {
-    let candidate = std::env::var_os("PROMTOOL").map(PathBuf::from).or_else(|| {
-        std::env::var_os("PATH").and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join("promtool"))
-                .find(|f| f.is_file())
-        })
-    });
-    match candidate {
-        Some(p) => p,
-        None => panic!(
-            "promtool not found: install it with `apt-get install -y --no-install-recommends prometheus` \
-             (Debian package `prometheus`; CI installs it) or set PROMTOOL"
-        ),
-    }
-}
-
-fn run_promtool(args: &[&str], stdin: Option<&str>, dir: &Path) -> String {
-    let mut child = Command::new(promtool())
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run promtool");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    } else {
-        drop(child.stdin.take());
-    }
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
-    text
 }
 
 struct EveryStat;

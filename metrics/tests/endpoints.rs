@@ -4,25 +4,13 @@ mod common;
 
 use common::value;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use ublk_metrics::testing::http_get as get;
 use ublk_metrics::{
     Daemon, HttpConfig, MetricsServer, NotReadyReason, NotReadySet, Probes, Telemetry,
 };
-
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let status = resp[9..12].parse().expect("status");
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
 
 /// ublkd-style probes: one device whose peer connection the test toggles.
 struct Daemonish {

@@ -5,81 +5,17 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::PathBuf;
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
 
 use common::secret_file;
 use target_rdma::client::{ArenaClient, ClientConfig};
 
 const SECRET: &str = "arenad-endpoint-test-secret-7f3a9c";
 const VOLUME: &str = "vol-endpoint-test";
-
-/// promtool from `$PROMTOOL` or PATH; its absence fails the test (CI
-/// installs it, and a silently skipped check never runs).
-fn promtool() -> PathBuf {
-    std::env::var_os("PROMTOOL")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("PATH").and_then(|p| {
-                std::env::split_paths(&p)
-                    .map(|d| d.join("promtool"))
-                    .find(|f| f.is_file())
-            })
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "promtool not found: install it with `apt-get install -y --no-install-recommends prometheus` \
-                 (Debian package `prometheus`) or set PROMTOOL"
-            )
-        })
-}
-
-fn promtool_check(text: &str) -> String {
-    let mut child = Command::new(promtool())
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run promtool");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{report}"
-    );
-    report
-}
-
-/// One GET; returns the status code and the body.
-fn get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
-    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (code, body.to_string())
-}
 
 /// The `IP:port` logged after `marker` by the daemon (it binds port 0).
 fn addr_after(line: &str, marker: &str) -> Option<String> {

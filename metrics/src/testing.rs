@@ -1,0 +1,81 @@
+//! Test support shared by the workspace's endpoint tests: one GET against a
+//! metrics listener, and `promtool`, whose absence fails the test that asks
+//! for it (CI installs it; a silently skipped check never runs).
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// One `GET path`; returns the status code and the body. Panics on a
+/// connection or protocol failure: it exists for tests.
+pub fn http_get(addr: impl ToSocketAddrs, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
+    let code = head
+        .split(' ')
+        .nth(1)
+        .expect("a status line")
+        .parse()
+        .expect("a status code");
+    (code, body.to_string())
+}
+
+/// promtool from `$PROMTOOL` or `PATH`; panics with the install hint when
+/// it is missing.
+pub fn promtool() -> PathBuf {
+    std::env::var_os("PROMTOOL")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("PATH").and_then(|p| {
+                std::env::split_paths(&p).map(|d| d.join("promtool")).find(|f| f.is_file())
+            })
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "promtool not found: install it with `apt-get install -y --no-install-recommends prometheus` \
+                 (Debian package `prometheus`; CI installs it) or set PROMTOOL"
+            )
+        })
+}
+
+/// Runs `promtool ARGS` in `dir` with `stdin` as input; panics unless it
+/// succeeds, and returns its combined output.
+pub fn run_promtool(args: &[&str], stdin: Option<&str>, dir: &Path) -> String {
+    let mut child = Command::new(promtool())
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool");
+    let input = child.stdin.take().expect("piped stdin");
+    if let Some(text) = stdin {
+        let mut input = input;
+        input.write_all(text.as_bytes()).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
+    text
+}
+
+/// `promtool check metrics` on an exposition; panics on any problem and
+/// returns promtool's (lint) output.
+pub fn promtool_check_metrics(exposition: &str) -> String {
+    run_promtool(&["check", "metrics"], Some(exposition), Path::new("."))
+}
