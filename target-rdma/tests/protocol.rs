@@ -118,12 +118,16 @@ fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
     });
 }
 
-#[test]
-fn the_client_refuses_an_impostor_peer() {
-    // A peer that does not know the secret cannot produce WELCOME's MAC.
+/// A hand-rolled peer for one connection: it sends a CHALLENGE, reads the
+/// HELLO and answers a WELCOME whose MAC is made with `secret`, or left
+/// zeroed when `secret` is `None` (an impostor). It then hands the open
+/// socket back, answering nothing more.
+fn fake_peer(
+    secret_value: Option<&'static str>,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<TcpStream>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let fake = std::thread::spawn(move || {
+    let peer = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         let ch = Challenge {
             min_version: 1,
@@ -136,8 +140,9 @@ fn the_client_refuses_an_impostor_peer() {
         ch.encode(&mut f);
         s.write_all(&f).unwrap();
         let mut body = Vec::new();
-        proto::read_frame(&mut s, &mut body).unwrap();
-        let w = proto::Welcome {
+        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+        let hello = Hello::decode(&h, &body).unwrap();
+        let mut w = proto::Welcome {
             session_id: 1,
             generation: 1,
             blob_bytes: 4096,
@@ -145,13 +150,24 @@ fn the_client_refuses_an_impostor_peer() {
             quota_blobs: 1,
             mac: [0; MAC_LEN],
         };
+        if let Some(v) = secret_value {
+            w.mac = secret(v).sign_welcome(&ch, &hello, &w);
+        }
         w.encode(&mut f);
         s.write_all(&f).unwrap();
+        s
     });
+    (addr, peer)
+}
+
+#[test]
+fn the_client_refuses_an_impostor_peer() {
+    // A peer that does not know the secret cannot produce WELCOME's MAC.
+    let (addr, peer) = fake_peer(None);
     let cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
     let e = ArenaClient::connect(cfg).err().unwrap();
     assert!(matches!(e, ArenaError::PeerNotAuthentic { .. }), "{e}");
-    fake.join().unwrap();
+    peer.join().unwrap();
 }
 
 #[test]
@@ -354,39 +370,11 @@ fn many_clients_many_requests_in_flight_no_mixups() {
 #[test]
 fn requests_time_out_and_say_so() {
     // A peer that authenticates but never answers requests.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let ch = Challenge {
-            min_version: 1,
-            max_version: 1,
-            server_nonce: [1; 32],
-            max_inflight: 4,
-            max_inline: 4096,
-        };
-        let mut f = Vec::new();
-        ch.encode(&mut f);
-        s.write_all(&f).unwrap();
-        let mut body = Vec::new();
-        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
-        let hello = Hello::decode(&h, &body).unwrap();
-        let mut w = proto::Welcome {
-            session_id: 1,
-            generation: 1,
-            blob_bytes: 4096,
-            caps: 1,
-            quota_blobs: 1,
-            mac: [0; MAC_LEN],
-        };
-        w.mac = secret(SECRET_A).sign_welcome(&ch, &hello, &w);
-        w.encode(&mut f);
-        s.write_all(&f).unwrap();
-        std::thread::sleep(Duration::from_secs(5));
-    });
+    let (addr, peer) = fake_peer(Some(SECRET_A));
     let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
     cfg.request_timeout = Duration::from_millis(300);
     let c = ArenaClient::connect(cfg).unwrap();
+    let _open = peer.join().unwrap();
     let e = block_on(c.flush()).unwrap_err();
     assert!(
         matches!(
