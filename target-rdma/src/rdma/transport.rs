@@ -378,6 +378,13 @@ impl RdmaTransport {
         }
     }
 
+    /// Whether payloads go by RDMA (the rail is up, or down and being
+    /// re-established); `false` when this transport serves TCP only. Cheap:
+    /// no allocation, one short lock.
+    pub fn uses_rdma(&self) -> bool {
+        !matches!(*self.rail.lock(), RailState::Off(..))
+    }
+
     /// The control-stream client (leases, inline fallback).
     pub fn client(&self) -> &ArenaClient {
         &self.client
