@@ -23,10 +23,10 @@ use crate::telemetry::DeviceObs;
 use crate::transport::{QueueIo, RoutedIo};
 use crate::wake::{CrossThread, EventFd};
 
-/// Serves one tag until the queue goes down. The tag's buffer is its slice
-/// of the queue's [`TagBuffers`] (registered once for RDMA): the kernel
-/// copies WRITE data into it and READ data out of it, and the transport
-/// moves payloads straight from and into it.
+/// Serves one tag until the queue goes down. The tag's buffer comes from
+/// the queue's [`TagBuffers`](crate::transport::TagBuffers) (registered once
+/// for RDMA): the kernel copies WRITE data into it and READ data out of it,
+/// and the transport moves payloads straight from and into it.
 async fn io_task(
     q: &UblkQueue<'_>,
     tag: u16,
@@ -35,30 +35,30 @@ async fn io_task(
     efd: &Arc<EventFd>,
     dev: &DeviceObs,
 ) -> Result<(), UblkError> {
-    let bufs = io.buffers();
-    let (Some(ptr), true) = (
-        bufs.tag(tag),
-        bufs.io_buf() >= q.dev.dev_info.max_io_buf_bytes as usize,
-    ) else {
+    let Some(buf) = io
+        .buffers()
+        .tag(tag)
+        .filter(|b| b.len() >= q.dev.dev_info.max_io_buf_bytes as usize)
+    else {
         tracing::error!(event = "queue.no_buffer", qid = q.get_qid(), tag);
         return Err(UblkError::OtherError(-libc::EINVAL));
     };
-    // SAFETY: tag `tag`'s `io_buf` bytes are owned by this task alone (one
-    // task per tag); the allocation lives in `io`, which outlives the task.
-    // The kernel touches them only between FETCH/COMMIT and our next look,
-    // as with any ublk buffer.
-    let buf = unsafe { std::slice::from_raw_parts_mut(ptr, bufs.io_buf()) };
-    q.submit_io_prep_cmd(tag, BufDesc::RawAddress(ptr), 0, None)
+    q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(buf))
         .await?;
     loop {
         let desc = IoDesc::from(q.get_iod(tag));
         let target = ArenaTarget::new(RoutedIo::new(io), size);
+        // SAFETY: this task alone serves tag `tag`, so nothing else touches
+        // its buffer while the request runs (the kernel copies in and out
+        // only between our COMMIT and the next FETCH completion); the
+        // buffer lives in `io`, which outlives this borrow.
+        let data = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), buf.len()) };
         let res = CrossThread::new(
-            serve(&target, &desc, buf, dev, q.get_qid(), tag),
+            serve(&target, &desc, data, dev, q.get_qid(), tag),
             Arc::clone(efd),
         )
         .await;
-        q.submit_io_commit_cmd(tag, BufDesc::RawAddress(ptr), res)
+        q.submit_io_commit_cmd(tag, BufDesc::Slice(buf.as_slice()), res)
             .await?;
     }
 }

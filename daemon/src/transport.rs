@@ -41,36 +41,26 @@ impl Negotiated {
     }
 }
 
-/// A queue's I/O buffers: one page-aligned allocation of `depth` buffers of
-/// `io_buf` bytes (tag `t` owns bytes `t * io_buf ..`), registered once for
-/// RDMA as one region.
+/// A queue's I/O buffers: one page-aligned buffer of `io_buf` bytes per
+/// tag, allocated when the device is added and registered once for RDMA.
 pub struct TagBuffers {
-    mem: IoBuf<u8>,
-    io_buf: usize,
-    depth: usize,
+    bufs: Vec<IoBuf<u8>>,
 }
 
 impl TagBuffers {
-    /// Allocates `depth` buffers of `io_buf` bytes (both non-zero, bounded
-    /// by the config checks: at most 4096 x 1 MiB).
+    /// Allocates `depth` buffers of `io_buf` bytes (both bounded by the
+    /// config checks: at most 4096 x 1 MiB; zero is taken as one).
     pub fn new(depth: usize, io_buf: usize) -> Self {
         Self {
-            mem: IoBuf::new(depth.max(1) * io_buf.max(1)),
-            io_buf,
-            depth,
+            bufs: (0..depth.max(1))
+                .map(|_| IoBuf::new(io_buf.max(1)))
+                .collect(),
         }
     }
 
-    /// Start of tag `tag`'s buffer, `None` past the depth.
-    pub fn tag(&self, tag: u16) -> Option<*mut u8> {
-        let t = usize::from(tag);
-        // SAFETY: `t < depth`, so the offset stays inside the allocation.
-        (t < self.depth).then(|| unsafe { self.mem.as_mut_ptr().add(t * self.io_buf) })
-    }
-
-    /// Bytes per tag.
-    pub fn io_buf(&self) -> usize {
-        self.io_buf
+    /// Tag `tag`'s buffer, `None` past the depth.
+    pub fn tag(&self, tag: u16) -> Option<&IoBuf<u8>> {
+        self.bufs.get(usize::from(tag))
     }
 }
 
@@ -107,13 +97,14 @@ impl QueueIo {
     /// own registered pool.
     pub fn rdma(t: RdmaTransport, bufs: TagBuffers) -> Self {
         if t.uses_rdma() {
-            let len = bufs.depth * bufs.io_buf;
-            // SAFETY: the memory lives in `bufs`, which this struct keeps
-            // alive until after the transport is gone (see the type docs);
-            // each tag's buffer is used by one request at a time, and only
-            // through the transport while that request runs.
-            if let Err(e) = unsafe { t.register_io_buffers(bufs.mem.as_mut_ptr(), len) } {
-                tracing::warn!(event = "rdma.register_failed", bytes = len, error = %e);
+            for b in &bufs.bufs {
+                // SAFETY: the memory lives in `bufs`, which this struct keeps
+                // alive until after the transport is gone (see the type
+                // docs); each tag's buffer is used by one request at a time,
+                // and only through the transport while that request runs.
+                if let Err(e) = unsafe { t.register_io_buffers(b.as_mut_ptr(), b.len()) } {
+                    tracing::warn!(event = "rdma.register_failed", bytes = b.len(), error = %e);
+                }
             }
         }
         Self {

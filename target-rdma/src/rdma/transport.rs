@@ -357,7 +357,11 @@ impl RdmaTransport {
         // the region, dropped after its QP) is dropped.
         let mr = unsafe { p.register(addr, len, false) }
             .inspect_err(|_| self.stats.inc(|s| &s.registration_failures))?;
-        self.regions.lock().push(mr);
+        // Sorted by address, so a transfer finds its region by binary search
+        // (a queue registers one region per tag).
+        let mut regions = self.regions.lock();
+        let at = regions.partition_point(|r| r.addr < mr.addr);
+        regions.insert(at, mr);
         Ok(())
     }
 
@@ -729,9 +733,18 @@ impl RdmaTransport {
         addr: usize,
         len: usize,
     ) -> Result<(Local<'_>, Option<PoolGuard<'_>>), TcpReason> {
-        if let Some(r) = self.regions.lock().iter().find(|r| r.contains(addr, len)) {
+        let found = {
+            let regions = self.regions.lock();
+            // The last region starting at or before `addr` is the only candidate.
+            let i = regions.partition_point(|r| r.addr <= addr);
+            i.checked_sub(1)
+                .map(|i| &regions[i])
+                .filter(|r| r.contains(addr, len))
+                .map(|r| r.lkey)
+        };
+        if let Some(lkey) = found {
             self.stats.inc(|s| &s.registrations_pooled);
-            return Ok((Local::Region { lkey: r.lkey, addr }, None));
+            return Ok((Local::Region { lkey, addr }, None));
         }
         if let Some((pool, index)) = self.pool.as_ref().and_then(|p| p.take().map(|i| (p, i))) {
             self.stats.pool_take();
