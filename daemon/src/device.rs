@@ -698,6 +698,16 @@ impl Manager {
             op_timeout: Duration::from_millis(self.cfg.request_timeout_ms)
                 .min(Duration::from_secs(5)),
             require_rdma: spec.transport == Transport::Rdma,
+            // Cached leases belong to one connection: a DISCARD served by
+            // another queue REMOVEs the blob under them, and the next write
+            // through such a lease would land in a dropped slot. So only a
+            // single-queue device (whose REMOVEs give its own cached leases
+            // back first) keeps leases across requests.
+            lease_cache: if spec.queues == 1 {
+                RdmaTransportConfig::default().lease_cache
+            } else {
+                0
+            },
             ..RdmaTransportConfig::default()
         };
         let mut ios = Vec::with_capacity(spec.queues as usize);

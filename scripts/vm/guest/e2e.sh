@@ -104,7 +104,7 @@ start_ublkd || { echo "FAIL setup (ublkd did not come up; see ublkd.log)"; cat "
 
 # ---- control-plane errors and add -------------------------------------
 out=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 64M --transport rdma 2>&1)
-if [[ $? -ne 0 && "$out" == *"RDMA transport not available in this build"* ]]; then pass ctl-rdma-refused
+if [[ $? -ne 0 && "$out" == *"RDMA transport unavailable: "*"use --transport tcp or --transport auto"* ]]; then pass ctl-rdma-refused
 else fail ctl-rdma-refused "$out"; fi
 out=$(ctl add --peer 127.0.0.1:1 --volume e2e --secret-file "$W/vol.key" --size 64M 2>&1)
 if [[ $? -ne 0 && "$out" == *"cannot connect to arena peer 127.0.0.1:1"* ]]; then pass ctl-peer-unreachable
