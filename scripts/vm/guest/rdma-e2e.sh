@@ -130,6 +130,12 @@ metric() {
     timeout 30 /usr/bin/curl -sf http://127.0.0.1:9477/metrics |
         awk -v p="$1" 'index($0, p) == 1 { s += $NF } END { print s + 0 }'
 }
+# reads_back DEV SKIP_MIB COUNT_MIB FILE: the device holds FILE there.
+# (No process substitution: the guest's devtmpfs has no /dev/fd.)
+reads_back() {
+    timeout 120 dd if="$1" of="$W/readback" bs=1M skip="$2" count="$3" iflag=direct status=none &&
+        cmp "$W/readback" "$4"
+}
 field() { # field ID KEY : a field of `ublkctl --json show`
     ctl --json show "$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['device']['$2'])"
 }
@@ -215,7 +221,7 @@ timeout 120 dd if=/dev/urandom of="$W/pattern" bs=1M count=4 status=none
 timeout 120 dd if="$W/pattern" of="$DEV" bs=1M seek=40 oflag=direct conv=fsync status=none || fail pattern-write
 kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
 if start_ublkd && [[ "$(field "$ID" state)" == live && "$(field "$ID" transport)" == rdma ]] &&
-    timeout 120 cmp <(timeout 120 dd if="$DEV" bs=1M skip=40 count=4 iflag=direct status=none) "$W/pattern" &&
+    reads_back "$DEV" 40 4 "$W/pattern" &&
     (( $(stat_sum "$ID" rdma_transferred) > 0 )); then
     pass "rdma-kill9-recovery (same $DEV, over RDMA, data intact)"
 else fail rdma-kill9-recovery "$(ctl list 2>&1)"; fi
@@ -255,7 +261,7 @@ stop_arenad a
 start_arenad a 7070 || fail fault-arenad-rdma-again
 if timeout 120 "$BIN/ublkctl" --socket "$SOCK" recover "$ID" >"$R/recover.txt" 2>&1 &&
     [[ "$(field "$ID" transport)" == rdma ]] &&
-    timeout 120 cmp <(timeout 120 dd if="$DEV" bs=1M skip=40 count=4 iflag=direct status=none) "$W/pattern" &&
+    reads_back "$DEV" 40 4 "$W/pattern" &&
     (( $(stat_sum "$ID" rdma_transferred) > 0 )); then
     pass "fault-recovers-when-the-link-returns (over RDMA, data intact)"
 else fail fault-recovers-when-the-link-returns "$(cat "$R/recover.txt"; ctl list 2>&1)"; fi
