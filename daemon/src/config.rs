@@ -68,9 +68,9 @@ pub enum OnShutdown {
 pub enum Transport {
     /// Inline on the TCP control stream.
     Tcp,
-    /// One-sided RDMA (not in this build).
+    /// One-sided RDMA, or a clear error when the device is added.
     Rdma,
-    /// RDMA when available, else TCP; in this build always TCP.
+    /// RDMA when a local device is present and the peer grants it, else TCP.
     Auto,
 }
 
@@ -126,6 +126,55 @@ pub struct UblkdConfig {
     /// The metrics listener and the request trackers.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// Which RDMA device `rdma` and `auto` devices use.
+    #[serde(default)]
+    pub rdma: RdmaConfig,
+}
+
+/// `[rdma]`: the local RDMA device of `transport = rdma|auto` devices.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RdmaConfig {
+    /// Device name (`rxe0`, `mlx5_0`); unset takes the first device with an
+    /// active port.
+    #[serde(default)]
+    pub device: Option<String>,
+    /// Port number; unset takes the device's first active port.
+    #[serde(default)]
+    pub port: Option<u8>,
+    /// GID table index; unset means 1 (the IPv4-mapped RoCEv2 GID on
+    /// soft-RoCE; index 0, link-local, fails at connect).
+    #[serde(default)]
+    pub gid_index: Option<u8>,
+}
+
+impl RdmaConfig {
+    /// The device selection these keys describe.
+    pub fn selector(&self) -> target_rdma::rdma::DeviceSelector {
+        let d = target_rdma::rdma::DeviceSelector::default();
+        target_rdma::rdma::DeviceSelector {
+            device: self.device.clone().or(d.device),
+            port: self.port.or(d.port),
+            gid_index: self.gid_index.unwrap_or(d.gid_index),
+        }
+    }
+
+    /// Checks every `[rdma]` key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(d) = &self.device {
+            if d.is_empty() || d.len() > 64 || d.contains('/') {
+                return Err(invalid(
+                    "rdma.device",
+                    d,
+                    "must be an RDMA device name such as \"rxe0\" or \"mlx5_0\"",
+                ));
+            }
+        }
+        if self.port == Some(0) {
+            return Err(invalid("rdma.port", 0, "must be between 1 and 255"));
+        }
+        Ok(())
+    }
 }
 
 /// `[metrics]`: the Prometheus/health listener and the request trackers.
@@ -407,6 +456,7 @@ impl UblkdConfig {
             ));
         }
         self.device.validate()?;
+        self.rdma.validate()?;
         self.metrics.validate()
     }
 }
@@ -547,6 +597,31 @@ mod tests {
         assert_eq!(c.metrics.scan_interval_secs, 5);
         assert_eq!(c.metrics.stall_threshold_secs, 30);
         assert_eq!(c.metrics.slow_threshold_ms, 5000);
+    }
+
+    #[test]
+    fn the_rdma_device_keys_select_and_are_checked() {
+        let c = UblkdConfig::parse("", Path::new("x")).unwrap();
+        assert_eq!(
+            c.rdma.selector(),
+            target_rdma::rdma::DeviceSelector::default()
+        );
+        let c = UblkdConfig::parse(
+            "[rdma]\ndevice = \"rxe0\"\nport = 1\ngid_index = 3\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let sel = c.rdma.selector();
+        assert_eq!(
+            (sel.device.as_deref(), sel.port, sel.gid_index),
+            (Some("rxe0"), Some(1), 3)
+        );
+        assert_eq!(
+            err("[rdma]\nport = 0\n"),
+            "invalid config: rdma.port = 0: must be between 1 and 255"
+        );
+        assert!(err("[rdma]\ndevice = \"\"\n").starts_with("invalid config: rdma.device = : "));
+        assert!(err("[rdma]\nspeed = 1\n").contains("speed"));
     }
 
     #[test]

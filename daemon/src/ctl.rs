@@ -135,7 +135,7 @@ pub enum ErrorKind {
     Peer,
     /// `/dev/ublk-control` is missing.
     UblkMissing,
-    /// The requested transport is not in this build.
+    /// `transport = rdma` and RDMA cannot be used (no device, peer declined).
     TransportUnavailable,
     /// The ublk driver or the system failed.
     System,
@@ -148,7 +148,7 @@ pub enum Reply {
     /// `add`, `show` and `recover`.
     Device {
         /// The device.
-        device: DeviceInfo,
+        device: Box<DeviceInfo>,
     },
     /// `del`.
     Deleted {
@@ -196,10 +196,14 @@ pub struct DeviceInfo {
     pub peer: String,
     /// Volume name.
     pub volume: String,
-    /// Data path in use (`tcp` in this build).
+    /// Data path in use (`rdma` or `tcp`; `none` for a device without
+    /// queues, e.g. `failed`): what was negotiated, not what was asked.
     pub transport: String,
     /// What `add` asked for (`tcp`, `rdma` or `auto`).
     pub transport_requested: String,
+    /// Why a device asked to use RDMA (`auto`) serves TCP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport_note: Option<String>,
     /// Logical block size.
     pub logical_block_size: u32,
 }

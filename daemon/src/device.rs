@@ -23,14 +23,19 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use target_rdma::auth::Secret;
 use target_rdma::client::{ArenaClient, ArenaError, ClientConfig};
-use target_rdma::target::ArenaTarget;
+use target_rdma::rdma::report::RdmaDriverStats;
+use target_rdma::rdma::{
+    open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig,
+};
 use target_rdma::transport::TcpPayloadStats;
+use ublk_metrics::DriverStats;
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, Transport, UblkdConfig};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
 use crate::stats::DeviceStats;
 use crate::telemetry::{DevState, DeviceShape, Observability};
+use crate::transport::{Negotiated, QueueIo, TagBuffers};
 
 /// The ublk control node; absent when `ublk_drv` is not loaded.
 pub const UBLK_CONTROL: &str = "/dev/ublk-control";
@@ -97,9 +102,9 @@ pub enum DeviceError {
     /// Invalid arguments.
     #[error("{0}")]
     BadRequest(String),
-    /// `transport = rdma` asked of a TCP-only build.
-    #[error("RDMA transport not available in this build; use --transport tcp or --transport auto")]
-    RdmaUnavailable,
+    /// `transport = rdma` and RDMA cannot be used.
+    #[error("RDMA transport unavailable: {0}; use --transport tcp or --transport auto")]
+    RdmaUnavailable(String),
     /// The secret file could not be used.
     #[error("secret file {path}: {reason}")]
     Secret {
@@ -141,7 +146,7 @@ impl DeviceError {
             Self::Unknown(_) => ErrorKind::UnknownDevice,
             Self::Busy { .. } => ErrorKind::Busy,
             Self::BadRequest(_) | Self::Secret { .. } => ErrorKind::BadRequest,
-            Self::RdmaUnavailable => ErrorKind::TransportUnavailable,
+            Self::RdmaUnavailable(_) => ErrorKind::TransportUnavailable,
             Self::Arena(ArenaError::Connect { .. }) => ErrorKind::PeerUnreachable,
             Self::Arena(ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. }) => {
                 ErrorKind::AuthFailed
@@ -272,8 +277,8 @@ struct Device {
     spec: DeviceSpec,
     stats: Arc<DeviceStats>,
     state: Arc<Mutex<State>>,
-    /// Clones of the queues' clients, for FLUSH at shutdown.
-    clients: Vec<ArenaClient>,
+    /// The queues' arena sessions (shared), for FLUSH at shutdown.
+    ios: Vec<QueueIo>,
     blob_bytes: u32,
     thread: Option<JoinHandle<()>>,
 }
@@ -371,9 +376,9 @@ fn params(spec: &DeviceSpec) -> sys::ublk_params {
 struct DeviceStart {
     spec: DeviceSpec,
     mode: Mode,
-    clients: Vec<ArenaClient>,
+    ios: Vec<QueueIo>,
     stats: Arc<DeviceStats>,
-    payload: Arc<TcpPayloadStats>,
+    driver: Arc<dyn DriverStats>,
     state: Arc<Mutex<State>>,
     obs: Arc<Observability>,
 }
@@ -384,9 +389,9 @@ fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
     let DeviceStart {
         spec,
         mode,
-        clients,
+        ios,
         stats,
-        payload,
+        driver,
         state,
         obs,
     } = start;
@@ -427,8 +432,8 @@ fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
         }),
         initial,
         Arc::clone(&stats),
-        clients.clone(),
-        payload,
+        ios.clone(),
+        driver,
     ) {
         Ok(d) => d,
         Err(e) => {
@@ -438,12 +443,12 @@ fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
     };
     let _ = tx.send(Event::Built(dev_id));
 
-    let queue_clients: Arc<Mutex<Vec<Option<ArenaClient>>>> =
-        Arc::new(Mutex::new(clients.into_iter().map(Some).collect()));
+    let queue_ios: Arc<Mutex<Vec<Option<QueueIo>>>> =
+        Arc::new(Mutex::new(ios.into_iter().map(Some).collect()));
     let size = spec.size;
     let qobs = Arc::clone(&dobs);
     let q_fn = move |qid: u16, dev: &UblkDev| {
-        let Some(client) = queue_clients
+        let Some(io) = queue_ios
             .lock()
             .get_mut(qid as usize)
             .and_then(Option::take)
@@ -451,7 +456,7 @@ fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
             tracing::error!(event = "queue.no_client", qid);
             return;
         };
-        crate::queue::run(qid, dev, ArenaTarget::new(client, size), Arc::clone(&qobs));
+        crate::queue::run(qid, dev, io, size, Arc::clone(&qobs));
     };
     let ublk_params = params(&spec);
     let tgt_init = move |dev: &mut UblkDev| {
@@ -509,7 +514,7 @@ impl Manager {
             DevState::Failed,
             Arc::default(),
             Vec::new(),
-            Arc::default(),
+            Arc::new(TcpPayloadStats::default()),
         ) {
             tracing::warn!(event = "device.metrics_failed", id, error = %oe);
         }
@@ -519,7 +524,7 @@ impl Manager {
                 spec,
                 stats: Arc::default(),
                 state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
-                clients: Vec::new(),
+                ios: Vec::new(),
                 blob_bytes: 0,
                 thread: None,
             },
@@ -565,24 +570,12 @@ impl Manager {
     /// Connects the queues' clients, starts the device thread and waits
     /// until the device is live. Returns the device id.
     fn launch(&self, mut spec: DeviceSpec, mode: Mode) -> Result<u32, DeviceError> {
-        if spec.transport == Transport::Rdma {
-            return Err(DeviceError::RdmaUnavailable);
-        }
         let secret = Secret::from_file(&spec.secret_file).map_err(|e| DeviceError::Secret {
             path: spec.secret_file.clone(),
             reason: e.to_string(),
         })?;
-        let payload = Arc::new(TcpPayloadStats::default());
-        let mut clients = Vec::with_capacity(spec.queues as usize);
-        for _ in 0..spec.queues {
-            let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
-            cc.blob_bytes = spec.blob_size as u32;
-            cc.payload_stats = Some(Arc::clone(&payload));
-            cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
-            cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
-            clients.push(ArenaClient::connect(cc)?);
-        }
-        let blob_bytes = clients.first().map_or(0, |c| c.session_blob_bytes());
+        let (ios, driver) = self.connect_queues(&spec, &secret)?;
+        let blob_bytes = ios.first().map_or(0, |io| io.client().session_blob_bytes());
         if !Path::new(UBLK_CONTROL).exists() {
             return Err(DeviceError::UblkMissing);
         }
@@ -596,9 +589,9 @@ impl Manager {
             let start = DeviceStart {
                 spec: spec.clone(),
                 mode,
-                clients: clients.clone(),
+                ios: ios.clone(),
                 stats: Arc::clone(&stats),
-                payload,
+                driver,
                 state: Arc::clone(&state),
                 obs: Arc::clone(&self.obs),
             };
@@ -654,13 +647,85 @@ impl Manager {
                 spec,
                 stats,
                 state,
-                clients,
+                ios,
                 blob_bytes,
                 thread: Some(thread),
             },
         );
         tracing::info!(event = "device.live", id, blob_bytes);
         Ok(id)
+    }
+
+    /// One arena session per queue, on the spec's transport, and the
+    /// driver statistics that report them. `rdma` fails unless every queue
+    /// negotiated RDMA; `auto` takes RDMA where it can and TCP otherwise.
+    fn connect_queues(
+        &self,
+        spec: &DeviceSpec,
+        secret: &Secret,
+    ) -> Result<(Vec<QueueIo>, Arc<dyn DriverStats>), DeviceError> {
+        let client_cfg = || {
+            let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
+            cc.blob_bytes = spec.blob_size as u32;
+            cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
+            cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
+            cc
+        };
+        let bufs = || TagBuffers::new(spec.depth as usize, spec.io_buf as usize);
+        let mode = match spec.transport {
+            Transport::Tcp => {
+                let payload = Arc::new(TcpPayloadStats::default());
+                let mut ios = Vec::with_capacity(spec.queues as usize);
+                for _ in 0..spec.queues {
+                    let mut cc = client_cfg();
+                    cc.payload_stats = Some(Arc::clone(&payload));
+                    ios.push(QueueIo::tcp(ArenaClient::connect(cc)?, bufs()));
+                }
+                return Ok((ios, payload));
+            }
+            Transport::Rdma => RdmaMode::On,
+            Transport::Auto => RdmaMode::Auto,
+        };
+        let provider = open_provider(mode, &self.cfg.rdma.selector())
+            .map_err(|e| DeviceError::RdmaUnavailable(e.to_string()))?;
+        let cfg = RdmaTransportConfig {
+            // Every payload ublkd moves comes from a tag buffer: larger ones
+            // cannot exist, and the bounce pool only serves the zero-fill
+            // writes of partial DISCARD/WRITE_ZEROES ranges.
+            buffer_bytes: spec.io_buf as u32,
+            pool_buffers: 4,
+            sq_depth: (spec.depth * 2).clamp(16, 256),
+            op_timeout: Duration::from_millis(self.cfg.request_timeout_ms)
+                .min(Duration::from_secs(5)),
+            require_rdma: spec.transport == Transport::Rdma,
+            // Cached leases belong to one connection: a DISCARD served by
+            // another queue REMOVEs the blob under them, and the next write
+            // through such a lease would land in a dropped slot. So only a
+            // single-queue device (whose REMOVEs give its own cached leases
+            // back first) keeps leases across requests.
+            lease_cache: if spec.queues == 1 {
+                RdmaTransportConfig::default().lease_cache
+            } else {
+                0
+            },
+            ..RdmaTransportConfig::default()
+        };
+        let mut ios = Vec::with_capacity(spec.queues as usize);
+        for _ in 0..spec.queues {
+            let t = RdmaTransport::connect(client_cfg(), provider.clone(), cfg.clone()).map_err(
+                |e| match e {
+                    RdmaConnectError::Arena(e) => DeviceError::Arena(e),
+                    e @ RdmaConnectError::Unavailable { .. } => {
+                        DeviceError::RdmaUnavailable(e.to_string())
+                    }
+                },
+            )?;
+            ios.push(QueueIo::rdma(t, bufs()));
+        }
+        let rdma = ios.iter().all(|io| io.negotiated() == Negotiated::Rdma);
+        let stats = ios.iter().filter_map(QueueIo::rdma_stats).collect();
+        let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats);
+        Ok((ios, Arc::new(driver)))
     }
 
     /// Builds a spec from `add` arguments and the `[device]` defaults.
@@ -793,8 +858,9 @@ impl Manager {
         self.info(id)
     }
 
-    fn describe(id: u32, dev: &Device) -> DeviceInfo {
+    fn describe(&self, id: u32, dev: &Device) -> DeviceInfo {
         let state = dev.state.lock().clone();
+        let negotiated = self.obs.device(id).and_then(|o| o.negotiated());
         DeviceInfo {
             id,
             node: format!("/dev/ublkb{id}"),
@@ -810,9 +876,9 @@ impl Manager {
             },
             peer: dev.spec.peer.clone(),
             volume: dev.spec.volume.clone(),
-            // `auto` falls back to TCP: this build has no RDMA data path.
-            transport: "tcp".into(),
+            transport: negotiated.as_ref().map_or("none", |(n, _)| n.name()).into(),
             transport_requested: dev.spec.transport.name().into(),
+            transport_note: negotiated.and_then(|(_, why)| why),
             logical_block_size: dev.spec.logical_block_size,
         }
     }
@@ -821,7 +887,7 @@ impl Manager {
     pub fn info(&self, id: u32) -> Result<DeviceInfo, DeviceError> {
         let devs = self.devices.lock();
         let dev = devs.get(&id).ok_or(DeviceError::Unknown(id))?;
-        Ok(Self::describe(id, dev))
+        Ok(self.describe(id, dev))
     }
 
     /// `list`.
@@ -829,7 +895,7 @@ impl Manager {
         self.devices
             .lock()
             .iter()
-            .map(|(id, d)| Self::describe(*id, d))
+            .map(|(id, d)| self.describe(*id, d))
             .collect()
     }
 
@@ -871,8 +937,8 @@ impl Manager {
     pub fn shutdown_keep(&self) {
         let _op = self.ops.lock();
         for (id, dev) in self.devices.lock().iter() {
-            for c in &dev.clients {
-                if let Err(e) = futures::executor::block_on(c.flush()) {
+            for io in &dev.ios {
+                if let Err(e) = futures::executor::block_on(io.flush()) {
                     tracing::warn!(event = "device.flush_failed", id, error = %e);
                 }
             }
@@ -972,20 +1038,44 @@ mod tests {
             msg(&|a| a.secret_file = "rel/secret".into()).1,
             "--secret-file rel/secret must be an absolute path (ublkd resolves it, not your shell)"
         );
-        assert_eq!(
-            msg(&|a| a.transport = Some(Transport::Rdma)),
-            (
-                ErrorKind::TransportUnavailable,
-                "RDMA transport not available in this build; use --transport tcp or --transport auto"
-                    .into()
-            )
-        );
         let (kind, text) = msg(&|_| {});
         assert_eq!(kind, ErrorKind::BadRequest);
         assert!(
             text.starts_with("secret file /nonexistent/secret: "),
             "{text}"
         );
+    }
+
+    #[test]
+    fn rdma_without_a_usable_device_is_refused_at_add_naming_the_reason() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = cfg(dir.path());
+        // A device no host has: refused whether or not this host has RDMA.
+        c.rdma.device = Some("nosuchdev9".into());
+        let obs = Observability::new(
+            ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
+            &c.metrics,
+        );
+        let m = Manager::new(c, obs).unwrap();
+        let secret = dir.path().join("secret");
+        fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+        fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
+        let a = AddArgs {
+            secret_file: secret,
+            transport: Some(Transport::Rdma),
+            ..args()
+        };
+        let e = m.add(&a).unwrap_err();
+        let text = e.to_string();
+        assert_eq!(e.kind(), ErrorKind::TransportUnavailable, "{text}");
+        assert!(text.starts_with("RDMA transport unavailable: "), "{text}");
+        assert!(
+            text.ends_with("; use --transport tcp or --transport auto"),
+            "{text}"
+        );
+        assert!(m.list().is_empty());
+        assert!(m.store.load_all().unwrap().is_empty(), "nothing persisted");
     }
 
     #[test]

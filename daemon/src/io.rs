@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 use libublk::sys;
 use target_rdma::client::ArenaError;
 use target_rdma::proto::Status;
-use target_rdma::target::{BlockOp, BlockTarget, TargetError};
+use target_rdma::target::{ArenaTarget, BlockOp, BlockTarget, TargetError};
 use ublk_metrics::{
     events, CorrelationId, ErrnoClass, IoOp, Phase, Reason, TrackerGuard, TrackerTable,
     Transport as MetricsTransport,
 };
 
 use crate::telemetry::DeviceObs;
+use crate::transport::RoutedIo;
 
 /// What the kernel put in the queue's descriptor array for one tag, copied
 /// out so the request can be served without holding a reference into the
@@ -189,6 +190,27 @@ fn peer_gone(e: &TargetError) -> bool {
     )
 }
 
+/// What the request/attempt accounting needs to know of a target beyond
+/// [`BlockTarget`]: the transport of a request's first attempt, and whether
+/// one of its payloads then failed over to TCP.
+pub trait Routed {
+    /// Transport of the request's first attempt.
+    fn transport(&self) -> MetricsTransport;
+    /// Whether a payload failed over to TCP after an attempt on
+    /// [`transport`](Self::transport) failed.
+    fn failed_over(&self) -> bool;
+}
+
+impl Routed for ArenaTarget<RoutedIo<'_>> {
+    fn transport(&self) -> MetricsTransport {
+        self.io().io().negotiated().metrics()
+    }
+
+    fn failed_over(&self) -> bool {
+        self.io().failed_over()
+    }
+}
+
 /// Serves one descriptor of (`queue`, `tag`) against `target` and returns
 /// what the kernel gets as the command result: bytes transferred for
 /// READ/WRITE, 0 for the others, `-errno` on failure. It always returns
@@ -199,7 +221,7 @@ fn peer_gone(e: &TargetError) -> bool {
 /// I/O families (errno class, latency), in the request/attempt accounting
 /// and in the device's `ublkctl stats` counters. Nothing here allocates or
 /// formats unless the request fails.
-pub async fn serve<T: BlockTarget>(
+pub async fn serve<T: BlockTarget + Routed>(
     target: &T,
     desc: &IoDesc,
     buf: &mut [u8],
@@ -230,9 +252,8 @@ pub async fn serve<T: BlockTarget>(
     let corr = guard
         .as_ref()
         .map_or_else(CorrelationId::next, |g| g.correlation_id());
-    let span = dev
-        .accounting()
-        .start_request(op, MetricsTransport::Tcp, corr);
+    let transport = target.transport();
+    let mut span = dev.accounting().start_request(op, transport, corr);
     let complete =
         |guard: Option<TrackerGuard<&TrackerTable>>, bytes: u64, r: Result<(), i32>| match (
             guard,
@@ -272,7 +293,7 @@ pub async fn serve<T: BlockTarget>(
         }
     };
     let _inflight = stats.start();
-    let attempt = span.attempt(MetricsTransport::Tcp);
+    let mut attempt = span.attempt(transport);
     let result = match req {
         IoRequest::Read { offset, len } => target.read(offset, &mut buf[..len]).await,
         IoRequest::Write { offset, len, fua } => target.write(offset, &buf[..len], fua).await,
@@ -280,6 +301,13 @@ pub async fn serve<T: BlockTarget>(
         IoRequest::Discard { offset, len } => target.discard(offset, len).await,
         IoRequest::WriteZeroes { offset, len } => target.write_zeroes(offset, len).await,
     };
+    if target.failed_over() {
+        // The RDMA attempt failed (its work request errored or timed out,
+        // counted by the driver) and TCP carried the payload: one failover.
+        attempt.fail(Phase::Completion, Reason::WcError);
+        span.failover(MetricsTransport::Tcp);
+        attempt = span.attempt(MetricsTransport::Tcp);
+    }
     match result {
         Ok(()) => {
             attempt.succeed();
@@ -351,7 +379,7 @@ mod tests {
         }
     }
 
-    impl<T: BlockTarget> FakeQueue<T> {
+    impl<T: BlockTarget + Routed> FakeQueue<T> {
         fn new(target: T) -> Self {
             let obs = Observability::new(
                 Telemetry::isolated(Daemon::Ublkd, "test"),
@@ -368,7 +396,7 @@ mod tests {
                     DevState::Live,
                     Arc::default(),
                     Vec::new(),
-                    Arc::default(),
+                    Arc::new(target_rdma::transport::TcpPayloadStats::default()),
                 )
                 .unwrap();
             Self {
@@ -538,6 +566,98 @@ mod tests {
         for tag in 0..DEPTH {
             assert_eq!(q.read(0, tag as u64 * 8, 4096).1, pattern(4096, tag as u8));
         }
+    }
+
+    impl Routed for MemTarget {
+        fn transport(&self) -> MetricsTransport {
+            MetricsTransport::Tcp
+        }
+        fn failed_over(&self) -> bool {
+            false
+        }
+    }
+
+    impl Routed for BrokenTarget {
+        fn transport(&self) -> MetricsTransport {
+            MetricsTransport::Tcp
+        }
+        fn failed_over(&self) -> bool {
+            false
+        }
+    }
+
+    /// An RDMA target whose every payload fails over to TCP.
+    struct FailingOver(MemTarget);
+
+    impl Routed for FailingOver {
+        fn transport(&self) -> MetricsTransport {
+            MetricsTransport::Rdma
+        }
+        fn failed_over(&self) -> bool {
+            true
+        }
+    }
+
+    impl BlockTarget for FailingOver {
+        fn size(&self) -> u64 {
+            self.0.size()
+        }
+        async fn read(&self, o: u64, b: &mut [u8]) -> Result<(), TargetError> {
+            self.0.read(o, b).await
+        }
+        async fn write(&self, o: u64, b: &[u8], fua: bool) -> Result<(), TargetError> {
+            self.0.write(o, b, fua).await
+        }
+        async fn flush(&self) -> Result<(), TargetError> {
+            self.0.flush().await
+        }
+        async fn discard(&self, o: u64, l: u64) -> Result<(), TargetError> {
+            self.0.discard(o, l).await
+        }
+        async fn write_zeroes(&self, o: u64, l: u64) -> Result<(), TargetError> {
+            self.0.write_zeroes(o, l).await
+        }
+    }
+
+    #[test]
+    fn a_failover_is_one_failed_rdma_attempt_one_tcp_attempt_and_one_failover() {
+        let q = FakeQueue::new(FailingOver(MemTarget::new(1 << 20)));
+        assert_eq!(q.write(0, 0, &pattern(4096, 1), false), 4096);
+        assert_eq!(q.read(1, 0, 4096).1, pattern(4096, 1));
+        let m = q.metrics();
+        let s = |name, labels: &[(&str, &str)]| sample(&m, name, labels);
+        let rdma = [("transport", "rdma")];
+        assert_eq!(s("ublk_requests_started_total", &rdma), 2.0);
+        assert_eq!(
+            s(
+                "ublk_request_outcomes_total",
+                &[("transport", "rdma"), ("outcome", "success")]
+            ),
+            2.0
+        );
+        assert_eq!(
+            s(
+                "ublk_attempt_outcomes_total",
+                &[("transport", "rdma"), ("outcome", "failure")]
+            ),
+            2.0
+        );
+        assert_eq!(
+            s(
+                "ublk_attempt_outcomes_total",
+                &[("transport", "tcp"), ("outcome", "success")]
+            ),
+            2.0
+        );
+        assert_eq!(s("ublk_attempts_started_total", &[]), 4.0);
+        assert_eq!(
+            s(
+                "ublk_failovers_total",
+                &[("op", "write"), ("from", "rdma"), ("to", "tcp")]
+            ),
+            1.0
+        );
+        assert_eq!(s("ublk_failovers_total", &[]), 2.0);
     }
 
     /// Fails every request the way a dead arena connection does.

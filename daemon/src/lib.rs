@@ -17,4 +17,5 @@ pub mod queue;
 pub mod server;
 pub mod stats;
 pub mod telemetry;
+pub mod transport;
 pub mod wake;

@@ -13,31 +13,48 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use io_uring::{opcode, types};
-use libublk::helpers::IoBuf;
 use libublk::io::UblkQueue;
 use libublk::uring_async::ublk_submit_sqe_async;
 use libublk::{BufDesc, UblkError, UblkUringData};
-use target_rdma::target::BlockTarget;
+use target_rdma::target::ArenaTarget;
 
 use crate::io::{serve, IoDesc};
 use crate::telemetry::DeviceObs;
+use crate::transport::{QueueIo, RoutedIo};
 use crate::wake::{CrossThread, EventFd};
 
-/// Serves one tag until the queue goes down.
-async fn io_task<T: BlockTarget>(
+/// Serves one tag until the queue goes down. The tag's buffer comes from
+/// the queue's [`TagBuffers`](crate::transport::TagBuffers) (registered once
+/// for RDMA): the kernel copies WRITE data into it and READ data out of it,
+/// and the transport moves payloads straight from and into it.
+async fn io_task(
     q: &UblkQueue<'_>,
     tag: u16,
-    target: &T,
+    io: &QueueIo,
+    size: u64,
     efd: &Arc<EventFd>,
     dev: &DeviceObs,
 ) -> Result<(), UblkError> {
-    let mut buf = IoBuf::<u8>::new(q.dev.dev_info.max_io_buf_bytes as usize);
-    q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(&buf))
+    let Some(buf) = io
+        .buffers()
+        .tag(tag)
+        .filter(|b| b.len() >= q.dev.dev_info.max_io_buf_bytes as usize)
+    else {
+        tracing::error!(event = "queue.no_buffer", qid = q.get_qid(), tag);
+        return Err(UblkError::OtherError(-libc::EINVAL));
+    };
+    q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(buf))
         .await?;
     loop {
         let desc = IoDesc::from(q.get_iod(tag));
+        let target = ArenaTarget::new(RoutedIo::new(io), size);
+        // SAFETY: this task alone serves tag `tag`, so nothing else touches
+        // its buffer while the request runs (the kernel copies in and out
+        // only between our COMMIT and the next FETCH completion); the
+        // buffer lives in `io`, which outlives this borrow.
+        let data = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), buf.len()) };
         let res = CrossThread::new(
-            serve(target, &desc, buf.as_mut_slice(), dev, q.get_qid(), tag),
+            serve(&target, &desc, data, dev, q.get_qid(), tag),
             Arc::clone(efd),
         )
         .await;
@@ -66,13 +83,9 @@ async fn wake_task(efd: Arc<EventFd>) {
     }
 }
 
-/// Runs queue `qid` of `dev` against `target` until the device stops.
-pub fn run<T: BlockTarget + 'static>(
-    qid: u16,
-    dev: &libublk::io::UblkDev,
-    target: T,
-    obs: Arc<DeviceObs>,
-) {
+/// Runs queue `qid` of `dev` over its arena session `io` (a block device
+/// of `size` bytes) until the device stops.
+pub fn run(qid: u16, dev: &libublk::io::UblkDev, io: QueueIo, size: u64, obs: Arc<DeviceObs>) {
     let efd = match EventFd::new() {
         Ok(e) => Arc::new(e),
         Err(e) => {
@@ -87,18 +100,18 @@ pub fn run<T: BlockTarget + 'static>(
             return;
         }
     };
-    let target = Rc::new(target);
+    let io = Rc::new(io);
     let exe = Rc::new(smol::LocalExecutor::new());
     let mut tasks = Vec::new();
     for tag in q.tags() {
-        let (q, target, efd, obs) = (
+        let (q, io, efd, obs) = (
             Rc::clone(&q),
-            Rc::clone(&target),
+            Rc::clone(&io),
             Arc::clone(&efd),
             Arc::clone(&obs),
         );
         tasks.push(exe.spawn(async move {
-            match io_task(&q, tag, &*target, &efd, &obs).await {
+            match io_task(&q, tag, &io, size, &efd, &obs).await {
                 Err(UblkError::QueueIsDown) | Ok(()) => {}
                 Err(e) => tracing::error!(event = "queue.tag_failed", qid, tag, error = %e),
             }

@@ -84,14 +84,20 @@ pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketErro
 /// Runs one request against the manager.
 pub fn handle(manager: &Manager, request: Request) -> Response {
     let result: Result<Reply, DeviceError> = match request {
-        Request::Add(a) => manager.add(&a).map(|device| Reply::Device { device }),
+        Request::Add(a) => manager.add(&a).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
         Request::Del { id, force } => manager.del(id, force).map(|()| Reply::Deleted { id }),
         Request::List => Ok(Reply::Devices {
             devices: manager.list(),
         }),
-        Request::Show { id } => manager.info(id).map(|device| Reply::Device { device }),
+        Request::Show { id } => manager.info(id).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
         Request::Stats { id } => manager.stats(id).map(Reply::Stats),
-        Request::Recover { id } => manager.recover(id).map(|device| Reply::Device { device }),
+        Request::Recover { id } => manager.recover(id).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
         Request::Features => features_reply(),
     };
     match result {

@@ -13,16 +13,15 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use target_rdma::client::ArenaClient;
-use target_rdma::transport::TcpPayloadStats;
 use ublk_metrics::{
-    events, Clock, DeviceDriverReport, DriverStatsRegistry, IoMetrics, MonotonicClock,
+    events, Clock, DeviceDriverReport, DriverStats, DriverStatsRegistry, IoMetrics, MonotonicClock,
     NotReadyReason, NotReadySet, Phase, Probes, Reason, RequestAccounting, Scanner, ScannerConfig,
     TableSnapshot, Telemetry, TrackerConfig, TrackerError, TrackerTable, Transport,
 };
 
 use crate::config::{self, MetricsConfig};
 use crate::stats::DeviceStats;
+use crate::transport::{Negotiated, QueueIo};
 
 /// The target label of every ublkd device (the arena target).
 pub const TARGET: &str = "arena";
@@ -91,7 +90,7 @@ pub struct DeviceObs {
     table: Arc<TrackerTable>,
     io: IoMetrics,
     acct: Arc<RequestAccounting>,
-    clients: Vec<ArenaClient>,
+    ios: Vec<QueueIo>,
 }
 
 impl std::fmt::Debug for DeviceObs {
@@ -139,6 +138,27 @@ impl DeviceObs {
         self.state.store(s as u8, Ordering::Release);
     }
 
+    /// The data path the device uses now: RDMA when every queue negotiated
+    /// it, else TCP (with the first reason a queue gave), `None` without
+    /// queues (a failed device).
+    pub fn negotiated(&self) -> Option<(Negotiated, Option<String>)> {
+        let first = self.ios.first()?;
+        if self
+            .ios
+            .iter()
+            .all(|io| io.negotiated() == Negotiated::Rdma)
+        {
+            return Some((Negotiated::Rdma, None));
+        }
+        let why = self.ios.iter().find_map(QueueIo::tcp_reason);
+        Some((Negotiated::Tcp, why.or_else(|| first.tcp_reason())))
+    }
+
+    /// The queues' arena sessions (shared handles).
+    pub fn ios(&self) -> &[QueueIo] {
+        &self.ios
+    }
+
     /// Whether every queue's arena connection was up at the last check.
     pub fn peer_connected(&self) -> bool {
         self.peer_connected.load(Ordering::Acquire)
@@ -167,7 +187,7 @@ impl DeviceObs {
     /// from the peer monitor, never from `/ready`.
     pub fn check_peer(&self) {
         let mut up = true;
-        for c in &self.clients {
+        for c in self.ios.iter().map(QueueIo::client) {
             if !c.is_connected() && c.welcome().is_err() {
                 up = false;
             }
@@ -188,8 +208,9 @@ impl DeviceObs {
             oldest,
         } = self.table.snapshot(stall_threshold);
         let connections: Vec<&str> = self
-            .clients
+            .ios
             .iter()
+            .map(QueueIo::client)
             .map(|c| {
                 if c.is_connected() {
                     "connected"
@@ -204,7 +225,7 @@ impl DeviceObs {
             "queues": self.shape.queues,
             "queue_depth": self.shape.depth,
             "transport_configured": self.shape.transport.name(),
-            "transport_in_use": "tcp",
+            "transport_in_use": self.negotiated().map_or("none", |(n, _)| n.name()),
             "peer_connected": self.peer_connected(),
             "connections": connections,
             "inflight": inflight,
@@ -321,16 +342,15 @@ impl Observability {
     }
 
     /// Registers (or replaces) device `shape.id`: its tracker table, I/O
-    /// series and driver statistics. `clients` are its queues' arena
-    /// connections (shared handles), `payload` the TCP data path's driver
-    /// statistics.
+    /// series and driver statistics. `ios` are its queues' arena sessions
+    /// (shared handles), `driver` its data path's driver statistics.
     pub fn register(
         &self,
         shape: DeviceShape,
         state: DevState,
         stats: Arc<DeviceStats>,
-        clients: Vec<ArenaClient>,
-        payload: Arc<TcpPayloadStats>,
+        ios: Vec<QueueIo>,
+        driver: Arc<dyn DriverStats>,
     ) -> Result<Arc<DeviceObs>, ObsError> {
         let id = shape.id;
         let label = self.per_device_labels.then_some(id);
@@ -352,23 +372,29 @@ impl Observability {
         })?;
         let table = Arc::new(table);
         self.scanner.register(&table);
-        let configured = match shape.transport {
-            config::Transport::Tcp => Transport::Tcp,
-            // `auto` prefers RDMA: a device that silently moved everything
-            // over TCP is what the driver summary warns about.
-            config::Transport::Rdma | config::Transport::Auto => Transport::Rdma,
-        };
-        self.driver.add_device(id, configured, payload);
         let dev = Arc::new(DeviceObs {
             shape,
             state: AtomicU8::new(state as u8),
-            peer_connected: AtomicBool::new(!clients.is_empty()),
+            peer_connected: AtomicBool::new(!ios.is_empty()),
             stats,
             table,
             io,
             acct: Arc::clone(&self.acct),
-            clients,
+            ios,
         });
+        // A device set to RDMA that moved nothing over RDMA is what the
+        // driver summary warns about; an `auto` device is held to the
+        // transport it negotiated (a TCP-only peer is not a warning: its
+        // payloads are counted by reason).
+        let configured = match shape.transport {
+            config::Transport::Tcp => Transport::Tcp,
+            config::Transport::Rdma => Transport::Rdma,
+            config::Transport::Auto => match dev.negotiated() {
+                Some((Negotiated::Rdma, _)) => Transport::Rdma,
+                _ => Transport::Tcp,
+            },
+        };
+        self.driver.add_device(id, configured, driver);
         self.devices.lock().insert(id, Arc::clone(&dev));
         Ok(dev)
     }

@@ -29,6 +29,7 @@ use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{MetricsConfig, Transport};
 use ublkd::io::{serve, IoDesc};
 use ublkd::telemetry::{DevState, DeviceShape, Observability};
+use ublkd::transport::{QueueIo, RoutedIo, TagBuffers};
 
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
@@ -247,17 +248,20 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     );
     cc.payload_stats = Some(Arc::clone(&payload));
     let client = ArenaClient::connect(cc).expect("connect to the peer");
+    let io = QueueIo::tcp(client, TagBuffers::new(4, 64 << 10));
     let dev = obs
         .register(
             DeviceShape {
                 id: 5,
                 queues: 1,
                 depth: 4,
-                transport: Transport::Auto,
+                // Set to RDMA while its session serves TCP: the driver
+                // summary must warn.
+                transport: Transport::Rdma,
             },
             DevState::Starting,
             Arc::default(),
-            vec![client.clone()],
+            vec![io.clone()],
             payload,
         )
         .unwrap();
@@ -268,7 +272,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     assert_eq!(get(&metrics, "/ready").0, 200);
 
     // I/O as a queue thread serves it.
-    let target = ArenaTarget::new(client, 64 << 20);
+    let target = ArenaTarget::new(RoutedIo::new(&io), 64 << 20);
     let mut buf = vec![0x5au8; 64 << 10];
     futures::executor::block_on(async {
         let w = desc(sys::UBLK_IO_OP_WRITE, 0, 16);
@@ -328,7 +332,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     assert!(body.contains("\"ready\":true"), "{body}");
 
     // Removing the device prunes it: gone from readiness and diagnostics.
-    drop(target);
+    drop(io);
     obs.unregister(5);
     drop(dev);
     obs.scanner().scan();

@@ -153,6 +153,15 @@ fn a_peer_without_rdma_declines_and_every_payload_is_counted() {
     assert!(s.t.rdma_status().unwrap_err().contains("declined"));
     block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
     assert_eq!(s.t.stats().tcp_count(TcpReason::Declined), 1);
+    // Whole and partial blobs read back what was written.
+    let whole = pattern(2, 0, BLOB as usize);
+    block_on(s.t.write(2, 0, &whole)).unwrap();
+    let mut out = vec![0; BLOB as usize];
+    assert!(block_on(s.t.read(2, 0, &mut out)).unwrap());
+    assert!(out == whole, "whole blob differs");
+    let mut part = vec![0; 4096];
+    assert!(block_on(s.t.read(1, 0, &mut part)).unwrap());
+    assert!(part == [1; 4096], "partial blob differs");
     assert_eq!(
         s._peer
             .server

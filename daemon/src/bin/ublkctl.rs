@@ -193,6 +193,9 @@ fn print_device(d: &DeviceInfo) {
         "  transport  {} (requested {})",
         d.transport, d.transport_requested
     );
+    if let Some(why) = &d.transport_note {
+        println!("  tcp because {why}");
+    }
 }
 
 fn print_stats(d: &DeviceStatsInfo) {

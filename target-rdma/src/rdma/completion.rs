@@ -194,7 +194,8 @@ impl CompletionEngine {
             self.fail(&why);
             return Err(OpError::QpDown(why));
         }
-        self.stats.inc(|s| &s.rdma_requests);
+        self.stats
+            .inc_op(wr.op, |s| &s.rdma_requests, |o| &o.requests);
         Ok(rx)
     }
 

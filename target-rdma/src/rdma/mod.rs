@@ -11,6 +11,7 @@
 
 pub mod completion;
 pub mod loopback;
+pub mod report;
 pub mod stats;
 pub mod transport;
 pub mod verbs;
@@ -23,7 +24,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 pub use stats::{DriverStats, TcpReason};
-pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig};
+pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, Via};
 
 /// Whether a daemon uses RDMA: a config value (`rdma = "auto"|"off"|"on"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]

@@ -11,7 +11,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::WcCategory;
+use super::{RdmaOp, WcCategory};
 
 /// Why a payload went over the TCP stream instead of RDMA: a closed set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -59,9 +59,32 @@ impl TcpReason {
     }
 }
 
+/// The per-direction share of the request counters: every increment of a
+/// per-op counter goes with one of the matching total in [`DriverStats`],
+/// so the two directions always sum to the total.
+#[derive(Default, Debug)]
+pub struct OpCounters {
+    /// RDMA work requests posted.
+    pub requests: AtomicU64,
+    /// Work requests whose payload moved by RDMA.
+    pub transferred: AtomicU64,
+    /// Requests that failed on RDMA and were served over TCP.
+    pub declined: AtomicU64,
+    /// Work requests that failed.
+    pub failed: AtomicU64,
+    /// Work requests that timed out.
+    pub timed_out: AtomicU64,
+    /// Payload requests sent inline on TCP, by reason ([`TcpReason::ALL`] order).
+    pub tcp: [AtomicU64; 7],
+    /// Bytes of those payloads, by reason.
+    pub tcp_bytes: [AtomicU64; 7],
+}
+
 /// Counters and gauges of one RDMA transport (one queue's connection).
 #[derive(Default, Debug)]
 pub struct DriverStats {
+    /// Per direction (index 0: READ, 1: WRITE); see [`DriverStats::op`].
+    pub per_op: [OpCounters; 2],
     /// RDMA READ/WRITE requests posted.
     pub rdma_requests: AtomicU64,
     /// Requests whose payload moved by RDMA.
@@ -112,7 +135,7 @@ pub struct DriverStats {
     pub pool_peak: AtomicU64,
 }
 
-const WC_ORDER: [WcCategory; 6] = [
+pub(crate) const WC_ORDER: [WcCategory; 6] = [
     WcCategory::RetryExceeded,
     WcCategory::RnrRetryExceeded,
     WcCategory::RemoteAccess,
@@ -126,9 +149,31 @@ fn bump(c: &AtomicU64) {
 }
 
 impl DriverStats {
-    /// Counts a payload request sent over TCP.
-    pub fn tcp(&self, reason: TcpReason) {
-        bump(&self.tcp_payload[reason as usize]);
+    /// The per-direction counters of `op`.
+    pub fn op(&self, op: RdmaOp) -> &OpCounters {
+        match op {
+            RdmaOp::Read => &self.per_op[0],
+            RdmaOp::Write => &self.per_op[1],
+        }
+    }
+
+    /// Increments a total and its share for `op`.
+    pub fn inc_op(
+        &self,
+        op: RdmaOp,
+        total: impl Fn(&Self) -> &AtomicU64,
+        share: impl Fn(&OpCounters) -> &AtomicU64,
+    ) {
+        bump(total(self));
+        bump(share(self.op(op)));
+    }
+
+    /// Counts a payload request of `bytes` sent over TCP for `reason`.
+    pub fn tcp_payload(&self, op: RdmaOp, reason: TcpReason, bytes: usize) {
+        let i = reason as usize;
+        bump(&self.tcp_payload[i]);
+        bump(&self.op(op).tcp[i]);
+        self.op(op).tcp_bytes[i].fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     /// Payload requests sent over TCP for `reason`.
@@ -243,9 +288,16 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), snap.len());
         for r in TcpReason::ALL {
-            s.tcp(r);
+            s.tcp_payload(RdmaOp::Write, r, 10);
             assert_eq!(get(&s, tcp_name(r)), 1, "{}", r.name());
+            assert_eq!(
+                s.op(RdmaOp::Write).tcp_bytes[r as usize].load(Ordering::Relaxed),
+                10
+            );
         }
+        s.inc_op(RdmaOp::Read, |s| &s.rdma_failed, |o| &o.failed);
+        assert_eq!(get(&s, "rdma_failed"), 1);
+        assert_eq!(s.op(RdmaOp::Read).failed.load(Ordering::Relaxed), 1);
         for c in WC_ORDER {
             s.wc_error(c);
             assert_eq!(get(&s, wc_name(c)), 1, "{}", c.name());

@@ -357,7 +357,11 @@ impl RdmaTransport {
         // the region, dropped after its QP) is dropped.
         let mr = unsafe { p.register(addr, len, false) }
             .inspect_err(|_| self.stats.inc(|s| &s.registration_failures))?;
-        self.regions.lock().push(mr);
+        // Sorted by address, so a transfer finds its region by binary search
+        // (a queue registers one region per tag).
+        let mut regions = self.regions.lock();
+        let at = regions.partition_point(|r| r.addr < mr.addr);
+        regions.insert(at, mr);
         Ok(())
     }
 
@@ -376,6 +380,13 @@ impl RdmaTransport {
                 .map(|p| p.device_name())
                 .unwrap_or_default()),
         }
+    }
+
+    /// Whether payloads go by RDMA (the rail is up, or down and being
+    /// re-established); `false` when this transport serves TCP only. Cheap:
+    /// no allocation, one short lock.
+    pub fn uses_rdma(&self) -> bool {
+        !matches!(*self.rail.lock(), RailState::Off(..))
     }
 
     /// The control-stream client (leases, inline fallback).
@@ -722,9 +733,18 @@ impl RdmaTransport {
         addr: usize,
         len: usize,
     ) -> Result<(Local<'_>, Option<PoolGuard<'_>>), TcpReason> {
-        if let Some(r) = self.regions.lock().iter().find(|r| r.contains(addr, len)) {
+        let found = {
+            let regions = self.regions.lock();
+            // The last region starting at or before `addr` is the only candidate.
+            let i = regions.partition_point(|r| r.addr <= addr);
+            i.checked_sub(1)
+                .map(|i| &regions[i])
+                .filter(|r| r.contains(addr, len))
+                .map(|r| r.lkey)
+        };
+        if let Some(lkey) = found {
             self.stats.inc(|s| &s.registrations_pooled);
-            return Ok((Local::Region { lkey: r.lkey, addr }, None));
+            return Ok((Local::Region { lkey, addr }, None));
         }
         if let Some((pool, index)) = self.pool.as_ref().and_then(|p| p.take().map(|i| (p, i))) {
             self.stats.pool_take();
@@ -790,7 +810,7 @@ impl RdmaTransport {
         let rx = rail
             .engine
             .submit(wr)
-            .inspect_err(|_| self.stats.inc(|s| &s.rdma_failed))?;
+            .inspect_err(|_| self.stats.inc_op(op, |s| &s.rdma_failed, |o| &o.failed))?;
         let mut guard = InFlight {
             engine: &rail.engine,
             done: false,
@@ -801,7 +821,8 @@ impl RdmaTransport {
         guard.done = true;
         match &r {
             Ok(()) => {
-                self.stats.inc(|s| &s.rdma_transferred);
+                self.stats
+                    .inc_op(op, |s| &s.rdma_transferred, |o| &o.transferred);
                 let bytes = if op == RdmaOp::Read {
                     &self.stats.bytes_read
                 } else {
@@ -809,8 +830,11 @@ impl RdmaTransport {
                 };
                 bytes.fetch_add(len as u64, Ordering::Relaxed);
             }
-            Err(OpError::TimedOut(_)) => self.stats.inc(|s| &s.rdma_timed_out),
-            Err(_) => self.stats.inc(|s| &s.rdma_failed),
+            Err(OpError::TimedOut(_)) => {
+                self.stats
+                    .inc_op(op, |s| &s.rdma_timed_out, |o| &o.timed_out)
+            }
+            Err(_) => self.stats.inc_op(op, |s| &s.rdma_failed, |o| &o.failed),
         }
         r
     }
@@ -827,12 +851,18 @@ impl RdmaTransport {
         len: usize,
         copy_in: Option<&[u8]>,
     ) -> Result<Option<MoveDone<'_>>, Route> {
-        let mut rail = self.route(len).await.map_err(Route::Tcp)?;
+        let mut rail = self.route(len).await.map_err(|reason| Route::Tcp {
+            reason,
+            failover: false,
+        })?;
         let held = match self.lease(key, op == RdmaOp::Write).await {
             Ok(Some(h)) => h,
             Ok(None) => return Ok(None),
             Err(e) if e.status() == Some(Status::Busy) => {
-                return Err(Route::Tcp(TcpReason::ArenaBusy))
+                return Err(Route::Tcp {
+                    reason: TcpReason::ArenaBusy,
+                    failover: false,
+                })
             }
             Err(e) => return Err(Route::Failed(e)),
         };
@@ -879,11 +909,14 @@ impl RdmaTransport {
             })),
             Err(reason) => {
                 if attempted {
-                    self.stats.inc(|s| &s.rdma_declined);
+                    self.stats.inc_op(op, |s| &s.rdma_declined, |o| &o.declined);
                 }
                 // A write lease must still end; the TCP path then writes the range.
                 let _ = self.unlease(held, false).await;
-                Err(Route::Tcp(reason))
+                Err(Route::Tcp {
+                    reason,
+                    failover: attempted,
+                })
             }
         }
     }
@@ -905,8 +938,36 @@ struct MoveDone<'a> {
 }
 
 enum Route {
-    Tcp(TcpReason),
+    /// Serve it inline on TCP; `failover` when an RDMA attempt failed first.
+    Tcp {
+        reason: TcpReason,
+        failover: bool,
+    },
     Failed(ArenaError),
+}
+
+/// Which way one blob payload went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// No payload moved (a read of a blob that does not exist).
+    Nothing,
+    /// One-sided RDMA.
+    Rdma,
+    /// Inline on TCP without an RDMA attempt, for this reason.
+    Tcp(TcpReason),
+    /// An RDMA attempt failed and the payload then went inline on TCP
+    /// (a failover), for this reason.
+    Failover(TcpReason),
+}
+
+impl Via {
+    fn tcp(reason: TcpReason, failover: bool) -> Self {
+        if failover {
+            Self::Failover(reason)
+        } else {
+            Self::Tcp(reason)
+        }
+    }
 }
 
 fn check_range(blob: u32, offset: u32, len: usize) -> Result<(), ArenaError> {
@@ -921,16 +982,14 @@ fn check_range(blob: u32, offset: u32, len: usize) -> Result<(), ArenaError> {
     Ok(())
 }
 
-impl BlobIo for RdmaTransport {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Rdma
-    }
-
-    fn blob_bytes(&self) -> u32 {
-        self.client.session_blob_bytes()
-    }
-
-    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
+impl RdmaTransport {
+    /// [`BlobIo::read`], also saying which way the payload went.
+    pub async fn read_via(
+        &self,
+        key: u64,
+        offset: u32,
+        out: &mut [u8],
+    ) -> Result<(bool, Via), ArenaError> {
         check_range(self.blob_bytes(), offset, out.len())?;
         self.honour_revocations().await;
         let len = out.len();
@@ -947,7 +1006,7 @@ impl BlobIo for RdmaTransport {
         {
             Ok(None) => {
                 out.fill(0);
-                Ok(false)
+                Ok((false, Via::Nothing))
             }
             Ok(Some(done)) => {
                 if let Some(src) = done.local_copy {
@@ -960,17 +1019,19 @@ impl BlobIo for RdmaTransport {
                 let MoveDone { held, _keep, .. } = done;
                 drop(_keep);
                 self.unlease(held, false).await?;
-                Ok(true)
+                Ok((true, Via::Rdma))
             }
             Err(Route::Failed(e)) => Err(e),
-            Err(Route::Tcp(reason)) => {
-                self.stats.tcp(reason);
-                self.client.read(key, offset, out).await
+            Err(Route::Tcp { reason, failover }) => {
+                self.stats.tcp_payload(RdmaOp::Read, reason, len);
+                let found = self.client.read(key, offset, out).await?;
+                Ok((found, Via::tcp(reason, failover)))
             }
         }
     }
 
-    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
+    /// [`BlobIo::write`], also saying which way the payload went.
+    pub async fn write_via(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         check_range(self.blob_bytes(), offset, data.len())?;
         self.honour_revocations().await;
         match self
@@ -987,15 +1048,36 @@ impl BlobIo for RdmaTransport {
             Ok(Some(done)) => {
                 let MoveDone { held, _keep, .. } = done;
                 drop(_keep);
-                self.unlease(held, true).await
+                self.unlease(held, true).await.map(|()| Via::Rdma)
             }
             Ok(None) => unreachable_alloc(key),
             Err(Route::Failed(e)) => Err(e),
-            Err(Route::Tcp(reason)) => {
-                self.stats.tcp(reason);
-                self.client.write(key, offset, data).await
+            Err(Route::Tcp { reason, failover }) => {
+                self.stats.tcp_payload(RdmaOp::Write, reason, data.len());
+                self.client.write(key, offset, data).await?;
+                Ok(Via::tcp(reason, failover))
             }
         }
+    }
+}
+
+impl BlobIo for RdmaTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn blob_bytes(&self) -> u32 {
+        self.client.session_blob_bytes()
+    }
+
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
+        self.read_via(key, offset, out)
+            .await
+            .map(|(found, _)| found)
+    }
+
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
+        self.write_via(key, offset, data).await.map(|_| ())
     }
 
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
@@ -1080,7 +1162,7 @@ impl BlobIo for RdmaTransport {
 }
 
 /// ALLOC always yields a lease; `Ok(None)` is only possible for reads.
-fn unreachable_alloc(key: u64) -> Result<(), ArenaError> {
+fn unreachable_alloc(key: u64) -> Result<Via, ArenaError> {
     Err(ArenaError::Disconnected {
         peer: String::new(),
         detail: format!("ALLOC of key {key} answered without a lease"),
