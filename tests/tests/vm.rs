@@ -52,5 +52,5 @@ fn vm_ublk_end_to_end_over_tcp() {
 #[test]
 #[ignore = "boots a VM: run by scripts/test"]
 fn vm_rdma_over_soft_roce() {
-    suite("scripts/vm/rdma", &["600"], 8);
+    suite("scripts/vm/rdma", &["600"], 20);
 }

@@ -9,7 +9,7 @@ set -u
 
 BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
 R=${UBLK_VM_RESULTS:-/tmp/bench-rdma-results}
-W=/tmp/bench-rdma
+W=$(mktemp -d /tmp/ublk-bench-rdma.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
 SOCK=$W/run/ublkd.sock
 RUNTIME=${BENCH_RUNTIME:-10}
 SIZE=${BENCH_SIZE:-64M}

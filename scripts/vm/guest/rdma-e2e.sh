@@ -20,7 +20,7 @@ set -u
 
 BIN=${UBLK_E2E_BIN:-$UBLK_VM_REPO/target/release}
 R=${UBLK_VM_RESULTS:-/tmp/rdma-e2e-results}
-W=/tmp/rdma-e2e
+W=$(mktemp -d /tmp/ublk-rdma-e2e.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
 SOCK=$W/run/ublkd.sock
 failures=0
 
