@@ -20,36 +20,8 @@ pub const MAX_QUEUES: u32 = 4096;
 /// bound of its request tracker table.
 pub const MAX_TRACKED: usize = ublk_metrics::tracker::MAX_SLOTS;
 
-/// A config the daemon refuses to start with.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this schema (unknown key, wrong type).
-    #[error("invalid config {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message, which names the key.
-        message: String,
-    },
-    /// A key has a value outside its allowed range.
-    #[error("invalid config: {key} = {value}: {reason}")]
-    Invalid {
-        /// Dotted key name, e.g. `device.depth`.
-        key: &'static str,
-        /// The value as given.
-        value: String,
-        /// What is allowed.
-        reason: String,
-    },
-}
+pub use target_rdma::config_file::ConfigError;
+use target_rdma::config_file::{invalid, listen_setting, parse_toml};
 
 /// What SIGTERM does with live devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
@@ -202,25 +174,17 @@ pub struct MetricsConfig {
 }
 
 impl MetricsConfig {
-    /// The listener address, `None` when the listener is disabled.
+    /// The listener address, `None` when the listener is disabled (or,
+    /// before [`validate`](Self::validate), not an address).
     pub fn listen_addr(&self) -> Option<&str> {
-        match self.listen.as_str() {
-            "" | "off" => None,
-            a => Some(a),
-        }
+        listen_setting("metrics.listen", &self.listen, "127.0.0.1:9477")
+            .ok()
+            .flatten()
     }
 
     /// Checks every `[metrics]` key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if let Some(a) = self.listen_addr() {
-            if a.parse::<std::net::SocketAddr>().is_err() {
-                return Err(invalid(
-                    "metrics.listen",
-                    a,
-                    "must be IP:port (e.g. \"127.0.0.1:9477\"), or \"off\" to disable the listener",
-                ));
-            }
-        }
+        listen_setting("metrics.listen", &self.listen, "127.0.0.1:9477")?;
         if !(1..=300).contains(&self.scan_interval_secs) {
             return Err(invalid(
                 "metrics.scan_interval_secs",
@@ -373,33 +337,17 @@ impl Default for DeviceDefaults {
     }
 }
 
-fn invalid(key: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key,
-        value: value.to_string(),
-        reason: reason.into(),
-    }
-}
-
 impl UblkdConfig {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text, path)
+        let cfg: Self = target_rdma::config_file::load_toml(path)?;
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// Parses and validates `text` (read from `path`, named in errors).
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let cfg: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_owned(),
-            message: e.message().to_owned()
-                + &e.span()
-                    .map(|s| format!(" (at byte {})", s.start))
-                    .unwrap_or_default(),
-        })?;
+        let cfg: Self = parse_toml(text, path)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -720,7 +668,7 @@ mod tests {
         );
         assert_eq!(
             err("[metrics]\nlisten = \"localhost:9477\""),
-            "invalid config: metrics.listen = localhost:9477: must be IP:port (e.g. \"127.0.0.1:9477\"), or \"off\" to disable the listener"
+            "invalid config: metrics.listen = \"localhost:9477\": must be IP:port (e.g. \"127.0.0.1:9477\"), or \"off\" to disable the listener"
         );
         assert_eq!(
             err("[metrics]\nscan_interval_secs = 0"),

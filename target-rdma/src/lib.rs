@@ -3,6 +3,7 @@
 pub mod arenad;
 pub mod auth;
 pub mod client;
+pub mod config_file;
 pub mod logging;
 pub mod proto;
 pub mod rdma;

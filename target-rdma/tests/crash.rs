@@ -167,7 +167,7 @@ fn bad_config_stops_startup_naming_the_key() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("`blob_bytes` = 3000") && err.contains("power of two"),
+        err.contains("invalid config: blob_bytes = 3000: ") && err.contains("power of two"),
         "{err}"
     );
 

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+pub use crate::config_file::ConfigError;
+use crate::config_file::{invalid, listen_setting, load_toml, parse_toml};
 use crate::proto::{valid_volume_name, MAX_INLINE};
 use crate::size::{serde_size, HumanSize};
 
@@ -109,65 +111,15 @@ fn default_metrics_listen() -> String {
     "127.0.0.1:9478".into()
 }
 
-/// A config that could not be loaded or failed validation.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// TOML syntax, an unknown key, or a value of the wrong type.
-    #[error("config file {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message, which names the key and line.
-        message: String,
-    },
-    /// A value outside its allowed range.
-    #[error("config key `{key}` = {value}: {allowed}")]
-    Invalid {
-        /// The key.
-        key: String,
-        /// The value given.
-        value: String,
-        /// What is allowed.
-        allowed: String,
-    },
-}
-
-fn invalid(
-    key: impl Into<String>,
-    value: impl ToString,
-    allowed: impl Into<String>,
-) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        value: value.to_string(),
-        allowed: allowed.into(),
-    }
-}
-
 impl ArenadConfig {
     /// Reads and parses a TOML file (not yet validated).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text, path)
+        load_toml(path)
     }
 
     /// Parses TOML text; `path` only labels errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_owned(),
-            message: e.to_string().trim_end().to_owned(),
-        })
+        parse_toml(text, path)
     }
 
     /// A config with every default and no volumes.
@@ -184,25 +136,17 @@ impl ArenadConfig {
         }
     }
 
-    /// The metrics listener address, `None` when it is disabled.
+    /// The metrics listener address, `None` when it is disabled (or, before
+    /// [`validate`](Self::validate), not an address).
     pub fn metrics_listen_addr(&self) -> Option<&str> {
-        match self.metrics_listen.as_str() {
-            "" | "off" => None,
-            a => Some(a),
-        }
+        listen_setting("metrics_listen", &self.metrics_listen, "127.0.0.1:9478")
+            .ok()
+            .flatten()
     }
 
     /// Checks every value; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if let Some(a) = self.metrics_listen_addr() {
-            if a.parse::<std::net::SocketAddr>().is_err() {
-                return Err(invalid(
-                    "metrics_listen",
-                    format!("{a:?}"),
-                    "must be an IP:port address such as 127.0.0.1:9478, or \"off\"",
-                ));
-            }
-        }
+        listen_setting("metrics_listen", &self.metrics_listen, "127.0.0.1:9478")?;
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(invalid(
                 "listen",
@@ -336,24 +280,36 @@ quota = "10G"
     fn bad_values_name_the_key_and_the_range() {
         let e = err(&GOOD.replace("\"1M\"", "\"3000\""));
         assert!(
-            e.contains("`blob_bytes`") && e.contains("power of two from 4K to 16M"),
+            e.contains("blob_bytes = 3000") && e.contains("power of two from 4K to 16M"),
             "{e}"
         );
         let e = err(&GOOD.replace("\"64M\"", "\"1M\""));
         assert!(
-            e.contains("`arena_bytes` = 1M") && e.contains("at least 2 blobs"),
+            e.starts_with("invalid config: arena_bytes = 1M: ") && e.contains("at least 2 blobs"),
             "{e}"
         );
         let e = err(&GOOD.replace("\"1G\"", "\"32M\""));
-        assert!(e.contains("`swap_bytes`"), "{e}");
+        assert!(e.starts_with("invalid config: swap_bytes = 32M: "), "{e}");
         let e = err(&GOOD.replace("\"10G\"", "\"4K\""));
-        assert!(e.contains("`volume[0].quota`"), "{e}");
+        assert!(
+            e.starts_with("invalid config: volume[0].quota = 4K: "),
+            "{e}"
+        );
         let e = err(&GOOD.replace("vm1\"", "vm/1\""));
-        assert!(e.contains("`volume[0].name`"), "{e}");
+        assert!(
+            e.starts_with("invalid config: volume[0].name = \"vm/1\": "),
+            "{e}"
+        );
         let e = err(&format!("max_inflight = 0\n{GOOD}"));
-        assert!(e.contains("`max_inflight` = 0: must be in 1..=4096"), "{e}");
+        assert!(
+            e == "invalid config: max_inflight = 0: must be in 1..=4096",
+            "{e}"
+        );
         let e = err(&GOOD.replace("127.0.0.1:7171", "nowhere"));
-        assert!(e.contains("`listen`"), "{e}");
+        assert!(
+            e.starts_with("invalid config: listen = \"nowhere\": "),
+            "{e}"
+        );
         let e = err(&format!(
             "{GOOD}\n[[volume]]\nname = \"vm1\"\nsecret_file = \"/x\"\nquota = \"1G\"\n"
         ));
@@ -363,7 +319,7 @@ quota = "10G"
         let e = err(&format!("metrics_listen = \"metrics.local:80\"\n{GOOD}"));
         assert_eq!(
             e,
-            "config key `metrics_listen` = \"metrics.local:80\": must be an IP:port address such as 127.0.0.1:9478, or \"off\""
+            "invalid config: metrics_listen = \"metrics.local:80\": must be IP:port (e.g. \"127.0.0.1:9478\"), or \"off\" to disable the listener"
         );
     }
 
