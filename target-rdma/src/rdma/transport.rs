@@ -1082,15 +1082,39 @@ impl BlobIo for RdmaTransport {
 
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         self.honour_revocations().await;
-        // Leases on removed blobs would outlive them: give them back first.
+        // Leases on removed blobs would outlive them: give them back first,
+        // without committing what the blobs are about to lose.
+        self.end_cached_where(|k, _| (start..end).contains(&k), false)
+            .await?;
+        self.client.remove(start, end).await
+    }
+
+    async fn flush(&self) -> Result<(), ArenaError> {
+        self.honour_revocations().await;
+        // Writes acknowledged through cached leases are COMMITted first, so
+        // the peer's FLUSH covers them.
+        self.end_cached_where(|_, e| e.dirty, true).await?;
+        self.client.flush().await
+    }
+}
+
+impl RdmaTransport {
+    /// Ends every cached lease `pick` selects, waiting for leases in use to
+    /// go idle first. `commit` false releases write leases instead of
+    /// committing them.
+    async fn end_cached_where(
+        &self,
+        pick: impl Fn(u64, &CachedLease) -> bool,
+        commit: bool,
+    ) -> Result<(), ArenaError> {
         loop {
-            let (ready, wait): (Vec<(u64, CachedLease)>, Option<oneshot::Receiver<()>>) = {
+            let (ready, wait) = {
                 let mut c = self.leases.lock();
                 let keys: Vec<u64> = c
                     .map
-                    .keys()
-                    .copied()
-                    .filter(|k| (start..end).contains(k))
+                    .iter()
+                    .filter(|(k, e)| pick(**k, e))
+                    .map(|(k, _)| *k)
                     .collect();
                 let mut wait = None;
                 let mut ready = Vec::new();
@@ -1107,57 +1131,20 @@ impl BlobIo for RdmaTransport {
                 (ready, wait)
             };
             for (k, e) in ready {
-                self.end_cached(k, CachedLease { write: false, ..e })
-                    .await?;
-            }
-            match wait {
-                Some(rx) => {
-                    let _ = rx.await;
-                }
-                None => break,
-            }
-        }
-        self.client.remove(start, end).await
-    }
-
-    async fn flush(&self) -> Result<(), ArenaError> {
-        self.honour_revocations().await;
-        // Writes acknowledged through cached leases are COMMITted first, so
-        // the peer's FLUSH covers them.
-        loop {
-            let (dirty, wait) = {
-                let mut c = self.leases.lock();
-                let keys: Vec<u64> = c
-                    .map
-                    .iter()
-                    .filter(|(_, e)| e.dirty)
-                    .map(|(k, _)| *k)
-                    .collect();
-                let mut wait = None;
-                let mut dirty = Vec::new();
-                for k in keys {
-                    let e = c.map.get_mut(&k).expect("key listed above");
-                    if e.users > 0 {
-                        let (tx, rx) = oneshot::channel();
-                        e.idle.push(tx);
-                        wait = Some(rx);
-                        break;
-                    }
-                    dirty.extend(c.map.remove(&k).map(|e| (k, e)));
-                }
-                (dirty, wait)
-            };
-            for (k, e) in dirty {
+                let e = if commit {
+                    e
+                } else {
+                    CachedLease { write: false, ..e }
+                };
                 self.end_cached(k, e).await?;
             }
             match wait {
                 Some(rx) => {
                     let _ = rx.await;
                 }
-                None => break,
+                None => return Ok(()),
             }
         }
-        self.client.flush().await
     }
 }
 
