@@ -9,14 +9,15 @@
 //!   it returns, `/diagnostics` leaks no secret, volume or address, and the
 //!   driver summary shows the TCP data path and its RDMA warning.
 
-use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::process::{Child, Command};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
-use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
+use ublk_metrics::testing::{
+    addr_after, http_get as get, promtool_check_metrics as promtool_check, spawn_with_log_lines,
+};
 
 use libublk::sys;
 use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
@@ -57,38 +58,19 @@ fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ublkd"))
-        .arg("--config")
-        .arg(&cfg)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start ublkd");
-    let stderr = child.stderr.take().unwrap();
+    let (child, rx) = spawn_with_log_lines(
+        Command::new(env!("CARGO_BIN_EXE_ublkd"))
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info"),
+    );
     let daemon = Ublkd(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
     let mut metrics = None;
     loop {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("ublkd logs its start (or exited)");
-        if let Some(at) = line
-            .find("127.0.0.1:")
-            .filter(|_| line.contains("metrics.listening"))
-        {
-            metrics = Some(
-                line[at..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                    .collect::<String>(),
-            );
-        }
+        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
         if line.contains("ublkd.ready") {
             break;
         }

@@ -79,3 +79,40 @@ pub fn run_promtool(args: &[&str], stdin: Option<&str>, dir: &Path) -> String {
 pub fn promtool_check_metrics(exposition: &str) -> String {
     run_promtool(&["check", "metrics"], Some(exposition), Path::new("."))
 }
+
+/// Starts `cmd` with stderr piped and returns the child and a channel of
+/// its stderr lines, so a test can wait for a daemon's start events.
+pub fn spawn_with_log_lines(
+    cmd: &mut Command,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the daemon");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// The loopback `IP:port` a daemon logged after `marker` (daemons under test
+/// bind port 0 and log the address they got).
+pub fn addr_after(line: &str, marker: &str) -> Option<String> {
+    let rest = &line[line.find(marker)?..];
+    let start = rest.find("127.0.0.1:")?;
+    Some(
+        rest[start..]
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+            .collect(),
+    )
+}

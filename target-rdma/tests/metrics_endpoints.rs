@@ -5,28 +5,17 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Child, Command};
 use std::time::Duration;
-use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
+use ublk_metrics::testing::{
+    addr_after, http_get as get, promtool_check_metrics as promtool_check, spawn_with_log_lines,
+};
 
 use common::secret_file;
 use target_rdma::client::{ArenaClient, ClientConfig};
 
 const SECRET: &str = "arenad-endpoint-test-secret-7f3a9c";
 const VOLUME: &str = "vol-endpoint-test";
-
-/// The `IP:port` logged after `marker` by the daemon (it binds port 0).
-fn addr_after(line: &str, marker: &str) -> Option<String> {
-    let rest = &line[line.find(marker)?..];
-    let start = rest.find("127.0.0.1:")?;
-    let addr: String = rest[start..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-        .collect();
-    Some(addr)
-}
 
 struct Arenad {
     child: Child,
@@ -55,21 +44,12 @@ fn start_arenad(dir: &std::path::Path) -> Arenad {
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_arenad"))
-        .arg("--config")
-        .arg(&cfg)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start arenad");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let (child, rx) = spawn_with_log_lines(
+        Command::new(env!("CARGO_BIN_EXE_arenad"))
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info"),
+    );
     let (mut metrics, mut data) = (None, None);
     while metrics.is_none() || data.is_none() {
         let line = rx
