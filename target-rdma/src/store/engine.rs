@@ -682,6 +682,20 @@ impl State {
         Ok(())
     }
 
+    /// Gives `slot` to `key` pinned and loading: its bytes are filled
+    /// without the store lock (a fault-in, or a whole-blob write), and users
+    /// wait until that ends.
+    fn begin_loading(&mut self, slot: u32, key: BlobKey) {
+        self.slots[slot as usize] = SlotMeta {
+            owner: Some(key),
+            pins: 1,
+            referenced: true,
+            loading: true,
+            ..SlotMeta::default()
+        };
+        self.in_transit += 1;
+    }
+
     pub(super) fn set_timing_hook(&mut self, hook: super::TimingHook) {
         self.index.timing = Some(hook);
     }
@@ -888,14 +902,7 @@ impl Core {
                     continue;
                 }
             };
-            st.slots[slot as usize] = SlotMeta {
-                owner: Some(key),
-                pins: 1,
-                referenced: true,
-                loading: true,
-                ..SlotMeta::default()
-            };
-            st.in_transit += 1;
+            st.begin_loading(slot, key);
             if stage {
                 return Ok(Some(Staged::Staged(slot)));
             }
@@ -950,14 +957,7 @@ impl Core {
                 continue;
             }
             if stage {
-                st.slots[slot as usize] = SlotMeta {
-                    owner: Some(key),
-                    pins: 1,
-                    referenced: true,
-                    loading: true,
-                    ..SlotMeta::default()
-                };
-                st.in_transit += 1;
+                st.begin_loading(slot, key);
             } else {
                 self.arena.write(slot).fill(0);
                 st.slots[slot as usize] = SlotMeta {
