@@ -11,11 +11,10 @@ BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
 R=${UBLK_VM_RESULTS:-/tmp/bench-rdma-results}
 W=$(mktemp -d /tmp/ublk-bench-rdma.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
 SOCK=$W/run/ublkd.sock
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 RUNTIME=${BENCH_RUNTIME:-10}
 SIZE=${BENCH_SIZE:-64M}
 mkdir -p "$R" "$W"/{state,arena,run}
-ctl() { timeout 120 "$BIN/ublkctl" --socket "$SOCK" "$@"; }
-wait_node() { for _ in $(seq 200); do [[ -b "$1" ]] && return 0; sleep 0.05; done; return 1; }
 
 if ls /sys/class/infiniband/ 2>/dev/null | grep -q .; then
     RDMA_DEV=$(ls /sys/class/infiniband/ | head -1)
@@ -68,10 +67,8 @@ TOML
 "$BIN/arenad" --config "$W/arenad.toml" >"$R/arenad.log" 2>&1 &
 ARENAD=$!
 for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/7070) 2>/dev/null && break; sleep 0.1; done
-"$BIN/ublkd" --config "$W/ublkd.toml" >"$R/ublkd.log" 2>&1 &
-UBLKD=$!
-trap 'kill $UBLKD; sleep 1; kill $ARENAD; wait' EXIT
-for _ in $(seq 600); do ctl list >/dev/null 2>&1 && break; sleep 0.1; done
+start_ublkd "$R/ublkd.log" || { echo "bench: ublkd did not start; see $R/ublkd.log"; kill $ARENAD; exit 1; }
+trap 'kill $UBLKD_PID; sleep 1; kill $ARENAD; wait' EXIT
 
 declare -A DEVS=()
 for t in rdma tcp; do

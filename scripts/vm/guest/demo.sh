@@ -9,16 +9,16 @@ REPO=${UBLK_VM_REPO:-$(cd "$(dirname "$0")/../../.." && pwd)}
 BIN=$REPO/target/release
 W=$(mktemp -d /tmp/ublk-demo.XXXX)
 SOCK=$W/ublkd.sock
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PEER=127.0.0.1:7171
 LOGS=${UBLK_VM_RESULTS:-$W}
 say() { printf '\n== %s\n' "$*"; }
-ctl() { timeout 120 "$BIN/ublkctl" --socket "$SOCK" "$@"; }
 
 cleanup() {
     set +e
     mountpoint -q "$W/mnt" && umount "$W/mnt"
     [[ -n "${ID:-}" ]] && ctl del "$ID" >/dev/null 2>&1
-    [[ -n "${UBLKD:-}" ]] && kill "$UBLKD" && wait "$UBLKD"
+    [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" && wait "$UBLKD_PID"
     [[ -n "${ARENAD:-}" ]] && kill "$ARENAD" && wait "$ARENAD"
     rm -rf "$W"
 }
@@ -47,9 +47,7 @@ TOML
 say "starting arenad ($PEER) and ublkd (socket $SOCK)"
 "$BIN/arenad" --config "$W/arenad.toml" >"$LOGS/demo-arenad.log" 2>&1 &
 ARENAD=$!
-"$BIN/ublkd" --config "$W/ublkd.toml" >"$LOGS/demo-ublkd.log" 2>&1 &
-UBLKD=$!
-for _ in $(seq 200); do ctl list >/dev/null 2>&1 && break; sleep 0.1; done
+start_ublkd "$LOGS/demo-ublkd.log" || { echo "demo: ublkd did not start; see $LOGS/demo-ublkd.log"; exit 1; }
 
 say "ublkctl add --peer $PEER --volume demo --size 128M --queues 2"
 DEV=$(ctl add --peer "$PEER" --volume demo --secret-file "$W/demo.key" --size 128M --queues 2 --depth 32)

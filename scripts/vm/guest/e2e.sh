@@ -10,6 +10,7 @@ BIN=${UBLK_E2E_BIN:-$UBLK_VM_REPO/target/release}
 R=${UBLK_VM_RESULTS:-/tmp/e2e-results}
 W=$(mktemp -d /tmp/ublk-e2e.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
 SOCK=$W/run/ublkd.sock
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PEER=127.0.0.1:7070
 DEV_SIZE=96M       # larger than the arena, so swap is in play
 ARENA=32M
@@ -20,7 +21,6 @@ mkdir -p "$R" "$W"/{state,arena,run,mnt}
 log() { printf '%s e2e: %s\n' "$(date +%T)" "$*" >&2; }
 pass() { echo "PASS $1"; summary+=("PASS $1"); }
 fail() { echo "FAIL $1${2:+ ($2)}"; summary+=("FAIL $1"); failures=$((failures + 1)); }
-ctl() { timeout 180 "$BIN/ublkctl" --socket "$SOCK" "$@"; }
 
 for b in arenad ublkd ublkctl; do
     [[ -x "$BIN/$b" ]] || { echo "FAIL setup (missing $BIN/$b: run scripts/vm/e2e, which builds it)"; exit 1; }
@@ -63,20 +63,6 @@ start_arenad() {
     done
     return 1
 }
-start_ublkd() {
-    RUST_LOG=${RUST_LOG:-info} "$BIN/ublkd" --config "$W/ublkd.toml" >>"$R/ublkd.log" 2>&1 &
-    UBLKD_PID=$!
-    for _ in $(seq 600); do
-        ctl list >/dev/null 2>&1 && return 0
-        kill -0 "$UBLKD_PID" 2>/dev/null || return 1
-        sleep 0.1
-    done
-    return 1
-}
-wait_node() {
-    for _ in $(seq 200); do [[ -b "$1" ]] && return 0; sleep 0.05; done
-    return 1
-}
 # GET on 127.0.0.1; prints the body, exit status 0 only for HTTP 200.
 http() { timeout 30 /usr/bin/curl -sf "http://127.0.0.1:$1"; }
 # HTTP status of a GET (000 when nothing answers).
@@ -100,7 +86,7 @@ trap cleanup EXIT
 
 t0=$SECONDS
 start_arenad || { echo "FAIL setup (arenad did not listen; see arenad.log)"; exit 1; }
-start_ublkd || { echo "FAIL setup (ublkd did not come up; see ublkd.log)"; cat "$R/ublkd.log"; exit 1; }
+start_ublkd "$R/ublkd.log" || { echo "FAIL setup (ublkd did not come up; see ublkd.log)"; cat "$R/ublkd.log"; exit 1; }
 
 # ---- control-plane errors and add -------------------------------------
 out=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 64M --transport rdma 2>&1)
@@ -234,7 +220,7 @@ kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
 log "ublkd killed; device state: $(cat /sys/block/ublkb$ID/stat 2>/dev/null | awk '{print $9}') in flight"
 sleep 1
 node_stayed=0; [[ -b "$DEV" ]] && node_stayed=1
-start_ublkd || log "ublkd restart failed"
+start_ublkd "$R/ublkd.log" || log "ublkd restart failed"
 recovered=0
 for _ in $(seq 300); do
     ctl --json show "$ID" 2>/dev/null | grep -q '"state": "live"' && { recovered=1; break; }

@@ -22,13 +22,13 @@ BIN=${UBLK_E2E_BIN:-$UBLK_VM_REPO/target/release}
 R=${UBLK_VM_RESULTS:-/tmp/rdma-e2e-results}
 W=$(mktemp -d /tmp/ublk-rdma-e2e.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
 SOCK=$W/run/ublkd.sock
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 failures=0
 
 mkdir -p "$R" "$W"/{state,arena-a,arena-b,run,mnt}
 log() { printf '%s rdma-e2e: %s\n' "$(date +%T)" "$*" >&2; }
 pass() { echo "PASS $1"; }
 fail() { echo "FAIL $1${2:+ ($2)}"; failures=$((failures + 1)); }
-ctl() { timeout 120 "$BIN/ublkctl" --socket "$SOCK" "$@"; }
 rxe_add() { timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo; }
 
 for b in arenad ublkd ublkctl; do
@@ -91,17 +91,6 @@ stop_arenad() { # stop_arenad a|b : SIGTERM (flushes), waits
     kill "${ARENAD_PID[$1]}" 2>/dev/null
     timeout 60 tail --pid="${ARENAD_PID[$1]}" -f /dev/null
 }
-start_ublkd() {
-    RUST_LOG=${RUST_LOG:-info} "$BIN/ublkd" --config "$W/ublkd.toml" >>"$R/ublkd.log" 2>&1 &
-    UBLKD_PID=$!
-    for _ in $(seq 900); do
-        ctl list >/dev/null 2>&1 && return 0
-        kill -0 "$UBLKD_PID" 2>/dev/null || return 1
-        sleep 0.1
-    done
-    return 1
-}
-wait_node() { for _ in $(seq 200); do [[ -b "$1" ]] && return 0; sleep 0.05; done; return 1; }
 cleanup() {
     mountpoint -q "$W/mnt" && umount -l "$W/mnt"
     local pids=("${UBLKD_PID:-}" "${ARENAD_PID[@]}")
@@ -142,7 +131,7 @@ field() { # field ID KEY : a field of `ublkctl --json show`
 
 start_arenad a 7070 || { echo "FAIL setup (arenad rdma=on did not start; see arenad-a.log)"; exit 1; }
 start_arenad b 7071 || { echo "FAIL setup (arenad rdma=off did not start)"; exit 1; }
-start_ublkd || { echo "FAIL setup (ublkd did not come up)"; tail -20 "$R/ublkd.log"; exit 1; }
+start_ublkd "$R/ublkd.log" || { echo "FAIL setup (ublkd did not come up)"; tail -20 "$R/ublkd.log"; exit 1; }
 
 # ---- add over RDMA -----------------------------------------------------
 DEV=$(ctl add --peer 127.0.0.1:7070 --volume vm --secret-file "$W/vol.key" --size 64M --transport rdma 2>"$R/add.err")
@@ -220,7 +209,7 @@ log "kill -9"
 timeout 120 dd if=/dev/urandom of="$W/pattern" bs=1M count=4 status=none
 timeout 120 dd if="$W/pattern" of="$DEV" bs=1M seek=40 oflag=direct conv=fsync status=none || fail pattern-write
 kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
-if start_ublkd && [[ "$(field "$ID" state)" == live && "$(field "$ID" transport)" == rdma ]] &&
+if start_ublkd "$R/ublkd.log" && [[ "$(field "$ID" state)" == live && "$(field "$ID" transport)" == rdma ]] &&
     reads_back "$DEV" 40 4 "$W/pattern" &&
     (( $(stat_sum "$ID" rdma_transferred) > 0 )); then
     pass "rdma-kill9-recovery (same $DEV, over RDMA, data intact)"
@@ -252,7 +241,7 @@ if [[ -e "$W/delete.rc" && ! -e /sys/class/infiniband/rxe0 ]]; then pass fault-l
 else fail fault-link-deleted "$(cat "$R/link-delete.log")"; fi
 # No RDMA device now: arenad serves TCP only, the RDMA device fails naming why.
 start_arenad a-auto 7070 || fail "fault-arenad-auto"
-if start_ublkd && [[ "$(field "$ID" state)" == failed && "$(field "$ID" error)" == *"RDMA"* ]]; then
+if start_ublkd "$R/ublkd.log" && [[ "$(field "$ID" state)" == failed && "$(field "$ID" error)" == *"RDMA"* ]]; then
     pass "fault-rdma-device-failed-with-reason ($(field "$ID" error))"
 else fail fault-rdma-device-failed-with-reason "$(ctl list 2>&1)"; fi
 # The link returns: RDMA arenad again, recover, data intact, over RDMA.
