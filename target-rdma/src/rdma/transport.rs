@@ -249,10 +249,40 @@ pub struct RdmaTransport {
     regions: Mutex<Vec<MemoryRegion>>,
     pool: Option<Pool>,
     slots: Semaphore,
-    /// Requests holding a lease now, and who waits for one of them to end:
-    /// a BUSY peer (every slot pinned) may be pinned by our own requests.
-    active: Mutex<(usize, Vec<oneshot::Sender<()>>)>,
+    /// Our leases at the peer: a BUSY peer (every slot pinned) may be
+    /// pinned by them, so a BUSY request waits for one to end and retries.
+    pinned: Mutex<OwnLeases>,
     peer: String,
+}
+
+/// The leases this transport may hold at the peer: granted ones (in use or
+/// cached) and ones being asked for.
+#[derive(Default)]
+struct OwnLeases {
+    held: usize,
+    /// Leases ended so far: a BUSY answer that raced with an end is retried
+    /// even when nothing is held any more.
+    ended: u64,
+    /// BUSY requests waiting for a lease to end or go idle.
+    waiters: Vec<oneshot::Sender<()>>,
+}
+
+impl OwnLeases {
+    fn wake(&mut self) -> Vec<oneshot::Sender<()>> {
+        std::mem::take(&mut self.waiters)
+    }
+}
+
+fn wake(waiters: Vec<oneshot::Sender<()>>) {
+    for tx in waiters {
+        let _ = tx.send(());
+    }
+}
+
+/// Where a request stands in answering BUSY peers (see [`RdmaTransport::busy_retry`]).
+struct BusyRetry {
+    pinning: bool,
+    ended_before: u64,
 }
 
 /// How long a failed rail setup keeps requests on TCP before the next try.
@@ -317,7 +347,7 @@ impl RdmaTransport {
             leases: Mutex::new(LeaseCache::default()),
             regions: Mutex::new(Vec::new()),
             pool,
-            active: Mutex::new((0, Vec::new())),
+            pinned: Mutex::new(OwnLeases::default()),
             peer,
         };
         if matches!(*t.rail.lock(), RailState::Down(_)) {
@@ -512,6 +542,7 @@ impl RdmaTransport {
         if self.client.connection_epoch() != Some(e.epoch) {
             // The connection that held it is gone; the peer released it and
             // kept what was written.
+            self.lease_ended();
             return Ok(());
         }
         self.end_lease(key, e.lease, e.write).await
@@ -523,6 +554,9 @@ impl RdmaTransport {
         } else {
             self.client.release(&[lease.token]).await
         };
+        // Ended either way: a failed COMMIT/RELEASE means the connection
+        // (and every lease on it) is gone.
+        self.lease_ended();
         if r.is_err() {
             self.stats.inc(|s| &s.lease_failures);
         }
@@ -540,11 +574,11 @@ impl RdmaTransport {
             if let Some(e) = c.map.get_mut(&key) {
                 if e.epoch != epoch {
                     c.map.remove(&key);
+                    self.lease_ended();
                 } else if !e.revoked && (e.write || !write) {
                     e.users += 1;
                     e.last_use = tick;
                     self.stats.inc(|s| &s.lease_cache_hits);
-                    self.active.lock().0 += 1;
                     return Ok(Some(HeldLease {
                         key,
                         lease: e.lease,
@@ -554,54 +588,39 @@ impl RdmaTransport {
                 }
             }
         }
-        let mut retried = false;
+        let mut busy = self.busy_start(true);
         let lease = loop {
             let r = if write {
                 self.client.alloc(key).await.map(Some)
             } else {
                 self.client.get(key).await
             };
-            match r {
-                Err(e) if e.status() == Some(Status::Busy) && !retried => {
-                    // Our cached leases may be what pins the arena: give the idle ones back.
-                    retried = true;
-                    self.shrink_cache(0).await;
+            let e = match r {
+                Ok(Some(l)) => break l,
+                Ok(None) => {
+                    self.lease_ended();
+                    return Ok(None);
                 }
                 Err(e) if e.status() == Some(Status::Busy) => {
-                    // Our own requests in flight may pin the rest: retry when one ends.
-                    let rx = {
-                        let mut a = self.active.lock();
-                        if a.0 == 0 {
-                            self.stats.inc(|s| {
-                                if write {
-                                    &s.alloc_failures
-                                } else {
-                                    &s.lease_failures
-                                }
-                            });
-                            return Err(e);
-                        }
-                        let (tx, rx) = oneshot::channel();
-                        a.1.push(tx);
-                        rx
-                    };
-                    let _ = rx.await;
+                    if self.busy_retry(&mut busy).await {
+                        continue;
+                    }
+                    e
                 }
                 Err(e) => {
-                    self.stats.inc(|s| {
-                        if write {
-                            &s.alloc_failures
-                        } else {
-                            &s.lease_failures
-                        }
-                    });
-                    return Err(e);
+                    self.lease_ended();
+                    e
                 }
-                Ok(None) => return Ok(None),
-                Ok(Some(l)) => break l,
-            }
+            };
+            self.stats.inc(|s| {
+                if write {
+                    &s.alloc_failures
+                } else {
+                    &s.lease_failures
+                }
+            });
+            return Err(e);
         };
-        self.active.lock().0 += 1;
         let cached = self.cache_insert(key, lease, write, epoch).await;
         Ok(Some(HeldLease {
             key,
@@ -656,39 +675,94 @@ impl RdmaTransport {
         true
     }
 
-    /// Ends idle cached leases until at most `keep` remain.
-    async fn shrink_cache(&self, keep: usize) {
+    /// Call before a request that may be answered BUSY. `pinning`: the
+    /// request asks for a lease (ALLOC/GET), so until answered it may pin a
+    /// slot; it counts as held from now on.
+    fn busy_start(&self, pinning: bool) -> BusyRetry {
+        let mut own = self.pinned.lock();
+        own.held += usize::from(pinning);
+        BusyRetry {
+            pinning,
+            ended_before: own.ended,
+        }
+    }
+
+    /// After a BUSY answer: whether to send the request again. Idle cached
+    /// leases of ours go back first; otherwise the request waits for a
+    /// lease of ours to end or go idle. `false` when we hold none: another
+    /// client pins the arena, and BUSY is the answer. A pinning request
+    /// counts as held again exactly when this returns `true`.
+    async fn busy_retry(&self, busy: &mut BusyRetry) -> bool {
+        if busy.pinning {
+            // Refused, so it pins nothing; whoever waits on it rechecks.
+            let waiters = {
+                let mut own = self.pinned.lock();
+                own.held -= 1;
+                own.wake()
+            };
+            wake(waiters);
+        }
+        if self.end_idle_cached().await == 0 {
+            let rx = {
+                let mut own = self.pinned.lock();
+                if own.ended != busy.ended_before {
+                    None
+                } else if own.held == 0 {
+                    return false;
+                } else {
+                    let (tx, rx) = oneshot::channel();
+                    own.waiters.push(tx);
+                    Some(rx)
+                }
+            };
+            if let Some(rx) = rx {
+                let _ = rx.await;
+            }
+        }
+        let mut own = self.pinned.lock();
+        own.held += usize::from(busy.pinning);
+        busy.ended_before = own.ended;
+        true
+    }
+
+    /// A lease of ours ended at the peer, or a request for one got none.
+    fn lease_ended(&self) {
+        let waiters = {
+            let mut own = self.pinned.lock();
+            own.held = own.held.saturating_sub(1);
+            own.ended += 1;
+            own.wake()
+        };
+        wake(waiters);
+    }
+
+    /// Ends every idle cached lease; returns how many.
+    async fn end_idle_cached(&self) -> usize {
         let victims: Vec<(u64, CachedLease)> = {
             let mut c = self.leases.lock();
-            let mut idle: Vec<(u64, u64)> = c
+            let idle: Vec<u64> = c
                 .map
                 .iter()
                 .filter(|(_, e)| e.users == 0)
-                .map(|(k, e)| (e.last_use, *k))
+                .map(|(k, _)| *k)
                 .collect();
-            idle.sort_unstable();
-            let excess = c.map.len().saturating_sub(keep);
             idle.iter()
-                .take(excess)
-                .filter_map(|(_, k)| c.map.remove(k).map(|e| (*k, e)))
+                .filter_map(|k| c.map.remove(k).map(|e| (*k, e)))
                 .collect()
         };
+        let ended = victims.len();
         for (k, e) in victims {
             let _ = self.end_cached(k, e).await;
         }
+        ended
     }
 
     /// Ends a request's use of its lease; `wrote` after a successful write.
     async fn unlease(&self, held: HeldLease, wrote: bool) -> Result<(), ArenaError> {
         let r = self.unlease_inner(held, wrote).await;
-        let waiters = {
-            let mut a = self.active.lock();
-            a.0 = a.0.saturating_sub(1);
-            std::mem::take(&mut a.1)
-        };
-        for tx in waiters {
-            let _ = tx.send(());
-        }
+        // Its lease ended or went idle in the cache: a BUSY request can
+        // now get a slot, or shrink the cache to free one.
+        wake(self.pinned.lock().wake());
         r
     }
 
@@ -1024,7 +1098,15 @@ impl RdmaTransport {
             Err(Route::Failed(e)) => Err(e),
             Err(Route::Tcp { reason, failover }) => {
                 self.stats.tcp_payload(RdmaOp::Read, reason, len);
-                let found = self.client.read(key, offset, out).await?;
+                let mut busy = self.busy_start(false);
+                let found = loop {
+                    match self.client.read(key, offset, out).await {
+                        Err(e)
+                            if e.status() == Some(Status::Busy)
+                                && self.busy_retry(&mut busy).await => {}
+                        r => break r?,
+                    }
+                };
                 Ok((found, Via::tcp(reason, failover)))
             }
         }
@@ -1054,7 +1136,15 @@ impl RdmaTransport {
             Err(Route::Failed(e)) => Err(e),
             Err(Route::Tcp { reason, failover }) => {
                 self.stats.tcp_payload(RdmaOp::Write, reason, data.len());
-                self.client.write(key, offset, data).await?;
+                let mut busy = self.busy_start(false);
+                loop {
+                    match self.client.write(key, offset, data).await {
+                        Err(e)
+                            if e.status() == Some(Status::Busy)
+                                && self.busy_retry(&mut busy).await => {}
+                        r => break r?,
+                    }
+                }
                 Ok(Via::tcp(reason, failover))
             }
         }
