@@ -14,7 +14,8 @@
 //! reports the median ratio, so load on a shared machine shifts both sides.
 //! `BENCH_SECS` (default 2) sets the time per run; `BENCH_DIR` the swap dir
 //! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
-//! swap-bound cases.
+//! swap-bound cases, any other `BENCH_ONLY` only the resident cases whose
+//! name contains it (`BENCH_ONLY="read QD32"`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -300,11 +301,14 @@ fn main() {
         tmp.path().display()
     );
 
-    let swap_only = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "swap");
-    if !swap_only {
-        resident(&tmp);
+    match std::env::var("BENCH_ONLY").ok().as_deref() {
+        None => {
+            resident(&tmp, "");
+            swap_bound(&tmp);
+        }
+        Some("swap") => swap_bound(&tmp),
+        Some(case) => resident(&tmp, case),
     }
-    swap_bound(&tmp);
 }
 
 /// Rounds per case: each round measures the baseline and then the case, so a
@@ -321,8 +325,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Resident: arena 1 GiB, data span 512 MiB.
-fn resident(tmp: &tempfile::TempDir) {
+/// Resident: arena 1 GiB, data span 512 MiB; the cases whose name contains `only`.
+fn resident(tmp: &tempfile::TempDir, only: &str) {
     let resident_dir = tmp.path().join("resident");
     std::fs::create_dir_all(&resident_dir).unwrap();
     let b = start(&resident_dir, 1 << 30, 2 << 30);
@@ -340,7 +344,10 @@ fn resident(tmp: &tempfile::TempDir) {
         ("4 KiB rand write QD32", Dir::Write, 4096, 32, false),
         ("4 KiB rand read QD1", Dir::Read, 4096, 1, false),
         ("4 KiB rand read QD32", Dir::Read, 4096, 32, false),
-    ] {
+    ]
+    .into_iter()
+    .filter(|case| case.0.contains(only))
+    {
         let (mut rates, mut ratios, mut bases) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds() {
             // 1 MiB requests against a raw stream of the same chunks; 4 KiB
