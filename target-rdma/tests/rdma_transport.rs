@@ -307,20 +307,26 @@ fn dirty_cached_leases_are_committed_by_flush() {
     assert!(out[..4096].iter().all(|b| *b == 9) && out[4096..].iter().all(|b| *b == 8));
 }
 
-#[test]
-fn revoked_leases_are_given_back() {
+/// A peer of `slots` arena slots that grants RDMA over a loopback provider.
+fn small_peer(slots: u64) -> (Arc<LoopbackProvider>, Peer, tempfile::TempDir) {
     let p = LoopbackProvider::new();
     let dir = tempfile::tempdir().unwrap();
-    // Two slots: a cached lease on one, then a second client's demand revokes it.
     let peer = Peer::start(
         dir.path(),
         &PeerOpts {
-            arena_bytes: 2 * u64::from(BLOB),
+            arena_bytes: slots * u64::from(BLOB),
             blob_bytes: BLOB,
             rdma: Some(p.clone()),
             ..PeerOpts::default()
         },
     );
+    (p, peer, dir)
+}
+
+#[test]
+fn revoked_leases_are_given_back() {
+    // Two slots: a cached lease on one, then a second client's demand revokes it.
+    let (p, peer, _dir) = small_peer(2);
     let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
     block_on(t.write(2, 0, &[2; 4096])).unwrap();
@@ -352,17 +358,7 @@ fn revoked_leases_are_given_back() {
 /// end, so every request completes (by RDMA or counted TCP) with its data.
 #[test]
 fn more_requests_in_flight_than_arena_slots_all_complete() {
-    let p = LoopbackProvider::new();
-    let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(
-        dir.path(),
-        &PeerOpts {
-            arena_bytes: 4 * u64::from(BLOB),
-            blob_bytes: BLOB,
-            rdma: Some(p.clone()),
-            ..PeerOpts::default()
-        },
-    );
+    let (p, peer, _dir) = small_peer(4);
     let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
     block_on(async {
         for round in 0..4u64 {
@@ -393,17 +389,7 @@ fn more_requests_in_flight_than_arena_slots_all_complete() {
 /// no endless retry); once those leases end the same request succeeds.
 #[test]
 fn an_arena_pinned_by_another_client_answers_busy() {
-    let p = LoopbackProvider::new();
-    let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(
-        dir.path(),
-        &PeerOpts {
-            arena_bytes: 2 * u64::from(BLOB),
-            blob_bytes: BLOB,
-            rdma: Some(p.clone()),
-            ..PeerOpts::default()
-        },
-    );
+    let (p, peer, _dir) = small_peer(2);
     let other = peer.client("a", SECRET_A);
     let held: Vec<_> = (10..12u64)
         .map(|k| (k, block_on(other.alloc(k)).unwrap()))

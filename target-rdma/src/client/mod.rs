@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-pub use reader::{Body, BodyPool, FrameReader};
+pub use reader::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
 
 use crate::auth::{self, Secret};
 use crate::proto::{
@@ -188,12 +188,16 @@ enum Reply {
     Lease(Lease),
     Count(u64),
     Data(Vec<u8>),
+    /// A READ body read straight into the request's [`Landing`].
+    Landed,
     NotFound,
     Rail(RailAccept),
 }
 
 struct Pending {
     op: Opcode,
+    /// Where a large READ answer goes, when the caller offered its buffer.
+    landing: Option<Arc<Landing>>,
     deadline: Instant,
     tx: oneshot::Sender<Result<Reply, ArenaError>>,
 }
@@ -441,16 +445,53 @@ impl ArenaClient {
             req,
             Request::Read { .. } | Request::Write { .. } | Request::Remove { .. }
         );
-        match self.call_once(req).await {
+        match self.call_once(req, None).await {
             Err(ArenaError::Disconnected { .. }) if idempotent => {
                 self.shared.counters.retries.fetch_add(1, Ordering::Relaxed);
-                self.call_once(req).await
+                self.call_once(req, None).await
             }
             r => r,
         }
     }
 
-    async fn call_once(&self, req: &Request<'_>) -> Result<Reply, ArenaError> {
+    /// A READ whose answer may land in `out` directly: `Reply::Landed` then
+    /// means `out` holds the data.
+    async fn call_read(&self, req: &Request<'_>, out: &mut [u8]) -> Result<Reply, ArenaError> {
+        if out.len() < OWNED_BODY_MIN {
+            return self.call(req).await;
+        }
+        match self.call_landing(req, out).await {
+            Err(ArenaError::Disconnected { .. }) => {
+                self.shared.counters.retries.fetch_add(1, Ordering::Relaxed);
+                self.call_landing(req, out).await
+            }
+            r => r,
+        }
+    }
+
+    async fn call_landing(&self, req: &Request<'_>, out: &mut [u8]) -> Result<Reply, ArenaError> {
+        /// Gives the buffer back however the request ends, dropped included.
+        struct Abandon(Arc<Landing>);
+        impl Drop for Abandon {
+            fn drop(&mut self) {
+                self.0.abandon();
+            }
+        }
+        // SAFETY: `out` stays borrowed by this future until `guard` drops,
+        // and `guard`'s drop runs `abandon` (on completion, failure, or the
+        // future being dropped); this future does not touch `out` at all.
+        let landing = unsafe { Landing::new(out) };
+        let guard = Abandon(Arc::clone(&landing));
+        let r = self.call_once(req, Some(landing)).await;
+        drop(guard);
+        r
+    }
+
+    async fn call_once(
+        &self,
+        req: &Request<'_>,
+        landing: Option<Arc<Landing>>,
+    ) -> Result<Reply, ArenaError> {
         let peer = &self.shared.cfg.peer;
         let disconnected = |detail: &str| ArenaError::Disconnected {
             peer: peer.clone(),
@@ -473,6 +514,7 @@ impl ArenaClient {
                 id,
                 Pending {
                     op: req.opcode(),
+                    landing,
                     deadline: Instant::now() + self.shared.cfg.request_timeout,
                     tx,
                 },
@@ -528,7 +570,13 @@ impl ArenaClient {
             offset,
             len: out.len() as u32,
         };
-        match self.call(&req).await? {
+        match self.call_read(&req, out).await? {
+            Reply::Landed => {
+                if let Some(s) = &self.shared.cfg.payload_stats {
+                    s.read(out.len());
+                }
+                Ok(true)
+            }
             Reply::Data(d) if d.len() == out.len() => {
                 out.copy_from_slice(&d);
                 if let Some(s) = &self.shared.cfg.payload_stats {
@@ -775,7 +823,17 @@ fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
     let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies));
     let mut last_sweep = Instant::now();
     let why = loop {
-        match reader.next(&mut stream) {
+        let land = |h: &Header| {
+            let t = conn.pending.lock();
+            let p = t.map.get(&h.request_id)?;
+            (h.is_response()
+                && h.status == Status::Ok
+                && h.opcode == Opcode::Read
+                && p.op == Opcode::Read)
+                .then(|| p.landing.clone())
+                .flatten()
+        };
+        match reader.next(&mut stream, land) {
             Ok(Some((h, body))) => {
                 if let Err(e) = dispatch(shared, conn, &h, body) {
                     break format!("protocol error: {e}");
@@ -832,7 +890,7 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
         });
     }
     if h.opcode == Opcode::Revoke {
-        let rv = proto::decode_revoke(h, &body)?;
+        let rv = proto::decode_revoke(h, body.bytes())?;
         shared.counters.revocations.fetch_add(1, Ordering::Relaxed);
         let mut q = shared.revocations.lock();
         if q.len() >= MAX_QUEUED_REVOCATIONS {
@@ -857,24 +915,27 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
     }
     let reply = match (h.status, h.opcode) {
         (Status::Ok, Opcode::Alloc | Opcode::Get) => {
-            Ok(Reply::Lease(proto::decode_lease(h, &body)?))
+            Ok(Reply::Lease(proto::decode_lease(h, body.bytes())?))
         }
-        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, &body)?)),
-        (Status::Ok, Opcode::Read) => Ok(Reply::Data(body.into_vec())),
-        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(RailAccept::decode(h, &body)?)),
+        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, body.bytes())?)),
+        (Status::Ok, Opcode::Read) => match body {
+            Body::Landed(_) => Ok(Reply::Landed),
+            body => Ok(Reply::Data(body.into_vec())),
+        },
+        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(RailAccept::decode(h, body.bytes())?)),
         (Status::Ok, _) => Ok(Reply::Empty),
         (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
         (status, op) => Err(ArenaError::Status {
             op,
             peer: shared.cfg.peer.clone(),
             status,
-            message: proto::decode_error(&body),
+            message: proto::decode_error(body.bytes()),
         }),
     };
-    if let (Ok(Reply::Data(d)), true) = (&reply, h.body_len > conn.max_inline) {
+    if matches!(&reply, Ok(Reply::Data(_) | Reply::Landed)) && h.body_len > conn.max_inline {
         return Err(FrameError::TooLong {
             what: "inline answer",
-            len: d.len() as u64,
+            len: h.body_len.into(),
             max: conn.max_inline.into(),
         });
     }

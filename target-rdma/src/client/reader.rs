@@ -4,6 +4,9 @@
 //! expire requests without a second thread.
 
 use std::io::{self, Read};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
 
 use crate::proto::{FrameError, Header, HEADER_LEN};
 
@@ -11,32 +14,166 @@ use crate::proto::{FrameError, Header, HEADER_LEN};
 /// and handed over by value, so a READ answer is not copied twice.
 pub const OWNED_BODY_MIN: usize = 64 << 10;
 
-/// A frame body: a view into the reader's buffer, or a large body it owns.
+/// A frame body: a view into the reader's buffer, a large body it owns, or
+/// a large body already in the [`Landing`] its request offered.
 pub enum Body<'a> {
     /// Small body, valid until the next call.
     Buffered(&'a [u8]),
     /// Large body, read directly from the stream.
     Owned(Vec<u8>),
-}
-
-impl std::ops::Deref for Body<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Body::Buffered(b) => b,
-            Body::Owned(v) => v,
-        }
-    }
+    /// Large body of this many bytes, read directly into its landing.
+    Landed(usize),
 }
 
 impl Body<'_> {
-    /// The body as an owned vector (no copy for large bodies).
+    /// The bytes the reader holds; empty for a landed body.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Body::Buffered(b) => b,
+            Body::Owned(v) => v,
+            Body::Landed(_) => &[],
+        }
+    }
+
+    /// The body as an owned vector (no copy for large bodies; empty for a
+    /// landed one).
     pub fn into_vec(self) -> Vec<u8> {
         match self {
             Body::Buffered(b) => b.to_vec(),
             Body::Owned(v) => v,
+            Body::Landed(_) => Vec::new(),
         }
     }
+}
+
+/// A caller's buffer that a large answer body is read into directly, so a
+/// 1 MiB READ is not copied again from a reader-owned buffer.
+///
+/// The reader writes only while the landing is `Writing`; [`Landing::abandon`]
+/// (the owner's drop guard) waits out a write in progress and forbids any
+/// later one, so once it returns the buffer is the owner's again. The owner
+/// must therefore keep the buffer alive until `abandon` has run: it holds the
+/// buffer borrowed for as long as the guard lives.
+pub struct Landing {
+    ptr: *mut u8,
+    len: usize,
+    state: Mutex<LandState>,
+    idle: Condvar,
+}
+
+// SAFETY: `ptr` is only dereferenced by the reader thread between
+// `begin_write` and `end_write`, which the state mutex orders against
+// `abandon` on the owner's thread; the owner does not touch the buffer until
+// the landing is `Done` (reported through the answer) or abandoned.
+unsafe impl Send for Landing {}
+// SAFETY: as for `Send`: all shared access goes through `state`.
+unsafe impl Sync for Landing {}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LandState {
+    /// Waiting for its answer, or partly filled between two reads.
+    Open,
+    /// The reader is writing into it now.
+    Writing,
+    /// Filled; the answer says so.
+    Done,
+    /// The owner gave the buffer back: never write into it again.
+    Abandoned,
+}
+
+impl Landing {
+    /// Offers `buf` for an answer of exactly `buf.len()` bytes.
+    ///
+    /// # Safety
+    ///
+    /// `buf` must stay allocated, and must not be read or written by
+    /// anyone else, until [`abandon`](Self::abandon) has returned or the
+    /// landing [`is_done`](Self::is_done).
+    pub unsafe fn new(buf: &mut [u8]) -> Arc<Self> {
+        Arc::new(Self {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            state: Mutex::new(LandState::Open),
+            idle: Condvar::new(),
+        })
+    }
+
+    /// Bytes the answer must carry to land here.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the landing wants no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the body landed.
+    pub fn is_done(&self) -> bool {
+        *self.state.lock() == LandState::Done
+    }
+
+    /// The owner is done with the buffer (answered, failed or dropped):
+    /// waits for a write in progress (one read call, bounded by the
+    /// stream's read timeout) and forbids any later write.
+    pub fn abandon(&self) {
+        let mut st = self.state.lock();
+        while *st == LandState::Writing {
+            self.idle.wait(&mut st);
+        }
+        if *st != LandState::Done {
+            *st = LandState::Abandoned;
+        }
+    }
+
+    /// Reads from `r` into the landing from `filled`; `None` when abandoned.
+    fn read_into(&self, r: &mut impl Read, filled: usize) -> Option<io::Result<usize>> {
+        {
+            let mut st = self.state.lock();
+            if *st != LandState::Open {
+                return None;
+            }
+            *st = LandState::Writing;
+        }
+        // SAFETY: the state is `Writing`, so `abandon` has not returned and
+        // will not until we leave it: the owner's buffer of `len` bytes is
+        // alive and not accessed by the owner; `filled <= len`.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.add(filled), self.len - filled) };
+        let r = r.read(dst);
+        *self.state.lock() = LandState::Open;
+        self.idle.notify_all();
+        Some(r)
+    }
+
+    /// Copies bytes the reader already buffered to the landing's start.
+    fn fill_prefix(&self, bytes: &[u8]) -> bool {
+        let st = self.state.lock();
+        if *st != LandState::Open {
+            return false;
+        }
+        // SAFETY: we hold the state lock with the landing `Open`, so
+        // `abandon` cannot return meanwhile; `bytes.len() <= len` (checked by
+        // the caller).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr, bytes.len()) };
+        drop(st);
+        true
+    }
+
+    fn finish(&self) -> bool {
+        let mut st = self.state.lock();
+        if *st != LandState::Open {
+            return false;
+        }
+        *st = LandState::Done;
+        true
+    }
+}
+
+/// Where a large body is being read to.
+enum Large {
+    Owned(Vec<u8>),
+    Landing(Arc<Landing>, usize),
 }
 
 /// Large-body buffers handed back by their consumers for reuse, so a
@@ -71,8 +208,8 @@ pub struct FrameReader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
-    /// A large body being filled: its header and the bytes so far.
-    large: Option<(Header, Vec<u8>)>,
+    /// A large body being filled: its header and where it goes.
+    large: Option<(Header, Large)>,
     pool: std::sync::Arc<BodyPool>,
 }
 
@@ -99,14 +236,45 @@ impl FrameReader {
 
     /// Returns the next whole frame. `Ok(None)` is a clean end of stream
     /// between frames; a timeout surfaces as `FrameError::Io` with the
-    /// partial frame kept for the next call.
+    /// partial frame kept for the next call. `land` is asked, for each
+    /// large body, whether a [`Landing`] of exactly its length awaits it.
     pub fn next<'a>(
         &'a mut self,
         r: &mut impl Read,
+        land: impl Fn(&Header) -> Option<Arc<Landing>>,
     ) -> Result<Option<(Header, Body<'a>)>, FrameError> {
         loop {
-            if let Some((h, body)) = &mut self.large {
+            if let Some((h, large)) = &mut self.large {
                 let want = h.body_len as usize;
+                if let Large::Landing(landing, filled) = large {
+                    while *filled < want {
+                        match landing.read_into(r, *filled) {
+                            Some(Ok(0)) => {
+                                return Err(FrameError::Truncated {
+                                    got: HEADER_LEN + *filled,
+                                    want: HEADER_LEN + want,
+                                })
+                            }
+                            Some(Ok(n)) => *filled += n,
+                            Some(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                            Some(Err(e)) => return Err(e.into()),
+                            // The owner left: the rest of the body is drained.
+                            None => break,
+                        }
+                    }
+                    let filled = *filled;
+                    if filled == want && landing.finish() {
+                        let h = *h;
+                        self.large = None;
+                        return Ok(Some((h, Body::Landed(want))));
+                    }
+                    let mut body = self.pool.take(want);
+                    body.resize(filled, 0);
+                    *large = Large::Owned(body);
+                }
+                let Large::Owned(body) = large else {
+                    unreachable!("landing handled above")
+                };
                 while body.len() < want {
                     // Appends without zeroing; on a timeout the bytes read so
                     // far stay in `body` for the next call.
@@ -123,7 +291,9 @@ impl FrameReader {
                     }
                 }
                 let h = *h;
-                let (_, body) = self.large.take().expect("checked above");
+                let Some((_, Large::Owned(body))) = self.large.take() else {
+                    unreachable!("owned body checked above")
+                };
                 return Ok(Some((h, Body::Owned(body))));
             }
             let avail = self.end - self.start;
@@ -140,10 +310,17 @@ impl FrameReader {
                     return Ok(Some((h, Body::Buffered(&self.buf[body]))));
                 }
                 if len >= OWNED_BODY_MIN {
-                    let mut body = self.pool.take(len);
-                    body.extend_from_slice(&self.buf[self.start + HEADER_LEN..self.end]);
+                    let have = &self.buf[self.start + HEADER_LEN..self.end];
+                    let large = match land(&h).filter(|l| l.len() == len) {
+                        Some(l) if l.fill_prefix(have) => Large::Landing(l, have.len()),
+                        _ => {
+                            let mut body = self.pool.take(len);
+                            body.extend_from_slice(have);
+                            Large::Owned(body)
+                        }
+                    };
                     self.start = self.end;
-                    self.large = Some((h, body));
+                    self.large = Some((h, large));
                     continue;
                 }
                 self.make_room(total);
@@ -230,13 +407,16 @@ mod tests {
         let mut r = FrameReader::default();
         let mut seen = Vec::new();
         loop {
-            match r.next(&mut src) {
+            match r.next(&mut src, |_| None) {
                 Ok(Some((h, body))) => {
                     if h.opcode == Opcode::Read {
-                        assert!(body.iter().all(|b| *b == h.request_id as u8));
+                        assert!(body.bytes().iter().all(|b| *b == h.request_id as u8));
                         let large = h.request_id % 2 == 1;
                         assert_eq!(matches!(body, Body::Owned(_)), large);
-                        assert_eq!(body.len(), if large { OWNED_BODY_MIN + 3 } else { 5000 });
+                        assert_eq!(
+                            body.bytes().len(),
+                            if large { OWNED_BODY_MIN + 3 } else { 5000 }
+                        );
                     }
                     seen.push(h.request_id);
                 }
@@ -256,8 +436,73 @@ mod tests {
         f.extend_from_slice(b"abc");
         let mut r = FrameReader::default();
         assert!(matches!(
-            r.next(&mut &f[..]),
+            r.next(&mut &f[..], |_| None),
             Err(FrameError::Truncated { .. })
         ));
+    }
+
+    /// Large READ answers land in their request's buffer across split reads
+    /// and timeouts; one abandoned mid-body is drained, its buffer untouched
+    /// from then on, and the frames after it are intact.
+    #[test]
+    fn large_bodies_land_in_place_and_an_abandoned_landing_is_drained() {
+        let len = OWNED_BODY_MIN + 5;
+        let mut stream = Vec::new();
+        let mut f = Vec::new();
+        for i in 0..6u64 {
+            encode_read_head(&mut f, i, len as u32);
+            stream.extend_from_slice(&f);
+            stream.extend(std::iter::repeat_n(i as u8 + 1, len));
+        }
+        let mut bufs: Vec<Vec<u8>> = (0..6).map(|_| vec![0u8; len]).collect();
+        let landings: Vec<Arc<Landing>> = bufs
+            .iter_mut()
+            // SAFETY: `bufs` outlives the landings, and is only read after
+            // every landing is done or abandoned.
+            .map(|b| unsafe { Landing::new(b) })
+            .collect();
+        let mut src = Trickle {
+            data: &stream,
+            chunk: 4099,
+            stall: false,
+        };
+        let mut r = FrameReader::default();
+        let mut landed = Vec::new();
+        loop {
+            match r.next(&mut src, |h| {
+                Some(Arc::clone(&landings[h.request_id as usize]))
+            }) {
+                Ok(Some((h, body))) => match body {
+                    Body::Landed(n) => {
+                        assert_eq!(n, len);
+                        landed.push(h.request_id);
+                    }
+                    Body::Owned(v) => {
+                        assert_eq!(h.request_id, 3, "only the abandoned one is owned");
+                        assert_eq!(v.len(), len);
+                    }
+                    Body::Buffered(_) => panic!("large body buffered"),
+                },
+                Ok(None) => break,
+                Err(FrameError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Abandon request 3 once its body has started arriving.
+                    if matches!(&r.large, Some((h, Large::Landing(_, n))) if h.request_id == 3 && *n > 0)
+                    {
+                        landings[3].abandon();
+                    }
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(landed, [0, 1, 2, 4, 5]);
+        assert!(!landings[3].is_done());
+        drop(landings);
+        for (i, b) in bufs.iter().enumerate() {
+            if i == 3 {
+                assert!(b.contains(&0), "abandoned buffer was filled");
+            } else {
+                assert!(b.iter().all(|x| *x == i as u8 + 1), "buffer {i}");
+            }
+        }
     }
 }
