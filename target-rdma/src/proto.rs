@@ -135,6 +135,9 @@ pub enum Status {
     ShuttingDown = 8,
     /// A storage error on the peer (swap or index I/O).
     Internal = 9,
+    /// COMMIT of a lease whose blob was removed meanwhile: the write is
+    /// dropped and the lease ended; the client may write again.
+    LeaseLost = 10,
 }
 
 impl Status {
@@ -151,6 +154,7 @@ impl Status {
             7 => Self::VersionMismatch,
             8 => Self::ShuttingDown,
             9 => Self::Internal,
+            10 => Self::LeaseLost,
             _ => return None,
         })
     }
@@ -168,6 +172,7 @@ impl Status {
             Self::VersionMismatch => "version_mismatch",
             Self::ShuttingDown => "shutting_down",
             Self::Internal => "internal",
+            Self::LeaseLost => "lease_lost",
         }
     }
 }

@@ -75,6 +75,45 @@ fn leases_alloc_commit_get_release() {
     );
 }
 
+/// A REMOVE from another connection between ALLOC and COMMIT (a DISCARD
+/// racing a write on another queue) is not the writer's fault: its COMMIT
+/// answers LEASE_LOST, the connection stays, and nothing counts as a
+/// protocol error.
+#[test]
+fn a_commit_after_a_racing_remove_answers_lease_lost_and_keeps_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let writer = peer.client("a", SECRET_A);
+    let remover = peer.client("a", SECRET_A);
+    block_on(async {
+        writer.write(5, 0, b"before").await.unwrap();
+        let epoch = writer.connection_epoch();
+        let lease = writer.alloc(5).await.unwrap();
+        assert_eq!(remover.remove(5, 6).await.unwrap(), 1);
+        let e = writer.commit(5, lease.token).await.unwrap_err();
+        assert_eq!(e.status(), Some(Status::LeaseLost), "{e}");
+        assert!(e.to_string().contains("removed while leased"), "{e}");
+        assert_eq!(writer.connection_epoch(), epoch, "the connection stayed");
+        let mut out = [0u8; 6];
+        assert!(
+            !writer.read(5, 0, &mut out).await.unwrap(),
+            "the remove won"
+        );
+        writer.write(5, 0, b"after!").await.unwrap();
+        assert!(remover.read(5, 0, &mut out).await.unwrap());
+        assert_eq!(&out, b"after!");
+    });
+    assert_eq!(peer.store.stats().leases_held, 0);
+    assert_eq!(
+        peer.server
+            .counters()
+            .protocol_errors()
+            .values()
+            .sum::<u64>(),
+        0
+    );
+}
+
 #[test]
 fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
     let dir = tempfile::tempdir().unwrap();

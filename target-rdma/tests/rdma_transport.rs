@@ -405,3 +405,47 @@ fn an_arena_pinned_by_another_client_answers_busy() {
     assert!(block_on(t.read(1, 0, &mut out)).unwrap());
     assert!(out.iter().all(|b| *b == 1));
 }
+
+/// A DISCARD on another queue removes the blob between this write's ALLOC
+/// and its COMMIT: the COMMIT answers LEASE_LOST and the write is done
+/// again, after the remove, so the acknowledged data is what reads back.
+#[test]
+fn a_write_racing_a_remove_on_another_connection_is_done_again() {
+    let (p, peer, _dir) = small_peer(8);
+    let t = RdmaTransport::connect(
+        peer.config("a", SECRET_A),
+        Ok(p.clone()),
+        RdmaTransportConfig {
+            lease_cache: 0,
+            ..cfg()
+        },
+    )
+    .unwrap();
+    block_on(t.write(4, 0, &pattern(4, 1, 4096))).unwrap();
+    let remover = peer.client("a", SECRET_A);
+    p.before_next_post(move || {
+        // The transport's thread is inside its own executor: remove from
+        // another thread, as another queue would.
+        std::thread::spawn(move || assert_eq!(block_on(remover.remove(4, 5)).unwrap(), 1))
+            .join()
+            .unwrap();
+    });
+    let data = pattern(4, 2, 4096);
+    block_on(t.write(4, 4096, &data)).unwrap();
+    let mut out = vec![0; 8192];
+    assert!(block_on(t.read(4, 0, &mut out)).unwrap());
+    assert!(
+        out[..4096].iter().all(|b| *b == 0),
+        "the remove dropped the old bytes"
+    );
+    assert!(out[4096..] == data[..], "the write after it is there");
+    assert_eq!(count(&t, "lease_failures"), 1);
+    assert_eq!(
+        peer.server
+            .counters()
+            .protocol_errors()
+            .values()
+            .sum::<u64>(),
+        0
+    );
+}

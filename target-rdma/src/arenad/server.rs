@@ -181,6 +181,7 @@ fn store_status(e: &StoreError) -> (Status, bool) {
         StoreError::NoSpace { .. } => (Status::NoSpace, false),
         StoreError::QuotaExceeded { .. } => (Status::QuotaExceeded, false),
         StoreError::Busy { .. } | StoreError::LeaseLimit { .. } => (Status::Busy, false),
+        StoreError::LeaseLost { .. } => (Status::LeaseLost, false),
         StoreError::UnknownLease { .. }
         | StoreError::LeaseMismatch { .. }
         | StoreError::OutOfRange { .. } => (Status::Protocol, true),

@@ -132,7 +132,8 @@ fn outcome(status: Status) -> ArenaOutcome {
         | Status::Busy
         | Status::Protocol
         | Status::AuthFailed
-        | Status::VersionMismatch => ArenaOutcome::Denied,
+        | Status::VersionMismatch
+        | Status::LeaseLost => ArenaOutcome::Denied,
         Status::ShuttingDown | Status::Internal => ArenaOutcome::Error,
     }
 }

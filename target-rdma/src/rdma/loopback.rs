@@ -50,10 +50,14 @@ impl Drop for Deregister {
 /// Statuses the next posts complete with, shared by a provider and its QPs.
 type Injected = Arc<Mutex<VecDeque<u32>>>;
 
+/// Runs before the next post on any QP of a provider.
+type Hook = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
+
 /// The loopback "device".
 #[derive(Default)]
 pub struct LoopbackProvider {
     injected: Injected,
+    before_post: Hook,
     refuse_registration: Arc<Mutex<HashSet<usize>>>,
 }
 
@@ -67,6 +71,13 @@ impl LoopbackProvider {
     /// (an `IBV_WC_*` value) and moves no data.
     pub fn inject(&self, status: u32) {
         self.injected.lock().push_back(status);
+    }
+
+    /// Runs `f` when the next work request is posted, before it moves any
+    /// data: lets a test put another client's request between a lease and
+    /// its transfer.
+    pub fn before_next_post(&self, f: impl FnOnce() + Send + 'static) {
+        *self.before_post.lock() = Some(Box::new(f));
     }
 
     /// Registrations of exactly `len` bytes fail from now on.
@@ -117,6 +128,7 @@ impl RdmaProvider for LoopbackProvider {
         Ok(Box::new(LoopbackQp {
             qpn,
             injected: Arc::clone(&self.injected),
+            before_post: Arc::clone(&self.before_post),
             ready: Mutex::new(VecDeque::new()),
             cv: Condvar::new(),
             failed: Mutex::new(false),
@@ -127,6 +139,7 @@ impl RdmaProvider for LoopbackProvider {
 struct LoopbackQp {
     qpn: u32,
     injected: Injected,
+    before_post: Hook,
     ready: Mutex<VecDeque<Completion>>,
     cv: Condvar,
     failed: Mutex<bool>,
@@ -195,6 +208,10 @@ impl QueuePair for LoopbackQp {
     }
 
     fn post(&self, wr: &WorkRequest) -> Result<(), RdmaError> {
+        let hook = self.before_post.lock().take();
+        if let Some(f) = hook {
+            f();
+        }
         let status = if *self.failed.lock() {
             wc_status::WR_FLUSH_ERR
         } else if let Some(s) = self.injected.lock().pop_front() {

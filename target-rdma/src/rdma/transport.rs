@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use futures::channel::oneshot;
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::completion::{CompletionEngine, OpError};
 use super::stats::{DriverStats, TcpReason};
@@ -284,6 +284,10 @@ struct BusyRetry {
     pinning: bool,
     ended_before: u64,
 }
+
+/// Times a write is done again because a racing REMOVE took its blob
+/// between ALLOC and COMMIT; a fourth loss fails the request.
+const MAX_LEASE_LOST: u32 = 3;
 
 /// How long a failed rail setup keeps requests on TCP before the next try.
 const RAIL_RETRY: Duration = Duration::from_secs(1);
@@ -1115,7 +1119,23 @@ impl RdmaTransport {
     /// [`BlobIo::write`], also saying which way the payload went.
     pub async fn write_via(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         check_range(self.blob_bytes(), offset, data.len())?;
-        self.honour_revocations().await;
+        let mut lost = 0;
+        loop {
+            self.honour_revocations().await;
+            match self.write_once(key, offset, data).await {
+                // Another connection removed the blob between our ALLOC and
+                // COMMIT (a DISCARD racing this write): the write counts as
+                // before the remove, so it is done again, after it.
+                Err(e) if e.status() == Some(Status::LeaseLost) && lost < MAX_LEASE_LOST => {
+                    lost += 1;
+                    debug!(event = "rdma.lease_lost", key, attempt = lost);
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn write_once(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         match self
             .rdma_move(
                 RdmaOp::Write,

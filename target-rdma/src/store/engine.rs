@@ -499,10 +499,7 @@ impl State {
         let kept = self.slots[l.slot as usize].owner == Some((vol, key));
         self.end_lease(&l);
         if !kept {
-            return Err(StoreError::LeaseMismatch {
-                token,
-                detail: format!("covers volume {vol} key {key}, which was removed while leased; the write is dropped"),
-            });
+            return Err(StoreError::LeaseLost { token, vol, key });
         }
         Ok(())
     }

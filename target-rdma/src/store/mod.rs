@@ -120,6 +120,19 @@ pub enum StoreError {
         /// What did not match.
         detail: String,
     },
+    /// An ALLOC lease's blob was removed (by a REMOVE, maybe from another
+    /// connection) before its COMMIT: the write is dropped, as if it had
+    /// happened before the remove. Not a client error: the lease is ended
+    /// and the writer may write again.
+    #[error("lease token {token}: volume {vol} key {key} was removed while leased; the write is dropped")]
+    LeaseLost {
+        /// The token.
+        token: u64,
+        /// Volume index.
+        vol: u32,
+        /// Blob key.
+        key: u64,
+    },
     /// Too many leases are outstanding.
     #[error("too many leases outstanding: the limit is {limit}")]
     LeaseLimit {

@@ -263,6 +263,7 @@ fn lease_errors_name_the_problem() {
     let a = s.alloc(0, 3, 1).unwrap();
     assert_eq!(s.remove(0, 3, 4).unwrap(), 1);
     let e = s.commit(0, 3, a.token, 1).unwrap_err();
+    assert!(matches!(e, StoreError::LeaseLost { key: 3, .. }), "{e}");
     assert!(e.to_string().contains("removed while leased"), "{e}");
     assert_eq!(s.stats().leases_held, 0);
     assert_eq!(s.stats().slots_leased, 0);
