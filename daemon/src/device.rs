@@ -22,7 +22,7 @@ use libublk::{sys, UblkFlags};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use target_rdma::auth::Secret;
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig};
+use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
 use target_rdma::rdma::report::RdmaDriverStats;
 use target_rdma::rdma::{
     open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig,
@@ -664,8 +664,12 @@ impl Manager {
         spec: &DeviceSpec,
         secret: &Secret,
     ) -> Result<(Vec<QueueIo>, Arc<dyn DriverStats>), DeviceError> {
+        // A FLUSH on any queue covers writes completed on every queue, so
+        // the queues' connections vouch for each other's writes.
+        let flush_domain = Arc::new(FlushDomain::default());
         let client_cfg = || {
             let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
+            cc.flush_domain = Arc::clone(&flush_domain);
             cc.blob_bytes = spec.blob_size as u32;
             cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
             cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);

@@ -6,11 +6,12 @@ mod common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use futures::executor::block_on;
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig};
+use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
 
 const BLOB: usize = 64 << 10;
 
@@ -50,9 +51,15 @@ fn spawn(cfg: &Path) -> Child {
 }
 
 fn connect(port: u16) -> ArenaClient {
+    connect_in(port, Arc::default())
+}
+
+/// A client whose FLUSHes vouch for every client of `domain`.
+fn connect_in(port: u16, domain: Arc<FlushDomain>) -> ArenaClient {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let cfg = ClientConfig::new(format!("127.0.0.1:{port}"), "a", secret(SECRET_A));
+        let mut cfg = ClientConfig::new(format!("127.0.0.1:{port}"), "a", secret(SECRET_A));
+        cfg.flush_domain = Arc::clone(&domain);
         match ArenaClient::connect(cfg) {
             Ok(c) => return c,
             Err(ArenaError::Connect { .. }) if Instant::now() < deadline => {
@@ -147,6 +154,51 @@ fn flushed_data_survives_kill_9_and_unflushed_is_old_or_new() {
     let mut out = vec![0; BLOB];
     assert!(block_on(c3.read(200, 0, &mut out)).unwrap());
     assert!(out == pattern(200, 3, BLOB), "write before SIGTERM lost");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// The queues of one device share a flush domain: a FLUSH on one queue
+/// covers writes acknowledged on another, so after a `kill -9` it must
+/// report their loss (not claim durability because it wrote nothing
+/// itself), and once they are flushed no queue reports a loss.
+#[test]
+fn a_flush_vouches_for_every_queue_of_its_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cfg = write_config(dir.path(), port);
+    let mut child = spawn(&cfg);
+    let domain = Arc::new(FlushDomain::default());
+    let (q0, q1) = (connect_in(port, domain.clone()), connect_in(port, domain));
+
+    // Writes on queue 0, flushed by queue 1: durable, nothing to report.
+    block_on(q0.write(1, 0, &pattern(1, 1, BLOB))).unwrap();
+    block_on(q1.flush()).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    child = spawn(&cfg);
+    let _ = connect(port);
+    let mut out = vec![0; BLOB];
+    assert!(block_on(q0.read(1, 0, &mut out)).unwrap());
+    assert!(out == pattern(1, 1, BLOB));
+    assert!(block_on(q1.read(1, 0, &mut out)).unwrap());
+    block_on(q1.flush()).expect("queue 0's writes were flushed by queue 1");
+    block_on(q0.flush()).expect("no queue lost anything");
+
+    // Writes on queue 0 left unflushed, then a crash: queue 1's FLUSH fails.
+    block_on(q0.write(2, 0, &pattern(2, 1, BLOB))).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    child = spawn(&cfg);
+    let _ = connect(port);
+    let e = block_on(async {
+        q0.read(1, 0, &mut out).await.unwrap();
+        q1.read(1, 0, &mut out).await.unwrap();
+        q1.flush().await
+    })
+    .unwrap_err();
+    assert!(matches!(e, ArenaError::UnflushedDataLost { .. }), "{e}");
+    block_on(q0.flush()).expect("the loss is reported once");
     child.kill().unwrap();
     child.wait().unwrap();
 }

@@ -64,6 +64,9 @@ pub struct ClientConfig {
     pub payload_stats: Option<Arc<TcpPayloadStats>>,
     /// Offer `CAP_RDMA` in HELLO (the RDMA transport sets it).
     pub offer_rdma: bool,
+    /// The writes a FLUSH through this client vouches for; see
+    /// [`FlushDomain`]. `new` gives each config a domain of its own.
+    pub flush_domain: Arc<FlushDomain>,
 }
 
 impl ClientConfig {
@@ -78,6 +81,7 @@ impl ClientConfig {
             request_timeout: Duration::from_secs(30),
             payload_stats: None,
             offer_rdma: false,
+            flush_domain: Arc::default(),
         }
     }
 }
@@ -264,8 +268,23 @@ pub struct ClientCounters {
     pub revocations_dropped: AtomicU64,
 }
 
+/// The clients whose acknowledged writes one FLUSH vouches for.
+///
+/// The peer's FLUSH makes every write it acknowledged durable, whichever
+/// connection carried it, and a block device's FLUSH covers writes completed
+/// on any of its queues. So the queue connections of one device share a
+/// domain: a FLUSH through any of them fails with
+/// [`ArenaError::UnflushedDataLost`] if a peer restart lost a write
+/// acknowledged through any of them, and succeeds once their writes are
+/// flushed.
+#[derive(Debug, Default)]
+pub struct FlushDomain {
+    state: Mutex<Durability>,
+}
+
+#[derive(Debug, Default)]
 struct Durability {
-    /// Generation the current connection was opened in.
+    /// The peer generation the domain's connections were last opened in.
     generation: Option<u64>,
     /// Writes acknowledged so far.
     acked: u64,
@@ -278,7 +297,6 @@ struct Durability {
 struct Shared {
     cfg: ClientConfig,
     conn: Mutex<Option<Arc<Conn>>>,
-    durability: Mutex<Durability>,
     next_id: AtomicU64,
     blob_bytes: AtomicU32,
     bodies: Arc<BodyPool>,
@@ -301,12 +319,6 @@ impl ArenaClient {
             shared: Arc::new(Shared {
                 cfg,
                 conn: Mutex::new(None),
-                durability: Mutex::new(Durability {
-                    generation: None,
-                    acked: 0,
-                    flushed: 0,
-                    lost: None,
-                }),
                 next_id: AtomicU64::new(1),
                 blob_bytes: AtomicU32::new(0),
                 bodies: Arc::default(),
@@ -358,7 +370,7 @@ impl ArenaClient {
     /// acknowledged, so that a peer restart before the next FLUSH makes
     /// that FLUSH fail instead of claiming durability.
     pub fn record_acknowledged_write(&self) {
-        self.shared.durability.lock().acked += 1;
+        self.shared.cfg.flush_domain.state.lock().acked += 1;
     }
 
     /// Exchanges QP endpoints on the current connection (RAIL_CONNECT);
@@ -397,7 +409,7 @@ impl ArenaClient {
             + 1;
         let conn = Arc::new(conn);
         {
-            let mut d = self.shared.durability.lock();
+            let mut d = self.shared.cfg.flush_domain.state.lock();
             let new = conn.welcome.generation;
             if let Some(old) = d.generation.filter(|g| *g != new) {
                 self.shared
@@ -552,7 +564,7 @@ impl ArenaClient {
         let req = Request::Write { key, offset, data };
         match self.call(&req).await? {
             Reply::Empty => {
-                self.shared.durability.lock().acked += 1;
+                self.shared.cfg.flush_domain.state.lock().acked += 1;
                 if let Some(s) = &self.shared.cfg.payload_stats {
                     s.write(data.len());
                 }
@@ -617,7 +629,7 @@ impl ArenaClient {
     pub async fn commit(&self, key: u64, token: u64) -> Result<(), ArenaError> {
         match self.call(&Request::Commit { key, token }).await? {
             Reply::Empty => {
-                self.shared.durability.lock().acked += 1;
+                self.shared.cfg.flush_domain.state.lock().acked += 1;
                 Ok(())
             }
             _ => Err(self.unexpected(Opcode::Commit)),
@@ -644,7 +656,7 @@ impl ArenaClient {
     pub async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         match self.call(&Request::Remove { start, end }).await? {
             Reply::Count(n) => {
-                self.shared.durability.lock().acked += 1;
+                self.shared.cfg.flush_domain.state.lock().acked += 1;
                 Ok(n)
             }
             _ => Err(self.unexpected(Opcode::Remove)),
@@ -654,7 +666,7 @@ impl ArenaClient {
     /// Makes every write acknowledged before this call durable on the peer.
     pub async fn flush(&self) -> Result<(), ArenaError> {
         let upto = {
-            let mut d = self.shared.durability.lock();
+            let mut d = self.shared.cfg.flush_domain.state.lock();
             if let Some((old, new)) = d.lost.take() {
                 return Err(ArenaError::UnflushedDataLost {
                     peer: self.shared.cfg.peer.clone(),
@@ -666,7 +678,7 @@ impl ArenaClient {
         };
         match self.call(&Request::Flush).await? {
             Reply::Empty => {
-                let mut d = self.shared.durability.lock();
+                let mut d = self.shared.cfg.flush_domain.state.lock();
                 if d.generation != upto.1 {
                     // The peer restarted between our writes and this FLUSH.
                     if let Some((old, new)) = d.lost.take() {
