@@ -16,8 +16,9 @@ RUNTIME=${BENCH_RUNTIME:-10}
 SIZE=${BENCH_SIZE:-64M}
 mkdir -p "$R" "$W"/{state,arena,run}
 
-if ls /sys/class/infiniband/ 2>/dev/null | grep -q .; then
-    RDMA_DEV=$(ls /sys/class/infiniband/ | head -1)
+devices=(/sys/class/infiniband/*)
+if [[ -e "${devices[0]}" ]]; then
+    RDMA_DEV=$(basename "${devices[0]}")
     echo "bench: using RDMA device $RDMA_DEV (no soft-RoCE setup)"
     GID=${BENCH_GID_INDEX:-0}
 else

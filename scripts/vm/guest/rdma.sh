@@ -18,7 +18,8 @@ newest() { # newest PATTERN : newest host-built test binary matching PATTERN
         sort -n | tail -1 | cut -d' ' -f2-
 }
 run_tests() { # run_tests BINARY FILTER : one PASS/FAIL line per test
-    local bin=$1 filter=$2 log="$UBLK_VM_RESULTS/$(basename "$1")-$2.log"
+    local bin=$1 filter=$2 log
+    log="$UBLK_VM_RESULTS/$(basename "$1")-$2.log"
     if [[ -z "$bin" ]]; then
         echo "FAIL $filter (test binary not built on the host)"
         failed=1
