@@ -25,7 +25,7 @@ use target_rdma::auth::Secret;
 use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
 use target_rdma::rdma::report::RdmaDriverStats;
 use target_rdma::rdma::{
-    open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig,
+    open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
 use target_rdma::transport::TcpPayloadStats;
 use ublk_metrics::DriverStats;
@@ -702,18 +702,11 @@ impl Manager {
             op_timeout: Duration::from_millis(self.cfg.request_timeout_ms)
                 .min(Duration::from_secs(5)),
             require_rdma: spec.transport == Transport::Rdma,
-            // Cached leases belong to one connection: a DISCARD served by
-            // another queue REMOVEs the blob under them, and the next write
-            // through such a lease would land in a dropped slot. So only a
-            // single-queue device (whose REMOVEs give its own cached leases
-            // back first) keeps leases across requests.
-            lease_cache: if spec.queues == 1 {
-                RdmaTransportConfig::default().lease_cache
-            } else {
-                0
-            },
             ..RdmaTransportConfig::default()
         };
+        // Leases are cached per queue connection; the group lets a FLUSH or
+        // DISCARD on one queue end the other queues' affected leases first.
+        let group = TransportGroup::new();
         let mut ios = Vec::with_capacity(spec.queues as usize);
         for _ in 0..spec.queues {
             let t = RdmaTransport::connect(client_cfg(), provider.clone(), cfg.clone()).map_err(
@@ -724,7 +717,7 @@ impl Manager {
                     }
                 },
             )?;
-            ios.push(QueueIo::rdma(t, bufs()));
+            ios.push(QueueIo::rdma(t, bufs(), &group));
         }
         let rdma = ios.iter().all(|io| io.negotiated() == Negotiated::Rdma);
         let stats = ios.iter().filter_map(QueueIo::rdma_stats).collect();

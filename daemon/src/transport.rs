@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use libublk::helpers::IoBuf;
 use target_rdma::client::{ArenaClient, ArenaError};
-use target_rdma::rdma::{RdmaTransport, Via};
+use target_rdma::rdma::{RdmaTransport, TransportGroup, Via};
 use target_rdma::transport::{BlobIo, TransportKind};
 use ublk_metrics::Transport as MetricsTransport;
 
@@ -94,21 +94,26 @@ impl QueueIo {
     /// negotiated RDMA, `bufs` are registered with it once, so payloads move
     /// straight between them and the arena. A failed registration is logged
     /// and counted by the transport, whose payloads then bounce through its
-    /// own registered pool.
-    pub fn rdma(t: RdmaTransport, bufs: TagBuffers) -> Self {
+    /// own registered pool. `group` holds the device's other queues (see
+    /// [`TransportGroup`]).
+    pub fn rdma(t: RdmaTransport, bufs: TagBuffers, group: &Arc<TransportGroup>) -> Self {
         if t.uses_rdma() {
             for b in &bufs.bufs {
                 // SAFETY: the memory lives in `bufs`, which this struct keeps
                 // alive until after the transport is gone (see the type
                 // docs); each tag's buffer is used by one request at a time,
                 // and only through the transport while that request runs.
+                // Group members reach the transport only to end cached
+                // leases, which moves no payload.
                 if let Err(e) = unsafe { t.register_io_buffers(b.as_mut_ptr(), b.len()) } {
                     tracing::warn!(event = "rdma.register_failed", bytes = b.len(), error = %e);
                 }
             }
         }
+        let t = Arc::new(t);
+        t.join(group);
         Self {
-            path: Path::Rdma(Arc::new(t)),
+            path: Path::Rdma(t),
             bufs: Arc::new(bufs),
         }
     }

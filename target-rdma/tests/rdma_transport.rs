@@ -13,6 +13,7 @@ use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{
     wc_status, DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig, TcpReason,
+    TransportGroup,
 };
 use target_rdma::transport::BlobIo;
 
@@ -440,6 +441,139 @@ fn a_write_racing_a_remove_on_another_connection_is_done_again() {
     );
     assert!(out[4096..] == data[..], "the write after it is there");
     assert_eq!(count(&t, "lease_failures"), 1);
+    assert_eq!(
+        peer.server
+            .counters()
+            .protocol_errors()
+            .values()
+            .sum::<u64>(),
+        0
+    );
+}
+
+/// Two queues of one device, each caching leases on its own connection.
+fn two_queues(
+    slots: u64,
+) -> (
+    Arc<RdmaTransport>,
+    Arc<RdmaTransport>,
+    Peer,
+    tempfile::TempDir,
+) {
+    let (p, peer, dir) = small_peer(slots);
+    let group = TransportGroup::new();
+    let domain = Arc::new(target_rdma::client::FlushDomain::default());
+    let queue = || {
+        let mut cc = peer.config("a", SECRET_A);
+        cc.flush_domain = Arc::clone(&domain);
+        let t = Arc::new(RdmaTransport::connect(cc, Ok(p.clone()), cfg()).unwrap());
+        t.join(&group);
+        t
+    };
+    let (q0, q1) = (queue(), queue());
+    (q0, q1, peer, dir)
+}
+
+/// A DISCARD on queue 1 ends queue 0's cached lease on the blob first: the
+/// next write on queue 0 leases the blob anew instead of landing in the
+/// removed one's slot, and a FLUSH on queue 1 COMMITs it.
+#[test]
+fn a_remove_on_one_queue_ends_the_cached_leases_of_the_others() {
+    let (q0, q1, peer, _dir) = two_queues(8);
+    block_on(q0.write(6, 0, &pattern(6, 1, 4096))).unwrap();
+    assert_eq!(
+        peer.store.stats().leases_held,
+        1,
+        "queue 0 caches its lease"
+    );
+    assert_eq!(block_on(q1.remove(6, 7)).unwrap(), 1);
+    assert_eq!(
+        peer.store.stats().leases_held,
+        0,
+        "the remove ended it first"
+    );
+    let data = pattern(6, 2, 4096);
+    block_on(q0.write(6, 4096, &data)).unwrap();
+    block_on(q1.flush()).unwrap();
+    assert_eq!(
+        peer.store.stats().leases_held,
+        0,
+        "the flush committed queue 0's lease"
+    );
+    let fresh = peer.client("a", SECRET_A);
+    let mut out = vec![0; 8192];
+    assert!(block_on(fresh.read(6, 0, &mut out)).unwrap());
+    assert!(
+        out[..4096].iter().all(|b| *b == 0),
+        "removed bytes stay removed"
+    );
+    assert!(
+        out[4096..] == data[..],
+        "the write after the remove is there"
+    );
+    assert_eq!(count(&q0, "lease_failures"), 0);
+}
+
+/// Queue 0's idle cached leases pin every slot; a write on queue 1 gets
+/// BUSY, gives them back and succeeds.
+#[test]
+fn a_busy_queue_gives_back_the_idle_cached_leases_of_the_others() {
+    let (q0, q1, peer, _dir) = two_queues(4);
+    for k in 0..4u64 {
+        block_on(q0.write(k, 0, &pattern(k, 1, 4096))).unwrap();
+    }
+    assert_eq!(peer.store.stats().leases_held, 4);
+    block_on(q1.write(9, 0, &pattern(9, 1, 4096))).unwrap();
+    block_on(q1.flush()).unwrap();
+    let mut out = vec![0; 4096];
+    for k in [0u64, 1, 2, 3, 9] {
+        assert!(block_on(q1.read(k, 0, &mut out)).unwrap());
+        assert!(out == pattern(k, 1, 4096), "key {k}");
+    }
+}
+
+/// Queue 0 keeps writing hot blobs through cached leases while queue 1
+/// removes and flushes under it; once both stop, queue 0's last writes must
+/// all be there: none went through a lease whose blob was removed.
+#[test]
+fn writes_on_one_queue_survive_removes_and_flushes_on_another() {
+    let (q0, q1, peer, _dir) = two_queues(16);
+    let writer = {
+        let q0 = Arc::clone(&q0);
+        std::thread::spawn(move || {
+            block_on(async {
+                for round in 0..40u64 {
+                    for k in 0..8u64 {
+                        q0.write(k, 512 * (round as u32 % 8), &pattern(k, round, 512))
+                            .await
+                            .unwrap();
+                    }
+                }
+            })
+        })
+    };
+    block_on(async {
+        for i in 0..40u64 {
+            let start = i % 8;
+            q1.remove(start, start + 2).await.unwrap();
+            if i % 4 == 0 {
+                q1.flush().await.unwrap();
+            }
+        }
+    });
+    writer.join().unwrap();
+    block_on(async {
+        for k in 0..8u64 {
+            q0.write(k, 0, &pattern(k, 99, 4096)).await.unwrap();
+        }
+        q1.flush().await.unwrap();
+    });
+    let fresh = peer.client("a", SECRET_A);
+    let mut out = vec![0; 4096];
+    for k in 0..8u64 {
+        assert!(block_on(fresh.read(k, 0, &mut out)).unwrap(), "key {k}");
+        assert!(out == pattern(k, 99, 4096), "key {k}");
+    }
     assert_eq!(
         peer.server
             .counters()

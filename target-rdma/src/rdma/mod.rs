@@ -24,7 +24,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 pub use stats::{DriverStats, TcpReason};
-pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, Via};
+pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, TransportGroup, Via};
 
 /// Whether a daemon uses RDMA: a config value (`rdma = "auto"|"off"|"on"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]

@@ -15,10 +15,15 @@
 //! one copy, counted as a bounce), or, when the pool is exhausted, is
 //! registered for that one request (counted). What cannot go by RDMA goes
 //! inline on TCP and is counted by [`TcpReason`].
+//!
+//! The transports of one block device form a [`TransportGroup`]: leases are
+//! cached per connection, but a FLUSH or DISCARD on one queue concerns the
+//! blobs every queue writes, so it first ends the other members' affected
+//! cached leases.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
@@ -172,7 +177,10 @@ struct CachedLease {
     dirty: bool,
     users: u32,
     epoch: u64,
+    /// Revoked by the peer: no new users; the last one to leave ends it.
     revoked: bool,
+    /// A FLUSH or REMOVE waits to end it itself: no new users.
+    draining: bool,
     last_use: u64,
     idle: Vec<oneshot::Sender<()>>,
 }
@@ -181,6 +189,41 @@ struct CachedLease {
 struct LeaseCache {
     map: HashMap<u64, CachedLease>,
     tick: u64,
+    /// Bumped when a REMOVE starts and when it ends: a lease asked for
+    /// before may cover a removed blob, so it is used once, not cached.
+    generation: u64,
+    /// REMOVEs in progress: a lease granted meanwhile may cover a blob the
+    /// REMOVE is about to drop, so none is cached.
+    removing: u32,
+}
+
+/// The RDMA transports of one block device, one per queue.
+///
+/// Each member caches leases on its own connection, but a block FLUSH covers
+/// writes completed on every queue and a DISCARD removes blobs that any
+/// queue's cached lease may point at. So a member's FLUSH first COMMITs the
+/// dirty cached leases of all members, and its REMOVE first ends every
+/// member's cached leases in the range (after their current users). A BUSY
+/// member also gives back the idle cached leases of the others.
+#[derive(Default)]
+pub struct TransportGroup {
+    members: Mutex<Vec<Weak<RdmaTransport>>>,
+}
+
+impl TransportGroup {
+    /// An empty group.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    fn others(&self, me: &RdmaTransport) -> Vec<Arc<RdmaTransport>> {
+        let mut m = self.members.lock();
+        m.retain(|w| w.strong_count() > 0);
+        m.iter()
+            .filter_map(Weak::upgrade)
+            .filter(|t| !std::ptr::eq(Arc::as_ptr(t), me))
+            .collect()
+    }
 }
 
 /// A lease held for one request: cached (shared) or owned by it.
@@ -253,6 +296,7 @@ pub struct RdmaTransport {
     /// pinned by them, so a BUSY request waits for one to end and retries.
     pinned: Mutex<OwnLeases>,
     peer: String,
+    group: OnceLock<Arc<TransportGroup>>,
 }
 
 /// The leases this transport may hold at the peer: granted ones (in use or
@@ -353,6 +397,7 @@ impl RdmaTransport {
             pool,
             pinned: Mutex::new(OwnLeases::default()),
             peer,
+            group: OnceLock::new(),
         };
         if matches!(*t.rail.lock(), RailState::Down(_)) {
             if let Err(e) = futures::executor::block_on(t.establish()) {
@@ -397,6 +442,19 @@ impl RdmaTransport {
         let at = regions.partition_point(|r| r.addr < mr.addr);
         regions.insert(at, mr);
         Ok(())
+    }
+
+    /// Makes this transport a member of `group` (the other queues of its
+    /// device). A transport joins at most one group; later calls are ignored.
+    pub fn join(self: &Arc<Self>, group: &Arc<TransportGroup>) {
+        if self.group.set(Arc::clone(group)).is_ok() {
+            group.members.lock().push(Arc::downgrade(self));
+        }
+    }
+
+    /// The other members of this transport's group.
+    fn others(&self) -> Vec<Arc<RdmaTransport>> {
+        self.group.get().map_or_else(Vec::new, |g| g.others(self))
     }
 
     /// The driver statistics (shared; cheap to read at any time).
@@ -579,7 +637,7 @@ impl RdmaTransport {
                 if e.epoch != epoch {
                     c.map.remove(&key);
                     self.lease_ended();
-                } else if !e.revoked && (e.write || !write) {
+                } else if !e.revoked && !e.draining && (e.write || !write) {
                     e.users += 1;
                     e.last_use = tick;
                     self.stats.inc(|s| &s.lease_cache_hits);
@@ -592,6 +650,7 @@ impl RdmaTransport {
                 }
             }
         }
+        let generation = self.leases.lock().generation;
         let mut busy = self.busy_start(true);
         let lease = loop {
             let r = if write {
@@ -625,7 +684,9 @@ impl RdmaTransport {
             });
             return Err(e);
         };
-        let cached = self.cache_insert(key, lease, write, epoch).await;
+        let cached = self
+            .cache_insert(key, lease, write, epoch, generation)
+            .await;
         Ok(Some(HeldLease {
             key,
             lease,
@@ -634,14 +695,22 @@ impl RdmaTransport {
         }))
     }
 
-    /// Caches a fresh lease (in use once) if there is room or an idle entry to evict.
-    async fn cache_insert(&self, key: u64, lease: Lease, write: bool, epoch: u64) -> bool {
+    /// Caches a fresh lease (in use once) if there is room or an idle entry
+    /// to evict, and no range was forgotten since it was asked for.
+    async fn cache_insert(
+        &self,
+        key: u64,
+        lease: Lease,
+        write: bool,
+        epoch: u64,
+        generation: u64,
+    ) -> bool {
         if self.cfg.lease_cache == 0 {
             return false;
         }
         let evicted = {
             let mut c = self.leases.lock();
-            if c.map.contains_key(&key) {
+            if c.map.contains_key(&key) || c.generation != generation || c.removing > 0 {
                 return false;
             }
             let mut evicted = None;
@@ -667,6 +736,7 @@ impl RdmaTransport {
                     users: 1,
                     epoch,
                     revoked: false,
+                    draining: false,
                     last_use: tick,
                     idle: Vec::new(),
                 },
@@ -706,7 +776,11 @@ impl RdmaTransport {
             };
             wake(waiters);
         }
-        if self.end_idle_cached().await == 0 {
+        let mut ended = self.end_idle_cached().await;
+        for t in self.others() {
+            ended += t.end_idle_cached().await;
+        }
+        if ended == 0 {
             let rx = {
                 let mut own = self.pinned.lock();
                 if own.ended != busy.ended_before {
@@ -793,7 +867,7 @@ impl RdmaTransport {
                     let _ = tx.send(());
                 }
             }
-            if e.users == 0 && e.revoked {
+            if e.users == 0 && e.revoked && !e.draining {
                 c.map.remove(&held.key)
             } else {
                 None
@@ -1192,17 +1266,27 @@ impl BlobIo for RdmaTransport {
 
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         self.honour_revocations().await;
-        // Leases on removed blobs would outlive them: give them back first,
-        // without committing what the blobs are about to lose.
-        self.end_cached_where(|k, _| (start..end).contains(&k), false)
-            .await?;
+        // Leases on removed blobs would outlive them, on any queue: keep
+        // leases granted until the REMOVE is done out of every cache, and
+        // give the cached ones back first, without committing what the
+        // blobs are about to lose.
+        let others = self.others();
+        let members: Vec<&RdmaTransport> = others.iter().map(|t| &**t).chain([self]).collect();
+        let _removing = Removing::start(&members);
+        for t in &members {
+            t.end_cached_where(|k, _| (start..end).contains(&k), false)
+                .await?;
+        }
         self.client.remove(start, end).await
     }
 
     async fn flush(&self) -> Result<(), ArenaError> {
         self.honour_revocations().await;
-        // Writes acknowledged through cached leases are COMMITted first, so
-        // the peer's FLUSH covers them.
+        // Writes acknowledged through cached leases, on any queue, are
+        // COMMITted first, so the peer's FLUSH covers them.
+        for t in self.others() {
+            t.end_cached_where(|_, e| e.dirty, true).await?;
+        }
         self.end_cached_where(|_, e| e.dirty, true).await?;
         self.client.flush().await
     }
@@ -1210,8 +1294,8 @@ impl BlobIo for RdmaTransport {
 
 impl RdmaTransport {
     /// Ends every cached lease `pick` selects, waiting for leases in use to
-    /// go idle first. `commit` false releases write leases instead of
-    /// committing them.
+    /// go idle first (they take no new users meanwhile). `commit` false
+    /// releases write leases instead of committing them.
     async fn end_cached_where(
         &self,
         pick: impl Fn(u64, &CachedLease) -> bool,
@@ -1231,6 +1315,7 @@ impl RdmaTransport {
                 for k in keys {
                     let e = c.map.get_mut(&k).expect("key listed above");
                     if e.users > 0 {
+                        e.draining = true;
                         let (tx, rx) = oneshot::channel();
                         e.idle.push(tx);
                         wait = Some(rx);
@@ -1254,6 +1339,30 @@ impl RdmaTransport {
                 }
                 None => return Ok(()),
             }
+        }
+    }
+}
+
+/// Marks a REMOVE in progress on every member of a group, until dropped.
+struct Removing<'a>(&'a [&'a RdmaTransport]);
+
+impl<'a> Removing<'a> {
+    fn start(members: &'a [&'a RdmaTransport]) -> Self {
+        for t in members {
+            let mut c = t.leases.lock();
+            c.removing += 1;
+            c.generation += 1;
+        }
+        Self(members)
+    }
+}
+
+impl Drop for Removing<'_> {
+    fn drop(&mut self) {
+        for t in self.0 {
+            let mut c = t.leases.lock();
+            c.removing -= 1;
+            c.generation += 1;
         }
     }
 }
