@@ -61,6 +61,11 @@ impl Default for PeerOpts {
 }
 
 impl Peer {
+    /// Protocol errors the server counted, all classes together.
+    pub fn protocol_errors(&self) -> u64 {
+        self.server.counters().protocol_errors().values().sum()
+    }
+
     /// Starts a peer serving volumes "a" and "b" from `dir`.
     pub fn start(dir: &Path, opts: &PeerOpts) -> Peer {
         Self::start_at(dir, opts, "127.0.0.1:0")
