@@ -179,6 +179,10 @@ m_tcp=$(metric 'ublk_driver_tcp_payload_requests_total{')
 if ((xfer > 0 && tcp == 0 && m_xfer > 0 && m_tcp == 0)); then
     pass "rdma-payloads-by-rdma ($xfer transfers over RDMA, 0 TCP payload requests; /metrics agrees)"
 else fail rdma-payloads-by-rdma "stats: rdma=$xfer tcp=$tcp; /metrics: rdma=$m_xfer tcp=$m_tcp"; fi
+# Two queues, each caching leases (the device's queues share a lease group).
+hits=$(stat_sum "$ID" lease_cache_hits)
+if ((hits > 0)); then pass "rdma-lease-cache-on-two-queues ($hits requests under a cached lease)"
+else fail rdma-lease-cache-on-two-queues "lease_cache_hits=$hits"; fi
 grep -q "ublkb$ID: RDMA data path - Write: [1-9][0-9]* transfers over RDMA, 0 payload requests over TCP" "$R/stats-rdma.txt" &&
     ! grep -q warning "$R/stats-rdma.txt" && pass rdma-ctl-stats-line || fail rdma-ctl-stats-line "$(cat "$R/stats-rdma.txt")"
 (( $(stat_sum "$ID" registrations_pooled) > 0 && $(stat_sum "$ID" registrations_per_op) == 0 )) &&
