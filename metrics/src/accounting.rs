@@ -15,57 +15,60 @@
 use crate::correlation::CorrelationId;
 use crate::events;
 use crate::labels::{IoOp, Outcome, Phase, Reason, Transport};
+use crate::shard::{ShardedCounter, ShardedGauge};
 use crate::telemetry::Telemetry;
-use metrics::{Counter, Gauge};
+use metrics::Counter;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 const T: usize = Transport::COUNT;
 const O: usize = IoOp::COUNT;
 
+/// Started, finished and in flight, per op and transport. Every request
+/// touches these from its queue's thread, so they are sharded per thread
+/// (registered series render from the start, at zero).
 struct Flow {
-    started: [[Counter; T]; O],
-    outcomes: [[[Counter; Outcome::COUNT]; T]; O],
-    inflight: [[Gauge; T]; O],
+    started: [[Arc<ShardedCounter>; T]; O],
+    outcomes: [[[Arc<ShardedCounter>; Outcome::COUNT]; T]; O],
+    inflight: [[Arc<ShardedGauge>; T]; O],
 }
 
 impl Flow {
-    fn new(tel: &Telemetry, started: &str, outcomes: &str, inflight: &str) -> Flow {
+    fn new(
+        tel: &Telemetry,
+        started: &'static str,
+        outcomes: &'static str,
+        inflight: &'static str,
+    ) -> Flow {
         let labels = |op: IoOp, t: Transport| vec![("op", op.as_str()), ("transport", t.as_str())];
-        let f = Flow {
+        Flow {
             started: IoOp::ALL
-                .map(|op| Transport::ALL.map(|t| tel.counter(started, &labels(op, t)))),
+                .map(|op| Transport::ALL.map(|t| tel.sharded_counter(started, &labels(op, t)))),
             outcomes: IoOp::ALL.map(|op| {
                 Transport::ALL.map(|t| {
                     Outcome::ALL.map(|o| {
                         let mut l = labels(op, t);
                         l.push(("outcome", o.as_str()));
-                        tel.counter(outcomes, &l)
+                        tel.sharded_counter(outcomes, &l)
                     })
                 })
             }),
             inflight: IoOp::ALL
-                .map(|op| Transport::ALL.map(|t| tel.gauge(inflight, &labels(op, t)))),
-        };
-        for op in IoOp::ALL {
-            for t in Transport::ALL {
-                f.inflight[op.index()][t.index()].set(0.0);
-                f.started[op.index()][t.index()].increment(0);
-            }
+                .map(|op| Transport::ALL.map(|t| tel.sharded_gauge(inflight, &labels(op, t)))),
         }
-        f
     }
 
     #[inline]
     fn start(&self, op: IoOp, t: Transport) {
         self.started[op.index()][t.index()].increment(1);
-        self.inflight[op.index()][t.index()].increment(1.0);
+        self.inflight[op.index()][t.index()].increment();
     }
 
     #[inline]
     fn finish(&self, op: IoOp, t: Transport, outcome: Outcome) {
         self.outcomes[op.index()][t.index()][outcome.index()].increment(1);
-        self.inflight[op.index()][t.index()].decrement(1.0);
+        self.inflight[op.index()][t.index()].decrement();
     }
 }
 

@@ -5,11 +5,14 @@
 //! without bound when nobody scrapes. A request's latency only needs to land
 //! in one of a fixed set of buckets, so this histogram is an array of atomic
 //! counters: recording is two relaxed additions, no allocation, and memory is
-//! fixed at registration.
+//! fixed at registration. Each thread records into its own shard
+//! ([`crate::shard`]), so queues do not contend for the same lines.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use crate::shard::{self, Padded};
 
 /// Upper bounds of the latency buckets, in seconds (`le` values).
 ///
@@ -47,11 +50,24 @@ const BOUNDS_NS: [u64; 20] = [
 const SLOTS: usize = BOUNDS_NS.len() + 1;
 
 /// A latency histogram with the buckets of [`LATENCY_BUCKETS_SECONDS`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LatencyHistogram {
+    shards: Box<[Padded<Shard>]>,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
     // Non-cumulative per-bucket counts; the last slot is +Inf.
     buckets: [AtomicU64; SLOTS],
     sum_ns: AtomicU64,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self {
+            shards: shard::new_shards(),
+        }
+    }
 }
 
 /// Point-in-time copy of a histogram.
@@ -80,8 +96,9 @@ impl LatencyHistogram {
         while i < BOUNDS_NS.len() && ns > BOUNDS_NS[i] {
             i += 1;
         }
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        let s = &self.shards[shard::current()].0;
+        s.buckets[i].fetch_add(1, Ordering::Relaxed);
+        s.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
     /// Records one observation.
@@ -90,16 +107,19 @@ impl LatencyHistogram {
         self.record_ns(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     }
 
-    /// Copies the counts.
+    /// Copies the counts (summed over the shards).
     pub fn snapshot(&self) -> HistogramSnapshot {
-        let mut buckets = [0u64; SLOTS];
-        for (dst, src) in buckets.iter_mut().zip(self.buckets.iter()) {
-            *dst = src.load(Ordering::Relaxed);
+        let mut snap = HistogramSnapshot {
+            buckets: [0; SLOTS],
+            sum_ns: 0,
+        };
+        for s in self.shards.iter() {
+            for (dst, src) in snap.buckets.iter_mut().zip(s.0.buckets.iter()) {
+                *dst = dst.wrapping_add(src.load(Ordering::Relaxed));
+            }
+            snap.sum_ns = snap.sum_ns.wrapping_add(s.0.sum_ns.load(Ordering::Relaxed));
         }
-        HistogramSnapshot {
-            buckets,
-            sum_ns: self.sum_ns.load(Ordering::Relaxed),
-        }
+        snap
     }
 
     /// Appends the `_bucket`, `_sum` and `_count` samples of one series.

@@ -3,14 +3,15 @@
 
 use crate::histogram::LatencyHistogram;
 use crate::labels::{validate_target, ErrnoClass, IoOp, LabelError};
+use crate::shard::ShardedCounter;
 use crate::telemetry::Telemetry;
 use metrics::Counter;
 use std::sync::Arc;
 use std::time::Duration;
 
 struct OpHandles {
-    requests: Counter,
-    bytes: Counter,
+    requests: Arc<ShardedCounter>,
+    bytes: Arc<ShardedCounter>,
     errors: [Counter; ErrnoClass::COUNT],
     latency: Arc<LatencyHistogram>,
 }
@@ -57,17 +58,15 @@ impl IoMetrics {
                 l.push(("errno", class.as_str()));
                 telemetry.counter("ublk_io_errors_total", &l)
             });
-            let h = OpHandles {
-                requests: telemetry.counter("ublk_io_requests_total", &base),
-                bytes: telemetry.counter("ublk_io_bytes_total", &base),
+            OpHandles {
+                // Sharded per queue thread: every request adds to these.
+                // Registered series render from the start (zero), so rate()
+                // works from the first scrape instead of the first request.
+                requests: telemetry.sharded_counter("ublk_io_requests_total", &base),
+                bytes: telemetry.sharded_counter("ublk_io_bytes_total", &base),
                 errors,
                 latency: telemetry.histogram("ublk_io_latency_seconds", &base),
-            };
-            // Zero-valued series render from the start, so rate() works from
-            // the first scrape instead of the first request.
-            h.requests.increment(0);
-            h.bytes.increment(0);
-            h
+            }
         });
         Ok(IoMetrics {
             target: target.into(),

@@ -4,6 +4,7 @@ use crate::clock::unix_seconds;
 use crate::families::{self, Daemon, Kind};
 use crate::health::{NotReadyReason, NotReadySet, Probes};
 use crate::histogram::LatencyHistogram;
+use crate::shard::{ShardedCounter, ShardedGauge};
 use metrics::{Counter, Gauge, Label};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use parking_lot::{Mutex, RwLock};
@@ -94,6 +95,10 @@ pub struct Telemetry {
     // this recorder instead of the process-global one.
     local: Option<PrometheusRecorder>,
     histograms: Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<LatencyHistogram>>>>,
+    /// Per-I/O counters, sharded per thread and rendered here (the
+    /// exporter's counters are one shared atomic).
+    counters: Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<ShardedCounter>>>>,
+    gauges: Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<ShardedGauge>>>>,
     collectors: Mutex<Vec<Weak<dyn Collector>>>,
     probes: RwLock<Option<Arc<dyn Probes>>>,
     shutting_down: AtomicBool,
@@ -190,6 +195,8 @@ impl Telemetry {
             handle,
             local,
             histograms: Mutex::new(BTreeMap::new()),
+            counters: Mutex::new(BTreeMap::new()),
+            gauges: Mutex::new(BTreeMap::new()),
             collectors: Mutex::new(Vec::new()),
             probes: RwLock::new(None),
             shutting_down: AtomicBool::new(false),
@@ -238,18 +245,42 @@ impl Telemetry {
         family: &'static str,
         labels: &[(&'static str, &str)],
     ) -> Arc<LatencyHistogram> {
-        let mut rendered = String::new();
-        for (i, (k, v)) in labels.iter().enumerate() {
-            if i > 0 {
-                rendered.push(',');
-            }
-            let _ = write!(rendered, "{k}=\"{}\"", escape(v));
-        }
         self.histograms
             .lock()
             .entry(family)
             .or_default()
-            .entry(rendered)
+            .entry(render_labels(labels))
+            .or_default()
+            .clone()
+    }
+
+    /// Registers (or finds) the sharded counter of a series; like
+    /// [`Self::histogram`], once per family and labels.
+    pub(crate) fn sharded_counter(
+        &self,
+        family: &'static str,
+        labels: &[(&'static str, &str)],
+    ) -> Arc<ShardedCounter> {
+        self.counters
+            .lock()
+            .entry(family)
+            .or_default()
+            .entry(render_labels(labels))
+            .or_default()
+            .clone()
+    }
+
+    /// Registers (or finds) the sharded gauge of a series.
+    pub(crate) fn sharded_gauge(
+        &self,
+        family: &'static str,
+        labels: &[(&'static str, &str)],
+    ) -> Arc<ShardedGauge> {
+        self.gauges
+            .lock()
+            .entry(family)
+            .or_default()
+            .entry(render_labels(labels))
             .or_default()
             .clone()
     }
@@ -334,6 +365,18 @@ impl Telemetry {
             }
         }
         let mut out = self.handle.render();
+        render_sharded(
+            &self.counters.lock(),
+            "counter",
+            |c| c.value().to_string(),
+            &mut out,
+        );
+        render_sharded(
+            &self.gauges.lock(),
+            "gauge",
+            |g| g.value().to_string(),
+            &mut out,
+        );
         self.render_histograms(&mut out);
         if out.len() > MAX_RENDER_BYTES {
             self.selfm.failures.increment(1);
@@ -383,6 +426,39 @@ fn to_labels(labels: &[(&'static str, &str)]) -> Vec<Label> {
         .iter()
         .map(|(k, v)| Label::new(*k, v.to_string()))
         .collect()
+}
+
+/// Renders the families of sharded values of one type.
+fn render_sharded<V>(
+    map: &BTreeMap<&'static str, BTreeMap<String, Arc<V>>>,
+    kind: &str,
+    value: impl Fn(&V) -> String,
+    out: &mut String,
+) {
+    for (family, series) in map {
+        let _ = writeln!(out, "# HELP {family} {}", families::help(family));
+        let _ = writeln!(out, "# TYPE {family} {kind}");
+        for (labels, v) in series {
+            let _ = if labels.is_empty() {
+                writeln!(out, "{family} {}", value(v))
+            } else {
+                writeln!(out, "{family}{{{labels}}} {}", value(v))
+            };
+        }
+        out.push('\n');
+    }
+}
+
+/// `k="v",...` with values escaped, as a series key and for rendering.
+fn render_labels(labels: &[(&'static str, &str)]) -> String {
+    let mut rendered = String::new();
+    for (i, (k, v)) in labels.iter().enumerate() {
+        if i > 0 {
+            rendered.push(',');
+        }
+        let _ = write!(rendered, "{k}=\"{}\"", escape(v));
+    }
+    rendered
 }
 
 fn escape(v: &str) -> String {

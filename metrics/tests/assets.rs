@@ -141,6 +141,29 @@ fn rendered_expositions_pass_promtool_check_metrics() {
     }
 }
 
+/// Families come from the exporter and from the native (sharded) renderers:
+/// each must be described exactly once, with the catalogue's type.
+#[test]
+fn every_family_is_typed_once_with_its_catalogued_type() {
+    let kinds: std::collections::BTreeMap<String, families::Kind> =
+        families::exported().into_iter().collect();
+    for text in [ublkd_exposition(), arenad_exposition()] {
+        let mut typed = BTreeSet::new();
+        for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+            let mut parts = line["# TYPE ".len()..].split(' ');
+            let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
+            assert!(typed.insert(name.to_string()), "{name} is typed twice");
+            let want = match kinds.get(name) {
+                Some(families::Kind::Counter) => "counter",
+                Some(families::Kind::Gauge) => "gauge",
+                Some(families::Kind::Histogram) => "histogram",
+                None => panic!("{name} is not in the catalogue"),
+            };
+            assert_eq!(kind, want, "{name}");
+        }
+    }
+}
+
 #[test]
 fn every_rendered_sample_is_in_the_catalogue_and_vice_versa() {
     let known: BTreeSet<String> = families::exported_sample_names().into_iter().collect();
