@@ -65,40 +65,27 @@ impl ShardedCounter {
 }
 
 /// A gauge of things in flight, raised and lowered from many threads
-/// (not necessarily the same one) without sharing a line.
-#[derive(Debug)]
-pub struct ShardedGauge {
-    shards: Box<[Padded<AtomicU64>]>,
-}
-
-impl Default for ShardedGauge {
-    fn default() -> Self {
-        Self {
-            shards: new_shards(),
-        }
-    }
-}
+/// (not necessarily the same one) without sharing a line: a sharded counter
+/// whose shards may wrap below zero while their sum does not.
+#[derive(Debug, Default)]
+pub struct ShardedGauge(ShardedCounter);
 
 impl ShardedGauge {
     /// Adds one.
     #[inline]
     pub fn increment(&self) {
-        self.shards[current()].0.fetch_add(1, Ordering::Relaxed);
+        self.0.increment(1);
     }
 
-    /// Takes one away (from this thread's shard: shards may go below zero,
-    /// their sum does not).
+    /// Takes one away.
     #[inline]
     pub fn decrement(&self) {
-        self.shards[current()].0.fetch_sub(1, Ordering::Relaxed);
+        self.0.increment(u64::MAX);
     }
 
     /// The sum over all shards.
     pub fn value(&self) -> i64 {
-        self.shards
-            .iter()
-            .map(|s| s.0.load(Ordering::Relaxed))
-            .fold(0u64, u64::wrapping_add) as i64
+        self.0.value() as i64
     }
 }
 

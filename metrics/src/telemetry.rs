@@ -94,11 +94,11 @@ pub struct Telemetry {
     // Set for isolated instances (tests, embedded use): registration goes to
     // this recorder instead of the process-global one.
     local: Option<PrometheusRecorder>,
-    histograms: Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<LatencyHistogram>>>>,
+    histograms: Native<LatencyHistogram>,
     /// Per-I/O counters, sharded per thread and rendered here (the
     /// exporter's counters are one shared atomic).
-    counters: Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<ShardedCounter>>>>,
-    gauges: Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<ShardedGauge>>>>,
+    counters: Native<ShardedCounter>,
+    gauges: Native<ShardedGauge>,
     collectors: Mutex<Vec<Weak<dyn Collector>>>,
     probes: RwLock<Option<Arc<dyn Probes>>>,
     shutting_down: AtomicBool,
@@ -245,13 +245,7 @@ impl Telemetry {
         family: &'static str,
         labels: &[(&'static str, &str)],
     ) -> Arc<LatencyHistogram> {
-        self.histograms
-            .lock()
-            .entry(family)
-            .or_default()
-            .entry(render_labels(labels))
-            .or_default()
-            .clone()
+        register(&self.histograms, family, labels)
     }
 
     /// Registers (or finds) the sharded counter of a series; like
@@ -261,13 +255,7 @@ impl Telemetry {
         family: &'static str,
         labels: &[(&'static str, &str)],
     ) -> Arc<ShardedCounter> {
-        self.counters
-            .lock()
-            .entry(family)
-            .or_default()
-            .entry(render_labels(labels))
-            .or_default()
-            .clone()
+        register(&self.counters, family, labels)
     }
 
     /// Registers (or finds) the sharded gauge of a series.
@@ -276,13 +264,7 @@ impl Telemetry {
         family: &'static str,
         labels: &[(&'static str, &str)],
     ) -> Arc<ShardedGauge> {
-        self.gauges
-            .lock()
-            .entry(family)
-            .or_default()
-            .entry(render_labels(labels))
-            .or_default()
-            .clone()
+        register(&self.gauges, family, labels)
     }
 
     /// Registers a collector that runs before each render. Only a weak
@@ -426,6 +408,23 @@ fn to_labels(labels: &[(&'static str, &str)]) -> Vec<Label> {
         .iter()
         .map(|(k, v)| Label::new(*k, v.to_string()))
         .collect()
+}
+
+/// Series this crate renders itself: family -> rendered labels -> value.
+type Native<V> = Mutex<BTreeMap<&'static str, BTreeMap<String, Arc<V>>>>;
+
+/// The value of a native series, created on first registration.
+fn register<V: Default>(
+    map: &Native<V>,
+    family: &'static str,
+    labels: &[(&'static str, &str)],
+) -> Arc<V> {
+    map.lock()
+        .entry(family)
+        .or_default()
+        .entry(render_labels(labels))
+        .or_default()
+        .clone()
 }
 
 /// Renders the families of sharded values of one type.
