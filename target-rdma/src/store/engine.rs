@@ -44,7 +44,10 @@ const WRITE_BATCH: usize = 64;
 const CLEAN_BATCH: usize = 8;
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.
-const READ_AHEAD: u64 = 4;
+pub(super) const READ_AHEAD: u64 = 4;
+/// Threads that fault read-ahead blobs in, one extent each at a time: the
+/// swap sees this many reads in flight, not one read and a hand-off gap.
+pub(super) const READ_AHEAD_WORKERS: usize = 3;
 /// How long the cleaner rests after a failed write-back, so a broken disk
 /// does not make it spin.
 const CLEAN_RETRY: Duration = Duration::from_millis(50);
@@ -172,6 +175,8 @@ pub(super) struct Core {
     settled: Condvar,
     /// Wakes the cleaner.
     kick: Condvar,
+    /// Wakes the read-ahead workers when blobs are queued.
+    ahead: Condvar,
 }
 
 fn names(volumes: &[Volume]) -> Vec<&str> {
@@ -338,9 +343,7 @@ impl State {
 
     /// Whether to wake the cleaner now; notes that it was woken.
     fn cleaner_due(&mut self) -> bool {
-        let due = !self.cleaner_kicked
-            && !self.stopping
-            && (self.below_low_water() || !self.read_ahead.is_empty());
+        let due = !self.cleaner_kicked && !self.stopping && self.below_low_water();
         self.cleaner_kicked |= due;
         due
     }
@@ -842,6 +845,7 @@ impl Core {
             state: Mutex::new(state),
             settled: Condvar::new(),
             kick: Condvar::new(),
+            ahead: Condvar::new(),
         }
     }
 
@@ -851,12 +855,16 @@ impl Core {
         if g.cleaner_due() {
             self.kick.notify_one();
         }
+        if !g.read_ahead.is_empty() {
+            self.ahead.notify_all();
+        }
     }
 
-    /// Asks the cleaner to exit.
+    /// Asks the cleaner and the read-ahead workers to exit.
     pub(super) fn stop_cleaner(&self) {
         self.state.lock().stop();
         self.kick.notify_all();
+        self.ahead.notify_all();
     }
 
     /// The blob's slot, faulting it in from swap if needed. Returns with the
@@ -1186,63 +1194,64 @@ impl Core {
         Ok(())
     }
 
-    /// Faults in the queued read-ahead blobs, one submission, into free or
-    /// clean slots only: read-ahead never writes a victim back or waits.
-    /// The slots start unreferenced, so an unused guess is evicted first.
-    fn read_ahead(&self, g: &mut Guard<'_>) {
-        let st = &mut **g;
-        let mut loads = Vec::new();
-        while let Some(key) = st.read_ahead.pop() {
-            let Some(extent) = st
-                .blobs
-                .get(&key)
-                .filter(|b| b.slot.is_none())
-                .and_then(|b| b.extent)
-            else {
-                continue;
-            };
-            let slot = match st.free_slots.pop() {
-                Some(s) => s,
-                None => match st.clock.pick(&mut st.slots, 1, true).first() {
-                    Some(&s) => {
-                        st.counters.evictions += 1;
-                        st.evict_slot(s);
-                        st.free_slots.pop().unwrap_or(s)
-                    }
-                    None => break,
-                },
-            };
-            if let Some(b) = st.blobs.get_mut(&key) {
-                b.slot = Some(slot);
+    /// A read-ahead worker: faults queued read-ahead blobs in, one at a
+    /// time, until the store stops. Several run, so several extents are in
+    /// flight while the readers consume the ones already loaded.
+    pub(super) fn read_ahead_worker(&self) {
+        let mut g = self.state.lock();
+        while !g.stopping {
+            match g.read_ahead.pop() {
+                Some(key) => self.read_ahead_one(&mut g, key),
+                None => self.ahead.wait(&mut g),
             }
-            st.slots[slot as usize] = SlotMeta {
-                owner: Some(key),
-                pins: 1,
-                loading: true,
-                read_ahead: true,
-                ..SlotMeta::default()
-            };
-            st.in_transit += 1;
-            loads.push((slot, key, extent));
         }
-        st.read_ahead.clear();
-        if loads.is_empty() {
+    }
+
+    /// Faults in one read-ahead blob into a free or clean slot only:
+    /// read-ahead never writes a victim back or waits. The slot starts
+    /// unreferenced, so an unused guess is evicted first. With no such
+    /// slot the queue is dropped: the readers fault their blobs in.
+    fn read_ahead_one(&self, g: &mut Guard<'_>, key: BlobKey) {
+        let st = &mut **g;
+        let Some(extent) = st
+            .blobs
+            .get(&key)
+            .filter(|b| b.slot.is_none())
+            .and_then(|b| b.extent)
+        else {
             return;
+        };
+        let slot = match st.free_slots.pop() {
+            Some(s) => s,
+            None => match st.clock.pick(&mut st.slots, 1, true).first() {
+                Some(&s) => {
+                    st.counters.evictions += 1;
+                    st.evict_slot(s);
+                    st.free_slots.pop().unwrap_or(s)
+                }
+                None => {
+                    st.read_ahead.clear();
+                    return;
+                }
+            },
+        };
+        if let Some(b) = st.blobs.get_mut(&key) {
+            b.slot = Some(slot);
         }
+        st.slots[slot as usize] = SlotMeta {
+            owner: Some(key),
+            pins: 1,
+            loading: true,
+            read_ahead: true,
+            ..SlotMeta::default()
+        };
+        st.in_transit += 1;
         let read = MutexGuard::unlocked(g, || {
-            let mut guards: Vec<_> = loads.iter().map(|l| self.arena.write(l.0)).collect();
-            let mut reads: Vec<(u32, &mut [u8])> = loads
-                .iter()
-                .zip(guards.iter_mut())
-                .map(|(l, b)| (l.2, &mut **b))
-                .collect();
-            self.swap.read_extents(&mut reads)
+            self.swap.read_extent(extent, &mut self.arena.write(slot))
         });
         let st = &mut **g;
-        for &(slot, key, _) in &loads {
-            if st.finish_load(slot, key, read.is_ok()) {
-                st.counters.fault_ins += 1;
-            }
+        if st.finish_load(slot, key, read.is_ok()) {
+            st.counters.fault_ins += 1;
         }
         self.settled.notify_all();
         if let Err(e) = read {
@@ -1264,10 +1273,6 @@ impl Core {
         // Between the watermarks: keep cleaning once started.
         let mut active = false;
         while !g.stopping {
-            if !g.read_ahead.is_empty() {
-                self.read_ahead(&mut g);
-                continue;
-            }
             let clean = g.slots.len() - g.n_dirty;
             active = (active && clean < 2 * g.low_water()) || g.below_low_water();
             if g.flush_waiting > 0 || !active {

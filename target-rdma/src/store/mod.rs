@@ -256,7 +256,8 @@ pub struct Store {
     blob_bytes: u32,
     generation: u64,
     /// The background write-back thread; joined on drop.
-    cleaner: Option<JoinHandle<()>>,
+    /// The cleaner and the read-ahead workers.
+    workers: Vec<JoinHandle<()>>,
     /// Holds the advisory lock on the directory while the store is open.
     _lock: File,
 }
@@ -419,12 +420,34 @@ impl Store {
                     source,
                 })?
         };
+        let mut workers = vec![cleaner];
+        for i in 0..engine::READ_AHEAD_WORKERS {
+            let worker = Arc::clone(&core);
+            let spawned = std::thread::Builder::new()
+                .name(format!("arenad-ahead-{i}"))
+                .spawn(move || worker.read_ahead_worker());
+            match spawned {
+                Ok(t) => workers.push(t),
+                Err(source) => {
+                    // Stop what already runs before reporting.
+                    core.stop_cleaner();
+                    for t in workers {
+                        let _ = t.join();
+                    }
+                    return Err(StoreError::Io {
+                        what: "starting a read-ahead thread for",
+                        path: cfg.dir.clone(),
+                        source,
+                    });
+                }
+            }
+        }
         Ok(Store {
             blob_bytes: cfg.blob_bytes,
             generation,
             core,
             hook: RwLock::new(None),
-            cleaner: Some(cleaner),
+            workers,
             _lock: lock,
         })
     }
@@ -635,11 +658,11 @@ impl Drop for Store {
     /// write-back (if any) completes first.
     fn drop(&mut self) {
         self.core.stop_cleaner();
-        if let Some(t) = self.cleaner.take() {
+        for t in self.workers.drain(..) {
             if t.join().is_err() {
                 tracing::error!(
                     event = "cleaner_panicked",
-                    "the store's write-back thread panicked"
+                    "a store background thread (write-back or read-ahead) panicked"
                 );
             }
         }

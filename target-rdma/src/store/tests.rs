@@ -765,3 +765,32 @@ fn cleaner_writes_back_without_a_flush_and_a_crash_keeps_flushed_data() {
         );
     }
 }
+
+/// Two consecutive reads from swap start a read-ahead: with no further
+/// request, the background workers fault the next blobs in, with the
+/// right contents.
+#[test]
+fn sequential_reads_fault_the_next_blobs_in_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 8, 64);
+    for k in 0..24 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.flush().unwrap();
+    // The arena holds 8 of 24: keys 0..8 were evicted to swap long ago.
+    let before = s.stats().fault_ins;
+    assert_eq!(blob(&s, 0, 0), Some(pattern(0)));
+    assert_eq!(blob(&s, 0, 1), Some(pattern(1)));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while s.stats().fault_ins < before + 2 + engine::READ_AHEAD {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "read-ahead did not fault keys 2..6 in: {:?}",
+            s.stats()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    for k in 2..6 {
+        assert_eq!(blob(&s, 0, k), Some(pattern(k)), "key {k}");
+    }
+}
