@@ -366,9 +366,10 @@ impl ArenaClient {
             .map(|c| c.epoch)
     }
 
-    /// Counts a write that another data path (RDMA into a leased slot)
-    /// acknowledged, so that a peer restart before the next FLUSH makes
-    /// that FLUSH fail instead of claiming durability.
+    /// Counts an acknowledged write (inline WRITE, COMMIT, REMOVE, or one
+    /// another data path made, such as RDMA into a leased slot), so that a
+    /// peer restart before the next FLUSH makes that FLUSH fail instead of
+    /// claiming durability.
     pub fn record_acknowledged_write(&self) {
         self.shared.cfg.flush_domain.state.lock().acked += 1;
     }
@@ -453,35 +454,35 @@ impl ArenaClient {
     }
 
     async fn call(&self, req: &Request<'_>) -> Result<Reply, ArenaError> {
+        self.call_into(req, None).await
+    }
+
+    /// [`Self::call`], for a READ whose answer may land in `out` directly
+    /// (`Reply::Landed` then means `out` holds the data). Idempotent
+    /// requests are retried once over a new connection.
+    async fn call_into(
+        &self,
+        req: &Request<'_>,
+        mut out: Option<&mut [u8]>,
+    ) -> Result<Reply, ArenaError> {
         let idempotent = matches!(
             req,
             Request::Read { .. } | Request::Write { .. } | Request::Remove { .. }
         );
-        match self.call_once(req, None).await {
+        match self.call_once(req, out.as_deref_mut()).await {
             Err(ArenaError::Disconnected { .. }) if idempotent => {
                 self.shared.counters.retries.fetch_add(1, Ordering::Relaxed);
-                self.call_once(req, None).await
+                self.call_once(req, out).await
             }
             r => r,
         }
     }
 
-    /// A READ whose answer may land in `out` directly: `Reply::Landed` then
-    /// means `out` holds the data.
-    async fn call_read(&self, req: &Request<'_>, out: &mut [u8]) -> Result<Reply, ArenaError> {
-        if out.len() < OWNED_BODY_MIN {
-            return self.call(req).await;
-        }
-        match self.call_landing(req, out).await {
-            Err(ArenaError::Disconnected { .. }) => {
-                self.shared.counters.retries.fetch_add(1, Ordering::Relaxed);
-                self.call_landing(req, out).await
-            }
-            r => r,
-        }
-    }
-
-    async fn call_landing(&self, req: &Request<'_>, out: &mut [u8]) -> Result<Reply, ArenaError> {
+    async fn call_once(
+        &self,
+        req: &Request<'_>,
+        out: Option<&mut [u8]>,
+    ) -> Result<Reply, ArenaError> {
         /// Gives the buffer back however the request ends, dropped included.
         struct Abandon(Arc<Landing>);
         impl Drop for Abandon {
@@ -489,21 +490,14 @@ impl ArenaClient {
                 self.0.abandon();
             }
         }
-        // SAFETY: `out` stays borrowed by this future until `guard` drops,
-        // and `guard`'s drop runs `abandon` (on completion, failure, or the
-        // future being dropped); this future does not touch `out` at all.
-        let landing = unsafe { Landing::new(out) };
-        let guard = Abandon(Arc::clone(&landing));
-        let r = self.call_once(req, Some(landing)).await;
-        drop(guard);
-        r
-    }
-
-    async fn call_once(
-        &self,
-        req: &Request<'_>,
-        landing: Option<Arc<Landing>>,
-    ) -> Result<Reply, ArenaError> {
+        let landing = out.filter(|o| o.len() >= OWNED_BODY_MIN).map(|o| {
+            // SAFETY: `o` stays borrowed by this future until the `Abandon`
+            // guard below drops, and its drop runs `abandon` (on completion,
+            // failure, or the future being dropped); this future does not
+            // touch the buffer at all.
+            unsafe { Landing::new(o) }
+        });
+        let _abandon = landing.clone().map(Abandon);
         let peer = &self.shared.cfg.peer;
         let disconnected = |detail: &str| ArenaError::Disconnected {
             peer: peer.clone(),
@@ -564,7 +558,7 @@ impl ArenaClient {
         let req = Request::Write { key, offset, data };
         match self.call(&req).await? {
             Reply::Empty => {
-                self.shared.cfg.flush_domain.state.lock().acked += 1;
+                self.record_acknowledged_write();
                 if let Some(s) = &self.shared.cfg.payload_stats {
                     s.write(data.len());
                 }
@@ -582,7 +576,7 @@ impl ArenaClient {
             offset,
             len: out.len() as u32,
         };
-        match self.call_read(&req, out).await? {
+        match self.call_into(&req, Some(&mut *out)).await? {
             Reply::Landed => {
                 if let Some(s) = &self.shared.cfg.payload_stats {
                     s.read(out.len());
@@ -629,7 +623,7 @@ impl ArenaClient {
     pub async fn commit(&self, key: u64, token: u64) -> Result<(), ArenaError> {
         match self.call(&Request::Commit { key, token }).await? {
             Reply::Empty => {
-                self.shared.cfg.flush_domain.state.lock().acked += 1;
+                self.record_acknowledged_write();
                 Ok(())
             }
             _ => Err(self.unexpected(Opcode::Commit)),
@@ -656,7 +650,7 @@ impl ArenaClient {
     pub async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         match self.call(&Request::Remove { start, end }).await? {
             Reply::Count(n) => {
-                self.shared.cfg.flush_domain.state.lock().acked += 1;
+                self.record_acknowledged_write();
                 Ok(n)
             }
             _ => Err(self.unexpected(Opcode::Remove)),
