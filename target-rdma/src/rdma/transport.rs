@@ -311,18 +311,6 @@ struct OwnLeases {
     waiters: Vec<oneshot::Sender<()>>,
 }
 
-impl OwnLeases {
-    fn wake(&mut self) -> Vec<oneshot::Sender<()>> {
-        std::mem::take(&mut self.waiters)
-    }
-}
-
-fn wake(waiters: Vec<oneshot::Sender<()>>) {
-    for tx in waiters {
-        let _ = tx.send(());
-    }
-}
-
 /// Where a request stands in answering BUSY peers (see [`RdmaTransport::busy_retry`]).
 struct BusyRetry {
     pinning: bool,
@@ -629,7 +617,9 @@ impl RdmaTransport {
     /// `Ok(None)`: a read of a blob that does not exist.
     async fn lease(&self, key: u64, write: bool) -> Result<Option<HeldLease>, ArenaError> {
         let epoch = self.client.connection_epoch().unwrap_or(0);
-        {
+        // A lease asked for from here on is cached only if no REMOVE starts
+        // or ends before it is granted.
+        let generation = {
             let mut c = self.leases.lock();
             c.tick += 1;
             let tick = c.tick;
@@ -649,8 +639,8 @@ impl RdmaTransport {
                     }));
                 }
             }
-        }
-        let generation = self.leases.lock().generation;
+            c.generation
+        };
         let mut busy = self.busy_start(true);
         let lease = loop {
             let r = if write {
@@ -769,15 +759,10 @@ impl RdmaTransport {
     async fn busy_retry(&self, busy: &mut BusyRetry) -> bool {
         if busy.pinning {
             // Refused, so it pins nothing; whoever waits on it rechecks.
-            let waiters = {
-                let mut own = self.pinned.lock();
-                own.held -= 1;
-                own.wake()
-            };
-            wake(waiters);
+            self.pinned_changed(|own| own.held -= 1);
         }
-        let mut ended = self.end_idle_cached().await;
-        for t in self.others() {
+        let mut ended = 0;
+        for t in self.others().iter().map(|t| &**t).chain([self]) {
             ended += t.end_idle_cached().await;
         }
         if ended == 0 {
@@ -805,29 +790,33 @@ impl RdmaTransport {
 
     /// A lease of ours ended at the peer, or a request for one got none.
     fn lease_ended(&self) {
-        let waiters = {
-            let mut own = self.pinned.lock();
+        self.pinned_changed(|own| {
             own.held = own.held.saturating_sub(1);
             own.ended += 1;
-            own.wake()
+        });
+    }
+
+    /// Applies `change` to our lease count and wakes every BUSY request
+    /// waiting on it to look again.
+    fn pinned_changed(&self, change: impl FnOnce(&mut OwnLeases)) {
+        let waiters = {
+            let mut own = self.pinned.lock();
+            change(&mut own);
+            std::mem::take(&mut own.waiters)
         };
-        wake(waiters);
+        for tx in waiters {
+            let _ = tx.send(());
+        }
     }
 
     /// Ends every idle cached lease; returns how many.
     async fn end_idle_cached(&self) -> usize {
-        let victims: Vec<(u64, CachedLease)> = {
-            let mut c = self.leases.lock();
-            let idle: Vec<u64> = c
-                .map
-                .iter()
-                .filter(|(_, e)| e.users == 0)
-                .map(|(k, _)| *k)
-                .collect();
-            idle.iter()
-                .filter_map(|k| c.map.remove(k).map(|e| (*k, e)))
-                .collect()
-        };
+        let victims: Vec<(u64, CachedLease)> = self
+            .leases
+            .lock()
+            .map
+            .extract_if(|_, e| e.users == 0)
+            .collect();
         let ended = victims.len();
         for (k, e) in victims {
             let _ = self.end_cached(k, e).await;
@@ -840,7 +829,7 @@ impl RdmaTransport {
         let r = self.unlease_inner(held, wrote).await;
         // Its lease ended or went idle in the cache: a BUSY request can
         // now get a slot, or shrink the cache to free one.
-        wake(self.pinned.lock().wake());
+        self.pinned_changed(|_| {});
         r
     }
 
@@ -1284,10 +1273,10 @@ impl BlobIo for RdmaTransport {
         self.honour_revocations().await;
         // Writes acknowledged through cached leases, on any queue, are
         // COMMITted first, so the peer's FLUSH covers them.
-        for t in self.others() {
+        let others = self.others();
+        for t in others.iter().map(|t| &**t).chain([self]) {
             t.end_cached_where(|_, e| e.dirty, true).await?;
         }
-        self.end_cached_where(|_, e| e.dirty, true).await?;
         self.client.flush().await
     }
 }
