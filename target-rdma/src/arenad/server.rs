@@ -10,13 +10,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufReader, BufWriter, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, OnceLock, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use tracing::{debug, info, warn};
 
 use crate::arenad::telemetry::ArenadTelemetry;
@@ -626,24 +626,11 @@ impl Server {
 
 /// Waits up to `timeout` for the listener to have a connection pending.
 fn wait_readable(listener: &TcpListener, timeout: Duration) -> io::Result<bool> {
-    let mut pfd = libc::pollfd {
-        fd: listener.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: `pfd` is a valid, initialised pollfd that outlives the call,
-    // and we pass a count of exactly one.
-    let n = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as libc::c_int) };
-    match n {
-        -1 => {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                Ok(false)
-            } else {
-                Err(e)
-            }
-        }
-        0 => Ok(false),
-        _ => Ok(true),
+    let mut fds = [PollFd::new(listener, PollFlags::IN)];
+    let timeout = Timespec::try_from(timeout).map_err(io::Error::other)?;
+    match poll(&mut fds, Some(&timeout)) {
+        Ok(n) => Ok(n > 0),
+        Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }

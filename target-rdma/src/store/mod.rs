@@ -24,7 +24,6 @@ mod tests;
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -361,21 +360,17 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
             path: path.clone(),
             source,
         })?;
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let source = io::Error::last_os_error();
-        if source.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(StoreError::Locked {
-                path: dir.to_path_buf(),
-            });
-        }
-        return Err(StoreError::Io {
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(StoreError::Locked {
+            path: dir.to_path_buf(),
+        }),
+        Err(e) => Err(StoreError::Io {
             what: "locking",
             path,
-            source,
-        });
+            source: e.into(),
+        }),
     }
-    Ok(file)
 }
 
 impl Store {
