@@ -25,7 +25,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::arena::{Arena, SlotRead};
-use super::clock::{Clock, SlotMeta};
+use super::eviction::{Clock, SlotMeta};
 use super::index::{self, Image, Index, Record, Snapshot};
 use super::swap::{Extents, Swap};
 use super::{BlobKey, HolderId, StoreConfig, StoreError, StoreStats, VolumeId, VolumeSpec};

@@ -14,7 +14,7 @@
 //! sequential reader, so that its disk reads overlap the network.
 
 mod arena;
-mod clock;
+mod eviction;
 mod engine;
 mod index;
 mod swap;
