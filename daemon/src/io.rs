@@ -354,6 +354,7 @@ mod tests {
 
     use futures::executor::LocalPool;
     use target_rdma::target::MemTarget;
+    use ublk_metrics::testing::sample;
     use ublk_metrics::{Daemon, Telemetry};
 
     use super::*;
@@ -715,23 +716,6 @@ mod tests {
             s.reads + s.writes + s.flushes + s.discards + s.write_zeroes,
             0
         );
-    }
-
-    /// The value of the sample of `name` whose labels include `labels`.
-    fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-        text.lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter(|l| {
-                l.strip_prefix(name)
-                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-            })
-            .filter(|l| {
-                labels
-                    .iter()
-                    .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-            })
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum()
     }
 
     #[test]

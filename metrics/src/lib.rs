@@ -28,6 +28,7 @@ pub mod labels;
 pub mod scanner;
 pub mod shard;
 pub mod telemetry;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 pub mod tracker;
 

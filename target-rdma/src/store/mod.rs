@@ -14,8 +14,8 @@
 //! sequential reader, so that its disk reads overlap the network.
 
 mod arena;
-mod eviction;
 mod engine;
+mod eviction;
 mod index;
 mod swap;
 #[cfg(test)]
