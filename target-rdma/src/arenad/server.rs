@@ -22,10 +22,10 @@ use tracing::{debug, info, warn};
 use crate::arenad::telemetry::ArenadTelemetry;
 use crate::auth::{self, Secret};
 use crate::proto::{
-    self, Challenge, FrameError, Header, Hello, Opcode, RailAccept, Request, Status, Welcome,
-    CAP_RDMA, CAP_TCP_DATA, MAC_LEN, MAX_INLINE, VERSION,
+    self, Challenge, Endpoint, FrameError, Header, Hello, Opcode, RailAccept, Request, Status,
+    Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, MAX_INLINE, VERSION,
 };
-use crate::rdma::{Endpoint, MemoryRegion, QueuePair, RdmaError, RdmaProvider};
+use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{HolderId, Store, StoreError, VolumeId};
 
 /// A volume as the server knows it: its store id and its secret.

@@ -33,10 +33,9 @@ pub use reader::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
 
 use crate::auth::{self, Secret};
 use crate::proto::{
-    self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Request, Status,
-    Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
+    self, Challenge, Endpoint, FrameError, Header, Hello, Lease, Opcode, RailAccept, Request,
+    Status, Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
 };
-use crate::rdma::Endpoint;
 use crate::store::StoreError;
 use crate::transport::TcpPayloadStats;
 

@@ -257,7 +257,8 @@ impl CompletionEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::{wc_status, Endpoint, RdmaOp};
+    use crate::proto::Endpoint;
+    use crate::rdma::{wc_status, RdmaOp};
     use futures::executor::block_on;
 
     /// A QP that records posts and completes only what the test says.

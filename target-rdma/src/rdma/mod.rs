@@ -23,6 +23,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::proto::Endpoint;
+
 pub use stats::{DriverStats, TcpReason};
 pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, TransportGroup, Via};
 
@@ -102,21 +104,6 @@ pub enum RdmaError {
         /// The queue depth.
         depth: u32,
     },
-}
-
-/// Everything the peer needs to bring its QP to RTR with ours.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Endpoint {
-    /// Queue pair number (24 bits).
-    pub qpn: u32,
-    /// Initial packet sequence number (24 bits).
-    pub psn: u32,
-    /// Port LID (0 on RoCE).
-    pub lid: u16,
-    /// Path MTU as an IBV enum value (1 = 256 .. 5 = 4096).
-    pub mtu: u8,
-    /// GID at the chosen index.
-    pub gid: [u8; 16],
 }
 
 /// A registered memory region. Dropping it deregisters.

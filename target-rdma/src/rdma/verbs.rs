@@ -27,9 +27,10 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags;
 
 use super::{
-    Completion, DeviceSelector, Endpoint, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
+    Completion, DeviceSelector, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
     WorkRequest,
 };
+use crate::proto::Endpoint;
 
 /// Largest path MTU we ask for (IBV_MTU_1024): measured to work on rxe.
 const MAX_MTU: u8 = 3;
