@@ -22,12 +22,12 @@ use libublk::{sys, UblkFlags};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use target_rdma::auth::Secret;
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
+use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
+use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain, TcpPayloadStats};
 use target_rdma::rdma::report::RdmaDriverStats;
 use target_rdma::rdma::{
     open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
-use target_rdma::transport::TcpPayloadStats;
 use ublk_metrics::DriverStats;
 
 use crate::busy;
@@ -147,11 +147,13 @@ impl DeviceError {
             Self::Busy { .. } => ErrorKind::Busy,
             Self::BadRequest(_) | Self::Secret { .. } => ErrorKind::BadRequest,
             Self::RdmaUnavailable(_) => ErrorKind::TransportUnavailable,
-            Self::Arena(ArenaError::Connect { .. }) => ErrorKind::PeerUnreachable,
-            Self::Arena(ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. }) => {
-                ErrorKind::AuthFailed
-            }
-            Self::Arena(_) => ErrorKind::Peer,
+            Self::Arena(e) => match e.kind() {
+                ArenaErrorKind::Connect => ErrorKind::PeerUnreachable,
+                ArenaErrorKind::AuthFailed | ArenaErrorKind::PeerNotAuthentic => {
+                    ErrorKind::AuthFailed
+                }
+                _ => ErrorKind::Peer,
+            },
             Self::UblkMissing => ErrorKind::UblkMissing,
             Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
         }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use libublk::sys;
-use target_rdma::client::ArenaError;
+use target_rdma::blob::ErrorKind;
 use target_rdma::proto::Status;
 use target_rdma::target::{ArenaTarget, BlockOp, BlockTarget, TargetError};
 use ublk_metrics::{
@@ -152,17 +152,15 @@ pub fn classify(e: &TargetError) -> (Phase, Reason) {
     let TargetError::Arena { op, source } = e else {
         return (Phase::Post, Reason::Protocol);
     };
-    match source {
-        ArenaError::Connect { .. } => (Phase::Connect, Reason::Unavailable),
-        ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. } => {
-            (Phase::Handshake, Reason::Auth)
-        }
-        ArenaError::Refused { .. } => (Phase::Handshake, Reason::Unavailable),
-        ArenaError::TimedOut { .. } => (Phase::Poll, Reason::Timeout),
-        ArenaError::Disconnected { .. } => (Phase::Poll, Reason::PeerClosed),
-        ArenaError::Protocol { .. } => (Phase::Poll, Reason::Protocol),
-        ArenaError::UnflushedDataLost { .. } => (Phase::Flush, Reason::Io),
-        ArenaError::Status { status, .. } => match status {
+    match source.kind() {
+        ErrorKind::Connect => (Phase::Connect, Reason::Unavailable),
+        ErrorKind::AuthFailed | ErrorKind::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
+        ErrorKind::Refused(_) => (Phase::Handshake, Reason::Unavailable),
+        ErrorKind::TimedOut => (Phase::Poll, Reason::Timeout),
+        ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
+        ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
+        ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
+        ErrorKind::Status(status) => match status {
             Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
                 (Phase::Alloc, Reason::ResourceExhausted)
             }
@@ -172,7 +170,6 @@ pub fn classify(e: &TargetError) -> (Phase, Reason) {
             _ if *op == BlockOp::Flush => (Phase::Flush, Reason::Io),
             _ => (Phase::Completion, Reason::Io),
         },
-        ArenaError::Store(_) => (Phase::Completion, Reason::Io),
     }
 }
 
@@ -181,12 +178,11 @@ pub fn classify(e: &TargetError) -> (Phase, Reason) {
 fn peer_gone(e: &TargetError) -> bool {
     matches!(
         e,
-        TargetError::Arena {
-            source: ArenaError::Connect { .. }
-                | ArenaError::Disconnected { .. }
-                | ArenaError::Refused { .. },
-            ..
-        }
+        TargetError::Arena { source, .. }
+            if matches!(
+                source.kind(),
+                ErrorKind::Connect | ErrorKind::Disconnected | ErrorKind::Refused(_)
+            )
     )
 }
 
@@ -353,6 +349,7 @@ mod tests {
     use std::sync::Arc;
 
     use futures::executor::LocalPool;
+    use target_rdma::blob::ArenaError;
     use target_rdma::target::MemTarget;
     use ublk_metrics::testing::sample;
     use ublk_metrics::{Daemon, Telemetry};
@@ -397,7 +394,7 @@ mod tests {
                     DevState::Live,
                     Arc::default(),
                     Vec::new(),
-                    Arc::new(target_rdma::transport::TcpPayloadStats::default()),
+                    Arc::new(target_rdma::client::TcpPayloadStats::default()),
                 )
                 .unwrap();
             Self {

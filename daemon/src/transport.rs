@@ -9,9 +9,9 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use libublk::helpers::IoBuf;
-use target_rdma::client::{ArenaClient, ArenaError};
+use target_rdma::blob::{ArenaError, BlobIo, Transport};
+use target_rdma::client::ArenaClient;
 use target_rdma::rdma::{RdmaTransport, TransportGroup, Via};
-use target_rdma::transport::{BlobIo, TransportKind};
 use ublk_metrics::Transport as MetricsTransport;
 
 /// The data path a device ended up with (what `ublkctl list` shows).
@@ -199,10 +199,10 @@ impl<'a> RoutedIo<'a> {
 }
 
 impl BlobIo for RoutedIo<'_> {
-    fn kind(&self) -> TransportKind {
+    fn transport(&self) -> Transport {
         match &self.io.path {
-            Path::Tcp(c) => c.kind(),
-            Path::Rdma(t) => t.kind(),
+            Path::Tcp(c) => c.transport(),
+            Path::Rdma(t) => t.transport(),
         }
     }
 

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use futures::executor::block_on;
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain};
 
 const BLOB: usize = 64 << 10;
 

@@ -10,7 +10,8 @@ use std::time::Duration;
 use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
-use target_rdma::client::{ArenaClient, ArenaError};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::ArenaClient;
 use target_rdma::proto::{self, Challenge, Hello, Opcode, Request, Status, HEADER_LEN, MAC_LEN};
 
 #[test]
@@ -493,7 +494,7 @@ fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() 
 
 #[test]
 fn inline_payloads_are_counted_as_tcp_driver_statistics() {
-    use target_rdma::transport::TcpPayloadStats;
+    use target_rdma::client::TcpPayloadStats;
     use ublk_metrics::driver::names::{TCP_PAYLOAD_BYTES, TCP_PAYLOAD_REQUESTS};
     use ublk_metrics::{DriverStats, IoOp};
 

@@ -9,13 +9,13 @@ use std::sync::Arc;
 
 use common::*;
 use futures::executor::block_on;
+use target_rdma::blob::BlobIo;
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{
     wc_status, DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig, TcpReason,
     TransportGroup,
 };
-use target_rdma::transport::BlobIo;
 
 const BLOB: u32 = 64 << 10;
 

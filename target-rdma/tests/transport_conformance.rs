@@ -1,5 +1,7 @@
 //! One suite, every transport: each `BlobIo` implementation must behave the
-//! same. Add a transport by adding a line to `conformance!` below.
+//! same, failures included: the same failure is the same `ArenaError` kind
+//! and status over every transport. Add a transport by adding a line to
+//! `conformance!` below.
 
 mod common;
 
@@ -8,13 +10,16 @@ use std::sync::Arc;
 use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
+use target_rdma::blob::{BlobIo, ErrorKind, Transport};
+use target_rdma::proto::Status;
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig};
-use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::transport::{BlobIo, InProcess, TransportKind};
+use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
 
 const BLOB: u32 = 64 << 10;
+/// Blobs a volume may hold: more than any case below writes but one.
+const QUOTA: u64 = 48;
 
 /// A transport plus whatever must outlive it.
 struct Fixture<T> {
@@ -34,7 +39,7 @@ fn in_process() -> Fixture<InProcess> {
         },
         &[VolumeSpec {
             name: "a".into(),
-            quota_blobs: 1 << 20,
+            quota_blobs: QUOTA,
         }],
     )
     .unwrap();
@@ -52,6 +57,7 @@ fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
         &PeerOpts {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
+            quota_blobs: QUOTA,
             ..PeerOpts::default()
         },
     );
@@ -72,6 +78,7 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
         &PeerOpts {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
+            quota_blobs: QUOTA,
             rdma: Some(Arc::clone(&provider)),
             ..PeerOpts::default()
         },
@@ -158,8 +165,33 @@ fn remove_drops_exactly_the_range(io: &impl BlobIo) {
 }
 
 fn ranges_past_the_blob_end_are_refused(io: &impl BlobIo) {
-    let e = block_on(io.write(1, BLOB - 10, &[0; 11])).unwrap_err();
-    assert!(e.to_string().contains(&(BLOB - 10).to_string()), "{e}");
+    for (offset, len) in [(BLOB - 10, 11), (BLOB, 1), (u32::MAX, 1)] {
+        let e = block_on(io.write(1, offset, &vec![0; len])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Status(Status::Protocol), "{e}");
+        assert!(e.to_string().contains(&offset.to_string()), "{e}");
+        let e = block_on(io.read(1, offset, &mut vec![0; len])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Status(Status::Protocol), "{e}");
+    }
+    // The session survives its refused requests.
+    block_on(io.write(1, 0, &[1; 16])).unwrap();
+}
+
+fn a_volume_at_its_quota_refuses_new_blobs_but_not_old_ones(io: &impl BlobIo) {
+    block_on(async {
+        for key in 0..QUOTA {
+            io.write(key, 0, &[key as u8; 512]).await.unwrap();
+        }
+        let e = io.write(QUOTA, 0, &[1; 512]).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Status(Status::QuotaExceeded), "{e}");
+        assert_eq!(e.status(), Some(Status::QuotaExceeded));
+        // Blobs it holds still take writes; a removed one makes room.
+        io.write(3, 512, &[9; 512]).await.unwrap();
+        assert_eq!(io.remove(0, 1).await.unwrap(), 1);
+        io.write(QUOTA, 0, &[7; 512]).await.unwrap();
+        let mut out = [0u8; 512];
+        assert!(io.read(QUOTA, 0, &mut out).await.unwrap());
+        assert_eq!(out, [7; 512]);
+    });
 }
 
 fn concurrent_writes_to_many_keys(io: &impl BlobIo) {
@@ -181,21 +213,22 @@ macro_rules! conformance {
     ($($(#[$attr:meta])* $transport:ident => $kind:expr),*) => {$(
         mod $transport {
             use super::*;
-            $(#[$attr])* #[test] fn kind() { assert_eq!(super::$transport().io.kind(), $kind); }
+            $(#[$attr])* #[test] fn transport() { assert_eq!(super::$transport().io.transport(), $kind); }
             $(#[$attr])* #[test] fn unwritten_blobs_read_as_zeros() { super::unwritten_blobs_read_as_zeros(&super::$transport().io) }
             $(#[$attr])* #[test] fn partial_writes_keep_the_rest_of_the_blob() { super::partial_writes_keep_the_rest_of_the_blob(&super::$transport().io) }
             $(#[$attr])* #[test] fn whole_blobs_round_trip_beyond_the_arena() { super::whole_blobs_round_trip_beyond_the_arena(&super::$transport().io) }
             $(#[$attr])* #[test] fn remove_drops_exactly_the_range() { super::remove_drops_exactly_the_range(&super::$transport().io) }
             $(#[$attr])* #[test] fn ranges_past_the_blob_end_are_refused() { super::ranges_past_the_blob_end_are_refused(&super::$transport().io) }
+            $(#[$attr])* #[test] fn a_volume_at_its_quota_refuses_new_blobs_but_not_old_ones() { super::a_volume_at_its_quota_refuses_new_blobs_but_not_old_ones(&super::$transport().io) }
             $(#[$attr])* #[test] fn concurrent_writes_to_many_keys() { super::concurrent_writes_to_many_keys(&super::$transport().io) }
         }
     )*};
 }
 
 conformance!(
-    in_process => TransportKind::InProcess,
-    tcp => TransportKind::Tcp,
-    rdma_loopback => TransportKind::Rdma,
+    in_process => Transport::InProcess,
+    tcp => Transport::Tcp,
+    rdma_loopback => Transport::Rdma,
     #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
-    rdma_verbs => TransportKind::Rdma
+    rdma_verbs => Transport::Rdma
 );

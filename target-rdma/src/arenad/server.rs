@@ -175,26 +175,6 @@ impl From<io::Error> for Fatal {
     }
 }
 
-/// Status a store error answers with, and whether it ends the connection.
-fn store_status(e: &StoreError) -> (Status, bool) {
-    match e {
-        StoreError::NoSpace { .. } => (Status::NoSpace, false),
-        StoreError::QuotaExceeded { .. } => (Status::QuotaExceeded, false),
-        StoreError::Busy { .. } | StoreError::LeaseLimit { .. } => (Status::Busy, false),
-        StoreError::LeaseLost { .. } => (Status::LeaseLost, false),
-        StoreError::UnknownLease { .. }
-        | StoreError::LeaseMismatch { .. }
-        | StoreError::OutOfRange { .. } => (Status::Protocol, true),
-        StoreError::UnknownVolume { .. }
-        | StoreError::Io { .. }
-        | StoreError::Uring { .. }
-        | StoreError::ArenaMap { .. }
-        | StoreError::Corrupt { .. }
-        | StoreError::InvalidConfig { .. }
-        | StoreError::Locked { .. } => (Status::Internal, false),
-    }
-}
-
 impl Server {
     /// Builds a server over an open store and installs its revoke hook.
     pub fn new(store: Arc<Store>, volumes: Vec<ServedVolume>, limits: ServerLimits) -> Arc<Self> {
@@ -610,8 +590,8 @@ impl Server {
             }
         };
         if let Err(e) = result {
-            let (status, fatal) = store_status(&e);
-            if fatal {
+            let status = e.status();
+            if status == Status::Protocol {
                 return Err(Fatal::Store(op, rid, e));
             }
             if status == Status::Internal {

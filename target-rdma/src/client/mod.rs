@@ -14,9 +14,11 @@
 //! acknowledged were not yet flushed, the next FLUSH fails with
 //! [`ArenaError::UnflushedDataLost`], because those writes are gone.
 
+mod payload_stats;
 mod reader;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -29,15 +31,15 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
+pub use payload_stats::{TcpPayloadStats, REASON_CONFIGURED_TCP};
 pub use reader::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
 
 use crate::auth::{self, Secret};
+use crate::blob::{ArenaError, BlobIo, Transport};
 use crate::proto::{
     self, Challenge, Endpoint, FrameError, Header, Hello, Lease, Opcode, RailAccept, Request,
     Status, Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
 };
-use crate::store::StoreError;
-use crate::transport::TcpPayloadStats;
 
 /// How often the reader thread checks request deadlines.
 const TICK: Duration = Duration::from_millis(50);
@@ -81,106 +83,6 @@ impl ClientConfig {
             payload_stats: None,
             offer_rdma: false,
             flush_domain: Arc::default(),
-        }
-    }
-}
-
-/// A failed arena operation. Messages name the peer, the op and the cause.
-#[derive(Debug, thiserror::Error)]
-pub enum ArenaError {
-    /// TCP connect failed or timed out.
-    #[error("cannot connect to arena peer {peer}: {source}")]
-    Connect {
-        /// The peer.
-        peer: String,
-        /// The cause.
-        source: io::Error,
-    },
-    /// The peer rejected our MAC: wrong secret or unknown volume.
-    #[error("arena peer {peer} refused authentication for volume {volume:?} (wrong secret or unknown volume)")]
-    AuthFailed {
-        /// The peer.
-        peer: String,
-        /// The volume asked for.
-        volume: String,
-    },
-    /// The peer's WELCOME MAC was wrong: it does not know the secret.
-    #[error("arena peer {peer} could not prove it knows the secret of volume {volume:?}; refusing to use it")]
-    PeerNotAuthentic {
-        /// The peer.
-        peer: String,
-        /// The volume asked for.
-        volume: String,
-    },
-    /// The handshake was refused for another reason.
-    #[error("arena peer {peer} refused the session ({status}): {message}", status = status.name())]
-    Refused {
-        /// The peer.
-        peer: String,
-        /// Why, as a status.
-        status: Status,
-        /// The peer's message.
-        message: String,
-    },
-    /// A request got no answer in time.
-    #[error("{op} to arena peer {peer} timed out after {after:?}", op = op.name())]
-    TimedOut {
-        /// The request.
-        op: Opcode,
-        /// The peer.
-        peer: String,
-        /// The limit.
-        after: Duration,
-    },
-    /// The connection broke before the answer.
-    #[error("connection to arena peer {peer} lost: {detail}")]
-    Disconnected {
-        /// The peer.
-        peer: String,
-        /// What happened.
-        detail: String,
-    },
-    /// The peer answered with an error status.
-    #[error("arena peer {peer} answered {op} with {status}: {message}", op = op.name(), status = status.name())]
-    Status {
-        /// The request.
-        op: Opcode,
-        /// The peer.
-        peer: String,
-        /// The status.
-        status: Status,
-        /// The peer's message.
-        message: String,
-    },
-    /// The peer sent something that breaks the protocol.
-    #[error("protocol error from arena peer {peer}: {source}")]
-    Protocol {
-        /// The peer.
-        peer: String,
-        /// What was wrong.
-        source: FrameError,
-    },
-    /// The peer restarted and lost writes it had acknowledged but not flushed.
-    #[error("arena peer {peer} restarted (generation {old} -> {new}) and lost acknowledged writes that were not yet flushed")]
-    UnflushedDataLost {
-        /// The peer.
-        peer: String,
-        /// Generation the writes were acknowledged in.
-        old: u64,
-        /// Generation after the restart.
-        new: u64,
-    },
-    /// The in-process transport's store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-impl ArenaError {
-    /// The peer's status, when the peer answered with one.
-    pub fn status(&self) -> Option<Status> {
-        match self {
-            Self::Status { status, .. } | Self::Refused { status, .. } => Some(*status),
-            _ => None,
         }
     }
 }
@@ -946,4 +848,35 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
     }
     let _ = p.tx.send(reply);
     Ok(())
+}
+
+impl BlobIo for ArenaClient {
+    fn transport(&self) -> Transport {
+        Transport::Tcp
+    }
+    fn blob_bytes(&self) -> u32 {
+        self.session_blob_bytes()
+    }
+    fn read(
+        &self,
+        key: u64,
+        offset: u32,
+        out: &mut [u8],
+    ) -> impl Future<Output = Result<bool, ArenaError>> {
+        ArenaClient::read(self, key, offset, out)
+    }
+    fn write(
+        &self,
+        key: u64,
+        offset: u32,
+        data: &[u8],
+    ) -> impl Future<Output = Result<(), ArenaError>> {
+        ArenaClient::write(self, key, offset, data)
+    }
+    fn remove(&self, start: u64, end: u64) -> impl Future<Output = Result<u64, ArenaError>> {
+        ArenaClient::remove(self, start, end)
+    }
+    fn flush(&self) -> impl Future<Output = Result<(), ArenaError>> {
+        ArenaClient::flush(self)
+    }
 }

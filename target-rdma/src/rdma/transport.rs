@@ -34,10 +34,9 @@ use tracing::{debug, info, warn};
 use super::completion::{CompletionEngine, OpError};
 use super::stats::{DriverStats, TcpReason};
 use super::{MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider, WorkRequest};
-use crate::client::{ArenaClient, ArenaError, ClientConfig};
-use crate::proto::{Lease, RailAccept, Status, CAP_RDMA};
-use crate::store::StoreError;
-use crate::transport::{BlobIo, TransportKind};
+use crate::blob::{ArenaError, BlobIo, Transport};
+use crate::client::{ArenaClient, ClientConfig};
+use crate::proto::{Lease, Opcode, RailAccept, Status, CAP_RDMA};
 
 /// Tuning of one RDMA transport.
 #[derive(Clone, Debug)]
@@ -1111,19 +1110,24 @@ impl Via {
     }
 }
 
-fn check_range(blob: u32, offset: u32, len: usize) -> Result<(), ArenaError> {
-    if (offset as usize).saturating_add(len) > blob as usize {
-        return Err(StoreError::OutOfRange {
-            offset,
-            len,
-            blob_bytes: blob,
-        }
-        .into());
-    }
-    Ok(())
-}
-
 impl RdmaTransport {
+    /// Refuses a range past the blob's end as the peer would (PROTOCOL), before
+    /// any lease is asked for.
+    fn check_range(&self, op: Opcode, offset: u32, len: usize) -> Result<(), ArenaError> {
+        let blob = self.blob_bytes();
+        if (offset as usize).saturating_add(len) > blob as usize {
+            return Err(ArenaError::Status {
+                op,
+                peer: self.peer.clone(),
+                status: Status::Protocol,
+                message: format!(
+                    "byte range at offset {offset} of length {len} exceeds the blob size {blob}"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// [`BlobIo::read`], also saying which way the payload went.
     pub async fn read_via(
         &self,
@@ -1131,7 +1135,7 @@ impl RdmaTransport {
         offset: u32,
         out: &mut [u8],
     ) -> Result<(bool, Via), ArenaError> {
-        check_range(self.blob_bytes(), offset, out.len())?;
+        self.check_range(Opcode::Read, offset, out.len())?;
         self.honour_revocations().await;
         let len = out.len();
         match self
@@ -1181,7 +1185,7 @@ impl RdmaTransport {
 
     /// [`BlobIo::write`], also saying which way the payload went.
     pub async fn write_via(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
-        check_range(self.blob_bytes(), offset, data.len())?;
+        self.check_range(Opcode::Write, offset, data.len())?;
         let mut lost = 0;
         loop {
             self.honour_revocations().await;
@@ -1235,8 +1239,12 @@ impl RdmaTransport {
 }
 
 impl BlobIo for RdmaTransport {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Rdma
+    fn transport(&self) -> Transport {
+        if self.uses_rdma() {
+            Transport::Rdma
+        } else {
+            Transport::Tcp
+        }
     }
 
     fn blob_bytes(&self) -> u32 {

@@ -16,7 +16,9 @@
 mod arena;
 mod engine;
 mod eviction;
+mod in_process;
 mod index;
+mod status;
 mod swap;
 #[cfg(test)]
 mod tests;
@@ -33,6 +35,7 @@ use parking_lot::RwLock;
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
 use engine::{Core, Guard, State};
+pub use in_process::InProcess;
 
 /// Where and how big the store is.
 #[derive(Clone, Debug)]

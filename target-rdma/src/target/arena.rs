@@ -11,8 +11,7 @@ use std::ops::Range;
 use futures::future::try_join_all;
 
 use super::{check_range, BlockOp, BlockTarget, TargetError};
-use crate::client::ArenaError;
-use crate::transport::BlobIo;
+use crate::blob::{ArenaError, BlobIo};
 
 /// A block device of `size` bytes over one arena session.
 pub struct ArenaTarget<T> {

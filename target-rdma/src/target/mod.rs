@@ -14,9 +14,8 @@ use std::future::Future;
 pub use arena::ArenaTarget;
 pub use mem::MemTarget;
 
-use crate::client::ArenaError;
+use crate::blob::{ArenaError, ErrorKind};
 use crate::proto::Status;
-use crate::store::StoreError;
 
 /// Block operation, a closed set used for metric labels and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -80,16 +79,10 @@ impl TargetError {
     pub fn errno(&self) -> i32 {
         match self {
             Self::OutOfRange { .. } => libc::EIO,
-            Self::Arena { source, .. } => match source {
-                ArenaError::TimedOut { .. } => libc::ETIMEDOUT,
-                ArenaError::Connect { .. } | ArenaError::Disconnected { .. } => libc::ENOLINK,
-                ArenaError::Status {
-                    status: Status::NoSpace | Status::QuotaExceeded,
-                    ..
-                } => libc::ENOSPC,
-                ArenaError::Store(
-                    StoreError::NoSpace { .. } | StoreError::QuotaExceeded { .. },
-                ) => libc::ENOSPC,
+            Self::Arena { source, .. } => match source.kind() {
+                ErrorKind::TimedOut => libc::ETIMEDOUT,
+                ErrorKind::Connect | ErrorKind::Disconnected => libc::ENOLINK,
+                ErrorKind::Status(Status::NoSpace | Status::QuotaExceeded) => libc::ENOSPC,
                 _ => libc::EIO,
             },
         }
