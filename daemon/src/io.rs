@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use libublk::sys;
 use target_rdma::blob::ErrorKind;
+use target_rdma::block::{ArenaTarget, BlockTarget, TargetError};
 use target_rdma::proto::Status;
-use target_rdma::target::{ArenaTarget, BlockOp, BlockTarget, TargetError};
 use ublk_metrics::{
     events, CorrelationId, ErrnoClass, IoOp, Phase, Reason, TrackerGuard, TrackerTable,
     Transport as MetricsTransport,
@@ -80,13 +80,13 @@ pub enum IoRequest {
 
 impl IoRequest {
     /// The op, for stats.
-    pub fn op(&self) -> BlockOp {
+    pub fn op(&self) -> IoOp {
         match self {
-            Self::Read { .. } => BlockOp::Read,
-            Self::Write { .. } => BlockOp::Write,
-            Self::Flush => BlockOp::Flush,
-            Self::Discard { .. } => BlockOp::Discard,
-            Self::WriteZeroes { .. } => BlockOp::WriteZeroes,
+            Self::Read { .. } => IoOp::Read,
+            Self::Write { .. } => IoOp::Write,
+            Self::Flush => IoOp::Flush,
+            Self::Discard { .. } => IoOp::Discard,
+            Self::WriteZeroes { .. } => IoOp::WriteZeroes,
         }
     }
 
@@ -167,7 +167,7 @@ pub fn classify(e: &TargetError) -> (Phase, Reason) {
             Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
             Status::AuthFailed => (Phase::Completion, Reason::Auth),
             Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
-            _ if *op == BlockOp::Flush => (Phase::Flush, Reason::Io),
+            _ if *op == IoOp::Flush => (Phase::Flush, Reason::Io),
             _ => (Phase::Completion, Reason::Io),
         },
     }
@@ -350,7 +350,7 @@ mod tests {
 
     use futures::executor::LocalPool;
     use target_rdma::blob::ArenaError;
-    use target_rdma::target::MemTarget;
+    use target_rdma::block::MemTarget;
     use ublk_metrics::testing::sample;
     use ublk_metrics::{Daemon, Telemetry};
 
@@ -661,7 +661,7 @@ mod tests {
     /// Fails every request the way a dead arena connection does.
     struct BrokenTarget;
 
-    fn broken(op: BlockOp) -> TargetError {
+    fn broken(op: IoOp) -> TargetError {
         TargetError::Arena {
             op,
             source: ArenaError::Disconnected {
@@ -676,19 +676,19 @@ mod tests {
             1 << 20
         }
         async fn read(&self, _: u64, _: &mut [u8]) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Read))
+            Err(broken(IoOp::Read))
         }
         async fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Write))
+            Err(broken(IoOp::Write))
         }
         async fn flush(&self) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Flush))
+            Err(broken(IoOp::Flush))
         }
         async fn discard(&self, _: u64, _: u64) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Discard))
+            Err(broken(IoOp::Discard))
         }
         async fn write_zeroes(&self, _: u64, _: u64) -> Result<(), TargetError> {
-            Err(broken(BlockOp::WriteZeroes))
+            Err(broken(IoOp::WriteZeroes))
         }
     }
 

@@ -16,7 +16,7 @@ use io_uring::{opcode, types};
 use libublk::io::UblkQueue;
 use libublk::uring_async::ublk_submit_sqe_async;
 use libublk::{BufDesc, UblkError, UblkUringData};
-use target_rdma::target::ArenaTarget;
+use target_rdma::block::ArenaTarget;
 
 use crate::io::{serve, IoDesc};
 use crate::telemetry::DeviceObs;

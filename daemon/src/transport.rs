@@ -1,6 +1,6 @@
 //! A queue's arena session, whichever data path it negotiated: the TCP
 //! inline client or the RDMA transport. One [`QueueIo`] per queue thread;
-//! the block target ([`ArenaTarget`](target_rdma::target::ArenaTarget)) is
+//! the block target ([`ArenaTarget`](target_rdma::block::ArenaTarget)) is
 //! built over a per-request [`RoutedIo`] view of it, so the I/O plane is
 //! the same code for both and a request learns whether one of its payloads
 //! failed over from RDMA to TCP (for the request/attempt accounting).

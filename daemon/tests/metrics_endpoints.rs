@@ -22,9 +22,9 @@ use ublk_metrics::testing::{
 use libublk::sys;
 use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
 use target_rdma::auth::Secret;
+use target_rdma::block::ArenaTarget;
 use target_rdma::client::{ArenaClient, ClientConfig, TcpPayloadStats};
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::target::ArenaTarget;
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{MetricsConfig, Transport};
 use ublkd::io::{serve, IoDesc};

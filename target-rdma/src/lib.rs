@@ -3,6 +3,7 @@
 pub mod arenad;
 pub mod auth;
 pub mod blob;
+pub mod block;
 pub mod client;
 pub mod config_file;
 pub mod logging;
@@ -11,4 +12,3 @@ pub mod rdma;
 pub mod sd_notify;
 pub mod size;
 pub mod store;
-pub mod target;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use common::*;
 use futures::executor::block_on;
 use proptest::prelude::*;
+use target_rdma::block::{ArenaTarget, BlockTarget, MemTarget, TargetError};
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
-use target_rdma::target::{ArenaTarget, BlockTarget, MemTarget, TargetError};
 
 const BLOB: u32 = 16 << 10;
 const SIZE: u64 = 1 << 20;

@@ -3,7 +3,9 @@
 
 use parking_lot::Mutex;
 
-use super::{check_range, BlockOp, BlockTarget, TargetError};
+use ublk_metrics::IoOp;
+
+use super::{check_range, BlockTarget, TargetError};
 
 /// A RAM disk of fixed size.
 pub struct MemTarget {
@@ -18,7 +20,7 @@ impl MemTarget {
         }
     }
 
-    fn zero(&self, op: BlockOp, offset: u64, len: u64) -> Result<(), TargetError> {
+    fn zero(&self, op: IoOp, offset: u64, len: u64) -> Result<(), TargetError> {
         let mut d = self.data.lock();
         check_range(op, offset, len, d.len() as u64)?;
         d[offset as usize..(offset + len) as usize].fill(0);
@@ -33,14 +35,14 @@ impl BlockTarget for MemTarget {
 
     async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TargetError> {
         let d = self.data.lock();
-        check_range(BlockOp::Read, offset, buf.len() as u64, d.len() as u64)?;
+        check_range(IoOp::Read, offset, buf.len() as u64, d.len() as u64)?;
         buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
         Ok(())
     }
 
     async fn write(&self, offset: u64, buf: &[u8], _fua: bool) -> Result<(), TargetError> {
         let mut d = self.data.lock();
-        check_range(BlockOp::Write, offset, buf.len() as u64, d.len() as u64)?;
+        check_range(IoOp::Write, offset, buf.len() as u64, d.len() as u64)?;
         d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
         Ok(())
     }
@@ -50,10 +52,10 @@ impl BlockTarget for MemTarget {
     }
 
     async fn discard(&self, offset: u64, len: u64) -> Result<(), TargetError> {
-        self.zero(BlockOp::Discard, offset, len)
+        self.zero(IoOp::Discard, offset, len)
     }
 
     async fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), TargetError> {
-        self.zero(BlockOp::WriteZeroes, offset, len)
+        self.zero(IoOp::WriteZeroes, offset, len)
     }
 }

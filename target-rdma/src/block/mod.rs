@@ -6,53 +6,27 @@
 //! (`tests/target_conformance.rs`) runs against both. Errors become errnos in
 //! exactly one place, [`TargetError::errno`].
 
-mod arena;
-mod mem;
+mod arena_target;
+mod mem_target;
 
 use std::future::Future;
 
-pub use arena::ArenaTarget;
-pub use mem::MemTarget;
+pub use arena_target::ArenaTarget;
+pub use mem_target::MemTarget;
+
+use ublk_metrics::IoOp;
 
 use crate::blob::{ArenaError, ErrorKind};
 use crate::proto::Status;
-
-/// Block operation, a closed set used for metric labels and logs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BlockOp {
-    /// Read.
-    Read,
-    /// Write (FUA or not).
-    Write,
-    /// Cache flush.
-    Flush,
-    /// Discard.
-    Discard,
-    /// Write zeroes.
-    WriteZeroes,
-}
-
-impl BlockOp {
-    /// Stable lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Read => "read",
-            Self::Write => "write",
-            Self::Flush => "flush",
-            Self::Discard => "discard",
-            Self::WriteZeroes => "write_zeroes",
-        }
-    }
-}
 
 /// A block request that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The range does not fit the device.
-    #[error("{op} of {len} bytes at byte {offset} is past the end of the {size}-byte device", op = op.name())]
+    #[error("{op} of {len} bytes at byte {offset} is past the end of the {size}-byte device", op = op.as_str())]
     OutOfRange {
         /// The operation.
-        op: BlockOp,
+        op: IoOp,
         /// Start byte.
         offset: u64,
         /// Length in bytes.
@@ -61,10 +35,10 @@ pub enum TargetError {
         size: u64,
     },
     /// The arena failed the request.
-    #[error("{op} failed: {source}", op = op.name())]
+    #[error("{op} failed: {source}", op = op.as_str())]
     Arena {
         /// The operation.
-        op: BlockOp,
+        op: IoOp,
         /// The cause.
         source: ArenaError,
     },
@@ -114,12 +88,7 @@ pub trait BlockTarget {
 }
 
 /// Checks that `offset..offset+len` lies inside a device of `size` bytes.
-pub(crate) fn check_range(
-    op: BlockOp,
-    offset: u64,
-    len: u64,
-    size: u64,
-) -> Result<(), TargetError> {
+pub(crate) fn check_range(op: IoOp, offset: u64, len: u64, size: u64) -> Result<(), TargetError> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
         _ => Err(TargetError::OutOfRange {
