@@ -22,20 +22,21 @@ use libublk::{sys, UblkFlags};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use target_rdma::auth::Secret;
+use target_rdma::blob::BlobIo;
 use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
 use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain, TcpPayloadStats};
 use target_rdma::rdma::report::RdmaDriverStats;
 use target_rdma::rdma::{
     open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
-use ublk_metrics::DriverStats;
+use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, Transport, UblkdConfig};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
+use crate::queue_io::{QueueIo, TagBuffers};
 use crate::stats::DeviceStats;
 use crate::telemetry::{DevState, DeviceShape, Observability};
-use crate::transport::{Negotiated, QueueIo, TagBuffers};
 
 /// The ublk control node; absent when `ublk_drv` is not loaded.
 pub const UBLK_CONTROL: &str = "/dev/ublk-control";
@@ -577,7 +578,9 @@ impl Manager {
             reason: e.to_string(),
         })?;
         let (ios, driver) = self.connect_queues(&spec, &secret)?;
-        let blob_bytes = ios.first().map_or(0, |io| io.client().session_blob_bytes());
+        let blob_bytes = ios
+            .first()
+            .map_or(0, |io| io.session().client().session_blob_bytes());
         if !Path::new(UBLK_CONTROL).exists() {
             return Err(DeviceError::UblkMissing);
         }
@@ -721,8 +724,13 @@ impl Manager {
             )?;
             ios.push(QueueIo::rdma(t, bufs(), &group));
         }
-        let rdma = ios.iter().all(|io| io.negotiated() == Negotiated::Rdma);
-        let stats = ios.iter().filter_map(QueueIo::rdma_stats).collect();
+        let rdma = ios
+            .iter()
+            .all(|io| io.session().transport() == MetricsTransport::Rdma);
+        let stats = ios
+            .iter()
+            .filter_map(|io| io.session().rdma_stats())
+            .collect();
         let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats);
         Ok((ios, Arc::new(driver)))
     }
@@ -875,7 +883,10 @@ impl Manager {
             },
             peer: dev.spec.peer.clone(),
             volume: dev.spec.volume.clone(),
-            transport: negotiated.as_ref().map_or("none", |(n, _)| n.name()).into(),
+            transport: negotiated
+                .as_ref()
+                .map_or("none", |(n, _)| n.as_str())
+                .into(),
             transport_requested: dev.spec.transport.name().into(),
             transport_note: negotiated.and_then(|(_, why)| why),
             logical_block_size: dev.spec.logical_block_size,
@@ -937,7 +948,7 @@ impl Manager {
         let _op = self.ops.lock();
         for (id, dev) in self.devices.lock().iter() {
             for io in &dev.ios {
-                if let Err(e) = futures::executor::block_on(io.flush()) {
+                if let Err(e) = futures::executor::block_on(io.session().flush()) {
                     tracing::warn!(event = "device.flush_failed", id, error = %e);
                 }
             }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use libublk::sys;
 use target_rdma::blob::ErrorKind;
-use target_rdma::block::{ArenaTarget, BlockTarget, TargetError};
+use target_rdma::block::{BlockTarget, TargetError};
 use target_rdma::proto::Status;
 use ublk_metrics::{
     events, CorrelationId, ErrnoClass, IoOp, Phase, Reason, TrackerGuard, TrackerTable,
@@ -16,7 +16,6 @@ use ublk_metrics::{
 };
 
 use crate::telemetry::DeviceObs;
-use crate::transport::RoutedIo;
 
 /// What the kernel put in the queue's descriptor array for one tag, copied
 /// out so the request can be served without holding a reference into the
@@ -186,27 +185,6 @@ fn peer_gone(e: &TargetError) -> bool {
     )
 }
 
-/// What the request/attempt accounting needs to know of a target beyond
-/// [`BlockTarget`]: the transport of a request's first attempt, and whether
-/// one of its payloads then failed over to TCP.
-pub trait Routed {
-    /// Transport of the request's first attempt.
-    fn transport(&self) -> MetricsTransport;
-    /// Whether a payload failed over to TCP after an attempt on
-    /// [`transport`](Self::transport) failed.
-    fn failed_over(&self) -> bool;
-}
-
-impl Routed for ArenaTarget<RoutedIo<'_>> {
-    fn transport(&self) -> MetricsTransport {
-        self.io().io().negotiated().metrics()
-    }
-
-    fn failed_over(&self) -> bool {
-        self.io().failed_over()
-    }
-}
-
 /// Serves one descriptor of (`queue`, `tag`) against `target` and returns
 /// what the kernel gets as the command result: bytes transferred for
 /// READ/WRITE, 0 for the others, `-errno` on failure. It always returns
@@ -217,7 +195,7 @@ impl Routed for ArenaTarget<RoutedIo<'_>> {
 /// I/O families (errno class, latency), in the request/attempt accounting
 /// and in the device's `ublkctl stats` counters. Nothing here allocates or
 /// formats unless the request fails.
-pub async fn serve<T: BlockTarget + Routed>(
+pub async fn serve<T: BlockTarget>(
     target: &T,
     desc: &IoDesc,
     buf: &mut [u8],
@@ -297,7 +275,7 @@ pub async fn serve<T: BlockTarget + Routed>(
         IoRequest::Discard { offset, len } => target.discard(offset, len).await,
         IoRequest::WriteZeroes { offset, len } => target.write_zeroes(offset, len).await,
     };
-    if target.failed_over() {
+    if result.as_ref().is_ok_and(|via| via.failed_over()) {
         // The RDMA attempt failed (its work request errored or timed out,
         // counted by the driver) and TCP carried the payload: one failover.
         attempt.fail(Phase::Completion, Reason::WcError);
@@ -305,7 +283,7 @@ pub async fn serve<T: BlockTarget + Routed>(
         attempt = span.attempt(MetricsTransport::Tcp);
     }
     match result {
-        Ok(()) => {
+        Ok(_) => {
             attempt.succeed();
             span.succeed();
             dev.peer_ok();
@@ -349,7 +327,7 @@ mod tests {
     use std::sync::Arc;
 
     use futures::executor::LocalPool;
-    use target_rdma::blob::ArenaError;
+    use target_rdma::blob::{ArenaError, Via};
     use target_rdma::block::MemTarget;
     use ublk_metrics::testing::sample;
     use ublk_metrics::{Daemon, Telemetry};
@@ -377,7 +355,7 @@ mod tests {
         }
     }
 
-    impl<T: BlockTarget + Routed> FakeQueue<T> {
+    impl<T: BlockTarget> FakeQueue<T> {
         fn new(target: T) -> Self {
             let obs = Observability::new(
                 Telemetry::isolated(Daemon::Ublkd, "test"),
@@ -566,53 +544,29 @@ mod tests {
         }
     }
 
-    impl Routed for MemTarget {
-        fn transport(&self) -> MetricsTransport {
-            MetricsTransport::Tcp
-        }
-        fn failed_over(&self) -> bool {
-            false
-        }
-    }
-
-    impl Routed for BrokenTarget {
-        fn transport(&self) -> MetricsTransport {
-            MetricsTransport::Tcp
-        }
-        fn failed_over(&self) -> bool {
-            false
-        }
-    }
-
     /// An RDMA target whose every payload fails over to TCP.
     struct FailingOver(MemTarget);
 
-    impl Routed for FailingOver {
+    impl BlockTarget for FailingOver {
         fn transport(&self) -> MetricsTransport {
             MetricsTransport::Rdma
         }
-        fn failed_over(&self) -> bool {
-            true
-        }
-    }
-
-    impl BlockTarget for FailingOver {
         fn size(&self) -> u64 {
             self.0.size()
         }
-        async fn read(&self, o: u64, b: &mut [u8]) -> Result<(), TargetError> {
-            self.0.read(o, b).await
+        async fn read(&self, o: u64, b: &mut [u8]) -> Result<Via, TargetError> {
+            self.0.read(o, b).await.map(|_| Via::Failover)
         }
-        async fn write(&self, o: u64, b: &[u8], fua: bool) -> Result<(), TargetError> {
-            self.0.write(o, b, fua).await
+        async fn write(&self, o: u64, b: &[u8], fua: bool) -> Result<Via, TargetError> {
+            self.0.write(o, b, fua).await.map(|_| Via::Failover)
         }
-        async fn flush(&self) -> Result<(), TargetError> {
+        async fn flush(&self) -> Result<Via, TargetError> {
             self.0.flush().await
         }
-        async fn discard(&self, o: u64, l: u64) -> Result<(), TargetError> {
+        async fn discard(&self, o: u64, l: u64) -> Result<Via, TargetError> {
             self.0.discard(o, l).await
         }
-        async fn write_zeroes(&self, o: u64, l: u64) -> Result<(), TargetError> {
+        async fn write_zeroes(&self, o: u64, l: u64) -> Result<Via, TargetError> {
             self.0.write_zeroes(o, l).await
         }
     }
@@ -672,22 +626,25 @@ mod tests {
     }
 
     impl BlockTarget for BrokenTarget {
+        fn transport(&self) -> MetricsTransport {
+            MetricsTransport::Tcp
+        }
         fn size(&self) -> u64 {
             1 << 20
         }
-        async fn read(&self, _: u64, _: &mut [u8]) -> Result<(), TargetError> {
+        async fn read(&self, _: u64, _: &mut [u8]) -> Result<Via, TargetError> {
             Err(broken(IoOp::Read))
         }
-        async fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), TargetError> {
+        async fn write(&self, _: u64, _: &[u8], _: bool) -> Result<Via, TargetError> {
             Err(broken(IoOp::Write))
         }
-        async fn flush(&self) -> Result<(), TargetError> {
+        async fn flush(&self) -> Result<Via, TargetError> {
             Err(broken(IoOp::Flush))
         }
-        async fn discard(&self, _: u64, _: u64) -> Result<(), TargetError> {
+        async fn discard(&self, _: u64, _: u64) -> Result<Via, TargetError> {
             Err(broken(IoOp::Discard))
         }
-        async fn write_zeroes(&self, _: u64, _: u64) -> Result<(), TargetError> {
+        async fn write_zeroes(&self, _: u64, _: u64) -> Result<Via, TargetError> {
             Err(broken(IoOp::WriteZeroes))
         }
     }
@@ -764,20 +721,26 @@ mod tests {
             sample(&m, "ublk_io_latency_seconds_count", &[("op", "read")]),
             2.0
         );
-        // started = outcomes + in flight, for requests and attempts.
+        // started = outcomes + in flight, for requests and attempts, under
+        // the transport the target names (the reference target's own).
         for (started, outcomes) in [
             ("ublk_requests_started_total", "ublk_request_outcomes_total"),
             ("ublk_attempts_started_total", "ublk_attempt_outcomes_total"),
         ] {
-            let tcp = [("transport", "tcp")];
-            assert_eq!(sample(&m, started, &tcp), 6.0);
-            assert_eq!(sample(&m, outcomes, &tcp), 6.0);
+            let own = [("transport", "in_process")];
+            assert_eq!(sample(&m, started, &own), 6.0);
+            assert_eq!(sample(&m, outcomes, &own), 6.0);
+            assert_eq!(sample(&m, started, &[("transport", "tcp")]), 0.0);
         }
         assert_eq!(
             sample(
                 &m,
                 "ublk_request_outcomes_total",
-                &[("op", "read"), ("transport", "tcp"), ("outcome", "failure")]
+                &[
+                    ("op", "read"),
+                    ("transport", "in_process"),
+                    ("outcome", "failure")
+                ]
             ),
             1.0
         );

@@ -21,7 +21,9 @@ use ublk_metrics::{
 
 use crate::config::{self, MetricsConfig};
 use crate::stats::DeviceStats;
-use crate::transport::{Negotiated, QueueIo};
+use target_rdma::blob::BlobIo;
+
+use crate::queue_io::QueueIo;
 
 /// The target label of every ublkd device (the arena target).
 pub const TARGET: &str = "arena";
@@ -141,17 +143,17 @@ impl DeviceObs {
     /// The data path the device uses now: RDMA when every queue negotiated
     /// it, else TCP (with the first reason a queue gave), `None` without
     /// queues (a failed device).
-    pub fn negotiated(&self) -> Option<(Negotiated, Option<String>)> {
-        let first = self.ios.first()?;
+    pub fn negotiated(&self) -> Option<(Transport, Option<String>)> {
+        self.ios.first()?;
         if self
             .ios
             .iter()
-            .all(|io| io.negotiated() == Negotiated::Rdma)
+            .all(|io| io.session().transport() == Transport::Rdma)
         {
-            return Some((Negotiated::Rdma, None));
+            return Some((Transport::Rdma, None));
         }
-        let why = self.ios.iter().find_map(QueueIo::tcp_reason);
-        Some((Negotiated::Tcp, why.or_else(|| first.tcp_reason())))
+        let why = self.ios.iter().find_map(|io| io.session().tcp_reason());
+        Some((Transport::Tcp, why))
     }
 
     /// The queues' arena sessions (shared handles).
@@ -187,7 +189,7 @@ impl DeviceObs {
     /// from the peer monitor, never from `/ready`.
     pub fn check_peer(&self) {
         let mut up = true;
-        for c in self.ios.iter().map(QueueIo::client) {
+        for c in self.ios.iter().map(|io| io.session().client()) {
             if !c.is_connected() && c.welcome().is_err() {
                 up = false;
             }
@@ -210,7 +212,7 @@ impl DeviceObs {
         let connections: Vec<&str> = self
             .ios
             .iter()
-            .map(QueueIo::client)
+            .map(|io| io.session().client())
             .map(|c| {
                 if c.is_connected() {
                     "connected"
@@ -225,7 +227,7 @@ impl DeviceObs {
             "queues": self.shape.queues,
             "queue_depth": self.shape.depth,
             "transport_configured": self.shape.transport.name(),
-            "transport_in_use": self.negotiated().map_or("none", |(n, _)| n.name()),
+            "transport_in_use": self.negotiated().map_or("none", |(n, _)| n.as_str()),
             "peer_connected": self.peer_connected(),
             "connections": connections,
             "inflight": inflight,
@@ -390,7 +392,7 @@ impl Observability {
             config::Transport::Tcp => Transport::Tcp,
             config::Transport::Rdma => Transport::Rdma,
             config::Transport::Auto => match dev.negotiated() {
-                Some((Negotiated::Rdma, _)) => Transport::Rdma,
+                Some((Transport::Rdma, _)) => Transport::Rdma,
                 _ => Transport::Tcp,
             },
         };

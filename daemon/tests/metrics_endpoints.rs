@@ -28,8 +28,8 @@ use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{MetricsConfig, Transport};
 use ublkd::io::{serve, IoDesc};
+use ublkd::queue_io::{QueueIo, TagBuffers};
 use ublkd::telemetry::{DevState, DeviceShape, Observability};
-use ublkd::transport::{QueueIo, RoutedIo, TagBuffers};
 
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
@@ -253,7 +253,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     assert_eq!(get(&metrics, "/ready").0, 200);
 
     // I/O as a queue thread serves it.
-    let target = ArenaTarget::new(RoutedIo::new(&io), 64 << 20);
+    let target = ArenaTarget::new(io.session(), 64 << 20);
     let mut buf = vec![0x5au8; 64 << 10];
     futures::executor::block_on(async {
         let w = desc(sys::UBLK_IO_OP_WRITE, 0, 16);

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::*;
 use futures::executor::block_on;
-use target_rdma::blob::BlobIo;
+use target_rdma::blob::{BlobIo, Via};
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{
@@ -91,7 +91,7 @@ fn workload(t: &RdmaTransport) {
         let mut out = vec![0; 4096];
         for k in 0..16u64 {
             for part in 0..4u32 {
-                assert!(t.read(k, part * 8192, &mut out).await.unwrap());
+                assert!(t.read(k, part * 8192, &mut out).await.unwrap().moved());
                 assert!(
                     out == pattern(k, u64::from(part), 4096),
                     "key {k} part {part}"
@@ -114,7 +114,7 @@ fn payloads_go_by_rdma_and_a_forced_fallback_is_counted(t: &RdmaTransport) {
     let big = pattern(99, 1, 32 << 10);
     block_on(t.write(99, 0, &big)).unwrap();
     let mut out = vec![0; 32 << 10];
-    assert!(block_on(t.read(99, 0, &mut out)).unwrap());
+    assert!(block_on(t.read(99, 0, &mut out)).unwrap().moved());
     assert!(out == big);
     assert_eq!(t.stats().tcp_count(TcpReason::TooLarge), 2);
     assert_eq!(count(t, "rdma_transferred"), 128);
@@ -139,9 +139,9 @@ fn verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted() {
 #[test]
 fn small_payloads_go_inline_counted_below_threshold() {
     let (_p, s) = loopback();
-    block_on(s.t.write(1, 0, &[7; 100])).unwrap();
+    assert_eq!(block_on(s.t.write(1, 0, &[7; 100])).unwrap(), Via::Tcp);
     let mut out = [0; 100];
-    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap().moved());
     assert_eq!(out, [7; 100]);
     assert_eq!(s.t.stats().tcp_count(TcpReason::BelowThreshold), 2);
     assert_eq!(count(&s.t, "rdma_requests"), 0);
@@ -158,10 +158,10 @@ fn a_peer_without_rdma_declines_and_every_payload_is_counted() {
     let whole = pattern(2, 0, BLOB as usize);
     block_on(s.t.write(2, 0, &whole)).unwrap();
     let mut out = vec![0; BLOB as usize];
-    assert!(block_on(s.t.read(2, 0, &mut out)).unwrap());
+    assert!(block_on(s.t.read(2, 0, &mut out)).unwrap().moved());
     assert!(out == whole, "whole blob differs");
     let mut part = vec![0; 4096];
-    assert!(block_on(s.t.read(1, 0, &mut part)).unwrap());
+    assert!(block_on(s.t.read(1, 0, &mut part)).unwrap().moved());
     assert!(part == [1; 4096], "partial blob differs");
     assert_eq!(
         s._peer
@@ -253,7 +253,7 @@ fn io_buffers_registered_once_are_used_in_place() {
     bufs[..4096].copy_from_slice(&pattern(5, 5, 4096));
     block_on(s.t.write(5, 0, &bufs[..4096])).unwrap();
     let (_, rest) = bufs.split_at_mut(8192);
-    assert!(block_on(s.t.read(5, 0, &mut rest[..4096])).unwrap());
+    assert!(block_on(s.t.read(5, 0, &mut rest[..4096])).unwrap().moved());
     assert!(rest[..4096] == pattern(5, 5, 4096)[..]);
     assert_eq!(count(&s.t, "bounce_copies"), 0);
     assert_eq!(count(&s.t, "registrations_pooled"), 2);
@@ -265,9 +265,13 @@ fn a_failed_completion_rebuilds_the_rail_and_retries_once() {
     let (p, s) = loopback();
     block_on(s.t.write(1, 0, &pattern(1, 1, 4096))).unwrap();
     p.inject(wc_status::RETRY_EXC_ERR);
-    block_on(s.t.write(1, 0, &pattern(1, 2, 4096))).unwrap();
+    // Retried once over a new rail: still RDMA, no failover.
+    assert_eq!(
+        block_on(s.t.write(1, 0, &pattern(1, 2, 4096))).unwrap(),
+        Via::Rdma
+    );
     let mut out = vec![0; 4096];
-    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap().moved());
     assert!(out == pattern(1, 2, 4096));
     assert_eq!(count(&s.t, "wc_error_retry_exceeded"), 1);
     assert_eq!(count(&s.t, "rail_connects"), 2);
@@ -283,12 +287,16 @@ fn a_second_failure_fails_over_to_tcp_counted_and_the_data_is_right() {
     let (p, s) = loopback();
     p.inject(wc_status::REM_ACCESS_ERR);
     p.inject(wc_status::RETRY_EXC_ERR);
-    block_on(s.t.write(2, 100, &pattern(2, 1, 4096))).unwrap();
+    // The outcome says so: the request accounting counts one failover.
+    assert_eq!(
+        block_on(s.t.write(2, 100, &pattern(2, 1, 4096))).unwrap(),
+        Via::Failover
+    );
     assert_eq!(count(&s.t, "rdma_declined_served_tcp"), 1);
     assert_eq!(s.t.stats().tcp_count(TcpReason::QpError), 1);
     assert_eq!(count(&s.t, "wc_error_remote_access"), 1);
     let mut out = vec![0; 4096];
-    assert!(block_on(s.t.read(2, 100, &mut out)).unwrap());
+    assert!(block_on(s.t.read(2, 100, &mut out)).unwrap().moved());
     assert!(out == pattern(2, 1, 4096));
 }
 
@@ -376,7 +384,7 @@ fn more_requests_in_flight_than_arena_slots_all_complete() {
                 let t = &t;
                 async move {
                     let mut out = vec![0; 4096];
-                    assert!(t.read(k, 4096, &mut out).await.unwrap());
+                    assert!(t.read(k, 4096, &mut out).await.unwrap().moved());
                     assert!(out == pattern(k, round, 4096), "key {k} round {round}");
                 }
             });
@@ -403,7 +411,7 @@ fn an_arena_pinned_by_another_client_answers_busy() {
     }
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
     let mut out = vec![0; 4096];
-    assert!(block_on(t.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(t.read(1, 0, &mut out)).unwrap().moved());
     assert!(out.iter().all(|b| *b == 1));
 }
 
@@ -434,7 +442,7 @@ fn a_write_racing_a_remove_on_another_connection_is_done_again() {
     let data = pattern(4, 2, 4096);
     block_on(t.write(4, 4096, &data)).unwrap();
     let mut out = vec![0; 8192];
-    assert!(block_on(t.read(4, 0, &mut out)).unwrap());
+    assert!(block_on(t.read(4, 0, &mut out)).unwrap().moved());
     assert!(
         out[..4096].iter().all(|b| *b == 0),
         "the remove dropped the old bytes"
@@ -520,7 +528,7 @@ fn a_busy_queue_gives_back_the_idle_cached_leases_of_the_others() {
     block_on(q1.flush()).unwrap();
     let mut out = vec![0; 4096];
     for k in [0u64, 1, 2, 3, 9] {
-        assert!(block_on(q1.read(k, 0, &mut out)).unwrap());
+        assert!(block_on(q1.read(k, 0, &mut out)).unwrap().moved());
         assert!(out == pattern(k, 1, 4096), "key {k}");
     }
 }

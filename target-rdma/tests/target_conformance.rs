@@ -187,7 +187,9 @@ proptest! {
                         reference.write_zeroes(o, l).await.unwrap();
                         f.target.write_zeroes(o, l).await.unwrap();
                     }
-                    Op::Flush => f.target.flush().await.unwrap(),
+                    Op::Flush => {
+                        f.target.flush().await.unwrap();
+                    }
                 }
             }
             Ok(())

@@ -4,7 +4,9 @@
 //! [`BlockTarget`] is implemented by the arena-backed target ([`ArenaTarget`])
 //! and by a plain in-memory reference ([`MemTarget`]); one conformance suite
 //! (`tests/target_conformance.rs`) runs against both. Errors become errnos in
-//! exactly one place, [`TargetError::errno`].
+//! exactly one place, [`TargetError::errno`]; a success says which path
+//! carried the request's payloads ([`Via`], folded over its blobs), which is
+//! all the request accounting needs to count a failover.
 
 mod arena_target;
 mod mem_target;
@@ -16,7 +18,7 @@ pub use mem_target::MemTarget;
 
 use ublk_metrics::IoOp;
 
-use crate::blob::{ArenaError, ErrorKind};
+use crate::blob::{ArenaError, ErrorKind, Transport, Via};
 use crate::proto::Status;
 
 /// A block request that failed.
@@ -64,27 +66,31 @@ impl TargetError {
 }
 
 /// Serves block requests for one queue. Byte offsets and lengths; the
-/// device size is fixed at creation.
+/// device size is fixed at creation. Each success returns which path
+/// carried the request's payloads.
 ///
 /// Futures need not be `Send`: each ublk queue thread owns its target.
 pub trait BlockTarget {
+    /// The transport a request's first attempt goes on.
+    fn transport(&self) -> Transport;
     /// Device size in bytes.
     fn size(&self) -> u64;
     /// Fills `buf` from byte `offset`; unwritten ranges read as zeros.
-    fn read(&self, offset: u64, buf: &mut [u8]) -> impl Future<Output = Result<(), TargetError>>;
+    fn read(&self, offset: u64, buf: &mut [u8]) -> impl Future<Output = Result<Via, TargetError>>;
     /// Writes `buf` at byte `offset`; with `fua` it is durable on completion.
     fn write(
         &self,
         offset: u64,
         buf: &[u8],
         fua: bool,
-    ) -> impl Future<Output = Result<(), TargetError>>;
+    ) -> impl Future<Output = Result<Via, TargetError>>;
     /// Makes every completed write durable.
-    fn flush(&self) -> impl Future<Output = Result<(), TargetError>>;
+    fn flush(&self) -> impl Future<Output = Result<Via, TargetError>>;
     /// Drops the range; it reads as zeros afterwards.
-    fn discard(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), TargetError>>;
+    fn discard(&self, offset: u64, len: u64) -> impl Future<Output = Result<Via, TargetError>>;
     /// Zeroes the range.
-    fn write_zeroes(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), TargetError>>;
+    fn write_zeroes(&self, offset: u64, len: u64)
+        -> impl Future<Output = Result<Via, TargetError>>;
 }
 
 /// Checks that `offset..offset+len` lies inside a device of `size` bytes.

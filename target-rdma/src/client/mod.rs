@@ -16,6 +16,7 @@
 
 mod payload_stats;
 mod reader;
+mod session;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -33,9 +34,10 @@ use tracing::{debug, warn};
 
 pub use payload_stats::{TcpPayloadStats, REASON_CONFIGURED_TCP};
 pub use reader::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
+pub use session::Session;
 
 use crate::auth::{self, Secret};
-use crate::blob::{ArenaError, BlobIo, Transport};
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::proto::{
     self, Challenge, Endpoint, FrameError, Header, Hello, Lease, Opcode, RailAccept, Request,
     Status, Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
@@ -857,21 +859,13 @@ impl BlobIo for ArenaClient {
     fn blob_bytes(&self) -> u32 {
         self.session_blob_bytes()
     }
-    fn read(
-        &self,
-        key: u64,
-        offset: u32,
-        out: &mut [u8],
-    ) -> impl Future<Output = Result<bool, ArenaError>> {
-        ArenaClient::read(self, key, offset, out)
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        let found = ArenaClient::read(self, key, offset, out).await?;
+        Ok(if found { Via::Tcp } else { Via::Nothing })
     }
-    fn write(
-        &self,
-        key: u64,
-        offset: u32,
-        data: &[u8],
-    ) -> impl Future<Output = Result<(), ArenaError>> {
-        ArenaClient::write(self, key, offset, data)
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
+        ArenaClient::write(self, key, offset, data).await?;
+        Ok(Via::Tcp)
     }
     fn remove(&self, start: u64, end: u64) -> impl Future<Output = Result<u64, ArenaError>> {
         ArenaClient::remove(self, start, end)

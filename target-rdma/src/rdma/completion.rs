@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use futures::channel::oneshot;
 use parking_lot::Mutex;
 
-use super::stats::DriverStats;
+use super::stats::RdmaStats;
 use super::{Completion, QueuePair, RdmaError, WcCategory, WorkRequest};
 
 /// How often deadlines are checked while completions are outstanding.
@@ -65,7 +65,7 @@ pub struct CompletionEngine {
     table: Mutex<Table>,
     depth: u32,
     timeout: Duration,
-    stats: Arc<DriverStats>,
+    stats: Arc<RdmaStats>,
     stop: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -76,7 +76,7 @@ impl CompletionEngine {
         qp: Arc<dyn QueuePair>,
         depth: u32,
         timeout: Duration,
-        stats: Arc<DriverStats>,
+        stats: Arc<RdmaStats>,
     ) -> Arc<Self> {
         Arc::new(Self {
             qp,
@@ -314,9 +314,9 @@ mod tests {
         }
     }
 
-    fn engine(depth: u32) -> (Arc<ScriptedQp>, Arc<CompletionEngine>, Arc<DriverStats>) {
+    fn engine(depth: u32) -> (Arc<ScriptedQp>, Arc<CompletionEngine>, Arc<RdmaStats>) {
         let qp = Arc::new(ScriptedQp::default());
-        let stats = Arc::new(DriverStats::default());
+        let stats = Arc::new(RdmaStats::default());
         let e = CompletionEngine::new(qp.clone(), depth, Duration::from_secs(3600), stats.clone());
         (qp, e, stats)
     }

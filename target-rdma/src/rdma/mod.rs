@@ -25,8 +25,8 @@ use serde::Deserialize;
 
 use crate::proto::Endpoint;
 
-pub use stats::{DriverStats, TcpReason};
-pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, TransportGroup, Via};
+pub use stats::{RdmaStats, TcpReason};
+pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, TransportGroup};
 
 /// Whether a daemon uses RDMA: a config value (`rdma = "auto"|"off"|"on"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]

@@ -12,14 +12,14 @@ use std::sync::Arc;
 use ublk_metrics::driver::{names, CounterValue, GaugeValue};
 use ublk_metrics::{DriverSnapshot, IoOp};
 
-use super::stats::{DriverStats, OpCounters, TcpReason};
+use super::stats::{OpCounters, RdmaStats, TcpReason};
 use super::RdmaOp;
 
 /// The driver statistics of one device: the sum over its queues.
 #[derive(Debug)]
 pub struct RdmaDriverStats {
     driver: &'static str,
-    queues: Vec<Arc<DriverStats>>,
+    queues: Vec<Arc<RdmaStats>>,
 }
 
 impl RdmaDriverStats {
@@ -27,11 +27,11 @@ impl RdmaDriverStats {
     /// negotiated RDMA, `tcp` when it serves every payload inline (an `auto`
     /// device whose peer or host has no RDMA), so its TCP payloads are
     /// reported with the reason and not mixed with RDMA devices.
-    pub fn new(driver: &'static str, queues: Vec<Arc<DriverStats>>) -> Self {
+    pub fn new(driver: &'static str, queues: Vec<Arc<RdmaStats>>) -> Self {
         Self { driver, queues }
     }
 
-    fn sum(&self, f: impl Fn(&DriverStats) -> &AtomicU64) -> u64 {
+    fn sum(&self, f: impl Fn(&RdmaStats) -> &AtomicU64) -> u64 {
         self.queues
             .iter()
             .fold(0u64, |a, q| a.saturating_add(f(q).load(Ordering::Relaxed)))
@@ -94,7 +94,7 @@ impl ublk_metrics::DriverStats for RdmaDriverStats {
             };
             counters.push(counter("rdma_bytes", Some(io_op(op)), bytes));
         }
-        type Total = fn(&DriverStats) -> &AtomicU64;
+        type Total = fn(&RdmaStats) -> &AtomicU64;
         let totals: [(&'static str, Total); 11] = [
             (names::RDMA_PROTOCOL_ERRORS, |s| &s.rdma_protocol_errors),
             (names::REGISTRATIONS_POOLED, |s| &s.registrations_pooled),
@@ -145,8 +145,8 @@ mod tests {
     use ublk_metrics::driver::{summarize, DeviceDriverReport};
     use ublk_metrics::{DriverStats as _, Transport};
 
-    fn queue() -> Arc<DriverStats> {
-        Arc::new(DriverStats::default())
+    fn queue() -> Arc<RdmaStats> {
+        Arc::new(RdmaStats::default())
     }
 
     #[test]

@@ -60,7 +60,7 @@ impl TcpReason {
 }
 
 /// The per-direction share of the request counters: every increment of a
-/// per-op counter goes with one of the matching total in [`DriverStats`],
+/// per-op counter goes with one of the matching total in [`RdmaStats`],
 /// so the two directions always sum to the total.
 #[derive(Default, Debug)]
 pub struct OpCounters {
@@ -82,8 +82,8 @@ pub struct OpCounters {
 
 /// Counters and gauges of one RDMA transport (one queue's connection).
 #[derive(Default, Debug)]
-pub struct DriverStats {
-    /// Per direction (index 0: READ, 1: WRITE); see [`DriverStats::op`].
+pub struct RdmaStats {
+    /// Per direction (index 0: READ, 1: WRITE); see [`RdmaStats::op`].
     pub per_op: [OpCounters; 2],
     /// RDMA READ/WRITE requests posted.
     pub rdma_requests: AtomicU64,
@@ -148,7 +148,7 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-impl DriverStats {
+impl RdmaStats {
     /// The per-direction counters of `op`.
     pub fn op(&self, op: RdmaOp) -> &OpCounters {
         match op {
@@ -275,13 +275,13 @@ fn wc_name(c: WcCategory) -> &'static str {
 mod tests {
     use super::*;
 
-    fn get(s: &DriverStats, name: &str) -> u64 {
+    fn get(s: &RdmaStats, name: &str) -> u64 {
         s.snapshot().iter().find(|(n, _)| *n == name).unwrap().1
     }
 
     #[test]
     fn snapshot_names_are_unique_and_map_their_counters() {
-        let s = DriverStats::default();
+        let s = RdmaStats::default();
         let snap = s.snapshot();
         let mut names: Vec<_> = snap.iter().map(|(n, _)| *n).collect();
         names.sort_unstable();
@@ -304,14 +304,14 @@ mod tests {
         }
         s.inc(|s| &s.rdma_transferred);
         assert_eq!(get(&s, "rdma_transferred"), 1);
-        for g in DriverStats::GAUGES {
+        for g in RdmaStats::GAUGES {
             assert!(names.contains(&g));
         }
     }
 
     #[test]
     fn pool_gauges_keep_the_peak() {
-        let s = DriverStats::default();
+        let s = RdmaStats::default();
         s.pool_take();
         s.pool_take();
         s.pool_return();

@@ -22,6 +22,7 @@
 //! cached leases.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -32,9 +33,9 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
 use super::completion::{CompletionEngine, OpError};
-use super::stats::{DriverStats, TcpReason};
+use super::stats::{RdmaStats, TcpReason};
 use super::{MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider, WorkRequest};
-use crate::blob::{ArenaError, BlobIo, Transport};
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::client::{ArenaClient, ClientConfig};
 use crate::proto::{Lease, Opcode, RailAccept, Status, CAP_RDMA};
 
@@ -254,7 +255,7 @@ impl Local<'_> {
 struct PoolGuard<'a> {
     pool: &'a Pool,
     index: usize,
-    stats: &'a DriverStats,
+    stats: &'a RdmaStats,
 }
 
 impl Drop for PoolGuard<'_> {
@@ -284,7 +285,7 @@ pub struct RdmaTransport {
     client: ArenaClient,
     provider: Option<Arc<dyn RdmaProvider>>,
     cfg: RdmaTransportConfig,
-    stats: Arc<DriverStats>,
+    stats: Arc<RdmaStats>,
     rail: Mutex<RailState>,
     leases: Mutex<LeaseCache>,
     // Regions and pool are dropped after `rail` (its QP) is gone.
@@ -336,7 +337,7 @@ impl RdmaTransport {
         let peer = client_cfg.peer.clone();
         client_cfg.offer_rdma = provider.is_ok();
         let client = ArenaClient::connect(client_cfg)?;
-        let stats = Arc::new(DriverStats::default());
+        let stats = Arc::new(RdmaStats::default());
         let (provider, state) = match provider {
             Ok(p) => (Some(p), RailState::Down(Instant::now())),
             Err(why) => (
@@ -445,7 +446,7 @@ impl RdmaTransport {
     }
 
     /// The driver statistics (shared; cheap to read at any time).
-    pub fn stats(&self) -> &Arc<DriverStats> {
+    pub fn stats(&self) -> &Arc<RdmaStats> {
         &self.stats
     }
 
@@ -1086,27 +1087,13 @@ enum Route {
     Failed(ArenaError),
 }
 
-/// Which way one blob payload went.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Via {
-    /// No payload moved (a read of a blob that does not exist).
-    Nothing,
-    /// One-sided RDMA.
-    Rdma,
-    /// Inline on TCP without an RDMA attempt, for this reason.
-    Tcp(TcpReason),
-    /// An RDMA attempt failed and the payload then went inline on TCP
-    /// (a failover), for this reason.
-    Failover(TcpReason),
-}
-
-impl Via {
-    fn tcp(reason: TcpReason, failover: bool) -> Self {
-        if failover {
-            Self::Failover(reason)
-        } else {
-            Self::Tcp(reason)
-        }
+/// How a payload that went inline on TCP went: a failover when an RDMA
+/// attempt failed first.
+fn tcp_via(failover: bool) -> Via {
+    if failover {
+        Via::Failover
+    } else {
+        Via::Tcp
     }
 }
 
@@ -1128,13 +1115,7 @@ impl RdmaTransport {
         Ok(())
     }
 
-    /// [`BlobIo::read`], also saying which way the payload went.
-    pub async fn read_via(
-        &self,
-        key: u64,
-        offset: u32,
-        out: &mut [u8],
-    ) -> Result<(bool, Via), ArenaError> {
+    async fn read_via(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
         self.check_range(Opcode::Read, offset, out.len())?;
         self.honour_revocations().await;
         let len = out.len();
@@ -1151,7 +1132,7 @@ impl RdmaTransport {
         {
             Ok(None) => {
                 out.fill(0);
-                Ok((false, Via::Nothing))
+                Ok(Via::Nothing)
             }
             Ok(Some(done)) => {
                 if let Some(src) = done.local_copy {
@@ -1164,7 +1145,7 @@ impl RdmaTransport {
                 let MoveDone { held, _keep, .. } = done;
                 drop(_keep);
                 self.unlease(held, false).await?;
-                Ok((true, Via::Rdma))
+                Ok(Via::Rdma)
             }
             Err(Route::Failed(e)) => Err(e),
             Err(Route::Tcp { reason, failover }) => {
@@ -1178,13 +1159,16 @@ impl RdmaTransport {
                         r => break r?,
                     }
                 };
-                Ok((found, Via::tcp(reason, failover)))
+                // A failover counts even when the blob went away meanwhile.
+                Ok(match (found, failover) {
+                    (false, false) => Via::Nothing,
+                    _ => tcp_via(failover),
+                })
             }
         }
     }
 
-    /// [`BlobIo::write`], also saying which way the payload went.
-    pub async fn write_via(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
+    async fn write_via(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         self.check_range(Opcode::Write, offset, data.len())?;
         let mut lost = 0;
         loop {
@@ -1232,7 +1216,7 @@ impl RdmaTransport {
                         r => break r?,
                     }
                 }
-                Ok(Via::tcp(reason, failover))
+                Ok(tcp_via(failover))
             }
         }
     }
@@ -1251,14 +1235,22 @@ impl BlobIo for RdmaTransport {
         self.client.session_blob_bytes()
     }
 
-    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
+    fn read(
+        &self,
+        key: u64,
+        offset: u32,
+        out: &mut [u8],
+    ) -> impl Future<Output = Result<Via, ArenaError>> {
         self.read_via(key, offset, out)
-            .await
-            .map(|(found, _)| found)
     }
 
-    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
-        self.write_via(key, offset, data).await.map(|_| ())
+    fn write(
+        &self,
+        key: u64,
+        offset: u32,
+        data: &[u8],
+    ) -> impl Future<Output = Result<Via, ArenaError>> {
+        self.write_via(key, offset, data)
     }
 
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {

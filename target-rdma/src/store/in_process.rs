@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::{Store, StoreError, VolumeId};
-use crate::blob::{ArenaError, BlobIo, Transport};
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::proto::Opcode;
 
 /// One volume of a local store.
@@ -41,15 +41,18 @@ impl BlobIo for InProcess {
     fn blob_bytes(&self) -> u32 {
         self.store.blob_bytes()
     }
-    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
-        self.store
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        let found = self
+            .store
             .read(self.volume, key, offset, out)
-            .map_err(answered(Opcode::Read))
+            .map_err(answered(Opcode::Read))?;
+        Ok(if found { Via::InProcess } else { Via::Nothing })
     }
-    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         self.store
             .write(self.volume, key, offset, data)
-            .map_err(answered(Opcode::Write))
+            .map_err(answered(Opcode::Write))?;
+        Ok(Via::InProcess)
     }
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         self.store
