@@ -25,10 +25,10 @@ use target_rdma::auth::Secret;
 use target_rdma::blob::BlobIo;
 use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
 use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain, TcpPayloadStats};
-use target_rdma::rdma::report::RdmaDriverStats;
-use target_rdma::rdma::{
-    open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig, TransportGroup,
+use target_rdma::client::{
+    RdmaConnectError, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
+use target_rdma::rdma::{open_provider, RdmaMode};
 use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;

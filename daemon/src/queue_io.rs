@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use libublk::helpers::IoBuf;
 use target_rdma::client::Session;
-use target_rdma::rdma::{RdmaTransport, TransportGroup};
+use target_rdma::client::{RdmaTransport, TransportGroup};
 
 /// A queue's I/O buffers: one page-aligned buffer of `io_buf` bytes per
 /// tag, allocated when the device is added and registered once for RDMA.

@@ -10,26 +10,49 @@ use std::sync::Arc;
 use common::*;
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, Via};
+use target_rdma::client::{
+    RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TcpReason, TransportGroup,
+};
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{
-    wc_status, DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig, TcpReason,
-    TransportGroup,
-};
+use target_rdma::rdma::{wc_status, DeviceSelector, RdmaProvider};
+use ublk_metrics::driver::names;
+use ublk_metrics::{DriverSnapshot, DriverStats as _, IoOp};
 
 const BLOB: u32 = 64 << 10;
 
+/// The transport's statistics as they are exported (`ublk_driver_*`).
+fn report(t: &RdmaTransport) -> DriverSnapshot {
+    RdmaDriverStats::new("rdma", vec![Arc::clone(t.stats())]).snapshot()
+}
+
+/// An exported counter, summed over ops and reasons (it must exist).
 fn count(t: &RdmaTransport, name: &str) -> u64 {
-    t.stats()
-        .snapshot()
+    let snap = report(t);
+    assert!(
+        snap.counters.iter().any(|c| c.name == name),
+        "no counter {name}"
+    );
+    snap.counter(name, None)
+}
+
+/// An exported counter with `reason`, summed over ops.
+fn count_for(t: &RdmaTransport, name: &str, reason: &str) -> u64 {
+    report(t)
+        .counters
         .iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no counter {name}"))
-        .1
+        .filter(|c| c.name == name && c.reason.as_deref() == Some(reason))
+        .map(|c| c.value)
+        .sum()
+}
+
+/// Payload requests sent inline on TCP for `reason`.
+fn tcp(t: &RdmaTransport, reason: TcpReason) -> u64 {
+    count_for(t, names::TCP_PAYLOAD_REQUESTS, reason.name())
 }
 
 fn tcp_total(t: &RdmaTransport) -> u64 {
-    TcpReason::ALL.iter().map(|r| t.stats().tcp_count(*r)).sum()
+    count(t, names::TCP_PAYLOAD_REQUESTS)
 }
 
 fn cfg() -> RdmaTransportConfig {
@@ -106,17 +129,20 @@ fn workload(t: &RdmaTransport) {
 fn payloads_go_by_rdma_and_a_forced_fallback_is_counted(t: &RdmaTransport) {
     workload(t);
     assert_eq!(count(t, "rdma_transferred"), 128);
-    assert_eq!(tcp_total(t), 0, "{:?}", t.stats().snapshot());
+    assert_eq!(tcp_total(t), 0, "{:?}", report(t));
     assert_eq!(count(t, "rdma_requests"), 128);
-    assert_eq!(count(t, "bytes_written"), 64 * 4096);
-    assert_eq!(count(t, "bytes_read"), 64 * 4096);
+    assert_eq!(
+        report(t).counter("rdma_bytes", Some(IoOp::Write)),
+        64 * 4096
+    );
+    assert_eq!(report(t).counter("rdma_bytes", Some(IoOp::Read)), 64 * 4096);
     assert!(count(t, "lease_cache_hits") > 0);
     let big = pattern(99, 1, 32 << 10);
     block_on(t.write(99, 0, &big)).unwrap();
     let mut out = vec![0; 32 << 10];
     assert!(block_on(t.read(99, 0, &mut out)).unwrap().moved());
     assert!(out == big);
-    assert_eq!(t.stats().tcp_count(TcpReason::TooLarge), 2);
+    assert_eq!(tcp(t, TcpReason::TooLarge), 2);
     assert_eq!(count(t, "rdma_transferred"), 128);
 }
 
@@ -143,7 +169,7 @@ fn small_payloads_go_inline_counted_below_threshold() {
     let mut out = [0; 100];
     assert!(block_on(s.t.read(1, 0, &mut out)).unwrap().moved());
     assert_eq!(out, [7; 100]);
-    assert_eq!(s.t.stats().tcp_count(TcpReason::BelowThreshold), 2);
+    assert_eq!(tcp(&s.t, TcpReason::BelowThreshold), 2);
     assert_eq!(count(&s.t, "rdma_requests"), 0);
 }
 
@@ -153,7 +179,7 @@ fn a_peer_without_rdma_declines_and_every_payload_is_counted() {
     let s = setup(None, Ok(p), cfg());
     assert!(s.t.rdma_status().unwrap_err().contains("declined"));
     block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
-    assert_eq!(s.t.stats().tcp_count(TcpReason::Declined), 1);
+    assert_eq!(tcp(&s.t, TcpReason::Declined), 1);
     // Whole and partial blobs read back what was written.
     let whole = pattern(2, 0, BLOB as usize);
     block_on(s.t.write(2, 0, &whole)).unwrap();
@@ -198,7 +224,7 @@ fn no_local_device_is_counted_by_its_reason() {
     let t =
         RdmaTransport::connect(peer.config("a", SECRET_A), Err("ENOSYS".into()), cfg()).unwrap();
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
-    assert_eq!(t.stats().tcp_count(TcpReason::NoLocalDevice), 1);
+    assert_eq!(tcp(&t, TcpReason::NoLocalDevice), 1);
 }
 
 #[test]
@@ -207,7 +233,7 @@ fn a_pool_that_cannot_register_sends_payloads_to_tcp_counted() {
     p.refuse_registrations_of(4 * (16 << 10));
     let s = setup(Some(p.clone()), Ok(p), cfg());
     block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
-    assert_eq!(s.t.stats().tcp_count(TcpReason::RegistrationFailed), 1);
+    assert_eq!(tcp(&s.t, TcpReason::RegistrationFailed), 1);
     assert_eq!(count(&s.t, "registration_failures"), 1);
 }
 
@@ -235,7 +261,12 @@ fn an_exhausted_pool_registers_per_operation() {
         count(&s.t, "registrations_pooled") + count(&s.t, "registrations_per_op"),
         8
     );
-    assert_eq!(count(&s.t, "pool_buffers_peak"), 1);
+    let peak = report(&s.t)
+        .gauges
+        .iter()
+        .find(|g| g.name == names::BUFFER_POOL_PEAK)
+        .map(|g| g.value);
+    assert_eq!(peak, Some(1.0));
     let mut out = vec![0; 4096];
     for k in 0..8 {
         block_on(s.t.read(k, 0, &mut out)).unwrap();
@@ -273,7 +304,7 @@ fn a_failed_completion_rebuilds_the_rail_and_retries_once() {
     let mut out = vec![0; 4096];
     assert!(block_on(s.t.read(1, 0, &mut out)).unwrap().moved());
     assert!(out == pattern(1, 2, 4096));
-    assert_eq!(count(&s.t, "wc_error_retry_exceeded"), 1);
+    assert_eq!(count_for(&s.t, "wc_errors", "retry_exceeded"), 1);
     assert_eq!(count(&s.t, "rail_connects"), 2);
     assert_eq!(count(&s.t, "rdma_failed"), 1);
     assert_eq!(count(&s.t, "rdma_transferred"), 3);
@@ -293,8 +324,8 @@ fn a_second_failure_fails_over_to_tcp_counted_and_the_data_is_right() {
         Via::Failover
     );
     assert_eq!(count(&s.t, "rdma_declined_served_tcp"), 1);
-    assert_eq!(s.t.stats().tcp_count(TcpReason::QpError), 1);
-    assert_eq!(count(&s.t, "wc_error_remote_access"), 1);
+    assert_eq!(tcp(&s.t, TcpReason::QpError), 1);
+    assert_eq!(count_for(&s.t, "wc_errors", "remote_access"), 1);
     let mut out = vec![0; 4096];
     assert!(block_on(s.t.read(2, 100, &mut out)).unwrap().moved());
     assert!(out == pattern(2, 1, 4096));

@@ -11,10 +11,11 @@ use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
 use target_rdma::blob::{BlobIo, ErrorKind, Transport, Via};
+use target_rdma::client::{RdmaTransport, RdmaTransportConfig};
 use target_rdma::proto::Status;
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig};
+use target_rdma::rdma::{DeviceSelector, RdmaProvider};
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
 
 const BLOB: u32 = 64 << 10;

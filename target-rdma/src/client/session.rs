@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
+use super::rdma::{RdmaStats, RdmaTransport, TransportGroup};
 use super::ArenaClient;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
-use crate::rdma::{RdmaStats, RdmaTransport, TransportGroup};
 
 /// One queue's session. Cloning shares it.
 #[derive(Clone)]

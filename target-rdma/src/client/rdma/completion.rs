@@ -23,7 +23,7 @@ use futures::channel::oneshot;
 use parking_lot::Mutex;
 
 use super::stats::RdmaStats;
-use super::{Completion, QueuePair, RdmaError, WcCategory, WorkRequest};
+use crate::rdma::{Completion, QueuePair, RdmaError, WcCategory, WorkRequest};
 
 /// How often deadlines are checked while completions are outstanding.
 const TICK: Duration = Duration::from_millis(50);
@@ -141,6 +141,7 @@ impl CompletionEngine {
     }
 
     /// Requests in flight.
+    #[cfg(test)]
     pub fn in_flight(&self) -> usize {
         self.table.lock().waiting.len()
     }
