@@ -3,7 +3,8 @@
 //! absolute numbers, are the result; docs/BENCHMARKS.md records them).
 //!
 //! - inline 1 MiB sequential and 4 KiB random reads and writes at QD 1 and
-//!   32 through a real `arenad` server and client on loopback, arena-resident;
+//!   32 through a real `arenad` server (the workspace's test harness,
+//!   `target_rdma::testing::Peer`) and client on loopback, arena-resident;
 //! - the same requests with an arena 16x smaller than the data, so every read
 //!   faults in from swap and every write evicts a dirty slot;
 //! - baselines: a plain TCP socket copy of the same bytes (1 MiB chunks, and
@@ -21,18 +22,15 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
 use futures::stream::{FuturesUnordered, StreamExt};
-use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
-use target_rdma::auth::Secret;
-use target_rdma::client::{ArenaClient, ClientConfig};
-use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+use target_rdma::client::ArenaClient;
+use target_rdma::testing::{Peer, PeerOpts};
 
 const MIB: usize = 1 << 20;
-const SECRET: &[u8] = b"benchmark-secret-0123456789";
+const SECRET: &str = "benchmark-secret-0123456789";
 
 fn secs() -> Duration {
     Duration::from_secs_f64(
@@ -126,53 +124,35 @@ fn raw_tcp_pingpong(size: usize) -> Rate {
 }
 
 struct Bench {
-    _server: Arc<Server>,
     client: ArenaClient,
     blob: usize,
+    // The server and store, dropped after the client.
+    _peer: Peer,
 }
 
+/// The workspace's arenad harness (the real `Server` over a real `Store`,
+/// with its telemetry, as arenad runs them), one volume, 1 MiB blobs.
 fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
     let blob = MIB as u32;
-    let store = Arc::new(
-        Store::open(
-            StoreConfig {
-                dir: dir.to_owned(),
-                arena_bytes: arena,
-                blob_bytes: blob,
-                swap_bytes: swap,
-            },
-            &[VolumeSpec {
-                name: "bench".into(),
-                quota_blobs: swap / u64::from(blob),
-            }],
-        )
-        .unwrap(),
-    );
-    let secret = Secret::new(SECRET.to_vec()).unwrap();
-    let server = Server::new(
-        store,
-        vec![ServedVolume {
-            name: "bench".into(),
-            secret: secret.clone(),
-            id: 0,
+    let peer = Peer::start(
+        dir,
+        PeerOpts {
+            arena_bytes: arena,
+            blob_bytes: blob,
+            swap_bytes: swap,
             quota_blobs: swap / u64::from(blob),
-        }],
-        ServerLimits {
-            max_connections: 8,
             max_inflight: 64,
-            handshake_timeout: Duration::from_secs(5),
+            rdma: None,
+            volumes: vec![("bench".into(), SECRET.into())],
         },
     );
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let s = Arc::clone(&server);
-    std::thread::spawn(move || s.serve(l));
-    let client =
-        ArenaClient::connect(ClientConfig::new(addr.to_string(), "bench", secret)).unwrap();
+    let mut cfg = peer.config("bench", SECRET);
+    cfg.request_timeout = Duration::from_secs(30);
+    let client = ArenaClient::connect(cfg).unwrap();
     Bench {
-        _server: server,
         client,
         blob: blob as usize,
+        _peer: peer,
     }
 }
 

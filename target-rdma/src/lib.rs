@@ -6,9 +6,10 @@ pub mod blob;
 pub mod block;
 pub mod client;
 pub mod config_file;
-pub mod logging;
 pub mod proto;
 pub mod rdma;
 pub mod sd_notify;
 pub mod size;
 pub mod store;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;

@@ -2,17 +2,15 @@
 //! acknowledged before a FLUSH survives; writes after it read back as their
 //! old or their new content, never anything else.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use futures::executor::block_on;
 use target_rdma::blob::ArenaError;
 use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain};
+use target_rdma::testing::*;
 
 const BLOB: usize = 64 << 10;
 

@@ -1,23 +1,21 @@
 //! The paging protocol end to end: a real `arenad` server on loopback and
 //! the real client, including hostile peers and malformed frames.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
 use target_rdma::blob::ArenaError;
 use target_rdma::client::ArenaClient;
 use target_rdma::proto::{self, Challenge, Hello, Opcode, Request, Status, HEADER_LEN, MAC_LEN};
+use target_rdma::testing::*;
 
 #[test]
 fn inline_write_read_remove_flush() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let c = peer.client("a", SECRET_A);
     let blob = c.blob_bytes().unwrap() as usize;
     assert_eq!(blob, 64 << 10);
@@ -53,7 +51,7 @@ fn inline_write_read_remove_flush() {
 #[test]
 fn leases_alloc_commit_get_release() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let c = peer.client("a", SECRET_A);
     block_on(async {
         assert_eq!(c.get(3).await.unwrap(), None);
@@ -76,7 +74,7 @@ fn leases_alloc_commit_get_release() {
 #[test]
 fn a_commit_after_a_racing_remove_answers_lease_lost_and_keeps_the_connection() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let writer = peer.client("a", SECRET_A);
     let remover = peer.client("a", SECRET_A);
     block_on(async {
@@ -104,7 +102,7 @@ fn a_commit_after_a_racing_remove_answers_lease_lost_and_keeps_the_connection() 
 #[test]
 fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let err = |volume: &str, s: &str| {
         ArenaClient::connect(peer.config(volume, s))
             .err()
@@ -122,13 +120,15 @@ fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
         err("nope", SECRET_A),
         ArenaError::AuthFailed { .. }
     ));
+    assert_eq!(peer.metric("arenad_auth_failures_total", &[]), 4);
     assert_eq!(
-        peer.server
-            .counters()
-            .auth_failures
-            .load(std::sync::atomic::Ordering::Relaxed),
+        peer.metric(
+            "arenad_ops_total",
+            &[("op", "hello"), ("outcome", "denied")]
+        ),
         4
     );
+    assert_eq!(peer.protocol_errors(), 0, "a bad MAC is no protocol error");
 
     // A missing secret file is refused before anything is sent.
     let missing = target_rdma::auth::Secret::from_file(&dir.path().join("absent.key")).unwrap_err();
@@ -258,7 +258,7 @@ fn expect_protocol_error(peer: &Peer, bytes: &[u8], needle: &str) {
 #[test]
 fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let bystander = peer.client("a", SECRET_A);
     block_on(bystander.write(1, 0, &pattern(1, 1, 4096))).unwrap();
 
@@ -305,7 +305,7 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
     expect_protocol_error(&peer, &b, "65536");
 
     let errors = peer.protocol_errors();
-    assert_eq!(errors, 9, "{:?}", peer.server.counters().protocol_errors());
+    assert_eq!(errors, 9, "{}", peer.obs.telemetry().render().unwrap());
 
     // The bystander's session and data were untouched throughout.
     let mut out = vec![0; 4096];
@@ -316,7 +316,7 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
 #[test]
 fn a_client_that_vanishes_mid_request_hurts_nobody() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let mut s = raw_session(&peer);
     let mut f = Vec::new();
     proto::encode_request(
@@ -348,7 +348,7 @@ fn many_clients_many_requests_in_flight_no_mixups() {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 64 << 20,
             ..PeerOpts::default()
         },
@@ -429,7 +429,7 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
         quota_blobs: 3,
         ..PeerOpts::default()
     };
-    let peer = Peer::start(dir.path(), &opts);
+    let peer = Peer::start(dir.path(), opts);
     let c = peer.client("a", SECRET_A);
     block_on(async {
         let l1 = c.alloc(1).await.unwrap();
@@ -469,7 +469,7 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
 #[test]
 fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let addr = peer.addr;
     let c = peer.client("a", SECRET_A);
     block_on(async {
@@ -477,7 +477,7 @@ fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() 
         c.flush().await.unwrap();
     });
     peer.stop();
-    let peer = Peer::start_at(dir.path(), &PeerOpts::default(), &addr.to_string());
+    let peer = Peer::start_at(dir.path(), PeerOpts::default(), &addr.to_string());
     let mut out = vec![0; 4096];
     assert!(
         block_on(c.read(1, 0, &mut out)).unwrap(),
@@ -499,7 +499,7 @@ fn inline_payloads_are_counted_as_tcp_driver_statistics() {
     use ublk_metrics::{DriverStats, IoOp};
 
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let stats = std::sync::Arc::new(TcpPayloadStats::default());
     let mut cfg = peer.config("a", SECRET_A);
     cfg.payload_stats = Some(stats.clone());

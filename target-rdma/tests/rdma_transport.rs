@@ -3,11 +3,8 @@
 //! cache. Runs over the loopback provider here; the `verbs_*` tests run over
 //! real verbs (soft-RoCE) in the VM suite, `scripts/vm/guest/rdma.sh`.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, Via};
 use target_rdma::client::{
@@ -16,6 +13,7 @@ use target_rdma::client::{
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{wc_status, DeviceSelector, RdmaProvider};
+use target_rdma::testing::*;
 use ublk_metrics::driver::names;
 use ublk_metrics::{DriverSnapshot, DriverStats as _, IoOp};
 
@@ -79,7 +77,7 @@ fn setup(
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 4 << 20,
             blob_bytes: BLOB,
             rdma: server,
@@ -189,20 +187,15 @@ fn a_peer_without_rdma_declines_and_every_payload_is_counted() {
     let mut part = vec![0; 4096];
     assert!(block_on(s.t.read(1, 0, &mut part)).unwrap().moved());
     assert!(part == [1; 4096], "partial blob differs");
-    assert_eq!(
-        s._peer
-            .server
-            .counters()
-            .rdma_declined
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    // Every payload of the declined transport went inline, none by RDMA.
+    assert_eq!(count(&s.t, names::RDMA_REQUESTS), 0);
+    assert_eq!(tcp_total(&s.t), tcp(&s.t, TcpReason::Declined));
 }
 
 #[test]
 fn transport_rdma_refuses_to_start_without_rdma() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let e = RdmaTransport::connect(
         peer.config("a", SECRET_A),
         Err("no RDMA device: listing RDMA devices failed: Function not implemented".into()),
@@ -220,7 +213,7 @@ fn transport_rdma_refuses_to_start_without_rdma() {
 #[test]
 fn no_local_device_is_counted_by_its_reason() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let t =
         RdmaTransport::connect(peer.config("a", SECRET_A), Err("ENOSYS".into()), cfg()).unwrap();
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
@@ -353,7 +346,7 @@ fn small_peer(slots: u64) -> (Arc<LoopbackProvider>, Peer, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: slots * u64::from(BLOB),
             blob_bytes: BLOB,
             rdma: Some(p.clone()),

@@ -1,15 +1,13 @@
 //! One suite, every block target: the arena target over each transport must
 //! match the in-memory reference target byte for byte.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
 use futures::executor::block_on;
 use proptest::prelude::*;
 use target_rdma::block::{ArenaTarget, BlockTarget, MemTarget, TargetError};
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
+use target_rdma::testing::*;
 
 const BLOB: u32 = 16 << 10;
 const SIZE: u64 = 1 << 20;
@@ -54,7 +52,7 @@ fn arena_tcp() -> Fixture<ArenaTarget<target_rdma::client::ArenaClient>> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 8 * u64::from(BLOB),
             blob_bytes: BLOB,
             ..PeerOpts::default()

@@ -3,11 +3,8 @@
 //! and status over every transport. Add a transport by adding a line to
 //! `conformance!` below.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
 use target_rdma::blob::{BlobIo, ErrorKind, Transport, Via};
@@ -17,6 +14,7 @@ use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{DeviceSelector, RdmaProvider};
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
+use target_rdma::testing::*;
 
 const BLOB: u32 = 64 << 10;
 /// Blobs a volume may hold: more than any case below writes but one.
@@ -55,7 +53,7 @@ fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
             quota_blobs: QUOTA,
@@ -76,7 +74,7 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
             quota_blobs: QUOTA,

@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use ublk_metrics::events::{init_logging, LogFormat};
+use ublk_metrics::events::{init_logging_from_env, LogFormat};
 use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::device::Manager;
@@ -41,8 +41,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         LogFormat::Text
     };
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    init_logging(format, &filter).context("setting up logging (RUST_LOG)")?;
+    init_logging_from_env(format).context("setting up logging (RUST_LOG)")?;
     let on_shutdown = cfg.on_shutdown;
     let socket = cfg.socket.clone();
     let group = cfg.socket_group.clone();
