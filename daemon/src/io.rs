@@ -4,18 +4,13 @@
 //! `-errno`) comes out. The queue loop (`queue.rs`) only moves descriptors
 //! and buffers between the kernel and [`serve`].
 
-use std::time::{Duration, Instant};
-
 use libublk::sys;
-use target_rdma::blob::ErrorKind;
+use target_rdma::blob::{ErrorKind, Via};
 use target_rdma::block::{BlockTarget, TargetError};
 use target_rdma::proto::Status;
-use ublk_metrics::{
-    events, CorrelationId, ErrnoClass, IoOp, Phase, Reason, TrackerGuard, TrackerTable,
-    Transport as MetricsTransport,
-};
+use ublk_metrics::{IoOp, Phase, Reason};
 
-use crate::telemetry::DeviceObs;
+use crate::observability::{DeviceObs, Failure};
 
 /// What the kernel put in the queue's descriptor array for one tag, copied
 /// out so the request can be served without holding a reference into the
@@ -78,17 +73,6 @@ pub enum IoRequest {
 }
 
 impl IoRequest {
-    /// The op, for stats.
-    pub fn op(&self) -> IoOp {
-        match self {
-            Self::Read { .. } => IoOp::Read,
-            Self::Write { .. } => IoOp::Write,
-            Self::Flush => IoOp::Flush,
-            Self::Discard { .. } => IoOp::Discard,
-            Self::WriteZeroes { .. } => IoOp::WriteZeroes,
-        }
-    }
-
     /// Bytes the request moves or affects.
     pub fn bytes(&self) -> u64 {
         match *self {
@@ -145,44 +129,60 @@ pub fn metrics_op(op_flags: u32) -> Option<IoOp> {
     }
 }
 
-/// Where a failed request failed, in the failure taxonomy of
-/// `docs/METRICS.md`.
-pub fn classify(e: &TargetError) -> (Phase, Reason) {
-    let TargetError::Arena { op, source } = e else {
-        return (Phase::Post, Reason::Protocol);
-    };
-    match source.kind() {
-        ErrorKind::Connect => (Phase::Connect, Reason::Unavailable),
-        ErrorKind::AuthFailed | ErrorKind::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
-        ErrorKind::Refused(_) => (Phase::Handshake, Reason::Unavailable),
-        ErrorKind::TimedOut => (Phase::Poll, Reason::Timeout),
-        ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
-        ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
-        ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
-        ErrorKind::Status(status) => match status {
-            Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
-                (Phase::Alloc, Reason::ResourceExhausted)
-            }
-            Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
-            Status::AuthFailed => (Phase::Completion, Reason::Auth),
-            Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
-            _ if *op == IoOp::Flush => (Phase::Flush, Reason::Io),
-            _ => (Phase::Completion, Reason::Io),
+/// How a failed request failed: its errno, where it belongs in the failure
+/// taxonomy of `docs/METRICS.md`, and whether the arena connection is gone.
+pub fn classify(e: &TargetError) -> Failure {
+    let (phase, reason) = match e {
+        TargetError::OutOfRange { .. } => (Phase::Post, Reason::Protocol),
+        TargetError::Arena { op, source } => match source.kind() {
+            ErrorKind::Connect => (Phase::Connect, Reason::Unavailable),
+            ErrorKind::AuthFailed | ErrorKind::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
+            ErrorKind::Refused(_) => (Phase::Handshake, Reason::Unavailable),
+            ErrorKind::TimedOut => (Phase::Poll, Reason::Timeout),
+            ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
+            ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
+            ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
+            ErrorKind::Status(status) => match status {
+                Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
+                    (Phase::Alloc, Reason::ResourceExhausted)
+                }
+                Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
+                Status::AuthFailed => (Phase::Completion, Reason::Auth),
+                Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
+                _ if *op == IoOp::Flush => (Phase::Flush, Reason::Io),
+                _ => (Phase::Completion, Reason::Io),
+            },
         },
-    }
-}
-
-/// Whether an error means the arena connection is gone (readiness then
-/// reports `peer_disconnected` until it is back).
-fn peer_gone(e: &TargetError) -> bool {
-    matches!(
+    };
+    let peer_gone = matches!(
         e,
         TargetError::Arena { source, .. }
             if matches!(
                 source.kind(),
                 ErrorKind::Connect | ErrorKind::Disconnected | ErrorKind::Refused(_)
             )
-    )
+    );
+    Failure {
+        errno: e.errno(),
+        phase,
+        reason,
+        peer_gone,
+    }
+}
+
+/// Runs a decoded request against `target`.
+async fn execute<T: BlockTarget>(
+    target: &T,
+    req: IoRequest,
+    buf: &mut [u8],
+) -> Result<Via, TargetError> {
+    match req {
+        IoRequest::Read { offset, len } => target.read(offset, &mut buf[..len]).await,
+        IoRequest::Write { offset, len, fua } => target.write(offset, &buf[..len], fua).await,
+        IoRequest::Flush => target.flush().await,
+        IoRequest::Discard { offset, len } => target.discard(offset, len).await,
+        IoRequest::WriteZeroes { offset, len } => target.write_zeroes(offset, len).await,
+    }
 }
 
 /// Serves one descriptor of (`queue`, `tag`) against `target` and returns
@@ -190,11 +190,10 @@ fn peer_gone(e: &TargetError) -> bool {
 /// READ/WRITE, 0 for the others, `-errno` on failure. It always returns
 /// (the target's own timeouts bound the wait).
 ///
-/// Every READ/WRITE/FLUSH/DISCARD/WRITE_ZEROES is tracked in the device's
-/// slot for (`queue`, `tag`) from here to completion, counted in the device
-/// I/O families (errno class, latency), in the request/attempt accounting
-/// and in the device's `ublkctl stats` counters. Nothing here allocates or
-/// formats unless the request fails.
+/// Decode, call, classify, complete: everything observed about the request
+/// (tracker slot, device I/O families, request/attempt accounting,
+/// `ublkctl stats`, events) is recorded by its [`RequestObs`](crate::observability::RequestObs), once.
+/// Nothing here allocates or formats unless the request fails.
 pub async fn serve<T: BlockTarget>(
     target: &T,
     desc: &IoDesc,
@@ -203,92 +202,22 @@ pub async fn serve<T: BlockTarget>(
     queue: u16,
     tag: u16,
 ) -> i32 {
-    let stats = dev.stats();
     let Some(op) = metrics_op(desc.op_flags) else {
-        stats.failed();
-        tracing::warn!(
-            event = "request.rejected",
-            op_flags = desc.op_flags,
-            errno = libc::EOPNOTSUPP
-        );
+        dev.unsupported(desc.op_flags);
         return -libc::EOPNOTSUPP;
     };
-    let guard = match dev.table().start(queue, tag, op) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            // ublk never reuses a busy tag and the table has the device's
-            // geometry, so this is a bug; count the request anyway.
-            tracing::error!(event = "tracker.failed", device = dev.id(), error = %e);
-            None
-        }
-    };
-    let untracked_start = guard.is_none().then(Instant::now);
-    let corr = guard
-        .as_ref()
-        .map_or_else(CorrelationId::next, |g| g.correlation_id());
-    let transport = target.transport();
-    let mut span = dev.accounting().start_request(op, transport, corr);
-    let complete =
-        |guard: Option<TrackerGuard<&TrackerTable>>, bytes: u64, r: Result<(), i32>| match (
-            guard,
-            untracked_start,
-        ) {
-            (Some(g), _) => {
-                g.complete(dev.io(), bytes, r);
-            }
-            (None, start) => {
-                dev.io()
-                    .record(op, bytes, r, start.map_or(Duration::ZERO, |s| s.elapsed()));
-            }
-        };
+    let obs = dev.begin(queue, tag, op, target.transport());
     let req = match decode(desc, buf.len()) {
         Ok(r) => r,
         Err(errno) => {
-            stats.failed();
-            span.fail(Phase::Post, Reason::Protocol);
-            events::request_failed(
-                corr,
-                Some(dev.id()),
-                op,
-                ErrnoClass::from_errno(errno),
-                Phase::Post,
-                Reason::Protocol,
-            );
-            tracing::warn!(
-                event = "request.rejected",
-                corr = corr.get(),
-                op_flags = desc.op_flags,
-                start_sector = desc.start_sector,
-                nr_sectors = desc.nr_sectors,
-                errno
-            );
-            complete(guard, 0, Err(errno));
+            obs.rejected(errno, desc.op_flags, desc.start_sector, desc.nr_sectors);
             return -errno;
         }
     };
-    let _inflight = stats.start();
-    let mut attempt = span.attempt(transport);
-    let result = match req {
-        IoRequest::Read { offset, len } => target.read(offset, &mut buf[..len]).await,
-        IoRequest::Write { offset, len, fua } => target.write(offset, &buf[..len], fua).await,
-        IoRequest::Flush => target.flush().await,
-        IoRequest::Discard { offset, len } => target.discard(offset, len).await,
-        IoRequest::WriteZeroes { offset, len } => target.write_zeroes(offset, len).await,
-    };
-    if result.as_ref().is_ok_and(|via| via.failed_over()) {
-        // The RDMA attempt failed (its work request errored or timed out,
-        // counted by the driver) and TCP carried the payload: one failover.
-        attempt.fail(Phase::Completion, Reason::WcError);
-        span.failover(MetricsTransport::Tcp);
-        attempt = span.attempt(MetricsTransport::Tcp);
-    }
-    match result {
-        Ok(_) => {
-            attempt.succeed();
-            span.succeed();
-            dev.peer_ok();
-            stats.done(req.op(), req.bytes());
-            complete(guard, req.bytes(), Ok(()));
+    let obs = obs.dispatched();
+    match execute(target, req, buf).await {
+        Ok(via) => {
+            obs.succeeded(req.bytes(), via);
             match req {
                 // Bounded by the buffer size, which fits an i32 (libublk caps it).
                 IoRequest::Read { len, .. } | IoRequest::Write { len, .. } => len as i32,
@@ -296,25 +225,9 @@ pub async fn serve<T: BlockTarget>(
             }
         }
         Err(e) => {
-            let errno = e.errno();
-            let (phase, reason) = classify(&e);
-            attempt.fail(phase, reason);
-            span.fail(phase, reason);
-            if peer_gone(&e) {
-                dev.peer_lost(phase, reason);
-            }
-            stats.failed();
-            events::request_failed(
-                corr,
-                Some(dev.id()),
-                op,
-                ErrnoClass::from_errno(errno),
-                phase,
-                reason,
-            );
-            tracing::debug!(event = "request.error", corr = corr.get(), error = %e);
-            complete(guard, 0, Err(errno));
-            -errno
+            let failure = classify(&e);
+            obs.failed(&failure, &e);
+            -failure.errno
         }
     }
 }
@@ -327,14 +240,17 @@ mod tests {
     use std::sync::Arc;
 
     use futures::executor::LocalPool;
-    use target_rdma::blob::{ArenaError, Via};
+    use std::time::Duration;
+
+    use target_rdma::blob::ArenaError;
     use target_rdma::block::MemTarget;
     use ublk_metrics::testing::sample;
+    use ublk_metrics::Transport as MetricsTransport;
     use ublk_metrics::{Daemon, Telemetry};
 
     use super::*;
     use crate::config::{MetricsConfig, Transport};
-    use crate::telemetry::{DevState, DeviceShape, Observability};
+    use crate::observability::{DevState, DeviceShape, Observability};
 
     const DEPTH: usize = 4;
     const BUF: usize = 64 * 1024;
@@ -371,7 +287,7 @@ mod tests {
                     },
                     DevState::Live,
                     Arc::default(),
-                    Vec::new(),
+                    None,
                     Arc::new(target_rdma::client::TcpPayloadStats::default()),
                 )
                 .unwrap();

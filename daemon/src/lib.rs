@@ -3,7 +3,7 @@
 //!
 //! Control plane: [`config`], [`device`] (the device manager and its
 //! persisted definitions), [`server`] and [`ctl`] (the control socket and
-//! its protocol), [`telemetry`] (metrics, readiness, diagnostics). I/O plane: [`io`] (descriptor → target call → result,
+//! its protocol), [`observability`] (metrics, readiness, diagnostics, and the per-request observer). I/O plane: [`io`] (descriptor → target call → result,
 //! pure and unit-tested), [`queue`] (the per-queue io_uring loop) and
 //! [`wake`] (waking that loop from the arena client's threads).
 
@@ -13,9 +13,9 @@ pub mod ctl;
 pub mod device;
 pub mod features;
 pub mod io;
+pub mod observability;
 pub mod queue;
 pub mod queue_io;
 pub mod server;
 pub mod stats;
-pub mod telemetry;
 pub mod wake;

@@ -19,8 +19,8 @@ use libublk::{BufDesc, UblkError, UblkUringData};
 use target_rdma::block::ArenaTarget;
 
 use crate::io::{serve, IoDesc};
+use crate::observability::DeviceObs;
 use crate::queue_io::QueueIo;
-use crate::telemetry::DeviceObs;
 use crate::wake::{CrossThread, EventFd};
 
 /// Serves one tag until the queue goes down. The tag's buffer comes from

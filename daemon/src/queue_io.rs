@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use libublk::helpers::IoBuf;
-use target_rdma::client::Session;
-use target_rdma::client::{RdmaTransport, TransportGroup};
+use target_rdma::blob::{BlobIo, Transport};
+use target_rdma::client::{RdmaTransport, Session, TransportGroup};
 
 /// A queue's I/O buffers: one page-aligned buffer of `io_buf` bytes per
 /// tag, allocated when the device is added and registered once for RDMA.
@@ -87,4 +87,18 @@ impl QueueIo {
     pub fn buffers(&self) -> &TagBuffers {
         &self.bufs
     }
+}
+
+/// The data path a device's queues negotiated: RDMA when every queue did,
+/// else TCP with the first reason a queue gave; `None` without queues.
+pub fn negotiated(ios: &[QueueIo]) -> Option<(Transport, Option<String>)> {
+    ios.first()?;
+    if ios
+        .iter()
+        .all(|io| io.session().transport() == Transport::Rdma)
+    {
+        return Some((Transport::Rdma, None));
+    }
+    let why = ios.iter().find_map(|io| io.session().tcp_reason());
+    Some((Transport::Tcp, why))
 }

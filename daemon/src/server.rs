@@ -200,7 +200,7 @@ mod tests {
         let listener = bind(&sock, None).unwrap();
         let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        let obs = crate::telemetry::Observability::new(
+        let obs = crate::observability::Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &cfg.metrics,
         );

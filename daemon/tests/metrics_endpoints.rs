@@ -22,9 +22,11 @@ use target_rdma::client::{ArenaClient, ClientConfig, TcpPayloadStats};
 use target_rdma::testing::{secret, Peer, PeerOpts};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{MetricsConfig, Transport};
+use ublkd::device::check_peer;
 use ublkd::io::{serve, IoDesc};
+use ublkd::observability::{DevState, DeviceObs, DeviceShape, Observability};
+use ublkd::queue_io::negotiated;
 use ublkd::queue_io::{QueueIo, TagBuffers};
-use ublkd::telemetry::{DevState, DeviceShape, Observability};
 
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
@@ -105,10 +107,10 @@ fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
     drop(daemon);
 }
 
-/// Runs the peer monitor's check until `/ready` answers `want`.
-fn ready_becomes(obs: &Observability, metrics: &str, want: u16) -> String {
+/// Runs the peer monitor's check of `io` until `/ready` answers `want`.
+fn ready_becomes(dev: &DeviceObs, io: &QueueIo, metrics: &str, want: u16) -> String {
     loop {
-        obs.check_peers();
+        check_peer(dev, std::slice::from_ref(io));
         let (code, body) = get(metrics, "/ready");
         if code == want {
             return body;
@@ -168,7 +170,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
             },
             DevState::Starting,
             Arc::default(),
-            vec![io.clone()],
+            negotiated(std::slice::from_ref(&io)),
             payload,
         )
         .unwrap();
@@ -217,7 +219,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
 
     // The peer goes away: not ready, peer_disconnected.
     peer.pause();
-    let body = ready_becomes(&obs, &metrics, 503);
+    let body = ready_becomes(&dev, &io, &metrics, 503);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["reasons"], serde_json::json!(["peer_disconnected"]));
     let (_, diag) = get(&metrics, "/diagnostics");
@@ -235,7 +237,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
 
     // It comes back: the monitor reconnects the idle device, ready again.
     peer.resume();
-    let body = ready_becomes(&obs, &metrics, 200);
+    let body = ready_becomes(&dev, &io, &metrics, 200);
     assert!(body.contains("\"ready\":true"), "{body}");
 
     // Removing the device prunes it: gone from readiness and diagnostics.

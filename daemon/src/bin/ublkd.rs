@@ -14,8 +14,8 @@ use ublk_metrics::events::{init_logging_from_env, LogFormat};
 use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::device::Manager;
+use ublkd::observability::Observability;
 use ublkd::server;
-use ublkd::telemetry::{spawn_peer_monitor, Observability};
 
 /// Serve ublk block devices backed by a remote arena (arenad).
 #[derive(Parser, Debug)]
@@ -53,7 +53,6 @@ fn main() -> anyhow::Result<()> {
         .scanner()
         .spawn()
         .context("starting the tracker scanner")?;
-    spawn_peer_monitor(&obs).context("starting the peer monitor")?;
     // Up before the restore, so /ready answers (503) while devices come back.
     let _metrics = match cfg.metrics.listen_addr() {
         Some(addr) => match MetricsServer::start(addr, Arc::clone(&tel), HttpConfig::default()) {
@@ -71,6 +70,9 @@ fn main() -> anyhow::Result<()> {
         None => None,
     };
     let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
+    manager
+        .spawn_peer_monitor()
+        .context("starting the peer monitor")?;
     let listener = server::bind(&socket, group.as_deref())?;
     manager.restore()?;
     {

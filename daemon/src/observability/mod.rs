@@ -2,14 +2,18 @@
 //! [`Observability`] per process owns the telemetry plane, the tracker
 //! scanner, the driver-statistics registry and the request accounting, and
 //! one [`DeviceObs`] per device holds what its queues update on the I/O
-//! path (tracker table, I/O counters) and what readiness reads (state and
-//! peer flags, kept up to date by the device and queue code so that `/ready`
-//! costs O(devices)).
+//! path and what readiness reads (state and peer flags, kept up to date by
+//! the device manager and the requests, so that `/ready` costs O(devices)).
+//!
+//! Each block request is observed once, by one owner: the [`RequestObs`]
+//! that [`DeviceObs::begin`] returns holds its tracker slot, its request and
+//! attempt accounting, the device's `ublkctl stats` counters and its
+//! `request.failed` event (`request.rs`). Nothing here holds a session: the
+//! device manager reports what it sees of them (`peer_checked`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -21,15 +25,13 @@ use ublk_metrics::{
 
 use crate::config::{self, MetricsConfig};
 use crate::stats::DeviceStats;
-use target_rdma::blob::BlobIo;
 
-use crate::queue_io::QueueIo;
+mod request;
+
+pub use request::{AttemptObs, Failure, RequestObs};
 
 /// The target label of every ublkd device (the arena target).
 pub const TARGET: &str = "arena";
-/// How often the peer monitor checks (and re-establishes) the arena
-/// connections of live devices.
-pub const PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Where a device is in its life, as readiness and `/diagnostics` see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,7 +94,10 @@ pub struct DeviceObs {
     table: Arc<TrackerTable>,
     io: IoMetrics,
     acct: Arc<RequestAccounting>,
-    ios: Vec<QueueIo>,
+    /// The data path its queues negotiated, and why not RDMA when not.
+    negotiated: Option<(Transport, Option<String>)>,
+    /// Per queue: whether its arena connection was up at the last check.
+    links: Mutex<Vec<bool>>,
 }
 
 impl std::fmt::Debug for DeviceObs {
@@ -120,16 +125,6 @@ impl DeviceObs {
         &self.table
     }
 
-    /// The device I/O families this device counts into.
-    pub fn io(&self) -> &IoMetrics {
-        &self.io
-    }
-
-    /// Logical request / physical attempt accounting.
-    pub fn accounting(&self) -> &RequestAccounting {
-        &self.acct
-    }
-
     /// Current state.
     pub fn state(&self) -> DevState {
         DevState::from_u8(self.state.load(Ordering::Acquire))
@@ -140,25 +135,11 @@ impl DeviceObs {
         self.state.store(s as u8, Ordering::Release);
     }
 
-    /// The data path the device uses now: RDMA when every queue negotiated
+    /// The data path the device uses: RDMA when every queue negotiated
     /// it, else TCP (with the first reason a queue gave), `None` without
     /// queues (a failed device).
     pub fn negotiated(&self) -> Option<(Transport, Option<String>)> {
-        self.ios.first()?;
-        if self
-            .ios
-            .iter()
-            .all(|io| io.session().transport() == Transport::Rdma)
-        {
-            return Some((Transport::Rdma, None));
-        }
-        let why = self.ios.iter().find_map(|io| io.session().tcp_reason());
-        Some((Transport::Tcp, why))
-    }
-
-    /// The queues' arena sessions (shared handles).
-    pub fn ios(&self) -> &[QueueIo] {
-        &self.ios
+        self.negotiated.clone()
     }
 
     /// Whether every queue's arena connection was up at the last check.
@@ -183,18 +164,12 @@ impl DeviceObs {
         }
     }
 
-    /// Checks the queues' arena connections and re-establishes lost ones
-    /// (so a device that is idle when its peer comes back turns ready
-    /// again). Blocks up to the connect timeout per lost connection: run it
-    /// from the peer monitor, never from `/ready`.
-    pub fn check_peer(&self) {
-        let mut up = true;
-        for c in self.ios.iter().map(|io| io.session().client()) {
-            if !c.is_connected() && c.welcome().is_err() {
-                up = false;
-            }
-        }
-        if up {
+    /// The device manager checked the queues' arena connections (`links`,
+    /// one per queue, re-established where it could): readiness follows,
+    /// and `peer.reconnected` / `peer.disconnected` are logged on a change.
+    pub fn peer_checked(&self, links: &[bool]) {
+        *self.links.lock() = links.to_vec();
+        if links.iter().all(|up| *up) {
             if !self.peer_connected.swap(true, Ordering::AcqRel) {
                 tracing::info!(event = "peer.reconnected", device = self.shape.id);
             }
@@ -210,16 +185,10 @@ impl DeviceObs {
             oldest,
         } = self.table.snapshot(stall_threshold);
         let connections: Vec<&str> = self
-            .ios
+            .links
+            .lock()
             .iter()
-            .map(|io| io.session().client())
-            .map(|c| {
-                if c.is_connected() {
-                    "connected"
-                } else {
-                    "disconnected"
-                }
-            })
+            .map(|up| if *up { "connected" } else { "disconnected" })
             .collect();
         serde_json::json!({
             "id": self.shape.id,
@@ -344,14 +313,15 @@ impl Observability {
     }
 
     /// Registers (or replaces) device `shape.id`: its tracker table, I/O
-    /// series and driver statistics. `ios` are its queues' arena sessions
-    /// (shared handles), `driver` its data path's driver statistics.
+    /// series and driver statistics. `negotiated` is the data path its
+    /// queues negotiated (`None`: it has none, it failed), `driver` its data
+    /// path's driver statistics.
     pub fn register(
         &self,
         shape: DeviceShape,
         state: DevState,
         stats: Arc<DeviceStats>,
-        ios: Vec<QueueIo>,
+        negotiated: Option<(Transport, Option<String>)>,
         driver: Arc<dyn DriverStats>,
     ) -> Result<Arc<DeviceObs>, ObsError> {
         let id = shape.id;
@@ -377,12 +347,17 @@ impl Observability {
         let dev = Arc::new(DeviceObs {
             shape,
             state: AtomicU8::new(state as u8),
-            peer_connected: AtomicBool::new(!ios.is_empty()),
+            peer_connected: AtomicBool::new(negotiated.is_some()),
             stats,
             table,
             io,
             acct: Arc::clone(&self.acct),
-            ios,
+            links: Mutex::new(if negotiated.is_some() {
+                vec![true; usize::from(shape.queues)]
+            } else {
+                Vec::new()
+            }),
+            negotiated,
         });
         // A device set to RDMA that moved nothing over RDMA is what the
         // driver summary warns about; an `auto` device is held to the
@@ -415,15 +390,6 @@ impl Observability {
 
     fn all(&self) -> Vec<Arc<DeviceObs>> {
         self.devices.lock().values().cloned().collect()
-    }
-
-    /// Checks (and re-establishes) the arena connections of live devices.
-    pub fn check_peers(&self) {
-        for d in self.all() {
-            if d.state() == DevState::Live {
-                d.check_peer();
-            }
-        }
     }
 
     /// Driver statistics of one device or all, for `ublkctl stats`.
@@ -469,19 +435,4 @@ impl Observability {
             "devices": devices,
         })
     }
-}
-
-/// Runs [`Observability::check_peers`] every [`PEER_CHECK_INTERVAL`] on its
-/// own thread, for as long as the observability lives.
-pub fn spawn_peer_monitor(obs: &Arc<Observability>) -> std::io::Result<JoinHandle<()>> {
-    let weak = Arc::downgrade(obs);
-    std::thread::Builder::new()
-        .name("ublkd-peers".into())
-        .spawn(move || loop {
-            std::thread::sleep(PEER_CHECK_INTERVAL);
-            match weak.upgrade() {
-                Some(o) => o.check_peers(),
-                None => return,
-            }
-        })
 }
