@@ -288,7 +288,7 @@ mod tests {
                     DevState::Live,
                     Arc::default(),
                     None,
-                    Arc::new(target_rdma::client::TcpPayloadStats::default()),
+                    Arc::new(target_rdma::client::ClientStats::default()),
                 )
                 .unwrap();
             Self {

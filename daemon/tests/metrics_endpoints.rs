@@ -18,7 +18,7 @@ use ublk_metrics::testing::{
 
 use libublk::sys;
 use target_rdma::block::ArenaTarget;
-use target_rdma::client::{ArenaClient, ClientConfig, TcpPayloadStats};
+use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::testing::{secret, Peer, PeerOpts};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{MetricsConfig, Transport};
@@ -153,9 +153,8 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     assert!(body.contains("control_socket_down"), "{body}");
     obs.set_control_socket_up(true);
 
-    let payload = Arc::new(TcpPayloadStats::default());
-    let mut cc = ClientConfig::new(peer.addr.to_string(), VOLUME, secret(SECRET));
-    cc.payload_stats = Some(Arc::clone(&payload));
+    let cc = ClientConfig::new(peer.addr.to_string(), VOLUME, secret(SECRET));
+    let payload = Arc::clone(&cc.stats);
     let client = ArenaClient::connect(cc).expect("connect to the peer");
     let io = QueueIo::tcp(client, TagBuffers::new(4, 64 << 10));
     let dev = obs

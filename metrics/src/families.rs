@@ -385,6 +385,20 @@ pub mod driver_names {
     pub const BUFFER_POOL_IN_USE: &str = "buffer_pool_in_use";
     /// Most buffers ever in use.
     pub const BUFFER_POOL_PEAK: &str = "buffer_pool_peak";
+    /// Control connections re-established after a loss.
+    pub const RECONNECTS: &str = "reconnects";
+    /// Requests that got no answer in time.
+    pub const REQUEST_TIMEOUTS: &str = "request_timeouts";
+    /// Idempotent requests sent again over a new connection.
+    pub const REQUEST_RETRIES: &str = "request_retries";
+    /// Answers that arrived after their request had timed out.
+    pub const LATE_ANSWERS: &str = "late_answers";
+    /// Reconnects that found a new peer generation (the peer restarted).
+    pub const PEER_RESTARTS: &str = "peer_restarts";
+    /// Lease revocations the peer sent.
+    pub const REVOCATIONS_RECEIVED: &str = "revocations_received";
+    /// Revocations dropped because their owner did not collect them.
+    pub const REVOCATIONS_DROPPED: &str = "revocations_dropped";
 
     /// Every well-known counter name.
     pub const COUNTERS: &[&str] = &[
@@ -402,6 +416,13 @@ pub mod driver_names {
         REGISTRATION_FAILURES,
         ALLOCATION_FAILURES,
         LEASE_FAILURES,
+        RECONNECTS,
+        REQUEST_TIMEOUTS,
+        REQUEST_RETRIES,
+        LATE_ANSWERS,
+        PEER_RESTARTS,
+        REVOCATIONS_RECEIVED,
+        REVOCATIONS_DROPPED,
     ];
     /// Every well-known gauge name.
     pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];

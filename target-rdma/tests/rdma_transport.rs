@@ -21,7 +21,12 @@ const BLOB: u32 = 64 << 10;
 
 /// The transport's statistics as they are exported (`ublk_driver_*`).
 fn report(t: &RdmaTransport) -> DriverSnapshot {
-    RdmaDriverStats::new("rdma", vec![Arc::clone(t.stats())]).snapshot()
+    RdmaDriverStats::new(
+        "rdma",
+        vec![Arc::clone(t.stats())],
+        Arc::clone(t.client().stats()),
+    )
+    .snapshot()
 }
 
 /// An exported counter, summed over ops and reasons (it must exist).
@@ -368,12 +373,7 @@ fn revoked_leases_are_given_back() {
     assert!(block_on(other.write(3, 0, &[3; 4096])).is_err());
     // REVOKE frames arrive asynchronously: wait until ours has been read.
     for _ in 0..2000 {
-        if t.client()
-            .counters()
-            .revocations
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-        {
+        if report(&t).counter(names::REVOCATIONS_RECEIVED, None) > 0 {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(5));

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use target_rdma::auth::Secret;
 use target_rdma::blob::BlobIo;
 use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
-use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain, TcpPayloadStats};
+use target_rdma::client::{ArenaClient, ClientConfig, ClientStats, FlushDomain};
 use target_rdma::client::{
     RdmaConnectError, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
@@ -214,7 +214,7 @@ impl Manager {
             DevState::Failed,
             Arc::default(),
             None,
-            Arc::new(TcpPayloadStats::default()),
+            Arc::new(ClientStats::default()),
         ) {
             tracing::warn!(event = "device.metrics_failed", id, error = %oe);
         }
@@ -367,11 +367,14 @@ impl Manager {
         secret: &Secret,
     ) -> Result<(Vec<QueueIo>, Arc<dyn DriverStats>), DeviceError> {
         // A FLUSH on any queue covers writes completed on every queue, so
-        // the queues' connections vouch for each other's writes.
+        // the queues' connections vouch for each other's writes; and they
+        // count into one set of statistics, the device's.
         let flush_domain = Arc::new(FlushDomain::default());
+        let client_stats = Arc::new(ClientStats::default());
         let client_cfg = || {
             let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
             cc.flush_domain = Arc::clone(&flush_domain);
+            cc.stats = Arc::clone(&client_stats);
             cc.blob_bytes = spec.blob_size as u32;
             cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
             cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
@@ -380,14 +383,11 @@ impl Manager {
         let bufs = || TagBuffers::new(spec.depth as usize, spec.io_buf as usize);
         let mode = match spec.transport {
             Transport::Tcp => {
-                let payload = Arc::new(TcpPayloadStats::default());
                 let mut ios = Vec::with_capacity(spec.queues as usize);
                 for _ in 0..spec.queues {
-                    let mut cc = client_cfg();
-                    cc.payload_stats = Some(Arc::clone(&payload));
-                    ios.push(QueueIo::tcp(ArenaClient::connect(cc)?, bufs()));
+                    ios.push(QueueIo::tcp(ArenaClient::connect(client_cfg())?, bufs()));
                 }
-                return Ok((ios, payload));
+                return Ok((ios, client_stats));
             }
             Transport::Rdma => RdmaMode::On,
             Transport::Auto => RdmaMode::Auto,
@@ -428,7 +428,7 @@ impl Manager {
             .iter()
             .filter_map(|io| io.session().rdma_stats())
             .collect();
-        let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats);
+        let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats, client_stats);
         Ok((ios, Arc::new(driver)))
     }
 

@@ -16,4 +16,4 @@ pub use rdma::{
     TransportGroup,
 };
 pub use session::Session;
-pub use tcp::{ArenaClient, ClientConfig, FlushDomain, TcpPayloadStats, REASON_CONFIGURED_TCP};
+pub use tcp::{ArenaClient, ClientConfig, ClientStats, FlushDomain, REASON_CONFIGURED_TCP};

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use ublk_metrics::driver::{names, CounterValue, GaugeValue};
 use ublk_metrics::{DriverSnapshot, IoOp};
 
+use crate::client::tcp::ClientStats;
 use crate::rdma::{RdmaOp, WcCategory};
 
 /// Why a payload went over the TCP stream instead of RDMA: a closed set.
@@ -214,6 +215,7 @@ impl RdmaStats {
 pub struct RdmaDriverStats {
     driver: &'static str,
     queues: Vec<Arc<RdmaStats>>,
+    client: Arc<ClientStats>,
 }
 
 impl RdmaDriverStats {
@@ -221,8 +223,19 @@ impl RdmaDriverStats {
     /// negotiated RDMA, `tcp` when it serves every payload inline (an `auto`
     /// device whose peer or host has no RDMA), so its TCP payloads are
     /// reported with the reason and not mixed with RDMA devices.
-    pub fn new(driver: &'static str, queues: Vec<Arc<RdmaStats>>) -> Self {
-        Self { driver, queues }
+    /// `client` is what the queues' control connections share: its
+    /// connection counters are reported too (its inline payloads are
+    /// already counted by the queues, by reason).
+    pub fn new(
+        driver: &'static str,
+        queues: Vec<Arc<RdmaStats>>,
+        client: Arc<ClientStats>,
+    ) -> Self {
+        Self {
+            driver,
+            queues,
+            client,
+        }
     }
 
     fn sum(&self, f: impl Fn(&RdmaStats) -> &AtomicU64) -> u64 {
@@ -312,6 +325,7 @@ impl ublk_metrics::DriverStats for RdmaDriverStats {
                 ..counter("wc_errors", None, self.sum(|q| &q.wc_errors[i]))
             });
         }
+        counters.extend(self.client.connection_counters());
         let buffers = self.sum(|q| &q.pool_buffers);
         let in_use = self.sum(|q| &q.pool_in_use);
         let gauges = [
@@ -354,7 +368,7 @@ mod tests {
         for c in WC_ORDER {
             q.wc_error(c);
         }
-        let snap = RdmaDriverStats::new("rdma", vec![q]).snapshot();
+        let snap = RdmaDriverStats::new("rdma", vec![q], Arc::default()).snapshot();
         let with = |name: &str, reason: &str| {
             snap.counters
                 .iter()
@@ -394,7 +408,7 @@ mod tests {
         b.inc(|s| &s.alloc_failures);
         a.pool_buffers.store(4, Ordering::Relaxed);
         a.pool_take();
-        let snap = RdmaDriverStats::new("rdma", vec![a, b]).snapshot();
+        let snap = RdmaDriverStats::new("rdma", vec![a, b], Arc::default()).snapshot();
         assert_eq!(snap.driver, "rdma");
         let c = |name, op| snap.counter(name, op);
         assert_eq!(c(names::RDMA_REQUESTS, Some(IoOp::Read)), 2);
@@ -465,7 +479,7 @@ mod tests {
         let text = summarize(&[DeviceDriverReport {
             device: 0,
             configured: Transport::Rdma,
-            stats: Some(RdmaDriverStats::new("rdma", vec![q]).snapshot()),
+            stats: Some(RdmaDriverStats::new("rdma", vec![q], Arc::default()).snapshot()),
         }]);
         assert!(
             text.contains("ublkb0: warning: configured for RDMA but moved no payload over RDMA"),

@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -259,7 +258,7 @@ fn expire(shared: &Shared, conn: &Conn) {
         ids.iter().filter_map(|id| t.map.remove(id)).collect()
     };
     for p in expired {
-        shared.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        shared.cfg.stats.count(|s| &s.request_timeouts);
         let _ = p.tx.send(Err(ArenaError::TimedOut {
             op: p.op,
             peer: shared.cfg.peer.clone(),
@@ -277,20 +276,17 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
     }
     if h.opcode == Opcode::Revoke {
         let rv = proto::decode_revoke(h, body.bytes())?;
-        shared.counters.revocations.fetch_add(1, Ordering::Relaxed);
+        shared.cfg.stats.count(|s| &s.revocations_received);
         let mut q = shared.revocations.lock();
         if q.len() >= MAX_QUEUED_REVOCATIONS {
             q.pop_front();
-            shared
-                .counters
-                .revocations_dropped
-                .fetch_add(1, Ordering::Relaxed);
+            shared.cfg.stats.count(|s| &s.revocations_dropped);
         }
         q.push_back(rv);
         return Ok(());
     }
     let Some(p) = conn.pending.lock().map.remove(&h.request_id) else {
-        shared.counters.late_answers.fetch_add(1, Ordering::Relaxed);
+        shared.cfg.stats.count(|s| &s.late_answers);
         return Ok(());
     };
     if p.op != h.opcode {

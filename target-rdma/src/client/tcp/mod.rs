@@ -32,7 +32,7 @@ use tracing::warn;
 
 pub use durability::FlushDomain;
 pub use frames::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
-pub use stats::{TcpPayloadStats, REASON_CONFIGURED_TCP};
+pub use stats::{ClientStats, REASON_CONFIGURED_TCP};
 
 use conn::{handshake, read_loop, Conn, Pending, Reply};
 
@@ -60,8 +60,9 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Limit for each request, from send to answer.
     pub request_timeout: Duration,
-    /// Where inline payloads are counted; shared by a device's connections.
-    pub payload_stats: Option<Arc<TcpPayloadStats>>,
+    /// What the connection did; shared by a device's connections. `new`
+    /// gives each config counters of its own.
+    pub stats: Arc<ClientStats>,
     /// Offer `CAP_RDMA` in HELLO (the RDMA transport sets it).
     pub offer_rdma: bool,
     /// The writes a FLUSH through this client vouches for; see
@@ -79,30 +80,11 @@ impl ClientConfig {
             blob_bytes: 0,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
-            payload_stats: None,
+            stats: Arc::default(),
             offer_rdma: false,
             flush_domain: Arc::default(),
         }
     }
-}
-
-/// Counters a client keeps about itself.
-#[derive(Default, Debug)]
-pub struct ClientCounters {
-    /// Connections established (the first one included).
-    pub connects: AtomicU64,
-    /// Requests that failed for lack of an answer in time.
-    pub timeouts: AtomicU64,
-    /// Idempotent requests retried after a reconnect.
-    pub retries: AtomicU64,
-    /// Answers that arrived after their request had timed out.
-    pub late_answers: AtomicU64,
-    /// Times the peer's generation changed between connections.
-    pub peer_restarts: AtomicU64,
-    /// Revocations received.
-    pub revocations: AtomicU64,
-    /// Revocations dropped because the owner did not collect them.
-    pub revocations_dropped: AtomicU64,
 }
 
 struct Shared {
@@ -111,7 +93,8 @@ struct Shared {
     next_id: AtomicU64,
     blob_bytes: AtomicU32,
     bodies: Arc<BodyPool>,
-    counters: ClientCounters,
+    /// Connections made so far: the epoch of the live one.
+    connects: AtomicU64,
     revocations: Mutex<VecDeque<(u64, u64)>>,
 }
 
@@ -133,7 +116,7 @@ impl ArenaClient {
                 next_id: AtomicU64::new(1),
                 blob_bytes: AtomicU32::new(0),
                 bodies: Arc::default(),
-                counters: ClientCounters::default(),
+                connects: AtomicU64::new(0),
                 revocations: Mutex::new(VecDeque::new()),
             }),
         };
@@ -194,9 +177,10 @@ impl ArenaClient {
         }
     }
 
-    /// The client's own counters.
-    pub fn counters(&self) -> &ClientCounters {
-        &self.shared.counters
+    /// What this client's connections did (shared with the other
+    /// connections of its config's device).
+    pub fn stats(&self) -> &Arc<ClientStats> {
+        &self.shared.cfg.stats
     }
 
     /// Leases the peer asked back, as `(key, token)`; the owner must COMMIT
@@ -213,19 +197,14 @@ impl ArenaClient {
         }
         let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
         let mut conn = handshake(&self.shared.cfg, agreed)?;
-        conn.epoch = self
-            .shared
-            .counters
-            .connects
-            .fetch_add(1, Ordering::Relaxed)
-            + 1;
+        conn.epoch = self.shared.connects.fetch_add(1, Ordering::Relaxed) + 1;
+        if conn.epoch > 1 {
+            self.stats().count(|s| &s.reconnects);
+        }
         let conn = Arc::new(conn);
         let new = conn.welcome.generation;
         if let Some(old) = self.shared.cfg.flush_domain.connected(new) {
-            self.shared
-                .counters
-                .peer_restarts
-                .fetch_add(1, Ordering::Relaxed);
+            self.stats().count(|s| &s.peer_restarts);
             warn!(
                 event = "peer.restarted",
                 old_generation = old,
@@ -274,7 +253,7 @@ impl ArenaClient {
         );
         match self.call_once(req, out.as_deref_mut()).await {
             Err(ArenaError::Disconnected { .. }) if idempotent => {
-                self.shared.counters.retries.fetch_add(1, Ordering::Relaxed);
+                self.stats().count(|s| &s.request_retries);
                 self.call_once(req, out).await
             }
             r => r,
@@ -362,9 +341,7 @@ impl ArenaClient {
         match self.call(&req).await? {
             Reply::Empty => {
                 self.record_acknowledged_write();
-                if let Some(s) = &self.shared.cfg.payload_stats {
-                    s.write(data.len());
-                }
+                self.stats().write(data.len());
                 Ok(())
             }
             _ => Err(self.unexpected(Opcode::Write)),
@@ -381,24 +358,18 @@ impl ArenaClient {
         };
         match self.call_into(&req, Some(&mut *out)).await? {
             Reply::Landed => {
-                if let Some(s) = &self.shared.cfg.payload_stats {
-                    s.read(out.len());
-                }
+                self.stats().read(out.len());
                 Ok(true)
             }
             Reply::Data(d) if d.len() == out.len() => {
                 out.copy_from_slice(&d);
-                if let Some(s) = &self.shared.cfg.payload_stats {
-                    s.read(d.len());
-                }
+                self.stats().read(d.len());
                 self.shared.bodies.give(d);
                 Ok(true)
             }
             Reply::NotFound => {
                 out.fill(0);
-                if let Some(s) = &self.shared.cfg.payload_stats {
-                    s.read(0);
-                }
+                self.stats().read(0);
                 Ok(false)
             }
             _ => Err(self.unexpected(Opcode::Read)),
