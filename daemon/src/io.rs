@@ -249,7 +249,7 @@ mod tests {
     use ublk_metrics::{Daemon, Telemetry};
 
     use super::*;
-    use crate::config::{MetricsConfig, Transport};
+    use crate::config::{MetricsConfig, TransportChoice};
     use crate::observability::{DevState, DeviceShape, Observability};
 
     const DEPTH: usize = 4;
@@ -283,7 +283,7 @@ mod tests {
                         id: 0,
                         queues: 1,
                         depth: DEPTH as u16,
-                        transport: Transport::Tcp,
+                        transport: TransportChoice::Tcp,
                     },
                     DevState::Live,
                     Arc::default(),
@@ -299,7 +299,7 @@ mod tests {
             }
         }
 
-        fn snapshot(&self) -> crate::stats::StatsSnapshot {
+        fn snapshot(&self) -> crate::device_stats::StatsSnapshot {
             self.dev.stats().snapshot()
         }
 

@@ -21,7 +21,7 @@ use target_rdma::block::ArenaTarget;
 use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::testing::{secret, Peer, PeerOpts};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
-use ublkd::config::{MetricsConfig, Transport};
+use ublkd::config::{MetricsConfig, TransportChoice};
 use ublkd::device::check_peer;
 use ublkd::io::{serve, IoDesc};
 use ublkd::observability::{DevState, DeviceObs, DeviceShape, Observability};
@@ -165,7 +165,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
                 depth: 4,
                 // Set to RDMA while its session serves TCP: the driver
                 // summary must warn.
-                transport: Transport::Rdma,
+                transport: TransportChoice::Rdma,
             },
             DevState::Starting,
             Arc::default(),

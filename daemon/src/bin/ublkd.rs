@@ -13,9 +13,9 @@ use signal_hook::iterator::Signals;
 use ublk_metrics::events::{init_logging_from_env, LogFormat};
 use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
+use ublkd::control_socket;
 use ublkd::device::Manager;
 use ublkd::observability::Observability;
-use ublkd::server;
 
 /// Serve ublk block devices backed by a remote arena (arenad).
 #[derive(Parser, Debug)]
@@ -73,13 +73,13 @@ fn main() -> anyhow::Result<()> {
     manager
         .spawn_peer_monitor()
         .context("starting the peer monitor")?;
-    let listener = server::bind(&socket, group.as_deref())?;
+    let listener = control_socket::bind(&socket, group.as_deref())?;
     manager.restore()?;
     {
         let m = Arc::clone(&manager);
         std::thread::Builder::new()
             .name("ublkd-accept".into())
-            .spawn(move || server::serve(listener, m))
+            .spawn(move || control_socket::serve(listener, m))
             .context("starting the control socket thread")?;
     }
     obs.set_control_socket_up(true);

@@ -38,11 +38,11 @@ use target_rdma::rdma::{open_provider, RdmaMode};
 use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
-use crate::config::{check_geometry, ConfigError, DeviceDefaults, Transport, UblkdConfig};
+use crate::config::{check_geometry, ConfigError, DeviceDefaults, TransportChoice, UblkdConfig};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
+use crate::device_stats::DeviceStats;
 use crate::observability::{DevState, DeviceObs, Observability};
 use crate::queue_io::{QueueIo, TagBuffers};
-use crate::stats::DeviceStats;
 #[cfg(test)]
 use spec::params;
 use spec::shape;
@@ -382,15 +382,15 @@ impl Manager {
         };
         let bufs = || TagBuffers::new(spec.depth as usize, spec.io_buf as usize);
         let mode = match spec.transport {
-            Transport::Tcp => {
+            TransportChoice::Tcp => {
                 let mut ios = Vec::with_capacity(spec.queues as usize);
                 for _ in 0..spec.queues {
                     ios.push(QueueIo::tcp(ArenaClient::connect(client_cfg())?, bufs()));
                 }
                 return Ok((ios, client_stats));
             }
-            Transport::Rdma => RdmaMode::On,
-            Transport::Auto => RdmaMode::Auto,
+            TransportChoice::Rdma => RdmaMode::On,
+            TransportChoice::Auto => RdmaMode::Auto,
         };
         let provider = open_provider(mode, &self.cfg.rdma.selector())
             .map_err(|e| DeviceError::RdmaUnavailable(e.to_string()))?;
@@ -403,7 +403,7 @@ impl Manager {
             sq_depth: (spec.depth * 2).clamp(16, 256),
             op_timeout: Duration::from_millis(self.cfg.request_timeout_ms)
                 .min(Duration::from_secs(5)),
-            require_rdma: spec.transport == Transport::Rdma,
+            require_rdma: spec.transport == TransportChoice::Rdma,
             ..RdmaTransportConfig::default()
         };
         // Leases are cached per queue connection; the group lets a FLUSH or
@@ -802,7 +802,7 @@ mod tests {
         fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
         let a = AddArgs {
             secret_file: secret,
-            transport: Some(Transport::Rdma),
+            transport: Some(TransportChoice::Rdma),
             ..args()
         };
         let e = m.add(&a).unwrap_err();

@@ -11,7 +11,7 @@ use libublk::sys;
 use serde::{Deserialize, Serialize};
 
 use super::DeviceError;
-use crate::config::Transport;
+use crate::config::TransportChoice;
 use crate::observability::DeviceShape;
 
 /// A device definition, persisted as `<state_dir>/devices/<id>.json`.
@@ -35,8 +35,8 @@ pub struct DeviceSpec {
     pub io_buf: u64,
     /// Blob size asked for (0: the volume's).
     pub blob_size: u64,
-    /// Transport asked for.
-    pub transport: Transport,
+    /// TransportChoice asked for.
+    pub transport: TransportChoice,
     /// Logical block size.
     pub logical_block_size: u32,
     /// Physical block size.

@@ -14,9 +14,9 @@ use ublk_metrics::DriverStats;
 
 use super::spec::{params, shape, DeviceSpec};
 use super::{DeviceError, State};
+use crate::device_stats::DeviceStats;
 use crate::observability::{DevState, Observability};
 use crate::queue_io::{self, QueueIo};
-use crate::stats::DeviceStats;
 
 /// How a device thread attaches to the kernel.
 #[derive(Clone, Copy, Debug)]

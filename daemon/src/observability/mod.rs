@@ -24,7 +24,7 @@ use ublk_metrics::{
 };
 
 use crate::config::{self, MetricsConfig};
-use crate::stats::DeviceStats;
+use crate::device_stats::DeviceStats;
 
 mod request;
 
@@ -82,7 +82,7 @@ pub struct DeviceShape {
     /// Tags per queue.
     pub depth: u16,
     /// Transport the device was configured for.
-    pub transport: config::Transport,
+    pub transport: config::TransportChoice,
 }
 
 /// One device's observability state, shared by its queue threads.
@@ -364,9 +364,9 @@ impl Observability {
         // transport it negotiated (a TCP-only peer is not a warning: its
         // payloads are counted by reason).
         let configured = match shape.transport {
-            config::Transport::Tcp => Transport::Tcp,
-            config::Transport::Rdma => Transport::Rdma,
-            config::Transport::Auto => match dev.negotiated() {
+            config::TransportChoice::Tcp => Transport::Tcp,
+            config::TransportChoice::Rdma => Transport::Rdma,
+            config::TransportChoice::Auto => match dev.negotiated() {
                 Some((Transport::Rdma, _)) => Transport::Rdma,
                 _ => Transport::Tcp,
             },

@@ -17,7 +17,7 @@ use ublk_metrics::{
 };
 
 use super::DeviceObs;
-use crate::stats::InFlight;
+use crate::device_stats::InFlight;
 
 /// How a request failed: what the kernel gets and where it belongs in the
 /// failure taxonomy of `docs/METRICS.md`.
