@@ -17,7 +17,7 @@ use ublk_metrics::{Daemon, Telemetry};
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use crate::auth::Secret;
-use crate::client::{ArenaClient, ClientConfig};
+use crate::client::{ArenaClient, ClientConfig, RdmaTransport, RdmaTransportConfig};
 use crate::rdma::RdmaProvider;
 use crate::store::{Store, StoreConfig, VolumeSpec};
 
@@ -191,6 +191,30 @@ impl Peer {
         let mut c = ClientConfig::new(self.addr.to_string(), volume, secret(secret_value));
         c.request_timeout = Duration::from_secs(10);
         c
+    }
+
+    /// An RDMA transport of volume "a" over `provider` (the peer must grant
+    /// RDMA on it) that moves every payload by RDMA (threshold 1 byte,
+    /// buffers of `blob` bytes) and caches at most `lease_cache` leases.
+    pub fn rdma_session(
+        &self,
+        provider: Arc<dyn RdmaProvider>,
+        blob: u32,
+        lease_cache: usize,
+    ) -> RdmaTransport {
+        RdmaTransport::connect(
+            self.config("a", SECRET_A),
+            Ok(provider),
+            RdmaTransportConfig {
+                min_rdma_bytes: 1,
+                buffer_bytes: blob,
+                pool_buffers: 8,
+                lease_cache,
+                require_rdma: true,
+                ..RdmaTransportConfig::default()
+            },
+        )
+        .expect("an RDMA session")
     }
 
     /// The value of the peer's exported sample `name` with `labels`

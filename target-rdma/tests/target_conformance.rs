@@ -9,7 +9,7 @@ use futures::executor::block_on;
 use proptest::prelude::*;
 use target_rdma::blob::{Transport, Via};
 use target_rdma::block::{ArenaTarget, BlockTarget, MemTarget, TargetError};
-use target_rdma::client::{ArenaClient, RdmaTransport, RdmaTransportConfig};
+use target_rdma::client::{ArenaClient, RdmaTransport};
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::*;
@@ -85,19 +85,7 @@ fn arena_rdma_loopback() -> Fixture<ArenaTarget<RdmaTransport>> {
             ..PeerOpts::default()
         },
     );
-    let t = RdmaTransport::connect(
-        peer.config("a", SECRET_A),
-        Ok(provider),
-        RdmaTransportConfig {
-            min_rdma_bytes: 1,
-            buffer_bytes: BLOB,
-            pool_buffers: 8,
-            lease_cache: 2,
-            require_rdma: true,
-            ..RdmaTransportConfig::default()
-        },
-    )
-    .unwrap();
+    let t = peer.rdma_session(provider, BLOB, 2);
     Fixture {
         target: ArenaTarget::new(t, SIZE),
         _dir: Some(dir),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use futures::executor::block_on;
 use futures::future::join_all;
 use target_rdma::blob::{BlobIo, ErrorKind, Transport, Via};
-use target_rdma::client::{RdmaTransport, RdmaTransportConfig};
+use target_rdma::client::RdmaTransport;
 use target_rdma::proto::Status;
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
@@ -82,19 +82,7 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
             ..PeerOpts::default()
         },
     );
-    let io = RdmaTransport::connect(
-        peer.config("a", SECRET_A),
-        Ok(provider),
-        RdmaTransportConfig {
-            min_rdma_bytes: 1,
-            buffer_bytes: BLOB,
-            pool_buffers: 8,
-            lease_cache: 4,
-            require_rdma: true,
-            ..RdmaTransportConfig::default()
-        },
-    )
-    .unwrap();
+    let io = peer.rdma_session(provider, BLOB, 4);
     Fixture {
         io,
         _dir: dir,
