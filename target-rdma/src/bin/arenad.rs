@@ -28,7 +28,7 @@ use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 /// Settings come from the TOML config; each flag below overrides its key.
 #[derive(Parser, Debug)]
 #[command(name = "arenad", version)]
-struct Args {
+pub(crate) struct Args {
     /// Config file (TOML). Missing is an error unless it is the default path
     /// and the flags supply at least one --volume.
     #[arg(short, long, default_value = DEFAULT_CONFIG_PATH)]
