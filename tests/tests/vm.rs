@@ -58,5 +58,5 @@ fn vm_rdma_over_soft_roce() {
 #[test]
 #[ignore = "boots a VM: run by scripts/test"]
 fn vm_systemd_units_with_rdma_and_ublk() {
-    suite("scripts/vm/units", &["900"], 12);
+    suite("scripts/vm/units", &["900"], 11);
 }
