@@ -267,7 +267,11 @@ fn dashboard_and_alerts_query_only_exported_metrics() {
     let alerts = std::fs::read_to_string(repo().join("dashboards/alerts.yml")).unwrap();
     let alert_exprs: Vec<String> = alerts
         .lines()
-        .filter(|l| !l.trim_start().starts_with('#') && !l.contains("summary:"))
+        .filter(|l| {
+            !l.trim_start().starts_with('#')
+                && !l.contains("summary:")
+                && !l.contains("description:")
+        })
         .map(str::to_string)
         .collect();
     let mut used = BTreeSet::new();
@@ -295,6 +299,338 @@ fn dashboard_and_alerts_query_only_exported_metrics() {
     ] {
         assert!(used.contains(must), "dashboard lacks {must}");
     }
+}
+
+fn dashboard() -> serde_json::Value {
+    let text = std::fs::read_to_string(repo().join("dashboards/ublk.json")).unwrap();
+    serde_json::from_str(&text).expect("dashboard JSON parses")
+}
+
+fn str_at<'a>(v: &'a serde_json::Value, path: &[&str]) -> &'a str {
+    path.iter()
+        .fold(v, |v, k| &v[*k])
+        .as_str()
+        .unwrap_or_default()
+}
+
+/// Panels that draw data (rows only group them).
+fn data_panels(dash: &serde_json::Value) -> Vec<&serde_json::Value> {
+    dash["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .filter(|p| p["type"] != "row")
+        .collect()
+}
+
+/// Identifiers outside string literals, with the byte offset after each.
+fn identifiers(expr: &str) -> Vec<(String, usize)> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut in_string = false;
+    for (i, ch) in expr
+        .char_indices()
+        .chain(std::iter::once((expr.len(), ' ')))
+    {
+        if ch == '"' {
+            in_string = !in_string;
+        }
+        if !in_string && (ch.is_ascii_alphanumeric() || ch == '_' || ch == ':') {
+            cur.push(ch);
+        } else if !cur.is_empty() {
+            out.push((std::mem::take(&mut cur), i));
+        }
+    }
+    out
+}
+
+/// Every selector of a series must follow the dashboard's variables, and
+/// every aggregation keep `instance`: a fleet dashboard shows each host,
+/// never one sum over all of them.
+fn check_fleet_expr(title: &str, expr: &str) {
+    const AGGREGATIONS: [&str; 6] = ["sum", "max", "min", "avg", "count", "quantile"];
+    let mut series = 0;
+    for (ident, end) in identifiers(expr) {
+        let rest = expr[end..].trim_start();
+        let ours = ["ublk_", "ublkd_", "arenad_"]
+            .iter()
+            .any(|p| ident.starts_with(p));
+        if ours || (ident == "up" && rest.starts_with('{')) {
+            series += 1;
+            let matchers = rest
+                .strip_prefix('{')
+                .and_then(|r| r.split_once('}'))
+                .map(|(m, _)| m)
+                .unwrap_or_else(|| panic!("{title}: {ident} has no label matchers in {expr:?}"));
+            for want in [r#"job=~"$job""#, r#"instance=~"$instance""#] {
+                assert!(
+                    matchers.contains(want),
+                    "{title}: {ident} lacks {want} in {expr:?}"
+                );
+            }
+        }
+        if AGGREGATIONS.contains(&ident.as_str()) {
+            let by = rest
+                .strip_prefix("by")
+                .map(str::trim_start)
+                .and_then(|r| r.strip_prefix('('))
+                .and_then(|r| r.split_once(')'))
+                .map(|(labels, _)| labels)
+                .unwrap_or_else(|| {
+                    panic!("{title}: `{ident}` without `by (instance, ...)` in {expr:?}")
+                });
+            assert!(
+                by.split(',').any(|l| l.trim() == "instance"),
+                "{title}: `{ident} by ({by})` sums over instances in {expr:?}"
+            );
+        }
+    }
+    assert!(series > 0, "{title}: {expr:?} reads no series");
+}
+
+#[test]
+fn dashboard_is_a_fleet_dashboard_with_variables_units_and_descriptions() {
+    let dash = dashboard();
+    let text = dash.to_string();
+    assert!(
+        dash.get("__inputs").is_none() && !text.contains("${DS_"),
+        "import-time inputs do not resolve under file provisioning: use $datasource"
+    );
+    let vars = dash["templating"]["list"].as_array().expect("templating");
+    let var = |name: &str| {
+        vars.iter()
+            .find(|v| v["name"] == name)
+            .unwrap_or_else(|| panic!("no ${name} variable"))
+    };
+    assert_eq!(var("datasource")["type"], "datasource");
+    assert_eq!(var("datasource")["query"], "prometheus");
+    for name in ["job", "instance"] {
+        let v = var(name);
+        assert_eq!(v["type"], "query", "${name}");
+        assert_eq!(
+            str_at(v, &["datasource", "uid"]),
+            "${datasource}",
+            "${name}"
+        );
+        assert!(v["multi"] == true && v["includeAll"] == true, "${name}");
+        assert!(
+            str_at(v, &["query", "query"]).contains("_build_info"),
+            "${name}"
+        );
+    }
+    assert!(str_at(var("instance"), &["query", "query"]).contains(r#"job=~"$job""#));
+
+    let panels = data_panels(&dash);
+    assert!(panels.len() >= 20, "{} panels", panels.len());
+    for p in panels {
+        let title = str_at(p, &["title"]);
+        assert_eq!(
+            str_at(p, &["datasource", "uid"]),
+            "${datasource}",
+            "{title}"
+        );
+        assert!(
+            str_at(p, &["description"]).len() >= 40,
+            "{title}: needs a description saying what it shows"
+        );
+        let unit = str_at(p, &["fieldConfig", "defaults", "unit"]);
+        assert!(!unit.is_empty(), "{title}: no unit");
+        let overrides = p["fieldConfig"]["overrides"].to_string();
+        assert!(
+            !overrides.contains("\"unit\""),
+            "{title}: one unit per panel, not overrides with others"
+        );
+        let targets = p["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "{title}: no query");
+        for t in targets {
+            assert_eq!(
+                str_at(t, &["datasource", "uid"]),
+                "${datasource}",
+                "{title}"
+            );
+            assert!(
+                str_at(t, &["legendFormat"]).contains("{{instance}}"),
+                "{title}: the legend must name the instance"
+            );
+            check_fleet_expr(title, str_at(t, &["expr"]));
+        }
+    }
+}
+
+/// promtool parses every panel query (as a recording rule, with the
+/// variables replaced by what Grafana substitutes).
+#[test]
+fn dashboard_queries_are_valid_promql() {
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    let mut n = 0;
+    for p in data_panels(&dashboard()) {
+        for t in p["targets"].as_array().unwrap() {
+            let expr = str_at(t, &["expr"])
+                .replace("$__rate_interval", "1m")
+                .replace("$job", ".+")
+                .replace("$instance", ".+");
+            n += 1;
+            rules.push_str(&format!(
+                "      - record: dashboard:query{n}\n        expr: {}\n",
+                serde_json::Value::String(expr)
+            ));
+        }
+    }
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::write(dir.join("dashboard.rules.yml"), rules).unwrap();
+    let out = run_promtool(&["check", "rules", "dashboard.rules.yml"], None, dir);
+    assert!(out.contains(&format!("SUCCESS: {n} rules found")), "{out}");
+}
+
+/// One alert rule of alerts.yml: name, expression and annotations.
+struct Alert {
+    name: String,
+    expr: String,
+    annotations: Vec<String>,
+}
+
+fn alerts() -> Vec<Alert> {
+    let text = std::fs::read_to_string(repo().join("dashboards/alerts.yml")).unwrap();
+    let mut out: Vec<Alert> = Vec::new();
+    let mut in_expr = false;
+    let mut in_annotations = false;
+    for line in text.lines() {
+        let t = line.trim();
+        if let Some(name) = t.strip_prefix("- alert: ") {
+            out.push(Alert {
+                name: name.into(),
+                expr: String::new(),
+                annotations: Vec::new(),
+            });
+            (in_expr, in_annotations) = (false, false);
+            continue;
+        }
+        let Some(a) = out.last_mut() else { continue };
+        if let Some(e) = t.strip_prefix("expr:") {
+            a.expr = e.trim().trim_start_matches('|').to_string();
+            in_expr = true;
+        } else if t.starts_with("for:") || t.starts_with("labels:") {
+            in_expr = false;
+        } else if t.starts_with("annotations:") {
+            in_annotations = true;
+        } else if in_expr {
+            a.expr.push(' ');
+            a.expr.push_str(t);
+        } else if in_annotations {
+            if let Some((key, _)) = t.split_once(':') {
+                a.annotations.push(key.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// The comparison an alert's expression ends with: `> 0.9`, `== 0`.
+fn final_comparison(expr: &str) -> (&str, f64) {
+    let (op, pos) = [">", "=="]
+        .iter()
+        .filter_map(|op| expr.rfind(op).map(|p| (*op, p)))
+        .max_by_key(|(_, p)| *p)
+        .unwrap_or_else(|| panic!("no comparison in {expr:?}"));
+    let value = expr[pos + op.len()..]
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{expr:?} does not end with a number"));
+    (op, value)
+}
+
+#[test]
+fn alerts_have_descriptions_runbook_urls_and_dashboard_thresholds() {
+    let dash = dashboard();
+    let panels = data_panels(&dash);
+    let alerts = alerts();
+    assert!(alerts.len() >= 9, "{} alerts", alerts.len());
+    for a in &alerts {
+        for key in ["summary", "description", "runbook_url"] {
+            assert!(
+                a.annotations.iter().any(|k| k == key),
+                "{}: no {key}",
+                a.name
+            );
+        }
+        let named = format!("`{}`", a.name);
+        let panel = panels
+            .iter()
+            .find(|p| str_at(p, &["description"]).contains(&named))
+            .unwrap_or_else(|| panic!("no panel describes alert {}", a.name));
+        let title = str_at(panel, &["title"]);
+        let steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{title} (alert {}) has no thresholds", a.name));
+        let (op, value) = final_comparison(&a.expr);
+        let step_values: Vec<(f64, &str)> = steps
+            .iter()
+            .skip(1)
+            .map(|s| (s["value"].as_f64().unwrap(), s["color"].as_str().unwrap()))
+            .collect();
+        let base = steps[0]["color"].as_str().unwrap();
+        // Grafana colours from each step's value upwards.
+        let ok = match op {
+            // `> N` on counts is `>= N + 1`, on ratios `>= N`.
+            ">" => step_values
+                .iter()
+                .any(|(v, c)| *v >= value && *v <= value + 1.0 && *c != "green"),
+            // `== 0`: red up to the first step above 0.
+            _ => {
+                value == 0.0
+                    && base == "red"
+                    && step_values
+                        .iter()
+                        .any(|(v, c)| *v > 0.0 && *v <= 1.0 && *c == "green")
+            }
+        };
+        assert!(
+            ok,
+            "{title}: thresholds {step_values:?} (base {base}) do not match alert {} ({op} {value})",
+            a.name
+        );
+    }
+}
+
+/// The example scrape config (job names the alerts and $job expect) loads.
+#[test]
+fn example_prometheus_config_passes_promtool() {
+    let out = run_promtool(
+        &["check", "config", "prometheus.yml"],
+        None,
+        &repo().join("dashboards"),
+    );
+    assert!(out.contains("SUCCESS"), "{out}");
+    let config = std::fs::read_to_string(repo().join("dashboards/prometheus.yml")).unwrap();
+    let alerts = std::fs::read_to_string(repo().join("dashboards/alerts.yml")).unwrap();
+    for job in ["ublkd", "arenad"] {
+        assert!(config.contains(&format!("job_name: {job}")), "{job}");
+        assert!(alerts.contains(job), "{job}");
+    }
+}
+
+/// The provisioning example names the keys Grafana's file provider needs.
+#[test]
+fn grafana_provisioning_example_points_at_a_dashboard_directory() {
+    let text = std::fs::read_to_string(repo().join("dashboards/provisioning/ublk.yaml")).unwrap();
+    let value = |key: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.trim()
+                    .trim_start_matches("- ")
+                    .strip_prefix(key)?
+                    .strip_prefix(':')
+            })
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("provisioning example lacks {key}"))
+    };
+    assert_eq!(value("apiVersion"), "1");
+    assert_eq!(value("type"), "file");
+    assert!(
+        value("path").starts_with('/'),
+        "options.path must be absolute"
+    );
+    assert!(!value("name").is_empty());
 }
 
 #[test]

@@ -54,3 +54,9 @@ fn vm_ublk_end_to_end_over_tcp() {
 fn vm_rdma_over_soft_roce() {
     suite("scripts/vm/rdma", &["600"], 20);
 }
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
+fn vm_systemd_units_with_rdma_and_ublk() {
+    suite("scripts/vm/units", &["900"], 11);
+}

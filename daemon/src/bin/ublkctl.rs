@@ -16,7 +16,7 @@ use ublkd::ctl::{
 /// Control ublkd's block devices.
 #[derive(Parser, Debug)]
 #[command(version)]
-struct Cli {
+pub(crate) struct Cli {
     /// ublkd's control socket.
     #[arg(long, global = true, default_value = "/run/ublkd/ublkd.sock")]
     socket: PathBuf,

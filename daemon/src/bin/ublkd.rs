@@ -20,7 +20,7 @@ use ublkd::observability::Observability;
 /// Serve ublk block devices backed by a remote arena (arenad).
 #[derive(Parser, Debug)]
 #[command(version)]
-struct Args {
+pub(crate) struct Args {
     /// Config file.
     #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
     config: PathBuf,

@@ -2,6 +2,7 @@
 //! an NVMe swap file, over the paging protocol (docs/PROTOCOL.md).
 
 use std::net::TcpListener;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,7 +30,7 @@ use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 /// Settings come from the TOML config; each flag below overrides its key.
 #[derive(Parser, Debug)]
 #[command(name = "arenad", version)]
-struct Args {
+pub(crate) struct Args {
     /// Config file (TOML). Missing is an error unless it is the default path
     /// and the flags supply at least one --volume.
     #[arg(short, long, default_value = DEFAULT_CONFIG_PATH)]
@@ -176,7 +177,11 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let (obs, _metrics) = start_observability(&cfg)?;
-    std::fs::create_dir_all(&cfg.swap_dir)
+    // 0700 whatever the umask, like the 0600 files the store creates in it.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(
         Store::open(

@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::StoreError;
@@ -522,7 +523,7 @@ where
     I: Iterator<Item = (u32, u64, u32)>,
 {
     let tmp = dir.join(format!("{CKPT_FILE}.tmp"));
-    let file = File::create(&tmp).map_err(io_err("creating checkpoint", &tmp))?;
+    let file = create_private(&tmp).map_err(io_err("creating checkpoint", &tmp))?;
     let mut w = CrcWriter {
         inner: BufWriter::new(file),
         crc: 0,
@@ -573,7 +574,7 @@ fn reset_journal(dir: &Path, epoch: u64) -> Result<(File, u64), StoreError> {
     hdr[8..16].copy_from_slice(&epoch.to_le_bytes());
     let crc = crc32c::crc32c(&hdr[..16]);
     hdr[16..].copy_from_slice(&crc.to_le_bytes());
-    File::create(&tmp)
+    create_private(&tmp)
         .and_then(|mut f| {
             f.write_all(&hdr)?;
             f.sync_all()
@@ -587,4 +588,14 @@ fn reset_journal(dir: &Path, epoch: u64) -> Result<(File, u64), StoreError> {
         .open(&dst)
         .map_err(io_err("opening journal", &dst))?;
     Ok((file, JOURNAL_HEADER_LEN as u64))
+}
+
+/// `File::create`, but 0600 whatever the umask: the index names volumes.
+fn create_private(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
 }

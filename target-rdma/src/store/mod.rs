@@ -26,6 +26,7 @@ mod tests;
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::io;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -357,6 +358,7 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
         .open(&path)
         .map_err(|source| StoreError::Io {
             what: "opening lock file",

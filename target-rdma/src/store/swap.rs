@@ -321,6 +321,7 @@ impl Swap {
 fn open_file(path: &Path, direct: bool) -> io::Result<File> {
     let mut o = OpenOptions::new();
     o.read(true).write(true).create(true).truncate(false);
+    o.mode(0o600);
     if direct {
         o.custom_flags(libc::O_DIRECT);
     }

@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Benchmark (not a test), run by scripts/bench-latency in the VM or on a
+# host with ublk_drv: the same fio jobs on null_blk, loop on tmpfs, kernel
+# NBD -> nbdkit memory, and ublkd over TCP and RDMA, interleaved per job in
+# one boot; prints a table and the ublkd/NBD and ublkd/loop ratios.
+# Env: BENCH_RUNTIME (s per job, default 10), BENCH_SIZE (default 128M),
+# BENCH_DEVICES (subset of "null loop nbd tcp rdma"), BENCH_PERF=1.
+set -u
+
+BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
+R=${UBLK_VM_RESULTS:-/tmp/bench-latency-results}
+W=$(mktemp -d /tmp/ublk-bench-lat.XXXXXX)   # the guest /tmp shows the host's: never a fixed name
+SOCK=$W/run/ublkd.sock
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+RUNTIME=${BENCH_RUNTIME:-10}
+SIZE=${BENCH_SIZE:-128M}
+WANT=" ${BENCH_DEVICES:-null loop nbd tcp rdma} "
+mkdir -p "$R" "$W"/{state,arena,run}
+log() { printf '%s bench: %s\n' "$(date +%T)" "$*" >&2; }
+want() { [[ "$WANT" == *" $1 "* ]]; }
+modload() {
+    if [[ -n "${UBLK_VM_MODDIR:-}" ]]; then modprobe -d "$UBLK_VM_MODDIR" "$@"; else modprobe "$@"; fi
+}
+size_mib=$(numfmt --from=iec "$SIZE")
+size_mib=$((size_mib / 1048576))
+
+declare -A DEVS=()
+PIDS=()
+cleanup() {
+    set +e
+    [[ -n "${DEVS[nbd]:-}" ]] && nbd-client -d "${DEVS[nbd]}" >/dev/null 2>&1
+    [[ -n "${DEVS[loop]:-}" ]] && losetup -d "${DEVS[loop]}"
+    [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" && sleep 1
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+    wait 2>/dev/null
+    rm -f /dev/shm/bench-loop.img
+}
+trap cleanup EXIT
+
+if want null; then
+    if modload null_blk nr_devices=1 gb=1 memory_backed=1 queue_mode=2 irqmode=0 \
+        submit_queues=1 hw_queue_depth=64 && [[ -b /dev/nullb0 ]]; then
+        DEVS[null]=/dev/nullb0
+    else
+        log "null_blk unavailable"
+    fi
+fi
+if want loop; then
+    modload loop 2>/dev/null
+    truncate -s "$SIZE" /dev/shm/bench-loop.img
+    DEVS[loop]=$(losetup -f --show /dev/shm/bench-loop.img) || { log "losetup failed"; unset 'DEVS[loop]'; }
+fi
+if want nbd; then
+    modload nbd nbds_max=1 2>/dev/null
+    nbdkit --exit-with-parent -i 127.0.0.1 -p 10809 --foreground memory "$SIZE" >"$R/nbdkit.log" 2>&1 &
+    PIDS+=($!)
+    for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/10809) 2>/dev/null && break; sleep 0.1; done
+    if timeout 30 nbd-client -b 4096 127.0.0.1 10809 /dev/nbd0 >"$R/nbd-client.log" 2>&1; then
+        DEVS[nbd]=/dev/nbd0
+    else
+        log "nbd-client failed: $(cat "$R/nbd-client.log")"
+    fi
+fi
+
+RDMA_DEV=
+if want rdma; then
+    devices=(/sys/class/infiniband/*)
+    if [[ -e "${devices[0]}" ]]; then
+        RDMA_DEV=$(basename "${devices[0]}")
+        GID=${BENCH_GID_INDEX:-0}
+        log "using RDMA device $RDMA_DEV"
+    else
+        timeout 10 /usr/sbin/ip link set lo up
+        if timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo; then
+            for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; done
+            RDMA_DEV=rxe0
+            GID=1
+            log "no RDMA device; using soft-RoCE rxe0 on lo"
+        else
+            log "rdma link add failed: no RDMA device"
+        fi
+    fi
+fi
+if want tcp || [[ -n "$RDMA_DEV" ]]; then
+    rdma_mode=off
+    [[ -n "$RDMA_DEV" ]] && rdma_mode=on
+    printf 'bench-volume-secret-0123456789abcdef\n' >"$W/vol.key"
+    chmod 600 "$W/vol.key"
+    # Arena large enough for both devices: every job runs resident.
+    cat >"$W/arenad.toml" <<TOML
+listen = "127.0.0.1:7070"
+arena_bytes = "$((size_mib * 2 + 64))M"
+blob_bytes = "1M"
+swap_dir = "$W/arena"
+swap_bytes = "$((size_mib * 4 + 128))M"
+metrics_listen = "off"
+rdma = "$rdma_mode"
+${RDMA_DEV:+rdma_device = \"$RDMA_DEV\"}
+${RDMA_DEV:+rdma_gid_index = $GID}
+[[volume]]
+name = "rdma"
+secret_file = "$W/vol.key"
+quota = "$SIZE"
+[[volume]]
+name = "tcp"
+secret_file = "$W/vol.key"
+quota = "$SIZE"
+TOML
+    cat >"$W/ublkd.toml" <<TOML
+state_dir = "$W/state"
+socket = "$SOCK"
+on_shutdown = "remove"
+[device]
+queues = 1
+depth = 64
+io_buf = "1M"
+[metrics]
+listen = "off"
+${RDMA_DEV:+[rdma]}
+${RDMA_DEV:+device = \"$RDMA_DEV\"}
+${RDMA_DEV:+gid_index = $GID}
+TOML
+    "$BIN/arenad" --config "$W/arenad.toml" >"$R/arenad.log" 2>&1 &
+    ARENAD=$!
+    PIDS+=("$ARENAD")
+    for _ in $(seq 300); do
+        (exec 3<>/dev/tcp/127.0.0.1/7070) 2>/dev/null && break
+        kill -0 "$ARENAD" 2>/dev/null || { log "arenad exited: $(tail -3 "$R/arenad.log")"; exit 1; }
+        sleep 0.1
+    done
+    start_ublkd "$R/ublkd.log" || { log "ublkd did not start; see $R/ublkd.log"; exit 1; }
+    for t in tcp rdma; do
+        want "$t" || continue
+        [[ $t = rdma && -z "$RDMA_DEV" ]] && continue
+        if d=$(ctl add --peer 127.0.0.1:7070 --volume "$t" --secret-file "$W/vol.key" --size "$SIZE" --transport "$t") &&
+            wait_node "$d"; then
+            DEVS[$t]=$d
+        else
+            log "ublkd $t device failed"
+        fi
+    done
+    ctl list
+fi
+
+ORDER=()
+for d in null loop nbd tcp rdma; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
+log "devices: $(for d in "${ORDER[@]}"; do printf '%s=%s ' "$d" "${DEVS[$d]}"; done)"
+for d in "${ORDER[@]}"; do
+    # Prefill, so reads move real payloads (an unwritten blob reads as zeros without one).
+    timeout 900 fio --name=fill --filename="${DEVS[$d]}" --direct=1 --ioengine=libaio --rw=write \
+        --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null || log "prefill of $d failed"
+done
+
+JOBS=(
+    "randread-4k-qd1 --rw=randread --bs=4k --iodepth=1"
+    "randwrite-4k-qd1 --rw=randwrite --bs=4k --iodepth=1"
+    "randread-4k-qd32 --rw=randread --bs=4k --iodepth=32"
+    "randwrite-4k-qd32 --rw=randwrite --bs=4k --iodepth=32"
+    "read-1m-qd8 --rw=read --bs=1M --iodepth=8"
+)
+perf_on() {
+    [[ "${BENCH_PERF:-0}" = 1 && "$1" == *-qd1 && ( "$2" = tcp || "$2" = rdma ) ]] || return 0
+    command -v perf >/dev/null || { log "perf not installed"; return 0; }
+    pids=$UBLKD_PID,$ARENAD
+    timeout $((RUNTIME + 30)) perf record -q -F 999 -g -e cpu-clock -p "$pids" \
+        -o "$R/perf-$1-$2.data" -- sleep "$RUNTIME" >/dev/null 2>&1 &
+    PERF_PID=$!
+}
+perf_off() {
+    [[ -n "${PERF_PID:-}" ]] || return 0
+    wait "$PERF_PID"
+    PERF_PID=
+    perf report -i "$R/perf-$1-$2.data" --stdio --no-children -g none --sort comm,dso,sym 2>/dev/null |
+        grep -v '^#' | grep -v '^$' | grep '%' | head -25 >"$R/perf-$1-$2.txt"
+}
+for job in "${JOBS[@]}"; do
+    read -r name args <<<"$job"
+    for d in "${ORDER[@]}"; do
+        perf_on "$name" "$d"
+        # shellcheck disable=SC2086
+        timeout $((RUNTIME * 6 + 120)) fio --name="$name" --filename="${DEVS[$d]}" --direct=1 \
+            --ioengine=libaio --time_based --runtime="$RUNTIME" --ramp_time=1 --size="$SIZE" \
+            $args --output-format=json --output="$R/$name-$d.json" || log "$name on $d failed"
+        perf_off "$name" "$d"
+    done
+done
+
+python3 - "$R" "${ORDER[*]}" "${JOBS[@]}" <<'PY'
+import json, sys, os
+out, order = sys.argv[1], sys.argv[2].split()
+jobs = [s.split()[0] for s in sys.argv[3:]]
+def load(name, d):
+    try:
+        j = json.load(open(os.path.join(out, f"{name}-{d}.json")))["jobs"][0]
+    except Exception:
+        return None
+    side = j["read"] if j["read"]["io_bytes"] > 0 else j["write"]
+    pct = side["clat_ns"].get("percentile", {})
+    return dict(iops=side["iops"], mib=side["bw_bytes"] / 2**20,
+                p50=pct.get("50.000000", 0) / 1000, p99=pct.get("99.000000", 0) / 1000)
+res = {(n, d): load(n, d) for n in jobs for d in order}
+print(f"{'job':<18} " + " ".join(f"{d + ' IOPS':>11}" for d in order))
+for n in jobs:
+    print(f"{n:<18} " + " ".join(f"{res[n, d]['iops']:>11.0f}" if res[n, d] else f"{'-':>11}" for d in order))
+print()
+print(f"{'job':<18} " + " ".join(f"{d + ' p50/p99 us':>18}" for d in order))
+for n in jobs:
+    cells = []
+    for d in order:
+        r = res[n, d]
+        cells.append(f"{r['p50']:>8.0f}/{r['p99']:<9.0f}" if r else f"{'-':>18}")
+    print(f"{n:<18} " + " ".join(cells))
+print()
+pairs = [(u, b) for u in ("tcp", "rdma") for b in ("nbd", "loop") if u in order and b in order]
+print(f"{'ratio (IOPS)':<18} " + " ".join(f"{u + '/' + b:>10}" for u, b in pairs))
+for n in jobs:
+    cells = []
+    for u, b in pairs:
+        a, c = res[n, u], res[n, b]
+        cells.append(f"{a['iops'] / c['iops']:>9.2f}x" if a and c and c["iops"] else f"{'-':>10}")
+    print(f"{n:<18} " + " ".join(cells))
+PY
+for f in "$R"/perf-*.txt; do
+    [[ -f "$f" ]] || continue
+    echo "--- profile $(basename "$f" .txt) (top samples: comm, dso, symbol) ---"
+    cat "$f"
+done
