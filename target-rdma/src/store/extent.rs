@@ -1,0 +1,463 @@
+//! Extent integrity: which blob image a swap extent holds, and the checksums
+//! that prove its bytes.
+//!
+//! Every extent written to swap gets a header in the side table `swap.meta`:
+//! the volume id, key and write version of the image, and a CRC32C per
+//! 4 KiB block of its payload. The header lives beside the extent, not in
+//! it, so extents stay `blob_bytes` long and aligned: O_DIRECT moves them
+//! straight from and to arena slots, lease offsets stay `slot *
+//! blob_bytes`, and a 4 KiB blob costs 48 bytes of header rather than a
+//! second 4 KiB block. A CRC per block (not per extent) is what lets a
+//! 4 KiB read of a cold 1 MiB blob be verified without reading the rest.
+//!
+//! Each block's CRC is seeded with the image's identity and the block's
+//! index, so a block of another blob, of another version of this blob, or
+//! from another offset fails the check even when its own bytes are intact.
+//!
+//! The table is read into memory at open (the checksums of the extents the
+//! index names), so checking a read costs no I/O; it is written with
+//! buffered I/O when an extent is written back and synced with the swap
+//! file before any journal record names the extent.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use super::space;
+use super::StoreError;
+
+/// The checksum granule: the smallest aligned read from swap.
+pub(super) const BLOCK: usize = 4096;
+/// The side table's file name.
+pub(super) const META_FILE: &str = "swap.meta";
+/// The table's format version (written in its header).
+pub(super) const META_VERSION: u32 = 2;
+const META_MAGIC: [u8; 4] = *b"ARNM";
+const RECORD_MAGIC: [u8; 4] = *b"ARNX";
+/// Bytes before the first record: a header block.
+const META_HEADER: u64 = 4096;
+/// magic, blocks, volume, key, generation, seq.
+const RECORD_FIXED: usize = 4 + 4 + 8 + 8 + 8 + 8;
+
+/// Which write of a blob an image is: the store generation (one per run of
+/// arenad) that wrote it, then the order within that run. Totally ordered,
+/// so repair can keep the newest image of each blob; never reused, so an
+/// index naming an older write than the extent holds is caught.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version {
+    /// The store generation of the write.
+    pub generation: u64,
+    /// Its order within that generation, from 1.
+    pub seq: u64,
+}
+
+/// The image an extent holds, as its header states it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Ident {
+    /// [`volume_id`] of the volume's name.
+    pub(super) volume: u64,
+    pub(super) key: u64,
+    pub(super) version: Version,
+}
+
+/// A volume's id on disk: stable across restarts and config reorderings
+/// (the index numbers volumes per run), derived from the name alone so that
+/// repair can map an extent back to a configured volume without an index.
+pub(super) fn volume_id(name: &str) -> u64 {
+    let d = Sha256::digest(name.as_bytes());
+    u64::from_le_bytes(d[..8].try_into().unwrap_or_default())
+}
+
+fn seed(id: &Ident, block: u32) -> u32 {
+    let mut b = [0u8; 36];
+    b[..8].copy_from_slice(&id.volume.to_le_bytes());
+    b[8..16].copy_from_slice(&id.key.to_le_bytes());
+    b[16..24].copy_from_slice(&id.version.generation.to_le_bytes());
+    b[24..32].copy_from_slice(&id.version.seq.to_le_bytes());
+    b[32..].copy_from_slice(&block.to_le_bytes());
+    crc32c::crc32c(&b)
+}
+
+/// The CRC of block `index` of image `id`.
+pub(super) fn block_crc(id: &Ident, index: u32, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(seed(id, index), bytes)
+}
+
+/// The CRCs of a whole image (`bytes` is a multiple of [`BLOCK`]).
+pub(super) fn image_crcs(id: &Ident, bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(BLOCK)
+        .enumerate()
+        .map(|(i, b)| block_crc(id, i as u32, b))
+        .collect()
+}
+
+/// Checks `bytes`, blocks `first..` of image `id`, against `crcs`; the
+/// index within `bytes` of the first block that fails.
+pub(super) fn first_bad_block(id: &Ident, first: u32, bytes: &[u8], crcs: &[u32]) -> Option<usize> {
+    bytes
+        .chunks(BLOCK)
+        .zip(crcs)
+        .enumerate()
+        .find(|(i, (b, &c))| block_crc(id, first + *i as u32, b) != c)
+        .map(|(i, _)| i)
+}
+
+/// A header as read back: what it names and its block CRCs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Record {
+    /// Never written, or cleared when the extent was freed.
+    Empty,
+    /// Its own checksum fails or its fields are impossible.
+    Invalid(&'static str),
+    /// A valid header.
+    Valid(Ident, Vec<u32>),
+}
+
+/// The side table file.
+pub(super) struct MetaFile {
+    file: File,
+    path: PathBuf,
+    blocks: usize,
+    rec_len: usize,
+}
+
+/// Bytes of one record for extents of `blob_bytes`: the fixed fields, a CRC
+/// per block and the record's own CRC, rounded up to 8.
+pub(super) fn record_len(blob_bytes: u32) -> usize {
+    (RECORD_FIXED + 4 * (blob_bytes as usize / BLOCK) + 4).next_multiple_of(8)
+}
+
+/// How long the table of `extents` extents is.
+pub(super) fn meta_len(blob_bytes: u32, extents: u32) -> u64 {
+    META_HEADER + u64::from(extents) * record_len(blob_bytes) as u64
+}
+
+fn header(blob_bytes: u32, rec_len: usize) -> [u8; 20] {
+    let mut h = [0u8; 20];
+    h[..4].copy_from_slice(&META_MAGIC);
+    h[4..8].copy_from_slice(&META_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&blob_bytes.to_le_bytes());
+    h[12..16].copy_from_slice(&(rec_len as u32).to_le_bytes());
+    let crc = crc32c::crc32c(&h[..16]);
+    h[16..].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io { what, path, source }
+}
+
+impl MetaFile {
+    /// Creates the table for `extents` extents, its space reserved.
+    pub(super) fn create(
+        dir: &Path,
+        blob_bytes: u32,
+        extents: u32,
+    ) -> Result<MetaFile, StoreError> {
+        let path = dir.join(META_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(io_err("creating extent table", &path))?;
+        let rec_len = record_len(blob_bytes);
+        space::reserve(&file, &path, meta_len(blob_bytes, extents))?;
+        file.write_all_at(&header(blob_bytes, rec_len), 0)
+            .and_then(|()| file.sync_all())
+            .map_err(io_err("writing extent table", &path))?;
+        Ok(MetaFile {
+            file,
+            path,
+            blocks: blob_bytes as usize / BLOCK,
+            rec_len,
+        })
+    }
+
+    /// Opens an existing table that must describe at least `expect`
+    /// extents of `blob_bytes`, and grows it for `extents` if needed.
+    pub(super) fn open(
+        dir: &Path,
+        blob_bytes: u32,
+        expect: u32,
+        extents: u32,
+    ) -> Result<MetaFile, StoreError> {
+        let path = dir.join(META_FILE);
+        let file = match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::Corrupt {
+                    file: path,
+                    detail: "is missing: the index names extents whose headers it held; \
+                             restore it (arenad --repair cannot work without it)"
+                        .into(),
+                })
+            }
+            Err(e) => return Err(io_err("opening extent table", &path)(e)),
+        };
+        let rec_len = record_len(blob_bytes);
+        let mut h = [0u8; 20];
+        let corrupt = |detail: String| StoreError::Corrupt {
+            file: path.clone(),
+            detail,
+        };
+        file.read_exact_at(&mut h, 0)
+            .map_err(|e| corrupt(format!("header unreadable: {e}")))?;
+        if h[..4] != META_MAGIC || crc32c::crc32c(&h[..16]) != le32(&h[16..]) {
+            return Err(corrupt("bad header at offset 0".into()));
+        }
+        let version = le32(&h[4..8]);
+        if version != META_VERSION {
+            return Err(StoreError::OldFormat {
+                file: path,
+                version,
+            });
+        }
+        if le32(&h[8..12]) != blob_bytes || le32(&h[12..16]) as usize != rec_len {
+            return Err(corrupt(format!(
+                "written for {}-byte extents, configured {blob_bytes}",
+                le32(&h[8..12])
+            )));
+        }
+        let len = file
+            .metadata()
+            .map_err(io_err("reading metadata of extent table", &path))?
+            .len();
+        let want = meta_len(blob_bytes, expect);
+        if len < want {
+            return Err(corrupt(format!(
+                "is {len} bytes, the index needs {want} (headers of {expect} extents): truncated"
+            )));
+        }
+        // Grown when swap grew; never shrunk, so it stays as long as any
+        // checkpoint still on disk says.
+        let size = meta_len(blob_bytes, extents);
+        if len < size {
+            space::reserve(&file, &path, size)?;
+        }
+        Ok(MetaFile {
+            file,
+            path,
+            blocks: blob_bytes as usize / BLOCK,
+            rec_len,
+        })
+    }
+
+    /// Opens the table for repair: a damaged header is rewritten (the
+    /// layout follows from `blob_bytes`), one naming another extent size is
+    /// refused, and the file is sized for `extents`.
+    pub(super) fn open_for_repair(
+        dir: &Path,
+        blob_bytes: u32,
+        extents: u32,
+    ) -> Result<MetaFile, StoreError> {
+        let path = dir.join(META_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::NotFound => StoreError::Corrupt {
+                    file: path.clone(),
+                    detail: "is missing: without extent headers there is nothing to rebuild the index from".into(),
+                },
+                _ => io_err("opening extent table", &path)(e),
+            })?;
+        let rec_len = record_len(blob_bytes);
+        let mut h = [0u8; 20];
+        let valid = file.read_exact_at(&mut h, 0).is_ok()
+            && h[..4] == META_MAGIC
+            && crc32c::crc32c(&h[..16]) == le32(&h[16..]);
+        if valid && (le32(&h[8..12]) != blob_bytes || le32(&h[4..8]) != META_VERSION) {
+            return Err(StoreError::InvalidConfig {
+                key: "blob_bytes",
+                detail: format!(
+                    "configured {blob_bytes} but {} was written for {}-byte extents (format {})",
+                    path.display(),
+                    le32(&h[8..12]),
+                    le32(&h[4..8])
+                ),
+            });
+        }
+        let len = file
+            .metadata()
+            .map_err(io_err("reading metadata of extent table", &path))?
+            .len();
+        if len < meta_len(blob_bytes, extents) {
+            space::reserve(&file, &path, meta_len(blob_bytes, extents))?;
+        }
+        if !valid {
+            tracing::warn!(event = "extent_table_header_rewritten", path = %path.display(), "the extent table's header was damaged; rewritten");
+            file.write_all_at(&header(blob_bytes, rec_len), 0)
+                .map_err(io_err("writing extent table", &path))?;
+        }
+        Ok(MetaFile {
+            file,
+            path,
+            blocks: blob_bytes as usize / BLOCK,
+            rec_len,
+        })
+    }
+
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(super) fn offset(&self, extent: u32) -> u64 {
+        META_HEADER + u64::from(extent) * self.rec_len as u64
+    }
+
+    /// Writes extent `extent`'s header (buffered; [`MetaFile::sync`] makes
+    /// it durable).
+    pub(super) fn write(&self, extent: u32, id: &Ident, crcs: &[u32]) -> Result<(), StoreError> {
+        debug_assert_eq!(crcs.len(), self.blocks);
+        let mut r = vec![0u8; self.rec_len];
+        r[..4].copy_from_slice(&RECORD_MAGIC);
+        r[4..8].copy_from_slice(&(self.blocks as u32).to_le_bytes());
+        r[8..16].copy_from_slice(&id.volume.to_le_bytes());
+        r[16..24].copy_from_slice(&id.key.to_le_bytes());
+        r[24..32].copy_from_slice(&id.version.generation.to_le_bytes());
+        r[32..40].copy_from_slice(&id.version.seq.to_le_bytes());
+        let mut o = RECORD_FIXED;
+        for c in crcs {
+            r[o..o + 4].copy_from_slice(&c.to_le_bytes());
+            o += 4;
+        }
+        let crc = crc32c::crc32c(&r[..o]);
+        r[o..o + 4].copy_from_slice(&crc.to_le_bytes());
+        self.file
+            .write_all_at(&r, self.offset(extent))
+            .map_err(io_err("writing extent header to", &self.path))
+    }
+
+    /// Clears a freed extent's header, so that repair never brings back an
+    /// image the index had dropped (a removed blob, a superseded version).
+    pub(super) fn clear(&self, extent: u32) -> Result<(), StoreError> {
+        self.file
+            .write_all_at(&vec![0u8; self.rec_len], self.offset(extent))
+            .map_err(io_err("clearing extent header in", &self.path))
+    }
+
+    pub(super) fn sync(&self) -> Result<(), StoreError> {
+        self.file
+            .sync_data()
+            .map_err(io_err("syncing extent table", &self.path))
+    }
+
+    /// Reads the headers of extents `0..count`, in order.
+    pub(super) fn read_all(&self, count: u32) -> Result<Vec<Record>, StoreError> {
+        let mut buf = vec![0u8; count as usize * self.rec_len];
+        self.file
+            .read_exact_at(&mut buf, META_HEADER)
+            .map_err(io_err("reading extent table", &self.path))?;
+        Ok(buf
+            .chunks(self.rec_len)
+            .map(|r| parse(r, self.blocks))
+            .collect())
+    }
+}
+
+/// Whether the table describes no extent (every record empty).
+pub(super) fn table_is_blank(dir: &Path) -> Result<bool, StoreError> {
+    let path = dir.join(META_FILE);
+    let b = std::fs::read(&path).map_err(io_err("reading extent table", &path))?;
+    Ok(b.get(META_HEADER as usize..)
+        .is_none_or(|t| t.iter().all(|&x| x == 0)))
+}
+
+fn le32(b: &[u8]) -> u32 {
+    u32::from_le_bytes(b[..4].try_into().unwrap_or_default())
+}
+
+fn le64(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b[..8].try_into().unwrap_or_default())
+}
+
+fn parse(r: &[u8], blocks: usize) -> Record {
+    if r.iter().all(|&b| b == 0) {
+        return Record::Empty;
+    }
+    let end = RECORD_FIXED + 4 * blocks;
+    if r[..4] != RECORD_MAGIC {
+        return Record::Invalid("bad magic");
+    }
+    if crc32c::crc32c(&r[..end]) != le32(&r[end..]) {
+        return Record::Invalid("checksum mismatch");
+    }
+    if le32(&r[4..8]) as usize != blocks {
+        return Record::Invalid("wrong block count");
+    }
+    let id = Ident {
+        volume: le64(&r[8..16]),
+        key: le64(&r[16..24]),
+        version: Version {
+            generation: le64(&r[24..32]),
+            seq: le64(&r[32..40]),
+        },
+    };
+    let crcs = r[RECORD_FIXED..end].chunks(4).map(le32).collect();
+    Record::Valid(id, crcs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(key: u64, seq: u64) -> Ident {
+        Ident {
+            volume: volume_id("a"),
+            key,
+            version: Version { generation: 3, seq },
+        }
+    }
+
+    #[test]
+    fn a_block_fails_under_another_identity_version_or_offset() {
+        let data = vec![7u8; 2 * BLOCK];
+        let crcs = image_crcs(&id(1, 1), &data);
+        assert_eq!(first_bad_block(&id(1, 1), 0, &data, &crcs), None);
+        assert_eq!(first_bad_block(&id(2, 1), 0, &data, &crcs), Some(0));
+        assert_eq!(first_bad_block(&id(1, 2), 0, &data, &crcs), Some(0));
+        // The same bytes as block 1 instead of block 0.
+        assert_eq!(
+            first_bad_block(&id(1, 1), 1, &data[..BLOCK], &crcs[..1]),
+            Some(0)
+        );
+        let mut flipped = data.clone();
+        flipped[BLOCK + 9] ^= 1;
+        assert_eq!(first_bad_block(&id(1, 1), 0, &flipped, &crcs), Some(1));
+        assert_ne!(volume_id("a"), volume_id("b"));
+    }
+
+    #[test]
+    fn records_round_trip_and_damage_is_invalid() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = MetaFile::create(dir.path(), 8192, 4).unwrap();
+        let crcs = vec![11, 22];
+        m.write(2, &id(9, 4), &crcs).unwrap();
+        m.write(3, &id(8, 5), &crcs).unwrap();
+        m.clear(3).unwrap();
+        let recs = m.read_all(4).unwrap();
+        assert_eq!(recs[0], Record::Empty);
+        assert_eq!(recs[2], Record::Valid(id(9, 4), crcs));
+        assert_eq!(recs[3], Record::Empty);
+        drop(m);
+        let p = dir.path().join(META_FILE);
+        let mut b = std::fs::read(&p).unwrap();
+        b[META_HEADER as usize + 2 * record_len(8192) + 17] ^= 1;
+        std::fs::write(&p, b).unwrap();
+        let m = MetaFile::open(dir.path(), 8192, 4, 4).unwrap();
+        assert_eq!(
+            m.read_all(4).unwrap()[2],
+            Record::Invalid("checksum mismatch")
+        );
+        let e = MetaFile::open(dir.path(), 8192, 8, 8).err().unwrap();
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
+}
