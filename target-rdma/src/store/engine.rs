@@ -1470,21 +1470,28 @@ impl Core {
                 .zip(&copies)
                 .map(|(b, c)| c.as_deref().unwrap_or(b))
                 .collect();
-            let crcs: Vec<Vec<u32>> = plan
-                .iter()
-                .zip(&images)
-                .map(|(w, b)| extent::image_crcs(&w.ident, b))
-                .collect();
             let ios: Vec<(u32, &[u8])> = plan
                 .iter()
                 .zip(&images)
                 .map(|(w, b)| (w.extent, *b))
                 .collect();
-            let written = self.swap.write_extents(&ios).and_then(|()| {
-                plan.iter()
-                    .zip(&crcs)
-                    .try_for_each(|(w, c)| self.swap.meta().write(w.extent, &w.ident, c))
-            });
+            // The bytes do not change while they are written, so their
+            // checksums are computed meanwhile.
+            let mut crcs: Vec<Vec<u32>> = Vec::new();
+            let written = self
+                .swap
+                .write_extents_while(&ios, || {
+                    crcs = plan
+                        .iter()
+                        .zip(&images)
+                        .map(|(w, b)| extent::image_crcs(&w.ident, b))
+                        .collect();
+                })
+                .and_then(|()| {
+                    plan.iter()
+                        .zip(&crcs)
+                        .try_for_each(|(w, c)| self.swap.meta().write(w.extent, &w.ident, c))
+                });
             for c in copies.into_iter().flatten() {
                 self.swap.give_buffer(c);
             }

@@ -415,8 +415,15 @@ impl Swap {
         self.run(&ops)
     }
 
-    /// Writes each `(extent, slot bytes)` pair, many per submission.
-    pub(super) fn write_extents(&self, writes: &[(u32, &[u8])]) -> Result<(), StoreError> {
+    /// Writes each `(extent, slot bytes)` pair, many per submission, and
+    /// runs `work` while the first submission is in flight (write-back
+    /// checksums the bytes it writes meanwhile). `work` is not run when the
+    /// submission fails.
+    pub(super) fn write_extents_while(
+        &self,
+        writes: &[(u32, &[u8])],
+        work: impl FnOnce(),
+    ) -> Result<(), StoreError> {
         let len = self.extent_bytes;
         let ops: Vec<Op> = writes
             .iter()
@@ -429,7 +436,7 @@ impl Swap {
                 }
             })
             .collect();
-        self.run(&ops)
+        self.run_while(&ops, Some(work))
     }
 
     /// Makes every completed write durable, with the headers written.
@@ -445,12 +452,17 @@ impl Swap {
     /// Runs transfers through a ring of this call's own, and keeps the ring
     /// for the next call unless it broke.
     fn run(&self, ops: &[Op]) -> Result<(), StoreError> {
+        self.run_while(ops, None::<fn()>)
+    }
+
+    /// [`Swap::run`], running `work` once the first submission is in flight.
+    fn run_while(&self, ops: &[Op], work: Option<impl FnOnce()>) -> Result<(), StoreError> {
         let ring = self.rings.lock().pop();
         let mut ring = match ring {
             Some(r) => r,
             None => IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?,
         };
-        let res = self.run_on(&mut ring, ops);
+        let res = self.run_on(&mut ring, ops, work);
         if self.broken.load(Ordering::Acquire) {
             self.wrecks.lock().push(ring);
         } else {
@@ -462,7 +474,12 @@ impl Swap {
     /// Runs transfers through `ring`, `RING_ENTRIES` at a time, and checks
     /// that each moved a whole extent. The buffers must stay valid until this
     /// returns, which the callers guarantee by holding the slot guards.
-    fn run_on(&self, ring: &mut IoUring, ops: &[Op]) -> Result<(), StoreError> {
+    fn run_on(
+        &self,
+        ring: &mut IoUring,
+        ops: &[Op],
+        mut work: Option<impl FnOnce()>,
+    ) -> Result<(), StoreError> {
         let err = |what: &'static str, path: &Path, source: io::Error| StoreError::Io {
             what,
             path: path.to_path_buf(),
@@ -503,6 +520,13 @@ impl Swap {
                         io::Error::other("submission queue full"),
                     ));
                 }
+            }
+            if let Some(work) = work.take() {
+                if let Err(e) = ring.submit() {
+                    self.broken.store(true, Ordering::Release);
+                    return Err(err("submitting swap I/O for", &self.path, e));
+                }
+                work();
             }
             let mut results: Vec<Option<i32>> = vec![None; chunk.len()];
             let mut done = 0;
