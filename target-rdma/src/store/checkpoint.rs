@@ -77,14 +77,7 @@ impl CheckpointFile {
         I: Iterator<Item = (u32, u64, u32, Version)>,
     {
         let tmp = dir.join(format!("{CKPT_FILE}.tmp"));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
-            .map_err(io_err("creating checkpoint", &tmp))?;
-        space::reserve(&file, &tmp, 2 * slot_len)?;
+        let file = space::create(&tmp, 2 * slot_len)?;
         let mut c = CheckpointFile {
             file,
             path: tmp.clone(),
@@ -270,71 +263,51 @@ pub(super) fn load(
     let foreign = (buf.len() >= 8 && buf[..4] == MAGIC)
         .then(|| u32::from_le_bytes(buf[4..8].try_into().unwrap_or_default()))
         .filter(|&v| v != FORMAT_VERSION);
+    let refuse = |detail: String| match foreign {
+        Some(version) => StoreError::OldFormat {
+            file: path.clone(),
+            version,
+        },
+        None => corrupt(&path, detail),
+    };
     let n = buf.len() as u64;
     if n == 0 || !n.is_multiple_of(2 * SLOT_ALIGN) {
-        if let Some(version) = foreign {
-            return Err(StoreError::OldFormat {
-                file: path,
-                version,
-            });
-        }
-        return Err(corrupt(
-            &path,
-            format!("{n} bytes, not two slots of a multiple of {SLOT_ALIGN} bytes: truncated or replaced"),
-        ));
+        return Err(refuse(format!(
+            "{n} bytes, not two slots of a multiple of {SLOT_ALIGN} bytes: truncated or replaced"
+        )));
     }
     let slot_len = n / 2;
-    let parse = |i: u64| {
-        parse_slot(
-            &buf[(i * slot_len) as usize..((i + 1) * slot_len) as usize],
-            blob_bytes,
-            extents,
-        )
+    let mut slots = Vec::with_capacity(2);
+    for i in 0..2 {
+        let s = &buf[(i * slot_len) as usize..((i + 1) * slot_len) as usize];
+        slots.push(parse_slot(s, blob_bytes, extents)?);
+    }
+    let describe = |i: usize, p: &Result<Option<Slot>, String>| match p {
+        Err(e) => format!("slot {i} at offset {}: {e}", i as u64 * slot_len),
+        _ => format!("slot {i} at offset {}: empty", i as u64 * slot_len),
     };
-    let (s0, s1) = (parse(0)?, parse(1)?);
-    let describe = |i: u64, p: &Result<Option<Slot>, String>| match p {
-        Err(e) => format!("slot {i} at offset {}: {e}", i * slot_len),
-        _ => format!("slot {i} at offset {}: empty", i * slot_len),
+    let epoch = |p: &Result<Option<Slot>, String>| match p {
+        Ok(Some(s)) => Some(s.image.epoch),
+        _ => None,
     };
-    let (newest, slot, other) = match (s0, s1) {
-        (Ok(Some(a)), Ok(Some(b))) if b.image.epoch > a.image.epoch => {
-            let e = a.image.epoch;
-            (b, 1, Ok(Some(e)))
+    let slot = match (epoch(&slots[0]), epoch(&slots[1])) {
+        (Some(a), Some(b)) => usize::from(b > a),
+        (Some(_), None) => 0,
+        (None, Some(_)) => 1,
+        (None, None) => {
+            return Err(refuse(format!(
+                "neither slot holds a valid checkpoint ({}; {})",
+                describe(0, &slots[0]),
+                describe(1, &slots[1])
+            )))
         }
-        (Ok(Some(a)), Ok(Some(b))) => {
-            let e = b.image.epoch;
-            (a, 0, Ok(Some(e)))
-        }
-        (Ok(Some(a)), o) => {
-            let other = match &o {
-                Ok(_) => Ok(None),
-                Err(_) => Err(describe(1, &o)),
-            };
-            (a, 0, other)
-        }
-        (o, Ok(Some(b))) => {
-            let other = match &o {
-                Ok(_) => Ok(None),
-                Err(_) => Err(describe(0, &o)),
-            };
-            (b, 1, other)
-        }
-        (a, b) => {
-            if let Some(version) = foreign {
-                return Err(StoreError::OldFormat {
-                    file: path,
-                    version,
-                });
-            }
-            return Err(corrupt(
-                &path,
-                format!(
-                    "neither slot holds a valid checkpoint ({}; {})",
-                    describe(0, &a),
-                    describe(1, &b)
-                ),
-            ));
-        }
+    };
+    let other = match &slots[1 - slot] {
+        Ok(s) => Ok(s.as_ref().map(|s| s.image.epoch)),
+        p @ Err(_) => Err(describe(1 - slot, p)),
+    };
+    let Ok(Some(newest)) = slots.swap_remove(slot) else {
+        return Err(corrupt(&path, "the newest slot vanished"));
     };
     Ok(Some(Loaded {
         newest,

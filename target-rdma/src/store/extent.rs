@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use super::index::io_err;
 use super::space;
 use super::StoreError;
 
@@ -189,9 +190,35 @@ fn header(blob_bytes: u32, rec_len: usize) -> [u8; 20] {
     h
 }
 
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
-    let path = path.to_path_buf();
-    move |source| StoreError::Io { what, path, source }
+/// The table's header fields, when its checksum holds.
+struct Header {
+    version: u32,
+    blob_bytes: u32,
+    rec_len: u32,
+}
+
+fn read_header(file: &File) -> Option<Header> {
+    let mut h = [0u8; 20];
+    file.read_exact_at(&mut h, 0).ok()?;
+    (h[..4] == META_MAGIC && crc32c::crc32c(&h[..16]) == le32(&h[16..])).then(|| Header {
+        version: le32(&h[4..8]),
+        blob_bytes: le32(&h[8..12]),
+        rec_len: le32(&h[12..16]),
+    })
+}
+
+/// Opens the table for reading and writing; a missing one is `Corrupt`
+/// with `missing` as the detail.
+fn open_existing(dir: &Path, missing: &str) -> Result<(File, PathBuf), StoreError> {
+    let path = dir.join(META_FILE);
+    match OpenOptions::new().read(true).write(true).open(&path) {
+        Ok(f) => Ok((f, path)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(StoreError::Corrupt {
+            file: path,
+            detail: missing.into(),
+        }),
+        Err(e) => Err(io_err("opening extent table", &path)(e)),
+    }
 }
 
 impl MetaFile {
@@ -202,15 +229,8 @@ impl MetaFile {
         extents: u32,
     ) -> Result<MetaFile, StoreError> {
         let path = dir.join(META_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(io_err("creating extent table", &path))?;
+        let file = space::create(&path, meta_len(blob_bytes, extents))?;
         let rec_len = record_len(blob_bytes);
-        space::reserve(&file, &path, meta_len(blob_bytes, extents))?;
         file.write_all_at(&header(blob_bytes, rec_len), 0)
             .and_then(|()| file.sync_all())
             .map_err(io_err("writing extent table", &path))?;
@@ -230,41 +250,26 @@ impl MetaFile {
         expect: u32,
         extents: u32,
     ) -> Result<MetaFile, StoreError> {
-        let path = dir.join(META_FILE);
-        let file = match OpenOptions::new().read(true).write(true).open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(StoreError::Corrupt {
-                    file: path,
-                    detail: "is missing: the index names extents whose headers it held; \
-                             restore it (arenad --repair cannot work without it)"
-                        .into(),
-                })
-            }
-            Err(e) => return Err(io_err("opening extent table", &path)(e)),
-        };
-        let rec_len = record_len(blob_bytes);
-        let mut h = [0u8; 20];
+        let (file, path) = open_existing(
+            dir,
+            "is missing: the index names extents whose headers it held; \
+             restore it (arenad --repair cannot work without it)",
+        )?;
         let corrupt = |detail: String| StoreError::Corrupt {
             file: path.clone(),
             detail,
         };
-        file.read_exact_at(&mut h, 0)
-            .map_err(|e| corrupt(format!("header unreadable: {e}")))?;
-        if h[..4] != META_MAGIC || crc32c::crc32c(&h[..16]) != le32(&h[16..]) {
-            return Err(corrupt("bad header at offset 0".into()));
-        }
-        let version = le32(&h[4..8]);
-        if version != META_VERSION {
+        let h = read_header(&file).ok_or_else(|| corrupt("bad header at offset 0".into()))?;
+        if h.version != META_VERSION {
             return Err(StoreError::OldFormat {
                 file: path,
-                version,
+                version: h.version,
             });
         }
-        if le32(&h[8..12]) != blob_bytes || le32(&h[12..16]) as usize != rec_len {
+        if h.blob_bytes != blob_bytes || h.rec_len as usize != record_len(blob_bytes) {
             return Err(corrupt(format!(
                 "written for {}-byte extents, configured {blob_bytes}",
-                le32(&h[8..12])
+                h.blob_bytes
             )));
         }
         let len = file
@@ -277,8 +282,55 @@ impl MetaFile {
                 "is {len} bytes, the index needs {want} (headers of {expect} extents): truncated"
             )));
         }
-        // Grown when swap grew; never shrunk, so it stays as long as any
-        // checkpoint still on disk says.
+        MetaFile::sized(file, path, blob_bytes, extents)
+    }
+
+    /// Opens the table for repair: a damaged header is rewritten (the
+    /// layout follows from `blob_bytes`), one naming another extent size or
+    /// format is refused, and the file is sized for `extents`.
+    pub(super) fn open_for_repair(
+        dir: &Path,
+        blob_bytes: u32,
+        extents: u32,
+    ) -> Result<MetaFile, StoreError> {
+        let (file, path) = open_existing(
+            dir,
+            "is missing: without extent headers there is nothing to rebuild the index from",
+        )?;
+        match read_header(&file) {
+            Some(h) if h.blob_bytes != blob_bytes || h.version != META_VERSION => {
+                return Err(StoreError::InvalidConfig {
+                    key: "blob_bytes",
+                    detail: format!(
+                        "configured {blob_bytes} but {} was written for {}-byte extents (format {})",
+                        path.display(),
+                        h.blob_bytes,
+                        h.version
+                    ),
+                })
+            }
+            Some(_) => {}
+            None => {
+                tracing::warn!(event = "extent_table_header_rewritten", path = %path.display(), "the extent table's header was damaged; rewritten");
+                file.write_all_at(&header(blob_bytes, record_len(blob_bytes)), 0)
+                    .map_err(io_err("writing extent table", &path))?;
+            }
+        }
+        MetaFile::sized(file, path, blob_bytes, extents)
+    }
+
+    /// Grows `file` (never shrinks it, so it stays as long as any
+    /// checkpoint still on disk says) to hold `extents` records.
+    fn sized(
+        file: File,
+        path: PathBuf,
+        blob_bytes: u32,
+        extents: u32,
+    ) -> Result<MetaFile, StoreError> {
+        let len = file
+            .metadata()
+            .map_err(io_err("reading metadata of extent table", &path))?
+            .len();
         let size = meta_len(blob_bytes, extents);
         if len < size {
             space::reserve(&file, &path, size)?;
@@ -287,63 +339,7 @@ impl MetaFile {
             file,
             path,
             blocks: blob_bytes as usize / BLOCK,
-            rec_len,
-        })
-    }
-
-    /// Opens the table for repair: a damaged header is rewritten (the
-    /// layout follows from `blob_bytes`), one naming another extent size is
-    /// refused, and the file is sized for `extents`.
-    pub(super) fn open_for_repair(
-        dir: &Path,
-        blob_bytes: u32,
-        extents: u32,
-    ) -> Result<MetaFile, StoreError> {
-        let path = dir.join(META_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound => StoreError::Corrupt {
-                    file: path.clone(),
-                    detail: "is missing: without extent headers there is nothing to rebuild the index from".into(),
-                },
-                _ => io_err("opening extent table", &path)(e),
-            })?;
-        let rec_len = record_len(blob_bytes);
-        let mut h = [0u8; 20];
-        let valid = file.read_exact_at(&mut h, 0).is_ok()
-            && h[..4] == META_MAGIC
-            && crc32c::crc32c(&h[..16]) == le32(&h[16..]);
-        if valid && (le32(&h[8..12]) != blob_bytes || le32(&h[4..8]) != META_VERSION) {
-            return Err(StoreError::InvalidConfig {
-                key: "blob_bytes",
-                detail: format!(
-                    "configured {blob_bytes} but {} was written for {}-byte extents (format {})",
-                    path.display(),
-                    le32(&h[8..12]),
-                    le32(&h[4..8])
-                ),
-            });
-        }
-        let len = file
-            .metadata()
-            .map_err(io_err("reading metadata of extent table", &path))?
-            .len();
-        if len < meta_len(blob_bytes, extents) {
-            space::reserve(&file, &path, meta_len(blob_bytes, extents))?;
-        }
-        if !valid {
-            tracing::warn!(event = "extent_table_header_rewritten", path = %path.display(), "the extent table's header was damaged; rewritten");
-            file.write_all_at(&header(blob_bytes, rec_len), 0)
-                .map_err(io_err("writing extent table", &path))?;
-        }
-        Ok(MetaFile {
-            file,
-            path,
-            blocks: blob_bytes as usize / BLOCK,
-            rec_len,
+            rec_len: record_len(blob_bytes),
         })
     }
 

@@ -106,14 +106,7 @@ impl Journal {
     /// Creates the file with `capacity` bytes reserved, empty, for `epoch`.
     pub(super) fn create(dir: &Path, epoch: u64, capacity: u64) -> Result<Journal, StoreError> {
         let path = dir.join(JOURNAL_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(io_err("creating journal", &path))?;
-        space::reserve(&file, &path, capacity)?;
+        let file = space::create(&path, capacity)?;
         file.write_all_at(&header(epoch), 0)
             .and_then(|()| file.sync_all())
             .map_err(io_err("writing journal", &path))?;

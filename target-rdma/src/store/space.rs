@@ -8,7 +8,7 @@
 //! checkpoint fail with ENOSPC, and a restart on a full filesystem needs no
 //! new space.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -19,6 +19,24 @@ use super::StoreError;
 /// Zeros written per call where the filesystem cannot allocate (and when
 /// clearing a range).
 const ZERO_CHUNK: usize = 1 << 20;
+
+/// Creates (or empties) `path` for reading and writing, `len` bytes
+/// allocated.
+pub(super) fn create(path: &Path, len: u64) -> Result<File, StoreError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|source| StoreError::Io {
+            what: "creating",
+            path: path.to_path_buf(),
+            source,
+        })?;
+    reserve(&file, path, len)?;
+    Ok(file)
+}
 
 /// Allocates `file`'s blocks up to `len` bytes (extending it to `len`).
 /// Filesystems without `fallocate` get the missing tail written as zeros,

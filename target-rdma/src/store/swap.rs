@@ -194,13 +194,7 @@ impl Swap {
     ) -> Result<Swap, StoreError> {
         let meta = MetaFile::create(dir, extent_bytes, total)?;
         let path = dir.join(SWAP_FILE);
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(io_err("creating swap file", &path))?;
-        space::reserve(&file, &path, u64::from(total) * u64::from(extent_bytes))?;
+        let file = space::create(&path, u64::from(total) * u64::from(extent_bytes))?;
         file.sync_all()
             .map_err(io_err("syncing swap file", &path))?;
         drop(file);
