@@ -51,6 +51,9 @@ const REVOKE_BATCH: usize = 8;
 const LEASES_PER_SLOT: usize = 16;
 /// Most write-backs per submission during a flush.
 const WRITE_BATCH: usize = 64;
+/// Most of those whose slot is copied first (ALLOC-leased), so a flush
+/// holds at most this many blob copies.
+const COPY_BATCH: usize = 8;
 /// Most write-backs per cleaner submission: enough to keep the disk queue
 /// busy, few enough that slots come back clean at a steady pace.
 const CLEAN_BATCH: usize = 8;
@@ -1536,8 +1539,16 @@ impl Core {
         while !todo.is_empty() {
             let st = &mut **g;
             let mut free = st.extents.free_count();
-            let mut n = 0;
+            let (mut n, mut copies) = (0, 0);
             for &s in todo.iter().take(WRITE_BATCH) {
+                if st.slots[s as usize].writers > 0 {
+                    // Copied before writing (see `WriteBack::copy`): a few
+                    // per batch bound that memory.
+                    if copies == COPY_BATCH {
+                        break;
+                    }
+                    copies += 1;
+                }
                 if st.needs_fresh(s) {
                     if free == 0 {
                         break;

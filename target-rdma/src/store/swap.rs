@@ -37,9 +37,10 @@ use super::StoreError;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;
-/// Range-read buffers kept for reuse; more in flight are allocated and
-/// freed, so idle memory stays bounded.
+/// Range-read and copy buffers kept for reuse, by count and by bytes; more
+/// in flight are allocated and freed, so idle memory stays bounded.
 const POOLED_BUFFERS: usize = 32;
+const POOLED_BYTES: usize = 32 << 20;
 /// The swap file's name in the store directory.
 pub(super) const SWAP_FILE: &str = "swap.dat";
 
@@ -374,7 +375,8 @@ impl Swap {
     /// Takes a range-read buffer back for reuse.
     pub(super) fn give_buffer(&self, buf: AlignedBuf) {
         let mut pool = self.buffers.lock();
-        if pool.len() < POOLED_BUFFERS {
+        let pooled: usize = pool.iter().map(|b| b.cap).sum();
+        if pool.len() < POOLED_BUFFERS && pooled + buf.cap <= POOLED_BYTES {
             pool.push(buf);
         }
     }
