@@ -11,7 +11,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
 use super::StoreError;
@@ -21,13 +21,15 @@ use super::StoreError;
 const ZERO_CHUNK: usize = 1 << 20;
 
 /// Creates (or empties) `path` for reading and writing, `len` bytes
-/// allocated.
+/// allocated, 0600 whatever the umask (the index names volumes, the swap
+/// holds their data).
 pub(super) fn create(path: &Path, len: u64) -> Result<File, StoreError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(true)
+        .mode(0o600)
         .open(path)
         .map_err(|source| StoreError::Io {
             what: "creating",
