@@ -32,7 +32,9 @@ pub mod testing;
 pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
-pub use arena::{ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ProtocolErrorClass, SlotState};
+pub use arena::{
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, IntegrityCheck, ProtocolErrorClass, SlotState,
+};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use correlation::CorrelationId;
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};

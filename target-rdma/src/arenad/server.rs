@@ -191,7 +191,9 @@ fn store_status(e: &StoreError) -> (Status, bool) {
         | StoreError::ArenaMap { .. }
         | StoreError::Corrupt { .. }
         | StoreError::InvalidConfig { .. }
-        | StoreError::Locked { .. } => (Status::Internal, false),
+        | StoreError::Locked { .. }
+        | StoreError::Integrity { .. }
+        | StoreError::OldFormat { .. } => (Status::Internal, false),
     }
 }
 

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod arenad;
+
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
