@@ -318,9 +318,15 @@ pub(super) fn repair(
         source,
     })?;
 
-    // One past any run the headers or the old index know of, so that the
-    // next start (one more) is a generation no client has seen.
-    let max_generation = max_generation + 1;
+    // Past any run the headers or the old index know of, so that the next
+    // start (one more) is a generation no client has seen. Runs that wrote
+    // nothing to swap leave no header, and with the index lost nothing
+    // records them: a client connected to one of those would take the
+    // repaired store for the same run and its next FLUSH would not report
+    // the lost writes. So the generation also jumps to a wall-clock floor
+    // (seconds << 20) that no earlier run can have reached unless it
+    // restarted a million times a second.
+    let max_generation = (max_generation + 1).max(clock_floor());
     report.generation = max_generation;
     report.recovered = volumes
         .iter()
@@ -352,4 +358,13 @@ pub(super) fn repair(
 fn read_full(f: &std::fs::File, buf: &mut [u8], offset: u64) -> io::Result<()> {
     debug_assert!(buf.len().is_multiple_of(BLOCK));
     f.read_exact_at(buf, offset)
+}
+
+/// A generation above any a store can have reached before now: wall-clock
+/// seconds shifted left by 20 bits (starts add one each).
+fn clock_floor() -> u64 {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    secs << 20
 }

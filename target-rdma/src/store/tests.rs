@@ -796,6 +796,11 @@ fn repair_rebuilds_what_the_extents_prove_and_reports_the_rest() {
     s.flush().unwrap();
     let bad = s.core.durable_extent((0, 4)).unwrap();
     drop(s);
+    // Restarts that write nothing leave no extent header behind.
+    for _ in 0..3 {
+        drop(open(dir.path(), 4, 64));
+    }
+    let generation_before = open(dir.path(), 4, 64).generation();
     flip(&dir.path().join(swap::SWAP_FILE), u64::from(bad) * B + 7);
     std::fs::remove_file(dir.path().join(index::CKPT_FILE)).unwrap();
     assert!(matches!(open_err(dir.path()), StoreError::Corrupt { .. }));
@@ -818,6 +823,10 @@ fn repair_rebuilds_what_the_extents_prove_and_reports_the_rest() {
         "{text}"
     );
     assert!(r.lost.is_none(), "no readable checkpoint");
+    assert!(
+        r.generation > generation_before,
+        "runs that left no extent header are still behind the repaired generation"
+    );
 
     let s = open(dir.path(), 4, 64);
     assert_eq!(
