@@ -87,6 +87,16 @@ closed_enum! {
     }
 }
 
+closed_enum! {
+    /// Which check refused bytes read from swap.
+    IntegrityCheck {
+        /// A block failed its CRC32C.
+        Checksum => "checksum",
+        /// The extent's header is missing, damaged or names another image.
+        Header => "header",
+    }
+}
+
 /// Store state sampled periodically; plain numbers so arenad can fill it
 /// from its store without this crate depending on it. Cumulative counters
 /// are totals since the store started.
@@ -114,6 +124,8 @@ pub struct ArenaStats {
     pub arena_used_bytes: u64,
     /// Arena capacity in bytes.
     pub arena_capacity_bytes: u64,
+    /// Reads refused since start, indexed by [`IntegrityCheck::index`].
+    pub integrity_errors: [u64; IntegrityCheck::COUNT],
 }
 
 /// The arenad families.
@@ -134,6 +146,7 @@ pub struct ArenaMetrics {
     flush: Arc<LatencyHistogram>,
     protocol_errors: [Counter; ProtocolErrorClass::COUNT],
     auth_failures: Counter,
+    integrity_errors: [Counter; IntegrityCheck::COUNT],
     source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
 }
 
@@ -187,6 +200,11 @@ impl ArenaMetrics {
             protocol_errors: ProtocolErrorClass::ALL
                 .map(|c| t.counter("arenad_protocol_errors_total", &[("class", c.as_str())])),
             auth_failures: c0("arenad_auth_failures_total"),
+            integrity_errors: IntegrityCheck::ALL.map(|c| {
+                let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
+                counter.increment(0);
+                counter
+            }),
             source: Mutex::new(None),
         });
         m.update_from(&ArenaStats::default());
@@ -239,6 +257,9 @@ impl ArenaMetrics {
         self.fault_ins.absolute(s.fault_ins);
         self.swap_read.absolute(s.swap_read_bytes);
         self.swap_written.absolute(s.swap_written_bytes);
+        for (c, &v) in self.integrity_errors.iter().zip(&s.integrity_errors) {
+            c.absolute(v);
+        }
         self.swap_util
             .set(ratio(s.swap_used_bytes, s.swap_capacity_bytes));
         self.arena_util

@@ -261,6 +261,12 @@ pub const ARENA: &[Family] = &[
         &[],
         "Connections refused at authentication.",
     ),
+    f(
+        "arenad_integrity_errors_total",
+        Counter,
+        &["kind"],
+        "Reads refused because bytes from swap did not verify, by check.",
+    ),
 ];
 
 /// Self-observability families; the name is appended to the daemon prefix

@@ -33,7 +33,9 @@ pub mod testing;
 pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
-pub use arenad::{ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ProtocolErrorClass, SlotState};
+pub use arenad::{
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, IntegrityCheck, ProtocolErrorClass, SlotState,
+};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use correlation::CorrelationId;
 pub use device_io::IoMetrics;

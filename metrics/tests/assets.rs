@@ -123,6 +123,7 @@ fn arenad_exposition() -> String {
         swap_capacity_bytes: 100,
         arena_used_bytes: 10,
         arena_capacity_bytes: 20,
+        integrity_errors: [1, 0],
     });
     t.render().unwrap()
 }

@@ -11,12 +11,20 @@
 //!   a 4 KiB request/response ping-pong), and `dd` O_DIRECT sequential write
 //!   and read bandwidth of the swap directory's disk.
 //!
+//! - cold reads: 4 KiB random reads of blobs that are all in swap (a store
+//!   reopened over 1 GiB of data), from 32 connections at QD 1 each and
+//!   from one connection at QD 32, against `fio` 4 KiB random reads at QD 32
+//!   (io_uring, O_DIRECT) of a file on the same disk; and the cost of the
+//!   extent checks (CRC32C per 4 KiB block) per 4 KiB and 1 MiB read, as a
+//!   share of a cold read's time at QD 1.
+//!
 //! Each case runs `BENCH_ROUNDS` (default 3) rounds of baseline-then-case and
 //! reports the median ratio, so load on a shared machine shifts both sides.
 //! `BENCH_SECS` (default 2) sets the time per run; `BENCH_DIR` the swap dir
 //! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
-//! swap-bound cases, any other `BENCH_ONLY` only the resident cases whose
-//! name contains it (`BENCH_ONLY="read QD32"`).
+//! swap-bound cases, `BENCH_ONLY=cold` only the cold-read cases, any other
+//! `BENCH_ONLY` only the resident cases whose name contains it
+//! (`BENCH_ONLY="read QD32"`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -27,6 +35,8 @@ use std::time::{Duration, Instant};
 use futures::executor::block_on;
 use futures::stream::{FuturesUnordered, StreamExt};
 use target_rdma::client::ArenaClient;
+use target_rdma::store::bench_hooks::extent_checksums;
+use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::{Peer, PeerOpts};
 
 const MIB: usize = 1 << 20;
@@ -127,7 +137,24 @@ struct Bench {
     client: ArenaClient,
     blob: usize,
     // The server and store, dropped after the client.
-    _peer: Peer,
+    peer: Peer,
+}
+
+fn open_store(dir: &Path, arena: u64, swap: u64) -> Store {
+    let blob = MIB as u32;
+    Store::open(
+        StoreConfig {
+            dir: dir.to_owned(),
+            arena_bytes: arena,
+            blob_bytes: blob,
+            swap_bytes: swap,
+        },
+        &[VolumeSpec {
+            name: "bench".into(),
+            quota_blobs: swap / u64::from(blob),
+        }],
+    )
+    .unwrap()
 }
 
 /// The workspace's arenad harness (the real `Server` over a real `Store`,
@@ -146,13 +173,23 @@ fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
             volumes: vec![("bench".into(), SECRET.into())],
         },
     );
+    Bench {
+        client: connect(&peer),
+        blob: blob as usize,
+        peer,
+    }
+}
+
+fn connect(peer: &Peer) -> ArenaClient {
     let mut cfg = peer.config("bench", SECRET);
     cfg.request_timeout = Duration::from_secs(30);
-    let client = ArenaClient::connect(cfg).unwrap();
-    Bench {
-        client,
-        blob: blob as usize,
-        _peer: peer,
+    ArenaClient::connect(cfg).unwrap()
+}
+
+impl Bench {
+    /// Another connection to the same server.
+    fn connect(&self) -> ArenaClient {
+        connect(&self.peer)
     }
 }
 
@@ -285,8 +322,10 @@ fn main() {
         None => {
             resident(&tmp, "");
             swap_bound(&tmp);
+            cold_reads(&tmp);
         }
         Some("swap") => swap_bound(&tmp),
+        Some("cold") => cold_reads(&tmp),
         Some(case) => resident(&tmp, case),
     }
 }
@@ -401,5 +440,188 @@ fn swap_bound(tmp: &tempfile::TempDir) {
         median(r),
         median(dr),
         median(rr)
+    );
+}
+
+/// `fio` random reads of `bs` bytes at queue depth `qd` on `file` (laid out
+/// on first use), O_DIRECT through io_uring; IOPS.
+fn fio_randread(file: &Path, size_mib: u64, bs: usize, qd: usize) -> f64 {
+    let out = Command::new("fio")
+        .args([
+            "--name=baseline",
+            &format!("--filename={}", file.display()),
+            &format!("--size={size_mib}M"),
+            "--rw=randread",
+            &format!("--bs={bs}"),
+            &format!("--iodepth={qd}"),
+            "--direct=1",
+            "--ioengine=io_uring",
+            "--time_based",
+            &format!("--runtime={}ms", secs().as_millis()),
+            "--randrepeat=0",
+            "--output-format=json",
+        ])
+        .output()
+        .expect("fio must be installed (apt-get install fio) for the cold-read baseline");
+    assert!(
+        out.status.success(),
+        "fio failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fio JSON");
+    v["jobs"][0]["read"]["iops"]
+        .as_f64()
+        .expect("fio JSON has jobs[0].read.iops")
+}
+
+/// `threads` threads, each doing one random `size`-aligned read of `span`
+/// at a time with `read(thread, key, offset, buffer)`, for the case
+/// duration.
+fn run_threads(
+    b: &Bench,
+    threads: usize,
+    size: usize,
+    span: u64,
+    read: impl Fn(usize, u64, u32, &mut [u8]) + Sync,
+) -> Rate {
+    let blob = b.blob as u64;
+    let slots = span / size as u64;
+    let read = &read;
+    let start = Instant::now();
+    let ops: u64 = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                sc.spawn(move || {
+                    let mut x = 0x9e37_79b9_7f4a_7c15u64
+                        ^ (t as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    let mut out = vec![0u8; size];
+                    let mut ops = 0u64;
+                    while start.elapsed() < secs() {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let off = (x % slots) * size as u64;
+                        read(t, off / blob, (off % blob) as u32, &mut out);
+                        ops += 1;
+                    }
+                    ops
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    Rate {
+        ops,
+        bytes: ops * size as u64,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// Reads over `clients`, one request each at a time.
+fn run_connections(b: &Bench, clients: &[ArenaClient], size: usize, span: u64) -> Rate {
+    run_threads(b, clients.len(), size, span, |t, key, off, out| {
+        block_on(clients[t].read(key, off, out)).expect("cold read");
+    })
+}
+
+/// Reads by `threads` threads calling the store directly (no network).
+fn run_store(b: &Bench, threads: usize, size: usize, span: u64) -> Rate {
+    run_threads(b, threads, size, span, |_, key, off, out| {
+        b.peer.store.read(0, key, off, out).expect("cold read");
+    })
+}
+
+/// Seconds per `len`-byte extent check (the store's own code, through its
+/// bench hook), over buffers out of cache.
+fn check_secs(len: usize) -> f64 {
+    let buf: Vec<u8> = (0..64 * MIB).map(|i| (i * 31) as u8).collect();
+    let start = Instant::now();
+    let mut n = 0usize;
+    while start.elapsed() < Duration::from_millis(500) {
+        let at = (n * len) % (buf.len() - len);
+        std::hint::black_box(extent_checksums(&buf[at..at + len]));
+        n += 1;
+    }
+    start.elapsed().as_secs_f64() / n as f64
+}
+
+/// Cold reads: 1 GiB of 1 MiB blobs written and flushed, then the store
+/// reopened with a 64 MiB arena, so every blob starts in swap; 4 KiB random
+/// reads over it never fault a blob in, so it stays that way.
+fn cold_reads(tmp: &tempfile::TempDir) {
+    let dir = tmp.path().join("cold");
+    std::fs::create_dir_all(&dir).unwrap();
+    let span: u64 = 1 << 30;
+    {
+        let s = open_store(&dir, 64 << 20, 2 << 30);
+        let data = vec![0x3cu8; MIB];
+        for k in 0..span / MIB as u64 {
+            s.write(0, k, 0, &data).unwrap();
+        }
+        s.flush().unwrap();
+    }
+    let b = start(&dir, 64 << 20, 2 << 30);
+    let clients: Vec<ArenaClient> = (0..32).map(|_| b.connect()).collect();
+    let fio_file = dir.join("fio.bin");
+    let (mut many, mut one, mut qd1, mut whole) = (vec![], vec![], vec![], vec![]);
+    let (mut fio32, mut r_many, mut r_one) = (vec![], vec![], vec![]);
+    let (mut direct, mut r_direct) = (vec![], vec![]);
+    for _ in 0..rounds() {
+        let f = fio_randread(&fio_file, 1024, 4096, 32);
+        let m = run_connections(&b, &clients, 4096, span).iops();
+        let o = run(&b, Dir::Read, 4096, 32, span, false).iops();
+        let d = run_store(&b, 32, 4096, span).iops();
+        direct.push(d);
+        r_direct.push(d / f);
+        fio32.push(f);
+        many.push(m);
+        one.push(o);
+        r_many.push(m / f);
+        r_one.push(o / f);
+        qd1.push(run_connections(&b, &clients[..1], 4096, span).iops());
+    }
+    // Whole-blob reads fault blobs in: after the 4 KiB cases, which want
+    // the arena empty.
+    for _ in 0..rounds() {
+        whole.push(run_connections(&b, &clients[..1], MIB, span).iops());
+    }
+    std::fs::remove_file(&fio_file).ok();
+    let (check4k, check1m) = (check_secs(4096), check_secs(MIB));
+    let (lat4k, lat1m) = (1.0 / median(qd1.clone()), 1.0 / median(whole.clone()));
+    println!(
+        "\n| cold 4 KiB random reads (arena 64 MiB, data 1 GiB, all in swap) | IOPS | fio QD32 IOPS | median ratio |\n|---|---:|---:|---:|"
+    );
+    println!(
+        "| 32 connections x QD1 (the store with 32 reads in flight) | {:.0} | {:.0} | {:.2}x |",
+        median(many),
+        median(fio32.clone()),
+        median(r_many)
+    );
+    println!(
+        "| store API, 32 threads (no network) | {:.0} | {:.0} | {:.2}x |",
+        median(direct),
+        median(fio32.clone()),
+        median(r_direct)
+    );
+    println!(
+        "| 1 connection x QD32 (one connection's requests run in order: issue 9) | {:.0} | {:.0} | {:.2}x |",
+        median(one),
+        median(fio32),
+        median(r_one)
+    );
+    println!(
+        "\n| extent check (CRC32C per 4 KiB block) | check us | cold read QD1 us | check / read |\n|---|---:|---:|---:|"
+    );
+    println!(
+        "| 4 KiB range read | {:.2} | {:.1} | {:.3} |",
+        check4k * 1e6,
+        lat4k * 1e6,
+        check4k / lat4k
+    );
+    println!(
+        "| 1 MiB whole-blob read (fault-in) | {:.1} | {:.1} | {:.3} |",
+        check1m * 1e6,
+        lat1m * 1e6,
+        check1m / lat1m
     );
 }

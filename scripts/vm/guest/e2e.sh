@@ -21,6 +21,8 @@ mkdir -p "$R" "$W"/{state,arena,run,mnt}
 log() { printf '%s e2e: %s\n' "$(date +%T)" "$*" >&2; }
 pass() { echo "PASS $1"; summary+=("PASS $1"); }
 fail() { echo "FAIL $1${2:+ ($2)}"; summary+=("FAIL $1"); failures=$((failures + 1)); }
+# arenad's swap lives on the emulated NVMe disk, as it would in production.
+swap_disk "$W/arena" || { echo "FAIL setup (swap_dir on NVMe)"; exit 1; }
 
 for b in arenad ublkd ublkctl; do
     [[ -x "$BIN/$b" ]] || { echo "FAIL setup (missing $BIN/$b: run scripts/vm/e2e, which builds it)"; exit 1; }
@@ -81,6 +83,7 @@ cleanup() {
     [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" 2>/dev/null
     [[ -n "${ARENAD_PID:-}" ]] && kill "$ARENAD_PID" 2>/dev/null
     wait 2>/dev/null
+    mountpoint -q "$W/arena" && umount "$W/arena"
 }
 trap cleanup EXIT
 
@@ -134,6 +137,9 @@ if /usr/bin/promtool check metrics <"$R/ublkd-metrics.txt" >"$R/promtool.txt" 2>
     pass promtool-check-metrics
 else fail promtool-check-metrics "see promtool.txt"; fi
 http 9477/diagnostics >"$R/ublkd-diagnostics.json"; http 9478/diagnostics >"$R/arenad-diagnostics.json"
+if grep -q '"direct_io": *true' "$R/arenad-diagnostics.json" && [[ "$(findmnt -no SOURCE "$W/arena")" == /dev/nvme0n1 ]]; then
+    pass "swap-on-nvme-direct-io (swap_dir on /dev/nvme0n1, O_DIRECT)"
+else fail swap-on-nvme-direct-io "$(findmnt -no SOURCE "$W/arena"), $(cat "$R/arenad-diagnostics.json")"; fi
 if grep -qs -e e2e-volume-secret -e "$PEER" -e '"e2e"' "$R/ublkd-diagnostics.json" "$R/arenad-diagnostics.json"; then
     fail diagnostics-redacted "secret, peer or volume in diagnostics"
 else pass diagnostics-redacted; fi

@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, bench-rdma).
+# Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, bench-rdma,
+# bench-swap).
 # Source it after setting BIN (the release binaries), SOCK (ublkd's control
 # socket) and W (the scenario's work dir holding ublkd.toml).
 
@@ -20,4 +21,17 @@ start_ublkd() {
         sleep 0.1
     done
     return 1
+}
+
+# swap_disk DIR: a fresh ext4 on the emulated NVMe disk scripts/vm/run
+# attaches (/dev/nvme0n1), mounted at DIR, for arenad's swap_dir; so swap
+# I/O meets a real block device with O_DIRECT and queue depth, not tmpfs.
+# Fails, saying why on stderr, when there is no such disk.
+swap_disk() {
+    local dev=/dev/nvme0n1
+    for _ in $(seq 100); do [[ -b $dev ]] && break; sleep 0.1; done
+    [[ -b $dev ]] || { echo "no NVMe disk $dev (scripts/vm/run attaches one unless UBLK_VM_NVME=0)" >&2; return 1; }
+    mkdir -p "$1"
+    timeout 300 mkfs.ext4 -q -F -E nodiscard "$dev" >&2 || return 1
+    timeout 60 mount "$dev" "$1"
 }

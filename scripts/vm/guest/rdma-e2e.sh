@@ -25,11 +25,13 @@ SOCK=$W/run/ublkd.sock
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 failures=0
 
-mkdir -p "$R" "$W"/{state,arena-a,arena-b,run,mnt}
+mkdir -p "$R" "$W"/{state,nvme,run,mnt}
 log() { printf '%s rdma-e2e: %s\n' "$(date +%T)" "$*" >&2; }
 pass() { echo "PASS $1"; }
 fail() { echo "FAIL $1${2:+ ($2)}"; failures=$((failures + 1)); }
 rxe_add() { timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo; }
+# Both arenads keep their swap on the emulated NVMe disk.
+swap_disk "$W/nvme" || { echo "FAIL setup (swap_dir on NVMe)"; exit 1; }
 
 for b in arenad ublkd ublkctl; do
     [[ -x "$BIN/$b" ]] || { echo "FAIL setup (missing $BIN/$b: run scripts/vm/rdma)"; exit 1; }
@@ -46,7 +48,7 @@ arenad_conf() { # arenad_conf NAME PORT METRICS_PORT RDMA
 listen = "127.0.0.1:$2"
 arena_bytes = "32M"
 blob_bytes = "256K"
-swap_dir = "$W/arena-${1%%-*}"
+swap_dir = "$W/nvme/arena-${1%%-*}"
 swap_bytes = "256M"
 metrics_listen = "127.0.0.1:$3"
 rdma = "$4"

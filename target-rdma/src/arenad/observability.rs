@@ -13,12 +13,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ublk_metrics::{
-    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, Daemon, HttpConfig, HttpError, MetricsServer,
-    NotReadyReason, NotReadySet, Probes, ProtocolErrorClass, SlotState, Telemetry, TelemetryError,
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, Daemon, HttpConfig, HttpError, IntegrityCheck,
+    MetricsServer, NotReadyReason, NotReadySet, Probes, ProtocolErrorClass, SlotState, Telemetry,
+    TelemetryError,
 };
 
 use crate::proto::{FrameError, Opcode, Status};
-use crate::store::{IndexWrite, Store, StoreStats};
+use crate::store::{IndexWrite, IntegrityKind, Store, StoreStats};
 
 /// The store, once open: the metrics listener starts before it, so that
 /// `/ready` can say why arenad is not ready yet.
@@ -92,6 +93,14 @@ pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
     slots[SlotState::Clean.index()] = s.slots_clean;
     slots[SlotState::Dirty.index()] = s.slots_dirty;
     slots[SlotState::Leased.index()] = s.slots_leased;
+    let mut integrity_errors = [0; IntegrityCheck::COUNT];
+    for kind in IntegrityKind::ALL {
+        let check = match kind {
+            IntegrityKind::Checksum => IntegrityCheck::Checksum,
+            IntegrityKind::Header => IntegrityCheck::Header,
+        };
+        integrity_errors[check.index()] = s.integrity_errors[kind.index()];
+    }
     let blob = u64::from(blob_bytes);
     ArenaStats {
         slots,
@@ -108,6 +117,7 @@ pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
             .saturating_sub(s.slots_free)
             .saturating_mul(blob),
         arena_capacity_bytes: s.slots_total.saturating_mul(blob),
+        integrity_errors,
     }
 }
 
@@ -282,9 +292,12 @@ mod tests {
             swap_extents_used: 5,
             swap_extents_total: 20,
             write_backs: 7,
+            integrity_errors: [3, 1],
             ..StoreStats::default()
         };
         let a = arena_stats(&s, 4096);
+        assert_eq!(a.integrity_errors[IntegrityCheck::Checksum.index()], 3);
+        assert_eq!(a.integrity_errors[IntegrityCheck::Header.index()], 1);
         assert_eq!(a.slots, [2, 3, 2, 1]);
         assert_eq!(
             (a.arena_used_bytes, a.arena_capacity_bytes),
@@ -323,6 +336,10 @@ mod tests {
         assert!(t.telemetry().readiness().is_ready());
         let text = t.telemetry().render().unwrap();
         assert!(text.contains("arenad_slots{state=\"free\"} 16"), "{text}");
+        assert!(
+            text.contains("arenad_integrity_errors_total{kind=\"checksum\"} 0"),
+            "{text}"
+        );
         t.begin_shutdown();
         assert!(t
             .telemetry()

@@ -69,6 +69,12 @@ pub(crate) struct Args {
     /// Check the config and secrets, print the effective settings, and exit.
     #[arg(long)]
     check: bool,
+    /// Rebuild the index of swap_dir from its extent headers (after arenad
+    /// refused to start over a damaged or missing index), print what was and
+    /// was not recovered, and exit: 0 when nothing was lost, 2 when some
+    /// blobs could not be recovered. arenad must not be running.
+    #[arg(long, conflicts_with = "check")]
+    repair: bool,
 }
 
 fn load_config(args: &Args) -> Result<ArenadConfig> {
@@ -176,6 +182,17 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    let store_cfg = StoreConfig {
+        dir: cfg.swap_dir.clone(),
+        arena_bytes: cfg.arena_bytes,
+        blob_bytes: blob as u32,
+        swap_bytes: cfg.swap_bytes,
+    };
+    if args.repair {
+        let report = Store::repair(&store_cfg, &specs).context("repairing the arena store")?;
+        println!("{report}");
+        std::process::exit(if report.complete() { 0 } else { 2 });
+    }
     let (obs, _metrics) = start_observability(&cfg)?;
     // 0700 whatever the umask, like the 0600 files the store creates in it.
     std::fs::DirBuilder::new()
@@ -183,18 +200,7 @@ fn main() -> Result<()> {
         .mode(0o700)
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
-    let store = Arc::new(
-        Store::open(
-            StoreConfig {
-                dir: cfg.swap_dir.clone(),
-                arena_bytes: cfg.arena_bytes,
-                blob_bytes: blob as u32,
-                swap_bytes: cfg.swap_bytes,
-            },
-            &specs,
-        )
-        .context("opening the arena store")?,
-    );
+    let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
     obs.store_opened(&store, cfg.volumes.len());
     let listener =
         TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;

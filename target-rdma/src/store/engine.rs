@@ -17,18 +17,31 @@
 //! extent is neither freed nor journaled; users of a loading blob wait on
 //! [`Core::settled`]. A flush waits for in-flight write-backs, then does its
 //! own under the lock as before, so its ordering is unchanged.
+//!
+//! Every image read from swap is checked against its extent header before
+//! anyone sees it (see [`extent`](super::extent)): a fault-in before the
+//! slot is handed out, a range read of a cold blob before its bytes are.
+//! A range read holds nothing while its I/O runs (no slot, no extent pin):
+//! if its bytes fail the check, the lock is retaken to see whether the blob
+//! moved meanwhile (then the read starts over) or the extent really is bad
+//! (then the read fails, counted and logged).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::arena::{Arena, SlotRead};
 use super::eviction::{Clock, SlotMeta};
-use super::index::{self, Image, Index, Record, Snapshot};
-use super::swap::{Extents, Swap};
-use super::{BlobKey, HolderId, StoreConfig, StoreError, StoreStats, VolumeId, VolumeSpec};
+use super::extent::{self, Ident, MetaFile, BLOCK};
+use super::format::{Record, Snapshot, Version};
+use super::index::{Found, Index};
+use super::swap::{AlignedBuf, Extents, Swap};
+use super::{
+    BlobKey, HolderId, IntegrityKind, StoreConfig, StoreError, StoreStats, VolumeId, VolumeSpec,
+};
 use crate::proto::Lease;
 
 /// Most slots one eviction frees (their write-backs share a submission).
@@ -39,6 +52,9 @@ const REVOKE_BATCH: usize = 8;
 const LEASES_PER_SLOT: usize = 16;
 /// Most write-backs per submission during a flush.
 const WRITE_BATCH: usize = 64;
+/// Most of those whose slot is copied first (ALLOC-leased), so a flush
+/// holds at most this many blob copies.
+const COPY_BATCH: usize = 8;
 /// Most write-backs per cleaner submission: enough to keep the disk queue
 /// busy, few enough that slots come back clean at a steady pace.
 const CLEAN_BATCH: usize = 8;
@@ -73,8 +89,21 @@ struct LeaseInfo {
 /// Where a blob's bytes are. Invariant: `slot` or `extent` is set.
 struct Blob {
     slot: Option<u32>,
-    extent: Option<u32>,
-    durable: Option<u32>,
+    /// Its newest complete swap image.
+    extent: Option<Placed>,
+    /// The image the durable index names.
+    durable: Option<Placed>,
+    /// Why its swap image cannot be trusted, found at open (its header is
+    /// missing, damaged or names another image): it is never read, and
+    /// reads fail until it is rewritten whole, removed or repaired.
+    damaged: Option<Box<str>>,
+}
+
+/// An image in swap: its extent and the write version its header carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Placed {
+    pub(super) extent: u32,
+    pub(super) version: Version,
 }
 
 struct Volume {
@@ -90,14 +119,20 @@ struct Counters {
     fault_ins: u64,
     flushes: u64,
     revocations: u64,
+    /// Reads refused by kind ([`IntegrityKind::index`]).
+    integrity: [u64; IntegrityKind::COUNT],
 }
 
 pub(super) struct State {
     blob_bytes: u32,
     generation: u64,
+    /// The last write version handed out this run (its seq).
+    seq: u64,
     /// Configured volumes first (their ids are the caller's), then volumes
     /// found only in the persisted index, kept so their blobs survive.
     volumes: Vec<Volume>,
+    /// Each volume's on-disk id ([`extent::volume_id`]).
+    vol_ids: Vec<u64>,
     configured: usize,
     blobs: BTreeMap<BlobKey, Blob>,
     slots: Vec<SlotMeta>,
@@ -116,6 +151,12 @@ pub(super) struct State {
     revocations: Vec<(HolderId, VolumeId, u64, u64)>,
     counters: Counters,
     extents: Extents,
+    /// The extent headers on disk: written by write-backs, cleared when an
+    /// extent is freed.
+    meta: Arc<MetaFile>,
+    /// Block CRCs of every extent's current image, `blocks` per extent.
+    crcs: Vec<u32>,
+    blocks: usize,
     /// Occupied dirty slots; kept so the watermark check is O(1).
     n_dirty: usize,
     /// Slots loading or writing without the store lock.
@@ -136,13 +177,46 @@ pub(super) struct State {
     read_ahead: Vec<BlobKey>,
 }
 
-/// A write-back the store lock has set up: `slot`'s bytes go to `extent`.
+/// A write-back the store lock has set up: `slot`'s bytes go to `extent`
+/// as image `ident`.
 struct WriteBack {
     slot: u32,
     key: BlobKey,
     extent: u32,
     /// `extent` was free, not the blob's own.
     fresh: bool,
+    ident: Ident,
+    /// The slot has ALLOC leases, whose holders may change it by RDMA at any
+    /// moment: the image is copied first, so that its checksums and the
+    /// bytes written are the same bytes.
+    copy: bool,
+}
+
+/// How a read is served, decided under the store lock.
+pub(super) enum ReadPlan {
+    /// The key holds no blob.
+    Absent,
+    /// From this (pinned) slot.
+    Slot(u32),
+    /// Straight from swap, without faulting the blob in.
+    Swap(Direct),
+}
+
+/// A range read of a cold blob: the aligned blocks covering the request,
+/// and what they must check against.
+pub(super) struct Direct {
+    key: BlobKey,
+    placed: Placed,
+    ident: Ident,
+    first: u32,
+    crcs: Vec<u32>,
+}
+
+impl Direct {
+    /// Byte offset of the read's first block in its blob.
+    pub(super) fn offset(&self) -> u32 {
+        self.first * BLOCK as u32
+    }
 }
 
 /// A slot handed out for use.
@@ -183,15 +257,20 @@ fn names(volumes: &[Volume]) -> Vec<&str> {
     volumes.iter().map(|v| v.name.as_str()).collect()
 }
 
+/// Most damaged extents logged one by one at open; the rest are counted.
+const DAMAGE_LOGGED: usize = 16;
+
 impl State {
+    /// Builds the state of a found store (or a new one when `found` is
+    /// `None`) and opens its swap; checks every extent the index names
+    /// against its header, marking the blobs whose header fails.
     pub(super) fn open(
         cfg: &StoreConfig,
         arena: &Arena,
         slots: u32,
         extents: u32,
         specs: &[VolumeSpec],
-        image: Option<Image>,
-        swap_path: &Path,
+        found: Option<Found>,
     ) -> Result<(State, Swap), StoreError> {
         let mut volumes: Vec<Volume> = specs
             .iter()
@@ -206,65 +285,125 @@ impl State {
             .collect();
         let mut blobs = BTreeMap::new();
         let mut used = vec![false; extents as usize];
-        let (generation, epoch) = match image {
-            None => (0, 0),
-            Some(img) => {
+        let blocks = cfg.blob_bytes as usize / BLOCK;
+        let (generation, swap) = match &found {
+            None => (
+                1,
+                Swap::create(&cfg.dir, cfg.blob_bytes, extents, &mut arena.write(0))?,
+            ),
+            Some(f) => {
+                let img = &f.image;
                 let ids: Vec<u32> = img
                     .volumes
-                    .into_iter()
+                    .iter()
                     .map(|name| {
                         *by_name.entry(name.clone()).or_insert_with(|| {
                             tracing::warn!(event = "volume_not_configured", volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
-                            volumes.push(Volume { name, quota: 0, blobs: 0 });
+                            volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0 });
                             (volumes.len() - 1) as u32
                         })
                     })
                     .collect();
-                for ((pv, key), extent) in img.blobs {
+                for (&(pv, key), &(extent, version)) in &img.blobs {
                     let vol = ids[pv as usize];
                     if std::mem::replace(&mut used[extent as usize], true) {
                         return Err(StoreError::Corrupt {
-                            file: cfg.dir.join(index::CKPT_FILE),
+                            file: cfg.dir.join(super::index::CKPT_FILE),
                             detail: format!("swap extent {extent} is mapped by two blobs"),
                         });
                     }
                     volumes[vol as usize].blobs += 1;
+                    let placed = Some(Placed { extent, version });
                     blobs.insert(
                         (vol, key),
                         Blob {
                             slot: None,
-                            extent: Some(extent),
-                            durable: Some(extent),
+                            extent: placed,
+                            durable: placed,
+                            damaged: None,
                         },
                     );
                 }
-                (img.generation, img.epoch)
+                let swap = Swap::open(
+                    &cfg.dir,
+                    cfg.blob_bytes,
+                    img.extents,
+                    extents,
+                    &mut arena.write(0),
+                )?;
+                (img.generation + 1, swap)
             }
         };
-        let swap = Swap::open(swap_path, cfg.blob_bytes, extents, &mut arena.write(0))?;
-        let generation = generation + 1;
+        let vol_ids: Vec<u64> = volumes.iter().map(|v| extent::volume_id(&v.name)).collect();
+        let mut crcs = vec![0u32; extents as usize * blocks];
+        if let Some(highest) = blobs
+            .values()
+            .filter_map(|b: &Blob| b.durable)
+            .map(|p| p.extent)
+            .max()
+        {
+            let records = swap.meta().read_all(highest + 1)?;
+            let mut damaged = 0usize;
+            for (&(vol, key), b) in blobs.iter_mut() {
+                let Some(p) = b.durable else { continue };
+                let want = Ident {
+                    volume: vol_ids[vol as usize],
+                    key,
+                    version: p.version,
+                };
+                let why = match &records[p.extent as usize] {
+                    extent::Record::Valid(id, c) if *id == want => {
+                        let at = p.extent as usize * blocks;
+                        crcs[at..at + blocks].copy_from_slice(c);
+                        continue;
+                    }
+                    extent::Record::Valid(id, _) => {
+                        let name = vol_ids.iter().position(|&v| v == id.volume).map_or_else(
+                            || format!("{:#018x}", id.volume),
+                            |i| format!("{:?}", volumes[i].name),
+                        );
+                        format!(
+                            "its header names volume {name} key {} version {}.{}, the index expects key {key} version {}.{}",
+                            id.key, id.version.generation, id.version.seq, p.version.generation, p.version.seq
+                        )
+                    }
+                    extent::Record::Empty => "it has no header".to_string(),
+                    extent::Record::Invalid(why) => format!("its header is damaged ({why})"),
+                };
+                if damaged < DAMAGE_LOGGED {
+                    tracing::warn!(event = "swap.extent_header_invalid", file = %swap.meta().path().display(), extent = p.extent, volume = %volumes[vol as usize].name, key, detail = %why, "a blob's swap image does not match its header: its reads fail until it is rewritten, removed or repaired");
+                }
+                damaged += 1;
+                b.damaged = Some(why.into_boxed_str());
+            }
+            if damaged > DAMAGE_LOGGED {
+                tracing::warn!(event = "swap.extent_headers_invalid", file = %swap.meta().path().display(), count = damaged, "more blobs whose swap image does not match its header");
+            }
+        }
+        let meta = swap.meta_handle();
         let index = {
             let names = names(&volumes);
-            Index::create(
-                &cfg.dir,
-                epoch + 1,
+            let snap = Snapshot {
+                generation,
+                blob_bytes: cfg.blob_bytes,
                 extents,
-                Snapshot {
-                    generation,
-                    blob_bytes: cfg.blob_bytes,
-                    extents,
-                    volumes: &names,
-                    blob_count: blobs.len() as u64,
-                    blobs: blobs
-                        .iter()
-                        .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d))),
-                },
-            )?
+                volumes: &names,
+                blob_count: blobs.len() as u64,
+                blobs: blobs
+                    .iter()
+                    .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
+            };
+            match found {
+                None => Index::create(&cfg.dir, extents, snap)?,
+                Some(f) => Index::reopen(&cfg.dir, f, extents, snap)?,
+            }
         };
         let state = State {
             blob_bytes: cfg.blob_bytes,
             generation,
+            seq: 0,
             configured: specs.len(),
+            vol_ids,
             volumes,
             blobs,
             slots: vec![SlotMeta::default(); slots as usize],
@@ -273,6 +412,9 @@ impl State {
             leases: BTreeMap::new(),
             next_token: 1,
             extents: Extents::new(extents, &used),
+            meta,
+            crcs,
+            blocks,
             index,
             unjournaled: BTreeSet::new(),
             pending_removes: Vec::new(),
@@ -375,9 +517,10 @@ impl State {
         }
     }
 
-    /// Ends a fault-in's transition; whether the slot still belongs to `key`
-    /// (it did not, or no longer does, when the read failed or the blob was
-    /// removed meanwhile; the slot is then free again).
+    /// Ends a fault-in's transition; whether the slot still belonged to
+    /// `key` (it no longer does when the blob was removed meanwhile). When
+    /// the load failed (`ok` false) the slot is given up: free again, the
+    /// blob left in swap.
     fn finish_load(&mut self, slot: u32, key: BlobKey, ok: bool) -> bool {
         self.in_transit -= 1;
         let m = &mut self.slots[slot as usize];
@@ -391,7 +534,67 @@ impl State {
             }
         }
         self.free_if_orphaned(slot);
-        ours && ok
+        ours
+    }
+
+    /// Image `version` of blob `key`, as its extent header states it.
+    fn ident(&self, key: BlobKey, version: Version) -> Ident {
+        Ident {
+            volume: self.vol_ids[key.0 as usize],
+            key: key.1,
+            version,
+        }
+    }
+
+    /// The CRCs of blocks `first..end` of `extent`'s image.
+    fn block_crcs(&self, extent: u32, first: usize, end: usize) -> Vec<u32> {
+        let at = extent as usize * self.blocks;
+        self.crcs[at + first..at + end].to_vec()
+    }
+
+    /// Counts, logs and describes a read refused because its image does not
+    /// verify; `offset` is the byte offset of the bad part in `file`.
+    fn integrity_error(
+        &mut self,
+        kind: IntegrityKind,
+        key: BlobKey,
+        file: &Path,
+        extent: u32,
+        offset: u64,
+        detail: String,
+    ) -> StoreError {
+        self.counters.integrity[kind.index()] += 1;
+        let volume = self.volumes[key.0 as usize].name.clone();
+        tracing::warn!(event = "swap.integrity_error", kind = kind.name(), file = %file.display(), extent, offset, volume = %volume, key = key.1, detail = %detail, "refusing to serve bytes that do not verify");
+        StoreError::Integrity {
+            kind,
+            file: file.to_path_buf(),
+            extent,
+            offset,
+            volume,
+            key: key.1,
+            detail,
+        }
+    }
+
+    /// The error for a blob found damaged at open.
+    fn damaged_error(&mut self, key: BlobKey) -> Option<StoreError> {
+        let b = self.blobs.get(&key)?;
+        let why = b.damaged.as_deref()?.to_string();
+        let extent = b.extent.map_or(0, |p| p.extent);
+        let path = self.meta.path().to_path_buf();
+        let offset = self.meta.offset(extent);
+        Some(self.integrity_error(IntegrityKind::Header, key, &path, extent, offset, why))
+    }
+
+    /// Gives an extent back to the free list, its header cleared first (so
+    /// that repair never resurrects what it held, and before any write-back
+    /// can take it).
+    fn release_extent(&mut self, extent: u32) {
+        if let Err(e) = self.meta.clear(extent) {
+            tracing::warn!(event = "extent_header_clear_failed", extent, error = %e, "could not clear a freed extent's header; arenad --repair might bring back its old image");
+        }
+        self.extents.free(extent);
     }
 
     /// Drops a clean unpinned slot's content (its blob stays in swap).
@@ -572,11 +775,13 @@ impl State {
             self.free_if_orphaned(s);
         }
         match blob.extent {
-            Some(e) if blob.extent != blob.durable && writing != Some(e) => self.extents.free(e),
+            Some(e) if blob.extent != blob.durable && writing != Some(e.extent) => {
+                self.release_extent(e.extent)
+            }
             _ => {}
         }
         if let Some(d) = blob.durable {
-            self.pending_free.push(d);
+            self.pending_free.push(d.extent);
             self.pending_removes.push(key);
         }
         self.unjournaled.remove(&key);
@@ -590,6 +795,15 @@ impl State {
         };
         let b = &self.blobs[&key];
         !matches!(b.extent, Some(e) if b.durable != Some(e))
+    }
+
+    /// The next write version of this run.
+    fn next_version(&mut self) -> Version {
+        self.seq += 1;
+        Version {
+            generation: self.generation,
+            seq: self.seq,
+        }
     }
 
     /// Every slot is pinned: asks the oldest leases back.
@@ -639,12 +853,35 @@ impl State {
                 .map(|&(vol, key)| Record::Remove { vol, key }),
         );
         for &(vol, key) in &ready {
-            let extent = self.blobs[&(vol, key)]
+            let p = self.blobs[&(vol, key)]
                 .extent
                 .expect("an unjournaled blob has a swap image");
-            records.push(Record::Put { vol, key, extent });
+            records.push(Record::Put {
+                vol,
+                key,
+                extent: p.extent,
+                version: p.version,
+            });
         }
-        if let Err(e) = self.index.append(&records) {
+        let committed = {
+            let names = names(&self.volumes);
+            let blobs = &self.blobs;
+            let (generation, blob_bytes, extents) =
+                (self.generation, self.blob_bytes, self.extents.total());
+            // The index before these records, in case they need a fresh
+            // journal: a checkpoint of it comes first.
+            self.index.commit(&records, || Snapshot {
+                generation,
+                blob_bytes,
+                extents,
+                volumes: &names,
+                blob_count: blobs.values().filter(|b| b.durable.is_some()).count() as u64,
+                blobs: blobs
+                    .iter()
+                    .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
+            })
+        };
+        if let Err(e) = committed {
             self.unjournaled.extend(ready);
             return Err(e);
         }
@@ -652,33 +889,14 @@ impl State {
             if let Some(b) = self.blobs.get_mut(&key) {
                 let old = std::mem::replace(&mut b.durable, b.extent);
                 if let Some(old) = old.filter(|&o| Some(o) != b.extent) {
-                    self.extents.free(old);
+                    self.release_extent(old.extent);
                 }
             }
         }
         for e in std::mem::take(&mut self.pending_free) {
-            self.extents.free(e);
+            self.release_extent(e);
         }
         self.pending_removes.clear();
-        if self.index.wants_checkpoint() {
-            let names = names(&self.volumes);
-            let snap = Snapshot {
-                generation: self.generation,
-                blob_bytes: self.blob_bytes,
-                extents: self.extents.total(),
-                volumes: &names,
-                blob_count: self.blobs.values().filter(|b| b.durable.is_some()).count() as u64,
-                blobs: self
-                    .blobs
-                    .iter()
-                    .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d))),
-            };
-            // The journal already holds everything; a failed checkpoint only
-            // means a longer replay, so the commit still succeeds.
-            if let Err(e) = self.index.checkpoint(snap) {
-                tracing::warn!(event = "checkpoint_failed", error = %e, "index checkpoint failed; the journal keeps growing");
-            }
-        }
         Ok(())
     }
 
@@ -716,6 +934,7 @@ impl State {
             journal_records: self.index.journal_records,
             checkpoints: self.index.checkpoints,
             direct_io: swap.direct(),
+            integrity_errors: self.counters.integrity,
             ..StoreStats::default()
         };
         debug_assert_eq!(
@@ -764,17 +983,20 @@ impl State {
             };
             let b = &self.blobs[&key];
             let (extent, fresh) = match b.extent {
-                Some(e) if b.durable != Some(e) => (e, false),
+                Some(e) if b.durable != Some(e) => (e.extent, false),
                 _ => match self.extents.alloc() {
                     Some(e) => (e, true),
                     None => continue,
                 },
             };
+            let version = self.next_version();
             plan.push(WriteBack {
                 slot,
                 key,
                 extent,
                 fresh,
+                ident: self.ident(key, version),
+                copy: self.slots[slot as usize].writers > 0,
             });
         }
         for w in &plan {
@@ -791,27 +1013,33 @@ impl State {
         Ok(plan)
     }
 
-    /// Ends the transition of a planned write-back: on success the blob's
-    /// swap image moves to the written extent (and, with `evict`, slots
-    /// still clean and unpinned are freed); on failure the slot is dirty
-    /// again and a half-written extent of its own is dropped.
-    fn finish_write_back(&mut self, plan: &[WriteBack], ok: bool, evict: bool) {
+    /// Ends the transition of a planned write-back: on success (`crcs`
+    /// holds each image's block CRCs) the blob's swap image moves to the
+    /// written extent (and, with `evict`, slots still clean and unpinned are
+    /// freed); on failure the slot is dirty again and a half-written extent
+    /// of its own is dropped.
+    fn finish_write_back(&mut self, plan: &[WriteBack], crcs: Option<&[Vec<u32>]>, evict: bool) {
         self.in_transit -= plan.len();
         self.writes_in_flight -= plan.len();
         let mut evicted = 0;
-        for w in plan {
+        for (i, w) in plan.iter().enumerate() {
             let m = &mut self.slots[w.slot as usize];
             m.pins -= 1;
             m.writing = None;
             if m.owner != Some(w.key) {
                 // Removed meanwhile; `drop_blob` left the extent to us.
-                self.extents.free(w.extent);
+                self.release_extent(w.extent);
                 self.free_if_orphaned(w.slot);
                 continue;
             }
-            if ok {
+            if let Some(crcs) = crcs {
+                let at = w.extent as usize * self.blocks;
+                self.crcs[at..at + self.blocks].copy_from_slice(&crcs[i]);
                 if let Some(b) = self.blobs.get_mut(&w.key) {
-                    b.extent = Some(w.extent);
+                    b.extent = Some(Placed {
+                        extent: w.extent,
+                        version: w.ident.version,
+                    });
                 }
                 self.unjournaled.insert(w.key);
                 self.counters.write_backs += 1;
@@ -829,7 +1057,7 @@ impl State {
                     }
                     self.unjournaled.remove(&w.key);
                 }
-                self.extents.free(w.extent);
+                self.release_extent(w.extent);
                 self.set_dirty(w.slot, true);
             }
         }
@@ -894,12 +1122,19 @@ impl Core {
                 }
                 return Ok(Some(Staged::Ready(s)));
             }
+            if !stage {
+                if let Some(e) = st.damaged_error(key) {
+                    return Err(e);
+                }
+            }
             // May drop the lock, after which the blob may have changed.
             let slot = self.take_slot(g)?;
             let st = &mut **g;
-            let extent = match st.blobs.get_mut(&key) {
-                Some(b) if b.slot.is_none() => {
+            let placed = match st.blobs.get_mut(&key) {
+                Some(b) if b.slot.is_none() && (stage || b.damaged.is_none()) => {
                     b.slot = Some(slot);
+                    // A whole-blob write replaces a damaged image.
+                    b.damaged = None;
                     b.extent.expect("a blob without a slot has a swap extent")
                 }
                 _ => {
@@ -911,20 +1146,113 @@ impl Core {
             if stage {
                 return Ok(Some(Staged::Staged(slot)));
             }
+            let ident = st.ident(key, placed.version);
+            let crcs = st.block_crcs(placed.extent, 0, st.blocks);
             let read = MutexGuard::unlocked(g, || {
-                self.swap.read_extent(extent, &mut self.arena.write(slot))
+                let mut bytes = self.arena.write(slot);
+                self.swap
+                    .read_extent(placed.extent, &mut bytes)
+                    .map(|()| extent::first_bad_block(&ident, 0, &bytes, &crcs))
             });
             let st = &mut **g;
-            let ours = st.finish_load(slot, key, read.is_ok());
+            let ours = st.finish_load(slot, key, matches!(read, Ok(None)));
             self.settled.notify_all();
-            read?;
-            if ours {
-                st.counters.fault_ins += 1;
-                st.note_read(key);
-                return Ok(Some(Staged::Ready(slot)));
+            match read? {
+                None if ours => {
+                    st.counters.fault_ins += 1;
+                    st.note_read(key);
+                    return Ok(Some(Staged::Ready(slot)));
+                }
+                Some(bad) if ours => {
+                    let offset = self.swap.offset_of(placed.extent, bad * BLOCK);
+                    return Err(st.integrity_error(
+                        IntegrityKind::Checksum,
+                        key,
+                        self.swap.path(),
+                        placed.extent,
+                        offset,
+                        format!("block {bad} fails its checksum"),
+                    ));
+                }
+                // Removed while loading: look again.
+                _ => {}
             }
-            // Removed while loading: look again.
         }
+    }
+
+    /// How to serve a read of `len` bytes at `offset` of blob `key`: from
+    /// its slot (pinned; faulted in when the read covers the whole blob), or,
+    /// for part of a blob that is not resident, straight from swap.
+    pub(super) fn plan_read(
+        &self,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        len: usize,
+    ) -> Result<ReadPlan, StoreError> {
+        g.check_vol(vol)?;
+        let key = (vol, key);
+        let whole = offset == 0 && len == g.blob_bytes as usize;
+        let st = &mut **g;
+        let cold = match st.blobs.get(&key) {
+            None => return Ok(ReadPlan::Absent),
+            Some(b) => b.slot.is_none().then_some(b.extent).flatten(),
+        };
+        match cold {
+            Some(placed) if !whole && len > 0 => {
+                if let Some(e) = st.damaged_error(key) {
+                    return Err(e);
+                }
+                let first = offset as usize / BLOCK;
+                let end = (offset as usize + len).div_ceil(BLOCK).max(first + 1);
+                st.note_read(key);
+                Ok(ReadPlan::Swap(Direct {
+                    key,
+                    placed,
+                    ident: st.ident(key, placed.version),
+                    first: first as u32,
+                    crcs: st.block_crcs(placed.extent, first, end),
+                }))
+            }
+            _ => Ok(match self.pin(g, vol, key.1)? {
+                Some(s) => ReadPlan::Slot(s),
+                None => ReadPlan::Absent,
+            }),
+        }
+    }
+
+    /// Runs a planned range read without the lock. `None` when the blob
+    /// moved meanwhile (the caller plans again); an integrity error only
+    /// when the blob still has that image and no write-back is rewriting
+    /// its extent, so a race never passes for damage.
+    pub(super) fn read_direct(&self, d: &Direct) -> Result<Option<AlignedBuf>, StoreError> {
+        let len = (d.crcs.len() * BLOCK) as u32;
+        let buf = self.swap.read_range(d.placed.extent, d.offset(), len)?;
+        let Some(bad) = extent::first_bad_block(&d.ident, d.first, &buf, &d.crcs) else {
+            return Ok(Some(buf));
+        };
+        self.swap.give_buffer(buf);
+        let mut g = self.state.lock();
+        let st = &mut *g;
+        let unchanged = st.blobs.get(&d.key).is_some_and(|b| {
+            b.extent == Some(d.placed)
+                && b.slot
+                    .is_none_or(|s| st.slots[s as usize].writing != Some(d.placed.extent))
+        });
+        if !unchanged {
+            return Ok(None);
+        }
+        let block = d.first as usize + bad;
+        let offset = self.swap.offset_of(d.placed.extent, block * BLOCK);
+        Err(st.integrity_error(
+            IntegrityKind::Checksum,
+            d.key,
+            self.swap.path(),
+            d.placed.extent,
+            offset,
+            format!("block {block} fails its checksum"),
+        ))
     }
 
     /// The blob's slot; a new blob gets a zeroed one, within the quota, or
@@ -978,6 +1306,7 @@ impl Core {
                     slot: Some(slot),
                     extent: None,
                     durable: None,
+                    damaged: None,
                 },
             );
             st.volumes[key.0 as usize].blobs += 1;
@@ -1040,7 +1369,15 @@ impl Core {
     ) -> Result<Lease, StoreError> {
         g.check_vol(vol)?;
         g.check_lease_limit()?;
-        let slot = self.resident_or_create(g, (vol, key), false)?.slot();
+        let slot = loop {
+            let s = self.resident_or_create(g, (vol, key), false)?.slot();
+            if g.slots[s as usize].writing.is_none() {
+                break s;
+            }
+            // A write-back without the lock is checksumming and writing
+            // this slot: the holder's RDMA writes must not race it.
+            self.settled.wait(g);
+        };
         Ok(g.new_lease(holder, (vol, key), slot, LeaseKind::Alloc))
     }
 
@@ -1112,7 +1449,9 @@ impl Core {
     }
 
     /// Runs a planned write-back, several extents per submission, without
-    /// the lock when `unlocked`, then finishes it under the lock.
+    /// the lock when `unlocked`, then finishes it under the lock. Each
+    /// image's block CRCs are computed from the bytes written, and its
+    /// header goes to the extent table with it.
     fn write_back(
         &self,
         g: &mut Guard<'_>,
@@ -1120,23 +1459,56 @@ impl Core {
         evict: bool,
         unlocked: bool,
     ) -> Result<(), StoreError> {
-        let io = || {
+        let io = || -> Result<Vec<Vec<u32>>, StoreError> {
             let guards: Vec<SlotRead<'_>> = plan.iter().map(|w| self.arena.read(w.slot)).collect();
+            let mut copies: Vec<Option<AlignedBuf>> = Vec::with_capacity(plan.len());
+            for (w, b) in plan.iter().zip(&guards) {
+                copies.push(if w.copy {
+                    Some(self.swap.copy_of(b)?)
+                } else {
+                    None
+                });
+            }
+            let images: Vec<&[u8]> = guards
+                .iter()
+                .zip(&copies)
+                .map(|(b, c)| c.as_deref().unwrap_or(b))
+                .collect();
             let ios: Vec<(u32, &[u8])> = plan
                 .iter()
-                .zip(&guards)
-                .map(|(w, b)| (w.extent, &**b))
+                .zip(&images)
+                .map(|(w, b)| (w.extent, *b))
                 .collect();
-            self.swap.write_extents(&ios)
+            // The bytes do not change while they are written, so their
+            // checksums are computed meanwhile.
+            let mut crcs: Vec<Vec<u32>> = Vec::new();
+            let written = self
+                .swap
+                .write_extents_while(&ios, || {
+                    crcs = plan
+                        .iter()
+                        .zip(&images)
+                        .map(|(w, b)| extent::image_crcs(&w.ident, b))
+                        .collect();
+                })
+                .and_then(|()| {
+                    plan.iter()
+                        .zip(&crcs)
+                        .try_for_each(|(w, c)| self.swap.meta().write(w.extent, &w.ident, c))
+                });
+            for c in copies.into_iter().flatten() {
+                self.swap.give_buffer(c);
+            }
+            written.map(|()| crcs)
         };
         let res = if unlocked {
             MutexGuard::unlocked(g, io)
         } else {
             io()
         };
-        g.finish_write_back(plan, res.is_ok(), evict);
+        g.finish_write_back(plan, res.as_deref().ok(), evict);
         self.settled.notify_all();
-        res
+        res.map(|_| ())
     }
 
     /// Writes back every dirty slot, leased ones included (their bytes are
@@ -1168,8 +1540,16 @@ impl Core {
         while !todo.is_empty() {
             let st = &mut **g;
             let mut free = st.extents.free_count();
-            let mut n = 0;
+            let (mut n, mut copies) = (0, 0);
             for &s in todo.iter().take(WRITE_BATCH) {
+                if st.slots[s as usize].writers > 0 {
+                    // Copied before writing (see `WriteBack::copy`): a few
+                    // per batch bound that memory.
+                    if copies == COPY_BATCH {
+                        break;
+                    }
+                    copies += 1;
+                }
                 if st.needs_fresh(s) {
                     if free == 0 {
                         break;
@@ -1213,10 +1593,10 @@ impl Core {
     /// slot the queue is dropped: the readers fault their blobs in.
     fn read_ahead_one(&self, g: &mut Guard<'_>, key: BlobKey) {
         let st = &mut **g;
-        let Some(extent) = st
+        let Some(placed) = st
             .blobs
             .get(&key)
-            .filter(|b| b.slot.is_none())
+            .filter(|b| b.slot.is_none() && b.damaged.is_none())
             .and_then(|b| b.extent)
         else {
             return;
@@ -1246,16 +1626,33 @@ impl Core {
             ..SlotMeta::default()
         };
         st.in_transit += 1;
+        let ident = st.ident(key, placed.version);
+        let crcs = st.block_crcs(placed.extent, 0, st.blocks);
         let read = MutexGuard::unlocked(g, || {
-            self.swap.read_extent(extent, &mut self.arena.write(slot))
+            let mut bytes = self.arena.write(slot);
+            self.swap
+                .read_extent(placed.extent, &mut bytes)
+                .map(|()| extent::first_bad_block(&ident, 0, &bytes, &crcs))
         });
         let st = &mut **g;
-        if st.finish_load(slot, key, read.is_ok()) {
+        let ok = matches!(read, Ok(None));
+        if st.finish_load(slot, key, ok) && ok {
             st.counters.fault_ins += 1;
         }
         self.settled.notify_all();
-        if let Err(e) = read {
-            tracing::warn!(event = "read_ahead_failed", error = %e, "read-ahead failed; readers fault the blobs in themselves");
+        match read {
+            Err(e) => {
+                tracing::warn!(event = "read_ahead_failed", error = %e, "read-ahead failed; readers fault the blobs in themselves");
+            }
+            Ok(Some(_)) => {
+                // The reader's own fault-in reports it (counted, logged).
+                tracing::debug!(
+                    event = "read_ahead_unverified",
+                    extent = placed.extent,
+                    "a read-ahead image failed its check; dropped"
+                );
+            }
+            Ok(None) => {}
         }
     }
 
@@ -1305,5 +1702,18 @@ impl Core {
                 MutexGuard::unlocked(&mut g, || std::thread::sleep(CLEAN_RETRY));
             }
         }
+    }
+}
+
+#[cfg(test)]
+impl Core {
+    /// The extent the durable index names for `key` (tests damage it).
+    pub(super) fn durable_extent(&self, key: BlobKey) -> Option<u32> {
+        self.state
+            .lock()
+            .blobs
+            .get(&key)
+            .and_then(|b| b.durable)
+            .map(|p| p.extent)
     }
 }

@@ -12,16 +12,52 @@
 //! again. A background thread writes dirty slots back ahead of demand, so
 //! that eviction usually finds a clean victim, and reads ahead of a
 //! sequential reader, so that its disk reads overlap the network.
+//!
+//! Nothing read from disk is served unverified: every swap extent has a
+//! header (volume, key, write version, a CRC32C per 4 KiB block) in
+//! [`extent`]'s side table, checked on every read from swap; the index files
+//! are checksummed block by block and refused when damaged ([`index`]); and
+//! `arenad --repair` ([`Store::repair`]) rebuilds a lost index from the
+//! headers. Every file's space is reserved up front ([`space`]), so a full
+//! filesystem never stops a FLUSH or a restart.
 
 mod arena;
+mod checkpoint;
 mod engine;
 mod eviction;
+mod extent;
+mod format;
 mod in_process;
 mod index;
+mod journal;
+mod repair;
+mod space;
 mod status;
 mod swap;
 #[cfg(test)]
 mod tests;
+
+pub use repair::{BlobRef, RepairReport};
+
+/// What the benchmarks time inside the store (feature `bench-hooks`, which
+/// only benches and tests turn on).
+#[cfg(feature = "bench-hooks")]
+#[doc(hidden)]
+pub mod bench_hooks {
+    use super::extent::{self, Ident};
+    use super::format::Version;
+
+    /// The checksums a read from swap computes to check `bytes` (whole
+    /// 4 KiB blocks) against their extent header: the cost of the check.
+    pub fn extent_checksums(bytes: &[u8]) -> Vec<u32> {
+        let id = Ident {
+            volume: 1,
+            key: 2,
+            version: Version::default(),
+        };
+        extent::block_crcs(&id, 0, bytes)
+    }
+}
 
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
@@ -35,7 +71,7 @@ use parking_lot::RwLock;
 
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
-use engine::{Core, Guard, State};
+use engine::{Core, Guard, ReadPlan, State};
 pub use in_process::InProcess;
 
 /// Where and how big the store is.
@@ -81,6 +117,38 @@ pub type TimingHook = Box<dyn Fn(IndexWrite, std::time::Duration) + Send + Sync>
 pub type RevokeHook = Box<dyn Fn(HolderId, VolumeId, u64, u64) + Send + Sync>;
 
 type BlobKey = (VolumeId, u64);
+
+/// What failed when bytes read from swap did not verify.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IntegrityKind {
+    /// A block's bytes fail their CRC32C (flipped bits, a torn or foreign
+    /// write, an extent moved): the payload is not the image the header
+    /// describes.
+    Checksum,
+    /// The extent's header is missing or damaged, or names another volume,
+    /// key or version than the index: the extent holds some other image.
+    Header,
+}
+
+impl IntegrityKind {
+    /// Number of kinds.
+    pub const COUNT: usize = 2;
+    /// Every kind, in [`IntegrityKind::index`] order.
+    pub const ALL: [IntegrityKind; Self::COUNT] = [Self::Checksum, Self::Header];
+
+    /// Dense index, for per-kind counters.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Stable lower-case name (logs, metric labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Checksum => "checksum",
+            Self::Header => "header",
+        }
+    }
+}
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -209,6 +277,34 @@ pub enum StoreError {
         /// The directory.
         path: PathBuf,
     },
+    /// Bytes read from swap do not verify against their extent header, so
+    /// they are not served (an EIO-class error for the reader).
+    #[error("integrity check failed for volume {volume:?} key {key}: {} extent {extent} at byte {offset}: {detail}", file.display())]
+    Integrity {
+        /// Which check failed.
+        kind: IntegrityKind,
+        /// The file holding the bad bytes (the swap file, or its extent
+        /// table for a bad header).
+        file: PathBuf,
+        /// The swap extent.
+        extent: u32,
+        /// Byte offset of the bad block or header in `file`.
+        offset: u64,
+        /// The blob's volume.
+        volume: String,
+        /// The blob's key.
+        key: u64,
+        /// What did not match.
+        detail: String,
+    },
+    /// A file written in another on-disk format; there is no migration.
+    #[error("{} has on-disk format version {version}, this arenad reads only version {}: it does not migrate stores; drain the volumes with the arenad that wrote it, or move the directory aside to start empty (docs/OPERATIONS.md)", file.display(), format::FORMAT_VERSION)]
+    OldFormat {
+        /// The file.
+        file: PathBuf,
+        /// The version it carries.
+        version: u32,
+    },
 }
 
 /// A point-in-time view of the store for metrics.
@@ -250,6 +346,9 @@ pub struct StoreStats {
     pub checkpoints: u64,
     /// Whether swap I/O bypasses the page cache.
     pub direct_io: bool,
+    /// Reads refused because their bytes did not verify, by
+    /// [`IntegrityKind::index`].
+    pub integrity_errors: [u64; IntegrityKind::COUNT],
 }
 
 /// The arena peer's storage engine. `Send + Sync`; call it from any thread.
@@ -266,7 +365,6 @@ pub struct Store {
 }
 
 const LOCK_FILE: &str = "lock";
-const SWAP_FILE: &str = "swap.dat";
 
 fn invalid(key: &'static str, detail: String) -> StoreError {
     StoreError::InvalidConfig { key, detail }
@@ -321,13 +419,13 @@ fn validate(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<(u32, u32), Sto
             ),
         )
     })?;
-    if volumes.len() > index::MAX_VOLUMES {
+    if volumes.len() > format::MAX_VOLUMES {
         return Err(invalid(
             "volumes",
             format!(
                 "{} volumes, the limit is {}",
                 volumes.len(),
-                index::MAX_VOLUMES
+                format::MAX_VOLUMES
             ),
         ));
     }
@@ -378,11 +476,45 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
     }
 }
 
+/// With no checkpoint the directory must hold a new store: no other store
+/// file, or only those of a creation cut short (they describe no extent and
+/// journal nothing). Anything else is an index lost, and starting empty
+/// would overwrite the blobs it named.
+fn check_new(dir: &Path) -> Result<(), StoreError> {
+    let exists = |name: &str| dir.join(name).exists();
+    let present: Vec<&str> = [index::JOURNAL_FILE, extent::META_FILE, swap::SWAP_FILE]
+        .into_iter()
+        .filter(|f| exists(f))
+        .collect();
+    if present.is_empty() {
+        return Ok(());
+    }
+    let meta_blank = if exists(extent::META_FILE) {
+        extent::table_is_blank(dir)?
+    } else {
+        !exists(swap::SWAP_FILE)
+    };
+    if meta_blank && index::journal_is_blank(dir)? {
+        tracing::warn!(event = "store_creation_resumed", dir = %dir.display(), files = ?present, "found the files of a store whose creation was cut short (no checkpoint, nothing journaled, no extent header): creating it again");
+        return Ok(());
+    }
+    Err(StoreError::Corrupt {
+        file: dir.join(index::CKPT_FILE),
+        detail: format!(
+            "is missing, but {} hold the data of existing blobs: refusing to start with an empty \
+             index, which would overwrite them; restore it, or rebuild it with arenad --repair",
+            present.join(", ")
+        ),
+    })
+}
+
 impl Store {
     /// Opens or creates the store in `cfg.dir`: loads the checkpoint, replays
-    /// the journal (dropping a torn tail), then writes a fresh checkpoint
-    /// carrying the bumped generation, so each run starts with an empty
-    /// journal whose volume numbers are this run's.
+    /// the journal (dropping a torn last batch, refusing any other damage),
+    /// checks the header of every extent the index names, then writes a
+    /// fresh checkpoint carrying the bumped generation, so each run starts
+    /// with an empty journal whose volume numbers are this run's. A new
+    /// store reserves the space of all its files.
     pub fn open(cfg: StoreConfig, volumes: &[VolumeSpec]) -> Result<Store, StoreError> {
         let (slots, extents) = validate(&cfg, volumes)?;
         fs::create_dir_all(&cfg.dir).map_err(|source| StoreError::Io {
@@ -391,22 +523,17 @@ impl Store {
             source,
         })?;
         let lock = lock_dir(&cfg.dir)?;
-        let image = index::load(&cfg.dir, cfg.blob_bytes, extents)?;
+        let found = index::load(&cfg.dir, cfg.blob_bytes, extents)?;
+        if found.is_none() {
+            check_new(&cfg.dir)?;
+        }
         let arena = Arena::new(slots as usize, cfg.blob_bytes as usize).map_err(|source| {
             StoreError::ArenaMap {
                 bytes: cfg.arena_bytes,
                 source,
             }
         })?;
-        let (state, swap) = State::open(
-            &cfg,
-            &arena,
-            slots,
-            extents,
-            volumes,
-            image,
-            &cfg.dir.join(SWAP_FILE),
-        )?;
+        let (state, swap) = State::open(&cfg, &arena, slots, extents, volumes, found)?;
         let generation = state.generation();
         let core = Arc::new(Core::new(arena, swap, state));
         let cleaner = {
@@ -450,6 +577,14 @@ impl Store {
             workers,
             _lock: lock,
         })
+    }
+
+    /// Rebuilds the index of the store in `cfg.dir` from its extent headers
+    /// (`arenad --repair`): for an index that is damaged or lost, which
+    /// [`Store::open`] refuses. The store must not be open; what could not
+    /// be recovered is in the report.
+    pub fn repair(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<RepairReport, StoreError> {
+        repair::repair(cfg, volumes)
     }
 
     /// Bumped on every open, so clients can tell that leases did not survive.
@@ -546,10 +681,15 @@ impl Store {
         })
     }
 
-    /// Hands `len` bytes at `offset` of blob `key` to `f` straight from its
-    /// slot (`None` when the key holds no blob), so the server can send them
-    /// without staging a copy. The slot stays pinned and read-locked while
-    /// `f` runs: `f` must not call back into the store.
+    /// Hands `len` bytes at `offset` of blob `key` to `f` (`None` when the
+    /// key holds no blob), so the server can send them without staging a
+    /// copy: straight from its slot when resident, else from a buffer that
+    /// read just the aligned blocks covering the range from swap (a 4 KiB
+    /// read of a cold blob reads 4 KiB, and does not fault the blob in; a
+    /// read of the whole blob does). Bytes from swap are verified first.
+    /// A slot stays pinned and read-locked while `f` runs: `f` must not
+    /// call back into the store. Concurrent callers do not wait for each
+    /// other's disk reads.
     pub fn read_with<R>(
         &self,
         vol: VolumeId,
@@ -559,16 +699,29 @@ impl Store {
         f: impl FnOnce(Option<&[u8]>) -> R,
     ) -> Result<R, StoreError> {
         self.check_range(offset, len)?;
-        let Some(slot) = self.locked(|c, g| c.pin(g, vol, key))? else {
-            return Ok(f(None));
-        };
-        let r = {
-            let bytes = self.core.arena.read(slot);
-            let o = offset as usize;
-            f(Some(&bytes[o..o + len]))
-        };
-        self.locked(|_, g| g.unpin(slot, false));
-        Ok(r)
+        loop {
+            match self.locked(|c, g| c.plan_read(g, vol, key, offset, len))? {
+                ReadPlan::Absent => return Ok(f(None)),
+                ReadPlan::Slot(slot) => {
+                    let r = {
+                        let bytes = self.core.arena.read(slot);
+                        let o = offset as usize;
+                        f(Some(&bytes[o..o + len]))
+                    };
+                    self.locked(|_, g| g.unpin(slot, false));
+                    return Ok(r);
+                }
+                ReadPlan::Swap(d) => {
+                    let Some(buf) = self.core.read_direct(&d)? else {
+                        continue;
+                    };
+                    let o = (offset - d.offset()) as usize;
+                    let r = f(Some(&buf[o..o + len]));
+                    self.core.swap.give_buffer(buf);
+                    return Ok(r);
+                }
+            }
+        }
     }
 
     /// Leases blob `key`'s own slot for writing in place; the blob is created

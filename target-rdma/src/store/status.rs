@@ -24,7 +24,9 @@ impl StoreError {
             | Self::ArenaMap { .. }
             | Self::Corrupt { .. }
             | Self::InvalidConfig { .. }
-            | Self::Locked { .. } => Status::Internal,
+            | Self::Locked { .. }
+            | Self::Integrity { .. }
+            | Self::OldFormat { .. } => Status::Internal,
         }
     }
 }

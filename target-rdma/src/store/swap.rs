@@ -9,29 +9,52 @@
 //! The file side ([`Swap`]) is shared and runs without the store lock, so
 //! that connection threads and the cleaner move extents in parallel; the
 //! extent free list ([`Extents`]) is bookkeeping and lives under the lock.
+//! Besides whole extents it reads aligned ranges of one (a 4 KiB read of a
+//! cold blob reads 4 KiB, not the blob) into buffers of its own, each
+//! caller on its own ring, so many such reads are in flight at once.
+//!
+//! The file's space is reserved when the store is created ([`space`]), and
+//! an existing store's file must be as long as its index says: a missing or
+//! truncated swap file is refused, never silently recreated as zeros.
 
+use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::ops::{Deref, DerefMut};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
+use super::extent::{MetaFile, BLOCK};
+use super::space;
 use super::StoreError;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;
+/// Range-read and copy buffers kept for reuse, by count and by bytes; more
+/// in flight are allocated and freed, so idle memory stays bounded.
+const POOLED_BUFFERS: usize = 32;
+const POOLED_BYTES: usize = 32 << 20;
+/// The swap file's name in the store directory.
+pub(super) const SWAP_FILE: &str = "swap.dat";
 
 /// The swap file and its rings. `Sync`: every transfer borrows a ring of
 /// its own.
 pub(super) struct Swap {
     file: File,
     path: PathBuf,
+    /// The extent headers, synced with the file.
+    meta: Arc<MetaFile>,
     direct: bool,
     extent_bytes: u32,
+    /// Idle range-read buffers.
+    buffers: Mutex<Vec<AlignedBuf>>,
     /// Idle rings. A transfer takes one (making one when none is idle) so
     /// that concurrent transfers never share a queue; there are never more
     /// than the threads that ran transfers at once.
@@ -80,48 +103,174 @@ impl Extents {
     }
 }
 
-/// One extent transfer: the extent and the slot memory it moves from or to.
+/// One transfer: where in the file, how long, and the memory it moves from
+/// or to (a slot, or a range-read buffer).
 enum Op {
-    Read { extent: u32, buf: *mut u8 },
-    Write { extent: u32, buf: *const u8 },
+    Read {
+        offset: u64,
+        len: u32,
+        buf: *mut u8,
+    },
+    Write {
+        offset: u64,
+        len: u32,
+        buf: *const u8,
+    },
+}
+
+/// Page-aligned memory for O_DIRECT range reads.
+pub(super) struct AlignedBuf {
+    ptr: NonNull<u8>,
+    cap: usize,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its allocation outright; nothing else points to it.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    fn new(cap: usize) -> Result<AlignedBuf, StoreError> {
+        let layout =
+            Layout::from_size_align(cap.max(BLOCK), BLOCK).map_err(|_| StoreError::Uring {
+                source: io::Error::from(io::ErrorKind::InvalidInput),
+            })?;
+        // SAFETY: the layout has a non-zero size; zeroed memory is a valid
+        // `[u8]`, so the buffer never exposes uninitialised bytes.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).ok_or_else(|| StoreError::Uring {
+            source: io::Error::from(io::ErrorKind::OutOfMemory),
+        })?;
+        Ok(AlignedBuf {
+            ptr,
+            cap: layout.size(),
+            len: 0,
+        })
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with exactly this size and alignment.
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.cap, BLOCK),
+            )
+        }
+    }
+}
+
+impl Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len <= cap` bytes of the allocation, initialised (zeroed
+        // at allocation, then only written through `&mut`).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io { what, path, source }
 }
 
 impl Swap {
-    /// Opens (creating and sizing) the swap file of `total` extents. `probe`
-    /// is page-aligned scratch memory (a free slot) used to check that the
-    /// filesystem accepts O_DIRECT.
-    pub(super) fn open(
-        path: &Path,
+    /// Creates the swap file of `total` extents in `dir` (space reserved)
+    /// and its extent table. `probe` is page-aligned scratch memory (a free
+    /// slot) used to check that the filesystem accepts O_DIRECT.
+    pub(super) fn create(
+        dir: &Path,
         extent_bytes: u32,
         total: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
-        let io_err = |what: &'static str| {
-            let path = path.to_path_buf();
-            move |source| StoreError::Io { what, path, source }
-        };
-        let ring = IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?;
-        let want_len = u64::from(total) * u64::from(extent_bytes);
-        let (file, direct) = match open_file(path, true) {
-            Ok(f) => (f, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
-                open_file(path, false).map_err(io_err("opening swap file"))?,
-                false,
-            ),
-            Err(e) => return Err(io_err("opening swap file")(e)),
+        let meta = MetaFile::create(dir, extent_bytes, total)?;
+        let path = dir.join(SWAP_FILE);
+        let file = space::create(&path, u64::from(total) * u64::from(extent_bytes))?;
+        file.sync_all()
+            .map_err(io_err("syncing swap file", &path))?;
+        drop(file);
+        Swap::start(&path, meta, extent_bytes, probe)
+    }
+
+    /// Opens an existing store's swap file, which must hold at least the
+    /// `expect` extents its index was written with, and grows it (and the
+    /// extent table) to `total` if needed. Never shrinks them: a lower
+    /// `swap_bytes` leaves the tail unused.
+    pub(super) fn open(
+        dir: &Path,
+        extent_bytes: u32,
+        expect: u32,
+        total: u32,
+        probe: &mut [u8],
+    ) -> Result<Swap, StoreError> {
+        let path = dir.join(SWAP_FILE);
+        let file = match OpenOptions::new().write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::Corrupt {
+                    file: path,
+                    detail: "is missing, but the index names blobs in it; restore it \
+                             (or move the whole store directory aside to start empty)"
+                        .into(),
+                })
+            }
+            Err(e) => return Err(io_err("opening swap file", &path)(e)),
         };
         let len = file
             .metadata()
-            .map_err(io_err("reading metadata of swap file"))?
+            .map_err(io_err("reading metadata of swap file", &path))?
             .len();
-        if len != want_len {
-            file.set_len(want_len).map_err(io_err("sizing swap file"))?;
+        let want = u64::from(expect) * u64::from(extent_bytes);
+        if len < want {
+            return Err(StoreError::Corrupt {
+                file: path,
+                detail: format!(
+                    "is {len} bytes, the index was written for {want} ({expect} extents of {extent_bytes}): \
+                     truncated; the extents past byte {len} are lost"
+                ),
+            });
         }
+        let size = u64::from(total) * u64::from(extent_bytes);
+        if len < size {
+            space::reserve(&file, &path, size)?;
+        }
+        drop(file);
+        let meta = MetaFile::open(dir, extent_bytes, expect, total)?;
+        Swap::start(&path, meta, extent_bytes, probe)
+    }
+
+    fn start(
+        path: &Path,
+        meta: MetaFile,
+        extent_bytes: u32,
+        probe: &mut [u8],
+    ) -> Result<Swap, StoreError> {
+        let ring = IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?;
+        let (file, direct) = match open_file(path, true) {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
+                open_file(path, false).map_err(io_err("opening swap file", path))?,
+                false,
+            ),
+            Err(e) => return Err(io_err("opening swap file", path)(e)),
+        };
         let mut swap = Swap {
             file,
             path: path.to_path_buf(),
+            meta: Arc::new(meta),
             direct,
             extent_bytes,
+            buffers: Mutex::new(Vec::new()),
             rings: Mutex::new(vec![ring]),
             broken: AtomicBool::new(false),
             wrecks: Mutex::new(Vec::new()),
@@ -135,7 +284,8 @@ impl Swap {
                 Err(StoreError::Io { source, .. })
                     if source.raw_os_error() == Some(libc::EINVAL) =>
                 {
-                    swap.file = open_file(path, false).map_err(io_err("opening swap file"))?;
+                    swap.file =
+                        open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
                 }
                 Err(e) => return Err(e),
@@ -155,6 +305,82 @@ impl Swap {
         self.direct
     }
 
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file offset of byte `byte` of `extent`.
+    pub(super) fn offset_of(&self, extent: u32, byte: usize) -> u64 {
+        u64::from(extent) * u64::from(self.extent_bytes) + byte as u64
+    }
+
+    /// The extent headers.
+    pub(super) fn meta(&self) -> &MetaFile {
+        &self.meta
+    }
+
+    /// The extent headers, for the bookkeeping that clears freed extents'.
+    pub(super) fn meta_handle(&self) -> Arc<MetaFile> {
+        Arc::clone(&self.meta)
+    }
+
+    /// A copy of `bytes` in a buffer of the swap's own (a write-back image
+    /// that must not change while it is checksummed and written).
+    pub(super) fn copy_of(&self, bytes: &[u8]) -> Result<AlignedBuf, StoreError> {
+        let mut b = self.take_buffer(bytes.len())?;
+        b.copy_from_slice(bytes);
+        Ok(b)
+    }
+
+    /// Reads `len` bytes at `offset` of `extent` (both multiples of
+    /// [`BLOCK`]) with O_DIRECT into a buffer of the swap's own.
+    pub(super) fn read_range(
+        &self,
+        extent: u32,
+        offset: u32,
+        len: u32,
+    ) -> Result<AlignedBuf, StoreError> {
+        debug_assert!(offset.is_multiple_of(BLOCK as u32) && len.is_multiple_of(BLOCK as u32));
+        debug_assert!(offset + len <= self.extent_bytes);
+        let mut buf = self.take_buffer(len as usize)?;
+        let op = Op::Read {
+            offset: u64::from(extent) * u64::from(self.extent_bytes) + u64::from(offset),
+            len,
+            buf: buf.as_mut_ptr(),
+        };
+        match self.run(&[op]) {
+            Ok(()) => Ok(buf),
+            Err(e) => {
+                self.give_buffer(buf);
+                Err(e)
+            }
+        }
+    }
+
+    fn take_buffer(&self, len: usize) -> Result<AlignedBuf, StoreError> {
+        let pooled = {
+            let mut pool = self.buffers.lock();
+            pool.iter()
+                .position(|b| b.cap >= len)
+                .map(|i| pool.swap_remove(i))
+        };
+        let mut buf = match pooled {
+            Some(b) => b,
+            None => AlignedBuf::new(len)?,
+        };
+        buf.len = len;
+        Ok(buf)
+    }
+
+    /// Takes a range-read buffer back for reuse.
+    pub(super) fn give_buffer(&self, buf: AlignedBuf) {
+        let mut pool = self.buffers.lock();
+        let pooled: usize = pool.iter().map(|b| b.cap).sum();
+        if pool.len() < POOLED_BUFFERS && pooled + buf.cap <= POOLED_BYTES {
+            pool.push(buf);
+        }
+    }
+
     pub(super) fn bytes_read(&self) -> u64 {
         self.bytes_read.load(Ordering::Relaxed)
     }
@@ -170,12 +396,14 @@ impl Swap {
 
     /// Reads each `(extent, slot bytes)` pair, many per submission.
     pub(super) fn read_extents(&self, reads: &mut [(u32, &mut [u8])]) -> Result<(), StoreError> {
+        let len = self.extent_bytes;
         let ops: Vec<Op> = reads
             .iter_mut()
             .map(|(extent, buf)| {
-                debug_assert_eq!(buf.len(), self.extent_bytes as usize);
+                debug_assert_eq!(buf.len(), len as usize);
                 Op::Read {
-                    extent: *extent,
+                    offset: u64::from(*extent) * u64::from(len),
+                    len,
                     buf: buf.as_mut_ptr(),
                 }
             })
@@ -183,39 +411,54 @@ impl Swap {
         self.run(&ops)
     }
 
-    /// Writes each `(extent, slot bytes)` pair, many per submission.
-    pub(super) fn write_extents(&self, writes: &[(u32, &[u8])]) -> Result<(), StoreError> {
+    /// Writes each `(extent, slot bytes)` pair, many per submission, and
+    /// runs `work` while the first submission is in flight (write-back
+    /// checksums the bytes it writes meanwhile). `work` is not run when the
+    /// submission fails.
+    pub(super) fn write_extents_while(
+        &self,
+        writes: &[(u32, &[u8])],
+        work: impl FnOnce(),
+    ) -> Result<(), StoreError> {
+        let len = self.extent_bytes;
         let ops: Vec<Op> = writes
             .iter()
             .map(|&(extent, buf)| {
-                debug_assert_eq!(buf.len(), self.extent_bytes as usize);
+                debug_assert_eq!(buf.len(), len as usize);
                 Op::Write {
-                    extent,
+                    offset: u64::from(extent) * u64::from(len),
+                    len,
                     buf: buf.as_ptr(),
                 }
             })
             .collect();
-        self.run(&ops)
+        self.run_while(&ops, Some(work))
     }
 
-    /// Makes every completed write durable.
+    /// Makes every completed write durable, with the headers written.
     pub(super) fn sync(&self) -> Result<(), StoreError> {
         self.file.sync_data().map_err(|source| StoreError::Io {
             what: "syncing swap file",
             path: self.path.clone(),
             source,
-        })
+        })?;
+        self.meta.sync()
     }
 
     /// Runs transfers through a ring of this call's own, and keeps the ring
     /// for the next call unless it broke.
     fn run(&self, ops: &[Op]) -> Result<(), StoreError> {
+        self.run_while(ops, None::<fn()>)
+    }
+
+    /// [`Swap::run`], running `work` once the first submission is in flight.
+    fn run_while(&self, ops: &[Op], work: Option<impl FnOnce()>) -> Result<(), StoreError> {
         let ring = self.rings.lock().pop();
         let mut ring = match ring {
             Some(r) => r,
             None => IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?,
         };
-        let res = self.run_on(&mut ring, ops);
+        let res = self.run_on(&mut ring, ops, work);
         if self.broken.load(Ordering::Acquire) {
             self.wrecks.lock().push(ring);
         } else {
@@ -227,7 +470,12 @@ impl Swap {
     /// Runs transfers through `ring`, `RING_ENTRIES` at a time, and checks
     /// that each moved a whole extent. The buffers must stay valid until this
     /// returns, which the callers guarantee by holding the slot guards.
-    fn run_on(&self, ring: &mut IoUring, ops: &[Op]) -> Result<(), StoreError> {
+    fn run_on(
+        &self,
+        ring: &mut IoUring,
+        ops: &[Op],
+        mut work: Option<impl FnOnce()>,
+    ) -> Result<(), StoreError> {
         let err = |what: &'static str, path: &Path, source: io::Error| StoreError::Io {
             what,
             path: path.to_path_buf(),
@@ -241,19 +489,19 @@ impl Swap {
             ));
         }
         let fd = types::Fd(self.file.as_raw_fd());
-        let len = self.extent_bytes;
         for chunk in ops.chunks(RING_ENTRIES as usize) {
             for (i, op) in chunk.iter().enumerate() {
                 let entry = match *op {
-                    Op::Read { extent, buf } => opcode::Read::new(fd, buf, len)
-                        .offset(u64::from(extent) * u64::from(len))
-                        .build(),
-                    Op::Write { extent, buf } => opcode::Write::new(fd, buf, len)
-                        .offset(u64::from(extent) * u64::from(len))
-                        .build(),
+                    Op::Read { offset, len, buf } => {
+                        opcode::Read::new(fd, buf, len).offset(offset).build()
+                    }
+                    Op::Write { offset, len, buf } => {
+                        opcode::Write::new(fd, buf, len).offset(offset).build()
+                    }
                 };
-                // SAFETY: the entry's buffer is a whole slot that the caller
-                // holds a guard on until `run_on` returns, and `run_on` does
+                // SAFETY: the entry's buffer is a slot that the caller holds
+                // a guard on, or a range buffer it owns, until `run_on`
+                // returns, and `run_on` does
                 // not return before every pushed entry has completed (or the
                 // swap is marked broken and the ring parked in `wrecks`,
                 // never used again). The chunk is no larger than the queue,
@@ -268,6 +516,13 @@ impl Swap {
                         io::Error::other("submission queue full"),
                     ));
                 }
+            }
+            if let Some(work) = work.take() {
+                if let Err(e) = ring.submit() {
+                    self.broken.store(true, Ordering::Release);
+                    return Err(err("submitting swap I/O for", &self.path, e));
+                }
+                work();
             }
             let mut results: Vec<Option<i32>> = vec![None; chunk.len()];
             let mut done = 0;
@@ -289,9 +544,9 @@ impl Swap {
                 }
             }
             for (op, res) in chunk.iter().zip(results) {
-                let (what, extent) = match *op {
-                    Op::Read { extent, .. } => ("reading swap extent from", extent),
-                    Op::Write { extent, .. } => ("writing swap extent to", extent),
+                let (what, offset, len) = match *op {
+                    Op::Read { offset, len, .. } => ("reading swap extent from", offset, len),
+                    Op::Write { offset, len, .. } => ("writing swap extent to", offset, len),
                 };
                 let res = res.unwrap_or(-libc::EIO);
                 if res < 0 {
@@ -303,7 +558,10 @@ impl Swap {
                         &self.path,
                         io::Error::new(
                             io::ErrorKind::UnexpectedEof,
-                            format!("extent {extent}: short transfer of {res} of {len} bytes"),
+                            format!(
+                                "extent {} at byte {offset}: short transfer of {res} of {len} bytes",
+                                offset / u64::from(self.extent_bytes)
+                            ),
                         ),
                     ));
                 }
@@ -320,8 +578,7 @@ impl Swap {
 
 fn open_file(path: &Path, direct: bool) -> io::Result<File> {
     let mut o = OpenOptions::new();
-    o.read(true).write(true).create(true).truncate(false);
-    o.mode(0o600);
+    o.read(true).write(true);
     if direct {
         o.custom_flags(libc::O_DIRECT);
     }

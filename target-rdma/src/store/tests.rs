@@ -435,53 +435,548 @@ fn repeated_flushes_checkpoint_and_free_superseded_extents() {
     }
 }
 
-/// Writes three keys with one flush each, so the journal ends in three
-/// records, then damages the last one.
-fn torn_tail(damage: impl FnOnce(&Path)) {
-    let dir = tempfile::tempdir().unwrap();
-    let s = open(dir.path(), 4, 16);
+/// A store of three keys, one flush each, closed by a crash: its journal
+/// holds three one-block batches (at offsets 512, 1024 and 1536).
+fn three_flushes(dir: &Path) {
+    let s = open(dir, 4, 16);
     for k in 0..3 {
         s.write(0, k, 0, &pattern(k)).unwrap();
         s.flush().unwrap();
     }
-    drop(s);
-    damage(&dir.path().join(index::JOURNAL_FILE));
+}
+
+fn open_err(dir: &Path) -> StoreError {
+    Store::open(cfg(dir, 4, 16), &vols(1000))
+        .err()
+        .expect("the store must refuse to open")
+}
+
+#[test]
+fn a_torn_last_batch_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    three_flushes(dir.path());
+    // The crash came before the last batch's block reached the disk.
+    let p = dir.path().join(index::JOURNAL_FILE);
+    let mut b = std::fs::read(&p).unwrap();
+    b[1536..2048].fill(0);
+    std::fs::write(&p, b).unwrap();
     let s = open(dir.path(), 4, 16);
     assert_eq!(blob(&s, 0, 0).unwrap(), pattern(0));
     assert_eq!(blob(&s, 0, 1).unwrap(), pattern(1));
-    assert!(blob(&s, 0, 2).is_none(), "the damaged record is dropped");
+    assert!(
+        blob(&s, 0, 2).is_none(),
+        "the unacknowledged commit is dropped"
+    );
     s.write(0, 2, 0, &pattern(2)).unwrap();
     s.flush().unwrap();
     drop(s);
     let s = open(dir.path(), 4, 16);
+    assert_eq!(blob(&s, 0, 2).unwrap(), pattern(2), "later commits survive");
+}
+
+#[test]
+fn a_damaged_or_cut_journal_refuses_to_start_naming_the_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    three_flushes(dir.path());
+    let p = dir.path().join(index::JOURNAL_FILE);
+    let good = std::fs::read(&p).unwrap();
+    // A flipped byte in any record, the last one included, is damage: a
+    // torn write leaves zeros, never wrong bytes.
+    for at in [530, 1040, 1560, 2047] {
+        let mut b = good.clone();
+        b[at] ^= 0x04;
+        std::fs::write(&p, &b).unwrap();
+        let e = open_err(dir.path());
+        let block = at / 512 * 512;
+        assert!(
+            matches!(e, StoreError::Corrupt { .. })
+                && e.to_string().contains("index.journal")
+                && e.to_string().contains(&format!("at offset {block}")),
+            "flip at {at}: {e}"
+        );
+    }
+    // A journal cut after any record (or anywhere) is refused.
+    for cut in [512, 1024, 1536, 2048, 2047, good.len() - 1] {
+        std::fs::write(&p, &good[..cut]).unwrap();
+        let e = open_err(dir.path());
+        assert!(
+            e.to_string().contains("index.journal") && e.to_string().contains("truncated"),
+            "cut at {cut}: {e}"
+        );
+    }
+    std::fs::remove_file(&p).unwrap();
+    let e = open_err(dir.path());
+    assert!(e.to_string().contains("index.journal: is missing"), "{e}");
+    // Put back, it opens and nothing was lost.
+    std::fs::write(&p, &good).unwrap();
+    let s = open(dir.path(), 4, 16);
+    for k in 0..3 {
+        assert_eq!(blob(&s, 0, k).unwrap(), pattern(k));
+    }
+}
+
+#[test]
+fn a_missing_checkpoint_refuses_unless_the_store_never_held_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    three_flushes(dir.path());
+    let ckpt = dir.path().join(index::CKPT_FILE);
+    let saved = std::fs::read(&ckpt).unwrap();
+    std::fs::remove_file(&ckpt).unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        e.to_string().contains("index.ckpt: is missing") && e.to_string().contains("--repair"),
+        "{e}"
+    );
+    // Still refused after a clean close (the journal then is empty; the
+    // extent headers still say blobs exist).
+    std::fs::write(&ckpt, &saved).unwrap();
+    drop(open(dir.path(), 4, 16));
+    std::fs::remove_file(&ckpt).unwrap();
+    let e = open_err(dir.path());
+    assert!(e.to_string().contains("index.ckpt: is missing"), "{e}");
+
+    // A store that never held a blob (or a creation cut short) starts over.
+    let empty = tempfile::tempdir().unwrap();
+    drop(open(empty.path(), 4, 16));
+    std::fs::remove_file(empty.path().join(index::CKPT_FILE)).unwrap();
+    let s = open(empty.path(), 4, 16);
+    assert!(blob(&s, 0, 0).is_none());
+}
+
+#[test]
+fn a_missing_or_short_swap_file_or_extent_table_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    three_flushes(dir.path());
+    let swap = dir.path().join(swap::SWAP_FILE);
+    let len = std::fs::metadata(&swap).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&swap)
+        .unwrap()
+        .set_len(len - B)
+        .unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        e.to_string().contains("swap.dat") && e.to_string().contains("truncated"),
+        "{e}"
+    );
+    std::fs::remove_file(&swap).unwrap();
+    let e = open_err(dir.path());
+    assert!(e.to_string().contains("swap.dat: is missing"), "{e}");
+
+    let dir = tempfile::tempdir().unwrap();
+    three_flushes(dir.path());
+    let meta = dir.path().join(extent::META_FILE);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&meta)
+        .unwrap()
+        .set_len(4096 + 8)
+        .unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        e.to_string().contains("swap.meta") && e.to_string().contains("truncated"),
+        "{e}"
+    );
+    std::fs::remove_file(&meta).unwrap();
+    let e = open_err(dir.path());
+    assert!(e.to_string().contains("swap.meta: is missing"), "{e}");
+}
+
+/// Flips one bit of byte `at` of `file`.
+fn flip(file: &Path, at: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x20], at).unwrap();
+}
+
+fn integrity_kind(r: Result<bool, StoreError>) -> Option<IntegrityKind> {
+    match r {
+        Err(StoreError::Integrity { kind, .. }) => Some(kind),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_an_extent_fails_that_read_until_it_is_rewritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 4, 64);
+    for k in 0..8 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.flush().unwrap();
+    let e3 = s.core.durable_extent((0, 3)).unwrap();
+    drop(s);
+    flip(&dir.path().join(swap::SWAP_FILE), u64::from(e3) * B + 100);
+    let s = open(dir.path(), 4, 64);
+    let mut out = vec![0u8; B as usize];
+    for _ in 0..2 {
+        assert_eq!(
+            integrity_kind(s.read(0, 3, 0, &mut out)),
+            Some(IntegrityKind::Checksum)
+        );
+    }
+    let e = s.read(0, 3, 0, &mut out).unwrap_err().to_string();
+    assert!(
+        e.contains("swap.dat")
+            && e.contains(&format!("extent {e3}"))
+            && e.contains(&format!("at byte {}", u64::from(e3) * B)),
+        "{e}"
+    );
+    assert_eq!(s.stats().integrity_errors, [3, 0]);
+    // Everything else reads back; leases and partial writes of the bad blob
+    // fail the same way.
+    for k in (0..8).filter(|&k| k != 3) {
+        assert_eq!(blob(&s, 0, k).unwrap(), pattern(k), "key {k}");
+    }
+    assert!(matches!(s.get(0, 3, 1), Err(StoreError::Integrity { .. })));
+    assert!(matches!(
+        s.alloc(0, 3, 1),
+        Err(StoreError::Integrity { .. })
+    ));
+    assert!(matches!(
+        s.write(0, 3, 10, b"x"),
+        Err(StoreError::Integrity { .. })
+    ));
+    // Rewritten whole, it is good again, durably.
+    s.write(0, 3, 0, &pattern(33)).unwrap();
+    s.flush().unwrap();
+    drop(s);
+    let s = open(dir.path(), 4, 64);
+    assert_eq!(blob(&s, 0, 3).unwrap(), pattern(33));
+}
+
+#[test]
+fn an_extent_swapped_with_another_volumes_never_serves_its_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 4, 64);
+    s.write(0, 1, 0, &pattern(1)).unwrap();
+    s.write(1, 2, 0, &pattern(2)).unwrap();
+    for k in 10..20 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.flush().unwrap();
+    let (ea, eb) = (
+        s.core.durable_extent((0, 1)).unwrap(),
+        s.core.durable_extent((1, 2)).unwrap(),
+    );
+    drop(s);
+    let swap_path = dir.path().join(swap::SWAP_FILE);
+    let meta_path = dir.path().join(extent::META_FILE);
+    let swap_bytes = |f: &Path, off: u64, len: u64| {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(f).unwrap();
+        let mut b = vec![0u8; len as usize];
+        f.read_exact_at(&mut b, off).unwrap();
+        b
+    };
+    let exchange = |f: &Path, a: u64, b: u64, len: u64| {
+        use std::os::unix::fs::FileExt;
+        let (x, y) = (swap_bytes(f, a, len), swap_bytes(f, b, len));
+        let w = std::fs::OpenOptions::new().write(true).open(f).unwrap();
+        w.write_all_at(&y, a).unwrap();
+        w.write_all_at(&x, b).unwrap();
+    };
+    // The payloads alone: they fail their checksums.
+    exchange(&swap_path, u64::from(ea) * B, u64::from(eb) * B, B);
+    let s = open(dir.path(), 4, 64);
+    let mut out = vec![0u8; B as usize];
     assert_eq!(
-        blob(&s, 0, 2).unwrap(),
-        pattern(2),
-        "later records survive the truncation"
+        integrity_kind(s.read(0, 1, 0, &mut out)),
+        Some(IntegrityKind::Checksum)
+    );
+    assert_eq!(
+        integrity_kind(s.read(1, 2, 0, &mut out)),
+        Some(IntegrityKind::Checksum)
+    );
+    drop(s);
+    // Payloads and headers together: each header names the other blob.
+    let rec = extent::record_len(B as u32) as u64;
+    exchange(
+        &meta_path,
+        4096 + u64::from(ea) * rec,
+        4096 + u64::from(eb) * rec,
+        rec,
+    );
+    let s = open(dir.path(), 4, 64);
+    assert_eq!(
+        integrity_kind(s.read(0, 1, 0, &mut out)),
+        Some(IntegrityKind::Header)
+    );
+    assert_eq!(
+        integrity_kind(s.read(1, 2, 100, &mut out[..10])),
+        Some(IntegrityKind::Header)
+    );
+    let e = s.read(0, 1, 0, &mut out).unwrap_err().to_string();
+    assert!(
+        e.contains("swap.meta") && e.contains("names volume \"b\" key 2"),
+        "{e}"
+    );
+    assert_eq!(s.stats().integrity_errors[IntegrityKind::Header.index()], 3);
+    for k in 10..20 {
+        assert_eq!(blob(&s, 0, k).unwrap(), pattern(k));
+    }
+}
+
+#[test]
+fn a_damaged_checkpoint_slot_the_journal_needs_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two runs: slot 0 holds epoch 1, slot 1 epoch 2 with the journal of 2.
+    drop(open(dir.path(), 4, 16));
+    three_flushes(dir.path());
+    let p = dir.path().join(index::CKPT_FILE);
+    let good = std::fs::read(&p).unwrap();
+    let slot = good.len() / 2;
+    // The older slot is not needed: damage there is harmless.
+    let mut b = good.clone();
+    b[20] ^= 1;
+    std::fs::write(&p, &b).unwrap();
+    let s = open(dir.path(), 4, 16);
+    assert_eq!(blob(&s, 0, 2).unwrap(), pattern(2));
+    drop(s);
+    // Now the newest (this run's checkpoint, slot 0 again) is damaged and
+    // the journal extends it: refused, not replaced by the older slot.
+    three_flushes(dir.path());
+    let good = std::fs::read(&p).unwrap();
+    let newest = {
+        let epoch = |o: usize| u64::from_le_bytes(good[o + 24..o + 32].try_into().unwrap());
+        if epoch(0) > epoch(slot) {
+            0
+        } else {
+            slot
+        }
+    };
+    let mut b = good.clone();
+    b[newest + 70] ^= 1;
+    std::fs::write(&p, &b).unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        e.to_string().contains("index.ckpt")
+            && e.to_string().contains("belongs to checkpoint epoch"),
+        "{e}"
     );
 }
 
 #[test]
-fn truncated_journal_tail_is_ignored() {
-    torn_tail(|p| {
-        let len = std::fs::metadata(p).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(p)
-            .unwrap()
-            .set_len(len - 3)
-            .unwrap();
-    });
+fn a_store_of_the_old_format_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut v1 = b"ARNC".to_vec();
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&[0; 52]);
+    std::fs::write(dir.path().join(index::CKPT_FILE), &v1).unwrap();
+    std::fs::write(dir.path().join(swap::SWAP_FILE), vec![0; 16 * B as usize]).unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        matches!(e, StoreError::OldFormat { version: 1, .. })
+            && e.to_string()
+                .contains("index.ckpt has on-disk format version 1")
+            && e.to_string().contains("does not migrate"),
+        "{e}"
+    );
 }
 
 #[test]
-fn corrupt_journal_tail_is_ignored() {
-    torn_tail(|p| {
-        let mut b = std::fs::read(p).unwrap();
-        let n = b.len();
-        b[n - 2] ^= 0x40;
-        std::fs::write(p, b).unwrap();
-    });
+fn repair_rebuilds_what_the_extents_prove_and_reports_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 4, 64);
+    for k in 0..10 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.write(1, 5, 0, &pattern(500)).unwrap();
+    s.flush().unwrap();
+    // A newer image of key 0 and a removal, both flushed.
+    s.write(0, 0, 0, &pattern(100)).unwrap();
+    s.remove(0, 9, 10).unwrap();
+    s.flush().unwrap();
+    let bad = s.core.durable_extent((0, 4)).unwrap();
+    drop(s);
+    // Restarts that write nothing leave no extent header behind.
+    for _ in 0..3 {
+        drop(open(dir.path(), 4, 64));
+    }
+    let generation_before = open(dir.path(), 4, 64).generation();
+    flip(&dir.path().join(swap::SWAP_FILE), u64::from(bad) * B + 7);
+    std::fs::remove_file(dir.path().join(index::CKPT_FILE)).unwrap();
+    assert!(matches!(open_err(dir.path()), StoreError::Corrupt { .. }));
+
+    let r = Store::repair(&cfg(dir.path(), 4, 64), &vols(1000)).unwrap();
+    let text = r.to_string();
+    assert_eq!(
+        r.recovered,
+        vec![("a".to_string(), 8), ("b".to_string(), 1)],
+        "{text}"
+    );
+    assert_eq!(r.bad_images_total, 1, "{text}");
+    assert_eq!(
+        (r.bad_images[0].volume.as_str(), r.bad_images[0].key),
+        ("a", 4)
+    );
+    assert!(!r.complete());
+    assert!(
+        text.contains("NOT RECOVERED") && text.contains("key 4"),
+        "{text}"
+    );
+    assert!(r.lost.is_none(), "no readable checkpoint");
+    assert!(
+        r.generation > generation_before,
+        "runs that left no extent header are still behind the repaired generation"
+    );
+
+    let s = open(dir.path(), 4, 64);
+    assert_eq!(
+        blob(&s, 0, 0).unwrap(),
+        pattern(100),
+        "the newest image wins"
+    );
+    assert!(blob(&s, 0, 4).is_none(), "the bad image is not served");
+    assert!(blob(&s, 0, 9).is_none(), "a removed blob stays removed");
+    for k in [1, 2, 3, 5, 6, 7, 8] {
+        assert_eq!(blob(&s, 0, k).unwrap(), pattern(k), "key {k}");
+    }
+    assert_eq!(blob(&s, 1, 5).unwrap(), pattern(500));
+    let g = s.generation();
+    drop(s);
+    // Repair of a store whose index is fine loses nothing and lists it so.
+    let r = Store::repair(&cfg(dir.path(), 4, 64), &vols(1000)).unwrap();
+    assert!(r.complete() && r.lost_total == 0, "{r}");
+    let s = open(dir.path(), 4, 64);
+    assert!(s.generation() > g);
+    assert_eq!(blob(&s, 0, 0).unwrap(), pattern(100));
+}
+
+fn cfg_blob(dir: &Path, blob: u32, slots: u64, extents: u64) -> StoreConfig {
+    StoreConfig {
+        dir: dir.to_path_buf(),
+        arena_bytes: slots * u64::from(blob),
+        blob_bytes: blob,
+        swap_bytes: extents * u64::from(blob),
+    }
+}
+
+fn big_pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(131) ^ seed.wrapping_mul(0x9e37) ^ (i >> 9)) as u8)
+        .collect()
+}
+
+#[test]
+fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
+    const BLOB: u32 = 64 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+    for k in 0..16 {
+        s.write(0, k, 0, &big_pattern(k, BLOB as usize)).unwrap();
+    }
+    s.flush().unwrap();
+    // Keys 0..12 are cold now (4 slots).
+    let before = s.stats();
+    let mut out = vec![0u8; 4096];
+    assert!(s.read(0, 2, 8192, &mut out).unwrap());
+    assert_eq!(out[..], big_pattern(2, BLOB as usize)[8192..12288]);
+    // Unaligned, across a block boundary: two blocks read.
+    let mut odd = vec![0u8; 100];
+    assert!(s.read(0, 5, 4050, &mut odd).unwrap());
+    assert_eq!(odd[..], big_pattern(5, BLOB as usize)[4050..4150]);
+    let after = s.stats();
+    assert_eq!(after.fault_ins, before.fault_ins, "no fault-in");
+    assert_eq!(after.swap_bytes_read - before.swap_bytes_read, 3 * 4096);
+    assert_eq!(
+        after.slots_free + after.slots_clean,
+        before.slots_free + before.slots_clean
+    );
+    // A damaged block fails only the reads that cover it.
+    let e7 = s.core.durable_extent((0, 7)).unwrap();
+    drop(s);
+    flip(
+        &dir.path().join(swap::SWAP_FILE),
+        u64::from(e7) * u64::from(BLOB) + 5 * 4096 + 1,
+    );
+    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+    assert!(s.read(0, 7, 0, &mut out).unwrap());
+    assert_eq!(
+        integrity_kind(s.read(0, 7, 5 * 4096 + 4000, &mut out[..200])),
+        Some(IntegrityKind::Checksum)
+    );
+    let e = s.read(0, 7, 5 * 4096, &mut out).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "at byte {}",
+            u64::from(e7) * u64::from(BLOB) + 5 * 4096
+        )),
+        "{e}"
+    );
+    let mut whole = vec![0u8; BLOB as usize];
+    assert_eq!(
+        integrity_kind(s.read(0, 7, 0, &mut whole)),
+        Some(IntegrityKind::Checksum)
+    );
+    assert!(s.read(0, 7, 6 * 4096, &mut out).unwrap());
+}
+
+#[test]
+fn cold_range_reads_race_rewrites_without_false_errors_or_mixed_versions() {
+    const BLOB: u32 = 16 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(Store::open(cfg_blob(dir.path(), BLOB, 4, 256), &vols(1000)).unwrap());
+    let fill = |k: u64, v: u64| vec![(k * 16 + v % 16) as u8; BLOB as usize];
+    for k in 0..16 {
+        s.write(0, k, 0, &fill(k, 0)).unwrap();
+    }
+    s.flush().unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..4u64)
+        .map(|r| {
+            let (s, stop) = (s.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = r;
+                let mut out = vec![0u8; 6000];
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    i = i
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let k = (i >> 33) % 16;
+                    let off = ((i >> 20) % 8000) as u32;
+                    assert!(s.read(0, k, off, &mut out).unwrap(), "key {k}");
+                    // Each half of the blob is written at once (a partial
+                    // round writes the halves one after the other), so each
+                    // half read is one version, and every byte is key k's.
+                    let split = (8192 - off as usize).min(out.len());
+                    for half in [&out[..split], &out[split..]] {
+                        let v = half.first().copied().unwrap_or((k * 16) as u8);
+                        assert!(
+                            u64::from(v / 16) == k && half.iter().all(|&b| b == v),
+                            "key {k} off {off}: mixed or foreign bytes"
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for round in 1..60u64 {
+        for k in (round % 3..16).step_by(3) {
+            if round % 2 == 0 {
+                s.write(0, k, 0, &fill(k, round)).unwrap();
+            } else {
+                let b = fill(k, round);
+                s.write(0, k, 0, &b[..8192]).unwrap();
+                s.write(0, k, 8192, &b[8192..]).unwrap();
+            }
+        }
+        if round % 4 == 0 {
+            s.flush().unwrap();
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert_eq!(s.stats().integrity_errors, [0, 0]);
 }
 
 #[test]
@@ -533,6 +1028,13 @@ enum Op {
     },
     Flush,
     Crash,
+    /// A crash, then one bit of a flushed blob's durable image (its bytes,
+    /// or its extent header) flipped on disk.
+    Corrupt {
+        pick: usize,
+        at: u32,
+        header: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -540,6 +1042,7 @@ fn op() -> impl Strategy<Value = Op> {
     let range = (0..B as u32).prop_flat_map(|o| (Just(o), 1..=(B as u32 - o)));
     prop_oneof![
         6 => (key.clone(), range.clone(), any::<u8>()).prop_map(|(key, (offset, len), byte)| Op::Write { key, offset, len, byte }),
+        2 => (key.clone(), any::<u8>()).prop_map(|(key, byte)| Op::Write { key, offset: 0, len: B as u32, byte }),
         4 => key.clone().prop_map(|key| Op::Read { key }),
         4 => (1..4u64, key.clone(), range, any::<u8>(), prop::bool::weighted(0.2))
             .prop_map(|(holder, key, (offset, len), byte, die)| Op::AllocCommit { holder, key, offset, len, byte, die }),
@@ -547,49 +1050,110 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (key, 1..6u64).prop_map(|(start, len)| Op::Remove { start, len }),
         2 => Just(Op::Flush),
         1 => Just(Op::Crash),
+        1 => (any::<usize>(), 0..B as u32 * 8, any::<bool>()).prop_map(|(pick, at, header)| Op::Corrupt { pick, at, header }),
     ]
 }
 
-fn apply(model: &mut HashMap<u64, Vec<u8>>, key: u64, offset: u32, len: u32, byte: u8) {
-    let b = model.entry(key).or_insert_with(|| vec![0; B as usize]);
+/// A key's content in the model: bytes, or an image damaged on disk, which
+/// every read (and lease, and partial write) must refuse.
+#[derive(Clone, Debug, PartialEq)]
+enum Content {
+    Bytes(Vec<u8>),
+    Damaged,
+}
+
+type Model = HashMap<u64, Content>;
+
+/// Applies a write; `Err` when the model says the store must refuse it (a
+/// partial write of a damaged blob needs its old bytes).
+fn apply(model: &mut Model, key: u64, offset: u32, len: u32, byte: u8) -> Result<(), ()> {
+    let whole = offset == 0 && len == B as u32;
+    let b = match model
+        .entry(key)
+        .or_insert_with(|| Content::Bytes(vec![0; B as usize]))
+    {
+        Content::Damaged if !whole => return Err(()),
+        c @ Content::Damaged => {
+            *c = Content::Bytes(vec![0; B as usize]);
+            match c {
+                Content::Bytes(b) => b,
+                Content::Damaged => unreachable!(),
+            }
+        }
+        Content::Bytes(b) => b,
+    };
     b[offset as usize..(offset + len) as usize].fill(byte);
+    Ok(())
+}
+
+/// The outcome a whole-blob read must have, as the model sees it.
+fn expect_read(model: &Model, key: u64) -> Result<Option<Vec<u8>>, ()> {
+    match model.get(&key) {
+        None => Ok(None),
+        Some(Content::Bytes(b)) => Ok(Some(b.clone())),
+        Some(Content::Damaged) => Err(()),
+    }
+}
+
+fn read_outcome(s: &Store, key: u64) -> Result<Option<Vec<u8>>, ()> {
+    let mut out = vec![0u8; B as usize];
+    match s.read(0, key, 0, &mut out) {
+        Ok(true) => Ok(Some(out)),
+        Ok(false) => Ok(None),
+        Err(StoreError::Integrity { .. }) => Err(()),
+        Err(e) => panic!("read of key {key}: {e}"),
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn store_matches_model_across_crashes(ops in prop::collection::vec(op(), 1..60)) {
+    fn store_matches_model_across_crashes_and_corruption(ops in prop::collection::vec(op(), 1..60)) {
         let dir = tempfile::tempdir().unwrap();
         let mut s = open(dir.path(), 4, 256);
-        let mut cur: HashMap<u64, Vec<u8>> = HashMap::new();
+        let mut cur: Model = HashMap::new();
         let mut flushed = cur.clone();
         for op in ops {
             match op {
                 Op::Write { key, offset, len, byte } => {
-                    s.write(0, key, offset, &vec![byte; len as usize]).unwrap();
-                    apply(&mut cur, key, offset, len, byte);
+                    let want = apply(&mut cur, key, offset, len, byte);
+                    let got = s.write(0, key, offset, &vec![byte; len as usize]);
+                    match got {
+                        Ok(()) => prop_assert!(want.is_ok(), "write of damaged key {} accepted", key),
+                        Err(StoreError::Integrity { .. }) => prop_assert!(want.is_err(), "write of key {} refused", key),
+                        Err(e) => panic!("{e}"),
+                    }
                 }
-                Op::Read { key } => prop_assert_eq!(blob(&s, 0, key), cur.get(&key).cloned(), "read key {}", key),
+                Op::Read { key } => prop_assert_eq!(read_outcome(&s, key), expect_read(&cur, key), "read key {}", key),
                 Op::AllocCommit { holder, key, offset, len, byte, die } => {
-                    let l = s.alloc(0, key, holder).unwrap();
-                    let before = cur.get(&key).cloned().unwrap_or_else(|| vec![0; B as usize]);
+                    let before = expect_read(&cur, key).map(|b| b.unwrap_or_else(|| vec![0; B as usize]));
+                    let l = match s.alloc(0, key, holder) {
+                        Ok(l) => l,
+                        Err(StoreError::Integrity { .. }) => {
+                            prop_assert!(before.is_err(), "ALLOC of key {} refused", key);
+                            continue;
+                        }
+                        Err(e) => panic!("{e}"),
+                    };
                     let seen = s.with_lease(l.token, holder, |b| {
                         let seen = b.to_vec();
                         b[offset as usize..(offset + len) as usize].fill(byte);
                         seen
                     }).unwrap();
-                    prop_assert_eq!(seen, before, "ALLOC content of key {}", key);
+                    prop_assert_eq!(Ok(seen), before, "ALLOC content of key {}", key);
                     if die { s.drop_holder(holder) } else { s.commit(0, key, l.token, holder).unwrap() }
-                    apply(&mut cur, key, offset, len, byte);
+                    apply(&mut cur, key, offset, len, byte).unwrap();
                 }
-                Op::GetRelease { holder, key } => match s.get(0, key, holder).unwrap() {
-                    Some(l) => {
+                Op::GetRelease { holder, key } => match s.get(0, key, holder) {
+                    Ok(Some(l)) => {
                         let seen = s.with_lease(l.token, holder, |b| b.to_vec()).unwrap();
-                        prop_assert_eq!(Some(seen), cur.get(&key).cloned(), "GET key {}", key);
+                        prop_assert_eq!(Ok(Some(seen)), expect_read(&cur, key), "GET key {}", key);
                         s.release(l.token, holder).unwrap();
                     }
-                    None => prop_assert!(!cur.contains_key(&key), "GET lost key {}", key),
+                    Ok(None) => prop_assert!(!cur.contains_key(&key), "GET lost key {}", key),
+                    Err(StoreError::Integrity { .. }) => prop_assert_eq!(cur.get(&key), Some(&Content::Damaged), "GET of key {} refused", key),
+                    Err(e) => panic!("{e}"),
                 },
                 Op::Remove { start, len } => {
                     let n = s.remove(0, start, start + len).unwrap();
@@ -601,21 +1165,52 @@ proptest! {
                     s.flush().unwrap();
                     flushed = cur.clone();
                 }
-                Op::Crash => {
+                Op::Crash | Op::Corrupt { .. } => {
                     let g = s.generation();
+                    let mut keys: Vec<u64> = flushed
+                        .iter()
+                        .filter(|(_, c)| matches!(c, Content::Bytes(_)))
+                        .map(|(&k, _)| k)
+                        .collect();
+                    keys.sort_unstable();
                     drop(s);
+                    let victim = match op {
+                        Op::Corrupt { pick, at, header } if !keys.is_empty() => {
+                            // The durable index as a restart sees it.
+                            let k = keys[pick % keys.len()];
+                            let e = open(dir.path(), 4, 256).core.durable_extent((0, k)).expect("a flushed key has an extent");
+                            Some((k, e, at, header))
+                        }
+                        _ => None,
+                    };
+                    let g = if victim.is_some() { g + 1 } else { g };
+                    if let Some((k, e, at, header)) = victim {
+                        let (file, byte) = if header {
+                            let rec = extent::record_len(B as u32) as u64;
+                            (extent::META_FILE, 4096 + u64::from(e) * rec + u64::from(at / 8) % rec)
+                        } else {
+                            (swap::SWAP_FILE, u64::from(e) * B + u64::from(at / 8))
+                        };
+                        let path = dir.path().join(file);
+                        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+                        use std::os::unix::fs::FileExt;
+                        let mut b = [0u8];
+                        f.read_exact_at(&mut b, byte).unwrap();
+                        f.write_all_at(&[b[0] ^ (1 << (at % 8))], byte).unwrap();
+                        flushed.insert(k, Content::Damaged);
+                    }
                     s = open(dir.path(), 4, 256);
                     prop_assert_eq!(s.generation(), g + 1);
                     cur = flushed.clone();
                     for k in 0..32 {
-                        prop_assert_eq!(blob(&s, 0, k), cur.get(&k).cloned(), "after crash, key {}", k);
+                        prop_assert_eq!(read_outcome(&s, k), expect_read(&cur, k), "after crash, key {}", k);
                     }
                 }
             }
             prop_assert_eq!(s.stats().leases_held, 0);
         }
         for k in 0..32 {
-            prop_assert_eq!(blob(&s, 0, k), cur.get(&k).cloned(), "final key {}", k);
+            prop_assert_eq!(read_outcome(&s, k), expect_read(&cur, k), "final key {}", k);
         }
     }
 }

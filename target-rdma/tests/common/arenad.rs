@@ -1,0 +1,183 @@
+//! The real `arenad` binary as a child process, for tests about what it
+//! does with its files across restarts: its exit status, its messages, its
+//! metrics.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use target_rdma::blob::ArenaError;
+use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain};
+
+use super::{secret, secret_file, SECRET_A, SECRET_B};
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running arenad, killed (`kill -9`) when dropped, so a failing test
+/// leaves no process behind.
+pub struct Proc(Option<Child>);
+
+impl Proc {
+    fn take(mut self) -> Child {
+        self.0.take().expect("a running arenad")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// An arenad configuration in a directory: volumes "a" and "b", its swap
+/// directory, its ports.
+pub struct Arenad {
+    pub cfg: PathBuf,
+    pub swap_dir: PathBuf,
+    pub port: u16,
+    pub metrics_port: u16,
+}
+
+impl Arenad {
+    /// Writes `dir/arenad.toml` with these sizes and `swap_dir` (default
+    /// `dir/swap`).
+    pub fn new(dir: &Path, arena: &str, blob: &str, swap: &str, swap_dir: Option<&Path>) -> Arenad {
+        let a = secret_file(dir, "a.key", SECRET_A);
+        let b = secret_file(dir, "b.key", SECRET_B);
+        let swap_dir = swap_dir.map_or_else(|| dir.join("swap"), Path::to_path_buf);
+        let (port, metrics_port) = (free_port(), free_port());
+        let cfg = dir.join("arenad.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "listen = \"127.0.0.1:{port}\"\narena_bytes = \"{arena}\"\nblob_bytes = \"{blob}\"\n\
+                 swap_dir = \"{}\"\nswap_bytes = \"{swap}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\n\
+                 [[volume]]\nname = \"a\"\nsecret_file = \"{}\"\nquota = \"1G\"\n\n\
+                 [[volume]]\nname = \"b\"\nsecret_file = \"{}\"\nquota = \"1G\"\n",
+                swap_dir.display(),
+                a.display(),
+                b.display()
+            ),
+        )
+        .unwrap();
+        Arenad {
+            cfg,
+            swap_dir,
+            port,
+            metrics_port,
+        }
+    }
+
+    /// Starts arenad.
+    pub fn spawn(&self) -> Proc {
+        Proc(Some(
+            Command::new(env!("CARGO_BIN_EXE_arenad"))
+                .arg("--config")
+                .arg(&self.cfg)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ))
+    }
+
+    /// Starts arenad and waits until it serves (its signal handlers are in
+    /// place by then).
+    pub fn start(&self) -> Proc {
+        let child = self.spawn();
+        drop(self.connect("a"));
+        child
+    }
+
+    /// Runs arenad with `args` where it is expected to exit on its own (a
+    /// refusal to start, `--repair`); fails the test if it is still running
+    /// after 60 s.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_arenad"))
+            .arg("--config")
+            .arg(&self.cfg)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "arenad {args:?} did not exit: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child.wait_with_output().unwrap()
+    }
+
+    /// A client of `volume`, retried until arenad listens.
+    pub fn connect(&self, volume: &str) -> ArenaClient {
+        self.connect_in(volume, Arc::default())
+    }
+
+    /// A client whose FLUSHes vouch for every client of `domain`.
+    pub fn connect_in(&self, volume: &str, domain: Arc<FlushDomain>) -> ArenaClient {
+        let value = if volume == "a" { SECRET_A } else { SECRET_B };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut cfg =
+                ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value));
+            cfg.flush_domain = Arc::clone(&domain);
+            match ArenaClient::connect(cfg) {
+                Ok(c) => return c,
+                Err(ArenaError::Connect { .. }) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => panic!("arenad did not come up: {e}"),
+            }
+        }
+    }
+
+    /// The Prometheus text of `/metrics`.
+    pub fn metrics(&self) -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", self.metrics_port)).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    }
+}
+
+/// Stops `child` the way systemd does (SIGTERM, which flushes) and checks it
+/// exited cleanly.
+pub fn terminate(p: Proc) {
+    let mut child = p.take();
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "SIGTERM must exit 0, got {status}");
+}
+
+/// `kill -9`.
+pub fn kill9(p: Proc) {
+    let mut child = p.take();
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
