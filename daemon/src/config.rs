@@ -34,10 +34,11 @@ pub enum OnShutdown {
     Remove,
 }
 
-/// How arena payloads travel.
+/// The transport a device is configured for (`transport = tcp|rdma|auto`):
+/// a choice, of which the data path it negotiates is one outcome.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Transport {
+pub enum TransportChoice {
     /// Inline on the TCP control stream.
     Tcp,
     /// One-sided RDMA, or a clear error when the device is added.
@@ -46,7 +47,7 @@ pub enum Transport {
     Auto,
 }
 
-impl Transport {
+impl TransportChoice {
     /// Stable lower-case name.
     pub fn name(self) -> &'static str {
         match self {
@@ -239,7 +240,7 @@ pub struct DeviceDefaults {
     pub blob_size: u64,
     /// `tcp`, `rdma` or `auto`.
     #[serde(default = "default_transport")]
-    pub transport: Transport,
+    pub transport: TransportChoice,
     /// Logical block size: 512, 1024, 2048 or 4096.
     #[serde(default = "default_lbs")]
     pub logical_block_size: u32,
@@ -314,8 +315,8 @@ fn default_depth() -> u32 {
 fn default_io_buf() -> u64 {
     512 << 10
 }
-fn default_transport() -> Transport {
-    Transport::Auto
+fn default_transport() -> TransportChoice {
+    TransportChoice::Auto
 }
 fn default_lbs() -> u32 {
     512
@@ -538,7 +539,7 @@ mod tests {
         assert_eq!(c.device.queues, 1);
         assert_eq!(c.device.depth, 64);
         assert_eq!(c.device.io_buf, 512 << 10);
-        assert_eq!(c.device.transport, Transport::Auto);
+        assert_eq!(c.device.transport, TransportChoice::Auto);
         assert!(c.device.write_cache && c.device.fua && c.device.discard);
         assert_eq!(c.metrics.listen_addr(), Some("127.0.0.1:9477"));
         assert!(!c.metrics.per_device_labels);

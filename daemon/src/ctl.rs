@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::Transport;
-use crate::stats::StatsSnapshot;
+use crate::config::TransportChoice;
+use crate::device_stats::StatsSnapshot;
 use ublk_metrics::DeviceDriverReport;
 
 /// The protocol version this build speaks.
@@ -82,7 +82,7 @@ pub struct AddArgs {
     /// Blob size to ask the volume for.
     pub blob_size: Option<u64>,
     /// Data path.
-    pub transport: Option<Transport>,
+    pub transport: Option<TransportChoice>,
     /// Per-request buffer size.
     pub io_buf: Option<u64>,
 }
@@ -343,7 +343,7 @@ mod tests {
         match parse_request(s).unwrap() {
             Request::Add(a) => {
                 assert_eq!(a.depth, Some(2));
-                assert_eq!(a.transport, Some(Transport::Tcp));
+                assert_eq!(a.transport, Some(TransportChoice::Tcp));
             }
             other => panic!("{other:?}"),
         }

@@ -4,19 +4,13 @@
 //! `-errno`) comes out. The queue loop (`queue.rs`) only moves descriptors
 //! and buffers between the kernel and [`serve`].
 
-use std::time::{Duration, Instant};
-
 use libublk::sys;
-use target_rdma::client::ArenaError;
+use target_rdma::blob::{ErrorKind, Via};
+use target_rdma::block::{BlockTarget, TargetError};
 use target_rdma::proto::Status;
-use target_rdma::target::{ArenaTarget, BlockOp, BlockTarget, TargetError};
-use ublk_metrics::{
-    events, CorrelationId, ErrnoClass, IoOp, Phase, Reason, TrackerGuard, TrackerTable,
-    Transport as MetricsTransport,
-};
+use ublk_metrics::{IoOp, Phase, Reason};
 
-use crate::telemetry::DeviceObs;
-use crate::transport::RoutedIo;
+use crate::observability::{DeviceObs, Failure};
 
 /// What the kernel put in the queue's descriptor array for one tag, copied
 /// out so the request can be served without holding a reference into the
@@ -79,17 +73,6 @@ pub enum IoRequest {
 }
 
 impl IoRequest {
-    /// The op, for stats.
-    pub fn op(&self) -> BlockOp {
-        match self {
-            Self::Read { .. } => BlockOp::Read,
-            Self::Write { .. } => BlockOp::Write,
-            Self::Flush => BlockOp::Flush,
-            Self::Discard { .. } => BlockOp::Discard,
-            Self::WriteZeroes { .. } => BlockOp::WriteZeroes,
-        }
-    }
-
     /// Bytes the request moves or affects.
     pub fn bytes(&self) -> u64 {
         match *self {
@@ -146,68 +129,59 @@ pub fn metrics_op(op_flags: u32) -> Option<IoOp> {
     }
 }
 
-/// Where a failed request failed, in the failure taxonomy of
-/// `docs/METRICS.md`.
-pub fn classify(e: &TargetError) -> (Phase, Reason) {
-    let TargetError::Arena { op, source } = e else {
-        return (Phase::Post, Reason::Protocol);
-    };
-    match source {
-        ArenaError::Connect { .. } => (Phase::Connect, Reason::Unavailable),
-        ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. } => {
-            (Phase::Handshake, Reason::Auth)
-        }
-        ArenaError::Refused { .. } => (Phase::Handshake, Reason::Unavailable),
-        ArenaError::TimedOut { .. } => (Phase::Poll, Reason::Timeout),
-        ArenaError::Disconnected { .. } => (Phase::Poll, Reason::PeerClosed),
-        ArenaError::Protocol { .. } => (Phase::Poll, Reason::Protocol),
-        ArenaError::UnflushedDataLost { .. } => (Phase::Flush, Reason::Io),
-        ArenaError::Status { status, .. } => match status {
-            Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
-                (Phase::Alloc, Reason::ResourceExhausted)
-            }
-            Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
-            Status::AuthFailed => (Phase::Completion, Reason::Auth),
-            Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
-            _ if *op == BlockOp::Flush => (Phase::Flush, Reason::Io),
-            _ => (Phase::Completion, Reason::Io),
+/// How a failed request failed: its errno, where it belongs in the failure
+/// taxonomy of `docs/METRICS.md`, and whether the arena connection is gone.
+pub fn classify(e: &TargetError) -> Failure {
+    let (phase, reason) = match e {
+        TargetError::OutOfRange { .. } => (Phase::Post, Reason::Protocol),
+        TargetError::Arena { op, source } => match source.kind() {
+            ErrorKind::Connect => (Phase::Connect, Reason::Unavailable),
+            ErrorKind::AuthFailed | ErrorKind::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
+            ErrorKind::Refused(_) => (Phase::Handshake, Reason::Unavailable),
+            ErrorKind::TimedOut => (Phase::Poll, Reason::Timeout),
+            ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
+            ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
+            ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
+            ErrorKind::Status(status) => match status {
+                Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
+                    (Phase::Alloc, Reason::ResourceExhausted)
+                }
+                Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
+                Status::AuthFailed => (Phase::Completion, Reason::Auth),
+                Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
+                _ if *op == IoOp::Flush => (Phase::Flush, Reason::Io),
+                _ => (Phase::Completion, Reason::Io),
+            },
         },
-        ArenaError::Store(_) => (Phase::Completion, Reason::Io),
-    }
-}
-
-/// Whether an error means the arena connection is gone (readiness then
-/// reports `peer_disconnected` until it is back).
-fn peer_gone(e: &TargetError) -> bool {
-    matches!(
+    };
+    let peer_gone = matches!(
         e,
-        TargetError::Arena {
-            source: ArenaError::Connect { .. }
-                | ArenaError::Disconnected { .. }
-                | ArenaError::Refused { .. },
-            ..
-        }
-    )
-}
-
-/// What the request/attempt accounting needs to know of a target beyond
-/// [`BlockTarget`]: the transport of a request's first attempt, and whether
-/// one of its payloads then failed over to TCP.
-pub trait Routed {
-    /// Transport of the request's first attempt.
-    fn transport(&self) -> MetricsTransport;
-    /// Whether a payload failed over to TCP after an attempt on
-    /// [`transport`](Self::transport) failed.
-    fn failed_over(&self) -> bool;
-}
-
-impl Routed for ArenaTarget<RoutedIo<'_>> {
-    fn transport(&self) -> MetricsTransport {
-        self.io().io().negotiated().metrics()
+        TargetError::Arena { source, .. }
+            if matches!(
+                source.kind(),
+                ErrorKind::Connect | ErrorKind::Disconnected | ErrorKind::Refused(_)
+            )
+    );
+    Failure {
+        errno: e.errno(),
+        phase,
+        reason,
+        peer_gone,
     }
+}
 
-    fn failed_over(&self) -> bool {
-        self.io().failed_over()
+/// Runs a decoded request against `target`.
+async fn execute<T: BlockTarget>(
+    target: &T,
+    req: IoRequest,
+    buf: &mut [u8],
+) -> Result<Via, TargetError> {
+    match req {
+        IoRequest::Read { offset, len } => target.read(offset, &mut buf[..len]).await,
+        IoRequest::Write { offset, len, fua } => target.write(offset, &buf[..len], fua).await,
+        IoRequest::Flush => target.flush().await,
+        IoRequest::Discard { offset, len } => target.discard(offset, len).await,
+        IoRequest::WriteZeroes { offset, len } => target.write_zeroes(offset, len).await,
     }
 }
 
@@ -216,12 +190,11 @@ impl Routed for ArenaTarget<RoutedIo<'_>> {
 /// READ/WRITE, 0 for the others, `-errno` on failure. It always returns
 /// (the target's own timeouts bound the wait).
 ///
-/// Every READ/WRITE/FLUSH/DISCARD/WRITE_ZEROES is tracked in the device's
-/// slot for (`queue`, `tag`) from here to completion, counted in the device
-/// I/O families (errno class, latency), in the request/attempt accounting
-/// and in the device's `ublkctl stats` counters. Nothing here allocates or
-/// formats unless the request fails.
-pub async fn serve<T: BlockTarget + Routed>(
+/// Decode, call, classify, complete: everything observed about the request
+/// (tracker slot, device I/O families, request/attempt accounting,
+/// `ublkctl stats`, events) is recorded by its [`RequestObs`](crate::observability::RequestObs), once.
+/// Nothing here allocates or formats unless the request fails.
+pub async fn serve<T: BlockTarget>(
     target: &T,
     desc: &IoDesc,
     buf: &mut [u8],
@@ -229,92 +202,22 @@ pub async fn serve<T: BlockTarget + Routed>(
     queue: u16,
     tag: u16,
 ) -> i32 {
-    let stats = dev.stats();
     let Some(op) = metrics_op(desc.op_flags) else {
-        stats.failed();
-        tracing::warn!(
-            event = "request.rejected",
-            op_flags = desc.op_flags,
-            errno = libc::EOPNOTSUPP
-        );
+        dev.unsupported(desc.op_flags);
         return -libc::EOPNOTSUPP;
     };
-    let guard = match dev.table().start(queue, tag, op) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            // ublk never reuses a busy tag and the table has the device's
-            // geometry, so this is a bug; count the request anyway.
-            tracing::error!(event = "tracker.failed", device = dev.id(), error = %e);
-            None
-        }
-    };
-    let untracked_start = guard.is_none().then(Instant::now);
-    let corr = guard
-        .as_ref()
-        .map_or_else(CorrelationId::next, |g| g.correlation_id());
-    let transport = target.transport();
-    let mut span = dev.accounting().start_request(op, transport, corr);
-    let complete =
-        |guard: Option<TrackerGuard<&TrackerTable>>, bytes: u64, r: Result<(), i32>| match (
-            guard,
-            untracked_start,
-        ) {
-            (Some(g), _) => {
-                g.complete(dev.io(), bytes, r);
-            }
-            (None, start) => {
-                dev.io()
-                    .record(op, bytes, r, start.map_or(Duration::ZERO, |s| s.elapsed()));
-            }
-        };
+    let obs = dev.begin(queue, tag, op, target.transport());
     let req = match decode(desc, buf.len()) {
         Ok(r) => r,
         Err(errno) => {
-            stats.failed();
-            span.fail(Phase::Post, Reason::Protocol);
-            events::request_failed(
-                corr,
-                Some(dev.id()),
-                op,
-                ErrnoClass::from_errno(errno),
-                Phase::Post,
-                Reason::Protocol,
-            );
-            tracing::warn!(
-                event = "request.rejected",
-                corr = corr.get(),
-                op_flags = desc.op_flags,
-                start_sector = desc.start_sector,
-                nr_sectors = desc.nr_sectors,
-                errno
-            );
-            complete(guard, 0, Err(errno));
+            obs.rejected(errno, desc.op_flags, desc.start_sector, desc.nr_sectors);
             return -errno;
         }
     };
-    let _inflight = stats.start();
-    let mut attempt = span.attempt(transport);
-    let result = match req {
-        IoRequest::Read { offset, len } => target.read(offset, &mut buf[..len]).await,
-        IoRequest::Write { offset, len, fua } => target.write(offset, &buf[..len], fua).await,
-        IoRequest::Flush => target.flush().await,
-        IoRequest::Discard { offset, len } => target.discard(offset, len).await,
-        IoRequest::WriteZeroes { offset, len } => target.write_zeroes(offset, len).await,
-    };
-    if target.failed_over() {
-        // The RDMA attempt failed (its work request errored or timed out,
-        // counted by the driver) and TCP carried the payload: one failover.
-        attempt.fail(Phase::Completion, Reason::WcError);
-        span.failover(MetricsTransport::Tcp);
-        attempt = span.attempt(MetricsTransport::Tcp);
-    }
-    match result {
-        Ok(()) => {
-            attempt.succeed();
-            span.succeed();
-            dev.peer_ok();
-            stats.done(req.op(), req.bytes());
-            complete(guard, req.bytes(), Ok(()));
+    let obs = obs.dispatched();
+    match execute(target, req, buf).await {
+        Ok(via) => {
+            obs.succeeded(req.bytes(), via);
             match req {
                 // Bounded by the buffer size, which fits an i32 (libublk caps it).
                 IoRequest::Read { len, .. } | IoRequest::Write { len, .. } => len as i32,
@@ -322,25 +225,9 @@ pub async fn serve<T: BlockTarget + Routed>(
             }
         }
         Err(e) => {
-            let errno = e.errno();
-            let (phase, reason) = classify(&e);
-            attempt.fail(phase, reason);
-            span.fail(phase, reason);
-            if peer_gone(&e) {
-                dev.peer_lost(phase, reason);
-            }
-            stats.failed();
-            events::request_failed(
-                corr,
-                Some(dev.id()),
-                op,
-                ErrnoClass::from_errno(errno),
-                phase,
-                reason,
-            );
-            tracing::debug!(event = "request.error", corr = corr.get(), error = %e);
-            complete(guard, 0, Err(errno));
-            -errno
+            let failure = classify(&e);
+            obs.failed(&failure, &e);
+            -failure.errno
         }
     }
 }
@@ -353,12 +240,17 @@ mod tests {
     use std::sync::Arc;
 
     use futures::executor::LocalPool;
-    use target_rdma::target::MemTarget;
+    use std::time::Duration;
+
+    use target_rdma::blob::ArenaError;
+    use target_rdma::block::MemTarget;
+    use ublk_metrics::testing::sample;
+    use ublk_metrics::Transport as MetricsTransport;
     use ublk_metrics::{Daemon, Telemetry};
 
     use super::*;
-    use crate::config::{MetricsConfig, Transport};
-    use crate::telemetry::{DevState, DeviceShape, Observability};
+    use crate::config::{MetricsConfig, TransportChoice};
+    use crate::observability::{DevState, DeviceShape, Observability};
 
     const DEPTH: usize = 4;
     const BUF: usize = 64 * 1024;
@@ -379,7 +271,7 @@ mod tests {
         }
     }
 
-    impl<T: BlockTarget + Routed> FakeQueue<T> {
+    impl<T: BlockTarget> FakeQueue<T> {
         fn new(target: T) -> Self {
             let obs = Observability::new(
                 Telemetry::isolated(Daemon::Ublkd, "test"),
@@ -391,12 +283,12 @@ mod tests {
                         id: 0,
                         queues: 1,
                         depth: DEPTH as u16,
-                        transport: Transport::Tcp,
+                        transport: TransportChoice::Tcp,
                     },
                     DevState::Live,
                     Arc::default(),
-                    Vec::new(),
-                    Arc::new(target_rdma::transport::TcpPayloadStats::default()),
+                    None,
+                    Arc::new(target_rdma::client::ClientStats::default()),
                 )
                 .unwrap();
             Self {
@@ -407,7 +299,7 @@ mod tests {
             }
         }
 
-        fn snapshot(&self) -> crate::stats::StatsSnapshot {
+        fn snapshot(&self) -> crate::device_stats::StatsSnapshot {
             self.dev.stats().snapshot()
         }
 
@@ -568,53 +460,29 @@ mod tests {
         }
     }
 
-    impl Routed for MemTarget {
-        fn transport(&self) -> MetricsTransport {
-            MetricsTransport::Tcp
-        }
-        fn failed_over(&self) -> bool {
-            false
-        }
-    }
-
-    impl Routed for BrokenTarget {
-        fn transport(&self) -> MetricsTransport {
-            MetricsTransport::Tcp
-        }
-        fn failed_over(&self) -> bool {
-            false
-        }
-    }
-
     /// An RDMA target whose every payload fails over to TCP.
     struct FailingOver(MemTarget);
 
-    impl Routed for FailingOver {
+    impl BlockTarget for FailingOver {
         fn transport(&self) -> MetricsTransport {
             MetricsTransport::Rdma
         }
-        fn failed_over(&self) -> bool {
-            true
-        }
-    }
-
-    impl BlockTarget for FailingOver {
         fn size(&self) -> u64 {
             self.0.size()
         }
-        async fn read(&self, o: u64, b: &mut [u8]) -> Result<(), TargetError> {
-            self.0.read(o, b).await
+        async fn read(&self, o: u64, b: &mut [u8]) -> Result<Via, TargetError> {
+            self.0.read(o, b).await.map(|_| Via::Failover)
         }
-        async fn write(&self, o: u64, b: &[u8], fua: bool) -> Result<(), TargetError> {
-            self.0.write(o, b, fua).await
+        async fn write(&self, o: u64, b: &[u8], fua: bool) -> Result<Via, TargetError> {
+            self.0.write(o, b, fua).await.map(|_| Via::Failover)
         }
-        async fn flush(&self) -> Result<(), TargetError> {
+        async fn flush(&self) -> Result<Via, TargetError> {
             self.0.flush().await
         }
-        async fn discard(&self, o: u64, l: u64) -> Result<(), TargetError> {
+        async fn discard(&self, o: u64, l: u64) -> Result<Via, TargetError> {
             self.0.discard(o, l).await
         }
-        async fn write_zeroes(&self, o: u64, l: u64) -> Result<(), TargetError> {
+        async fn write_zeroes(&self, o: u64, l: u64) -> Result<Via, TargetError> {
             self.0.write_zeroes(o, l).await
         }
     }
@@ -663,7 +531,7 @@ mod tests {
     /// Fails every request the way a dead arena connection does.
     struct BrokenTarget;
 
-    fn broken(op: BlockOp) -> TargetError {
+    fn broken(op: IoOp) -> TargetError {
         TargetError::Arena {
             op,
             source: ArenaError::Disconnected {
@@ -674,23 +542,26 @@ mod tests {
     }
 
     impl BlockTarget for BrokenTarget {
+        fn transport(&self) -> MetricsTransport {
+            MetricsTransport::Tcp
+        }
         fn size(&self) -> u64 {
             1 << 20
         }
-        async fn read(&self, _: u64, _: &mut [u8]) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Read))
+        async fn read(&self, _: u64, _: &mut [u8]) -> Result<Via, TargetError> {
+            Err(broken(IoOp::Read))
         }
-        async fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Write))
+        async fn write(&self, _: u64, _: &[u8], _: bool) -> Result<Via, TargetError> {
+            Err(broken(IoOp::Write))
         }
-        async fn flush(&self) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Flush))
+        async fn flush(&self) -> Result<Via, TargetError> {
+            Err(broken(IoOp::Flush))
         }
-        async fn discard(&self, _: u64, _: u64) -> Result<(), TargetError> {
-            Err(broken(BlockOp::Discard))
+        async fn discard(&self, _: u64, _: u64) -> Result<Via, TargetError> {
+            Err(broken(IoOp::Discard))
         }
-        async fn write_zeroes(&self, _: u64, _: u64) -> Result<(), TargetError> {
-            Err(broken(BlockOp::WriteZeroes))
+        async fn write_zeroes(&self, _: u64, _: u64) -> Result<Via, TargetError> {
+            Err(broken(IoOp::WriteZeroes))
         }
     }
 
@@ -715,23 +586,6 @@ mod tests {
             s.reads + s.writes + s.flushes + s.discards + s.write_zeroes,
             0
         );
-    }
-
-    /// The value of the sample of `name` whose labels include `labels`.
-    fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-        text.lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter(|l| {
-                l.strip_prefix(name)
-                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-            })
-            .filter(|l| {
-                labels
-                    .iter()
-                    .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-            })
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum()
     }
 
     #[test]
@@ -783,20 +637,26 @@ mod tests {
             sample(&m, "ublk_io_latency_seconds_count", &[("op", "read")]),
             2.0
         );
-        // started = outcomes + in flight, for requests and attempts.
+        // started = outcomes + in flight, for requests and attempts, under
+        // the transport the target names (the reference target's own).
         for (started, outcomes) in [
             ("ublk_requests_started_total", "ublk_request_outcomes_total"),
             ("ublk_attempts_started_total", "ublk_attempt_outcomes_total"),
         ] {
-            let tcp = [("transport", "tcp")];
-            assert_eq!(sample(&m, started, &tcp), 6.0);
-            assert_eq!(sample(&m, outcomes, &tcp), 6.0);
+            let own = [("transport", "in_process")];
+            assert_eq!(sample(&m, started, &own), 6.0);
+            assert_eq!(sample(&m, outcomes, &own), 6.0);
+            assert_eq!(sample(&m, started, &[("transport", "tcp")]), 0.0);
         }
         assert_eq!(
             sample(
                 &m,
                 "ublk_request_outcomes_total",
-                &[("op", "read"), ("transport", "tcp"), ("outcome", "failure")]
+                &[
+                    ("op", "read"),
+                    ("transport", "in_process"),
+                    ("outcome", "failure")
+                ]
             ),
             1.0
         );

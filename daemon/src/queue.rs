@@ -16,15 +16,15 @@ use io_uring::{opcode, types};
 use libublk::io::UblkQueue;
 use libublk::uring_async::ublk_submit_sqe_async;
 use libublk::{BufDesc, UblkError, UblkUringData};
-use target_rdma::target::ArenaTarget;
+use target_rdma::block::ArenaTarget;
 
 use crate::io::{serve, IoDesc};
-use crate::telemetry::DeviceObs;
-use crate::transport::{QueueIo, RoutedIo};
+use crate::observability::DeviceObs;
+use crate::queue_io::QueueIo;
 use crate::wake::{CrossThread, EventFd};
 
 /// Serves one tag until the queue goes down. The tag's buffer comes from
-/// the queue's [`TagBuffers`](crate::transport::TagBuffers) (registered once
+/// the queue's [`TagBuffers`](crate::queue_io::TagBuffers) (registered once
 /// for RDMA): the kernel copies WRITE data into it and READ data out of it,
 /// and the transport moves payloads straight from and into it.
 async fn io_task(
@@ -45,9 +45,9 @@ async fn io_task(
     };
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(buf))
         .await?;
+    let target = ArenaTarget::new(io.session(), size);
     loop {
         let desc = IoDesc::from(q.get_iod(tag));
-        let target = ArenaTarget::new(RoutedIo::new(io), size);
         // SAFETY: this task alone serves tag `tag`, so nothing else touches
         // its buffer while the request runs (the kernel copies in and out
         // only between our COMMIT and the next FETCH completion); the

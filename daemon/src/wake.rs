@@ -10,11 +10,13 @@
 
 use std::future::Future;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::{self, ThreadId};
+
+use rustix::event::{eventfd, EventfdFlags};
 
 /// A non-blocking eventfd.
 #[derive(Debug)]
@@ -23,30 +25,21 @@ pub struct EventFd(OwnedFd);
 impl EventFd {
     /// A fresh eventfd with counter 0.
     pub fn new() -> io::Result<Self> {
-        // SAFETY: eventfd has no memory arguments; the result is checked.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a freshly created descriptor nobody else owns.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?;
+        Ok(Self(fd))
     }
 
     /// Adds 1 to the counter, making the fd readable.
     pub fn signal(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live stack buffer to our own fd.
         // EAGAIN (counter saturated) still leaves the fd readable, so the
         // result needs no handling.
-        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
     }
 
     /// Resets the counter; returns whether it was signalled.
     pub fn drain(&self) -> bool {
         let mut buf = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live stack buffer.
-        let n = unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        n == 8
+        matches!(rustix::io::read(&self.0, &mut buf), Ok(8))
     }
 }
 

@@ -9,28 +9,24 @@
 //!   it returns, `/diagnostics` leaks no secret, volume or address, and the
 //!   driver summary shows the TCP data path and its RDMA warning.
 
-use std::net::{SocketAddr, TcpListener};
-use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 use ublk_metrics::testing::{
     addr_after, http_get as get, promtool_check_metrics as promtool_check, spawn_with_log_lines,
 };
 
 use libublk::sys;
-use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
-use target_rdma::auth::Secret;
+use target_rdma::block::ArenaTarget;
 use target_rdma::client::{ArenaClient, ClientConfig};
-use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::target::ArenaTarget;
-use target_rdma::transport::TcpPayloadStats;
+use target_rdma::testing::{secret, Peer, PeerOpts};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
-use ublkd::config::{MetricsConfig, Transport};
+use ublkd::config::{MetricsConfig, TransportChoice};
+use ublkd::device::check_peer;
 use ublkd::io::{serve, IoDesc};
-use ublkd::telemetry::{DevState, DeviceShape, Observability};
-use ublkd::transport::{QueueIo, RoutedIo, TagBuffers};
+use ublkd::observability::{DevState, DeviceObs, DeviceShape, Observability};
+use ublkd::queue_io::negotiated;
+use ublkd::queue_io::{QueueIo, TagBuffers};
 
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
@@ -111,85 +107,10 @@ fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
     drop(daemon);
 }
 
-/// An in-process arena peer that can be stopped and started again on the
-/// same address, over the same store.
-struct Peer {
-    store: Arc<Store>,
-    addr: SocketAddr,
-    running: Option<(Arc<Server>, JoinHandle<()>)>,
-}
-
-impl Peer {
-    fn start(dir: &Path) -> Peer {
-        let store = Arc::new(
-            Store::open(
-                StoreConfig {
-                    dir: dir.to_owned(),
-                    arena_bytes: 4 << 20,
-                    blob_bytes: 64 << 10,
-                    swap_bytes: 16 << 20,
-                },
-                &[VolumeSpec {
-                    name: VOLUME.into(),
-                    quota_blobs: 256,
-                }],
-            )
-            .unwrap(),
-        );
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut p = Peer {
-            store,
-            addr,
-            running: None,
-        };
-        p.serve(listener);
-        p
-    }
-
-    fn serve(&mut self, listener: TcpListener) {
-        let server = Server::new(
-            Arc::clone(&self.store),
-            vec![ServedVolume {
-                name: VOLUME.into(),
-                secret: Secret::new(SECRET.as_bytes().to_vec()).unwrap(),
-                id: 0,
-                quota_blobs: 256,
-            }],
-            ServerLimits {
-                max_connections: 16,
-                max_inflight: 32,
-                handshake_timeout: Duration::from_secs(5),
-            },
-        );
-        let s = Arc::clone(&server);
-        let t = std::thread::spawn(move || s.serve(listener).unwrap());
-        self.running = Some((server, t));
-    }
-
-    fn stop(&mut self) {
-        if let Some((server, t)) = self.running.take() {
-            server.shutdown();
-            t.join().unwrap();
-        }
-    }
-
-    fn restart(&mut self) {
-        let listener = TcpListener::bind(self.addr).expect("rebind the same address");
-        self.serve(listener);
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// Runs the peer monitor's check until `/ready` answers `want`.
-fn ready_becomes(obs: &Observability, metrics: &str, want: u16) -> String {
+/// Runs the peer monitor's check of `io` until `/ready` answers `want`.
+fn ready_becomes(dev: &DeviceObs, io: &QueueIo, metrics: &str, want: u16) -> String {
     loop {
-        obs.check_peers();
+        check_peer(dev, std::slice::from_ref(io));
         let (code, body) = get(metrics, "/ready");
         if code == want {
             return body;
@@ -209,7 +130,17 @@ fn desc(op: u32, sector: u64, sectors: u32) -> IoDesc {
 #[test]
 fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     let dir = tempfile::tempdir().unwrap();
-    let mut peer = Peer::start(dir.path());
+    let mut peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            arena_bytes: 4 << 20,
+            swap_bytes: 16 << 20,
+            quota_blobs: 256,
+            max_inflight: 32,
+            volumes: vec![(VOLUME.into(), SECRET.into())],
+            ..PeerOpts::default()
+        },
+    );
     let tel = Telemetry::isolated(Daemon::Ublkd, "test");
     let obs = Observability::new(Arc::clone(&tel), &MetricsConfig::default());
     let http =
@@ -222,13 +153,8 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     assert!(body.contains("control_socket_down"), "{body}");
     obs.set_control_socket_up(true);
 
-    let payload = Arc::new(TcpPayloadStats::default());
-    let mut cc = ClientConfig::new(
-        peer.addr.to_string(),
-        VOLUME,
-        Secret::new(SECRET.as_bytes().to_vec()).unwrap(),
-    );
-    cc.payload_stats = Some(Arc::clone(&payload));
+    let cc = ClientConfig::new(peer.addr.to_string(), VOLUME, secret(SECRET));
+    let payload = Arc::clone(&cc.stats);
     let client = ArenaClient::connect(cc).expect("connect to the peer");
     let io = QueueIo::tcp(client, TagBuffers::new(4, 64 << 10));
     let dev = obs
@@ -239,11 +165,11 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
                 depth: 4,
                 // Set to RDMA while its session serves TCP: the driver
                 // summary must warn.
-                transport: Transport::Rdma,
+                transport: TransportChoice::Rdma,
             },
             DevState::Starting,
             Arc::default(),
-            vec![io.clone()],
+            negotiated(std::slice::from_ref(&io)),
             payload,
         )
         .unwrap();
@@ -254,7 +180,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     assert_eq!(get(&metrics, "/ready").0, 200);
 
     // I/O as a queue thread serves it.
-    let target = ArenaTarget::new(RoutedIo::new(&io), 64 << 20);
+    let target = ArenaTarget::new(io.session(), 64 << 20);
     let mut buf = vec![0x5au8; 64 << 10];
     futures::executor::block_on(async {
         let w = desc(sys::UBLK_IO_OP_WRITE, 0, 16);
@@ -291,8 +217,8 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     );
 
     // The peer goes away: not ready, peer_disconnected.
-    peer.stop();
-    let body = ready_becomes(&obs, &metrics, 503);
+    peer.pause();
+    let body = ready_becomes(&dev, &io, &metrics, 503);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["reasons"], serde_json::json!(["peer_disconnected"]));
     let (_, diag) = get(&metrics, "/diagnostics");
@@ -309,8 +235,8 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     }
 
     // It comes back: the monitor reconnects the idle device, ready again.
-    peer.restart();
-    let body = ready_becomes(&obs, &metrics, 200);
+    peer.resume();
+    let body = ready_becomes(&dev, &io, &metrics, 200);
     assert!(body.contains("\"ready\":true"), "{body}");
 
     // Removing the device prunes it: gone from readiness and diagnostics.

@@ -17,76 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-/// Well-known statistic names. Drivers may report others (exported the same
-/// way); these are the ones the summary, dashboard and alerts understand.
-pub mod names {
-    /// RDMA requests posted (per op).
-    pub const RDMA_REQUESTS: &str = "rdma_requests";
-    /// RDMA requests whose payload moved over RDMA (per op).
-    pub const RDMA_TRANSFERRED: &str = "rdma_transferred";
-    /// RDMA requests the peer declined, then served over TCP (per op).
-    pub const RDMA_DECLINED_SERVED_TCP: &str = "rdma_declined_served_tcp";
-    /// RDMA requests the peer declined that then failed (per op).
-    pub const RDMA_DECLINED_FAILED: &str = "rdma_declined_failed";
-    /// RDMA requests that failed (work completion error, post failure).
-    pub const RDMA_FAILED: &str = "rdma_failed";
-    /// RDMA requests answered with a protocol error.
-    pub const RDMA_PROTOCOL_ERRORS: &str = "rdma_protocol_errors";
-    /// RDMA requests that timed out.
-    pub const RDMA_TIMED_OUT: &str = "rdma_timed_out";
-    /// Payload requests sent inline over TCP (per op, with a `reason`).
-    pub const TCP_PAYLOAD_REQUESTS: &str = "tcp_payload_requests";
-    /// Payload bytes sent inline over TCP (per op, with a `reason`).
-    pub const TCP_PAYLOAD_BYTES: &str = "tcp_payload_bytes";
-    /// Buffer registrations from the pool.
-    pub const REGISTRATIONS_POOLED: &str = "registrations_pooled";
-    /// Buffer registrations made for one operation.
-    pub const REGISTRATIONS_PER_OP: &str = "registrations_per_op";
-    /// Memory registration failures.
-    pub const REGISTRATION_FAILURES: &str = "registration_failures";
-    /// Buffer allocation failures.
-    pub const ALLOCATION_FAILURES: &str = "allocation_failures";
-    /// Lease (token) failures.
-    pub const LEASE_FAILURES: &str = "lease_failures";
-    /// Buffers free in the pool.
-    pub const BUFFER_POOL_FREE: &str = "buffer_pool_free";
-    /// Buffers in use.
-    pub const BUFFER_POOL_IN_USE: &str = "buffer_pool_in_use";
-    /// Most buffers ever in use.
-    pub const BUFFER_POOL_PEAK: &str = "buffer_pool_peak";
-
-    /// Every well-known counter name.
-    pub const COUNTERS: &[&str] = &[
-        RDMA_REQUESTS,
-        RDMA_TRANSFERRED,
-        RDMA_DECLINED_SERVED_TCP,
-        RDMA_DECLINED_FAILED,
-        RDMA_FAILED,
-        RDMA_PROTOCOL_ERRORS,
-        RDMA_TIMED_OUT,
-        TCP_PAYLOAD_REQUESTS,
-        TCP_PAYLOAD_BYTES,
-        REGISTRATIONS_POOLED,
-        REGISTRATIONS_PER_OP,
-        REGISTRATION_FAILURES,
-        ALLOCATION_FAILURES,
-        LEASE_FAILURES,
-    ];
-    /// Every well-known gauge name.
-    pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];
-    /// Counters that indicate a problem: the summary prints one line for
-    /// each that is non-zero.
-    pub const PROBLEMS: &[&str] = &[
-        RDMA_DECLINED_SERVED_TCP,
-        RDMA_DECLINED_FAILED,
-        RDMA_FAILED,
-        RDMA_PROTOCOL_ERRORS,
-        RDMA_TIMED_OUT,
-        REGISTRATION_FAILURES,
-        ALLOCATION_FAILURES,
-        LEASE_FAILURES,
-    ];
-}
+pub use crate::families::driver_names as names;
 
 /// Most distinct statistic families one registry exports; keeps a driver
 /// that invents names from growing the exposition without bound.

@@ -165,7 +165,9 @@ pub enum LogInitError {
 }
 
 /// Installs the process's `tracing` subscriber writing to stderr, with an
-/// `EnvFilter` directive such as `info` or `ublkd=debug`.
+/// `EnvFilter` directive such as `info` or `ublkd=debug`. Both daemons log
+/// through this, so their JSON lines have one shape (the event's fields at
+/// the top level).
 pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), LogInitError> {
     use tracing_subscriber::EnvFilter;
     let env = EnvFilter::try_new(filter).map_err(|e| LogInitError::Filter {
@@ -180,4 +182,11 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), LogInitError>
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
     res.map_err(|_| LogInitError::AlreadySet)
+}
+
+/// [`init_logging`] with the filter from `RUST_LOG` (default `info`); a
+/// filter that does not parse is an error naming it.
+pub fn init_logging_from_env(format: LogFormat) -> Result<(), LogInitError> {
+    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    init_logging(format, &filter)
 }

@@ -2,9 +2,9 @@
 //!
 //! One table feeds the `# HELP` lines, the documentation check and the
 //! dashboard check, so a family cannot be exported without being listed
-//! here, and a dashboard cannot query a family that is not exported.
-
-use crate::driver::names as driver_names;
+//! here, and a dashboard cannot query a family that is not exported. The
+//! well-known driver-statistics names ([`driver_names`]) are listed here
+//! too, for the same checks; [`crate::driver`] exports them.
 
 /// Prometheus metric type of a family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -354,8 +354,100 @@ impl Daemon {
     }
 }
 
+/// Well-known statistic names. Drivers may report others (exported the same
+/// way); these are the ones the summary, dashboard and alerts understand.
+pub mod driver_names {
+    /// RDMA requests posted (per op).
+    pub const RDMA_REQUESTS: &str = "rdma_requests";
+    /// RDMA requests whose payload moved over RDMA (per op).
+    pub const RDMA_TRANSFERRED: &str = "rdma_transferred";
+    /// RDMA requests the peer declined, then served over TCP (per op).
+    pub const RDMA_DECLINED_SERVED_TCP: &str = "rdma_declined_served_tcp";
+    /// RDMA requests the peer declined that then failed (per op).
+    pub const RDMA_DECLINED_FAILED: &str = "rdma_declined_failed";
+    /// RDMA requests that failed (work completion error, post failure).
+    pub const RDMA_FAILED: &str = "rdma_failed";
+    /// RDMA requests answered with a protocol error.
+    pub const RDMA_PROTOCOL_ERRORS: &str = "rdma_protocol_errors";
+    /// RDMA requests that timed out.
+    pub const RDMA_TIMED_OUT: &str = "rdma_timed_out";
+    /// Payload requests sent inline over TCP (per op, with a `reason`).
+    pub const TCP_PAYLOAD_REQUESTS: &str = "tcp_payload_requests";
+    /// Payload bytes sent inline over TCP (per op, with a `reason`).
+    pub const TCP_PAYLOAD_BYTES: &str = "tcp_payload_bytes";
+    /// Buffer registrations from the pool.
+    pub const REGISTRATIONS_POOLED: &str = "registrations_pooled";
+    /// Buffer registrations made for one operation.
+    pub const REGISTRATIONS_PER_OP: &str = "registrations_per_op";
+    /// Memory registration failures.
+    pub const REGISTRATION_FAILURES: &str = "registration_failures";
+    /// Buffer allocation failures.
+    pub const ALLOCATION_FAILURES: &str = "allocation_failures";
+    /// Lease (token) failures.
+    pub const LEASE_FAILURES: &str = "lease_failures";
+    /// Buffers free in the pool.
+    pub const BUFFER_POOL_FREE: &str = "buffer_pool_free";
+    /// Buffers in use.
+    pub const BUFFER_POOL_IN_USE: &str = "buffer_pool_in_use";
+    /// Most buffers ever in use.
+    pub const BUFFER_POOL_PEAK: &str = "buffer_pool_peak";
+    /// Control connections re-established after a loss.
+    pub const RECONNECTS: &str = "reconnects";
+    /// Requests that got no answer in time.
+    pub const REQUEST_TIMEOUTS: &str = "request_timeouts";
+    /// Idempotent requests sent again over a new connection.
+    pub const REQUEST_RETRIES: &str = "request_retries";
+    /// Answers that arrived after their request had timed out.
+    pub const LATE_ANSWERS: &str = "late_answers";
+    /// Reconnects that found a new peer generation (the peer restarted).
+    pub const PEER_RESTARTS: &str = "peer_restarts";
+    /// Lease revocations the peer sent.
+    pub const REVOCATIONS_RECEIVED: &str = "revocations_received";
+    /// Revocations dropped because their owner did not collect them.
+    pub const REVOCATIONS_DROPPED: &str = "revocations_dropped";
+
+    /// Every well-known counter name.
+    pub const COUNTERS: &[&str] = &[
+        RDMA_REQUESTS,
+        RDMA_TRANSFERRED,
+        RDMA_DECLINED_SERVED_TCP,
+        RDMA_DECLINED_FAILED,
+        RDMA_FAILED,
+        RDMA_PROTOCOL_ERRORS,
+        RDMA_TIMED_OUT,
+        TCP_PAYLOAD_REQUESTS,
+        TCP_PAYLOAD_BYTES,
+        REGISTRATIONS_POOLED,
+        REGISTRATIONS_PER_OP,
+        REGISTRATION_FAILURES,
+        ALLOCATION_FAILURES,
+        LEASE_FAILURES,
+        RECONNECTS,
+        REQUEST_TIMEOUTS,
+        REQUEST_RETRIES,
+        LATE_ANSWERS,
+        PEER_RESTARTS,
+        REVOCATIONS_RECEIVED,
+        REVOCATIONS_DROPPED,
+    ];
+    /// Every well-known gauge name.
+    pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];
+    /// Counters that indicate a problem: the summary prints one line for
+    /// each that is non-zero.
+    pub const PROBLEMS: &[&str] = &[
+        RDMA_DECLINED_SERVED_TCP,
+        RDMA_DECLINED_FAILED,
+        RDMA_FAILED,
+        RDMA_PROTOCOL_ERRORS,
+        RDMA_TIMED_OUT,
+        REGISTRATION_FAILURES,
+        ALLOCATION_FAILURES,
+        LEASE_FAILURES,
+    ];
+}
+
 /// Families exported for each driver-statistics name documented in
-/// [`crate::driver::names`].
+/// [`driver_names`].
 pub fn driver_families() -> Vec<(String, Kind)> {
     let mut out: Vec<(String, Kind)> = driver_names::COUNTERS
         .iter()

@@ -96,7 +96,7 @@ impl LatencyHistogram {
         while i < BOUNDS_NS.len() && ns > BOUNDS_NS[i] {
             i += 1;
         }
-        let s = &self.shards[shard::current()].0;
+        let s = &*self.shards[shard::current()];
         s.buckets[i].fetch_add(1, Ordering::Relaxed);
         s.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
@@ -114,10 +114,10 @@ impl LatencyHistogram {
             sum_ns: 0,
         };
         for s in self.shards.iter() {
-            for (dst, src) in snap.buckets.iter_mut().zip(s.0.buckets.iter()) {
+            for (dst, src) in snap.buckets.iter_mut().zip(s.buckets.iter()) {
                 *dst = dst.wrapping_add(src.load(Ordering::Relaxed));
             }
-            snap.sum_ns = snap.sum_ns.wrapping_add(s.0.sum_ns.load(Ordering::Relaxed));
+            snap.sum_ns = snap.sum_ns.wrapping_add(s.sum_ns.load(Ordering::Relaxed));
         }
         snap
     }

@@ -165,8 +165,9 @@ closed_enum! {
         Rdma => "rdma",
         /// Payload inline on the TCP control stream.
         Tcp => "tcp",
-        /// In-process target (tests, `mem` target).
-        Local => "local",
+        /// Direct calls into a store in the same process (the reference
+        /// transport of the conformance suites and benchmarks).
+        InProcess => "in_process",
     }
 }
 

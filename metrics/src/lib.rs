@@ -14,35 +14,36 @@
 //! Families are listed in [`families`] and documented in `docs/METRICS.md`.
 
 pub mod accounting;
-pub mod arena;
+pub mod arenad;
 pub mod clock;
 pub mod correlation;
+pub mod device_io;
 pub mod driver;
 pub mod events;
 pub mod families;
 pub mod health;
 pub mod histogram;
 pub mod http;
-pub mod io;
 pub mod labels;
 pub mod scanner;
 pub mod shard;
 pub mod telemetry;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
-pub use arena::{
+pub use arenad::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, IntegrityCheck, ProtocolErrorClass, SlotState,
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use correlation::CorrelationId;
+pub use device_io::IoMetrics;
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};
 pub use families::Daemon;
 pub use health::{NotReadyReason, NotReadySet, Probes};
 pub use histogram::{LatencyHistogram, LATENCY_BUCKETS_SECONDS};
 pub use http::{HttpConfig, HttpError, MetricsServer};
-pub use io::IoMetrics;
 pub use labels::{ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
 pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
 pub use shard::{ShardedCounter, ShardedGauge};

@@ -8,14 +8,15 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use crossbeam_utils::CachePadded;
+
 /// Shards per value: threads beyond this share (round-robin), which costs
 /// speed, never correctness.
 pub(crate) const SHARDS: usize = 16;
 
-/// Aligned to two cache lines: adjacent-line prefetch pairs lines on x86.
-#[repr(align(128))]
-#[derive(Debug, Default)]
-pub(crate) struct Padded<T>(pub(crate) T);
+/// One shard on cache lines of its own (two on x86, whose adjacent-line
+/// prefetch pairs them).
+pub(crate) type Padded<T> = CachePadded<T>;
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
@@ -52,14 +53,14 @@ impl ShardedCounter {
     /// Adds `n`.
     #[inline]
     pub fn increment(&self, n: u64) {
-        self.shards[current()].0.fetch_add(n, Ordering::Relaxed);
+        self.shards[current()].fetch_add(n, Ordering::Relaxed);
     }
 
     /// The sum over all shards.
     pub fn value(&self) -> u64 {
         self.shards
             .iter()
-            .map(|s| s.0.load(Ordering::Relaxed))
+            .map(|s| s.load(Ordering::Relaxed))
             .fold(0, u64::wrapping_add)
     }
 }

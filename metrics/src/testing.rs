@@ -1,6 +1,8 @@
-//! Test support shared by the workspace's endpoint tests: one GET against a
-//! metrics listener, and `promtool`, whose absence fails the test that asks
-//! for it (CI installs it; a silently skipped check never runs).
+//! Test support shared by the workspace's tests: one GET against a metrics
+//! listener, reading a sample out of an exposition, and `promtool`, whose
+//! absence fails the test that asks for it (CI installs it; a silently
+//! skipped check never runs). Compiled for tests only (feature
+//! `test-utils`), never into the daemons.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -115,4 +117,23 @@ pub fn addr_after(line: &str, marker: &str) -> Option<String> {
             .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
             .collect(),
     )
+}
+
+/// The sum of the samples of `name` whose labels include every pair of
+/// `labels`, in a Prometheus text exposition (0 when there is none).
+pub fn sample(exposition: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    exposition
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

@@ -8,8 +8,8 @@
 
 use crate::clock::Clock;
 use crate::correlation::CorrelationId;
+use crate::device_io::IoMetrics;
 use crate::events;
-use crate::io::IoMetrics;
 use crate::labels::{validate_target, IoOp, LabelError};
 use std::ops::Deref;
 use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};

@@ -3,7 +3,8 @@
 //! absolute numbers, are the result; docs/BENCHMARKS.md records them).
 //!
 //! - inline 1 MiB sequential and 4 KiB random reads and writes at QD 1 and
-//!   32 through a real `arenad` server and client on loopback, arena-resident;
+//!   32 through a real `arenad` server (the workspace's test harness,
+//!   `target_rdma::testing::Peer`) and client on loopback, arena-resident;
 //! - the same requests with an arena 16x smaller than the data, so every read
 //!   faults in from swap and every write evicts a dirty slot;
 //! - baselines: a plain TCP socket copy of the same bytes (1 MiB chunks, and
@@ -29,19 +30,17 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
 use futures::stream::{FuturesUnordered, StreamExt};
-use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits};
-use target_rdma::auth::Secret;
-use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::client::ArenaClient;
 use target_rdma::store::bench_hooks::extent_checksums;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+use target_rdma::testing::{Peer, PeerOpts};
 
 const MIB: usize = 1 << 20;
-const SECRET: &[u8] = b"benchmark-secret-0123456789";
+const SECRET: &str = "benchmark-secret-0123456789";
 
 fn secs() -> Duration {
     Duration::from_secs_f64(
@@ -135,11 +134,10 @@ fn raw_tcp_pingpong(size: usize) -> Rate {
 }
 
 struct Bench {
-    _server: Arc<Server>,
-    store: Arc<Store>,
     client: ArenaClient,
-    addr: String,
     blob: usize,
+    // The server and store, dropped after the client.
+    peer: Peer,
 }
 
 fn open_store(dir: &Path, arena: u64, swap: u64) -> Store {
@@ -159,44 +157,39 @@ fn open_store(dir: &Path, arena: u64, swap: u64) -> Store {
     .unwrap()
 }
 
+/// The workspace's arenad harness (the real `Server` over a real `Store`,
+/// with its telemetry, as arenad runs them), one volume, 1 MiB blobs.
 fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
     let blob = MIB as u32;
-    let store = Arc::new(open_store(dir, arena, swap));
-    let secret = Secret::new(SECRET.to_vec()).unwrap();
-    let server = Server::new(
-        Arc::clone(&store),
-        vec![ServedVolume {
-            name: "bench".into(),
-            secret: secret.clone(),
-            id: 0,
+    let peer = Peer::start(
+        dir,
+        PeerOpts {
+            arena_bytes: arena,
+            blob_bytes: blob,
+            swap_bytes: swap,
             quota_blobs: swap / u64::from(blob),
-        }],
-        ServerLimits {
-            max_connections: 64,
             max_inflight: 64,
-            handshake_timeout: Duration::from_secs(5),
+            rdma: None,
+            volumes: vec![("bench".into(), SECRET.into())],
         },
     );
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let s = Arc::clone(&server);
-    std::thread::spawn(move || s.serve(l));
-    let client =
-        ArenaClient::connect(ClientConfig::new(addr.to_string(), "bench", secret)).unwrap();
     Bench {
-        _server: server,
-        store,
-        client,
-        addr: addr.to_string(),
+        client: connect(&peer),
         blob: blob as usize,
+        peer,
     }
+}
+
+fn connect(peer: &Peer) -> ArenaClient {
+    let mut cfg = peer.config("bench", SECRET);
+    cfg.request_timeout = Duration::from_secs(30);
+    ArenaClient::connect(cfg).unwrap()
 }
 
 impl Bench {
     /// Another connection to the same server.
     fn connect(&self) -> ArenaClient {
-        let secret = Secret::new(SECRET.to_vec()).unwrap();
-        ArenaClient::connect(ClientConfig::new(self.addr.clone(), "bench", secret)).unwrap()
+        connect(&self.peer)
     }
 }
 
@@ -534,7 +527,7 @@ fn run_connections(b: &Bench, clients: &[ArenaClient], size: usize, span: u64) -
 /// Reads by `threads` threads calling the store directly (no network).
 fn run_store(b: &Bench, threads: usize, size: usize, span: u64) -> Rate {
     run_threads(b, threads, size, span, |_, key, off, out| {
-        b.store.read(0, key, off, out).expect("cold read");
+        b.peer.store.read(0, key, off, out).expect("cold read");
     })
 }
 

@@ -1,14 +1,28 @@
-//! Block target, paging protocol, transports and the arena peer `arenad`.
+//! Both ends of the paging protocol, and data flows one way between them.
+//!
+//! - Shared vocabulary: [`blob`] (`BlobIo`, the one `ArenaError`, `Via`),
+//!   [`proto`] (the wire codec), [`auth`], [`rdma`] (the verbs layer),
+//!   [`config_file`], [`size`], [`sd_notify`].
+//! - Client side (ublkd): [`client`] (the TCP client, the RDMA transport, a
+//!   queue's `Session`) and [`block`] (the block target).
+//! - Server side (arenad): [`arenad`] (server, observability, config) and
+//!   [`store`] (the storage engine, and `InProcess`, the reference
+//!   transport).
+//!
+//! The client side never names the server side and the reverse
+//! (`tests/tests/layout.rs` checks it); `testing` (feature `test-utils`) is
+//! the harness that puts both together for tests and benchmarks.
 
 pub mod arenad;
 pub mod auth;
+pub mod blob;
+pub mod block;
 pub mod client;
 pub mod config_file;
-pub mod logging;
 pub mod proto;
 pub mod rdma;
 pub mod sd_notify;
 pub mod size;
 pub mod store;
-pub mod target;
-pub mod transport;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;

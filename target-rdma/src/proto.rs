@@ -9,8 +9,6 @@
 
 use std::io::{self, Read, Write};
 
-use crate::rdma::Endpoint;
-
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"ARNA";
 /// The only protocol version this build speaks.
@@ -782,6 +780,22 @@ fn put_endpoint(b: &mut Vec<u8>, ep: &Endpoint) {
     b.push(ep.mtu);
     b.push(0);
     b.extend_from_slice(&ep.gid);
+}
+
+/// One side of an RDMA queue pair, as RAIL_CONNECT exchanges it: everything
+/// the peer needs to bring its QP to RTR with ours.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Queue pair number (24 bits).
+    pub qpn: u32,
+    /// Initial packet sequence number (24 bits).
+    pub psn: u32,
+    /// Port LID (0 on RoCE).
+    pub lid: u16,
+    /// Path MTU as an IBV enum value (1 = 256 .. 5 = 4096).
+    pub mtu: u8,
+    /// GID at the chosen index.
+    pub gid: [u8; 16],
 }
 
 /// The server's answer to RAIL_CONNECT: its QP endpoint and the arena's

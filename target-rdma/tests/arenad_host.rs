@@ -3,16 +3,15 @@
 //! file descriptors it holds per connection, which `LimitNOFILE=` in
 //! `systemd/arenad.service` is sized from.
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
 use futures::executor::block_on;
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::testing::*;
 
 /// Descriptors one authenticated TCP session holds in arenad (the accepted
 /// stream and its clones for the reader, the writer and shutdown).

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use common::arenad::{kill9, terminate, Arenad};
 use common::*;
 use futures::executor::block_on;
-use target_rdma::client::{ArenaError, FlushDomain};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::FlushDomain;
 
 const BLOB: usize = 64 << 10;
 

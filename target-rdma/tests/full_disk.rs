@@ -16,7 +16,7 @@ use std::process::Command;
 use common::arenad::{kill9, terminate, Arenad};
 use common::*;
 use futures::executor::block_on;
-use target_rdma::client::ArenaError;
+use target_rdma::blob::ArenaError;
 use target_rdma::proto::Status;
 
 const BLOB: usize = 64 << 10;

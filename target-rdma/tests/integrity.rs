@@ -13,7 +13,8 @@ use std::process::Output;
 use common::arenad::{kill9, terminate, Arenad};
 use common::*;
 use futures::executor::block_on;
-use target_rdma::client::{ArenaClient, ArenaError};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::ArenaClient;
 use target_rdma::proto::Status;
 
 const BLOB: usize = 64 << 10;

@@ -3,16 +3,14 @@
 //! once the store is open, and `/diagnostics` leaks no secret, volume name
 //! or address from the config.
 
-mod common;
-
 use std::process::{Child, Command};
 use std::time::Duration;
 use ublk_metrics::testing::{
     addr_after, http_get as get, promtool_check_metrics as promtool_check, spawn_with_log_lines,
 };
 
-use common::secret_file;
 use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::testing::{secret, secret_file};
 
 const SECRET: &str = "arenad-endpoint-test-secret-7f3a9c";
 const VOLUME: &str = "vol-endpoint-test";
@@ -71,7 +69,7 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
     let d = start_arenad(dir.path());
 
     // Some traffic: inline write, read, flush; and a refused HELLO.
-    let cfg = ClientConfig::new(d.data.clone(), VOLUME, common::secret(SECRET));
+    let cfg = ClientConfig::new(d.data.clone(), VOLUME, secret(SECRET));
     let client = ArenaClient::connect(cfg).expect("client connects");
     futures::executor::block_on(async {
         client.write(3, 0, &[7u8; 4096]).await.unwrap();
@@ -79,11 +77,7 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
         assert!(client.read(3, 0, &mut buf).await.unwrap());
         client.flush().await.unwrap();
     });
-    let bad = ClientConfig::new(
-        d.data.clone(),
-        VOLUME,
-        common::secret("not-the-secret-0123456789"),
-    );
+    let bad = ClientConfig::new(d.data.clone(), VOLUME, secret("not-the-secret-0123456789"));
     assert!(ArenaClient::connect(bad).is_err());
 
     let (code, text) = get(&d.metrics, "/metrics");

@@ -1,22 +1,23 @@
 //! The paging protocol end to end: a real `arenad` server on loopback and
 //! the real client, including hostile peers and malformed frames.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
-use target_rdma::client::{ArenaClient, ArenaError};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::ArenaClient;
 use target_rdma::proto::{self, Challenge, Hello, Opcode, Request, Status, HEADER_LEN, MAC_LEN};
+use target_rdma::testing::*;
+use ublk_metrics::driver::names;
+use ublk_metrics::DriverStats as _;
 
 #[test]
 fn inline_write_read_remove_flush() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let c = peer.client("a", SECRET_A);
     let blob = c.blob_bytes().unwrap() as usize;
     assert_eq!(blob, 64 << 10);
@@ -52,7 +53,7 @@ fn inline_write_read_remove_flush() {
 #[test]
 fn leases_alloc_commit_get_release() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let c = peer.client("a", SECRET_A);
     block_on(async {
         assert_eq!(c.get(3).await.unwrap(), None);
@@ -75,7 +76,7 @@ fn leases_alloc_commit_get_release() {
 #[test]
 fn a_commit_after_a_racing_remove_answers_lease_lost_and_keeps_the_connection() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let writer = peer.client("a", SECRET_A);
     let remover = peer.client("a", SECRET_A);
     block_on(async {
@@ -103,7 +104,7 @@ fn a_commit_after_a_racing_remove_answers_lease_lost_and_keeps_the_connection() 
 #[test]
 fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let err = |volume: &str, s: &str| {
         ArenaClient::connect(peer.config(volume, s))
             .err()
@@ -121,13 +122,15 @@ fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
         err("nope", SECRET_A),
         ArenaError::AuthFailed { .. }
     ));
+    assert_eq!(peer.metric("arenad_auth_failures_total", &[]), 4);
     assert_eq!(
-        peer.server
-            .counters()
-            .auth_failures
-            .load(std::sync::atomic::Ordering::Relaxed),
+        peer.metric(
+            "arenad_ops_total",
+            &[("op", "hello"), ("outcome", "denied")]
+        ),
         4
     );
+    assert_eq!(peer.protocol_errors(), 0, "a bad MAC is no protocol error");
 
     // A missing secret file is refused before anything is sent.
     let missing = target_rdma::auth::Secret::from_file(&dir.path().join("absent.key")).unwrap_err();
@@ -257,7 +260,7 @@ fn expect_protocol_error(peer: &Peer, bytes: &[u8], needle: &str) {
 #[test]
 fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let bystander = peer.client("a", SECRET_A);
     block_on(bystander.write(1, 0, &pattern(1, 1, 4096))).unwrap();
 
@@ -304,7 +307,7 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
     expect_protocol_error(&peer, &b, "65536");
 
     let errors = peer.protocol_errors();
-    assert_eq!(errors, 9, "{:?}", peer.server.counters().protocol_errors());
+    assert_eq!(errors, 9, "{}", peer.obs.telemetry().render().unwrap());
 
     // The bystander's session and data were untouched throughout.
     let mut out = vec![0; 4096];
@@ -315,7 +318,7 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
 #[test]
 fn a_client_that_vanishes_mid_request_hurts_nobody() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let mut s = raw_session(&peer);
     let mut f = Vec::new();
     proto::encode_request(
@@ -347,7 +350,7 @@ fn many_clients_many_requests_in_flight_no_mixups() {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 64 << 20,
             ..PeerOpts::default()
         },
@@ -412,12 +415,7 @@ fn requests_time_out_and_say_so() {
         "{e}"
     );
     assert!(e.to_string().contains("timed out after 300ms"), "{e}");
-    assert_eq!(
-        c.counters()
-            .timeouts
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(client_counter(&c, names::REQUEST_TIMEOUTS), 1);
 }
 
 #[test]
@@ -428,7 +426,7 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
         quota_blobs: 3,
         ..PeerOpts::default()
     };
-    let peer = Peer::start(dir.path(), &opts);
+    let peer = Peer::start(dir.path(), opts);
     let c = peer.client("a", SECRET_A);
     block_on(async {
         let l1 = c.alloc(1).await.unwrap();
@@ -457,18 +455,14 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
         assert!(c.read(3, 0, &mut out).await.unwrap());
         assert_eq!(out, [3; 16]);
     });
-    assert_eq!(
-        c.counters()
-            .connects
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(client_counter(&c, names::RECONNECTS), 0);
+    assert_eq!(client_counter(&c, names::REVOCATIONS_RECEIVED), 2);
 }
 
 #[test]
 fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let addr = peer.addr;
     let c = peer.client("a", SECRET_A);
     block_on(async {
@@ -476,16 +470,15 @@ fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() 
         c.flush().await.unwrap();
     });
     peer.stop();
-    let peer = Peer::start_at(dir.path(), &PeerOpts::default(), &addr.to_string());
+    let peer = Peer::start_at(dir.path(), PeerOpts::default(), &addr.to_string());
     let mut out = vec![0; 4096];
     assert!(
         block_on(c.read(1, 0, &mut out)).unwrap(),
         "flushed data after the restart"
     );
     assert_eq!(out, vec![1; 4096]);
-    let n = |v: &std::sync::atomic::AtomicU64| v.load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(n(&c.counters().connects), 2);
-    assert_eq!(n(&c.counters().peer_restarts), 1);
+    assert_eq!(client_counter(&c, names::RECONNECTS), 1);
+    assert_eq!(client_counter(&c, names::PEER_RESTARTS), 1);
     // Everything was flushed before the restart, so FLUSH has nothing to report.
     block_on(c.flush()).unwrap();
     drop(peer);
@@ -493,15 +486,13 @@ fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() 
 
 #[test]
 fn inline_payloads_are_counted_as_tcp_driver_statistics() {
-    use target_rdma::transport::TcpPayloadStats;
     use ublk_metrics::driver::names::{TCP_PAYLOAD_BYTES, TCP_PAYLOAD_REQUESTS};
-    use ublk_metrics::{DriverStats, IoOp};
+    use ublk_metrics::IoOp;
 
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
-    let stats = std::sync::Arc::new(TcpPayloadStats::default());
-    let mut cfg = peer.config("a", SECRET_A);
-    cfg.payload_stats = Some(stats.clone());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    let cfg = peer.config("a", SECRET_A);
+    let stats = std::sync::Arc::clone(&cfg.stats);
     // Two connections of one device share the counters.
     let (c1, c2) = (
         ArenaClient::connect(cfg.clone()).unwrap(),
@@ -520,4 +511,11 @@ fn inline_payloads_are_counted_as_tcp_driver_statistics() {
     assert_eq!(snap.counter(TCP_PAYLOAD_BYTES, Some(IoOp::Write)), 4608);
     assert_eq!(snap.counter(TCP_PAYLOAD_REQUESTS, Some(IoOp::Read)), 2);
     assert_eq!(snap.counter(TCP_PAYLOAD_BYTES, Some(IoOp::Read)), 1024);
+}
+
+/// A client's exported connection counter (`ublk_driver_<name>_total`).
+fn client_counter(c: &ArenaClient, name: &str) -> u64 {
+    let snap = c.stats().snapshot();
+    assert!(snap.counters.iter().any(|v| v.name == name), "no {name}");
+    snap.counter(name, None)
 }

@@ -3,33 +3,59 @@
 //! cache. Runs over the loopback provider here; the `verbs_*` tests run over
 //! real verbs (soft-RoCE) in the VM suite, `scripts/vm/guest/rdma.sh`.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
 use futures::executor::block_on;
+use target_rdma::blob::{BlobIo, Via};
+use target_rdma::client::{
+    RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TcpReason, TransportGroup,
+};
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{
-    wc_status, DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig, TcpReason,
-    TransportGroup,
-};
-use target_rdma::transport::BlobIo;
+use target_rdma::rdma::{wc_status, DeviceSelector, RdmaProvider};
+use target_rdma::testing::*;
+use ublk_metrics::driver::names;
+use ublk_metrics::{DriverSnapshot, DriverStats as _, IoOp};
 
 const BLOB: u32 = 64 << 10;
 
+/// The transport's statistics as they are exported (`ublk_driver_*`).
+fn report(t: &RdmaTransport) -> DriverSnapshot {
+    RdmaDriverStats::new(
+        "rdma",
+        vec![Arc::clone(t.stats())],
+        Arc::clone(t.client().stats()),
+    )
+    .snapshot()
+}
+
+/// An exported counter, summed over ops and reasons (it must exist).
 fn count(t: &RdmaTransport, name: &str) -> u64 {
-    t.stats()
-        .snapshot()
+    let snap = report(t);
+    assert!(
+        snap.counters.iter().any(|c| c.name == name),
+        "no counter {name}"
+    );
+    snap.counter(name, None)
+}
+
+/// An exported counter with `reason`, summed over ops.
+fn count_for(t: &RdmaTransport, name: &str, reason: &str) -> u64 {
+    report(t)
+        .counters
         .iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no counter {name}"))
-        .1
+        .filter(|c| c.name == name && c.reason.as_deref() == Some(reason))
+        .map(|c| c.value)
+        .sum()
+}
+
+/// Payload requests sent inline on TCP for `reason`.
+fn tcp(t: &RdmaTransport, reason: TcpReason) -> u64 {
+    count_for(t, names::TCP_PAYLOAD_REQUESTS, reason.name())
 }
 
 fn tcp_total(t: &RdmaTransport) -> u64 {
-    TcpReason::ALL.iter().map(|r| t.stats().tcp_count(*r)).sum()
+    count(t, names::TCP_PAYLOAD_REQUESTS)
 }
 
 fn cfg() -> RdmaTransportConfig {
@@ -56,7 +82,7 @@ fn setup(
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 4 << 20,
             blob_bytes: BLOB,
             rdma: server,
@@ -91,7 +117,7 @@ fn workload(t: &RdmaTransport) {
         let mut out = vec![0; 4096];
         for k in 0..16u64 {
             for part in 0..4u32 {
-                assert!(t.read(k, part * 8192, &mut out).await.unwrap());
+                assert!(t.read(k, part * 8192, &mut out).await.unwrap().moved());
                 assert!(
                     out == pattern(k, u64::from(part), 4096),
                     "key {k} part {part}"
@@ -106,17 +132,20 @@ fn workload(t: &RdmaTransport) {
 fn payloads_go_by_rdma_and_a_forced_fallback_is_counted(t: &RdmaTransport) {
     workload(t);
     assert_eq!(count(t, "rdma_transferred"), 128);
-    assert_eq!(tcp_total(t), 0, "{:?}", t.stats().snapshot());
+    assert_eq!(tcp_total(t), 0, "{:?}", report(t));
     assert_eq!(count(t, "rdma_requests"), 128);
-    assert_eq!(count(t, "bytes_written"), 64 * 4096);
-    assert_eq!(count(t, "bytes_read"), 64 * 4096);
+    assert_eq!(
+        report(t).counter("rdma_bytes", Some(IoOp::Write)),
+        64 * 4096
+    );
+    assert_eq!(report(t).counter("rdma_bytes", Some(IoOp::Read)), 64 * 4096);
     assert!(count(t, "lease_cache_hits") > 0);
     let big = pattern(99, 1, 32 << 10);
     block_on(t.write(99, 0, &big)).unwrap();
     let mut out = vec![0; 32 << 10];
-    assert!(block_on(t.read(99, 0, &mut out)).unwrap());
+    assert!(block_on(t.read(99, 0, &mut out)).unwrap().moved());
     assert!(out == big);
-    assert_eq!(t.stats().tcp_count(TcpReason::TooLarge), 2);
+    assert_eq!(tcp(t, TcpReason::TooLarge), 2);
     assert_eq!(count(t, "rdma_transferred"), 128);
 }
 
@@ -139,11 +168,11 @@ fn verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted() {
 #[test]
 fn small_payloads_go_inline_counted_below_threshold() {
     let (_p, s) = loopback();
-    block_on(s.t.write(1, 0, &[7; 100])).unwrap();
+    assert_eq!(block_on(s.t.write(1, 0, &[7; 100])).unwrap(), Via::Tcp);
     let mut out = [0; 100];
-    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap().moved());
     assert_eq!(out, [7; 100]);
-    assert_eq!(s.t.stats().tcp_count(TcpReason::BelowThreshold), 2);
+    assert_eq!(tcp(&s.t, TcpReason::BelowThreshold), 2);
     assert_eq!(count(&s.t, "rdma_requests"), 0);
 }
 
@@ -153,30 +182,25 @@ fn a_peer_without_rdma_declines_and_every_payload_is_counted() {
     let s = setup(None, Ok(p), cfg());
     assert!(s.t.rdma_status().unwrap_err().contains("declined"));
     block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
-    assert_eq!(s.t.stats().tcp_count(TcpReason::Declined), 1);
+    assert_eq!(tcp(&s.t, TcpReason::Declined), 1);
     // Whole and partial blobs read back what was written.
     let whole = pattern(2, 0, BLOB as usize);
     block_on(s.t.write(2, 0, &whole)).unwrap();
     let mut out = vec![0; BLOB as usize];
-    assert!(block_on(s.t.read(2, 0, &mut out)).unwrap());
+    assert!(block_on(s.t.read(2, 0, &mut out)).unwrap().moved());
     assert!(out == whole, "whole blob differs");
     let mut part = vec![0; 4096];
-    assert!(block_on(s.t.read(1, 0, &mut part)).unwrap());
+    assert!(block_on(s.t.read(1, 0, &mut part)).unwrap().moved());
     assert!(part == [1; 4096], "partial blob differs");
-    assert_eq!(
-        s._peer
-            .server
-            .counters()
-            .rdma_declined
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    // Every payload of the declined transport went inline, none by RDMA.
+    assert_eq!(count(&s.t, names::RDMA_REQUESTS), 0);
+    assert_eq!(tcp_total(&s.t), tcp(&s.t, TcpReason::Declined));
 }
 
 #[test]
 fn transport_rdma_refuses_to_start_without_rdma() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let e = RdmaTransport::connect(
         peer.config("a", SECRET_A),
         Err("no RDMA device: listing RDMA devices failed: Function not implemented".into()),
@@ -194,11 +218,11 @@ fn transport_rdma_refuses_to_start_without_rdma() {
 #[test]
 fn no_local_device_is_counted_by_its_reason() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(dir.path(), &PeerOpts::default());
+    let peer = Peer::start(dir.path(), PeerOpts::default());
     let t =
         RdmaTransport::connect(peer.config("a", SECRET_A), Err("ENOSYS".into()), cfg()).unwrap();
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
-    assert_eq!(t.stats().tcp_count(TcpReason::NoLocalDevice), 1);
+    assert_eq!(tcp(&t, TcpReason::NoLocalDevice), 1);
 }
 
 #[test]
@@ -207,7 +231,7 @@ fn a_pool_that_cannot_register_sends_payloads_to_tcp_counted() {
     p.refuse_registrations_of(4 * (16 << 10));
     let s = setup(Some(p.clone()), Ok(p), cfg());
     block_on(s.t.write(1, 0, &[1; 4096])).unwrap();
-    assert_eq!(s.t.stats().tcp_count(TcpReason::RegistrationFailed), 1);
+    assert_eq!(tcp(&s.t, TcpReason::RegistrationFailed), 1);
     assert_eq!(count(&s.t, "registration_failures"), 1);
 }
 
@@ -235,7 +259,12 @@ fn an_exhausted_pool_registers_per_operation() {
         count(&s.t, "registrations_pooled") + count(&s.t, "registrations_per_op"),
         8
     );
-    assert_eq!(count(&s.t, "pool_buffers_peak"), 1);
+    let peak = report(&s.t)
+        .gauges
+        .iter()
+        .find(|g| g.name == names::BUFFER_POOL_PEAK)
+        .map(|g| g.value);
+    assert_eq!(peak, Some(1.0));
     let mut out = vec![0; 4096];
     for k in 0..8 {
         block_on(s.t.read(k, 0, &mut out)).unwrap();
@@ -253,7 +282,7 @@ fn io_buffers_registered_once_are_used_in_place() {
     bufs[..4096].copy_from_slice(&pattern(5, 5, 4096));
     block_on(s.t.write(5, 0, &bufs[..4096])).unwrap();
     let (_, rest) = bufs.split_at_mut(8192);
-    assert!(block_on(s.t.read(5, 0, &mut rest[..4096])).unwrap());
+    assert!(block_on(s.t.read(5, 0, &mut rest[..4096])).unwrap().moved());
     assert!(rest[..4096] == pattern(5, 5, 4096)[..]);
     assert_eq!(count(&s.t, "bounce_copies"), 0);
     assert_eq!(count(&s.t, "registrations_pooled"), 2);
@@ -265,11 +294,15 @@ fn a_failed_completion_rebuilds_the_rail_and_retries_once() {
     let (p, s) = loopback();
     block_on(s.t.write(1, 0, &pattern(1, 1, 4096))).unwrap();
     p.inject(wc_status::RETRY_EXC_ERR);
-    block_on(s.t.write(1, 0, &pattern(1, 2, 4096))).unwrap();
+    // Retried once over a new rail: still RDMA, no failover.
+    assert_eq!(
+        block_on(s.t.write(1, 0, &pattern(1, 2, 4096))).unwrap(),
+        Via::Rdma
+    );
     let mut out = vec![0; 4096];
-    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(s.t.read(1, 0, &mut out)).unwrap().moved());
     assert!(out == pattern(1, 2, 4096));
-    assert_eq!(count(&s.t, "wc_error_retry_exceeded"), 1);
+    assert_eq!(count_for(&s.t, "wc_errors", "retry_exceeded"), 1);
     assert_eq!(count(&s.t, "rail_connects"), 2);
     assert_eq!(count(&s.t, "rdma_failed"), 1);
     assert_eq!(count(&s.t, "rdma_transferred"), 3);
@@ -283,12 +316,16 @@ fn a_second_failure_fails_over_to_tcp_counted_and_the_data_is_right() {
     let (p, s) = loopback();
     p.inject(wc_status::REM_ACCESS_ERR);
     p.inject(wc_status::RETRY_EXC_ERR);
-    block_on(s.t.write(2, 100, &pattern(2, 1, 4096))).unwrap();
+    // The outcome says so: the request accounting counts one failover.
+    assert_eq!(
+        block_on(s.t.write(2, 100, &pattern(2, 1, 4096))).unwrap(),
+        Via::Failover
+    );
     assert_eq!(count(&s.t, "rdma_declined_served_tcp"), 1);
-    assert_eq!(s.t.stats().tcp_count(TcpReason::QpError), 1);
-    assert_eq!(count(&s.t, "wc_error_remote_access"), 1);
+    assert_eq!(tcp(&s.t, TcpReason::QpError), 1);
+    assert_eq!(count_for(&s.t, "wc_errors", "remote_access"), 1);
     let mut out = vec![0; 4096];
-    assert!(block_on(s.t.read(2, 100, &mut out)).unwrap());
+    assert!(block_on(s.t.read(2, 100, &mut out)).unwrap().moved());
     assert!(out == pattern(2, 1, 4096));
 }
 
@@ -314,7 +351,7 @@ fn small_peer(slots: u64) -> (Arc<LoopbackProvider>, Peer, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: slots * u64::from(BLOB),
             blob_bytes: BLOB,
             rdma: Some(p.clone()),
@@ -336,12 +373,7 @@ fn revoked_leases_are_given_back() {
     assert!(block_on(other.write(3, 0, &[3; 4096])).is_err());
     // REVOKE frames arrive asynchronously: wait until ours has been read.
     for _ in 0..2000 {
-        if t.client()
-            .counters()
-            .revocations
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-        {
+        if report(&t).counter(names::REVOCATIONS_RECEIVED, None) > 0 {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
@@ -376,7 +408,7 @@ fn more_requests_in_flight_than_arena_slots_all_complete() {
                 let t = &t;
                 async move {
                     let mut out = vec![0; 4096];
-                    assert!(t.read(k, 4096, &mut out).await.unwrap());
+                    assert!(t.read(k, 4096, &mut out).await.unwrap().moved());
                     assert!(out == pattern(k, round, 4096), "key {k} round {round}");
                 }
             });
@@ -403,7 +435,7 @@ fn an_arena_pinned_by_another_client_answers_busy() {
     }
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
     let mut out = vec![0; 4096];
-    assert!(block_on(t.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(t.read(1, 0, &mut out)).unwrap().moved());
     assert!(out.iter().all(|b| *b == 1));
 }
 
@@ -434,7 +466,7 @@ fn a_write_racing_a_remove_on_another_connection_is_done_again() {
     let data = pattern(4, 2, 4096);
     block_on(t.write(4, 4096, &data)).unwrap();
     let mut out = vec![0; 8192];
-    assert!(block_on(t.read(4, 0, &mut out)).unwrap());
+    assert!(block_on(t.read(4, 0, &mut out)).unwrap().moved());
     assert!(
         out[..4096].iter().all(|b| *b == 0),
         "the remove dropped the old bytes"
@@ -520,7 +552,7 @@ fn a_busy_queue_gives_back_the_idle_cached_leases_of_the_others() {
     block_on(q1.flush()).unwrap();
     let mut out = vec![0; 4096];
     for k in [0u64, 1, 2, 3, 9] {
-        assert!(block_on(q1.read(k, 0, &mut out)).unwrap());
+        assert!(block_on(q1.read(k, 0, &mut out)).unwrap().moved());
         assert!(out == pattern(k, 1, 4096), "key {k}");
     }
 }

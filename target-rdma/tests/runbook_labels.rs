@@ -9,8 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use target_rdma::rdma::report::RdmaDriverStats;
-use target_rdma::rdma::{DriverStats, TcpReason};
+use target_rdma::client::{RdmaDriverStats, RdmaStats, TcpReason};
 use ublk_metrics::{
     families, ArenaOp, ArenaOutcome, DriverSnapshot, DriverStats as _, ErrnoClass, IoOp,
     NotReadyReason, Outcome, Phase, ProtocolErrorClass, Reason, SlotState, Transport,
@@ -22,7 +21,7 @@ fn repo() -> PathBuf {
 
 /// What the RDMA transport reports: every counter and gauge, each reason.
 fn rdma_snapshot() -> DriverSnapshot {
-    RdmaDriverStats::new("rdma", vec![Arc::new(DriverStats::default())]).snapshot()
+    RdmaDriverStats::new("rdma", vec![Arc::new(RdmaStats::default())], Arc::default()).snapshot()
 }
 
 /// Label name -> every value the daemons export for it.

@@ -1,16 +1,18 @@
-//! One suite, every block target: the arena target over each transport must
-//! match the in-memory reference target byte for byte.
-
-mod common;
+//! One suite, every block target: the arena target over each transport
+//! (in-process, TCP, RDMA over the loopback provider) must match the
+//! in-memory reference target byte for byte, and say which path carried
+//! each request.
 
 use std::sync::Arc;
 
-use common::*;
 use futures::executor::block_on;
 use proptest::prelude::*;
-use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::target::{ArenaTarget, BlockTarget, MemTarget, TargetError};
-use target_rdma::transport::InProcess;
+use target_rdma::blob::{Transport, Via};
+use target_rdma::block::{ArenaTarget, BlockTarget, MemTarget, TargetError};
+use target_rdma::client::{ArenaClient, RdmaTransport};
+use target_rdma::rdma::loopback::LoopbackProvider;
+use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
+use target_rdma::testing::*;
 
 const BLOB: u32 = 16 << 10;
 const SIZE: u64 = 1 << 20;
@@ -51,11 +53,11 @@ fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
     }
 }
 
-fn arena_tcp() -> Fixture<ArenaTarget<target_rdma::client::ArenaClient>> {
+fn arena_tcp() -> Fixture<ArenaTarget<ArenaClient>> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 8 * u64::from(BLOB),
             blob_bytes: BLOB,
             ..PeerOpts::default()
@@ -64,6 +66,28 @@ fn arena_tcp() -> Fixture<ArenaTarget<target_rdma::client::ArenaClient>> {
     let target = ArenaTarget::new(peer.client("a", SECRET_A), SIZE);
     Fixture {
         target,
+        _dir: Some(dir),
+        _peer: Some(peer),
+    }
+}
+
+/// RDMA over the loopback provider: every payload by RDMA (threshold 1
+/// byte), a lease cache that leaves the 8-slot arena room to evict.
+fn arena_rdma_loopback() -> Fixture<ArenaTarget<RdmaTransport>> {
+    let dir = tempfile::tempdir().unwrap();
+    let provider = LoopbackProvider::new();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            arena_bytes: 8 * u64::from(BLOB),
+            blob_bytes: BLOB,
+            rdma: Some(provider.clone()),
+            ..PeerOpts::default()
+        },
+    );
+    let t = peer.rdma_session(provider, BLOB, 2);
+    Fixture {
+        target: ArenaTarget::new(t, SIZE),
         _dir: Some(dir),
         _peer: Some(peer),
     }
@@ -113,6 +137,29 @@ fn discard_and_write_zeroes_read_back_zeros(t: &impl BlockTarget) {
     assert!(read(t, 0, 512).iter().all(|b| *b == 0));
 }
 
+/// The path a target's payloads take (every fixture moves every payload on
+/// its own data path, none fails over).
+fn own_path(t: &impl BlockTarget) -> Via {
+    match t.transport() {
+        Transport::InProcess => Via::InProcess,
+        Transport::Tcp => Via::Tcp,
+        Transport::Rdma => Via::Rdma,
+    }
+}
+
+fn every_success_names_the_path_that_carried_it(t: &impl BlockTarget) {
+    let via = own_path(t);
+    let data = pattern(3, 1, 2 * BLOB as usize + 100);
+    assert_eq!(block_on(t.write(BLOB.into(), &data, false)).unwrap(), via);
+    assert_eq!(block_on(t.write(0, &data[..512], true)).unwrap(), via);
+    let mut buf = vec![0; data.len()];
+    assert_eq!(block_on(t.read(BLOB.into(), &mut buf)).unwrap(), via);
+    assert!(buf == data);
+    assert_eq!(block_on(t.flush()).unwrap(), Via::Nothing, "no payload");
+    // Partial blobs at the ends are zero-filled: a payload each.
+    assert_eq!(block_on(t.discard(100, 2 * u64::from(BLOB))).unwrap(), via);
+}
+
 fn out_of_range_is_eio_not_a_hang(t: &impl BlockTarget) {
     let mut buf = vec![0; 1024];
     let e = block_on(t.read(SIZE - 512, &mut buf)).unwrap_err();
@@ -130,12 +177,13 @@ macro_rules! conformance {
             #[test] fn writes_spanning_blobs_read_back() { super::writes_spanning_blobs_read_back(&super::$target().target) }
             #[test] fn fua_and_flush_succeed() { super::fua_and_flush_succeed(&super::$target().target) }
             #[test] fn discard_and_write_zeroes_read_back_zeros() { super::discard_and_write_zeroes_read_back_zeros(&super::$target().target) }
+            #[test] fn every_success_names_the_path_that_carried_it() { super::every_success_names_the_path_that_carried_it(&super::$target().target) }
             #[test] fn out_of_range_is_eio_not_a_hang() { super::out_of_range_is_eio_not_a_hang(&super::$target().target) }
         }
     )*};
 }
 
-conformance!(mem, arena_in_process, arena_tcp);
+conformance!(mem, arena_in_process, arena_tcp, arena_rdma_loopback);
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -157,6 +205,40 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Runs `ops` on `target` and on the reference; every read must match.
+fn matches_the_reference(target: &impl BlockTarget, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let reference = MemTarget::new(SIZE);
+    block_on(async {
+        for op in ops {
+            match op {
+                Op::Write(o, l, b) => {
+                    let data = vec![b; l];
+                    reference.write(o, &data, false).await.unwrap();
+                    target.write(o, &data, false).await.unwrap();
+                }
+                Op::Read(o, l) => {
+                    let (mut a, mut b) = (vec![0; l], vec![1; l]);
+                    reference.read(o, &mut a).await.unwrap();
+                    target.read(o, &mut b).await.unwrap();
+                    prop_assert!(a == b, "read {}+{} differs", o, l);
+                }
+                Op::Discard(o, l) => {
+                    reference.discard(o, l).await.unwrap();
+                    target.discard(o, l).await.unwrap();
+                }
+                Op::Zeroes(o, l) => {
+                    reference.write_zeroes(o, l).await.unwrap();
+                    target.write_zeroes(o, l).await.unwrap();
+                }
+                Op::Flush => {
+                    target.flush().await.unwrap();
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -164,34 +246,17 @@ proptest! {
     /// 64-blob device, so eviction runs constantly) match the reference.
     #[test]
     fn arena_target_matches_the_reference(ops in proptest::collection::vec(op(), 1..40)) {
-        let reference = MemTarget::new(SIZE);
-        let f = arena_in_process();
-        block_on(async {
-            for op in ops {
-                match op {
-                    Op::Write(o, l, b) => {
-                        let data = vec![b; l];
-                        reference.write(o, &data, false).await.unwrap();
-                        f.target.write(o, &data, false).await.unwrap();
-                    }
-                    Op::Read(o, l) => {
-                        let (mut a, mut b) = (vec![0; l], vec![1; l]);
-                        reference.read(o, &mut a).await.unwrap();
-                        f.target.read(o, &mut b).await.unwrap();
-                        prop_assert!(a == b, "read {}+{} differs", o, l);
-                    }
-                    Op::Discard(o, l) => {
-                        reference.discard(o, l).await.unwrap();
-                        f.target.discard(o, l).await.unwrap();
-                    }
-                    Op::Zeroes(o, l) => {
-                        reference.write_zeroes(o, l).await.unwrap();
-                        f.target.write_zeroes(o, l).await.unwrap();
-                    }
-                    Op::Flush => f.target.flush().await.unwrap(),
-                }
-            }
-            Ok(())
-        })?;
+        matches_the_reference(&arena_in_process().target, ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+
+    /// The same over RDMA (loopback provider): cached leases, evictions and
+    /// the bounce pool under random unaligned operations.
+    #[test]
+    fn arena_target_over_rdma_matches_the_reference(ops in proptest::collection::vec(op(), 1..40)) {
+        matches_the_reference(&arena_rdma_loopback().target, ops)?;
     }
 }

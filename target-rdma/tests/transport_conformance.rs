@@ -1,20 +1,24 @@
 //! One suite, every transport: each `BlobIo` implementation must behave the
-//! same. Add a transport by adding a line to `conformance!` below.
-
-mod common;
+//! same, failures included: the same failure is the same `ArenaError` kind
+//! and status over every transport. Add a transport by adding a line to
+//! `conformance!` below.
 
 use std::sync::Arc;
 
-use common::*;
 use futures::executor::block_on;
 use futures::future::join_all;
+use target_rdma::blob::{BlobIo, ErrorKind, Transport, Via};
+use target_rdma::client::RdmaTransport;
+use target_rdma::proto::Status;
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{DeviceSelector, RdmaProvider, RdmaTransport, RdmaTransportConfig};
-use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::transport::{BlobIo, InProcess, TransportKind};
+use target_rdma::rdma::{DeviceSelector, RdmaProvider};
+use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
+use target_rdma::testing::*;
 
 const BLOB: u32 = 64 << 10;
+/// Blobs a volume may hold: more than any case below writes but one.
+const QUOTA: u64 = 48;
 
 /// A transport plus whatever must outlive it.
 struct Fixture<T> {
@@ -34,7 +38,7 @@ fn in_process() -> Fixture<InProcess> {
         },
         &[VolumeSpec {
             name: "a".into(),
-            quota_blobs: 1 << 20,
+            quota_blobs: QUOTA,
         }],
     )
     .unwrap();
@@ -49,9 +53,10 @@ fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
+            quota_blobs: QUOTA,
             ..PeerOpts::default()
         },
     );
@@ -69,26 +74,15 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
-        &PeerOpts {
+        PeerOpts {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
+            quota_blobs: QUOTA,
             rdma: Some(Arc::clone(&provider)),
             ..PeerOpts::default()
         },
     );
-    let io = RdmaTransport::connect(
-        peer.config("a", SECRET_A),
-        Ok(provider),
-        RdmaTransportConfig {
-            min_rdma_bytes: 1,
-            buffer_bytes: BLOB,
-            pool_buffers: 8,
-            lease_cache: 4,
-            require_rdma: true,
-            ..RdmaTransportConfig::default()
-        },
-    )
-    .unwrap();
+    let io = peer.rdma_session(provider, BLOB, 4);
     Fixture {
         io,
         _dir: dir,
@@ -107,18 +101,28 @@ fn rdma_verbs() -> Fixture<RdmaTransport> {
     rdma_over(Arc::new(p))
 }
 
+/// The path a transport's payloads take (every fixture moves every payload
+/// on its own data path).
+fn via(io: &impl BlobIo) -> Via {
+    match io.transport() {
+        Transport::InProcess => Via::InProcess,
+        Transport::Tcp => Via::Tcp,
+        Transport::Rdma => Via::Rdma,
+    }
+}
+
 fn unwritten_blobs_read_as_zeros(io: &impl BlobIo) {
     let mut out = vec![0xaa; 4096];
-    assert!(!block_on(io.read(5, 100, &mut out)).unwrap());
+    assert_eq!(block_on(io.read(5, 100, &mut out)).unwrap(), Via::Nothing);
     assert!(out.iter().all(|b| *b == 0));
 }
 
 fn partial_writes_keep_the_rest_of_the_blob(io: &impl BlobIo) {
     block_on(async {
-        io.write(1, 0, &[1; 1000]).await.unwrap();
-        io.write(1, 500, &[2; 100]).await.unwrap();
+        assert_eq!(io.write(1, 0, &[1; 1000]).await.unwrap(), via(io));
+        assert_eq!(io.write(1, 500, &[2; 100]).await.unwrap(), via(io));
         let mut out = vec![0; 2000];
-        assert!(io.read(1, 0, &mut out).await.unwrap());
+        assert_eq!(io.read(1, 0, &mut out).await.unwrap(), via(io));
         assert!(out[..500].iter().all(|b| *b == 1));
         assert!(out[500..600].iter().all(|b| *b == 2));
         assert!(out[600..1000].iter().all(|b| *b == 1));
@@ -136,7 +140,7 @@ fn whole_blobs_round_trip_beyond_the_arena(io: &impl BlobIo) {
         }
         let mut out = vec![0; BLOB as usize];
         for key in (0..40).rev() {
-            assert!(io.read(key, 0, &mut out).await.unwrap());
+            assert_eq!(io.read(key, 0, &mut out).await.unwrap(), via(io));
             assert!(out == pattern(key, 1, BLOB as usize), "blob {key} differs");
         }
     });
@@ -151,15 +155,40 @@ fn remove_drops_exactly_the_range(io: &impl BlobIo) {
         assert_eq!(io.remove(3, 7).await.unwrap(), 0);
         let mut out = [0u8; 16];
         for key in 0..10 {
-            let present = io.read(key, 0, &mut out).await.unwrap();
+            let present = io.read(key, 0, &mut out).await.unwrap().moved();
             assert_eq!(present, !(3..7).contains(&key), "key {key}");
         }
     });
 }
 
 fn ranges_past_the_blob_end_are_refused(io: &impl BlobIo) {
-    let e = block_on(io.write(1, BLOB - 10, &[0; 11])).unwrap_err();
-    assert!(e.to_string().contains(&(BLOB - 10).to_string()), "{e}");
+    for (offset, len) in [(BLOB - 10, 11), (BLOB, 1), (u32::MAX, 1)] {
+        let e = block_on(io.write(1, offset, &vec![0; len])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Status(Status::Protocol), "{e}");
+        assert!(e.to_string().contains(&offset.to_string()), "{e}");
+        let e = block_on(io.read(1, offset, &mut vec![0; len])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Status(Status::Protocol), "{e}");
+    }
+    // The session survives its refused requests.
+    block_on(io.write(1, 0, &[1; 16])).unwrap();
+}
+
+fn a_volume_at_its_quota_refuses_new_blobs_but_not_old_ones(io: &impl BlobIo) {
+    block_on(async {
+        for key in 0..QUOTA {
+            io.write(key, 0, &[key as u8; 512]).await.unwrap();
+        }
+        let e = io.write(QUOTA, 0, &[1; 512]).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Status(Status::QuotaExceeded), "{e}");
+        assert_eq!(e.status(), Some(Status::QuotaExceeded));
+        // Blobs it holds still take writes; a removed one makes room.
+        io.write(3, 512, &[9; 512]).await.unwrap();
+        assert_eq!(io.remove(0, 1).await.unwrap(), 1);
+        io.write(QUOTA, 0, &[7; 512]).await.unwrap();
+        let mut out = [0u8; 512];
+        assert!(io.read(QUOTA, 0, &mut out).await.unwrap().moved());
+        assert_eq!(out, [7; 512]);
+    });
 }
 
 fn concurrent_writes_to_many_keys(io: &impl BlobIo) {
@@ -181,21 +210,22 @@ macro_rules! conformance {
     ($($(#[$attr:meta])* $transport:ident => $kind:expr),*) => {$(
         mod $transport {
             use super::*;
-            $(#[$attr])* #[test] fn kind() { assert_eq!(super::$transport().io.kind(), $kind); }
+            $(#[$attr])* #[test] fn transport() { assert_eq!(super::$transport().io.transport(), $kind); }
             $(#[$attr])* #[test] fn unwritten_blobs_read_as_zeros() { super::unwritten_blobs_read_as_zeros(&super::$transport().io) }
             $(#[$attr])* #[test] fn partial_writes_keep_the_rest_of_the_blob() { super::partial_writes_keep_the_rest_of_the_blob(&super::$transport().io) }
             $(#[$attr])* #[test] fn whole_blobs_round_trip_beyond_the_arena() { super::whole_blobs_round_trip_beyond_the_arena(&super::$transport().io) }
             $(#[$attr])* #[test] fn remove_drops_exactly_the_range() { super::remove_drops_exactly_the_range(&super::$transport().io) }
             $(#[$attr])* #[test] fn ranges_past_the_blob_end_are_refused() { super::ranges_past_the_blob_end_are_refused(&super::$transport().io) }
+            $(#[$attr])* #[test] fn a_volume_at_its_quota_refuses_new_blobs_but_not_old_ones() { super::a_volume_at_its_quota_refuses_new_blobs_but_not_old_ones(&super::$transport().io) }
             $(#[$attr])* #[test] fn concurrent_writes_to_many_keys() { super::concurrent_writes_to_many_keys(&super::$transport().io) }
         }
     )*};
 }
 
 conformance!(
-    in_process => TransportKind::InProcess,
-    tcp => TransportKind::Tcp,
-    rdma_loopback => TransportKind::Rdma,
+    in_process => Transport::InProcess,
+    tcp => Transport::Tcp,
+    rdma_loopback => Transport::Rdma,
     #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
-    rdma_verbs => TransportKind::Rdma
+    rdma_verbs => Transport::Rdma
 );

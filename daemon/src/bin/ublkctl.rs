@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::size::{parse_size, HumanSize};
 use ublk_metrics::summarize;
-use ublkd::config::Transport;
+use ublkd::config::TransportChoice;
 use ublkd::ctl::{
     self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, Reply, Request, Response, StatsReply,
 };
@@ -73,7 +73,7 @@ struct Add {
     blob_size: Option<u64>,
     /// Data path: tcp, rdma or auto.
     #[arg(long, value_parser = parse_transport)]
-    transport: Option<Transport>,
+    transport: Option<TransportChoice>,
     /// Per-request buffer (and largest I/O), e.g. 512K.
     #[arg(long, value_parser = parse_size)]
     io_buf: Option<u64>,
@@ -103,8 +103,9 @@ struct Stats {
     id: Option<u32>,
 }
 
-fn parse_transport(s: &str) -> Result<Transport, String> {
-    Transport::parse(s).ok_or_else(|| format!("unknown transport {s:?}: use tcp, rdma or auto"))
+fn parse_transport(s: &str) -> Result<TransportChoice, String> {
+    TransportChoice::parse(s)
+        .ok_or_else(|| format!("unknown transport {s:?}: use tcp, rdma or auto"))
 }
 
 fn main() -> ExitCode {

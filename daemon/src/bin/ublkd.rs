@@ -10,12 +10,12 @@ use anyhow::Context;
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use ublk_metrics::events::{init_logging, LogFormat};
+use ublk_metrics::events::{init_logging_from_env, LogFormat};
 use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
+use ublkd::control_socket;
 use ublkd::device::Manager;
-use ublkd::server;
-use ublkd::telemetry::{spawn_peer_monitor, Observability};
+use ublkd::observability::Observability;
 
 /// Serve ublk block devices backed by a remote arena (arenad).
 #[derive(Parser, Debug)]
@@ -41,8 +41,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         LogFormat::Text
     };
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    init_logging(format, &filter).context("setting up logging (RUST_LOG)")?;
+    init_logging_from_env(format).context("setting up logging (RUST_LOG)")?;
     let on_shutdown = cfg.on_shutdown;
     let socket = cfg.socket.clone();
     let group = cfg.socket_group.clone();
@@ -54,7 +53,6 @@ fn main() -> anyhow::Result<()> {
         .scanner()
         .spawn()
         .context("starting the tracker scanner")?;
-    spawn_peer_monitor(&obs).context("starting the peer monitor")?;
     // Up before the restore, so /ready answers (503) while devices come back.
     let _metrics = match cfg.metrics.listen_addr() {
         Some(addr) => match MetricsServer::start(addr, Arc::clone(&tel), HttpConfig::default()) {
@@ -72,13 +70,16 @@ fn main() -> anyhow::Result<()> {
         None => None,
     };
     let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
-    let listener = server::bind(&socket, group.as_deref())?;
+    manager
+        .spawn_peer_monitor()
+        .context("starting the peer monitor")?;
+    let listener = control_socket::bind(&socket, group.as_deref())?;
     manager.restore()?;
     {
         let m = Arc::clone(&manager);
         std::thread::Builder::new()
             .name("ublkd-accept".into())
-            .spawn(move || server::serve(listener, m))
+            .spawn(move || control_socket::serve(listener, m))
             .context("starting the control socket thread")?;
     }
     obs.set_control_socket_up(true);

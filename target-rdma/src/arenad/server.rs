@@ -7,25 +7,25 @@
 //! Every protocol violation answers a `Protocol` error naming the problem,
 //! is counted by class, and closes that connection only.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, OnceLock, Weak};
+use std::sync::{mpsc, Arc, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use tracing::{debug, info, warn};
 
-use crate::arenad::telemetry::ArenadTelemetry;
+use crate::arenad::observability::ArenadObservability;
 use crate::auth::{self, Secret};
 use crate::proto::{
-    self, Challenge, FrameError, Header, Hello, Opcode, RailAccept, Request, Status, Welcome,
-    CAP_RDMA, CAP_TCP_DATA, MAC_LEN, MAX_INLINE, VERSION,
+    self, Challenge, Endpoint, FrameError, Header, Hello, Opcode, RailAccept, Request, Status,
+    Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, MAX_INLINE, VERSION,
 };
-use crate::rdma::{Endpoint, MemoryRegion, QueuePair, RdmaError, RdmaProvider};
+use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{HolderId, Store, StoreError, VolumeId};
 
 /// A volume as the server knows it: its store id and its secret.
@@ -49,35 +49,6 @@ pub struct ServerLimits {
     pub max_inflight: u32,
     /// Time a connection has to complete its HELLO.
     pub handshake_timeout: Duration,
-}
-
-/// Counters of runtime events, read by tests and the metrics exporter.
-#[derive(Default)]
-pub struct ServerCounters {
-    /// Connections that completed the handshake.
-    pub sessions: AtomicU64,
-    /// Connections refused because `max_connections` was reached.
-    pub refused: AtomicU64,
-    /// HELLOs refused for a bad MAC or an unknown volume.
-    pub auth_failures: AtomicU64,
-    /// Revocations sent to clients.
-    pub revokes_sent: AtomicU64,
-    /// RDMA rails (QPs) brought up for clients.
-    pub rdma_rails: AtomicU64,
-    /// Clients that asked for RDMA and were declined (no device, or the QP setup failed).
-    pub rdma_declined: AtomicU64,
-    protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
-}
-
-impl ServerCounters {
-    fn protocol_error(&self, class: &'static str) {
-        *self.protocol_errors.lock().entry(class).or_default() += 1;
-    }
-
-    /// Protocol errors so far, by class.
-    pub fn protocol_errors(&self) -> BTreeMap<&'static str, u64> {
-        self.protocol_errors.lock().clone()
-    }
 }
 
 /// What the connection thread shares with the rest of the server.
@@ -148,11 +119,10 @@ pub struct Server {
     store: Arc<Store>,
     volumes: Vec<ServedVolume>,
     limits: ServerLimits,
-    counters: ServerCounters,
     conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
     next_conn: AtomicU64,
     stopping: AtomicBool,
-    telemetry: OnceLock<Arc<ArenadTelemetry>>,
+    obs: Arc<ArenadObservability>,
 }
 
 /// Why a connection ended early; each becomes an error frame before close.
@@ -175,51 +145,26 @@ impl From<io::Error> for Fatal {
     }
 }
 
-/// Status a store error answers with, and whether it ends the connection.
-fn store_status(e: &StoreError) -> (Status, bool) {
-    match e {
-        StoreError::NoSpace { .. } => (Status::NoSpace, false),
-        StoreError::QuotaExceeded { .. } => (Status::QuotaExceeded, false),
-        StoreError::Busy { .. } | StoreError::LeaseLimit { .. } => (Status::Busy, false),
-        StoreError::LeaseLost { .. } => (Status::LeaseLost, false),
-        StoreError::UnknownLease { .. }
-        | StoreError::LeaseMismatch { .. }
-        | StoreError::OutOfRange { .. } => (Status::Protocol, true),
-        StoreError::UnknownVolume { .. }
-        | StoreError::Io { .. }
-        | StoreError::Uring { .. }
-        | StoreError::ArenaMap { .. }
-        | StoreError::Corrupt { .. }
-        | StoreError::InvalidConfig { .. }
-        | StoreError::Locked { .. }
-        | StoreError::Integrity { .. }
-        | StoreError::OldFormat { .. } => (Status::Internal, false),
-    }
-}
-
 impl Server {
     /// Builds a server over an open store and installs its revoke hook.
-    pub fn new(store: Arc<Store>, volumes: Vec<ServedVolume>, limits: ServerLimits) -> Arc<Self> {
-        Self::with_rdma(store, volumes, limits, None)
-    }
-
-    /// Like [`Server::new`], granting RDMA to clients that ask when `rdma` is set.
-    pub fn with_rdma(
+    /// Clients that ask for RDMA are granted it when `rdma` is set. Every
+    /// answer, refusal and session is reported to `obs`.
+    pub fn new(
         store: Arc<Store>,
         volumes: Vec<ServedVolume>,
         limits: ServerLimits,
         rdma: Option<ServerRdma>,
+        obs: Arc<ArenadObservability>,
     ) -> Arc<Self> {
         let server = Arc::new(Self {
             rdma,
             store,
             volumes,
             limits,
-            counters: ServerCounters::default(),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
-            telemetry: OnceLock::new(),
+            obs,
         });
         // The store may call the hook with its lock held, so the hook only
         // queues; a dedicated thread does the socket writes.
@@ -243,21 +188,6 @@ impl Server {
         server
     }
 
-    /// Runtime event counters.
-    pub fn counters(&self) -> &ServerCounters {
-        &self.counters
-    }
-
-    /// Feeds the arenad metrics from now on (once).
-    pub fn set_telemetry(&self, telemetry: Arc<ArenadTelemetry>) {
-        let _ = self.telemetry.set(telemetry);
-    }
-
-    /// Connections with a completed handshake, now.
-    pub fn connections(&self) -> usize {
-        self.conns.lock().len()
-    }
-
     /// Stops accepting, ends every connection after the request it is
     /// handling, and makes [`Server::serve`] return.
     pub fn shutdown(&self) {
@@ -274,9 +204,7 @@ impl Server {
         let mut frame = Vec::new();
         proto::encode_revoke(&mut frame, key, token);
         let mut w = conn.writer.lock();
-        if w.write_all(&frame).and_then(|_| w.flush()).is_ok() {
-            self.counters.revokes_sent.fetch_add(1, Ordering::Relaxed);
-        }
+        let _ = w.write_all(&frame).and_then(|_| w.flush());
     }
 
     /// Accepts connections until [`Server::shutdown`], then waits for every
@@ -300,7 +228,6 @@ impl Server {
             };
             stream.set_nonblocking(false)?;
             if self.conns.lock().len() >= self.limits.max_connections as usize {
-                self.counters.refused.fetch_add(1, Ordering::Relaxed);
                 warn!(
                     event = "connection.refused",
                     reason = "max_connections",
@@ -334,7 +261,9 @@ impl Server {
 
     fn run_conn(&self, id: HolderId, stream: TcpStream) {
         let result = self.conn_loop(id, &stream);
-        self.conns.lock().remove(&id);
+        if self.conns.lock().remove(&id).is_some() {
+            self.obs.session_closed();
+        }
         self.store.drop_holder(id);
         if let Err(fatal) = result {
             self.report_fatal(id, &stream, fatal);
@@ -355,10 +284,7 @@ impl Server {
                 return;
             }
             Fatal::Frame(e) => {
-                self.counters.protocol_error(e.class());
-                if let Some(t) = self.telemetry.get() {
-                    t.frame_error(&e);
-                }
+                self.obs.frame_error(&e);
                 warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
                 proto::encode_error(
                     &mut frame,
@@ -369,15 +295,11 @@ impl Server {
                 );
             }
             Fatal::Store(op, request_id, e) => {
-                self.counters.protocol_error("bad_lease_or_range");
                 warn!(event = "protocol.error", conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
             Fatal::Auth(why) => {
-                self.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
-                if let Some(t) = self.telemetry.get() {
-                    t.auth_failed();
-                }
+                self.obs.auth_failed();
                 warn!(event = "auth.failed", conn = id, reason = why);
                 proto::encode_error(
                     &mut frame,
@@ -388,10 +310,7 @@ impl Server {
                 );
             }
             Fatal::Hello(status, msg) => {
-                self.counters.protocol_error("hello");
-                if let Some(t) = self.telemetry.get() {
-                    t.hello_refused(status);
-                }
+                self.obs.hello_refused(status);
                 warn!(event = "hello.refused", conn = id, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
@@ -453,7 +372,6 @@ impl Server {
         }
         let rdma = hello.caps & CAP_RDMA != 0;
         if rdma && self.rdma.is_none() {
-            self.counters.rdma_declined.fetch_add(1, Ordering::Relaxed);
             info!(
                 event = "rdma.declined",
                 conn = id,
@@ -477,7 +395,6 @@ impl Server {
         welcome.mac = vol.secret.sign_welcome(&ch, &hello, &welcome);
         welcome.encode(&mut frame);
         (&*stream).write_all(&frame)?;
-        self.counters.sessions.fetch_add(1, Ordering::Relaxed);
         info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted);
         Ok((vol, granted))
     }
@@ -486,15 +403,14 @@ impl Server {
         stream.set_nodelay(true)?;
         let started = Instant::now();
         let (vol, granted) = self.handshake(id, stream)?;
-        if let Some(t) = self.telemetry.get() {
-            t.hello_ok(started.elapsed());
-        }
+        self.obs.hello_ok(started.elapsed());
         let mut rail = Rail { granted, qp: None };
         let conn = Arc::new(Conn {
             socket: stream.try_clone()?,
             writer: Mutex::new(BufWriter::with_capacity(256 << 10, stream.try_clone()?)),
         });
         self.conns.lock().insert(id, Arc::clone(&conn));
+        self.obs.session_opened();
         if self.stopping.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -506,12 +422,10 @@ impl Server {
             let started = Instant::now();
             let mut w = conn.writer.lock();
             let answered = self.handle(vol.id, id, &h, &body, &mut out, &mut *w, &mut rail);
-            if let Some(t) = self.telemetry.get() {
-                match &answered {
-                    Ok(()) => t.answered(h.opcode, &out, started.elapsed()),
-                    Err(Fatal::Store(op, ..)) => t.refused(*op, started.elapsed()),
-                    Err(_) => {}
-                }
+            match &answered {
+                Ok(status) => self.obs.answered(h.opcode, *status, started.elapsed()),
+                Err(Fatal::Store(op, ..)) => self.obs.refused(*op, started.elapsed()),
+                Err(_) => {}
             }
             answered?;
             if reader.buffer().is_empty() {
@@ -522,8 +436,9 @@ impl Server {
         Ok(())
     }
 
-    /// Executes one request and writes its answer to `w`. A READ's payload
-    /// goes from the arena slot straight into the socket buffer, unstaged.
+    /// Executes one request, writes its answer to `w` and returns the
+    /// answer's status. A READ's payload goes from the arena slot straight
+    /// into the socket buffer, unstaged.
     #[allow(clippy::too_many_arguments)]
     fn handle(
         &self,
@@ -534,9 +449,10 @@ impl Server {
         out: &mut Vec<u8>,
         w: &mut impl Write,
         rail: &mut Rail,
-    ) -> Result<(), Fatal> {
+    ) -> Result<Status, Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
+        let ok = |()| Status::Ok;
         let result = match proto::decode_request(h, body)? {
             Request::Read { key, offset, len } => {
                 let sent =
@@ -544,11 +460,11 @@ impl Server {
                         .read_with(vol, key, offset, len as usize, |bytes| match bytes {
                             Some(b) => {
                                 proto::encode_read_head(out, rid, len);
-                                w.write_all(out).and_then(|()| w.write_all(b))
+                                w.write_all(out).and_then(|()| w.write_all(b)).map(ok)
                             }
                             None => {
                                 proto::encode_error(out, op, rid, Status::NotFound, "");
-                                w.write_all(out)
+                                w.write_all(out).map(|()| Status::NotFound)
                             }
                         });
                 match sent {
@@ -559,28 +475,43 @@ impl Server {
             Request::Alloc { key } => self
                 .store
                 .alloc(vol, key, holder)
-                .map(|lease| proto::encode_lease(out, op, rid, lease)),
+                .map(|lease| proto::encode_lease(out, op, rid, lease))
+                .map(ok),
             Request::Get { key } => self.store.get(vol, key, holder).map(|lease| match lease {
-                Some(lease) => proto::encode_lease(out, op, rid, lease),
-                None => proto::encode_error(out, op, rid, Status::NotFound, ""),
+                Some(lease) => {
+                    proto::encode_lease(out, op, rid, lease);
+                    Status::Ok
+                }
+                None => {
+                    proto::encode_error(out, op, rid, Status::NotFound, "");
+                    Status::NotFound
+                }
             }),
             Request::Commit { key, token } => self
                 .store
                 .commit(vol, key, token, holder)
-                .map(|()| proto::encode_ok(out, op, rid)),
+                .map(|()| proto::encode_ok(out, op, rid))
+                .map(ok),
             Request::Release { tokens } => tokens
                 .iter()
                 .try_for_each(|t| self.store.release(*t, holder))
-                .map(|()| proto::encode_ok(out, op, rid)),
+                .map(|()| proto::encode_ok(out, op, rid))
+                .map(ok),
             Request::Remove { start, end } => self
                 .store
                 .remove(vol, start, end)
-                .map(|n| proto::encode_count(out, op, rid, n)),
-            Request::Flush => self.store.flush().map(|()| proto::encode_ok(out, op, rid)),
+                .map(|n| proto::encode_count(out, op, rid, n))
+                .map(ok),
+            Request::Flush => self
+                .store
+                .flush()
+                .map(|()| proto::encode_ok(out, op, rid))
+                .map(ok),
             Request::Write { key, offset, data } => self
                 .store
                 .write(vol, key, offset, data)
-                .map(|()| proto::encode_ok(out, op, rid)),
+                .map(|()| proto::encode_ok(out, op, rid))
+                .map(ok),
             Request::RailConnect(client) => {
                 let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
                     return Err(Fatal::Frame(FrameError::Unexpected {
@@ -593,11 +524,10 @@ impl Server {
                 match rdma.accept(&client) {
                     Ok((qp, acc)) => {
                         rail.qp = Some(qp);
-                        self.counters.rdma_rails.fetch_add(1, Ordering::Relaxed);
                         acc.encode(out, rid);
+                        Ok(Status::Ok)
                     }
                     Err(e) => {
-                        self.counters.rdma_declined.fetch_add(1, Ordering::Relaxed);
                         warn!(event = "rdma.declined", conn = holder, error = %e);
                         proto::encode_error(
                             out,
@@ -606,46 +536,37 @@ impl Server {
                             Status::Internal,
                             &format!("RDMA rail refused: {e}"),
                         );
+                        Ok(Status::Internal)
                     }
                 }
-                Ok(())
             }
         };
-        if let Err(e) = result {
-            let (status, fatal) = store_status(&e);
-            if fatal {
-                return Err(Fatal::Store(op, rid, e));
+        let status = match result {
+            Ok(status) => status,
+            Err(e) => {
+                let status = e.status();
+                if status == Status::Protocol {
+                    return Err(Fatal::Store(op, rid, e));
+                }
+                if status == Status::Internal {
+                    warn!(event = "store.error", conn = holder, op = op.name(), error = %e);
+                }
+                proto::encode_error(out, op, rid, status, &e.to_string());
+                status
             }
-            if status == Status::Internal {
-                warn!(event = "store.error", conn = holder, op = op.name(), error = %e);
-            }
-            proto::encode_error(out, op, rid, status, &e.to_string());
-        }
+        };
         w.write_all(out)?;
-        Ok(())
+        Ok(status)
     }
 }
 
 /// Waits up to `timeout` for the listener to have a connection pending.
 fn wait_readable(listener: &TcpListener, timeout: Duration) -> io::Result<bool> {
-    let mut pfd = libc::pollfd {
-        fd: listener.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: `pfd` is a valid, initialised pollfd that outlives the call,
-    // and we pass a count of exactly one.
-    let n = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as libc::c_int) };
-    match n {
-        -1 => {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                Ok(false)
-            } else {
-                Err(e)
-            }
-        }
-        0 => Ok(false),
-        _ => Ok(true),
+    let mut fds = [PollFd::new(listener, PollFlags::IN)];
+    let timeout = Timespec::try_from(timeout).map_err(io::Error::other)?;
+    match poll(&mut fds, Some(&timeout)) {
+        Ok(n) => Ok(n > 0),
+        Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }

@@ -12,10 +12,12 @@ use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tracing::{error, info};
+use ublk_metrics::events::{init_logging_from_env, LogFormat};
+use ublk_metrics::MetricsServer;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
+use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
-use target_rdma::arenad::telemetry::ArenadTelemetry;
 use target_rdma::auth::Secret;
 use target_rdma::rdma::open_provider;
 use target_rdma::sd_notify;
@@ -122,20 +124,33 @@ fn load_config(args: &Args) -> Result<ArenadConfig> {
 /// Installs the metrics recorder and starts the listener (before the store
 /// opens, so `/ready` says why it is not ready yet). A listener that cannot
 /// bind is logged, not fatal: the arena matters more than its metrics.
-fn start_telemetry(cfg: &ArenadConfig) -> Result<Arc<ArenadTelemetry>> {
-    let telemetry = ArenadTelemetry::install(env!("CARGO_PKG_VERSION"))?;
-    if let Some(addr) = cfg.metrics_listen_addr() {
-        match telemetry.listen(addr) {
-            Ok(local) => info!(event = "metrics.listening", addr = %local),
-            Err(e) => error!(event = "metrics.listen_failed", error = %e),
-        }
-    }
-    Ok(telemetry)
+fn start_observability(
+    cfg: &ArenadConfig,
+) -> Result<(Arc<ArenadObservability>, Option<MetricsServer>)> {
+    let obs = ArenadObservability::install(env!("CARGO_PKG_VERSION"))?;
+    let listener = cfg
+        .metrics_listen_addr()
+        .and_then(|addr| match obs.listen(addr) {
+            Ok(l) => {
+                info!(event = "metrics.listening", addr = %l.local_addr());
+                Some(l)
+            }
+            Err(e) => {
+                error!(event = "metrics.listen_failed", error = %e);
+                None
+            }
+        });
+    Ok((obs, listener))
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    target_rdma::logging::init(args.log_json);
+    let format = if args.log_json {
+        LogFormat::Json
+    } else {
+        LogFormat::Text
+    };
+    init_logging_from_env(format).context("setting up logging (RUST_LOG)")?;
     let cfg = load_config(&args)?;
     let blob = cfg.blob_bytes;
     let mut specs = Vec::new();
@@ -178,7 +193,7 @@ fn main() -> Result<()> {
         println!("{report}");
         std::process::exit(if report.complete() { 0 } else { 2 });
     }
-    let telemetry = start_telemetry(&cfg)?;
+    let (obs, _metrics) = start_observability(&cfg)?;
     // 0700 whatever the umask, like the 0600 files the store creates in it.
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -186,7 +201,7 @@ fn main() -> Result<()> {
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
-    telemetry.store_opened(&store, cfg.volumes.len());
+    obs.store_opened(&store, cfg.volumes.len());
     let listener =
         TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
@@ -201,7 +216,7 @@ fn main() -> Result<()> {
             None
         }
     };
-    let server = Server::with_rdma(
+    let server = Server::new(
         Arc::clone(&store),
         served,
         ServerLimits {
@@ -210,12 +225,11 @@ fn main() -> Result<()> {
             handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
         },
         rdma,
+        Arc::clone(&obs),
     );
-    server.set_telemetry(Arc::clone(&telemetry));
-    telemetry.server_started(&server);
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
     let stopper = Arc::clone(&server);
-    let stopping = Arc::clone(&telemetry);
+    let stopping = Arc::clone(&obs);
     std::thread::spawn(move || {
         if let Some(sig) = signals.forever().next() {
             info!(event = "shutdown.requested", signal = sig);

@@ -15,9 +15,9 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::{
-    wc_status, Completion, Endpoint, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
-    WorkRequest,
+    wc_status, Completion, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider, WorkRequest,
 };
+use crate::proto::Endpoint;
 
 #[derive(Clone, Copy)]
 struct Region {

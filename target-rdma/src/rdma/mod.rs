@@ -1,19 +1,18 @@
-//! One-sided RDMA data path: the verbs layer behind a small trait, the
-//! completion bookkeeping, driver statistics and the client transport.
+//! The RDMA verbs layer both sides share: arenad registers its arena and
+//! accepts rails with it, the client transport (`client::rdma`) moves
+//! payloads with it.
 //!
 //! The verbs are reached through [`RdmaProvider`] / [`QueuePair`] so that
 //! everything above them (wr id bookkeeping, error taxonomy, fallback
 //! decisions, lease caching, recovery) is tested on hosts without an RDMA
-//! device against [`loopback::LoopbackProvider`], which moves bytes between
-//! registered regions of one process and can inject every completion status.
+//! device against `loopback::LoopbackProvider` (test support, feature
+//! `test-utils`), which moves bytes between registered regions of one
+//! process and can inject every completion status.
 //! [`verbs::SidewayProvider`] is the real backend (rdma-core through
 //! `sideway`), proven over soft-RoCE in the VM suite.
 
-pub mod completion;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod loopback;
-pub mod report;
-pub mod stats;
-pub mod transport;
 pub mod verbs;
 
 use std::any::Any;
@@ -23,8 +22,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use stats::{DriverStats, TcpReason};
-pub use transport::{RdmaConnectError, RdmaTransport, RdmaTransportConfig, TransportGroup, Via};
+use crate::proto::Endpoint;
 
 /// Whether a daemon uses RDMA: a config value (`rdma = "auto"|"off"|"on"`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -102,21 +100,6 @@ pub enum RdmaError {
         /// The queue depth.
         depth: u32,
     },
-}
-
-/// Everything the peer needs to bring its QP to RTR with ours.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Endpoint {
-    /// Queue pair number (24 bits).
-    pub qpn: u32,
-    /// Initial packet sequence number (24 bits).
-    pub psn: u32,
-    /// Port LID (0 on RoCE).
-    pub lid: u16,
-    /// Path MTU as an IBV enum value (1 = 256 .. 5 = 4096).
-    pub mtu: u8,
-    /// GID at the chosen index.
-    pub gid: [u8; 16],
 }
 
 /// A registered memory region. Dropping it deregisters.

@@ -5,12 +5,13 @@
 //! extended poll loop. Each QP gets its own CQ and completion channel, so one
 //! connection's completions never wake another connection's thread.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use rdma_mummy_sys::{ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_req_notify_cq};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{
     BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
@@ -26,9 +27,10 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags;
 
 use super::{
-    Completion, DeviceSelector, Endpoint, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
+    Completion, DeviceSelector, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
     WorkRequest,
 };
+use crate::proto::Endpoint;
 
 /// Largest path MTU we ask for (IBV_MTU_1024): measured to work on rxe.
 const MAX_MTU: u8 = 3;
@@ -307,15 +309,17 @@ impl QueuePair for SidewayQp {
     }
 
     fn wait(&self, timeout: Duration) -> Result<(), RdmaError> {
-        let mut pfd = libc::pollfd {
-            fd: self.channel.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd that outlives the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis().min(60_000) as libc::c_int) };
-        if n <= 0 {
-            return Ok(());
+        // SAFETY: the channel (and so its fd) lives as long as `self`, which
+        // outlives this borrow.
+        let fd = unsafe { BorrowedFd::borrow_raw(self.channel.as_raw_fd()) };
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        let limit = Timespec::try_from(timeout.min(Duration::from_secs(60)))
+            .map_err(|e| verbs_err("poll(comp_channel)", e))?;
+        match poll(&mut fds, Some(&limit)) {
+            Ok(n) if n > 0 => {}
+            // Nothing ready, or a signal: the caller polls the CQ and comes back.
+            Ok(_) | Err(rustix::io::Errno::INTR) => return Ok(()),
+            Err(e) => return Err(verbs_err("poll(comp_channel)", e)),
         }
         let mut cq: *mut ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut libc::c_void = std::ptr::null_mut();

@@ -15,8 +15,9 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::extent::Version;
-use super::index::{corrupt, io_err, sync_dir, Image, Snapshot, FORMAT_VERSION, MAX_VOLUMES};
+use super::format::{
+    corrupt, io_err, swap_shrunk, sync_dir, Image, Snapshot, Version, FORMAT_VERSION, MAX_VOLUMES,
+};
 use super::space;
 use super::StoreError;
 
@@ -433,7 +434,7 @@ fn parse_slot(
         Err(e) => return Ok(Err(e)),
     };
     if let Some((_, &(extent, _))) = image.blobs.iter().find(|(_, &(e, _))| e >= extents) {
-        return Err(super::index::swap_shrunk(extent, extents));
+        return Err(swap_shrunk(extent, extents));
     }
     Ok(Ok(Some(Slot {
         image,

@@ -34,9 +34,10 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::arena::{Arena, SlotRead};
-use super::clock::{Clock, SlotMeta};
-use super::extent::{self, Ident, MetaFile, Version, BLOCK};
-use super::index::{Found, Index, Record, Snapshot};
+use super::eviction::{Clock, SlotMeta};
+use super::extent::{self, Ident, MetaFile, BLOCK};
+use super::format::{Record, Snapshot, Version};
+use super::index::{Found, Index};
 use super::swap::{AlignedBuf, Extents, Swap};
 use super::{
     BlobKey, HolderId, IntegrityKind, StoreConfig, StoreError, StoreStats, VolumeId, VolumeSpec,

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::index::io_err;
+use super::format::{io_err, Version};
 use super::space;
 use super::StoreError;
 
@@ -42,18 +42,6 @@ const RECORD_MAGIC: [u8; 4] = *b"ARNX";
 const META_HEADER: u64 = 4096;
 /// magic, blocks, volume, key, generation, seq.
 const RECORD_FIXED: usize = 4 + 4 + 8 + 8 + 8 + 8;
-
-/// Which write of a blob an image is: the store generation (one per run of
-/// arenad) that wrote it, then the order within that run. Totally ordered,
-/// so repair can keep the newest image of each blob; never reused, so an
-/// index naming an older write than the extent holds is caught.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Version {
-    /// The store generation of the write.
-    pub generation: u64,
-    /// Its order within that generation, from 1.
-    pub seq: u64,
-}
 
 /// The image an extent holds, as its header states it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,51 +15,15 @@
 //! newer epoch than any valid checkpoint slot means the checkpoint it needs
 //! is damaged: refused, not replaced by the older one.
 
-use std::collections::BTreeMap;
-use std::fs::File;
-use std::io;
 use std::path::{Path, PathBuf};
 
 use super::checkpoint::{self, CheckpointFile};
-use super::extent::Version;
+use super::format::{corrupt, swap_shrunk, Image, Record, Snapshot, Version};
 use super::journal::{self, Journal};
 use super::StoreError;
 
 pub(super) use super::checkpoint::CKPT_FILE;
 pub(super) use super::journal::JOURNAL_FILE;
-
-/// The on-disk format of the checkpoint, the journal and the extent table.
-pub(super) const FORMAT_VERSION: u32 = 2;
-/// Most volumes a checkpoint may name; bounds what a corrupt header can make
-/// us allocate.
-pub(super) const MAX_VOLUMES: usize = 1 << 16;
-
-/// One change to the durable index.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Record {
-    Put {
-        vol: u32,
-        key: u64,
-        extent: u32,
-        version: Version,
-    },
-    Remove {
-        vol: u32,
-        key: u64,
-    },
-}
-
-/// What a checkpoint plus its journal say.
-pub(super) struct Image {
-    pub(super) generation: u64,
-    pub(super) epoch: u64,
-    pub(super) volumes: Vec<String>,
-    /// (persisted volume number, key) -> (extent, version of its image).
-    pub(super) blobs: BTreeMap<(u32, u64), (u32, Version)>,
-    /// Swap extents when the checkpoint was written: the swap file and its
-    /// extent table must be at least that long.
-    pub(super) extents: u32,
-}
 
 /// A store found on disk: its index, and what reopening its files needs.
 pub(super) struct Found {
@@ -68,17 +32,6 @@ pub(super) struct Found {
     slot_len: u64,
     journal_bytes: u64,
     journal_dirty: u64,
-}
-
-/// What a checkpoint records.
-pub(super) struct Snapshot<'a, I> {
-    pub(super) generation: u64,
-    pub(super) blob_bytes: u32,
-    pub(super) extents: u32,
-    pub(super) volumes: &'a [&'a str],
-    pub(super) blob_count: u64,
-    /// (volume, key, extent, version), `blob_count` of them.
-    pub(super) blobs: I,
 }
 
 /// The open index files and the checkpoint bookkeeping.
@@ -90,31 +43,6 @@ pub(super) struct Index {
     pub(super) checkpoints: u64,
     /// Told how long each journal append and checkpoint took.
     pub(super) timing: Option<super::TimingHook>,
-}
-
-pub(super) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
-    let path = path.to_path_buf();
-    move |source| StoreError::Io { what, path, source }
-}
-
-pub(super) fn corrupt(file: &Path, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        file: file.to_path_buf(),
-        detail: detail.into(),
-    }
-}
-
-pub(super) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("syncing directory", dir))
-}
-
-pub(super) fn swap_shrunk(extent: u32, extents: u32) -> StoreError {
-    StoreError::InvalidConfig {
-        key: "swap_bytes",
-        detail: format!("the index references swap extent {extent} but swap_bytes now holds only {extents} extents"),
-    }
 }
 
 /// Loads the checkpoint and replays its journal; `None` when there is no

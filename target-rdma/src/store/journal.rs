@@ -20,8 +20,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::extent::Version;
-use super::index::{io_err, sync_dir, Record, FORMAT_VERSION};
+use super::format::{io_err, sync_dir, Record, Version, FORMAT_VERSION};
 use super::space;
 use super::StoreError;
 

@@ -23,13 +23,16 @@
 
 mod arena;
 mod checkpoint;
-mod clock;
 mod engine;
+mod eviction;
 mod extent;
+mod format;
+mod in_process;
 mod index;
 mod journal;
 mod repair;
 mod space;
+mod status;
 mod swap;
 #[cfg(test)]
 mod tests;
@@ -41,7 +44,8 @@ pub use repair::{BlobRef, RepairReport};
 #[cfg(feature = "bench-hooks")]
 #[doc(hidden)]
 pub mod bench_hooks {
-    use super::extent::{self, Ident, Version};
+    use super::extent::{self, Ident};
+    use super::format::Version;
 
     /// The checksums a read from swap computes to check `bytes` (whole
     /// 4 KiB blocks) against their extent header: the cost of the check.
@@ -58,7 +62,6 @@ pub mod bench_hooks {
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -69,6 +72,7 @@ use parking_lot::RwLock;
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
 use engine::{Core, Guard, ReadPlan, State};
+pub use in_process::InProcess;
 
 /// Where and how big the store is.
 #[derive(Clone, Debug)]
@@ -294,7 +298,7 @@ pub enum StoreError {
         detail: String,
     },
     /// A file written in another on-disk format; there is no migration.
-    #[error("{} has on-disk format version {version}, this arenad reads only version {}: it does not migrate stores; drain the volumes with the arenad that wrote it, or move the directory aside to start empty (docs/OPERATIONS.md)", file.display(), index::FORMAT_VERSION)]
+    #[error("{} has on-disk format version {version}, this arenad reads only version {}: it does not migrate stores; drain the volumes with the arenad that wrote it, or move the directory aside to start empty (docs/OPERATIONS.md)", file.display(), format::FORMAT_VERSION)]
     OldFormat {
         /// The file.
         file: PathBuf,
@@ -415,13 +419,13 @@ fn validate(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<(u32, u32), Sto
             ),
         )
     })?;
-    if volumes.len() > index::MAX_VOLUMES {
+    if volumes.len() > format::MAX_VOLUMES {
         return Err(invalid(
             "volumes",
             format!(
                 "{} volumes, the limit is {}",
                 volumes.len(),
-                index::MAX_VOLUMES
+                format::MAX_VOLUMES
             ),
         ));
     }
@@ -459,21 +463,17 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
             path: path.clone(),
             source,
         })?;
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let source = io::Error::last_os_error();
-        if source.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(StoreError::Locked {
-                path: dir.to_path_buf(),
-            });
-        }
-        return Err(StoreError::Io {
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(StoreError::Locked {
+            path: dir.to_path_buf(),
+        }),
+        Err(e) => Err(StoreError::Io {
             what: "locking",
             path,
-            source,
-        });
+            source: e.into(),
+        }),
     }
-    Ok(file)
 }
 
 /// With no checkpoint the directory must hold a new store: no other store

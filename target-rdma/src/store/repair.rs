@@ -20,8 +20,9 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use super::extent::{self, Ident, MetaFile, Record, Version, BLOCK};
-use super::index::{self, Index, Snapshot};
+use super::extent::{self, Ident, MetaFile, Record, BLOCK};
+use super::format::{Snapshot, Version};
+use super::index::{self, Index};
 use super::swap::SWAP_FILE;
 use super::{lock_dir, space, validate, StoreConfig, StoreError, VolumeSpec};
 

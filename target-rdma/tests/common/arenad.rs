@@ -9,7 +9,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
+use target_rdma::blob::ArenaError;
+use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain};
 
 use super::{secret, secret_file, SECRET_A, SECRET_B};
 

@@ -10,9 +10,10 @@ use std::ops::Range;
 
 use futures::future::try_join_all;
 
-use super::{check_range, BlockOp, BlockTarget, TargetError};
-use crate::client::ArenaError;
-use crate::transport::BlobIo;
+use ublk_metrics::IoOp;
+
+use super::{check_range, BlockTarget, TargetError};
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
 
 /// A block device of `size` bytes over one arena session.
 pub struct ArenaTarget<T> {
@@ -57,16 +58,11 @@ impl<T: BlobIo> ArenaTarget<T> {
         Self { io, size, blob }
     }
 
-    /// The transport underneath.
-    pub fn io(&self) -> &T {
-        &self.io
-    }
-
-    fn arena(op: BlockOp) -> impl Fn(ArenaError) -> TargetError {
+    fn arena(op: IoOp) -> impl Fn(ArenaError) -> TargetError {
         move |source| TargetError::Arena { op, source }
     }
 
-    async fn zero_range(&self, op: BlockOp, offset: u64, len: u64) -> Result<(), TargetError> {
+    async fn zero_range(&self, op: IoOp, offset: u64, len: u64) -> Result<Via, TargetError> {
         check_range(op, offset, len, self.size)?;
         let first_whole = offset.div_ceil(self.blob);
         let end_whole = (offset + len) / self.blob;
@@ -81,18 +77,27 @@ impl<T: BlobIo> ArenaTarget<T> {
         let partial = segments(self.blob, offset, len)
             .filter(|s| s.buf.len() as u64 != self.blob)
             .map(|s| self.io.write(s.key, s.offset, &zeros[..s.buf.len()]));
-        try_join_all(partial).await.map_err(Self::arena(op))?;
-        Ok(())
+        let vias = try_join_all(partial).await.map_err(Self::arena(op))?;
+        Ok(fold(vias))
     }
 }
 
+/// The outcome of a request's blob operations.
+fn fold(vias: Vec<Via>) -> Via {
+    vias.into_iter().fold(Via::Nothing, Via::and)
+}
+
 impl<T: BlobIo> BlockTarget for ArenaTarget<T> {
+    fn transport(&self) -> Transport {
+        self.io.transport()
+    }
+
     fn size(&self) -> u64 {
         self.size
     }
 
-    async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TargetError> {
-        check_range(BlockOp::Read, offset, buf.len() as u64, self.size)?;
+    async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Via, TargetError> {
+        check_range(IoOp::Read, offset, buf.len() as u64, self.size)?;
         let mut rest = buf;
         let mut reads = Vec::new();
         for s in segments(self.blob, offset, rest.len() as u64) {
@@ -100,35 +105,34 @@ impl<T: BlobIo> BlockTarget for ArenaTarget<T> {
             rest = tail;
             reads.push(self.io.read(s.key, s.offset, head));
         }
-        try_join_all(reads)
-            .await
-            .map_err(Self::arena(BlockOp::Read))?;
-        Ok(())
+        let vias = try_join_all(reads).await.map_err(Self::arena(IoOp::Read))?;
+        Ok(fold(vias))
     }
 
-    async fn write(&self, offset: u64, buf: &[u8], fua: bool) -> Result<(), TargetError> {
-        check_range(BlockOp::Write, offset, buf.len() as u64, self.size)?;
+    async fn write(&self, offset: u64, buf: &[u8], fua: bool) -> Result<Via, TargetError> {
+        check_range(IoOp::Write, offset, buf.len() as u64, self.size)?;
         let writes = segments(self.blob, offset, buf.len() as u64)
             .map(|s| self.io.write(s.key, s.offset, &buf[s.buf]));
-        try_join_all(writes)
+        let vias = try_join_all(writes)
             .await
-            .map_err(Self::arena(BlockOp::Write))?;
+            .map_err(Self::arena(IoOp::Write))?;
         if fua {
-            self.io.flush().await.map_err(Self::arena(BlockOp::Write))?;
+            self.io.flush().await.map_err(Self::arena(IoOp::Write))?;
         }
-        Ok(())
+        Ok(fold(vias))
     }
 
-    async fn flush(&self) -> Result<(), TargetError> {
-        self.io.flush().await.map_err(Self::arena(BlockOp::Flush))
+    async fn flush(&self) -> Result<Via, TargetError> {
+        self.io.flush().await.map_err(Self::arena(IoOp::Flush))?;
+        Ok(Via::Nothing)
     }
 
-    async fn discard(&self, offset: u64, len: u64) -> Result<(), TargetError> {
-        self.zero_range(BlockOp::Discard, offset, len).await
+    async fn discard(&self, offset: u64, len: u64) -> Result<Via, TargetError> {
+        self.zero_range(IoOp::Discard, offset, len).await
     }
 
-    async fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), TargetError> {
-        self.zero_range(BlockOp::WriteZeroes, offset, len).await
+    async fn write_zeroes(&self, offset: u64, len: u64) -> Result<Via, TargetError> {
+        self.zero_range(IoOp::WriteZeroes, offset, len).await
     }
 }
 

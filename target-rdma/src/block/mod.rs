@@ -4,56 +4,31 @@
 //! [`BlockTarget`] is implemented by the arena-backed target ([`ArenaTarget`])
 //! and by a plain in-memory reference ([`MemTarget`]); one conformance suite
 //! (`tests/target_conformance.rs`) runs against both. Errors become errnos in
-//! exactly one place, [`TargetError::errno`].
+//! exactly one place, [`TargetError::errno`]; a success says which path
+//! carried the request's payloads ([`Via`], folded over its blobs), which is
+//! all the request accounting needs to count a failover.
 
-mod arena;
-mod mem;
+mod arena_target;
+mod mem_target;
 
 use std::future::Future;
 
-pub use arena::ArenaTarget;
-pub use mem::MemTarget;
+pub use arena_target::ArenaTarget;
+pub use mem_target::MemTarget;
 
-use crate::client::ArenaError;
+use ublk_metrics::IoOp;
+
+use crate::blob::{ArenaError, ErrorKind, Transport, Via};
 use crate::proto::Status;
-use crate::store::StoreError;
-
-/// Block operation, a closed set used for metric labels and logs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BlockOp {
-    /// Read.
-    Read,
-    /// Write (FUA or not).
-    Write,
-    /// Cache flush.
-    Flush,
-    /// Discard.
-    Discard,
-    /// Write zeroes.
-    WriteZeroes,
-}
-
-impl BlockOp {
-    /// Stable lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Read => "read",
-            Self::Write => "write",
-            Self::Flush => "flush",
-            Self::Discard => "discard",
-            Self::WriteZeroes => "write_zeroes",
-        }
-    }
-}
 
 /// A block request that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     /// The range does not fit the device.
-    #[error("{op} of {len} bytes at byte {offset} is past the end of the {size}-byte device", op = op.name())]
+    #[error("{op} of {len} bytes at byte {offset} is past the end of the {size}-byte device", op = op.as_str())]
     OutOfRange {
         /// The operation.
-        op: BlockOp,
+        op: IoOp,
         /// Start byte.
         offset: u64,
         /// Length in bytes.
@@ -62,10 +37,10 @@ pub enum TargetError {
         size: u64,
     },
     /// The arena failed the request.
-    #[error("{op} failed: {source}", op = op.name())]
+    #[error("{op} failed: {source}", op = op.as_str())]
     Arena {
         /// The operation.
-        op: BlockOp,
+        op: IoOp,
         /// The cause.
         source: ArenaError,
     },
@@ -80,16 +55,10 @@ impl TargetError {
     pub fn errno(&self) -> i32 {
         match self {
             Self::OutOfRange { .. } => libc::EIO,
-            Self::Arena { source, .. } => match source {
-                ArenaError::TimedOut { .. } => libc::ETIMEDOUT,
-                ArenaError::Connect { .. } | ArenaError::Disconnected { .. } => libc::ENOLINK,
-                ArenaError::Status {
-                    status: Status::NoSpace | Status::QuotaExceeded,
-                    ..
-                } => libc::ENOSPC,
-                ArenaError::Store(
-                    StoreError::NoSpace { .. } | StoreError::QuotaExceeded { .. },
-                ) => libc::ENOSPC,
+            Self::Arena { source, .. } => match source.kind() {
+                ErrorKind::TimedOut => libc::ETIMEDOUT,
+                ErrorKind::Connect | ErrorKind::Disconnected => libc::ENOLINK,
+                ErrorKind::Status(Status::NoSpace | Status::QuotaExceeded) => libc::ENOSPC,
                 _ => libc::EIO,
             },
         }
@@ -97,36 +66,35 @@ impl TargetError {
 }
 
 /// Serves block requests for one queue. Byte offsets and lengths; the
-/// device size is fixed at creation.
+/// device size is fixed at creation. Each success returns which path
+/// carried the request's payloads.
 ///
 /// Futures need not be `Send`: each ublk queue thread owns its target.
 pub trait BlockTarget {
+    /// The transport a request's first attempt goes on.
+    fn transport(&self) -> Transport;
     /// Device size in bytes.
     fn size(&self) -> u64;
     /// Fills `buf` from byte `offset`; unwritten ranges read as zeros.
-    fn read(&self, offset: u64, buf: &mut [u8]) -> impl Future<Output = Result<(), TargetError>>;
+    fn read(&self, offset: u64, buf: &mut [u8]) -> impl Future<Output = Result<Via, TargetError>>;
     /// Writes `buf` at byte `offset`; with `fua` it is durable on completion.
     fn write(
         &self,
         offset: u64,
         buf: &[u8],
         fua: bool,
-    ) -> impl Future<Output = Result<(), TargetError>>;
+    ) -> impl Future<Output = Result<Via, TargetError>>;
     /// Makes every completed write durable.
-    fn flush(&self) -> impl Future<Output = Result<(), TargetError>>;
+    fn flush(&self) -> impl Future<Output = Result<Via, TargetError>>;
     /// Drops the range; it reads as zeros afterwards.
-    fn discard(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), TargetError>>;
+    fn discard(&self, offset: u64, len: u64) -> impl Future<Output = Result<Via, TargetError>>;
     /// Zeroes the range.
-    fn write_zeroes(&self, offset: u64, len: u64) -> impl Future<Output = Result<(), TargetError>>;
+    fn write_zeroes(&self, offset: u64, len: u64)
+        -> impl Future<Output = Result<Via, TargetError>>;
 }
 
 /// Checks that `offset..offset+len` lies inside a device of `size` bytes.
-pub(crate) fn check_range(
-    op: BlockOp,
-    offset: u64,
-    len: u64,
-    size: u64,
-) -> Result<(), TargetError> {
+pub(crate) fn check_range(op: IoOp, offset: u64, len: u64, size: u64) -> Result<(), TargetError> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
         _ => Err(TargetError::OutOfRange {

@@ -2,14 +2,18 @@
 //! [`Observability`] per process owns the telemetry plane, the tracker
 //! scanner, the driver-statistics registry and the request accounting, and
 //! one [`DeviceObs`] per device holds what its queues update on the I/O
-//! path (tracker table, I/O counters) and what readiness reads (state and
-//! peer flags, kept up to date by the device and queue code so that `/ready`
-//! costs O(devices)).
+//! path and what readiness reads (state and peer flags, kept up to date by
+//! the device manager and the requests, so that `/ready` costs O(devices)).
+//!
+//! Each block request is observed once, by one owner: the [`RequestObs`]
+//! that [`DeviceObs::begin`] returns holds its tracker slot, its request and
+//! attempt accounting, the device's `ublkctl stats` counters and its
+//! `request.failed` event (`request.rs`). Nothing here holds a session: the
+//! device manager reports what it sees of them (`peer_checked`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -20,14 +24,14 @@ use ublk_metrics::{
 };
 
 use crate::config::{self, MetricsConfig};
-use crate::stats::DeviceStats;
-use crate::transport::{Negotiated, QueueIo};
+use crate::device_stats::DeviceStats;
+
+mod request;
+
+pub use request::{AttemptObs, Failure, RequestObs};
 
 /// The target label of every ublkd device (the arena target).
 pub const TARGET: &str = "arena";
-/// How often the peer monitor checks (and re-establishes) the arena
-/// connections of live devices.
-pub const PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Where a device is in its life, as readiness and `/diagnostics` see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +82,7 @@ pub struct DeviceShape {
     /// Tags per queue.
     pub depth: u16,
     /// Transport the device was configured for.
-    pub transport: config::Transport,
+    pub transport: config::TransportChoice,
 }
 
 /// One device's observability state, shared by its queue threads.
@@ -90,7 +94,10 @@ pub struct DeviceObs {
     table: Arc<TrackerTable>,
     io: IoMetrics,
     acct: Arc<RequestAccounting>,
-    ios: Vec<QueueIo>,
+    /// The data path its queues negotiated, and why not RDMA when not.
+    negotiated: Option<(Transport, Option<String>)>,
+    /// Per queue: whether its arena connection was up at the last check.
+    links: Mutex<Vec<bool>>,
 }
 
 impl std::fmt::Debug for DeviceObs {
@@ -118,16 +125,6 @@ impl DeviceObs {
         &self.table
     }
 
-    /// The device I/O families this device counts into.
-    pub fn io(&self) -> &IoMetrics {
-        &self.io
-    }
-
-    /// Logical request / physical attempt accounting.
-    pub fn accounting(&self) -> &RequestAccounting {
-        &self.acct
-    }
-
     /// Current state.
     pub fn state(&self) -> DevState {
         DevState::from_u8(self.state.load(Ordering::Acquire))
@@ -138,25 +135,11 @@ impl DeviceObs {
         self.state.store(s as u8, Ordering::Release);
     }
 
-    /// The data path the device uses now: RDMA when every queue negotiated
+    /// The data path the device uses: RDMA when every queue negotiated
     /// it, else TCP (with the first reason a queue gave), `None` without
     /// queues (a failed device).
-    pub fn negotiated(&self) -> Option<(Negotiated, Option<String>)> {
-        let first = self.ios.first()?;
-        if self
-            .ios
-            .iter()
-            .all(|io| io.negotiated() == Negotiated::Rdma)
-        {
-            return Some((Negotiated::Rdma, None));
-        }
-        let why = self.ios.iter().find_map(QueueIo::tcp_reason);
-        Some((Negotiated::Tcp, why.or_else(|| first.tcp_reason())))
-    }
-
-    /// The queues' arena sessions (shared handles).
-    pub fn ios(&self) -> &[QueueIo] {
-        &self.ios
+    pub fn negotiated(&self) -> Option<(Transport, Option<String>)> {
+        self.negotiated.clone()
     }
 
     /// Whether every queue's arena connection was up at the last check.
@@ -181,18 +164,12 @@ impl DeviceObs {
         }
     }
 
-    /// Checks the queues' arena connections and re-establishes lost ones
-    /// (so a device that is idle when its peer comes back turns ready
-    /// again). Blocks up to the connect timeout per lost connection: run it
-    /// from the peer monitor, never from `/ready`.
-    pub fn check_peer(&self) {
-        let mut up = true;
-        for c in self.ios.iter().map(QueueIo::client) {
-            if !c.is_connected() && c.welcome().is_err() {
-                up = false;
-            }
-        }
-        if up {
+    /// The device manager checked the queues' arena connections (`links`,
+    /// one per queue, re-established where it could): readiness follows,
+    /// and `peer.reconnected` / `peer.disconnected` are logged on a change.
+    pub fn peer_checked(&self, links: &[bool]) {
+        *self.links.lock() = links.to_vec();
+        if links.iter().all(|up| *up) {
             if !self.peer_connected.swap(true, Ordering::AcqRel) {
                 tracing::info!(event = "peer.reconnected", device = self.shape.id);
             }
@@ -208,16 +185,10 @@ impl DeviceObs {
             oldest,
         } = self.table.snapshot(stall_threshold);
         let connections: Vec<&str> = self
-            .ios
+            .links
+            .lock()
             .iter()
-            .map(QueueIo::client)
-            .map(|c| {
-                if c.is_connected() {
-                    "connected"
-                } else {
-                    "disconnected"
-                }
-            })
+            .map(|up| if *up { "connected" } else { "disconnected" })
             .collect();
         serde_json::json!({
             "id": self.shape.id,
@@ -225,7 +196,7 @@ impl DeviceObs {
             "queues": self.shape.queues,
             "queue_depth": self.shape.depth,
             "transport_configured": self.shape.transport.name(),
-            "transport_in_use": self.negotiated().map_or("none", |(n, _)| n.name()),
+            "transport_in_use": self.negotiated().map_or("none", |(n, _)| n.as_str()),
             "peer_connected": self.peer_connected(),
             "connections": connections,
             "inflight": inflight,
@@ -342,14 +313,15 @@ impl Observability {
     }
 
     /// Registers (or replaces) device `shape.id`: its tracker table, I/O
-    /// series and driver statistics. `ios` are its queues' arena sessions
-    /// (shared handles), `driver` its data path's driver statistics.
+    /// series and driver statistics. `negotiated` is the data path its
+    /// queues negotiated (`None`: it has none, it failed), `driver` its data
+    /// path's driver statistics.
     pub fn register(
         &self,
         shape: DeviceShape,
         state: DevState,
         stats: Arc<DeviceStats>,
-        ios: Vec<QueueIo>,
+        negotiated: Option<(Transport, Option<String>)>,
         driver: Arc<dyn DriverStats>,
     ) -> Result<Arc<DeviceObs>, ObsError> {
         let id = shape.id;
@@ -375,22 +347,27 @@ impl Observability {
         let dev = Arc::new(DeviceObs {
             shape,
             state: AtomicU8::new(state as u8),
-            peer_connected: AtomicBool::new(!ios.is_empty()),
+            peer_connected: AtomicBool::new(negotiated.is_some()),
             stats,
             table,
             io,
             acct: Arc::clone(&self.acct),
-            ios,
+            links: Mutex::new(if negotiated.is_some() {
+                vec![true; usize::from(shape.queues)]
+            } else {
+                Vec::new()
+            }),
+            negotiated,
         });
         // A device set to RDMA that moved nothing over RDMA is what the
         // driver summary warns about; an `auto` device is held to the
         // transport it negotiated (a TCP-only peer is not a warning: its
         // payloads are counted by reason).
         let configured = match shape.transport {
-            config::Transport::Tcp => Transport::Tcp,
-            config::Transport::Rdma => Transport::Rdma,
-            config::Transport::Auto => match dev.negotiated() {
-                Some((Negotiated::Rdma, _)) => Transport::Rdma,
+            config::TransportChoice::Tcp => Transport::Tcp,
+            config::TransportChoice::Rdma => Transport::Rdma,
+            config::TransportChoice::Auto => match dev.negotiated() {
+                Some((Transport::Rdma, _)) => Transport::Rdma,
                 _ => Transport::Tcp,
             },
         };
@@ -413,15 +390,6 @@ impl Observability {
 
     fn all(&self) -> Vec<Arc<DeviceObs>> {
         self.devices.lock().values().cloned().collect()
-    }
-
-    /// Checks (and re-establishes) the arena connections of live devices.
-    pub fn check_peers(&self) {
-        for d in self.all() {
-            if d.state() == DevState::Live {
-                d.check_peer();
-            }
-        }
     }
 
     /// Driver statistics of one device or all, for `ublkctl stats`.
@@ -467,19 +435,4 @@ impl Observability {
             "devices": devices,
         })
     }
-}
-
-/// Runs [`Observability::check_peers`] every [`PEER_CHECK_INTERVAL`] on its
-/// own thread, for as long as the observability lives.
-pub fn spawn_peer_monitor(obs: &Arc<Observability>) -> std::io::Result<JoinHandle<()>> {
-    let weak = Arc::downgrade(obs);
-    std::thread::Builder::new()
-        .name("ublkd-peers".into())
-        .spawn(move || loop {
-            std::thread::sleep(PEER_CHECK_INTERVAL);
-            match weak.upgrade() {
-                Some(o) => o.check_peers(),
-                None => return,
-            }
-        })
 }

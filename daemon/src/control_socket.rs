@@ -9,6 +9,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
 
+use rustix::fs::Mode;
+use rustix::process::umask;
+
 use crate::ctl::{self, ErrorKind, Reply, Request, Response, ResponseLine};
 use crate::device::{DeviceError, Manager, UBLK_CONTROL};
 use crate::features;
@@ -66,11 +69,9 @@ pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketErro
         None => None,
     };
     // Bind with a umask that leaves no window where others could connect.
-    // SAFETY: umask only changes this process's file creation mask.
-    let old = unsafe { libc::umask(0o177) };
+    let old = umask(Mode::from_raw_mode(0o177));
     let bound = UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
+    umask(old);
     let listener = bound.map_err(io)?;
     if let Some(gid) = gid {
         std::os::unix::fs::chown(path, None, Some(gid)).map_err(io)?;
@@ -199,7 +200,7 @@ mod tests {
         let listener = bind(&sock, None).unwrap();
         let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        let obs = crate::telemetry::Observability::new(
+        let obs = crate::observability::Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &cfg.metrics,
         );

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::{Deserialize, Serialize};
-use target_rdma::target::BlockOp;
+use ublk_metrics::IoOp;
 
 /// Live counters of one device.
 #[derive(Default, Debug)]
@@ -66,13 +66,13 @@ impl DeviceStats {
     }
 
     /// Counts a successful request.
-    pub fn done(&self, op: BlockOp, bytes: u64) {
+    pub fn done(&self, op: IoOp, bytes: u64) {
         let (count, byte_counter) = match op {
-            BlockOp::Read => (&self.reads, Some(&self.bytes_read)),
-            BlockOp::Write => (&self.writes, Some(&self.bytes_written)),
-            BlockOp::Flush => (&self.flushes, None),
-            BlockOp::Discard => (&self.discards, Some(&self.bytes_discarded)),
-            BlockOp::WriteZeroes => (&self.write_zeroes, Some(&self.bytes_discarded)),
+            IoOp::Read => (&self.reads, Some(&self.bytes_read)),
+            IoOp::Write => (&self.writes, Some(&self.bytes_written)),
+            IoOp::Flush => (&self.flushes, None),
+            IoOp::Discard => (&self.discards, Some(&self.bytes_discarded)),
+            IoOp::WriteZeroes => (&self.write_zeroes, Some(&self.bytes_discarded)),
         };
         count.fetch_add(1, Relaxed);
         if let Some(b) = byte_counter {

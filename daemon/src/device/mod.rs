@@ -2,87 +2,71 @@
 //! devices and keeps their definitions on disk, so a restarted `ublkd`
 //! (after a crash, an upgrade or a reboot) brings the same devices back.
 //!
-//! Every device runs on its own thread inside libublk's `run_target`, which
-//! spawns the queue threads (`queue.rs`). Devices are created with
+//! Every device runs on its own thread inside libublk's `run_target`
+//! (`thread.rs`), which spawns the queue threads (`queue.rs`); definitions
+//! and their ublk parameters are in `spec.rs`. Devices are created with
 //! `UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE`: when `ublkd` dies,
 //! the kernel keeps `/dev/ublkbN` and holds its I/O, and the next `ublkd`
 //! re-attaches and gets the unfinished requests again.
+//!
+//! The manager owns the devices' arena sessions, so it also watches them: a
+//! monitor re-establishes lost connections every [`PEER_CHECK_INTERVAL`]
+//! (so a device idle when its peer comes back turns ready again) and tells
+//! each device's observer what it found.
+
+mod spec;
+mod thread;
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
-use libublk::io::UblkDev;
-use libublk::{sys, UblkFlags};
+use libublk::ctrl::UblkCtrl;
+use libublk::sys;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use target_rdma::auth::Secret;
-use target_rdma::client::{ArenaClient, ArenaError, ClientConfig, FlushDomain};
-use target_rdma::rdma::report::RdmaDriverStats;
-use target_rdma::rdma::{
-    open_provider, RdmaConnectError, RdmaMode, RdmaTransport, RdmaTransportConfig, TransportGroup,
+use target_rdma::blob::BlobIo;
+use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
+use target_rdma::client::{ArenaClient, ClientConfig, ClientStats, FlushDomain};
+use target_rdma::client::{
+    RdmaConnectError, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
-use target_rdma::transport::TcpPayloadStats;
-use ublk_metrics::DriverStats;
+use target_rdma::rdma::{open_provider, RdmaMode};
+use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
-use crate::config::{check_geometry, ConfigError, DeviceDefaults, Transport, UblkdConfig};
+use crate::config::{check_geometry, ConfigError, DeviceDefaults, TransportChoice, UblkdConfig};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
-use crate::stats::DeviceStats;
-use crate::telemetry::{DevState, DeviceShape, Observability};
-use crate::transport::{Negotiated, QueueIo, TagBuffers};
+use crate::device_stats::DeviceStats;
+use crate::observability::{DevState, DeviceObs, Observability};
+use crate::queue_io::{QueueIo, TagBuffers};
+#[cfg(test)]
+use spec::params;
+use spec::shape;
+pub use spec::{DeviceSpec, SpecStore};
+use thread::{device_thread, kernel_state, DeviceStart, Event, Mode};
 
 /// The ublk control node; absent when `ublk_drv` is not loaded.
 pub const UBLK_CONTROL: &str = "/dev/ublk-control";
 /// How long a device may take from ADD to LIVE before `add` gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often the peer monitor checks (and re-establishes) the arena
+/// connections of live devices.
+pub const PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
-/// A device definition, persisted as `<state_dir>/devices/<id>.json`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceSpec {
-    /// ublk device id.
-    pub id: u32,
-    /// `host:port` of `arenad`.
-    pub peer: String,
-    /// Volume name.
-    pub volume: String,
-    /// Secret file, read again at every start so rotation needs no re-add.
-    pub secret_file: PathBuf,
-    /// Size in bytes.
-    pub size: u64,
-    /// Hardware queues.
-    pub queues: u32,
-    /// Queue depth.
-    pub depth: u32,
-    /// Per-request buffer.
-    pub io_buf: u64,
-    /// Blob size asked for (0: the volume's).
-    pub blob_size: u64,
-    /// Transport asked for.
-    pub transport: Transport,
-    /// Logical block size.
-    pub logical_block_size: u32,
-    /// Physical block size.
-    pub physical_block_size: u32,
-    /// Largest request.
-    pub max_io_size: u64,
-    /// DISCARD advertised.
-    pub discard: bool,
-    /// Largest DISCARD.
-    pub max_discard_size: u64,
-    /// WRITE_ZEROES advertised.
-    pub write_zeroes: bool,
-    /// Largest WRITE_ZEROES.
-    pub max_write_zeroes_size: u64,
-    /// Volatile write cache advertised.
-    pub write_cache: bool,
-    /// FUA advertised.
-    pub fua: bool,
+/// Checks a device's queue sessions, re-establishing lost connections
+/// (blocks up to the connect timeout per lost one: call it from the
+/// monitor, never from `/ready`), and tells the device's observer.
+pub fn check_peer(dev: &DeviceObs, ios: &[QueueIo]) {
+    let links: Vec<bool> = ios
+        .iter()
+        .map(|io| io.session().client())
+        .map(|c| c.is_connected() || c.welcome().is_ok())
+        .collect();
+    dev.peer_checked(&links);
 }
 
 /// A request the manager refused or could not carry out.
@@ -147,98 +131,22 @@ impl DeviceError {
             Self::Busy { .. } => ErrorKind::Busy,
             Self::BadRequest(_) | Self::Secret { .. } => ErrorKind::BadRequest,
             Self::RdmaUnavailable(_) => ErrorKind::TransportUnavailable,
-            Self::Arena(ArenaError::Connect { .. }) => ErrorKind::PeerUnreachable,
-            Self::Arena(ArenaError::AuthFailed { .. } | ArenaError::PeerNotAuthentic { .. }) => {
-                ErrorKind::AuthFailed
-            }
-            Self::Arena(_) => ErrorKind::Peer,
+            Self::Arena(e) => match e.kind() {
+                ArenaErrorKind::Connect => ErrorKind::PeerUnreachable,
+                ArenaErrorKind::AuthFailed | ArenaErrorKind::PeerNotAuthentic => {
+                    ErrorKind::AuthFailed
+                }
+                _ => ErrorKind::Peer,
+            },
             Self::UblkMissing => ErrorKind::UblkMissing,
             Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
         }
     }
 }
 
-/// Reads and writes device definitions.
-pub struct SpecStore {
-    dir: PathBuf,
-}
-
-impl SpecStore {
-    /// The store under `<state_dir>/devices`, created if missing.
-    pub fn open(state_dir: &Path) -> Result<Self, DeviceError> {
-        let dir = state_dir.join("devices");
-        fs::create_dir_all(&dir).map_err(|source| DeviceError::State {
-            path: dir.clone(),
-            source,
-        })?;
-        Ok(Self { dir })
-    }
-
-    fn path(&self, id: u32) -> PathBuf {
-        self.dir.join(format!("{id}.json"))
-    }
-
-    /// Writes atomically (temp file, fsync, rename) so a crash never
-    /// leaves a half-written definition behind.
-    pub fn save(&self, spec: &DeviceSpec) -> Result<(), DeviceError> {
-        let path = self.path(spec.id);
-        let tmp = self.dir.join(format!(".{}.json.tmp", spec.id));
-        let err = |source| DeviceError::State {
-            path: path.clone(),
-            source,
-        };
-        let mut f = fs::File::create(&tmp).map_err(err)?;
-        let text = serde_json::to_string_pretty(spec).map_err(|e| err(e.into()))?;
-        f.write_all(text.as_bytes()).map_err(err)?;
-        f.sync_all().map_err(err)?;
-        fs::rename(&tmp, &path).map_err(err)?;
-        fs::File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(err)
-    }
-
-    /// Deletes a definition; a missing one is fine.
-    pub fn remove(&self, id: u32) -> Result<(), DeviceError> {
-        match fs::remove_file(self.path(id)) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(DeviceError::State {
-                path: self.path(id),
-                source: e,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// Every readable definition; unreadable ones are logged and skipped
-    /// so one bad file does not keep the other devices down.
-    pub fn load_all(&self) -> Result<Vec<DeviceSpec>, DeviceError> {
-        let rd = fs::read_dir(&self.dir).map_err(|source| DeviceError::State {
-            path: self.dir.clone(),
-            source,
-        })?;
-        let mut specs = Vec::new();
-        for entry in rd.flatten() {
-            let path = entry.path();
-            if path.extension().is_none_or(|e| e != "json") {
-                continue;
-            }
-            match fs::read_to_string(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|t| serde_json::from_str::<DeviceSpec>(&t).map_err(|e| e.to_string()))
-            {
-                Ok(s) => specs.push(s),
-                Err(e) => {
-                    tracing::error!(event = "device.spec_unreadable", path = %path.display(), error = %e)
-                }
-            }
-        }
-        specs.sort_by_key(|s| s.id);
-        Ok(specs)
-    }
-}
-
 /// Where a device is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum State {
+pub(crate) enum State {
     Starting,
     Recovering,
     Live,
@@ -262,16 +170,6 @@ impl State {
     }
 }
 
-fn shape(spec: &DeviceSpec) -> DeviceShape {
-    DeviceShape {
-        id: spec.id,
-        // Bounded by check_geometry (at most MAX_QUEUES / MAX_DEPTH).
-        queues: spec.queues as u16,
-        depth: spec.depth as u16,
-        transport: spec.transport,
-    }
-}
-
 /// One device the manager knows.
 struct Device {
     spec: DeviceSpec,
@@ -283,21 +181,6 @@ struct Device {
     thread: Option<JoinHandle<()>>,
 }
 
-/// How a device thread attaches to the kernel.
-#[derive(Clone, Copy, Debug)]
-enum Mode {
-    /// ADD a new device; `-1` lets the kernel pick the id.
-    Add(i32),
-    /// START_USER_RECOVERY of an existing, quiesced device.
-    Recover(u32),
-}
-
-enum Event {
-    Built(u32),
-    Started,
-    Failed(String),
-}
-
 /// Owns every device's lifecycle.
 pub struct Manager {
     cfg: UblkdConfig,
@@ -306,189 +189,6 @@ pub struct Manager {
     /// Serialises add/del/recover; reads (list, stats) never wait on it.
     ops: Mutex<()>,
     obs: Arc<Observability>,
-}
-
-fn ublk_err(what: &'static str, id: i64) -> impl Fn(libublk::UblkError) -> DeviceError {
-    move |e| DeviceError::Ublk {
-        what,
-        id,
-        detail: e.to_string(),
-    }
-}
-
-/// The kernel's state for device `id`, or `None` when it has no such device.
-fn kernel_state(id: u32) -> Option<u32> {
-    if !Path::new(&format!("/dev/ublkc{id}")).exists() {
-        return None;
-    }
-    UblkCtrl::new_simple(id as i32)
-        .ok()
-        .map(|c| u32::from(c.dev_info().state))
-}
-
-/// ublk parameters for a spec.
-fn params(spec: &DeviceSpec) -> sys::ublk_params {
-    let shift = |v: u64| v.trailing_zeros() as u8;
-    let mut attrs = 0;
-    if spec.write_cache {
-        attrs |= sys::UBLK_ATTR_VOLATILE_CACHE;
-    }
-    if spec.fua {
-        attrs |= sys::UBLK_ATTR_FUA;
-    }
-    let mut p = sys::ublk_params {
-        types: sys::UBLK_PARAM_TYPE_BASIC,
-        basic: sys::ublk_param_basic {
-            attrs,
-            logical_bs_shift: shift(spec.logical_block_size.into()),
-            physical_bs_shift: shift(spec.physical_block_size.into()),
-            io_opt_shift: shift(spec.physical_block_size.into()),
-            io_min_shift: shift(spec.logical_block_size.into()),
-            max_sectors: (spec.max_io_size >> 9) as u32,
-            dev_sectors: spec.size >> 9,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    if spec.discard || spec.write_zeroes {
-        p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
-        p.discard = sys::ublk_param_discard {
-            discard_alignment: 0,
-            discard_granularity: spec.physical_block_size,
-            max_discard_sectors: if spec.discard {
-                (spec.max_discard_size >> 9) as u32
-            } else {
-                0
-            },
-            max_write_zeroes_sectors: if spec.write_zeroes {
-                (spec.max_write_zeroes_size >> 9) as u32
-            } else {
-                0
-            },
-            max_discard_segments: 1,
-            ..Default::default()
-        };
-    }
-    p
-}
-
-/// What a device thread is started with.
-struct DeviceStart {
-    spec: DeviceSpec,
-    mode: Mode,
-    ios: Vec<QueueIo>,
-    stats: Arc<DeviceStats>,
-    driver: Arc<dyn DriverStats>,
-    state: Arc<Mutex<State>>,
-    obs: Arc<Observability>,
-}
-
-/// The device thread: attaches to the kernel, serves until the device
-/// stops, then deletes the dead kernel device.
-fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
-    let DeviceStart {
-        spec,
-        mode,
-        ios,
-        stats,
-        driver,
-        state,
-        obs,
-    } = start;
-    let fail = |tx: &mpsc::Sender<Event>, e: DeviceError| {
-        let _ = tx.send(Event::Failed(e.to_string()));
-    };
-    let (id, dev_flags) = match mode {
-        Mode::Add(id) => (id, UblkFlags::UBLK_DEV_F_ADD_DEV),
-        Mode::Recover(id) => {
-            let r = UblkCtrl::new_simple(id as i32)
-                .and_then(|c| c.start_user_recover())
-                .map_err(ublk_err("START_USER_RECOVERY", id.into()));
-            if let Err(e) = r {
-                return fail(&tx, e);
-            }
-            (id as i32, UblkFlags::UBLK_DEV_F_RECOVER_DEV)
-        }
-    };
-    let ctrl = match UblkCtrlBuilder::default()
-        .name("ublkd")
-        .id(id)
-        .nr_queues(spec.queues as u16)
-        .depth(spec.depth as u16)
-        .io_buf_bytes(spec.io_buf as u32)
-        .ctrl_flags((sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64)
-        .dev_flags(dev_flags)
-        .build()
-    {
-        Ok(c) => c,
-        Err(e) => return fail(&tx, ublk_err("ADD_DEV", id.into())(e)),
-    };
-    let dev_id = ctrl.dev_info().dev_id;
-    let initial = state.lock().dev_state();
-    let dobs = match obs.register(
-        shape(&DeviceSpec {
-            id: dev_id,
-            ..spec.clone()
-        }),
-        initial,
-        Arc::clone(&stats),
-        ios.clone(),
-        driver,
-    ) {
-        Ok(d) => d,
-        Err(e) => {
-            let _ = ctrl.del_dev();
-            return fail(&tx, DeviceError::BadRequest(e.to_string()));
-        }
-    };
-    let _ = tx.send(Event::Built(dev_id));
-
-    let queue_ios: Arc<Mutex<Vec<Option<QueueIo>>>> =
-        Arc::new(Mutex::new(ios.into_iter().map(Some).collect()));
-    let size = spec.size;
-    let qobs = Arc::clone(&dobs);
-    let q_fn = move |qid: u16, dev: &UblkDev| {
-        let Some(io) = queue_ios
-            .lock()
-            .get_mut(qid as usize)
-            .and_then(Option::take)
-        else {
-            tracing::error!(event = "queue.no_client", qid);
-            return;
-        };
-        crate::queue::run(qid, dev, io, size, Arc::clone(&qobs));
-    };
-    let ublk_params = params(&spec);
-    let tgt_init = move |dev: &mut UblkDev| {
-        dev.tgt.dev_size = size;
-        dev.tgt.params = ublk_params;
-        Ok(())
-    };
-    let started_state = Arc::clone(&state);
-    let started_obs = Arc::clone(&dobs);
-    let started_tx = tx.clone();
-    let on_started = move |_: &UblkCtrl| {
-        *started_state.lock() = State::Live;
-        started_obs.set_state(DevState::Live);
-        let _ = started_tx.send(Event::Started);
-    };
-    let result = ctrl.run_target(tgt_init, q_fn, on_started);
-    // The queues are gone: the device was stopped (by `del` or from
-    // outside). A stopped ublk device is dead for good, so remove it.
-    let _ = ctrl.del_dev();
-    match result {
-        Ok(_) => {
-            *state.lock() = State::Stopped;
-            dobs.set_state(DevState::Stopped);
-            tracing::info!(event = "device.stopped", id = dev_id);
-        }
-        Err(e) => {
-            let e = ublk_err("START_DEV", dev_id.into())(e);
-            *state.lock() = State::Failed(e.to_string());
-            dobs.set_state(DevState::Failed);
-            fail(&tx, e);
-        }
-    }
 }
 
 impl Manager {
@@ -513,8 +213,8 @@ impl Manager {
             shape(&spec),
             DevState::Failed,
             Arc::default(),
-            Vec::new(),
-            Arc::new(TcpPayloadStats::default()),
+            None,
+            Arc::new(ClientStats::default()),
         ) {
             tracing::warn!(event = "device.metrics_failed", id, error = %oe);
         }
@@ -575,7 +275,9 @@ impl Manager {
             reason: e.to_string(),
         })?;
         let (ios, driver) = self.connect_queues(&spec, &secret)?;
-        let blob_bytes = ios.first().map_or(0, |io| io.client().session_blob_bytes());
+        let blob_bytes = ios
+            .first()
+            .map_or(0, |io| io.session().client().session_blob_bytes());
         if !Path::new(UBLK_CONTROL).exists() {
             return Err(DeviceError::UblkMissing);
         }
@@ -665,11 +367,14 @@ impl Manager {
         secret: &Secret,
     ) -> Result<(Vec<QueueIo>, Arc<dyn DriverStats>), DeviceError> {
         // A FLUSH on any queue covers writes completed on every queue, so
-        // the queues' connections vouch for each other's writes.
+        // the queues' connections vouch for each other's writes; and they
+        // count into one set of statistics, the device's.
         let flush_domain = Arc::new(FlushDomain::default());
+        let client_stats = Arc::new(ClientStats::default());
         let client_cfg = || {
             let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
             cc.flush_domain = Arc::clone(&flush_domain);
+            cc.stats = Arc::clone(&client_stats);
             cc.blob_bytes = spec.blob_size as u32;
             cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
             cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
@@ -677,18 +382,15 @@ impl Manager {
         };
         let bufs = || TagBuffers::new(spec.depth as usize, spec.io_buf as usize);
         let mode = match spec.transport {
-            Transport::Tcp => {
-                let payload = Arc::new(TcpPayloadStats::default());
+            TransportChoice::Tcp => {
                 let mut ios = Vec::with_capacity(spec.queues as usize);
                 for _ in 0..spec.queues {
-                    let mut cc = client_cfg();
-                    cc.payload_stats = Some(Arc::clone(&payload));
-                    ios.push(QueueIo::tcp(ArenaClient::connect(cc)?, bufs()));
+                    ios.push(QueueIo::tcp(ArenaClient::connect(client_cfg())?, bufs()));
                 }
-                return Ok((ios, payload));
+                return Ok((ios, client_stats));
             }
-            Transport::Rdma => RdmaMode::On,
-            Transport::Auto => RdmaMode::Auto,
+            TransportChoice::Rdma => RdmaMode::On,
+            TransportChoice::Auto => RdmaMode::Auto,
         };
         let provider = open_provider(mode, &self.cfg.rdma.selector())
             .map_err(|e| DeviceError::RdmaUnavailable(e.to_string()))?;
@@ -701,7 +403,7 @@ impl Manager {
             sq_depth: (spec.depth * 2).clamp(16, 256),
             op_timeout: Duration::from_millis(self.cfg.request_timeout_ms)
                 .min(Duration::from_secs(5)),
-            require_rdma: spec.transport == Transport::Rdma,
+            require_rdma: spec.transport == TransportChoice::Rdma,
             ..RdmaTransportConfig::default()
         };
         // Leases are cached per queue connection; the group lets a FLUSH or
@@ -719,9 +421,14 @@ impl Manager {
             )?;
             ios.push(QueueIo::rdma(t, bufs(), &group));
         }
-        let rdma = ios.iter().all(|io| io.negotiated() == Negotiated::Rdma);
-        let stats = ios.iter().filter_map(QueueIo::rdma_stats).collect();
-        let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats);
+        let rdma = ios
+            .iter()
+            .all(|io| io.session().transport() == MetricsTransport::Rdma);
+        let stats = ios
+            .iter()
+            .filter_map(|io| io.session().rdma_stats())
+            .collect();
+        let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats, client_stats);
         Ok((ios, Arc::new(driver)))
     }
 
@@ -873,7 +580,10 @@ impl Manager {
             },
             peer: dev.spec.peer.clone(),
             volume: dev.spec.volume.clone(),
-            transport: negotiated.as_ref().map_or("none", |(n, _)| n.name()).into(),
+            transport: negotiated
+                .as_ref()
+                .map_or("none", |(n, _)| n.as_str())
+                .into(),
             transport_requested: dev.spec.transport.name().into(),
             transport_note: negotiated.and_then(|(_, why)| why),
             logical_block_size: dev.spec.logical_block_size,
@@ -927,6 +637,36 @@ impl Manager {
         })
     }
 
+    /// Checks (and re-establishes) the arena connections of live devices.
+    /// The devices lock is not held while connecting.
+    pub fn check_peers(&self) {
+        let live: Vec<(Arc<DeviceObs>, Vec<QueueIo>)> = self
+            .devices
+            .lock()
+            .iter()
+            .filter(|(_, d)| *d.state.lock() == State::Live)
+            .filter_map(|(id, d)| Some((self.obs.device(*id)?, d.ios.clone())))
+            .collect();
+        for (dev, ios) in live {
+            check_peer(&dev, &ios);
+        }
+    }
+
+    /// Runs [`Manager::check_peers`] every [`PEER_CHECK_INTERVAL`] on its
+    /// own thread, for as long as the manager lives.
+    pub fn spawn_peer_monitor(self: &Arc<Self>) -> io::Result<JoinHandle<()>> {
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("ublkd-peers".into())
+            .spawn(move || loop {
+                std::thread::sleep(PEER_CHECK_INTERVAL);
+                match weak.upgrade() {
+                    Some(m) => m.check_peers(),
+                    None => return,
+                }
+            })
+    }
+
     /// SIGTERM with `on_shutdown = "keep"`: FLUSH every device's arena
     /// session so everything acknowledged is durable, and leave the kernel
     /// devices for the next `ublkd` to recover. The caller then exits; the
@@ -935,7 +675,7 @@ impl Manager {
         let _op = self.ops.lock();
         for (id, dev) in self.devices.lock().iter() {
             for io in &dev.ios {
-                if let Err(e) = futures::executor::block_on(io.flush()) {
+                if let Err(e) = futures::executor::block_on(io.session().flush()) {
                     tracing::warn!(event = "device.flush_failed", id, error = %e);
                 }
             }
@@ -956,6 +696,8 @@ impl Manager {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     fn cfg(dir: &Path) -> UblkdConfig {
@@ -1060,7 +802,7 @@ mod tests {
         fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
         let a = AddArgs {
             secret_file: secret,
-            transport: Some(Transport::Rdma),
+            transport: Some(TransportChoice::Rdma),
             ..args()
         };
         let e = m.add(&a).unwrap_err();

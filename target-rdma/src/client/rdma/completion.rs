@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use futures::channel::oneshot;
 use parking_lot::Mutex;
 
-use super::stats::DriverStats;
-use super::{Completion, QueuePair, RdmaError, WcCategory, WorkRequest};
+use super::stats::RdmaStats;
+use crate::rdma::{Completion, QueuePair, RdmaError, WcCategory, WorkRequest};
 
 /// How often deadlines are checked while completions are outstanding.
 const TICK: Duration = Duration::from_millis(50);
@@ -65,7 +65,7 @@ pub struct CompletionEngine {
     table: Mutex<Table>,
     depth: u32,
     timeout: Duration,
-    stats: Arc<DriverStats>,
+    stats: Arc<RdmaStats>,
     stop: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -76,7 +76,7 @@ impl CompletionEngine {
         qp: Arc<dyn QueuePair>,
         depth: u32,
         timeout: Duration,
-        stats: Arc<DriverStats>,
+        stats: Arc<RdmaStats>,
     ) -> Arc<Self> {
         Arc::new(Self {
             qp,
@@ -141,6 +141,7 @@ impl CompletionEngine {
     }
 
     /// Requests in flight.
+    #[cfg(test)]
     pub fn in_flight(&self) -> usize {
         self.table.lock().waiting.len()
     }
@@ -257,7 +258,8 @@ impl CompletionEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::{wc_status, Endpoint, RdmaOp};
+    use crate::proto::Endpoint;
+    use crate::rdma::{wc_status, RdmaOp};
     use futures::executor::block_on;
 
     /// A QP that records posts and completes only what the test says.
@@ -313,9 +315,9 @@ mod tests {
         }
     }
 
-    fn engine(depth: u32) -> (Arc<ScriptedQp>, Arc<CompletionEngine>, Arc<DriverStats>) {
+    fn engine(depth: u32) -> (Arc<ScriptedQp>, Arc<CompletionEngine>, Arc<RdmaStats>) {
         let qp = Arc::new(ScriptedQp::default());
-        let stats = Arc::new(DriverStats::default());
+        let stats = Arc::new(RdmaStats::default());
         let e = CompletionEngine::new(qp.clone(), depth, Duration::from_secs(3600), stats.clone());
         (qp, e, stats)
     }

@@ -4,9 +4,12 @@
 //! failures) and sampled from [`Store::stats`] at each scrape, readiness
 //! (store open and not shutting down) and a redacted `/diagnostics`.
 //!
-//! The server only calls the hooks below; everything else lives here.
+//! The server is given this at construction and only calls the hooks
+//! below, passing the status it answered with; nothing here reaches back
+//! into the server.
 
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ublk_metrics::{
@@ -15,28 +18,34 @@ use ublk_metrics::{
     TelemetryError,
 };
 
-use crate::arenad::server::Server;
-use crate::proto::{FrameError, Header, Opcode, Status, HEADER_LEN};
+use crate::proto::{FrameError, Opcode, Status};
 use crate::store::{IndexWrite, IntegrityKind, Store, StoreStats};
+
+/// The store, once open: the metrics listener starts before it, so that
+/// `/ready` can say why arenad is not ready yet.
+struct Opened {
+    store: Arc<Store>,
+    volumes: usize,
+}
 
 #[derive(Default)]
 struct Shared {
-    store: OnceLock<Arc<Store>>,
-    volumes: OnceLock<usize>,
-    server: OnceLock<Weak<Server>>,
+    opened: OnceLock<Opened>,
+    /// Sessions with a completed handshake, now.
+    connections: AtomicUsize,
 }
 
-/// The telemetry of one arenad process.
-pub struct ArenadTelemetry {
+/// The observability of one arenad process.
+pub struct ArenadObservability {
     tel: Arc<Telemetry>,
     metrics: Arc<ArenaMetrics>,
     shared: Arc<Shared>,
-    listener: OnceLock<MetricsServer>,
 }
 
-impl std::fmt::Debug for ArenadTelemetry {
+impl std::fmt::Debug for ArenadObservability {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ArenadTelemetry").finish_non_exhaustive()
+        f.debug_struct("ArenadObservability")
+            .finish_non_exhaustive()
     }
 }
 
@@ -46,29 +55,23 @@ impl Probes for ArenadProbes {
     fn check_ready(&self, failing: &mut NotReadySet) {
         // The store opens its swap file and replays its index together:
         // until `Store::open` returned, neither is usable.
-        if self.0.store.get().is_none() {
+        if self.0.opened.get().is_none() {
             failing.insert(NotReadyReason::SwapNotOpen);
             failing.insert(NotReadyReason::IndexNotOpen);
         }
     }
 
     fn diagnostics(&self) -> serde_json::Value {
-        let Some(store) = self.0.store.get() else {
+        let Some(Opened { store, volumes }) = self.0.opened.get() else {
             return serde_json::json!({ "store": "opening" });
         };
         let s = store.stats();
-        let connections = self
-            .0
-            .server
-            .get()
-            .and_then(Weak::upgrade)
-            .map(|srv| srv.connections());
         serde_json::json!({
             "store": "open",
             "generation": store.generation(),
             "blob_bytes": store.blob_bytes(),
-            "volumes": self.0.volumes.get().copied().unwrap_or(0),
-            "connections": connections,
+            "volumes": volumes,
+            "connections": self.0.connections.load(Ordering::Relaxed),
             "slots": {
                 "total": s.slots_total,
                 "free": s.slots_free,
@@ -164,7 +167,7 @@ pub fn frame_class(e: &FrameError) -> ProtocolErrorClass {
     }
 }
 
-impl ArenadTelemetry {
+impl ArenadObservability {
     /// Registers the arenad families and the probes on `tel`.
     pub fn new(tel: Arc<Telemetry>) -> Arc<Self> {
         let shared = Arc::new(Shared::default());
@@ -173,7 +176,6 @@ impl ArenadTelemetry {
             metrics: ArenaMetrics::new(&tel),
             tel,
             shared,
-            listener: OnceLock::new(),
         })
     }
 
@@ -182,15 +184,9 @@ impl ArenadTelemetry {
         Ok(Self::new(Telemetry::install(Daemon::Arenad, version)?))
     }
 
-    /// Starts the metrics listener on `addr` (once; later calls are no-ops).
-    pub fn listen(&self, addr: &str) -> Result<std::net::SocketAddr, HttpError> {
-        if let Some(l) = self.listener.get() {
-            return Ok(l.local_addr());
-        }
-        let server = MetricsServer::start(addr, Arc::clone(&self.tel), HttpConfig::default())?;
-        let local = server.local_addr();
-        let _ = self.listener.set(server);
-        Ok(local)
+    /// Starts the metrics listener on `addr`; it serves until dropped.
+    pub fn listen(&self, addr: &str) -> Result<MetricsServer, HttpError> {
+        MetricsServer::start(addr, Arc::clone(&self.tel), HttpConfig::default())
     }
 
     /// The telemetry plane.
@@ -201,8 +197,10 @@ impl ArenadTelemetry {
     /// The store is open (swap and index usable): readiness passes, and
     /// every scrape samples its statistics.
     pub fn store_opened(&self, store: &Arc<Store>, volumes: usize) {
-        let _ = self.shared.volumes.set(volumes);
-        let _ = self.shared.store.set(Arc::clone(store));
+        let _ = self.shared.opened.set(Opened {
+            store: Arc::clone(store),
+            volumes,
+        });
         let weak = Arc::downgrade(store);
         self.metrics.set_source(move || {
             weak.upgrade()
@@ -216,9 +214,14 @@ impl ArenadTelemetry {
         }));
     }
 
-    /// The server is serving; `/diagnostics` reports its connection count.
-    pub fn server_started(&self, server: &Arc<Server>) {
-        let _ = self.shared.server.set(Arc::downgrade(server));
+    /// A session completed its handshake (`/diagnostics` counts them).
+    pub fn session_opened(&self) {
+        self.shared.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A session ended.
+    pub fn session_closed(&self) {
+        self.shared.connections.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// `/ready` answers 503 `shutting_down` from now on.
@@ -226,14 +229,8 @@ impl ArenadTelemetry {
         self.tel.begin_shutdown();
     }
 
-    /// A request of `op` was answered with the frame in `response` (its
-    /// header carries the status) after `latency`.
-    pub fn answered(&self, op: Opcode, response: &[u8], latency: Duration) {
-        let status = response
-            .get(..HEADER_LEN)
-            .and_then(|h| <&[u8; HEADER_LEN]>::try_from(h).ok())
-            .and_then(|h| Header::decode(h).ok())
-            .map_or(Status::Internal, |h| h.status);
+    /// A request of `op` was answered with `status` after `latency`.
+    pub fn answered(&self, op: Opcode, status: Status, latency: Duration) {
         let out = outcome(status);
         self.metrics.record_op(arena_op(op), out, latency);
         if op == Opcode::Flush && out == ArenaOutcome::Ok {
@@ -315,7 +312,7 @@ mod tests {
 
     #[test]
     fn readiness_waits_for_the_store_and_shutdown() {
-        let t = ArenadTelemetry::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        let t = ArenadObservability::new(Telemetry::isolated(Daemon::Arenad, "test"));
         let r = t.telemetry().readiness();
         assert!(r.failing.contains(NotReadyReason::SwapNotOpen));
         assert!(r.failing.contains(NotReadyReason::IndexNotOpen));
@@ -352,13 +349,10 @@ mod tests {
     }
 
     #[test]
-    fn response_status_decides_the_outcome_and_flush_latency() {
-        let t = ArenadTelemetry::new(Telemetry::isolated(Daemon::Arenad, "test"));
-        let mut out = Vec::new();
-        crate::proto::encode_ok(&mut out, Opcode::Flush, 1);
-        t.answered(Opcode::Flush, &out, Duration::from_millis(2));
-        crate::proto::encode_error(&mut out, Opcode::Get, 2, Status::NotFound, "");
-        t.answered(Opcode::Get, &out, Duration::from_micros(30));
+    fn the_answered_status_decides_the_outcome_and_flush_latency() {
+        let t = ArenadObservability::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        t.answered(Opcode::Flush, Status::Ok, Duration::from_millis(2));
+        t.answered(Opcode::Get, Status::NotFound, Duration::from_micros(30));
         t.auth_failed();
         t.frame_error(&FrameError::BadOpcode(0x77));
         let text = t.telemetry().render().unwrap();

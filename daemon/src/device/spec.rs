@@ -1,0 +1,192 @@
+//! Device definitions: what `ublkctl add` asked for, persisted as
+//! `<state_dir>/devices/<id>.json` so a restarted `ublkd` brings the same
+//! devices back, and what they mean to the kernel (ublk parameters) and to
+//! the metrics (the device's shape).
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use libublk::sys;
+use serde::{Deserialize, Serialize};
+
+use super::DeviceError;
+use crate::config::TransportChoice;
+use crate::observability::DeviceShape;
+
+/// A device definition, persisted as `<state_dir>/devices/<id>.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// ublk device id.
+    pub id: u32,
+    /// `host:port` of `arenad`.
+    pub peer: String,
+    /// Volume name.
+    pub volume: String,
+    /// Secret file, read again at every start so rotation needs no re-add.
+    pub secret_file: PathBuf,
+    /// Size in bytes.
+    pub size: u64,
+    /// Hardware queues.
+    pub queues: u32,
+    /// Queue depth.
+    pub depth: u32,
+    /// Per-request buffer.
+    pub io_buf: u64,
+    /// Blob size asked for (0: the volume's).
+    pub blob_size: u64,
+    /// TransportChoice asked for.
+    pub transport: TransportChoice,
+    /// Logical block size.
+    pub logical_block_size: u32,
+    /// Physical block size.
+    pub physical_block_size: u32,
+    /// Largest request.
+    pub max_io_size: u64,
+    /// DISCARD advertised.
+    pub discard: bool,
+    /// Largest DISCARD.
+    pub max_discard_size: u64,
+    /// WRITE_ZEROES advertised.
+    pub write_zeroes: bool,
+    /// Largest WRITE_ZEROES.
+    pub max_write_zeroes_size: u64,
+    /// Volatile write cache advertised.
+    pub write_cache: bool,
+    /// FUA advertised.
+    pub fua: bool,
+}
+
+/// Reads and writes device definitions.
+pub struct SpecStore {
+    dir: PathBuf,
+}
+
+impl SpecStore {
+    /// The store under `<state_dir>/devices`, created if missing.
+    pub fn open(state_dir: &Path) -> Result<Self, DeviceError> {
+        let dir = state_dir.join("devices");
+        fs::create_dir_all(&dir).map_err(|source| DeviceError::State {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(Self { dir })
+    }
+
+    fn path(&self, id: u32) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    /// Writes atomically (temp file, fsync, rename) so a crash never
+    /// leaves a half-written definition behind.
+    pub fn save(&self, spec: &DeviceSpec) -> Result<(), DeviceError> {
+        let path = self.path(spec.id);
+        let tmp = self.dir.join(format!(".{}.json.tmp", spec.id));
+        let err = |source| DeviceError::State {
+            path: path.clone(),
+            source,
+        };
+        let mut f = fs::File::create(&tmp).map_err(err)?;
+        let text = serde_json::to_string_pretty(spec).map_err(|e| err(e.into()))?;
+        f.write_all(text.as_bytes()).map_err(err)?;
+        f.sync_all().map_err(err)?;
+        fs::rename(&tmp, &path).map_err(err)?;
+        fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(err)
+    }
+
+    /// Deletes a definition; a missing one is fine.
+    pub fn remove(&self, id: u32) -> Result<(), DeviceError> {
+        match fs::remove_file(self.path(id)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(DeviceError::State {
+                path: self.path(id),
+                source: e,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every readable definition; unreadable ones are logged and skipped
+    /// so one bad file does not keep the other devices down.
+    pub fn load_all(&self) -> Result<Vec<DeviceSpec>, DeviceError> {
+        let rd = fs::read_dir(&self.dir).map_err(|source| DeviceError::State {
+            path: self.dir.clone(),
+            source,
+        })?;
+        let mut specs = Vec::new();
+        for entry in rd.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            match fs::read_to_string(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| serde_json::from_str::<DeviceSpec>(&t).map_err(|e| e.to_string()))
+            {
+                Ok(s) => specs.push(s),
+                Err(e) => {
+                    tracing::error!(event = "device.spec_unreadable", path = %path.display(), error = %e)
+                }
+            }
+        }
+        specs.sort_by_key(|s| s.id);
+        Ok(specs)
+    }
+}
+
+pub(super) fn shape(spec: &DeviceSpec) -> DeviceShape {
+    DeviceShape {
+        id: spec.id,
+        // Bounded by check_geometry (at most MAX_QUEUES / MAX_DEPTH).
+        queues: spec.queues as u16,
+        depth: spec.depth as u16,
+        transport: spec.transport,
+    }
+}
+
+/// ublk parameters for a spec.
+pub(super) fn params(spec: &DeviceSpec) -> sys::ublk_params {
+    let shift = |v: u64| v.trailing_zeros() as u8;
+    let mut attrs = 0;
+    if spec.write_cache {
+        attrs |= sys::UBLK_ATTR_VOLATILE_CACHE;
+    }
+    if spec.fua {
+        attrs |= sys::UBLK_ATTR_FUA;
+    }
+    let mut p = sys::ublk_params {
+        types: sys::UBLK_PARAM_TYPE_BASIC,
+        basic: sys::ublk_param_basic {
+            attrs,
+            logical_bs_shift: shift(spec.logical_block_size.into()),
+            physical_bs_shift: shift(spec.physical_block_size.into()),
+            io_opt_shift: shift(spec.physical_block_size.into()),
+            io_min_shift: shift(spec.logical_block_size.into()),
+            max_sectors: (spec.max_io_size >> 9) as u32,
+            dev_sectors: spec.size >> 9,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    if spec.discard || spec.write_zeroes {
+        p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
+        p.discard = sys::ublk_param_discard {
+            discard_alignment: 0,
+            discard_granularity: spec.physical_block_size,
+            max_discard_sectors: if spec.discard {
+                (spec.max_discard_size >> 9) as u32
+            } else {
+                0
+            },
+            max_write_zeroes_sectors: if spec.write_zeroes {
+                (spec.max_write_zeroes_size >> 9) as u32
+            } else {
+                0
+            },
+            max_discard_segments: 1,
+            ..Default::default()
+        };
+    }
+    p
+}

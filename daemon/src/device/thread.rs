@@ -1,0 +1,171 @@
+//! The kernel side of one device: its thread attaches to `ublk_drv` (ADD or
+//! START_USER_RECOVERY) through libublk's `run_target`, which spawns the
+//! queue threads (`queue.rs`), serves until the device stops, then deletes
+//! the dead kernel device.
+
+use std::path::Path;
+use std::sync::{mpsc, Arc};
+
+use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
+use libublk::io::UblkDev;
+use libublk::{sys, UblkFlags};
+use parking_lot::Mutex;
+use ublk_metrics::DriverStats;
+
+use super::spec::{params, shape, DeviceSpec};
+use super::{DeviceError, State};
+use crate::device_stats::DeviceStats;
+use crate::observability::{DevState, Observability};
+use crate::queue_io::{self, QueueIo};
+
+/// How a device thread attaches to the kernel.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Mode {
+    /// ADD a new device; `-1` lets the kernel pick the id.
+    Add(i32),
+    /// START_USER_RECOVERY of an existing, quiesced device.
+    Recover(u32),
+}
+
+pub(super) enum Event {
+    Built(u32),
+    Started,
+    Failed(String),
+}
+
+pub(super) fn ublk_err(what: &'static str, id: i64) -> impl Fn(libublk::UblkError) -> DeviceError {
+    move |e| DeviceError::Ublk {
+        what,
+        id,
+        detail: e.to_string(),
+    }
+}
+
+/// The kernel's state for device `id`, or `None` when it has no such device.
+pub(super) fn kernel_state(id: u32) -> Option<u32> {
+    if !Path::new(&format!("/dev/ublkc{id}")).exists() {
+        return None;
+    }
+    UblkCtrl::new_simple(id as i32)
+        .ok()
+        .map(|c| u32::from(c.dev_info().state))
+}
+
+/// What a device thread is started with.
+pub(super) struct DeviceStart {
+    pub(super) spec: DeviceSpec,
+    pub(super) mode: Mode,
+    pub(super) ios: Vec<QueueIo>,
+    pub(super) stats: Arc<DeviceStats>,
+    pub(super) driver: Arc<dyn DriverStats>,
+    pub(super) state: Arc<Mutex<State>>,
+    pub(super) obs: Arc<Observability>,
+}
+
+/// The device thread: attaches to the kernel, serves until the device
+/// stops, then deletes the dead kernel device.
+pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
+    let DeviceStart {
+        spec,
+        mode,
+        ios,
+        stats,
+        driver,
+        state,
+        obs,
+    } = start;
+    let fail = |tx: &mpsc::Sender<Event>, e: DeviceError| {
+        let _ = tx.send(Event::Failed(e.to_string()));
+    };
+    let (id, dev_flags) = match mode {
+        Mode::Add(id) => (id, UblkFlags::UBLK_DEV_F_ADD_DEV),
+        Mode::Recover(id) => {
+            let r = UblkCtrl::new_simple(id as i32)
+                .and_then(|c| c.start_user_recover())
+                .map_err(ublk_err("START_USER_RECOVERY", id.into()));
+            if let Err(e) = r {
+                return fail(&tx, e);
+            }
+            (id as i32, UblkFlags::UBLK_DEV_F_RECOVER_DEV)
+        }
+    };
+    let ctrl = match UblkCtrlBuilder::default()
+        .name("ublkd")
+        .id(id)
+        .nr_queues(spec.queues as u16)
+        .depth(spec.depth as u16)
+        .io_buf_bytes(spec.io_buf as u32)
+        .ctrl_flags((sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64)
+        .dev_flags(dev_flags)
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => return fail(&tx, ublk_err("ADD_DEV", id.into())(e)),
+    };
+    let dev_id = ctrl.dev_info().dev_id;
+    let initial = state.lock().dev_state();
+    let dobs = match obs.register(
+        shape(&DeviceSpec {
+            id: dev_id,
+            ..spec.clone()
+        }),
+        initial,
+        Arc::clone(&stats),
+        queue_io::negotiated(&ios),
+        driver,
+    ) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = ctrl.del_dev();
+            return fail(&tx, DeviceError::BadRequest(e.to_string()));
+        }
+    };
+    let _ = tx.send(Event::Built(dev_id));
+
+    let queue_ios: Arc<Mutex<Vec<Option<QueueIo>>>> =
+        Arc::new(Mutex::new(ios.into_iter().map(Some).collect()));
+    let size = spec.size;
+    let qobs = Arc::clone(&dobs);
+    let q_fn = move |qid: u16, dev: &UblkDev| {
+        let Some(io) = queue_ios
+            .lock()
+            .get_mut(qid as usize)
+            .and_then(Option::take)
+        else {
+            tracing::error!(event = "queue.no_client", qid);
+            return;
+        };
+        crate::queue::run(qid, dev, io, size, Arc::clone(&qobs));
+    };
+    let ublk_params = params(&spec);
+    let tgt_init = move |dev: &mut UblkDev| {
+        dev.tgt.dev_size = size;
+        dev.tgt.params = ublk_params;
+        Ok(())
+    };
+    let started_state = Arc::clone(&state);
+    let started_obs = Arc::clone(&dobs);
+    let started_tx = tx.clone();
+    let on_started = move |_: &UblkCtrl| {
+        *started_state.lock() = State::Live;
+        started_obs.set_state(DevState::Live);
+        let _ = started_tx.send(Event::Started);
+    };
+    let result = ctrl.run_target(tgt_init, q_fn, on_started);
+    // The queues are gone: the device was stopped (by `del` or from
+    // outside). A stopped ublk device is dead for good, so remove it.
+    let _ = ctrl.del_dev();
+    match result {
+        Ok(_) => {
+            *state.lock() = State::Stopped;
+            dobs.set_state(DevState::Stopped);
+            tracing::info!(event = "device.stopped", id = dev_id);
+        }
+        Err(e) => {
+            let e = ublk_err("START_DEV", dev_id.into())(e);
+            *state.lock() = State::Failed(e.to_string());
+            dobs.set_state(DevState::Failed);
+            fail(&tx, e);
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The one error every arena session returns, whichever transport carries
+//! it: the same failure is the same [`ArenaError`] (and the same
+//! [`ErrorKind`]) over TCP, over RDMA and in process, so the block target and
+//! the failure taxonomy classify it once.
+
+use std::io;
+use std::time::Duration;
+
+use crate::proto::{FrameError, Opcode, Status};
+
+/// What kind of failure an [`ArenaError`] is: the closed set callers match
+/// on (errno, failure taxonomy, readiness, control-socket error class),
+/// without reaching into the variants' fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// TCP connect failed or timed out.
+    Connect,
+    /// The peer rejected our MAC: wrong secret or unknown volume.
+    AuthFailed,
+    /// The peer could not prove it knows the secret.
+    PeerNotAuthentic,
+    /// The handshake was refused with this status.
+    Refused(Status),
+    /// A request got no answer in time.
+    TimedOut,
+    /// The connection broke before the answer.
+    Disconnected,
+    /// The peer (or the in-process store) answered with this error status.
+    Status(Status),
+    /// The peer sent something that breaks the protocol.
+    Protocol,
+    /// The peer restarted and lost acknowledged, unflushed writes.
+    UnflushedDataLost,
+}
+
+/// A failed arena operation. Messages name the peer, the op and the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    /// TCP connect failed or timed out.
+    #[error("cannot connect to arena peer {peer}: {source}")]
+    Connect {
+        /// The peer.
+        peer: String,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The peer rejected our MAC: wrong secret or unknown volume.
+    #[error("arena peer {peer} refused authentication for volume {volume:?} (wrong secret or unknown volume)")]
+    AuthFailed {
+        /// The peer.
+        peer: String,
+        /// The volume asked for.
+        volume: String,
+    },
+    /// The peer's WELCOME MAC was wrong: it does not know the secret.
+    #[error("arena peer {peer} could not prove it knows the secret of volume {volume:?}; refusing to use it")]
+    PeerNotAuthentic {
+        /// The peer.
+        peer: String,
+        /// The volume asked for.
+        volume: String,
+    },
+    /// The handshake was refused for another reason.
+    #[error("arena peer {peer} refused the session ({status}): {message}", status = status.name())]
+    Refused {
+        /// The peer.
+        peer: String,
+        /// Why, as a status.
+        status: Status,
+        /// The peer's message.
+        message: String,
+    },
+    /// A request got no answer in time.
+    #[error("{op} to arena peer {peer} timed out after {after:?}", op = op.name())]
+    TimedOut {
+        /// The request.
+        op: Opcode,
+        /// The peer.
+        peer: String,
+        /// The limit.
+        after: Duration,
+    },
+    /// The connection broke before the answer.
+    #[error("connection to arena peer {peer} lost: {detail}")]
+    Disconnected {
+        /// The peer.
+        peer: String,
+        /// What happened.
+        detail: String,
+    },
+    /// The peer answered with an error status.
+    #[error("arena peer {peer} answered {op} with {status}: {message}", op = op.name(), status = status.name())]
+    Status {
+        /// The request.
+        op: Opcode,
+        /// The peer.
+        peer: String,
+        /// The status.
+        status: Status,
+        /// The peer's message.
+        message: String,
+    },
+    /// The peer sent something that breaks the protocol.
+    #[error("protocol error from arena peer {peer}: {source}")]
+    Protocol {
+        /// The peer.
+        peer: String,
+        /// What was wrong.
+        source: FrameError,
+    },
+    /// The peer restarted and lost writes it had acknowledged but not flushed.
+    #[error("arena peer {peer} restarted (generation {old} -> {new}) and lost acknowledged writes that were not yet flushed")]
+    UnflushedDataLost {
+        /// The peer.
+        peer: String,
+        /// Generation the writes were acknowledged in.
+        old: u64,
+        /// Generation after the restart.
+        new: u64,
+    },
+}
+
+impl ArenaError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Connect { .. } => ErrorKind::Connect,
+            Self::AuthFailed { .. } => ErrorKind::AuthFailed,
+            Self::PeerNotAuthentic { .. } => ErrorKind::PeerNotAuthentic,
+            Self::Refused { status, .. } => ErrorKind::Refused(*status),
+            Self::TimedOut { .. } => ErrorKind::TimedOut,
+            Self::Disconnected { .. } => ErrorKind::Disconnected,
+            Self::Status { status, .. } => ErrorKind::Status(*status),
+            Self::Protocol { .. } => ErrorKind::Protocol,
+            Self::UnflushedDataLost { .. } => ErrorKind::UnflushedDataLost,
+        }
+    }
+
+    /// The peer's status, when the peer answered with one.
+    pub fn status(&self) -> Option<Status> {
+        match self.kind() {
+            ErrorKind::Status(s) | ErrorKind::Refused(s) => Some(s),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! One live control connection: the handshake that opens it, the table of
+//! requests in flight on it, and the reader thread that matches answers to
+//! them, queues revocations and fails requests past their deadline.
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::channel::oneshot;
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tracing::debug;
+
+use super::frames::{Body, FrameReader, Landing};
+use super::{ClientConfig, Shared, MAX_QUEUED_REVOCATIONS, TICK};
+use crate::auth;
+use crate::blob::ArenaError;
+use crate::proto::{
+    self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Status, Welcome,
+    CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
+};
+
+/// A successful answer.
+pub(super) enum Reply {
+    Empty,
+    Lease(Lease),
+    Count(u64),
+    Data(Vec<u8>),
+    /// A READ body read straight into the request's [`Landing`].
+    Landed,
+    NotFound,
+    Rail(RailAccept),
+}
+
+pub(super) struct Pending {
+    pub(super) op: Opcode,
+    /// Where a large READ answer goes, when the caller offered its buffer.
+    pub(super) landing: Option<Arc<Landing>>,
+    pub(super) deadline: Instant,
+    pub(super) tx: oneshot::Sender<Result<Reply, ArenaError>>,
+}
+
+#[derive(Default)]
+pub(super) struct PendingTable {
+    pub(super) map: HashMap<u64, Pending>,
+    /// Set once the connection is dead; no request may be added after.
+    pub(super) dead: Option<String>,
+}
+
+/// One live connection.
+pub(super) struct Conn {
+    pub(super) writer: Mutex<TcpStream>,
+    pub(super) pending: Mutex<PendingTable>,
+    pub(super) slots: Semaphore,
+    pub(super) welcome: Welcome,
+    pub(super) max_inline: u32,
+    /// Which connection of this client this is (1 for the first).
+    pub(super) epoch: u64,
+}
+
+impl Conn {
+    pub(super) fn is_dead(&self) -> bool {
+        self.pending.lock().dead.is_some()
+    }
+
+    /// Marks the connection dead and fails everything in flight.
+    pub(super) fn kill(&self, peer: &str, detail: &str) {
+        let drained: Vec<Pending> = {
+            let mut t = self.pending.lock();
+            if t.dead.is_none() {
+                t.dead = Some(detail.to_owned());
+            }
+            t.map.drain().map(|(_, p)| p).collect()
+        };
+        for p in drained {
+            let _ = p.tx.send(Err(ArenaError::Disconnected {
+                peer: peer.to_owned(),
+                detail: detail.to_owned(),
+            }));
+        }
+        self.slots.close();
+        let _ = self.writer.lock().shutdown(Shutdown::Both);
+    }
+}
+
+/// Connects, authenticates both ways and returns the live connection. A
+/// reconnect insists on the blob size agreed the first time (`agreed`).
+pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaError> {
+    let peer = &cfg.peer;
+    let io_err = |source: io::Error| ArenaError::Connect {
+        peer: peer.clone(),
+        source,
+    };
+    let proto_err = |source: FrameError| match source {
+        FrameError::Io(e) => ArenaError::Connect {
+            peer: peer.clone(),
+            source: e,
+        },
+        source => ArenaError::Protocol {
+            peer: peer.clone(),
+            source,
+        },
+    };
+    let addrs: Vec<_> = peer.to_socket_addrs().map_err(io_err)?.collect();
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
+    let mut stream = None;
+    for a in &addrs {
+        match TcpStream::connect_timeout(a, cfg.connect_timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = e,
+        }
+    }
+    let mut stream = stream.ok_or_else(|| io_err(last))?;
+    stream.set_nodelay(true).map_err(io_err)?;
+    stream
+        .set_read_timeout(Some(cfg.connect_timeout))
+        .map_err(io_err)?;
+
+    let mut body = Vec::new();
+    let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
+    refused(peer, &h, &body)?;
+    let ch = Challenge::decode(&h, &body).map_err(proto_err)?;
+    let version = u16::from(VERSION);
+    if !(ch.min_version..=ch.max_version).contains(&version) {
+        return Err(ArenaError::Refused {
+            peer: peer.clone(),
+            status: Status::VersionMismatch,
+            message: format!(
+                "peer speaks versions {}..={}, this client {version}",
+                ch.min_version, ch.max_version
+            ),
+        });
+    }
+    let mut hello = Hello {
+        version,
+        caps: if cfg.offer_rdma {
+            CAP_TCP_DATA | CAP_RDMA
+        } else {
+            CAP_TCP_DATA
+        },
+        blob_bytes: if agreed != 0 { agreed } else { cfg.blob_bytes },
+        client_nonce: auth::nonce(),
+        mac: [0; MAC_LEN],
+        volume: cfg.volume.clone(),
+    };
+    hello.mac = cfg.secret.sign_hello(&ch, &hello);
+    let mut frame = Vec::new();
+    hello.encode(&mut frame);
+    stream.write_all(&frame).map_err(io_err)?;
+
+    let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
+    if h.status == Status::AuthFailed {
+        return Err(ArenaError::AuthFailed {
+            peer: peer.clone(),
+            volume: cfg.volume.clone(),
+        });
+    }
+    refused(peer, &h, &body)?;
+    let welcome = Welcome::decode(&h, &body).map_err(proto_err)?;
+    if !cfg.secret.verify_welcome(&ch, &hello, &welcome) {
+        return Err(ArenaError::PeerNotAuthentic {
+            peer: peer.clone(),
+            volume: cfg.volume.clone(),
+        });
+    }
+    stream.set_read_timeout(Some(TICK)).map_err(io_err)?;
+    debug!(
+        event = "session.opened",
+        session = welcome.session_id,
+        generation = welcome.generation
+    );
+    Ok(Conn {
+        writer: Mutex::new(stream),
+        pending: Mutex::new(PendingTable::default()),
+        slots: Semaphore::new(ch.max_inflight as usize),
+        welcome,
+        max_inline: ch.max_inline,
+        epoch: 0,
+    })
+}
+
+fn read_answer(stream: &mut TcpStream, body: &mut Vec<u8>) -> Result<Header, FrameError> {
+    proto::read_frame(stream, body)?.ok_or(FrameError::Truncated {
+        got: 0,
+        want: proto::HEADER_LEN,
+    })
+}
+
+fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
+    if h.status == Status::Ok {
+        return Ok(());
+    }
+    Err(ArenaError::Refused {
+        peer: peer.to_owned(),
+        status: h.status,
+        message: proto::decode_error(body),
+    })
+}
+
+/// The reader thread: dispatches answers, queues revocations, expires requests.
+pub(super) fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
+    let peer = &shared.cfg.peer;
+    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies));
+    let mut last_sweep = Instant::now();
+    let why = loop {
+        let land = |h: &Header| {
+            let t = conn.pending.lock();
+            let p = t.map.get(&h.request_id)?;
+            (h.is_response()
+                && h.status == Status::Ok
+                && h.opcode == Opcode::Read
+                && p.op == Opcode::Read)
+                .then(|| p.landing.clone())
+                .flatten()
+        };
+        match reader.next(&mut stream, land) {
+            Ok(Some((h, body))) => {
+                if let Err(e) = dispatch(shared, conn, &h, body) {
+                    break format!("protocol error: {e}");
+                }
+            }
+            Ok(None) => break "peer closed the connection".to_owned(),
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => break e.to_string(),
+        }
+        if conn.is_dead() {
+            return;
+        }
+        if last_sweep.elapsed() >= TICK {
+            last_sweep = Instant::now();
+            expire(shared, conn);
+        }
+    };
+    debug!(event = "peer.disconnected", detail = %why);
+    conn.kill(peer, &why);
+}
+
+/// Fails every request whose deadline has passed.
+fn expire(shared: &Shared, conn: &Conn) {
+    let now = Instant::now();
+    let expired: Vec<Pending> = {
+        let mut t = conn.pending.lock();
+        let ids: Vec<u64> = t
+            .map
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        ids.iter().filter_map(|id| t.map.remove(id)).collect()
+    };
+    for p in expired {
+        shared.cfg.stats.count(|s| &s.request_timeouts);
+        let _ = p.tx.send(Err(ArenaError::TimedOut {
+            op: p.op,
+            peer: shared.cfg.peer.clone(),
+            after: shared.cfg.request_timeout,
+        }));
+    }
+}
+
+fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<(), FrameError> {
+    if !h.is_response() {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "server frame without the response flag",
+        });
+    }
+    if h.opcode == Opcode::Revoke {
+        let rv = proto::decode_revoke(h, body.bytes())?;
+        shared.cfg.stats.count(|s| &s.revocations_received);
+        let mut q = shared.revocations.lock();
+        if q.len() >= MAX_QUEUED_REVOCATIONS {
+            q.pop_front();
+            shared.cfg.stats.count(|s| &s.revocations_dropped);
+        }
+        q.push_back(rv);
+        return Ok(());
+    }
+    let Some(p) = conn.pending.lock().map.remove(&h.request_id) else {
+        shared.cfg.stats.count(|s| &s.late_answers);
+        return Ok(());
+    };
+    if p.op != h.opcode {
+        return Err(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "answer opcode differs from the request's",
+        });
+    }
+    let reply = match (h.status, h.opcode) {
+        (Status::Ok, Opcode::Alloc | Opcode::Get) => {
+            Ok(Reply::Lease(proto::decode_lease(h, body.bytes())?))
+        }
+        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, body.bytes())?)),
+        (Status::Ok, Opcode::Read) => match body {
+            Body::Landed(_) => Ok(Reply::Landed),
+            body => Ok(Reply::Data(body.into_vec())),
+        },
+        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(RailAccept::decode(h, body.bytes())?)),
+        (Status::Ok, _) => Ok(Reply::Empty),
+        (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
+        (status, op) => Err(ArenaError::Status {
+            op,
+            peer: shared.cfg.peer.clone(),
+            status,
+            message: proto::decode_error(body.bytes()),
+        }),
+    };
+    if matches!(&reply, Ok(Reply::Data(_) | Reply::Landed)) && h.body_len > conn.max_inline {
+        return Err(FrameError::TooLong {
+            what: "inline answer",
+            len: h.body_len.into(),
+            max: conn.max_inline.into(),
+        });
+    }
+    let _ = p.tx.send(reply);
+    Ok(())
+}

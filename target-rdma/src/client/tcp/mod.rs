@@ -1,0 +1,486 @@
+//! `ArenaClient`: one authenticated control connection to `arenad` with many
+//! requests in flight.
+//!
+//! The client is executor-agnostic on purpose: a ublk queue thread runs its
+//! own io_uring executor, not tokio. Requests are written by the caller
+//! under a short lock and answered by a reader thread through oneshot
+//! channels, so any executor can await them. The same reader thread wakes
+//! every [`TICK`] to fail requests past their deadline, which keeps per-request
+//! timeouts without a timer runtime.
+//!
+//! After a disconnect the next call reconnects and idempotent requests
+//! (inline READ/WRITE, REMOVE) are retried once. FLUSH is never papered
+//! over: if the peer restarted (new generation) while writes it had
+//! acknowledged were not yet flushed, the next FLUSH fails with
+//! [`ArenaError::UnflushedDataLost`], because those writes are gone.
+
+mod conn;
+mod durability;
+mod frames;
+mod stats;
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use futures::channel::oneshot;
+use parking_lot::Mutex;
+use tracing::warn;
+
+pub use durability::FlushDomain;
+pub use frames::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
+pub use stats::{ClientStats, REASON_CONFIGURED_TCP};
+
+use conn::{handshake, read_loop, Conn, Pending, Reply};
+
+use crate::auth::Secret;
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
+use crate::proto::{self, Endpoint, FrameError, Lease, Opcode, RailAccept, Request, Welcome};
+
+/// How often the reader thread checks request deadlines.
+const TICK: Duration = Duration::from_millis(50);
+/// Revocations kept for the lease owner to collect; older ones are dropped and counted.
+const MAX_QUEUED_REVOCATIONS: usize = 4096;
+
+/// Where and how to connect.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// `host:port` of `arenad`.
+    pub peer: String,
+    /// Volume to open.
+    pub volume: String,
+    /// The volume's secret.
+    pub secret: Secret,
+    /// Blob size the caller was built for; 0 accepts the volume's.
+    pub blob_bytes: u32,
+    /// Limit for TCP connect plus handshake.
+    pub connect_timeout: Duration,
+    /// Limit for each request, from send to answer.
+    pub request_timeout: Duration,
+    /// What the connection did; shared by a device's connections. `new`
+    /// gives each config counters of its own.
+    pub stats: Arc<ClientStats>,
+    /// Offer `CAP_RDMA` in HELLO (the RDMA transport sets it).
+    pub offer_rdma: bool,
+    /// The writes a FLUSH through this client vouches for; see
+    /// [`FlushDomain`]. `new` gives each config a domain of its own.
+    pub flush_domain: Arc<FlushDomain>,
+}
+
+impl ClientConfig {
+    /// A config with 5 s connect and 30 s request timeouts.
+    pub fn new(peer: impl Into<String>, volume: impl Into<String>, secret: Secret) -> Self {
+        Self {
+            peer: peer.into(),
+            volume: volume.into(),
+            secret,
+            blob_bytes: 0,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            stats: Arc::default(),
+            offer_rdma: false,
+            flush_domain: Arc::default(),
+        }
+    }
+}
+
+struct Shared {
+    cfg: ClientConfig,
+    conn: Mutex<Option<Arc<Conn>>>,
+    next_id: AtomicU64,
+    blob_bytes: AtomicU32,
+    bodies: Arc<BodyPool>,
+    /// Connections made so far: the epoch of the live one.
+    connects: AtomicU64,
+    revocations: Mutex<VecDeque<(u64, u64)>>,
+}
+
+/// A client of one volume on one `arenad`. Cheap to clone; clones share the
+/// connection.
+#[derive(Clone)]
+pub struct ArenaClient {
+    shared: Arc<Shared>,
+}
+
+impl ArenaClient {
+    /// Connects and authenticates, failing with a message that names the
+    /// peer and the cause.
+    pub fn connect(cfg: ClientConfig) -> Result<Self, ArenaError> {
+        let client = Self {
+            shared: Arc::new(Shared {
+                cfg,
+                conn: Mutex::new(None),
+                next_id: AtomicU64::new(1),
+                blob_bytes: AtomicU32::new(0),
+                bodies: Arc::default(),
+                connects: AtomicU64::new(0),
+                revocations: Mutex::new(VecDeque::new()),
+            }),
+        };
+        client.conn()?;
+        Ok(client)
+    }
+
+    /// The peer's answer to our HELLO on the current connection.
+    pub fn welcome(&self) -> Result<Welcome, ArenaError> {
+        Ok(self.conn()?.welcome.clone())
+    }
+
+    /// Blob size of the volume.
+    pub fn blob_bytes(&self) -> Result<u32, ArenaError> {
+        Ok(self.conn()?.welcome.blob_bytes)
+    }
+
+    /// Blob size agreed at the first handshake; it cannot change for a volume.
+    pub fn session_blob_bytes(&self) -> u32 {
+        self.shared.blob_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether the connection is currently up.
+    pub fn is_connected(&self) -> bool {
+        self.shared
+            .conn
+            .lock()
+            .as_ref()
+            .is_some_and(|c| !c.is_dead())
+    }
+
+    /// Which connection is live now (1 for the first, +1 per reconnect),
+    /// or `None` while disconnected. Leases and RDMA rails belong to one
+    /// connection: a different epoch means they are gone.
+    pub fn connection_epoch(&self) -> Option<u64> {
+        self.shared
+            .conn
+            .lock()
+            .as_ref()
+            .filter(|c| !c.is_dead())
+            .map(|c| c.epoch)
+    }
+
+    /// Counts an acknowledged write (inline WRITE, COMMIT, REMOVE, or one
+    /// another data path made, such as RDMA into a leased slot), so that a
+    /// peer restart before the next FLUSH makes that FLUSH fail instead of
+    /// claiming durability.
+    pub fn record_acknowledged_write(&self) {
+        self.shared.cfg.flush_domain.acknowledged();
+    }
+
+    /// Exchanges QP endpoints on the current connection (RAIL_CONNECT);
+    /// only valid when its WELCOME granted `CAP_RDMA`.
+    pub async fn rail_connect(&self, endpoint: Endpoint) -> Result<RailAccept, ArenaError> {
+        match self.call(&Request::RailConnect(endpoint)).await? {
+            Reply::Rail(r) => Ok(r),
+            _ => Err(self.unexpected(Opcode::RailConnect)),
+        }
+    }
+
+    /// What this client's connections did (shared with the other
+    /// connections of its config's device).
+    pub fn stats(&self) -> &Arc<ClientStats> {
+        &self.shared.cfg.stats
+    }
+
+    /// Leases the peer asked back, as `(key, token)`; the owner must COMMIT
+    /// or RELEASE each.
+    pub fn take_revocations(&self) -> Vec<(u64, u64)> {
+        self.shared.revocations.lock().drain(..).collect()
+    }
+
+    /// The current connection, reconnecting if it is gone.
+    fn conn(&self) -> Result<Arc<Conn>, ArenaError> {
+        let mut slot = self.shared.conn.lock();
+        if let Some(c) = slot.as_ref().filter(|c| !c.is_dead()) {
+            return Ok(Arc::clone(c));
+        }
+        let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
+        let mut conn = handshake(&self.shared.cfg, agreed)?;
+        conn.epoch = self.shared.connects.fetch_add(1, Ordering::Relaxed) + 1;
+        if conn.epoch > 1 {
+            self.stats().count(|s| &s.reconnects);
+        }
+        let conn = Arc::new(conn);
+        let new = conn.welcome.generation;
+        if let Some(old) = self.shared.cfg.flush_domain.connected(new) {
+            self.stats().count(|s| &s.peer_restarts);
+            warn!(
+                event = "peer.restarted",
+                old_generation = old,
+                new_generation = new
+            );
+        }
+        self.shared
+            .blob_bytes
+            .store(conn.welcome.blob_bytes, Ordering::Relaxed);
+        let reader_stream =
+            conn.writer
+                .lock()
+                .try_clone()
+                .map_err(|source| ArenaError::Connect {
+                    peer: self.shared.cfg.peer.clone(),
+                    source,
+                })?;
+        let shared = Arc::clone(&self.shared);
+        let for_reader = Arc::clone(&conn);
+        thread::Builder::new()
+            .name("arena-client-rx".into())
+            .spawn(move || read_loop(&shared, &for_reader, reader_stream))
+            .map_err(|source| ArenaError::Connect {
+                peer: self.shared.cfg.peer.clone(),
+                source,
+            })?;
+        *slot = Some(Arc::clone(&conn));
+        Ok(conn)
+    }
+
+    async fn call(&self, req: &Request<'_>) -> Result<Reply, ArenaError> {
+        self.call_into(req, None).await
+    }
+
+    /// [`Self::call`], for a READ whose answer may land in `out` directly
+    /// (`Reply::Landed` then means `out` holds the data). Idempotent
+    /// requests are retried once over a new connection.
+    async fn call_into(
+        &self,
+        req: &Request<'_>,
+        mut out: Option<&mut [u8]>,
+    ) -> Result<Reply, ArenaError> {
+        let idempotent = matches!(
+            req,
+            Request::Read { .. } | Request::Write { .. } | Request::Remove { .. }
+        );
+        match self.call_once(req, out.as_deref_mut()).await {
+            Err(ArenaError::Disconnected { .. }) if idempotent => {
+                self.stats().count(|s| &s.request_retries);
+                self.call_once(req, out).await
+            }
+            r => r,
+        }
+    }
+
+    async fn call_once(
+        &self,
+        req: &Request<'_>,
+        out: Option<&mut [u8]>,
+    ) -> Result<Reply, ArenaError> {
+        /// Gives the buffer back however the request ends, dropped included.
+        struct Abandon(Arc<Landing>);
+        impl Drop for Abandon {
+            fn drop(&mut self) {
+                self.0.abandon();
+            }
+        }
+        let landing = out.filter(|o| o.len() >= OWNED_BODY_MIN).map(|o| {
+            // SAFETY: `o` stays borrowed by this future until the `Abandon`
+            // guard below drops, and its drop runs `abandon` (on completion,
+            // failure, or the future being dropped); this future does not
+            // touch the buffer at all.
+            unsafe { Landing::new(o) }
+        });
+        let _abandon = landing.clone().map(Abandon);
+        let peer = &self.shared.cfg.peer;
+        let disconnected = |detail: &str| ArenaError::Disconnected {
+            peer: peer.clone(),
+            detail: detail.to_owned(),
+        };
+        let conn = self.conn()?;
+        let _permit = conn
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| disconnected("connection closed"))?;
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut t = conn.pending.lock();
+            if let Some(why) = &t.dead {
+                return Err(disconnected(why));
+            }
+            t.map.insert(
+                id,
+                Pending {
+                    op: req.opcode(),
+                    landing,
+                    deadline: Instant::now() + self.shared.cfg.request_timeout,
+                    tx,
+                },
+            );
+        }
+        let mut head = Vec::with_capacity(64);
+        proto::encode_request_head(&mut head, id, req);
+        let payload: &[u8] = match req {
+            Request::Write { data, .. } => data,
+            _ => &[],
+        };
+        let sent = {
+            let mut w = conn.writer.lock();
+            proto::write_vectored_all(&mut *w, &head, payload)
+        };
+        if let Err(e) = sent {
+            conn.kill(peer, &format!("send failed: {e}"));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(disconnected("answer channel closed")))
+    }
+
+    fn unexpected(&self, op: Opcode) -> ArenaError {
+        ArenaError::Protocol {
+            peer: self.shared.cfg.peer.clone(),
+            source: FrameError::Unexpected {
+                op: op.name(),
+                detail: "answer of the wrong shape",
+            },
+        }
+    }
+
+    /// Writes `data` at `offset` inside blob `key`, inline on the stream.
+    pub async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<(), ArenaError> {
+        let req = Request::Write { key, offset, data };
+        match self.call(&req).await? {
+            Reply::Empty => {
+                self.record_acknowledged_write();
+                self.stats().write(data.len());
+                Ok(())
+            }
+            _ => Err(self.unexpected(Opcode::Write)),
+        }
+    }
+
+    /// Reads `out.len()` bytes at `offset` of blob `key` inline. Returns
+    /// `false` (and zeros) when the blob was never written.
+    pub async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
+        let req = Request::Read {
+            key,
+            offset,
+            len: out.len() as u32,
+        };
+        match self.call_into(&req, Some(&mut *out)).await? {
+            Reply::Landed => {
+                self.stats().read(out.len());
+                Ok(true)
+            }
+            Reply::Data(d) if d.len() == out.len() => {
+                out.copy_from_slice(&d);
+                self.stats().read(d.len());
+                self.shared.bodies.give(d);
+                Ok(true)
+            }
+            Reply::NotFound => {
+                out.fill(0);
+                self.stats().read(0);
+                Ok(false)
+            }
+            _ => Err(self.unexpected(Opcode::Read)),
+        }
+    }
+
+    /// Leases blob `key` for writing.
+    pub async fn alloc(&self, key: u64) -> Result<Lease, ArenaError> {
+        match self.call(&Request::Alloc { key }).await? {
+            Reply::Lease(l) => Ok(l),
+            _ => Err(self.unexpected(Opcode::Alloc)),
+        }
+    }
+
+    /// Leases blob `key` for reading; `None` when it holds nothing.
+    pub async fn get(&self, key: u64) -> Result<Option<Lease>, ArenaError> {
+        match self.call(&Request::Get { key }).await? {
+            Reply::Lease(l) => Ok(Some(l)),
+            Reply::NotFound => Ok(None),
+            _ => Err(self.unexpected(Opcode::Get)),
+        }
+    }
+
+    /// Publishes an ALLOC lease's slot as the blob's content.
+    pub async fn commit(&self, key: u64, token: u64) -> Result<(), ArenaError> {
+        match self.call(&Request::Commit { key, token }).await? {
+            Reply::Empty => {
+                self.record_acknowledged_write();
+                Ok(())
+            }
+            _ => Err(self.unexpected(Opcode::Commit)),
+        }
+    }
+
+    /// Drops leases, in batches of at most [`proto::MAX_RELEASE_BATCH`].
+    pub async fn release(&self, tokens: &[u64]) -> Result<(), ArenaError> {
+        for chunk in tokens.chunks(proto::MAX_RELEASE_BATCH as usize) {
+            match self
+                .call(&Request::Release {
+                    tokens: chunk.to_vec(),
+                })
+                .await?
+            {
+                Reply::Empty => {}
+                _ => return Err(self.unexpected(Opcode::Release)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops blobs `start..end`; returns how many existed.
+    pub async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
+        match self.call(&Request::Remove { start, end }).await? {
+            Reply::Count(n) => {
+                self.record_acknowledged_write();
+                Ok(n)
+            }
+            _ => Err(self.unexpected(Opcode::Remove)),
+        }
+    }
+
+    /// Makes every write acknowledged before this call durable on the peer.
+    pub async fn flush(&self) -> Result<(), ArenaError> {
+        let lost = |(old, new)| ArenaError::UnflushedDataLost {
+            peer: self.shared.cfg.peer.clone(),
+            old,
+            new,
+        };
+        let domain = &self.shared.cfg.flush_domain;
+        let mark = domain.flush_start().map_err(lost)?;
+        match self.call(&Request::Flush).await? {
+            Reply::Empty => domain.flush_done(mark).map_err(lost),
+            _ => Err(self.unexpected(Opcode::Flush)),
+        }
+    }
+
+    /// Closes the connection; the next call reconnects.
+    pub fn disconnect(&self) {
+        if let Some(c) = self.shared.conn.lock().take() {
+            c.kill(&self.shared.cfg.peer, "closed by the client");
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.lock().take() {
+            c.kill(&self.cfg.peer, "client dropped");
+        }
+    }
+}
+
+impl BlobIo for ArenaClient {
+    fn transport(&self) -> Transport {
+        Transport::Tcp
+    }
+    fn blob_bytes(&self) -> u32 {
+        self.session_blob_bytes()
+    }
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        let found = ArenaClient::read(self, key, offset, out).await?;
+        Ok(if found { Via::Tcp } else { Via::Nothing })
+    }
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
+        ArenaClient::write(self, key, offset, data).await?;
+        Ok(Via::Tcp)
+    }
+    fn remove(&self, start: u64, end: u64) -> impl Future<Output = Result<u64, ArenaError>> {
+        ArenaClient::remove(self, start, end)
+    }
+    fn flush(&self) -> impl Future<Output = Result<(), ArenaError>> {
+        ArenaClient::flush(self)
+    }
+}

@@ -1,0 +1,251 @@
+//! Test support, the one arenad harness of the workspace's tests and
+//! benchmarks: an in-process [`Peer`] (the real `Server` over a real `Store`
+//! in a temp dir, on loopback) with its own isolated telemetry, which is
+//! where tests read what the server counted. Compiled for tests only
+//! (feature `test-utils`), never into the daemons.
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ublk_metrics::testing::sample;
+use ublk_metrics::{Daemon, Telemetry};
+
+use crate::arenad::observability::ArenadObservability;
+use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
+use crate::auth::Secret;
+use crate::client::{ArenaClient, ClientConfig, RdmaTransport, RdmaTransportConfig};
+use crate::rdma::RdmaProvider;
+use crate::store::{Store, StoreConfig, VolumeSpec};
+
+/// Secret of the default volume "a".
+pub const SECRET_A: &str = "secret-of-volume-a-0123456789";
+/// Secret of the default volume "b".
+pub const SECRET_B: &str = "secret-of-volume-b-9876543210";
+
+/// A secret from a test string.
+pub fn secret(s: &str) -> Secret {
+    Secret::new(s.as_bytes().to_vec()).expect("a valid test secret")
+}
+
+/// Writes a 0600 secret file `name` in `dir` holding `value`.
+pub fn secret_file(dir: &Path, name: &str, value: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{value}\n")).expect("write the secret file");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod the secret file");
+    p
+}
+
+/// How a [`Peer`] is set up.
+#[derive(Clone)]
+pub struct PeerOpts {
+    /// RAM arena size.
+    pub arena_bytes: u64,
+    /// Blob size.
+    pub blob_bytes: u32,
+    /// Swap file size.
+    pub swap_bytes: u64,
+    /// Quota of every volume, in blobs.
+    pub quota_blobs: u64,
+    /// Pipeline depth announced to clients.
+    pub max_inflight: u32,
+    /// Register the arena on this device and grant RDMA to clients.
+    pub rdma: Option<Arc<dyn RdmaProvider>>,
+    /// Volumes served, as (name, secret); by default "a" and "b".
+    pub volumes: Vec<(String, String)>,
+}
+
+impl Default for PeerOpts {
+    fn default() -> Self {
+        Self {
+            arena_bytes: 16 << 20,
+            blob_bytes: 64 << 10,
+            swap_bytes: 64 << 20,
+            quota_blobs: 1 << 20,
+            max_inflight: 64,
+            rdma: None,
+            volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
+        }
+    }
+}
+
+/// An arena peer serving from a directory; it can stop serving and serve
+/// again on the same address over the same store ([`Peer::pause`],
+/// [`Peer::resume`]), or be reopened from its directory
+/// ([`Peer::start_at`]), which is a restart (a new generation).
+pub struct Peer {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its store.
+    pub store: Arc<Store>,
+    /// Its telemetry (isolated: nothing global).
+    pub obs: Arc<ArenadObservability>,
+    opts: PeerOpts,
+    running: Option<(Arc<Server>, JoinHandle<()>)>,
+}
+
+impl Peer {
+    /// Starts a peer serving `opts.volumes` from `dir` on a free port.
+    pub fn start(dir: &Path, opts: PeerOpts) -> Peer {
+        Self::start_at(dir, opts, "127.0.0.1:0")
+    }
+
+    /// Starts (or restarts) a peer on `addr` over the store in `dir`.
+    pub fn start_at(dir: &Path, opts: PeerOpts, addr: &str) -> Peer {
+        let store = Arc::new(
+            Store::open(
+                StoreConfig {
+                    dir: dir.to_owned(),
+                    arena_bytes: opts.arena_bytes,
+                    blob_bytes: opts.blob_bytes,
+                    swap_bytes: opts.swap_bytes,
+                },
+                &opts
+                    .volumes
+                    .iter()
+                    .map(|(n, _)| VolumeSpec {
+                        name: n.clone(),
+                        quota_blobs: opts.quota_blobs,
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .expect("open the store"),
+        );
+        let obs = ArenadObservability::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        obs.store_opened(&store, opts.volumes.len());
+        let listener = TcpListener::bind(addr).expect("bind the peer's address");
+        let mut peer = Peer {
+            addr: listener.local_addr().expect("a bound address"),
+            store,
+            obs,
+            opts,
+            running: None,
+        };
+        peer.serve(listener);
+        peer
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        let volumes = self
+            .opts
+            .volumes
+            .iter()
+            .enumerate()
+            .map(|(i, (n, s))| ServedVolume {
+                name: n.clone(),
+                secret: secret(s),
+                id: i as u32,
+                quota_blobs: self.opts.quota_blobs,
+            })
+            .collect();
+        let rdma = self.opts.rdma.clone().map(|p| {
+            ServerRdma::register(p, &self.store, 64).expect("register the arena for RDMA")
+        });
+        let server = Server::new(
+            Arc::clone(&self.store),
+            volumes,
+            ServerLimits {
+                max_connections: 64,
+                max_inflight: self.opts.max_inflight,
+                handshake_timeout: Duration::from_secs(5),
+            },
+            rdma,
+            Arc::clone(&self.obs),
+        );
+        let s = Arc::clone(&server);
+        let thread = std::thread::spawn(move || s.serve(listener).expect("serve"));
+        self.running = Some((server, thread));
+    }
+
+    /// Stops serving (connections end); the store stays open.
+    pub fn pause(&mut self) {
+        if let Some((server, thread)) = self.running.take() {
+            server.shutdown();
+            let _ = thread.join();
+        }
+    }
+
+    /// Serves again on the same address, over the same store.
+    pub fn resume(&mut self) {
+        let listener = TcpListener::bind(self.addr).expect("rebind the same address");
+        self.serve(listener);
+    }
+
+    /// Graceful stop: connections end, the store is flushed.
+    pub fn stop(mut self) {
+        self.pause();
+        self.store.flush().expect("final flush");
+    }
+
+    /// A connected client of `volume`.
+    pub fn client(&self, volume: &str, secret_value: &str) -> ArenaClient {
+        ArenaClient::connect(self.config(volume, secret_value)).expect("connect to the peer")
+    }
+
+    /// A client config for `volume` on this peer (10 s request timeout).
+    pub fn config(&self, volume: &str, secret_value: &str) -> ClientConfig {
+        let mut c = ClientConfig::new(self.addr.to_string(), volume, secret(secret_value));
+        c.request_timeout = Duration::from_secs(10);
+        c
+    }
+
+    /// An RDMA transport of volume "a" over `provider` (the peer must grant
+    /// RDMA on it) that moves every payload by RDMA (threshold 1 byte,
+    /// buffers of `blob` bytes) and caches at most `lease_cache` leases.
+    pub fn rdma_session(
+        &self,
+        provider: Arc<dyn RdmaProvider>,
+        blob: u32,
+        lease_cache: usize,
+    ) -> RdmaTransport {
+        RdmaTransport::connect(
+            self.config("a", SECRET_A),
+            Ok(provider),
+            RdmaTransportConfig {
+                min_rdma_bytes: 1,
+                buffer_bytes: blob,
+                pool_buffers: 8,
+                lease_cache,
+                require_rdma: true,
+                ..RdmaTransportConfig::default()
+            },
+        )
+        .expect("an RDMA session")
+    }
+
+    /// The value of the peer's exported sample `name` with `labels`
+    /// (summed over the other labels).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        let text = self.obs.telemetry().render().expect("render the metrics");
+        sample(&text, name, labels) as u64
+    }
+
+    /// Protocol errors the peer counted, all classes together.
+    pub fn protocol_errors(&self) -> u64 {
+        self.metric("arenad_protocol_errors_total", &[])
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.pause();
+    }
+}
+
+/// A deterministic pattern for (key, generation) so mix-ups are detectable.
+pub fn pattern(key: u64, gen: u64, len: usize) -> Vec<u8> {
+    let mut x =
+        key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ gen.wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
