@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use target_rdma::size::{serde_size, HumanSize};
+pub use ublk_metrics::events::LogFormat;
 
 /// Where the packaged service looks for its config.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/ublkd/ublkd.toml";
@@ -32,6 +33,22 @@ pub enum OnShutdown {
     Keep,
     /// Delete the devices and their definitions.
     Remove,
+}
+
+impl OnShutdown {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Keep => "keep",
+            Self::Remove => "remove",
+        }
+    }
+}
+
+impl std::fmt::Display for OnShutdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// The transport a device is configured for (`transport = tcp|rdma|auto`):
@@ -69,7 +86,7 @@ impl TransportChoice {
 }
 
 /// The whole `ublkd` configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct UblkdConfig {
     /// Device definitions live in `<state_dir>/devices/<id>.json`.
@@ -84,9 +101,13 @@ pub struct UblkdConfig {
     /// What SIGTERM does with devices.
     #[serde(default = "default_on_shutdown")]
     pub on_shutdown: OnShutdown,
-    /// `text` or `json` log lines on stderr.
+    /// `text` or `json` log lines on stderr (`--log-format` overrides it).
     #[serde(default = "default_log_format")]
-    pub log_format: String,
+    pub log_format: LogFormat,
+    /// Log filter (`info`, `debug`, `ublkd=debug,info`, ...); `RUST_LOG`
+    /// overrides it. Reloaded on SIGHUP.
+    #[serde(default = "default_log_level")]
+    pub log_level: String,
     /// Limit for connecting to and authenticating with `arenad`, in ms.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_ms: u64,
@@ -105,7 +126,7 @@ pub struct UblkdConfig {
 }
 
 /// `[rdma]`: the local RDMA device of `transport = rdma|auto` devices.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RdmaConfig {
     /// Device name (`rxe0`, `mlx5_0`); unset takes the first device with an
@@ -151,7 +172,7 @@ impl RdmaConfig {
 }
 
 /// `[metrics]`: the Prometheus/health listener and the request trackers.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsConfig {
     /// `IP:port` of the metrics listener (`/metrics`, `/health`, `/live`,
@@ -220,7 +241,7 @@ impl Default for MetricsConfig {
 
 /// `[device]`: parameters of new devices. `ublkctl add` overrides queues,
 /// depth, io_buf, blob_size and transport per device.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceDefaults {
     /// Hardware queues (one thread and one arena connection each).
@@ -230,13 +251,10 @@ pub struct DeviceDefaults {
     #[serde(default = "default_depth")]
     pub depth: u32,
     /// Per-request buffer; also the largest I/O the kernel sends.
-    #[serde(
-        default = "default_io_buf",
-        deserialize_with = "serde_size::deserialize"
-    )]
+    #[serde(default = "default_io_buf", with = "serde_size")]
     pub io_buf: u64,
     /// Blob size asked of the volume; 0 accepts the volume's own.
-    #[serde(default, deserialize_with = "serde_size::deserialize")]
+    #[serde(default, with = "serde_size")]
     pub blob_size: u64,
     /// `tcp`, `rdma` or `auto`.
     #[serde(default = "default_transport")]
@@ -248,25 +266,19 @@ pub struct DeviceDefaults {
     #[serde(default = "default_pbs")]
     pub physical_block_size: u32,
     /// Largest request the kernel may send; at most `io_buf`. 0 means `io_buf`.
-    #[serde(default, deserialize_with = "serde_size::deserialize")]
+    #[serde(default, with = "serde_size")]
     pub max_io_size: u64,
     /// Advertise DISCARD.
     #[serde(default = "yes")]
     pub discard: bool,
     /// Largest DISCARD; a multiple of 512.
-    #[serde(
-        default = "default_max_discard",
-        deserialize_with = "serde_size::deserialize"
-    )]
+    #[serde(default = "default_max_discard", with = "serde_size")]
     pub max_discard_size: u64,
     /// Advertise WRITE_ZEROES.
     #[serde(default = "yes")]
     pub write_zeroes: bool,
     /// Largest WRITE_ZEROES; a multiple of 512.
-    #[serde(
-        default = "default_max_discard",
-        deserialize_with = "serde_size::deserialize"
-    )]
+    #[serde(default = "default_max_discard", with = "serde_size")]
     pub max_write_zeroes_size: u64,
     /// Advertise a volatile write cache, so FLUSH is the durability point.
     #[serde(default = "yes")]
@@ -285,8 +297,11 @@ fn default_socket() -> PathBuf {
 fn default_on_shutdown() -> OnShutdown {
     OnShutdown::Keep
 }
-fn default_log_format() -> String {
-    "text".into()
+fn default_log_format() -> LogFormat {
+    LogFormat::Text
+}
+fn default_log_level() -> String {
+    "info".into()
 }
 fn default_connect_timeout() -> u64 {
     5000
@@ -383,12 +398,8 @@ impl UblkdConfig {
                 ));
             }
         }
-        if self.log_format != "text" && self.log_format != "json" {
-            return Err(invalid(
-                "log_format",
-                &self.log_format,
-                "must be \"text\" or \"json\"",
-            ));
+        if let Err(why) = ublk_metrics::events::check_filter(&self.log_level) {
+            return Err(invalid("log_level", format!("{:?}", self.log_level), why));
         }
         if !(100..=600_000).contains(&self.connect_timeout_ms) {
             return Err(invalid(
@@ -655,9 +666,15 @@ mod tests {
             err("socket_group = \"\""),
             "invalid config: socket_group = \"\": must name a group; leave the key out for root-only access"
         );
-        assert_eq!(
-            err("log_format = \"xml\""),
-            "invalid config: log_format = xml: must be \"text\" or \"json\""
+        let e = err("log_format = \"xml\"");
+        assert!(
+            e.contains("unknown variant `xml`, expected `text` or `json`"),
+            "{e}"
+        );
+        let e = err("log_level = \"ublkd=loud\"");
+        assert!(
+            e.starts_with("invalid config: log_level = \"ublkd=loud\": "),
+            "{e}"
         );
         assert_eq!(
             err("request_timeout_ms = 5"),
@@ -691,7 +708,9 @@ mod tests {
     fn schema_errors_name_the_file_and_the_key() {
         let e = err("on_shutdown = \"explode\"");
         assert!(
-            e.starts_with("invalid config /etc/ublkd/ublkd.toml: unknown variant `explode`"),
+            e.starts_with(
+                "invalid config /etc/ublkd/ublkd.toml:1:15: on_shutdown: unknown variant `explode`"
+            ),
             "{e}"
         );
         assert!(e.contains("expected `keep` or `remove`"), "{e}");

@@ -48,6 +48,11 @@ fn gid_of(group: &str) -> Option<u32> {
     }
 }
 
+/// Whether `group` names a group of this host (`socket_group`).
+pub fn group_exists(group: &str) -> bool {
+    gid_of(group).is_some()
+}
+
 /// Binds the socket with the configured ownership and mode.
 pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketError> {
     let io = |source| SocketError::Io {

@@ -1,7 +1,8 @@
 //! `ublkd`: serves ublk block devices backed by a remote arena, and the
 //! library behind `ublkctl`.
 //!
-//! Control plane: [`config`], [`device`] (the device manager, its persisted
+//! Control plane: [`config`], [`check`] (`--check-config`), [`reload`]
+//! (SIGHUP), [`device`] (the device manager, its persisted
 //! definitions and the peer monitor), [`control_socket`] and [`ctl`] (the
 //! control socket and its protocol), [`observability`] (metrics, readiness,
 //! diagnostics, and the per-request observer), [`device_stats`] (the
@@ -11,6 +12,7 @@
 //! (waking that loop from the arena client's threads).
 
 pub mod busy;
+pub mod check;
 pub mod config;
 pub mod control_socket;
 pub mod ctl;
@@ -21,4 +23,5 @@ pub mod io;
 pub mod observability;
 pub mod queue;
 pub mod queue_io;
+pub mod reload;
 pub mod wake;

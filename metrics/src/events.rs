@@ -139,13 +139,40 @@ pub fn peer_disconnected(device: Option<u32>, phase: Phase, reason: Reason) {
     );
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Log output format (`log_format` in both daemons' configs, and their
+/// `--log-format` flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Human-readable lines.
     Text,
     /// One JSON object per line, for log shippers.
     Json,
+}
+
+impl LogFormat {
+    /// The config spelling (`text`, `json`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+
+    /// Parses the config spelling (for command-line flags).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            _ => Err(format!("unknown log format {s:?}: use text or json")),
+        }
+    }
+}
+
+impl std::fmt::Display for LogFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// Logging could not be set up.
@@ -162,31 +189,116 @@ pub enum LogInitError {
     /// A global subscriber was already set.
     #[error("a global tracing subscriber is already installed")]
     AlreadySet,
+    /// The filter could not be swapped (the subscriber is gone).
+    #[error("the log filter cannot be changed: {0}")]
+    Reload(String),
+}
+
+fn env_filter(filter: &str) -> Result<tracing_subscriber::EnvFilter, LogInitError> {
+    tracing_subscriber::EnvFilter::try_new(filter).map_err(|e| LogInitError::Filter {
+        filter: filter.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// Checks a filter directive (`log_level` keys) without installing it.
+pub fn check_filter(filter: &str) -> Result<(), String> {
+    env_filter(filter).map(drop).map_err(|e| match e {
+        LogInitError::Filter { message, .. } => message,
+        other => other.to_string(),
+    })
+}
+
+/// The filter in force: `RUST_LOG` when it is set (it overrides the
+/// config's `log_level`, at start and at every reload), else `configured`.
+pub fn effective_filter(configured: &str) -> (String, FilterSource) {
+    match std::env::var("RUST_LOG") {
+        Ok(f) => (f, FilterSource::Environment),
+        Err(_) => (configured.to_owned(), FilterSource::Config),
+    }
+}
+
+/// Where the filter in force came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterSource {
+    /// `RUST_LOG`.
+    Environment,
+    /// The config's `log_level`.
+    Config,
+}
+
+/// Colour only for a person: when stderr (where the lines go) is a
+/// terminal and `NO_COLOR` is unset. A journal, a pipe or a file gets no
+/// escape codes.
+fn use_ansi() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none()
+}
+
+type Reloader = Box<dyn Fn(tracing_subscriber::EnvFilter) -> Result<(), String> + Send + Sync>;
+
+/// The installed subscriber's filter, changeable while the daemon runs
+/// (SIGHUP reloads `log_level`).
+pub struct LogControl {
+    reload: Reloader,
+    filter: parking_lot::Mutex<String>,
+}
+
+impl std::fmt::Debug for LogControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogControl")
+            .field("filter", &*self.filter.lock())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LogControl {
+    /// The directive in force.
+    pub fn filter(&self) -> String {
+        self.filter.lock().clone()
+    }
+
+    /// Replaces the directive; `Ok(false)` when it is already in force.
+    pub fn set_filter(&self, filter: &str) -> Result<bool, LogInitError> {
+        let mut current = self.filter.lock();
+        if *current == filter {
+            return Ok(false);
+        }
+        (self.reload)(env_filter(filter)?).map_err(LogInitError::Reload)?;
+        *current = filter.to_owned();
+        Ok(true)
+    }
 }
 
 /// Installs the process's `tracing` subscriber writing to stderr, with an
 /// `EnvFilter` directive such as `info` or `ublkd=debug`. Both daemons log
 /// through this, so their JSON lines have one shape (the event's fields at
-/// the top level).
-pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), LogInitError> {
-    use tracing_subscriber::EnvFilter;
-    let env = EnvFilter::try_new(filter).map_err(|e| LogInitError::Filter {
-        filter: filter.to_string(),
-        message: e.to_string(),
-    })?;
+/// the top level, next to `timestamp`, `level` and `target`).
+pub fn init_logging(format: LogFormat, filter: &str) -> Result<LogControl, LogInitError> {
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(env)
+        .with_env_filter(env_filter(filter)?)
         .with_writer(std::io::stderr);
-    let res = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    // The reload layer wraps the finished formatter, so it comes last.
+    let reload: Reloader = match format {
+        LogFormat::Text => {
+            let b = builder.with_ansi(use_ansi()).with_filter_reloading();
+            let h = b.reload_handle();
+            b.try_init().map_err(|_| LogInitError::AlreadySet)?;
+            Box::new(move |f| h.reload(f).map_err(|e| e.to_string()))
+        }
+        LogFormat::Json => {
+            let b = builder
+                .with_ansi(false)
+                .json()
+                .flatten_event(true)
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.try_init().map_err(|_| LogInitError::AlreadySet)?;
+            Box::new(move |f| h.reload(f).map_err(|e| e.to_string()))
+        }
     };
-    res.map_err(|_| LogInitError::AlreadySet)
-}
-
-/// [`init_logging`] with the filter from `RUST_LOG` (default `info`); a
-/// filter that does not parse is an error naming it.
-pub fn init_logging_from_env(format: LogFormat) -> Result<(), LogInitError> {
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    init_logging(format, &filter)
+    Ok(LogControl {
+        reload,
+        filter: parking_lot::Mutex::new(filter.to_owned()),
+    })
 }

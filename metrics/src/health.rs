@@ -18,6 +18,9 @@ closed_enum! {
         DeviceNotRunning => "device_not_running",
         /// ublkd: a configured device's arena peer is not connected.
         PeerDisconnected => "peer_disconnected",
+        /// ublkd: the ublk driver is not loaded (`/dev/ublk-control` is
+        /// missing), so no device can be added or recovered.
+        UblkDriverMissing => "ublk_driver_missing",
         /// arenad: the swap file is not open.
         SwapNotOpen => "swap_not_open",
         /// arenad: the blob index is not open.

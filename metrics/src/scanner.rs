@@ -78,14 +78,15 @@ struct State {
 /// One per process; see the module documentation.
 pub struct Scanner {
     telemetry: Arc<Telemetry>,
-    config: ScannerConfig,
+    /// Changed at run time by [`Scanner::set_config`] (SIGHUP).
+    config: Mutex<ScannerConfig>,
     state: Mutex<State>,
 }
 
 impl std::fmt::Debug for Scanner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Scanner")
-            .field("config", &self.config)
+            .field("config", &*self.config.lock())
             .finish_non_exhaustive()
     }
 }
@@ -95,9 +96,20 @@ impl Scanner {
     pub fn new(telemetry: Arc<Telemetry>, config: ScannerConfig) -> Arc<Scanner> {
         Arc::new(Scanner {
             telemetry,
-            config,
+            config: Mutex::new(config),
             state: Mutex::new(State::default()),
         })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> ScannerConfig {
+        *self.config.lock()
+    }
+
+    /// Replaces the settings: the next scan uses the new threshold, and the
+    /// scan thread waits the new interval after it.
+    pub fn set_config(&self, config: ScannerConfig) {
+        *self.config.lock() = config;
     }
 
     /// Adds a table. Only a weak reference is kept: when the device goes
@@ -136,7 +148,7 @@ impl Scanner {
     /// Runs one scan now. Cost: O(slots of live tables).
     pub fn scan(&self) -> ScanSummary {
         let threshold_ns =
-            u64::try_from(self.config.stall_threshold.as_nanos()).unwrap_or(u64::MAX);
+            u64::try_from(self.config().stall_threshold.as_nanos()).unwrap_or(u64::MAX);
         let mut st = self.state.lock();
         let before = st.tables.len();
         st.tables.retain(|(w, _)| w.strong_count() > 0);
@@ -215,7 +227,8 @@ impl Scanner {
                     me.scan();
                     let mut stopped = lock.lock();
                     if !*stopped {
-                        cv.wait_for(&mut stopped, me.config.interval);
+                        let interval = me.config().interval;
+                        cv.wait_for(&mut stopped, interval);
                     }
                     if *stopped {
                         break;

@@ -89,6 +89,12 @@ pub struct TrackerConfig {
     pub slow_threshold: Option<Duration>,
 }
 
+fn threshold_ns(threshold: Option<Duration>) -> u64 {
+    threshold.map_or(0, |d| {
+        u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1)
+    })
+}
+
 /// The in-flight slots of one device's target.
 pub struct TrackerTable {
     target: Box<str>,
@@ -96,7 +102,8 @@ pub struct TrackerTable {
     log_device: Option<u32>,
     queues: u16,
     depth: u16,
-    slow_threshold_ns: u64,
+    /// 0: off. Changed at run time by [`TrackerTable::set_slow_threshold`].
+    slow_threshold_ns: AtomicU64,
     slots: Box<[Slot]>,
     clock: Arc<dyn Clock>,
 }
@@ -135,12 +142,17 @@ impl TrackerTable {
             log_device: log_device.or(config.device),
             queues: config.queues,
             depth: config.depth,
-            slow_threshold_ns: config
-                .slow_threshold
-                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+            slow_threshold_ns: AtomicU64::new(threshold_ns(config.slow_threshold)),
             slots,
             clock,
         })
+    }
+
+    /// Changes the `request.slow` threshold (`None`: off) for requests
+    /// completing from now on.
+    pub fn set_slow_threshold(&self, threshold: Option<Duration>) {
+        self.slow_threshold_ns
+            .store(threshold_ns(threshold), Ordering::Relaxed);
     }
 
     /// Target label.
@@ -312,7 +324,8 @@ impl<T: Deref<Target = TrackerTable>> TrackerGuard<T> {
         let ns = table.clock.now_ns().saturating_sub(self.start_ns);
         io.record_ns(self.op, bytes, result, ns);
         let latency = Duration::from_nanos(ns);
-        if table.slow_threshold_ns != 0 && ns >= table.slow_threshold_ns {
+        let slow = table.slow_threshold_ns.load(Ordering::Relaxed);
+        if slow != 0 && ns >= slow {
             events::request_slow(self.corr, &table.target, table.log_device, self.op, latency);
         }
         latency

@@ -8,7 +8,24 @@ fn bad_filters_are_named_and_a_second_init_is_refused() {
         Err(LogInitError::Filter { filter, .. }) => assert_eq!(filter, "ublkd=notalevel"),
         other => panic!("expected a filter error, got {other:?}"),
     }
-    init_logging(LogFormat::Json, "info").expect("first init");
+    let control = init_logging(LogFormat::Json, "info").expect("first init");
+    assert_eq!(control.filter(), "info");
+    assert!(
+        control.set_filter("debug").unwrap(),
+        "a new filter is applied"
+    );
+    assert!(
+        !control.set_filter("debug").unwrap(),
+        "the same filter is no change"
+    );
+    assert!(tracing::enabled!(tracing::Level::DEBUG));
+    assert!(matches!(
+        control.set_filter("x=loud"),
+        Err(LogInitError::Filter { .. })
+    ));
+    assert_eq!(control.filter(), "debug", "a bad filter leaves the old one");
+    control.set_filter("warn").unwrap();
+    assert!(!tracing::enabled!(tracing::Level::INFO));
     assert!(matches!(
         init_logging(LogFormat::Text, "info"),
         Err(LogInitError::AlreadySet)

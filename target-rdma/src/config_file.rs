@@ -2,9 +2,11 @@
 //! schema, and the errors that stop startup naming the file, the key, the
 //! value and what is allowed.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 /// A config that could not be loaded or failed validation.
 #[derive(Debug, thiserror::Error)]
@@ -18,11 +20,16 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// TOML syntax, an unknown key, or a value of the wrong type.
-    #[error("invalid config {path}: {message}")]
+    #[error("invalid config {}{}: {}{message}", path.display(), at.map(|(l, c)| format!(":{l}:{c}")).unwrap_or_default(), key.as_ref().map(|k| format!("{k}: ")).unwrap_or_default())]
     Parse {
         /// The file.
         path: PathBuf,
-        /// The parser's message, which names the key and where it is.
+        /// Line and column (from 1) of the offending text, when known.
+        at: Option<(usize, usize)>,
+        /// The dotted key there (`metrics.per_device_labels`,
+        /// `volume[1].quota`), when one could be found.
+        key: Option<String>,
+        /// The parser's message.
         message: String,
     },
     /// A value outside its allowed range.
@@ -61,13 +68,153 @@ pub fn load_toml<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
 
 /// Parses `text` as `T`; `path` only labels errors.
 pub fn parse_toml<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T, ConfigError> {
-    toml::from_str(text).map_err(|e| ConfigError::Parse {
-        path: path.to_owned(),
-        message: e.message().to_owned()
-            + &e.span()
-                .map(|s| format!(" (at byte {})", s.start))
-                .unwrap_or_default(),
+    toml::from_str(text).map_err(|e| {
+        let at = e.span().map(|s| s.start.min(text.len()));
+        ConfigError::Parse {
+            path: path.to_owned(),
+            at: at.map(|o| line_column(text, o)),
+            key: at.and_then(|o| key_at(text, o)),
+            message: e.message().trim_end().to_owned(),
+        }
     })
+}
+
+/// Line and column, both from 1, of byte `offset` of `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..text.floor_char_boundary(offset)];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
+/// The dotted key the text at `offset` belongs to: the key of its
+/// `key = value` line (or of the nearest one above, for a value spanning
+/// lines) under the table header above it; `[[name]]` tables are numbered
+/// as validation names them (`volume[0]`). The TOML parser knows the key
+/// but does not expose it, and the files these daemons read are one key
+/// per line.
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let line_no = text[..text.floor_char_boundary(offset)]
+        .matches('\n')
+        .count();
+    let lines: Vec<&str> = text.lines().collect();
+    let header = |l: &str| -> Option<(String, bool)> {
+        let l = l.trim();
+        if let Some(name) = l.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
+            return Some((name.trim().to_owned(), true));
+        }
+        let name = l.strip_prefix('[')?.split(']').next()?;
+        Some((name.trim().to_owned(), false))
+    };
+    let key_of = |l: &str| -> Option<String> {
+        let (k, _) = l.split_once('=')?;
+        let k = k.trim().trim_matches('"');
+        (!k.is_empty() && !k.starts_with('#')).then(|| k.to_owned())
+    };
+    let mut key = None;
+    let mut table_line = None;
+    for i in (0..=line_no.min(lines.len().saturating_sub(1))).rev() {
+        if header(lines[i]).is_some() {
+            table_line = Some(i);
+            break;
+        }
+        if key.is_none() {
+            key = key_of(lines[i]);
+        }
+    }
+    let table = table_line.and_then(|t| {
+        let (name, array) = header(lines[t])?;
+        if !array {
+            return Some(name);
+        }
+        let index = lines[..t]
+            .iter()
+            .filter(|l| header(l).is_some_and(|(n, a)| a && n == name))
+            .count();
+        Some(format!("{name}[{index}]"))
+    });
+    match (table, key) {
+        (Some(t), Some(k)) => Some(format!("{t}.{k}")),
+        (t, k) => k.or(t),
+    }
+}
+
+/// Every leaf of a config as `dotted.key -> value` (TOML spelling; arrays
+/// of tables as `name[i].key`), so two configs compare key by key.
+pub fn flatten<T: Serialize>(cfg: &T) -> BTreeMap<String, String> {
+    fn walk(prefix: &str, v: &toml::Value, out: &mut BTreeMap<String, String>) {
+        let join = |k: &str| {
+            if prefix.is_empty() {
+                k.to_owned()
+            } else {
+                format!("{prefix}.{k}")
+            }
+        };
+        match v {
+            toml::Value::Table(t) => t.iter().for_each(|(k, v)| walk(&join(k), v, out)),
+            toml::Value::Array(a) if a.iter().all(toml::Value::is_table) && !a.is_empty() => a
+                .iter()
+                .enumerate()
+                .for_each(|(i, v)| walk(&format!("{prefix}[{i}]"), v, out)),
+            toml::Value::String(s) => {
+                out.insert(prefix.to_owned(), s.clone());
+            }
+            other => {
+                out.insert(prefix.to_owned(), other.to_string());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    if let Ok(v) = toml::Value::try_from(cfg) {
+        walk("", &v, &mut out);
+    }
+    out
+}
+
+/// One key whose value differs between two configs (`None`: unset).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Change {
+    /// Dotted key.
+    pub key: String,
+    /// Value in force before.
+    pub old: Option<String>,
+    /// Value in the new config.
+    pub new: Option<String>,
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".into());
+        write!(
+            f,
+            "{}: {} -> {}",
+            self.key,
+            show(&self.old),
+            show(&self.new)
+        )
+    }
+}
+
+/// The keys whose values differ between `old` and `new`, in key order.
+pub fn changes<T: Serialize>(old: &T, new: &T) -> Vec<Change> {
+    let (a, b) = (flatten(old), flatten(new));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| Change {
+            key: k.clone(),
+            old: a.get(k).cloned(),
+            new: b.get(k).cloned(),
+        })
+        .collect()
+}
+
+/// The effective configuration as TOML (sizes in human units), for
+/// `--check-config` / `--check`.
+pub fn render<T: Serialize>(cfg: &T) -> String {
+    toml::to_string(cfg).unwrap_or_else(|e| format!("# cannot render the configuration: {e}\n"))
 }
 
 /// A listener setting: `""` or `"off"` disables it, anything else must be an
@@ -106,7 +253,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.starts_with("invalid config /etc/x.toml: ") && e.contains("unknown field `colour`"),
+            e.starts_with("invalid config /etc/x.toml:2:1: colour: unknown field `colour`"),
             "{e}"
         );
         let e = load_toml::<Schema>(Path::new("/nonexistent/x.toml"))
@@ -120,6 +267,44 @@ mod tests {
             invalid("device.depth", 0, "must be between 1 and 4096").to_string(),
             "invalid config: device.depth = 0: must be between 1 and 4096"
         );
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Nested {
+        top: Option<u32>,
+        metrics: Option<Inner>,
+        volume: Option<Vec<Inner>>,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Inner {
+        on: Option<bool>,
+        size: Option<u64>,
+    }
+
+    #[test]
+    fn wrong_types_name_the_dotted_key_with_line_and_column() {
+        let p = Path::new("/etc/x.toml");
+        let e = |text: &str| parse_toml::<Nested>(text, p).unwrap_err().to_string();
+        assert_eq!(
+            e("top = 1\n[metrics]\non = \"yes\"\n"),
+            "invalid config /etc/x.toml:3:6: metrics.on: invalid type: string \"yes\", expected a boolean"
+        );
+        assert_eq!(
+            e("top = \"x\"\n"),
+            "invalid config /etc/x.toml:1:7: top: invalid type: string \"x\", expected u32"
+        );
+        let text = "[[volume]]\nsize = 1\n\n[[volume]]\n# note\nsize = -1\n";
+        assert!(
+            e(text).starts_with(
+                "invalid config /etc/x.toml:6:8: volume[1].size: invalid value: integer `-1`"
+            ),
+            "{}",
+            e(text)
+        );
+        assert!(e("top = ").starts_with("invalid config /etc/x.toml:1:7: top: "));
     }
 
     #[test]

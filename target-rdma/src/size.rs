@@ -58,9 +58,42 @@ impl fmt::Display for HumanSize {
     }
 }
 
+/// Formats bytes for reading, not parsing: exact like [`HumanSize`] when a
+/// unit divides them, else one decimal in the largest unit below them
+/// (`64.1M`, `14.9G`).
+pub struct ApproxSize(pub u64);
+
+impl fmt::Display for ApproxSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0;
+        if n < 1024 || n.is_multiple_of(1024 * 1024) {
+            return HumanSize(n).fmt(f);
+        }
+        let (mut value, mut unit) = (n as f64 / 1024.0, "K");
+        for next in ["M", "G", "T"] {
+            if value < 1024.0 {
+                break;
+            }
+            value /= 1024.0;
+            unit = next;
+        }
+        write!(f, "{value:.1}{unit}")
+    }
+}
+
 /// Serde helper: a size given as a TOML integer or a string like `"64G"`.
 pub mod serde_size {
-    use serde::{de, Deserialize, Deserializer};
+    use serde::{de, Deserialize, Deserializer, Serializer};
+
+    /// Serializes a size as the string `HumanSize` gives (`"512K"`; 0 as
+    /// the integer), which [`deserialize`] reads back: effective configs
+    /// print as operators write them.
+    pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+        if *v == 0 {
+            return s.serialize_u64(0);
+        }
+        s.collect_str(&super::HumanSize(*v))
+    }
 
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -81,6 +114,15 @@ pub mod serde_size {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn approximate_sizes_read_well() {
+        assert_eq!(ApproxSize(512).to_string(), "512");
+        assert_eq!(ApproxSize(64 << 20).to_string(), "64M");
+        assert_eq!(ApproxSize(67_193_344).to_string(), "64.1M");
+        assert_eq!(ApproxSize(15_667_240 << 10).to_string(), "14.9G");
+        assert_eq!(ApproxSize(1536).to_string(), "1.5K");
+    }
 
     #[test]
     fn parses_units() {

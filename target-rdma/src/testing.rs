@@ -157,6 +157,7 @@ impl Peer {
             Arc::clone(&self.obs),
         );
         let s = Arc::clone(&server);
+        self.obs.serving();
         let thread = std::thread::spawn(move || s.serve(listener).expect("serve"));
         self.running = Some((server, thread));
     }

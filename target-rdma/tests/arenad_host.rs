@@ -142,6 +142,19 @@ fn file_descriptors_per_connection_fit_the_units_limit() {
     let check = |max: usize| {
         Command::new(env!("CARGO_BIN_EXE_arenad"))
             .args(["--config", "/dev/null", "--check", "--volume", &volume])
+            // --check tells the truth about the whole start: a swap_dir
+            // with room, free ports.
+            .args([
+                "--swap-bytes",
+                "8M",
+                "--blob-bytes",
+                "64K",
+                "--arena-bytes",
+                "1M",
+            ])
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "off"])
+            .arg("--swap-dir")
+            .arg(dir.path().join("check/swap"))
             .args(["--max-connections", &max.to_string()])
             .output()
             .unwrap()

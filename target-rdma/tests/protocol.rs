@@ -419,6 +419,26 @@ fn requests_time_out_and_say_so() {
 }
 
 #[test]
+fn a_peer_that_accepts_but_never_greets_is_a_named_handshake_timeout() {
+    // What a client saw of an arenad still registering its arena: a
+    // socket that accepts and says nothing.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.connect_timeout = Duration::from_millis(300);
+    let e = ArenaClient::connect(cfg).map(drop).unwrap_err();
+    assert_eq!(e.kind(), target_rdma::blob::ErrorKind::Connect, "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "cannot connect to arena peer {addr}: handshake (no answer from the peer; is it still \
+             starting?) timed out after 0.3 s"
+        )
+    );
+    drop(silent);
+}
+
+#[test]
 fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
     let dir = tempfile::tempdir().unwrap();
     let opts = PeerOpts {

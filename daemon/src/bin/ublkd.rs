@@ -1,74 +1,87 @@
 //! `ublkd`: the ublk device daemon. Loads its config, starts the metrics
 //! listener, brings back the persisted devices, serves the control socket,
-//! tells systemd it is ready, and on SIGTERM keeps or removes the devices as
-//! configured.
+//! tells systemd it is ready; SIGHUP reloads the config, SIGTERM keeps or
+//! removes the devices as configured.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use ublk_metrics::events::{init_logging_from_env, LogFormat};
-use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
+use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
+use ublk_metrics::{Daemon, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::control_socket;
-use ublkd::device::Manager;
+use ublkd::device::{Manager, UBLK_CONTROL};
 use ublkd::observability::Observability;
+use ublkd::reload::Runtime;
 
 /// Serve ublk block devices backed by a remote arena (arenad).
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "ublkd", version)]
 pub(crate) struct Args {
     /// Config file.
     #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
     config: PathBuf,
-    /// Check the config and exit.
+    /// Run every check a start makes (config, state_dir, control socket,
+    /// ports, ublk driver, RDMA device), print the effective configuration
+    /// and the findings, and exit: non-zero when a start would refuse.
     #[arg(long)]
     check_config: bool,
+    /// Log lines as text or json [key: log_format].
+    #[arg(long, value_parser = LogFormat::parse)]
+    log_format: Option<LogFormat>,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let args = Args::parse();
-    let cfg = UblkdConfig::load(&args.config)?;
-    if args.check_config {
-        println!("{}: ok", args.config.display());
-        return Ok(());
+    match run(&args) {
+        Ok(code) => code,
+        // `{:#}` prints the cause chain on one line; no backtrace, whatever
+        // RUST_BACKTRACE says: these are an operator's errors, not bugs.
+        Err(e) => {
+            eprintln!("ublkd: {e:#}");
+            ExitCode::FAILURE
+        }
     }
-    let format = if cfg.log_format == "json" {
-        LogFormat::Json
-    } else {
-        LogFormat::Text
-    };
-    init_logging_from_env(format).context("setting up logging (RUST_LOG)")?;
-    let on_shutdown = cfg.on_shutdown;
+}
+
+fn run(args: &Args) -> anyhow::Result<ExitCode> {
+    let mut cfg = UblkdConfig::load(&args.config)?;
+    if let Some(f) = args.log_format {
+        cfg.log_format = f;
+    }
+    if args.check_config {
+        let findings = ublkd::check::run(&cfg);
+        let code = target_rdma::preflight::print_check(&cfg, &args.config, &findings);
+        return Ok(ExitCode::from(code));
+    }
+    let (filter, _) = effective_filter(&cfg.log_level);
+    let log = init_logging(cfg.log_format, &filter).context("setting up logging")?;
     let socket = cfg.socket.clone();
     let group = cfg.socket_group.clone();
-    // Signals first, so a SIGTERM during a long restore is not lost.
-    let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    // Signals first, so a SIGTERM during a long restore is not lost, and a
+    // SIGHUP meanwhile waits for the loop below instead of killing us.
+    let mut signals =
+        Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
     let tel = Telemetry::install(Daemon::Ublkd, env!("CARGO_PKG_VERSION"))?;
     let obs = Observability::new(Arc::clone(&tel), &cfg.metrics);
+    obs.watch_driver(UBLK_CONTROL);
     let _scanner = obs
         .scanner()
         .spawn()
         .context("starting the tracker scanner")?;
     // Up before the restore, so /ready answers (503) while devices come back.
-    let _metrics = match cfg.metrics.listen_addr() {
-        Some(addr) => match MetricsServer::start(addr, Arc::clone(&tel), HttpConfig::default()) {
-            Ok(m) => {
-                tracing::info!(event = "metrics.listening", addr = %m.local_addr());
-                Some(m)
-            }
-            // Devices matter more than their metrics: keep serving, and let
-            // the failed scrapes (and this event) say so.
-            Err(e) => {
-                tracing::error!(event = "metrics.listen_failed", error = %e);
-                None
-            }
-        },
-        None => None,
-    };
+    let runtime = Runtime::start(
+        args.config.clone(),
+        cfg.clone(),
+        log,
+        Arc::clone(&tel),
+        Arc::clone(&obs),
+    );
     let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
     manager
         .spawn_peer_monitor()
@@ -87,17 +100,26 @@ fn main() -> anyhow::Result<()> {
         tracing::warn!(event = "sd_notify.failed", error = %e);
     }
     tracing::info!(event = "ublkd.ready", socket = %socket.display(), devices = manager.list().len());
-    if let Some(sig) = signals.forever().next() {
+    for sig in signals.forever() {
+        if sig == SIGHUP {
+            let _ = target_rdma::sd_notify::notify("RELOADING=1");
+            // A bad config is logged by reload and changes nothing.
+            let _ = runtime.reload();
+            let _ = target_rdma::sd_notify::notify("READY=1");
+            continue;
+        }
         tracing::info!(event = "ublkd.signal", signal = sig);
+        break;
     }
     let _ = target_rdma::sd_notify::notify("STOPPING=1");
     tel.begin_shutdown();
+    let on_shutdown = runtime.on_shutdown();
     match on_shutdown {
         OnShutdown::Keep => manager.shutdown_keep(),
         OnShutdown::Remove => manager.shutdown_remove(),
     }
     let _ = std::fs::remove_file(&socket);
-    tracing::info!(event = "ublkd.exit", on_shutdown = ?on_shutdown);
+    tracing::info!(event = "ublkd.exit", on_shutdown = %on_shutdown);
     // Device threads are parked in the kernel; exiting closes their file
     // descriptors, which is what hands kept devices over to recovery.
     std::process::exit(0);

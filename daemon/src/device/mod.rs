@@ -27,7 +27,7 @@ use std::time::Duration;
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use parking_lot::Mutex;
-use target_rdma::auth::Secret;
+use target_rdma::auth::{Secret, SecretError};
 use target_rdma::blob::BlobIo;
 use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
 use target_rdma::client::{ArenaClient, ClientConfig, ClientStats, FlushDomain};
@@ -89,14 +89,9 @@ pub enum DeviceError {
     /// `transport = rdma` and RDMA cannot be used.
     #[error("RDMA transport unavailable: {0}; use --transport tcp or --transport auto")]
     RdmaUnavailable(String),
-    /// The secret file could not be used.
-    #[error("secret file {path}: {reason}")]
-    Secret {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
+    /// The secret file could not be used (the message names the file).
+    #[error("{0}")]
+    Secret(#[from] SecretError),
     /// The arena refused or could not be reached.
     #[error("{0}")]
     Arena(#[from] ArenaError),
@@ -129,7 +124,7 @@ impl DeviceError {
         match self {
             Self::Unknown(_) => ErrorKind::UnknownDevice,
             Self::Busy { .. } => ErrorKind::Busy,
-            Self::BadRequest(_) | Self::Secret { .. } => ErrorKind::BadRequest,
+            Self::BadRequest(_) | Self::Secret(_) => ErrorKind::BadRequest,
             Self::RdmaUnavailable(_) => ErrorKind::TransportUnavailable,
             Self::Arena(e) => match e.kind() {
                 ArenaErrorKind::Connect => ErrorKind::PeerUnreachable,
@@ -270,10 +265,7 @@ impl Manager {
     /// Connects the queues' clients, starts the device thread and waits
     /// until the device is live. Returns the device id.
     fn launch(&self, mut spec: DeviceSpec, mode: Mode) -> Result<u32, DeviceError> {
-        let secret = Secret::from_file(&spec.secret_file).map_err(|e| DeviceError::Secret {
-            path: spec.secret_file.clone(),
-            reason: e.to_string(),
-        })?;
+        let secret = Secret::from_file(&spec.secret_file)?;
         let (ios, driver) = self.connect_queues(&spec, &secret)?;
         let blob_bytes = ios
             .first()

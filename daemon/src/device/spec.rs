@@ -73,6 +73,39 @@ impl SpecStore {
         Ok(Self { dir })
     }
 
+    /// The store under `<state_dir>/devices`, without creating anything
+    /// (`--check-config`).
+    pub fn read_only(state_dir: &Path) -> Result<Self, DeviceError> {
+        Ok(Self {
+            dir: state_dir.join("devices"),
+        })
+    }
+
+    /// How many definitions parse, and the ones that do not with why.
+    pub fn check_all(&self) -> Result<(usize, Vec<(PathBuf, String)>), DeviceError> {
+        let mut good = 0;
+        let mut bad = Vec::new();
+        for path in self.files()? {
+            match read_spec(&path) {
+                Ok(_) => good += 1,
+                Err(e) => bad.push((path, e)),
+            }
+        }
+        Ok((good, bad))
+    }
+
+    fn files(&self) -> Result<Vec<PathBuf>, DeviceError> {
+        let rd = fs::read_dir(&self.dir).map_err(|source| DeviceError::State {
+            path: self.dir.clone(),
+            source,
+        })?;
+        Ok(rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .collect())
+    }
+
     fn path(&self, id: u32) -> PathBuf {
         self.dir.join(format!("{id}.json"))
     }
@@ -110,20 +143,9 @@ impl SpecStore {
     /// Every readable definition; unreadable ones are logged and skipped
     /// so one bad file does not keep the other devices down.
     pub fn load_all(&self) -> Result<Vec<DeviceSpec>, DeviceError> {
-        let rd = fs::read_dir(&self.dir).map_err(|source| DeviceError::State {
-            path: self.dir.clone(),
-            source,
-        })?;
         let mut specs = Vec::new();
-        for entry in rd.flatten() {
-            let path = entry.path();
-            if path.extension().is_none_or(|e| e != "json") {
-                continue;
-            }
-            match fs::read_to_string(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|t| serde_json::from_str::<DeviceSpec>(&t).map_err(|e| e.to_string()))
-            {
+        for path in self.files()? {
+            match read_spec(&path) {
                 Ok(s) => specs.push(s),
                 Err(e) => {
                     tracing::error!(event = "device.spec_unreadable", path = %path.display(), error = %e)
@@ -133,6 +155,12 @@ impl SpecStore {
         specs.sort_by_key(|s| s.id);
         Ok(specs)
     }
+}
+
+fn read_spec(path: &Path) -> Result<DeviceSpec, String> {
+    fs::read_to_string(path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str::<DeviceSpec>(&t).map_err(|e| e.to_string()))
 }
 
 pub(super) fn shape(spec: &DeviceSpec) -> DeviceShape {

@@ -206,6 +206,10 @@ impl DeviceObs {
     }
 }
 
+fn slow_threshold(cfg: &MetricsConfig) -> Option<Duration> {
+    (cfg.slow_threshold_ms > 0).then(|| Duration::from_millis(cfg.slow_threshold_ms))
+}
+
 /// Registering a device's metrics failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ObsError {
@@ -227,10 +231,12 @@ pub struct Observability {
     acct: Arc<RequestAccounting>,
     clock: Arc<dyn Clock>,
     per_device_labels: bool,
-    scan_interval: Duration,
-    stall_threshold: Duration,
-    slow_threshold: Option<Duration>,
+    /// `[metrics] slow_threshold_ms` in force (SIGHUP changes it).
+    slow_threshold: Mutex<Option<Duration>>,
     control_socket_up: AtomicBool,
+    /// The ublk control node, when readiness should check that the driver
+    /// is loaded (the daemon sets it; in-process tests have no driver).
+    driver_node: Mutex<Option<std::path::PathBuf>>,
     devices: Mutex<BTreeMap<u32, Arc<DeviceObs>>>,
 }
 
@@ -279,11 +285,9 @@ impl Observability {
             scanner,
             clock: Arc::new(MonotonicClock::new()),
             per_device_labels: cfg.per_device_labels,
-            scan_interval,
-            stall_threshold,
-            slow_threshold: (cfg.slow_threshold_ms > 0)
-                .then(|| Duration::from_millis(cfg.slow_threshold_ms)),
+            slow_threshold: Mutex::new(slow_threshold(cfg)),
             control_socket_up: AtomicBool::new(false),
+            driver_node: Mutex::new(None),
             devices: Mutex::new(BTreeMap::new()),
             tel,
         });
@@ -304,7 +308,29 @@ impl Observability {
 
     /// The stall threshold in force.
     pub fn stall_threshold(&self) -> Duration {
-        self.stall_threshold
+        self.scanner.config().stall_threshold
+    }
+
+    /// Applies reloaded `[metrics]` settings: the scan interval and stall
+    /// threshold from the next scan, the slow threshold to every device's
+    /// requests completing from now on. `listen` is the daemon's (it owns
+    /// the listener); `per_device_labels` needs a restart (it names series).
+    pub fn apply(&self, cfg: &MetricsConfig) {
+        self.scanner.set_config(ScannerConfig {
+            interval: Duration::from_secs(cfg.scan_interval_secs),
+            stall_threshold: Duration::from_secs(cfg.stall_threshold_secs),
+        });
+        let slow = slow_threshold(cfg);
+        *self.slow_threshold.lock() = slow;
+        for d in self.all() {
+            d.table.set_slow_threshold(slow);
+        }
+    }
+
+    /// Makes readiness report `ublk_driver_missing` while `node` (the ublk
+    /// control node) does not exist.
+    pub fn watch_driver(&self, node: impl Into<std::path::PathBuf>) {
+        *self.driver_node.lock() = Some(node.into());
     }
 
     /// Records whether the control socket is accepting.
@@ -332,7 +358,7 @@ impl Observability {
                 device: label,
                 queues: shape.queues,
                 depth: shape.depth,
-                slow_threshold: self.slow_threshold,
+                slow_threshold: *self.slow_threshold.lock(),
             },
             Some(id),
             Arc::clone(&self.clock),
@@ -407,6 +433,13 @@ impl Observability {
         if !self.control_socket_up.load(Ordering::Acquire) {
             failing.insert(NotReadyReason::ControlSocketDown);
         }
+        // One stat(2): cheap, and the only way to see a driver that was
+        // unloaded (or never loaded) while the daemon runs.
+        if let Some(node) = &*self.driver_node.lock() {
+            if !node.exists() {
+                failing.insert(NotReadyReason::UblkDriverMissing);
+            }
+        }
         for d in self.devices.lock().values() {
             if d.state() != DevState::Live {
                 failing.insert(NotReadyReason::DeviceNotRunning);
@@ -422,15 +455,16 @@ impl Observability {
         let devices: Vec<serde_json::Value> = self
             .all()
             .iter()
-            .map(|d| d.diagnostics(self.stall_threshold))
+            .map(|d| d.diagnostics(self.stall_threshold()))
             .collect();
+        let scan = self.scanner.config();
         serde_json::json!({
             "control_socket": if self.control_socket_up.load(Ordering::Acquire) { "up" } else { "down" },
             "metrics": {
                 "per_device_labels": self.per_device_labels,
-                "scan_interval_seconds": self.scan_interval.as_secs(),
-                "stall_threshold_seconds": self.stall_threshold.as_secs(),
-                "slow_threshold_ms": self.slow_threshold.map_or(0, |d| d.as_millis() as u64),
+                "scan_interval_seconds": scan.interval.as_secs(),
+                "stall_threshold_seconds": scan.stall_threshold.as_secs(),
+                "slow_threshold_ms": self.slow_threshold.lock().map_or(0, |d| d.as_millis() as u64),
             },
             "devices": devices,
         })

@@ -4,7 +4,8 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use ublk_metrics::events::LogFormat;
 
 pub use crate::config_file::ConfigError;
 use crate::config_file::{invalid, listen_setting, load_toml, parse_toml};
@@ -15,26 +16,23 @@ use crate::size::{serde_size, HumanSize};
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/arenad/arenad.toml";
 
 /// The whole `arenad` configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ArenadConfig {
     /// `host:port` the control stream listens on.
     #[serde(default = "default_listen")]
     pub listen: String,
     /// RAM arena size in bytes.
-    #[serde(
-        default = "default_arena",
-        deserialize_with = "serde_size::deserialize"
-    )]
+    #[serde(default = "default_arena", with = "serde_size")]
     pub arena_bytes: u64,
     /// Blob (slot) size: a power of two from 4K to 16M.
-    #[serde(default = "default_blob", deserialize_with = "serde_size::deserialize")]
+    #[serde(default = "default_blob", with = "serde_size")]
     pub blob_bytes: u64,
     /// Directory of the swap file and the index (journal + checkpoint).
     #[serde(default = "default_swap_dir")]
     pub swap_dir: PathBuf,
     /// Swap file capacity in bytes.
-    #[serde(default = "default_swap", deserialize_with = "serde_size::deserialize")]
+    #[serde(default = "default_swap", with = "serde_size")]
     pub swap_bytes: u64,
     /// Most concurrent client connections; more are refused.
     #[serde(default = "default_max_connections")]
@@ -62,13 +60,20 @@ pub struct ArenadConfig {
     /// `/ready`, `/diagnostics`); `""` or `"off"` disables it.
     #[serde(default = "default_metrics_listen")]
     pub metrics_listen: String,
-    /// The volumes this peer serves.
+    /// `text` or `json` log lines on stderr (`--log-format` overrides it).
+    #[serde(default = "default_log_format")]
+    pub log_format: LogFormat,
+    /// Log filter (`info`, `debug`, `target_rdma=debug,info`); `RUST_LOG`
+    /// overrides it. Reloaded on SIGHUP.
+    #[serde(default = "default_log_level")]
+    pub log_level: String,
+    /// The volumes this peer serves (SIGHUP adds, removes and rotates them).
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,
 }
 
 /// One `[[volume]]` table.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct VolumeConfig {
     /// Name clients open; `[A-Za-z0-9._-]`, at most 64 bytes.
@@ -76,7 +81,7 @@ pub struct VolumeConfig {
     /// File holding the volume's secret (mode 0600 or stricter).
     pub secret_file: PathBuf,
     /// Most bytes of blobs the volume may hold (rounded up to whole blobs).
-    #[serde(deserialize_with = "serde_size::deserialize")]
+    #[serde(with = "serde_size")]
     pub quota: u64,
 }
 
@@ -106,6 +111,12 @@ fn default_gid_index() -> u8 {
 }
 fn default_handshake_timeout() -> u64 {
     10
+}
+fn default_log_format() -> LogFormat {
+    LogFormat::Text
+}
+fn default_log_level() -> String {
+    "info".into()
 }
 fn default_metrics_listen() -> String {
     "127.0.0.1:9478".into()
@@ -203,6 +214,9 @@ impl ArenadConfig {
                 self.handshake_timeout_secs,
                 "must be in 1..=600",
             ));
+        }
+        if let Err(why) = ublk_metrics::events::check_filter(&self.log_level) {
+            return Err(invalid("log_level", format!("{:?}", self.log_level), why));
         }
         if self.volumes.is_empty() {
             return Err(invalid(

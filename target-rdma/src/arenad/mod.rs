@@ -1,6 +1,10 @@
-//! The arena peer: configuration, the connection server and its
-//! observability. The storage engine it serves lives in [`crate::store`].
+//! The arena peer: configuration and its checks (`--check`), the
+//! connection server, reloads (SIGHUP) and its observability. The storage
+//! engine it serves lives in [`crate::store`].
 
+pub mod check;
 pub mod config;
+pub mod listener;
 pub mod observability;
+pub mod reload;
 pub mod server;

@@ -8,7 +8,7 @@
 //! below, passing the status it answered with; nothing here reaches back
 //! into the server.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -25,12 +25,17 @@ use crate::store::{IndexWrite, IntegrityKind, Store, StoreStats};
 /// `/ready` can say why arenad is not ready yet.
 struct Opened {
     store: Arc<Store>,
-    volumes: usize,
 }
 
 #[derive(Default)]
 struct Shared {
     opened: OnceLock<Opened>,
+    /// Volumes served (SIGHUP may change it).
+    volumes: AtomicUsize,
+    /// The control port accepts sessions: until then `/ready` says
+    /// `starting`, even with the store open (registering a large arena
+    /// with an RDMA device takes seconds).
+    serving: AtomicBool,
     /// Sessions with a completed handshake, now.
     connections: AtomicUsize,
 }
@@ -58,13 +63,16 @@ impl Probes for ArenadProbes {
         if self.0.opened.get().is_none() {
             failing.insert(NotReadyReason::SwapNotOpen);
             failing.insert(NotReadyReason::IndexNotOpen);
+        } else if !self.0.serving.load(Ordering::Acquire) {
+            failing.insert(NotReadyReason::Starting);
         }
     }
 
     fn diagnostics(&self) -> serde_json::Value {
-        let Some(Opened { store, volumes }) = self.0.opened.get() else {
+        let Some(Opened { store }) = self.0.opened.get() else {
             return serde_json::json!({ "store": "opening" });
         };
+        let volumes = self.0.volumes.load(Ordering::Relaxed);
         let s = store.stats();
         serde_json::json!({
             "store": "open",
@@ -194,12 +202,12 @@ impl ArenadObservability {
         &self.tel
     }
 
-    /// The store is open (swap and index usable): readiness passes, and
-    /// every scrape samples its statistics.
+    /// The store is open (swap and index usable), and every scrape samples
+    /// its statistics; readiness passes once [`Self::serving`] too.
     pub fn store_opened(&self, store: &Arc<Store>, volumes: usize) {
+        self.set_volumes(volumes);
         let _ = self.shared.opened.set(Opened {
             store: Arc::clone(store),
-            volumes,
         });
         let weak = Arc::downgrade(store);
         self.metrics.set_source(move || {
@@ -212,6 +220,16 @@ impl ArenadObservability {
             IndexWrite::Journal => metrics.record_journal(latency),
             IndexWrite::Checkpoint => metrics.record_checkpoint(latency),
         }));
+    }
+
+    /// The control port accepts sessions now.
+    pub fn serving(&self) {
+        self.shared.serving.store(true, Ordering::Release);
+    }
+
+    /// The number of volumes served (`/diagnostics`).
+    pub fn set_volumes(&self, volumes: usize) {
+        self.shared.volumes.store(volumes, Ordering::Relaxed);
     }
 
     /// A session completed its handshake (`/diagnostics` counts them).
@@ -333,6 +351,13 @@ mod tests {
             .unwrap(),
         );
         t.store_opened(&store, 1);
+        let r = t.telemetry().readiness();
+        assert!(
+            r.failing.contains(NotReadyReason::Starting)
+                && !r.failing.contains(NotReadyReason::SwapNotOpen),
+            "open but not serving yet: {r:?}"
+        );
+        t.serving();
         assert!(t.telemetry().readiness().is_ready());
         let text = t.telemetry().render().unwrap();
         assert!(text.contains("arenad_slots{state=\"free\"} 16"), "{text}");

@@ -15,7 +15,7 @@ use std::sync::{mpsc, Arc, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use tracing::{debug, info, warn};
 
@@ -117,7 +117,9 @@ struct Rail {
 pub struct Server {
     rdma: Option<ServerRdma>,
     store: Arc<Store>,
-    volumes: Vec<ServedVolume>,
+    /// Replaced whole by [`Server::set_volumes`] (SIGHUP): a handshake
+    /// takes the list in force when it starts, sessions never look again.
+    volumes: RwLock<Arc<Vec<ServedVolume>>>,
     limits: ServerLimits,
     conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
     next_conn: AtomicU64,
@@ -159,7 +161,7 @@ impl Server {
         let server = Arc::new(Self {
             rdma,
             store,
-            volumes,
+            volumes: RwLock::new(Arc::new(volumes)),
             limits,
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
@@ -186,6 +188,14 @@ impl Server {
                 let _ = tx.lock().send((holder, key, token));
             }));
         server
+    }
+
+    /// Serves `volumes` to new sessions from now on: an added volume
+    /// opens, a rotated secret is the one a new HELLO must prove, a removed
+    /// volume is refused. Sessions already open keep the volume and secret
+    /// they authenticated with.
+    pub fn set_volumes(&self, volumes: Vec<ServedVolume>) {
+        *self.volumes.write() = Arc::new(volumes);
     }
 
     /// Stops accepting, ends every connection after the request it is
@@ -250,7 +260,7 @@ impl Server {
             threads.push(
                 thread::Builder::new()
                     .name(format!("arenad-conn-{id}"))
-                    .spawn(move || server.run_conn(id, stream))?,
+                    .spawn(move || server.run_conn(id, peer, stream))?,
             );
         }
         for t in threads {
@@ -259,20 +269,28 @@ impl Server {
         Ok(())
     }
 
-    fn run_conn(&self, id: HolderId, stream: TcpStream) {
+    fn run_conn(&self, id: HolderId, peer: std::net::SocketAddr, stream: TcpStream) {
         let result = self.conn_loop(id, &stream);
         if self.conns.lock().remove(&id).is_some() {
             self.obs.session_closed();
         }
         self.store.drop_holder(id);
         if let Err(fatal) = result {
-            self.report_fatal(id, &stream, fatal);
+            self.report_fatal(id, peer, &stream, fatal);
         }
         let _ = stream.shutdown(Shutdown::Both);
     }
 
-    /// Counts, logs and answers the error that ends a connection.
-    fn report_fatal(&self, id: HolderId, stream: &TcpStream, fatal: Fatal) {
+    /// Counts, logs and answers the error that ends a connection. Logs name
+    /// the peer's address where an operator needs it (refused handshakes);
+    /// metrics never do.
+    fn report_fatal(
+        &self,
+        id: HolderId,
+        peer: std::net::SocketAddr,
+        stream: &TcpStream,
+        fatal: Fatal,
+    ) {
         let mut frame = Vec::new();
         match fatal {
             Fatal::Io(e) => {
@@ -300,7 +318,7 @@ impl Server {
             }
             Fatal::Auth(why) => {
                 self.obs.auth_failed();
-                warn!(event = "auth.failed", conn = id, reason = why);
+                warn!(event = "auth.failed", conn = id, peer = %peer, reason = why);
                 proto::encode_error(
                     &mut frame,
                     Opcode::Hello,
@@ -311,7 +329,7 @@ impl Server {
             }
             Fatal::Hello(status, msg) => {
                 self.obs.hello_refused(status);
-                warn!(event = "hello.refused", conn = id, status = status.name(), detail = %msg);
+                warn!(event = "hello.refused", conn = id, peer = %peer, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
         }
@@ -320,7 +338,7 @@ impl Server {
     }
 
     /// Runs the handshake; returns the volume the session is bound to.
-    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<(&ServedVolume, bool), Fatal> {
+    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<(VolumeId, bool), Fatal> {
         let ch = Challenge {
             min_version: u16::from(VERSION),
             max_version: u16::from(VERSION),
@@ -352,8 +370,8 @@ impl Server {
         }
         // An unknown volume and a wrong secret look the same to the client,
         // so a scan cannot discover volume names.
-        let vol = self
-            .volumes
+        let volumes = Arc::clone(&self.volumes.read());
+        let vol = volumes
             .iter()
             .find(|v| v.name == hello.volume)
             .ok_or(Fatal::Auth("unknown volume"))?;
@@ -396,7 +414,7 @@ impl Server {
         welcome.encode(&mut frame);
         (&*stream).write_all(&frame)?;
         info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted);
-        Ok((vol, granted))
+        Ok((vol.id, granted))
     }
 
     fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
@@ -421,7 +439,7 @@ impl Server {
         while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
             let started = Instant::now();
             let mut w = conn.writer.lock();
-            let answered = self.handle(vol.id, id, &h, &body, &mut out, &mut *w, &mut rail);
+            let answered = self.handle(vol, id, &h, &body, &mut out, &mut *w, &mut rail);
             match &answered {
                 Ok(status) => self.obs.answered(h.opcode, *status, started.elapsed()),
                 Err(Fatal::Store(op, ..)) => self.obs.refused(*op, started.elapsed()),

@@ -1,24 +1,28 @@
 //! `arenad`: serves volumes of fixed-size blobs from a RAM arena backed by
-//! an NVMe swap file, over the paging protocol (docs/PROTOCOL.md).
+//! an NVMe swap file, over the paging protocol (docs/PROTOCOL.md). SIGHUP
+//! reloads the volumes, their secrets and the log filter; SIGTERM stops
+//! after a final FLUSH.
 
-use std::net::TcpListener;
+use std::net::SocketAddr;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tracing::{error, info};
-use ublk_metrics::events::{init_logging_from_env, LogFormat};
+use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
 use ublk_metrics::MetricsServer;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
+use target_rdma::arenad::listener::Reserved;
 use target_rdma::arenad::observability::ArenadObservability;
-use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
-use target_rdma::auth::Secret;
+use target_rdma::arenad::reload::{read_secrets, served, Runtime};
+use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
 use target_rdma::rdma::open_provider;
 use target_rdma::sd_notify;
 use target_rdma::size::parse_size;
@@ -28,7 +32,7 @@ use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 /// file, FLUSHed data durable across crashes.
 ///
 /// Settings come from the TOML config; each flag below overrides its key.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(name = "arenad", version)]
 pub(crate) struct Args {
     /// Config file (TOML). Missing is an error unless it is the default path
@@ -63,10 +67,17 @@ pub(crate) struct Args {
     /// [table: [[volume]]].
     #[arg(long = "volume", value_name = "NAME:SECRET_FILE:QUOTA")]
     volumes: Vec<String>,
-    /// Log as JSON lines instead of text.
-    #[arg(long)]
+    /// Log lines as text or json [key: log_format].
+    #[arg(long, value_parser = LogFormat::parse)]
+    log_format: Option<LogFormat>,
+    /// Same as --log-format json (kept for existing scripts).
+    #[arg(long, hide = true, conflicts_with = "log_format")]
     log_json: bool,
-    /// Check the config and secrets, print the effective settings, and exit.
+    /// Run every check a start makes before it opens the store (config,
+    /// secret files, RDMA device for rdma = "on", swap_dir writable with
+    /// room for its files and not in use, ports), print the effective
+    /// configuration and the findings, and exit: non-zero when a start
+    /// would refuse.
     #[arg(long)]
     check: bool,
     /// Rebuild the index of swap_dir from its extent headers (after arenad
@@ -104,6 +115,11 @@ fn load_config(args: &Args) -> Result<ArenadConfig> {
     }
     if let Some(v) = &args.metrics_listen {
         cfg.metrics_listen = v.clone();
+    }
+    if let Some(f) = args.log_format {
+        cfg.log_format = f;
+    } else if args.log_json {
+        cfg.log_format = LogFormat::Json;
     }
     for spec in &args.volumes {
         let parts: Vec<&str> = spec.splitn(3, ':').collect();
@@ -143,45 +159,38 @@ fn start_observability(
     Ok((obs, listener))
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let args = Args::parse();
-    let format = if args.log_json {
-        LogFormat::Json
-    } else {
-        LogFormat::Text
-    };
-    init_logging_from_env(format).context("setting up logging (RUST_LOG)")?;
-    let cfg = load_config(&args)?;
-    let blob = cfg.blob_bytes;
-    let mut specs = Vec::new();
-    let mut served = Vec::new();
-    for (i, v) in cfg.volumes.iter().enumerate() {
-        let secret =
-            Secret::from_file(&v.secret_file).with_context(|| format!("volume {:?}", v.name))?;
-        let quota_blobs = v.quota.div_ceil(blob);
-        specs.push(VolumeSpec {
-            name: v.name.clone(),
-            quota_blobs,
-        });
-        served.push(ServedVolume {
-            name: v.name.clone(),
-            secret,
-            id: i as u32,
-            quota_blobs,
-        });
+    match run(&args) {
+        Ok(code) => code,
+        // `{:#}` prints the cause chain on one line; no backtrace, whatever
+        // RUST_BACKTRACE says: these are an operator's errors, not bugs.
+        Err(e) => {
+            eprintln!("arenad: {e:#}");
+            ExitCode::FAILURE
+        }
     }
+}
+
+fn run(args: &Args) -> Result<ExitCode> {
+    let cfg = load_config(args)?;
     if args.check {
-        println!(
-            "config OK: listen {}, arena {} B, blob {} B, swap {} B in {}, {} volume(s)",
-            cfg.listen,
-            cfg.arena_bytes,
-            cfg.blob_bytes,
-            cfg.swap_bytes,
-            cfg.swap_dir.display(),
-            cfg.volumes.len()
-        );
-        return Ok(());
+        let findings = target_rdma::arenad::check::run(&cfg);
+        let code = target_rdma::preflight::print_check(&cfg, &args.config, &findings);
+        return Ok(ExitCode::from(code));
     }
+    let (filter, _) = effective_filter(&cfg.log_level);
+    let log = init_logging(cfg.log_format, &filter).context("setting up logging")?;
+    let blob = cfg.blob_bytes;
+    let secrets = read_secrets(&cfg.volumes)?;
+    let specs: Vec<VolumeSpec> = cfg
+        .volumes
+        .iter()
+        .map(|v| VolumeSpec {
+            name: v.name.clone(),
+            quota_blobs: v.quota.div_ceil(blob),
+        })
+        .collect();
     let store_cfg = StoreConfig {
         dir: cfg.swap_dir.clone(),
         arena_bytes: cfg.arena_bytes,
@@ -191,9 +200,17 @@ fn main() -> Result<()> {
     if args.repair {
         let report = Store::repair(&store_cfg, &specs).context("repairing the arena store")?;
         println!("{report}");
-        std::process::exit(if report.complete() { 0 } else { 2 });
+        return Ok(ExitCode::from(if report.complete() { 0 } else { 2 }));
     }
+    // Signals first: a SIGHUP or SIGTERM during the seconds of start-up
+    // waits for the loop below instead of killing the process.
+    let mut signals =
+        Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
     let (obs, _metrics) = start_observability(&cfg)?;
+    // Bound now (a port in use stops us before the work below), listening
+    // only once the server runs: until then clients are refused at once.
+    let listen: SocketAddr = cfg.listen.parse().context("listen")?;
+    let reserved = Reserved::bind(listen).with_context(|| format!("listen on {listen}"))?;
     // 0700 whatever the umask, like the 0600 files the store creates in it.
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -202,8 +219,6 @@ fn main() -> Result<()> {
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
     obs.store_opened(&store, cfg.volumes.len());
-    let listener =
-        TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
         Ok(provider) => {
             let r = ServerRdma::register(provider, &store, cfg.max_inflight.max(16))
@@ -218,7 +233,7 @@ fn main() -> Result<()> {
     };
     let server = Server::new(
         Arc::clone(&store),
-        served,
+        served(&store, &cfg, &secrets)?,
         ServerLimits {
             max_connections: cfg.max_connections,
             max_inflight: cfg.max_inflight,
@@ -227,21 +242,41 @@ fn main() -> Result<()> {
         rdma,
         Arc::clone(&obs),
     );
-    let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    let runtime = Runtime::new(
+        cfg,
+        secrets,
+        log,
+        Arc::clone(&store),
+        Arc::clone(&server),
+        Arc::clone(&obs),
+    );
     let stopper = Arc::clone(&server);
     let stopping = Arc::clone(&obs);
+    let reload_args = args.clone();
     std::thread::spawn(move || {
-        if let Some(sig) = signals.forever().next() {
+        for sig in signals.forever() {
+            if sig == SIGHUP {
+                let _ = sd_notify::notify("RELOADING=1");
+                // A bad config is logged by reload and changes nothing.
+                let _ = runtime.reload(load_config(&reload_args).map_err(|e| format!("{e:#}")));
+                let _ = sd_notify::notify("READY=1");
+                continue;
+            }
             info!(event = "shutdown.requested", signal = sig);
             stopping.begin_shutdown();
             stopper.shutdown();
+            return;
         }
     });
+    let listener = reserved
+        .listen()
+        .with_context(|| format!("listen on {listen}"))?;
+    obs.serving();
     info!(event = "arenad.ready", listen = %listener.local_addr()?, generation = store.generation());
     sd_notify::notify("READY=1").context("notifying systemd")?;
     server.serve(listener).context("serving")?;
     sd_notify::notify("STOPPING=1").ok();
     store.flush().context("final flush")?;
     info!(event = "arenad.stopped");
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }

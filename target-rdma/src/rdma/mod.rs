@@ -20,12 +20,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::proto::Endpoint;
 
 /// Whether a daemon uses RDMA: a config value (`rdma = "auto"|"off"|"on"`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RdmaMode {
     /// Use RDMA when a device opens; otherwise serve TCP only, and say so.

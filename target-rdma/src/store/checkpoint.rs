@@ -64,6 +64,11 @@ pub(super) struct CheckpointFile {
 }
 
 impl CheckpointFile {
+    /// Bytes per slot.
+    pub(super) fn slot_len(&self) -> u64 {
+        self.slot_len
+    }
+
     /// Writes `snap` as epoch `epoch` into slot 0 of a new file with room
     /// for `slot_len`-byte slots, and puts it in place of any old file.
     /// Used at creation and when a larger index needs larger slots (at open).

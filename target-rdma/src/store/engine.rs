@@ -110,6 +110,9 @@ struct Volume {
     name: String,
     quota: u64,
     blobs: u64,
+    /// Configured (served); a volume found only in the persisted index is
+    /// kept, unserved, so its blobs survive.
+    served: bool,
 }
 
 #[derive(Default)]
@@ -129,11 +132,11 @@ pub(super) struct State {
     /// The last write version handed out this run (its seq).
     seq: u64,
     /// Configured volumes first (their ids are the caller's), then volumes
-    /// found only in the persisted index, kept so their blobs survive.
+    /// found only in the persisted index, kept so their blobs survive, then
+    /// volumes configured while running ([`State::configure_volume`]).
     volumes: Vec<Volume>,
     /// Each volume's on-disk id ([`extent::volume_id`]).
     vol_ids: Vec<u64>,
-    configured: usize,
     blobs: BTreeMap<BlobKey, Blob>,
     slots: Vec<SlotMeta>,
     free_slots: Vec<u32>,
@@ -278,6 +281,7 @@ impl State {
                 name: v.name.clone(),
                 quota: v.quota_blobs,
                 blobs: 0,
+                served: true,
             })
             .collect();
         let mut by_name: HashMap<String, u32> = (0..volumes.len() as u32)
@@ -299,7 +303,7 @@ impl State {
                     .map(|name| {
                         *by_name.entry(name.clone()).or_insert_with(|| {
                             tracing::warn!(event = "volume_not_configured", volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
-                            volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0 });
+                            volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0, served: false });
                             (volumes.len() - 1) as u32
                         })
                     })
@@ -402,7 +406,6 @@ impl State {
             blob_bytes: cfg.blob_bytes,
             generation,
             seq: 0,
-            configured: specs.len(),
             vol_ids,
             volumes,
             blobs,
@@ -442,14 +445,68 @@ impl State {
     }
 
     fn check_vol(&self, vol: VolumeId) -> Result<(), StoreError> {
-        if (vol as usize) < self.configured {
+        if self.volumes.get(vol as usize).is_some_and(|v| v.served) {
             Ok(())
         } else {
             Err(StoreError::UnknownVolume {
                 vol,
-                count: self.configured,
+                count: self.volumes.iter().filter(|v| v.served).count(),
             })
         }
+    }
+
+    /// Serves volume `name` with a quota of `quota` blobs from now on and
+    /// returns its id: an existing volume (configured, or kept from the
+    /// index) keeps its id and blobs and takes the new quota; a new one is
+    /// named in a checkpoint written now, before any journal record can
+    /// name it. A quota below the blobs a volume holds refuses new blobs
+    /// only.
+    pub(super) fn configure_volume(
+        &mut self,
+        name: &str,
+        quota: u64,
+    ) -> Result<VolumeId, StoreError> {
+        if let Some(i) = self.volumes.iter().position(|v| v.name == name) {
+            let v = &mut self.volumes[i];
+            v.quota = quota;
+            v.served = true;
+            return Ok(i as VolumeId);
+        }
+        if self.volumes.len() >= super::format::MAX_VOLUMES {
+            return Err(StoreError::InvalidConfig {
+                key: "volumes",
+                detail: format!(
+                    "the limit of {} volumes is reached",
+                    super::format::MAX_VOLUMES
+                ),
+            });
+        }
+        self.volumes.push(Volume {
+            name: name.to_owned(),
+            quota,
+            blobs: 0,
+            served: true,
+        });
+        self.vol_ids.push(extent::volume_id(name));
+        let names = names(&self.volumes);
+        let snap = Snapshot {
+            generation: self.generation,
+            blob_bytes: self.blob_bytes,
+            extents: self.extents.total(),
+            volumes: &names,
+            blob_count: self.blobs.values().filter(|b| b.durable.is_some()).count() as u64,
+            blobs: self
+                .blobs
+                .iter()
+                .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
+        };
+        if let Err(e) = self.index.checkpoint_now(snap) {
+            self.volumes.pop();
+            self.vol_ids.pop();
+            return Err(e);
+        }
+        tracing::info!(event = "volume.added", volume = %name, quota_blobs = quota);
+        Ok((self.volumes.len() - 1) as VolumeId)
     }
 
     fn no_space(&self) -> StoreError {

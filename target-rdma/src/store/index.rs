@@ -228,6 +228,31 @@ impl Index {
         Ok(())
     }
 
+    /// Writes a checkpoint of `snap` (the durable index as it stands) now
+    /// and starts the journal over, so the index names every volume of
+    /// `snap`: a volume configured while running must be named before a
+    /// journal record refers to it. Slots too small for the new names are
+    /// replaced by a larger file, as at open.
+    pub(super) fn checkpoint_now<I>(&mut self, snap: Snapshot<'_, I>) -> Result<(), StoreError>
+    where
+        I: Iterator<Item = (u32, u64, u32, Version)>,
+    {
+        let epoch = self.journal.epoch() + 1;
+        let capacity = self.journal_capacity();
+        let started = std::time::Instant::now();
+        let need = checkpoint::slot_len(snap.volumes, snap.extents);
+        if need > self.checkpoint.slot_len() {
+            self.checkpoint = CheckpointFile::create(&self.dir, need, epoch, capacity, snap)?;
+        } else {
+            self.checkpoint.write(epoch, capacity, snap)?;
+        }
+        if let Some(hook) = &self.timing {
+            hook(super::IndexWrite::Checkpoint, started.elapsed());
+        }
+        self.checkpoints += 1;
+        self.journal.reset(epoch)
+    }
+
     fn journal_capacity(&self) -> u64 {
         self.journal.capacity()
     }

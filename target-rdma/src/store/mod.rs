@@ -87,6 +87,24 @@ pub struct StoreConfig {
     pub swap_bytes: u64,
 }
 
+/// The files of a store with `cfg`, and the bytes each takes on disk once
+/// allocated: what `arenad --check` needs free (beyond what they already
+/// hold) for a start to succeed. The checkpoint is sized for no volumes;
+/// their names add a few bytes, well inside the rounding of the files.
+pub fn footprint(cfg: &StoreConfig) -> Vec<(&'static str, u64)> {
+    let extents =
+        u32::try_from(cfg.swap_bytes / u64::from(cfg.blob_bytes.max(1))).unwrap_or(u32::MAX);
+    vec![
+        (swap::SWAP_FILE, cfg.swap_bytes),
+        (extent::META_FILE, extent::meta_len(cfg.blob_bytes, extents)),
+        (journal::JOURNAL_FILE, journal::capacity(extents)),
+        (
+            checkpoint::CKPT_FILE,
+            2 * checkpoint::slot_len(&[], extents),
+        ),
+    ]
+}
+
 /// A volume the store serves.
 #[derive(Clone, Debug)]
 pub struct VolumeSpec {
@@ -773,6 +791,19 @@ impl Store {
         let r = f(&mut self.core.arena.write(slot));
         self.locked(|_, g| g.unpin(slot, false));
         Ok(r)
+    }
+
+    /// Serves `spec` from now on and returns its id (see the engine's
+    /// `configure_volume`): arenad's SIGHUP adds volumes and changes quotas
+    /// with it. A name already known keeps its id and blobs.
+    pub fn configure_volume(&self, spec: &VolumeSpec) -> Result<VolumeId, StoreError> {
+        if spec.name.is_empty() || spec.name.len() > MAX_VOLUME_NAME {
+            return Err(invalid(
+                "volumes.name",
+                format!("{:?} must be 1 to {MAX_VOLUME_NAME} bytes long", spec.name),
+            ));
+        }
+        self.locked(|_, g| g.configure_volume(&spec.name, spec.quota_blobs))
     }
 
     /// Drops keys `start..end` of `vol`; returns how many blobs existed.

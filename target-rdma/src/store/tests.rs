@@ -1389,3 +1389,69 @@ fn sequential_reads_fault_the_next_blobs_in_ahead() {
         assert_eq!(blob(&s, 0, k), Some(pattern(k)), "key {k}");
     }
 }
+
+#[test]
+fn a_volume_configured_while_running_survives_a_crash_and_keeps_its_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 8, 64);
+    s.write(0, 1, 0, &pattern(1)).unwrap();
+    let spec = VolumeSpec {
+        name: "late".into(),
+        quota_blobs: 2,
+    };
+    let late = s.configure_volume(&spec).unwrap();
+    assert_eq!(late, 2, "after a and b");
+    assert_eq!(
+        s.configure_volume(&spec).unwrap(),
+        late,
+        "same name, same id"
+    );
+    s.write(late, 5, 0, &pattern(5)).unwrap();
+    s.write(late, 6, 0, &pattern(6)).unwrap();
+    assert!(
+        matches!(
+            s.write(late, 7, 0, &pattern(7)),
+            Err(StoreError::QuotaExceeded { .. })
+        ),
+        "its quota holds"
+    );
+    // A lower quota refuses new blobs, keeps the old ones; a higher one admits.
+    s.configure_volume(&VolumeSpec {
+        name: "late".into(),
+        quota_blobs: 3,
+    })
+    .unwrap();
+    s.write(late, 7, 0, &pattern(7)).unwrap();
+    s.flush().unwrap();
+    drop(s); // as after kill -9: no clean shutdown beyond the FLUSH
+
+    // Reopened with the new volume in the config, anywhere in the list.
+    let specs = vec![
+        VolumeSpec {
+            name: "late".into(),
+            quota_blobs: 3,
+        },
+        VolumeSpec {
+            name: "a".into(),
+            quota_blobs: 1000,
+        },
+    ];
+    let s = Store::open(cfg(dir.path(), 8, 64), &specs).unwrap();
+    for key in [5, 6, 7] {
+        assert_eq!(blob(&s, 0, key).unwrap(), pattern(key), "late/{key}");
+    }
+    assert_eq!(blob(&s, 1, 1).unwrap(), pattern(1));
+    // "b" is kept but not served until configured again.
+    assert!(matches!(
+        s.read(2, 1, 0, &mut [0; 8]),
+        Err(StoreError::UnknownVolume { .. })
+    ));
+    assert_eq!(
+        s.configure_volume(&VolumeSpec {
+            name: "b".into(),
+            quota_blobs: 9
+        })
+        .unwrap(),
+        2
+    );
+}

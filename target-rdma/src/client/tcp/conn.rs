@@ -93,7 +93,19 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
         peer: peer.clone(),
         source,
     };
+    let waited = |what: &str| {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{what} timed out after {} s", seconds(cfg.connect_timeout)),
+        )
+    };
+    // A read past the socket's timeout says "Resource temporarily
+    // unavailable" (EAGAIN): name it as the timeout it is.
     let proto_err = |source: FrameError| match source {
+        FrameError::Io(e) if is_timeout(&e) => ArenaError::Connect {
+            peer: peer.clone(),
+            source: waited("handshake (no answer from the peer; is it still starting?)"),
+        },
         FrameError::Io(e) => ArenaError::Connect {
             peer: peer.clone(),
             source: e,
@@ -112,6 +124,7 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
                 stream = Some(s);
                 break;
             }
+            Err(e) if is_timeout(&e) => last = waited("connect"),
             Err(e) => last = e,
         }
     }
@@ -182,6 +195,22 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
         max_inline: ch.max_inline,
         epoch: 0,
     })
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// `5`, or `0.5` for limits below a second.
+fn seconds(d: std::time::Duration) -> String {
+    if d.subsec_millis() == 0 {
+        d.as_secs().to_string()
+    } else {
+        format!("{:.1}", d.as_secs_f64())
+    }
 }
 
 fn read_answer(stream: &mut TcpStream, body: &mut Vec<u8>) -> Result<Header, FrameError> {

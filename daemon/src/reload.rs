@@ -1,0 +1,157 @@
+//! SIGHUP: ublkd re-reads its config and applies what can change while
+//! devices run (the log filter, `on_shutdown`, the `[metrics]` listener,
+//! scan interval and thresholds); every other changed key is logged as
+//! needing a restart. A config that does not load or validate changes
+//! nothing: the running one stays, and the error is logged.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use target_rdma::config_file::{changes, Change};
+use ublk_metrics::events::{effective_filter, FilterSource, LogControl};
+use ublk_metrics::{HttpConfig, MetricsServer, Telemetry};
+
+use crate::config::{ConfigError, OnShutdown, UblkdConfig};
+use crate::observability::Observability;
+
+/// Keys a reload applies; a change of any other key needs a restart.
+pub const RELOADABLE: &[&str] = &[
+    "log_level",
+    "on_shutdown",
+    "metrics.listen",
+    "metrics.scan_interval_secs",
+    "metrics.stall_threshold_secs",
+    "metrics.slow_threshold_ms",
+];
+
+/// What a reload did.
+#[derive(Debug, Default)]
+pub struct Reloaded {
+    /// Changes now in force.
+    pub applied: Vec<Change>,
+    /// Changes that take effect only after a restart.
+    pub restart_needed: Vec<Change>,
+}
+
+/// The settings of a running ublkd that SIGHUP may change, and the
+/// config they came from.
+pub struct Runtime {
+    path: PathBuf,
+    log: LogControl,
+    tel: Arc<Telemetry>,
+    obs: Arc<Observability>,
+    metrics: Mutex<Option<MetricsServer>>,
+    /// The config in force: the loaded file with only the reloadable keys
+    /// of later reloads applied, so a pending restart keeps being reported.
+    running: Mutex<UblkdConfig>,
+}
+
+impl Runtime {
+    /// The runtime of a daemon started from `cfg` (read from `path`), and
+    /// its metrics listener started (a listener that cannot bind is
+    /// logged, not fatal: devices matter more than their metrics).
+    pub fn start(
+        path: PathBuf,
+        cfg: UblkdConfig,
+        log: LogControl,
+        tel: Arc<Telemetry>,
+        obs: Arc<Observability>,
+    ) -> Self {
+        let metrics = listen(cfg.metrics.listen_addr(), &tel);
+        Self {
+            path,
+            log,
+            tel,
+            obs,
+            metrics: Mutex::new(metrics),
+            running: Mutex::new(cfg),
+        }
+    }
+
+    /// What SIGTERM does with devices, as now configured.
+    pub fn on_shutdown(&self) -> OnShutdown {
+        self.running.lock().on_shutdown
+    }
+
+    /// Re-reads the config file and applies it; `Err` leaves everything as
+    /// it was. Logs what changed and what needs a restart.
+    pub fn reload(&self) -> Result<Reloaded, ConfigError> {
+        let new = match UblkdConfig::load(&self.path) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(event = "config.reload_failed", path = %self.path.display(), error = %e, "keeping the running configuration");
+                return Err(e);
+            }
+        };
+        let mut running = self.running.lock();
+        let mut done = Reloaded::default();
+        for change in changes(&*running, &new) {
+            if RELOADABLE.contains(&change.key.as_str()) {
+                done.applied.push(change);
+            } else {
+                done.restart_needed.push(change);
+            }
+        }
+        let changed = |key: &str| done.applied.iter().any(|c| c.key == key);
+        if changed("log_level") {
+            match effective_filter(&new.log_level) {
+                (_, FilterSource::Environment) => tracing::warn!(
+                    event = "config.log_level_ignored",
+                    log_level = %new.log_level,
+                    "RUST_LOG is set and overrides log_level"
+                ),
+                (filter, FilterSource::Config) => {
+                    if let Err(e) = self.log.set_filter(&filter) {
+                        // Validation parsed it, so this is the subscriber.
+                        tracing::error!(event = "config.log_level_failed", error = %e);
+                    }
+                }
+            }
+            running.log_level = new.log_level.clone();
+        }
+        running.on_shutdown = new.on_shutdown;
+        if changed("metrics.listen") {
+            let mut metrics = self.metrics.lock();
+            // The old listener goes first: the new address may share its port.
+            drop(metrics.take());
+            *metrics = listen(new.metrics.listen_addr(), &self.tel)
+                .or_else(|| listen(running.metrics.listen_addr(), &self.tel));
+            if metrics.is_some() || new.metrics.listen_addr().is_none() {
+                running.metrics.listen = new.metrics.listen.clone();
+            }
+        }
+        running.metrics.scan_interval_secs = new.metrics.scan_interval_secs;
+        running.metrics.stall_threshold_secs = new.metrics.stall_threshold_secs;
+        running.metrics.slow_threshold_ms = new.metrics.slow_threshold_ms;
+        self.obs.apply(&running.metrics);
+        for c in &done.applied {
+            tracing::info!(event = "config.changed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
+        }
+        for c in &done.restart_needed {
+            tracing::warn!(event = "config.restart_needed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart ublkd`");
+        }
+        tracing::info!(
+            event = "config.reloaded",
+            path = %self.path.display(),
+            applied = done.applied.len(),
+            restart_needed = done.restart_needed.len()
+        );
+        Ok(done)
+    }
+}
+
+/// Starts the metrics listener on `addr` (`None`: disabled).
+fn listen(addr: Option<&str>, tel: &Arc<Telemetry>) -> Option<MetricsServer> {
+    let addr = addr?;
+    match MetricsServer::start(addr, Arc::clone(tel), HttpConfig::default()) {
+        Ok(m) => {
+            tracing::info!(event = "metrics.listening", addr = %m.local_addr());
+            Some(m)
+        }
+        Err(e) => {
+            tracing::error!(event = "metrics.listen_failed", error = %e);
+            None
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! `arenad --check`: every check a start makes before it opens the store,
+//! without starting. A start refuses an invalid config (checked before
+//! this runs), an unusable secret file, `rdma = "on"` without a usable RDMA
+//! device, a `swap_dir` it cannot create or write or that lacks room for
+//! its files, a `swap_dir` another arenad holds, and a control address it
+//! cannot bind; it tolerates a metrics address it cannot bind and `auto`
+//! finding no RDMA device, which are warnings here. (The store's own
+//! files are verified when it opens; `--repair` is for those.)
+
+use crate::arenad::config::ArenadConfig;
+use crate::auth::Secret;
+use crate::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
+use crate::rdma::{open_provider, RdmaMode};
+use crate::store::{footprint, StoreConfig};
+
+/// Runs the checks of a start of `cfg`.
+pub fn run(cfg: &ArenadConfig) -> Findings {
+    let mut f = Findings::default();
+    for v in &cfg.volumes {
+        match Secret::from_file(&v.secret_file) {
+            Ok(_) => f.ok(format!(
+                "volume {:?}: secret file {} is usable",
+                v.name,
+                v.secret_file.display()
+            )),
+            Err(e) => f.problem(format!("volume {:?}: {e}", v.name)),
+        }
+    }
+    match (cfg.rdma, open_provider(cfg.rdma, &cfg.rdma_selector())) {
+        (_, Ok(Ok(p))) => f.ok(format!("RDMA device {} usable", p.device_name())),
+        (RdmaMode::Off, _) => f.ok("RDMA off (rdma = \"off\")"),
+        (_, Ok(Err(why))) => f.warn(format!(
+            "no usable RDMA device ({why}): rdma = \"auto\" serves TCP only"
+        )),
+        (_, Err(e)) => f.problem(format!("rdma = \"on\": {e}")),
+    }
+    let dir = &cfg.swap_dir;
+    match dir_usable("swap_dir", dir) {
+        Ok(l) => {
+            f.ok(l);
+            let store = StoreConfig {
+                dir: dir.clone(),
+                arena_bytes: cfg.arena_bytes,
+                blob_bytes: cfg.blob_bytes as u32,
+                swap_bytes: cfg.swap_bytes,
+            };
+            f.check(room_for("swap_dir", dir, &footprint(&store)));
+        }
+        Err(l) => f.problem(l),
+    }
+    match lock_held(&dir.join("lock")) {
+        Ok(false) => {}
+        Ok(true) => f.problem(format!(
+            "swap_dir {}: another arenad has it open (its lock file is held)",
+            dir.display()
+        )),
+        Err(e) => f.problem(format!("swap_dir {}: lock file: {e}", dir.display())),
+    }
+    f.check(bindable("listen", &cfg.listen));
+    match cfg.metrics_listen_addr() {
+        Some(addr) => match bindable("metrics_listen", addr) {
+            Ok(l) => f.ok(l),
+            Err(e) => f.warn(format!(
+                "{e}: arenad would serve without its metrics listener"
+            )),
+        },
+        None => f.ok("metrics listener disabled (metrics_listen = \"off\")"),
+    }
+    f
+}

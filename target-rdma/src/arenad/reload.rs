@@ -1,0 +1,274 @@
+//! SIGHUP in arenad: the config (file and flags) is read again and what
+//! can change while sessions run is applied: the log filter and the
+//! volumes. A volume added is served, one removed is refused to new
+//! sessions (its blobs stay), a quota change holds for new blobs, and
+//! every secret file is read again, so a rotated secret is the one new
+//! sessions must prove; sessions already open keep going. Any other
+//! changed key is logged as needing a restart. A config, or a secret file,
+//! that does not load changes nothing: the running config stays, and the
+//! error is logged.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use ublk_metrics::events::{effective_filter, FilterSource, LogControl};
+
+use crate::arenad::config::{ArenadConfig, VolumeConfig};
+use crate::arenad::observability::ArenadObservability;
+use crate::arenad::server::{ServedVolume, Server};
+use crate::auth::{Secret, SecretError};
+use crate::config_file::{changes, Change};
+use crate::store::{Store, StoreError, VolumeSpec};
+
+/// Why a reload changed nothing (or, for `Store`, stopped part way: the
+/// volumes configured before the failure are known to the store but not
+/// served until a reload succeeds).
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The config did not load or validate.
+    #[error("{0}")]
+    Config(String),
+    /// A volume's secret file is unusable.
+    #[error("volume {volume:?}: {source}")]
+    Secret {
+        /// The volume.
+        volume: String,
+        /// Why.
+        source: SecretError,
+    },
+    /// The store could not take a volume.
+    #[error("volume {volume:?}: {source}")]
+    Store {
+        /// The volume.
+        volume: String,
+        /// Why.
+        source: StoreError,
+    },
+}
+
+/// What a reload did to one volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VolumeChange {
+    /// Now served.
+    Added(String),
+    /// No longer served to new sessions.
+    Removed(String),
+    /// New quota, in blobs.
+    Quota(String, u64),
+    /// A new secret (file contents or path).
+    Secret(String),
+}
+
+/// What a reload did.
+#[derive(Debug, Default)]
+pub struct Reloaded {
+    /// Volumes added, removed, re-quoted or re-keyed.
+    pub volumes: Vec<VolumeChange>,
+    /// Other changes now in force (`log_level`).
+    pub applied: Vec<Change>,
+    /// Changes that take effect only after a restart.
+    pub restart_needed: Vec<Change>,
+}
+
+/// The running arenad's reloadable state.
+pub struct Runtime {
+    log: LogControl,
+    store: Arc<Store>,
+    server: Arc<Server>,
+    obs: Arc<ArenadObservability>,
+    /// The config in force (reloadable parts updated by each reload) and
+    /// the secrets served.
+    running: Mutex<(ArenadConfig, Vec<Secret>)>,
+}
+
+/// Reads every volume's secret; the first unusable one is the error.
+pub fn read_secrets(volumes: &[VolumeConfig]) -> Result<Vec<Secret>, ReloadError> {
+    volumes
+        .iter()
+        .map(|v| {
+            Secret::from_file(&v.secret_file).map_err(|source| ReloadError::Secret {
+                volume: v.name.clone(),
+                source,
+            })
+        })
+        .collect()
+}
+
+/// The volumes of `cfg` as the server serves them, with their store ids.
+pub fn served(
+    store: &Store,
+    cfg: &ArenadConfig,
+    secrets: &[Secret],
+) -> Result<Vec<ServedVolume>, ReloadError> {
+    cfg.volumes
+        .iter()
+        .zip(secrets)
+        .map(|(v, secret)| {
+            let quota_blobs = v.quota.div_ceil(cfg.blob_bytes);
+            let spec = VolumeSpec {
+                name: v.name.clone(),
+                quota_blobs,
+            };
+            let id = store
+                .configure_volume(&spec)
+                .map_err(|source| ReloadError::Store {
+                    volume: v.name.clone(),
+                    source,
+                })?;
+            Ok(ServedVolume {
+                name: v.name.clone(),
+                secret: secret.clone(),
+                id,
+                quota_blobs,
+            })
+        })
+        .collect()
+}
+
+impl Runtime {
+    /// The runtime of an arenad serving `cfg` with `secrets`.
+    pub fn new(
+        cfg: ArenadConfig,
+        secrets: Vec<Secret>,
+        log: LogControl,
+        store: Arc<Store>,
+        server: Arc<Server>,
+        obs: Arc<ArenadObservability>,
+    ) -> Self {
+        Self {
+            log,
+            store,
+            server,
+            obs,
+            running: Mutex::new((cfg, secrets)),
+        }
+    }
+
+    /// Applies `new` (the config read again, flags included, or why it
+    /// could not be); `Err` leaves the running config in force. Logs what
+    /// changed and what needs a restart.
+    pub fn reload(&self, new: Result<ArenadConfig, String>) -> Result<Reloaded, ReloadError> {
+        let result = self.apply(new);
+        if let Err(e) = &result {
+            tracing::error!(event = "config.reload_failed", error = %e, "keeping the running configuration");
+        }
+        result
+    }
+
+    fn apply(&self, new: Result<ArenadConfig, String>) -> Result<Reloaded, ReloadError> {
+        let new = new.map_err(ReloadError::Config)?;
+        let secrets = read_secrets(&new.volumes)?;
+        let mut running = self.running.lock();
+        let (old, old_secrets) = &*running;
+        let mut done = Reloaded {
+            volumes: volume_changes(old, old_secrets, &new, &secrets),
+            ..Reloaded::default()
+        };
+        for change in changes(old, &new) {
+            if change.key.starts_with("volume[") {
+                continue;
+            }
+            if change.key == "log_level" {
+                done.applied.push(change);
+            } else {
+                done.restart_needed.push(change);
+            }
+        }
+        // Volumes with the new blob size would need a restart (refused
+        // above as restart_needed); quotas are counted in the running one.
+        let mut in_force = old.clone();
+        in_force.volumes = new.volumes.clone();
+        in_force.log_level = new.log_level.clone();
+        let volumes = served(&self.store, &in_force, &secrets)?;
+        let count = volumes.len();
+        self.server.set_volumes(volumes);
+        self.obs.set_volumes(count);
+        if !done.applied.is_empty() {
+            match effective_filter(&new.log_level) {
+                (_, FilterSource::Environment) => tracing::warn!(
+                    event = "config.log_level_ignored",
+                    log_level = %new.log_level,
+                    "RUST_LOG is set and overrides log_level"
+                ),
+                (filter, FilterSource::Config) => {
+                    if let Err(e) = self.log.set_filter(&filter) {
+                        tracing::error!(event = "config.log_level_failed", error = %e);
+                    }
+                }
+            }
+        }
+        *running = (in_force, secrets);
+        drop(running);
+        for v in &done.volumes {
+            match v {
+                VolumeChange::Added(name) => {
+                    tracing::info!(event = "volume.served", volume = %name)
+                }
+                VolumeChange::Removed(name) => tracing::info!(
+                    event = "volume.unserved",
+                    volume = %name,
+                    "new sessions are refused; open ones go on; its blobs stay"
+                ),
+                VolumeChange::Quota(name, blobs) => {
+                    tracing::info!(event = "volume.quota_changed", volume = %name, quota_blobs = blobs)
+                }
+                VolumeChange::Secret(name) => tracing::info!(
+                    event = "volume.secret_changed",
+                    volume = %name,
+                    "new sessions must prove the new secret; open ones go on"
+                ),
+            }
+        }
+        for c in &done.applied {
+            tracing::info!(event = "config.changed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
+        }
+        for c in &done.restart_needed {
+            tracing::warn!(event = "config.restart_needed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart arenad`");
+        }
+        tracing::info!(
+            event = "config.reloaded",
+            volumes = count,
+            volume_changes = done.volumes.len(),
+            applied = done.applied.len(),
+            restart_needed = done.restart_needed.len()
+        );
+        Ok(done)
+    }
+}
+
+/// Per volume name: added, removed, quota or secret changed.
+fn volume_changes(
+    old: &ArenadConfig,
+    old_secrets: &[Secret],
+    new: &ArenadConfig,
+    new_secrets: &[Secret],
+) -> Vec<VolumeChange> {
+    let find = |cfg: &ArenadConfig, secrets: &[Secret], name: &str| {
+        cfg.volumes
+            .iter()
+            .zip(secrets)
+            .find(|(v, _)| v.name == name)
+            .map(|(v, s)| (v.clone(), s.clone()))
+    };
+    let mut out = Vec::new();
+    for (v, secret) in new.volumes.iter().zip(new_secrets) {
+        match find(old, old_secrets, &v.name) {
+            None => out.push(VolumeChange::Added(v.name.clone())),
+            Some((was, was_secret)) => {
+                let quota = v.quota.div_ceil(old.blob_bytes);
+                if quota != was.quota.div_ceil(old.blob_bytes) {
+                    out.push(VolumeChange::Quota(v.name.clone(), quota));
+                }
+                if !secret.same_as(&was_secret) || v.secret_file != was.secret_file {
+                    out.push(VolumeChange::Secret(v.name.clone()));
+                }
+            }
+        }
+    }
+    for v in &old.volumes {
+        if !new.volumes.iter().any(|n| n.name == v.name) {
+            out.push(VolumeChange::Removed(v.name.clone()));
+        }
+    }
+    out
+}
