@@ -2,7 +2,7 @@
 //!
 //! - Shared vocabulary: [`blob`] (`BlobIo`, the one `ArenaError`, `Via`),
 //!   [`proto`] (the wire codec), [`auth`], [`rdma`] (the verbs layer),
-//!   [`config_file`], [`preflight`] (the checks of a start, without
+//!   [`config_file`], [`error_chain`], [`preflight`] (the checks of a start, without
 //!   starting), [`size`], [`sd_notify`].
 //! - Client side (ublkd): [`client`] (the TCP client, the RDMA transport, a
 //!   queue's `Session`) and [`block`] (the block target).
@@ -20,6 +20,7 @@ pub mod blob;
 pub mod block;
 pub mod client;
 pub mod config_file;
+pub mod error_chain;
 pub mod preflight;
 pub mod proto;
 pub mod rdma;

@@ -83,7 +83,7 @@ impl fmt::Display for ApproxSize {
 
 /// Serde helper: a size given as a TOML integer or a string like `"64G"`.
 pub mod serde_size {
-    use serde::{de, Deserialize, Deserializer, Serializer};
+    use serde::{de, Deserializer, Serializer};
 
     /// Serializes a size as the string `HumanSize` gives (`"512K"`; 0 as
     /// the integer), which [`deserialize`] reads back: effective configs
@@ -95,19 +95,31 @@ pub mod serde_size {
         s.collect_str(&super::HumanSize(*v))
     }
 
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Int(u64),
-        Str(String),
+    struct Size;
+
+    impl de::Visitor<'_> for Size {
+        type Value = u64;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a size: a whole number of bytes or a string like \"64G\"")
+        }
+
+        fn visit_u64<E: de::Error>(self, n: u64) -> Result<u64, E> {
+            Ok(n)
+        }
+
+        fn visit_i64<E: de::Error>(self, n: i64) -> Result<u64, E> {
+            u64::try_from(n).map_err(|_| E::invalid_value(de::Unexpected::Signed(n), &self))
+        }
+
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<u64, E> {
+            super::parse_size(s).map_err(E::custom)
+        }
     }
 
     /// Deserializes a size.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-        match Raw::deserialize(d)? {
-            Raw::Int(n) => Ok(n),
-            Raw::Str(s) => super::parse_size(&s).map_err(de::Error::custom),
-        }
+        d.deserialize_any(Size)
     }
 }
 

@@ -113,7 +113,7 @@ fn main() -> ExitCode {
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ublkctl: {e:#}");
+            eprintln!("ublkctl: {}", target_rdma::error_chain::one_line(e.chain()));
             ExitCode::FAILURE
         }
     }

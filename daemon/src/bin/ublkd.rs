@@ -40,10 +40,8 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run(&args) {
         Ok(code) => code,
-        // `{:#}` prints the cause chain on one line; no backtrace, whatever
-        // RUST_BACKTRACE says: these are an operator's errors, not bugs.
         Err(e) => {
-            eprintln!("ublkd: {e:#}");
+            eprintln!("ublkd: {}", target_rdma::error_chain::one_line(e.chain()));
             ExitCode::FAILURE
         }
     }

@@ -163,10 +163,8 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run(&args) {
         Ok(code) => code,
-        // `{:#}` prints the cause chain on one line; no backtrace, whatever
-        // RUST_BACKTRACE says: these are an operator's errors, not bugs.
         Err(e) => {
-            eprintln!("arenad: {e:#}");
+            eprintln!("arenad: {}", target_rdma::error_chain::one_line(e.chain()));
             ExitCode::FAILURE
         }
     }
@@ -258,7 +256,10 @@ fn run(args: &Args) -> Result<ExitCode> {
             if sig == SIGHUP {
                 let _ = sd_notify::notify("RELOADING=1");
                 // A bad config is logged by reload and changes nothing.
-                let _ = runtime.reload(load_config(&reload_args).map_err(|e| format!("{e:#}")));
+                let _ = runtime.reload(
+                    load_config(&reload_args)
+                        .map_err(|e| target_rdma::error_chain::one_line(e.chain())),
+                );
                 let _ = sd_notify::notify("READY=1");
                 continue;
             }

@@ -30,6 +30,23 @@ impl Proc {
     fn take(mut self) -> Child {
         self.0.take().expect("a running arenad")
     }
+
+    /// Sends `signal` (`HUP`, `TERM`) as `kill` or `systemctl` would.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.0.as_ref().expect("a running arenad").id();
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{signal} {pid}");
+    }
+
+    /// The exit status, if it has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.0.as_mut().and_then(|c| c.try_wait().unwrap())
+    }
 }
 
 impl Drop for Proc {
@@ -91,6 +108,20 @@ impl Arenad {
                 .spawn()
                 .unwrap(),
         ))
+    }
+
+    /// Starts arenad with `args` and JSON logs, and returns its stderr
+    /// lines as they come.
+    pub fn spawn_logged(&self, args: &[&str]) -> (Proc, std::sync::mpsc::Receiver<String>) {
+        let (child, lines) = ublk_metrics::testing::spawn_with_log_lines(
+            Command::new(env!("CARGO_BIN_EXE_arenad"))
+                .arg("--config")
+                .arg(&self.cfg)
+                .args(["--log-format", "json"])
+                .args(args)
+                .env_remove("RUST_LOG"),
+        );
+        (Proc(Some(child)), lines)
     }
 
     /// Starts arenad and waits until it serves (its signal handlers are in

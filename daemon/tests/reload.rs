@@ -1,0 +1,152 @@
+//! SIGHUP against the real `ublkd` process (no devices: this host has no
+//! ublk driver): `[metrics]` settings, `log_level` and `on_shutdown`
+//! applied while running, keys that need a restart named, a bad config
+//! kept out, no exit 129.
+
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use ublk_metrics::testing::{addr_after, http_get as get, spawn_with_log_lines};
+
+struct Ublkd(Child);
+
+impl Ublkd {
+    fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.0.id().to_string())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    }
+}
+
+impl Drop for Ublkd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn until(lines: &Receiver<String>, event: &str) -> Vec<String> {
+    let marker = format!("\"event\":\"{event}\"");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("no {event} (or ublkd exited) after:\n{seen:#?}"));
+        let done = line.contains(&marker);
+        seen.push(line);
+        if done {
+            return seen;
+        }
+    }
+}
+
+fn has(lines: &[String], event: &str, field: &str) -> bool {
+    lines
+        .iter()
+        .any(|l| l.contains(&format!("\"event\":\"{event}\"")) && l.contains(field))
+}
+
+fn config(dir: &Path, extra: &str, metrics: &str) -> String {
+    format!(
+        "state_dir = \"{}\"\nsocket = \"{}\"\nlog_format = \"json\"\n{extra}\n[metrics]\n{metrics}\n",
+        dir.join("state").display(),
+        dir.join("ublkd.sock").display(),
+    )
+}
+
+fn diag_metrics(addr: &str) -> serde_json::Value {
+    let (code, body) = get(addr, "/diagnostics");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["details"]["metrics"].clone()
+}
+
+#[test]
+fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("ublkd.toml");
+    std::fs::write(&cfg, config(dir.path(), "", "listen = \"127.0.0.1:0\"")).unwrap();
+    let (child, lines) = spawn_with_log_lines(
+        Command::new(env!("CARGO_BIN_EXE_ublkd"))
+            .arg("--config")
+            .arg(&cfg)
+            .env_remove("RUST_LOG"),
+    );
+    let daemon = Ublkd(child);
+    let seen = until(&lines, "ublkd.ready");
+    let first = seen
+        .iter()
+        .find_map(|l| addr_after(l, "metrics.listening"))
+        .expect("metrics.listening before ublkd.ready");
+    assert_eq!(
+        diag_metrics(&first)["slow_threshold_ms"],
+        5000,
+        "the default"
+    );
+
+    // New thresholds, a listener on another port, a changed log level and
+    // on_shutdown; state_dir needs a restart.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let moved = config(
+        dir.path(),
+        "log_level = \"debug\"\non_shutdown = \"remove\"",
+        &format!(
+            "listen = \"127.0.0.1:{port}\"\nslow_threshold_ms = 250\nstall_threshold_secs = 7"
+        ),
+    )
+    .replace("/state\"", "/elsewhere\"");
+    std::fs::write(&cfg, &moved).unwrap();
+    daemon.signal("HUP");
+    let seen = until(&lines, "config.reloaded");
+    let second = format!("127.0.0.1:{port}");
+    let m = diag_metrics(&second);
+    assert_eq!(
+        (&m["slow_threshold_ms"], &m["stall_threshold_seconds"]),
+        (&serde_json::json!(250), &serde_json::json!(7)),
+        "{m}"
+    );
+    assert!(
+        std::net::TcpStream::connect(&first).is_err(),
+        "the old listener is closed"
+    );
+    for key in ["log_level", "on_shutdown", "metrics.slow_threshold_ms"] {
+        assert!(
+            has(&seen, "config.changed", &format!("\"key\":\"{key}\"")),
+            "{key}: {seen:#?}"
+        );
+    }
+    assert!(
+        has(&seen, "config.restart_needed", "\"key\":\"state_dir\""),
+        "{seen:#?}"
+    );
+
+    // A config that does not validate changes nothing, and says why.
+    std::fs::write(&cfg, moved.replace("= 250", "= 99999999")).unwrap();
+    daemon.signal("HUP");
+    let seen = until(&lines, "config.reload_failed");
+    assert!(
+        seen.last().unwrap().contains("metrics.slow_threshold_ms"),
+        "{seen:#?}"
+    );
+    assert_eq!(diag_metrics(&second)["slow_threshold_ms"], 250);
+
+    // SIGTERM does what the reloaded on_shutdown says, logged in its
+    // config spelling.
+    daemon.signal("TERM");
+    let seen = until(&lines, "ublkd.exit");
+    assert!(
+        seen.last().unwrap().contains("\"on_shutdown\":\"remove\""),
+        "{seen:#?}"
+    );
+}

@@ -1,0 +1,158 @@
+//! SIGHUP against the real `arenad` process: volumes added and removed,
+//! a secret rotated without a restart (new sessions prove the new one,
+//! open sessions go on), a bad config kept out, keys that need a restart
+//! named, and no exit 129.
+
+mod common;
+
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use common::arenad::{Arenad, Proc};
+use common::*;
+use futures::executor::block_on;
+use target_rdma::blob::{ArenaError, ErrorKind};
+use target_rdma::client::{ArenaClient, ClientConfig};
+
+const NEW_B: &str = "rotated-secret-of-volume-b-5555";
+const SECRET_C: &str = "secret-of-volume-c-added-by-sighup";
+const BLOB: usize = 64 << 10;
+
+/// The log lines up to and including the first with `"event":"<event>"`.
+fn until(lines: &Receiver<String>, event: &str) -> Vec<String> {
+    let marker = format!("\"event\":\"{event}\"");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("no {event} (or arenad exited) after:\n{seen:#?}"));
+        let done = line.contains(&marker);
+        seen.push(line);
+        if done {
+            return seen;
+        }
+    }
+}
+
+fn has(lines: &[String], event: &str, field: &str) -> bool {
+    lines
+        .iter()
+        .any(|l| l.contains(&format!("\"event\":\"{event}\"")) && l.contains(field))
+}
+
+fn connect(p: &Arenad, volume: &str, secret_value: &str) -> Result<ArenaClient, ArenaError> {
+    ArenaClient::connect(ClientConfig::new(
+        format!("127.0.0.1:{}", p.port),
+        volume,
+        secret(secret_value),
+    ))
+}
+
+fn hup(p: &mut Proc, lines: &Receiver<String>, ends_with: &str) -> Vec<String> {
+    p.signal("HUP");
+    let seen = until(lines, ends_with);
+    assert_eq!(p.exited(), None, "SIGHUP must not end arenad");
+    seen
+}
+
+#[test]
+fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Arenad::new(dir.path(), "512K", "64K", "64M", None);
+    let original = std::fs::read_to_string(&p.cfg).unwrap();
+    let (mut proc, lines) = p.spawn_logged(&[]);
+    until(&lines, "arenad.ready");
+
+    // A session of "b" opened before the rotation.
+    let old_b = connect(&p, "b", SECRET_B).unwrap();
+    block_on(old_b.write(1, 0, &pattern(1, 1, BLOB))).unwrap();
+    assert_eq!(
+        connect(&p, "c", SECRET_C).map(drop).unwrap_err().kind(),
+        ErrorKind::AuthFailed,
+        "no volume c yet"
+    );
+
+    // Rotate b's secret in place, add volume c, raise a's log level.
+    secret_file(dir.path(), "b.key", NEW_B);
+    let c_key = secret_file(dir.path(), "c.key", SECRET_C);
+    let added = format!(
+        "{original}\n[[volume]]\nname = \"c\"\nsecret_file = \"{}\"\nquota = \"1M\"\n",
+        c_key.display()
+    );
+    std::fs::write(&p.cfg, format!("log_level = \"debug\"\n{added}")).unwrap();
+    let seen = hup(&mut proc, &lines, "config.reloaded");
+    assert!(has(&seen, "volume.served", "\"volume\":\"c\""), "{seen:#?}");
+    assert!(
+        has(&seen, "volume.secret_changed", "\"volume\":\"b\""),
+        "{seen:#?}"
+    );
+    assert!(
+        has(&seen, "config.changed", "\"key\":\"log_level\""),
+        "{seen:#?}"
+    );
+
+    let c = connect(&p, "c", SECRET_C).expect("the added volume serves");
+    block_on(c.write(7, 0, &pattern(7, 1, BLOB))).unwrap();
+    let refused = connect(&p, "b", SECRET_B).map(drop).unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::AuthFailed, "{refused}");
+    // The refusal names the peer in the log (not in metrics).
+    let seen = until(&lines, "auth.failed");
+    assert!(
+        seen.last().unwrap().contains("\"peer\":\"127.0.0.1:"),
+        "{seen:#?}"
+    );
+    let new_b = connect(&p, "b", NEW_B).expect("the rotated secret opens b");
+    // The session that proved the old secret goes on, and sees new writes.
+    block_on(new_b.write(2, 0, &pattern(2, 1, BLOB))).unwrap();
+    let mut out = vec![0; BLOB];
+    block_on(old_b.read(1, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(1, 1, BLOB));
+    block_on(old_b.read(2, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(2, 1, BLOB));
+
+    // A config that does not load changes nothing, and says why.
+    std::fs::write(&p.cfg, format!("arena_bytes = \"lots\"\n{added}")).unwrap();
+    let seen = hup(&mut proc, &lines, "config.reload_failed");
+    assert!(
+        seen.last().unwrap().contains("arena_bytes"),
+        "names the key: {seen:#?}"
+    );
+    connect(&p, "c", SECRET_C).expect("c still served");
+    connect(&p, "b", NEW_B).expect("b keeps the rotated secret");
+
+    // Removing c refuses new sessions of c (its open one goes on); a
+    // changed arena size is named as needing a restart, and not applied.
+    let removed = original.replace("arena_bytes = \"512K\"", "arena_bytes = \"1M\"");
+    assert_ne!(removed, original);
+    std::fs::write(&p.cfg, &removed).unwrap();
+    let seen = hup(&mut proc, &lines, "config.reloaded");
+    assert!(
+        has(&seen, "volume.unserved", "\"volume\":\"c\""),
+        "{seen:#?}"
+    );
+    assert!(
+        has(&seen, "config.restart_needed", "\"key\":\"arena_bytes\""),
+        "{seen:#?}"
+    );
+    assert_eq!(
+        connect(&p, "c", SECRET_C).map(drop).unwrap_err().kind(),
+        ErrorKind::AuthFailed
+    );
+    block_on(c.read(7, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(7, 1, BLOB));
+
+    // SIGTERM still stops it cleanly after the reloads.
+    drop((c, old_b, new_b));
+    proc.signal("TERM");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = proc.exited() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "arenad did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+}
