@@ -35,6 +35,7 @@ use target_rdma::client::{
     RdmaConnectError, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TransportGroup,
 };
 use target_rdma::rdma::{open_provider, RdmaMode};
+use target_rdma::size::{ApproxSize, HumanSize};
 use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
@@ -176,6 +177,38 @@ struct Device {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Whether a launch creates a device (`add`) or brings back one that was
+/// accepted before (restart, recovery): only a new one is held to the
+/// volume's quota, so a lowered quota never keeps a kept device down.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Admission {
+    New,
+    Existing,
+}
+
+/// Refuses a device larger than its volume may hold, before the kernel
+/// sees it: the arena would fail its writes past the quota, long after
+/// `add` said yes. The quota comes with the session (the HELLO answer).
+fn fits_quota(spec: &DeviceSpec, ios: &[QueueIo]) -> Result<(), DeviceError> {
+    let Some(Ok(w)) = ios.first().map(|io| io.session().client().welcome()) else {
+        return Ok(());
+    };
+    let quota = w.quota_blobs.saturating_mul(u64::from(w.blob_bytes));
+    if spec.size > quota {
+        return Err(DeviceError::BadRequest(format!(
+            "--size {} is above the quota of volume {:?} on {}: {} ({} blobs of {}); \
+             raise its quota in arenad.toml (`systemctl reload arenad`) or ask for less",
+            HumanSize(spec.size),
+            spec.volume,
+            spec.peer,
+            ApproxSize(quota),
+            w.quota_blobs,
+            HumanSize(u64::from(w.blob_bytes)),
+        )));
+    }
+    Ok(())
+}
+
 /// Owns every device's lifecycle.
 pub struct Manager {
     cfg: UblkdConfig,
@@ -259,14 +292,22 @@ impl Manager {
             None => Mode::Add(id as i32),
         };
         tracing::info!(event = "device.bring_back", id, mode = ?mode);
-        self.launch(spec, mode).map(|_| ())
+        self.launch(spec, mode, Admission::Existing).map(|_| ())
     }
 
     /// Connects the queues' clients, starts the device thread and waits
     /// until the device is live. Returns the device id.
-    fn launch(&self, mut spec: DeviceSpec, mode: Mode) -> Result<u32, DeviceError> {
+    fn launch(
+        &self,
+        mut spec: DeviceSpec,
+        mode: Mode,
+        admission: Admission,
+    ) -> Result<u32, DeviceError> {
         let secret = Secret::from_file(&spec.secret_file)?;
         let (ios, driver) = self.connect_queues(&spec, &secret)?;
+        if admission == Admission::New {
+            fits_quota(&spec, &ios)?;
+        }
         let blob_bytes = ios
             .first()
             .map_or(0, |io| io.session().client().session_blob_bytes());
@@ -483,7 +524,7 @@ impl Manager {
             )));
         }
         let _op = self.ops.lock();
-        let id = self.launch(spec, Mode::Add(-1))?;
+        let id = self.launch(spec, Mode::Add(-1), Admission::New)?;
         self.info(id)
     }
 
@@ -806,6 +847,51 @@ mod tests {
             "{text}"
         );
         assert!(m.list().is_empty());
+        assert!(m.store.load_all().unwrap().is_empty(), "nothing persisted");
+    }
+
+    #[test]
+    fn a_size_above_the_volume_quota_is_refused_before_the_kernel() {
+        use std::os::unix::fs::PermissionsExt;
+        use target_rdma::testing::{Peer, PeerOpts, SECRET_A};
+        let dir = tempfile::tempdir().unwrap();
+        // 16 blobs of 64K: a 1M quota.
+        let peer_dir = tempfile::tempdir().unwrap();
+        let peer = Peer::start(
+            peer_dir.path(),
+            PeerOpts {
+                quota_blobs: 16,
+                ..PeerOpts::default()
+            },
+        );
+        let m = manager(dir.path());
+        let secret = dir.path().join("secret");
+        fs::write(&secret, SECRET_A).unwrap();
+        fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
+        let add = |size: u64| {
+            m.add(&AddArgs {
+                peer: peer.addr.to_string(),
+                volume: "a".into(),
+                secret_file: secret.clone(),
+                size,
+                ..args()
+            })
+            .unwrap_err()
+        };
+        let e = add(2 << 20);
+        assert_eq!(e.kind(), ErrorKind::BadRequest);
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "--size 2M is above the quota of volume \"a\" on {}: 1M (16 blobs of 64K); \
+                 raise its quota in arenad.toml (`systemctl reload arenad`) or ask for less",
+                peer.addr
+            )
+        );
+        // At the quota, add goes on to the kernel (absent here, or refused
+        // for some other reason, but not for the quota).
+        let e = add(1 << 20);
+        assert!(!e.to_string().contains("quota"), "{e}");
         assert!(m.store.load_all().unwrap().is_empty(), "nothing persisted");
     }
 
