@@ -5,15 +5,20 @@ use crate::histogram::LatencyHistogram;
 use crate::labels::{validate_target, ErrnoClass, IoOp, LabelError};
 use crate::shard::ShardedCounter;
 use crate::telemetry::Telemetry;
-use metrics::Counter;
 use std::sync::Arc;
 use std::time::Duration;
 
 struct OpHandles {
     requests: Arc<ShardedCounter>,
     bytes: Arc<ShardedCounter>,
-    errors: [Counter; ErrnoClass::COUNT],
+    errors: [Arc<ShardedCounter>; ErrnoClass::COUNT],
     latency: Arc<LatencyHistogram>,
+}
+
+/// The `device` label value of device `id`: its kernel name (`ublkb0`), so
+/// per-device series join with node_exporter's `node_disk_*{device="ublkb0"}`.
+pub fn device_label(id: u32) -> String {
+    format!("ublkb{id}")
 }
 
 /// The I/O counters and latency histograms of one target (and, with
@@ -47,7 +52,7 @@ impl IoMetrics {
         device: Option<u32>,
     ) -> Result<Self, LabelError> {
         validate_target(target)?;
-        let dev = device.map(|d| d.to_string());
+        let dev = device.map(device_label);
         let ops = IoOp::ALL.map(|op| {
             let mut base: Vec<(&'static str, &str)> = vec![("target", target), ("op", op.as_str())];
             if let Some(d) = &dev {
@@ -56,7 +61,7 @@ impl IoMetrics {
             let errors = ErrnoClass::ALL.map(|class| {
                 let mut l = base.clone();
                 l.push(("errno", class.as_str()));
-                telemetry.counter("ublk_io_errors_total", &l)
+                telemetry.sharded_counter("ublk_io_errors_total", &l)
             });
             OpHandles {
                 // Sharded per queue thread: every request adds to these.

@@ -275,8 +275,8 @@ pub const SELF: &[Family] = &[
     f(
         "_build_info",
         Gauge,
-        &["version"],
-        "Always 1; identifies the running build.",
+        &["version", "revision"],
+        "Always 1; identifies the running build (revision: git commit, or unknown).",
     ),
     f(
         "_ready",

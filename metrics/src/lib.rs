@@ -38,7 +38,7 @@ pub use arenad::{
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use correlation::CorrelationId;
-pub use device_io::IoMetrics;
+pub use device_io::{device_label, IoMetrics};
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};
 pub use families::Daemon;
 pub use health::{NotReadyReason, NotReadySet, Probes};
@@ -47,5 +47,5 @@ pub use http::{HttpConfig, HttpError, MetricsServer};
 pub use labels::{ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
 pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
 pub use shard::{ShardedCounter, ShardedGauge};
-pub use telemetry::{Collector, Readiness, RenderError, Telemetry, TelemetryError};
+pub use telemetry::{Collector, Readiness, RenderError, Telemetry, TelemetryError, REVISION};
 pub use tracker::{TableSnapshot, TrackerConfig, TrackerError, TrackerGuard, TrackerTable};

@@ -49,6 +49,10 @@ pub enum RenderError {
     },
 }
 
+/// The git revision the binaries were built from (`unknown` from a source
+/// tree without git; see build.rs).
+pub const REVISION: &str = env!("UBLK_GIT_REVISION");
+
 /// Something that refreshes gauges or counters from another subsystem's
 /// state just before each render (driver statistics, store statistics).
 pub trait Collector: Send + Sync {
@@ -159,7 +163,8 @@ impl Telemetry {
             for fam in families::SELF {
                 describe(format!("{p}{}", fam.name), fam.kind, fam.help);
             }
-            metrics::gauge!(format!("{p}_build_info"), "version" => version).set(1.0);
+            metrics::gauge!(format!("{p}_build_info"), "version" => version, "revision" => REVISION)
+                .set(1.0);
             SelfMetrics {
                 ready: metrics::gauge!(format!("{p}_ready")),
                 not_ready: NotReadyReason::ALL
@@ -265,6 +270,22 @@ impl Telemetry {
         labels: &[(&'static str, &str)],
     ) -> Arc<ShardedGauge> {
         register(&self.gauges, family, labels)
+    }
+
+    /// Drops the per-device I/O series of device `id` (requests, bytes,
+    /// errors, latency): a device later created with the same id is
+    /// another disk, often of another volume, and its series start from
+    /// zero instead of inheriting the old one's counts. Handles the old
+    /// device still holds keep counting, unrendered.
+    pub fn forget_device(&self, id: u32) {
+        let needle = format!("device=\"{}\"", crate::device_io::device_label(id));
+        let mine = |labels: &String| labels.split(',').any(|l| l == needle);
+        for series in self.counters.lock().values_mut() {
+            series.retain(|labels, _| !mine(labels));
+        }
+        for series in self.histograms.lock().values_mut() {
+            series.retain(|labels, _| !mine(labels));
+        }
     }
 
     /// Registers a collector that runs before each render. Only a weak

@@ -74,9 +74,27 @@ fn endpoints_answer_and_ready_follows_the_peer() {
     );
     assert_eq!(value(&metrics, "ublkd_metrics_http_server_up", &[]), 1.0);
     assert_eq!(
-        value(&metrics, "ublkd_build_info", &[("version", "9.9.9")]),
+        value(
+            &metrics,
+            "ublkd_build_info",
+            &[("version", "9.9.9"), ("revision", ublk_metrics::REVISION)]
+        ),
         1.0
     );
+    // Built from this git checkout: its commit, not "unknown".
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    if let (Some(head), Err(_)) = (head, std::env::var("UBLK_GIT_REVISION")) {
+        assert_eq!(
+            ublk_metrics::REVISION,
+            head,
+            "rebuilt since the last commit?"
+        );
+    }
 
     probes.peer_up.store(true, Ordering::Release);
     let (s, body) = get(addr, "/ready");

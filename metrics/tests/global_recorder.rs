@@ -19,7 +19,7 @@ fn installed_recorder_renders_handles_and_refuses_a_second_install() {
         "{text}"
     );
     assert!(
-        text.contains("ublkd_build_info{version=\"1.2.3\"} 1"),
+        text.contains("ublkd_build_info{version=\"1.2.3\",revision=\""),
         "{text}"
     );
     assert!(matches!(

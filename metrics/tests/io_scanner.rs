@@ -133,7 +133,7 @@ fn per_device_labels_add_a_device_label() {
         value(
             &m,
             "ublk_io_requests_total",
-            &[("target", "arena"), ("op", "write"), ("device", "3")]
+            &[("target", "arena"), ("op", "write"), ("device", "ublkb3")]
         ),
         1.0
     );
@@ -141,7 +141,7 @@ fn per_device_labels_add_a_device_label() {
         value(
             &m,
             "ublk_io_inflight",
-            &[("target", "arena"), ("op", "read"), ("device", "3")]
+            &[("target", "arena"), ("op", "read"), ("device", "ublkb3")]
         ),
         1.0
     );
@@ -287,7 +287,7 @@ fn pruning_a_dropped_table_zeroes_its_gauges() {
     let g = tab.start_shared(0, 0, IoOp::Write).unwrap();
     clock.advance(Duration::from_secs(40));
     scanner.scan();
-    let l = [("target", "arena"), ("op", "write"), ("device", "9")];
+    let l = [("target", "arena"), ("op", "write"), ("device", "ublkb9")];
     assert_eq!(value(&render(&t), "ublk_io_stalled", &l), 1.0);
     // The device goes away with a request still pending: the guard keeps
     // the table alive until it is dropped too.
@@ -302,7 +302,7 @@ fn pruning_a_dropped_table_zeroes_its_gauges() {
         value(
             &m,
             "ublk_io_oldest_inflight_seconds",
-            &[("target", "arena"), ("device", "9")]
+            &[("target", "arena"), ("device", "ublkb9")]
         ),
         0.0
     );
@@ -373,4 +373,39 @@ fn a_table_snapshot_counts_inflight_stalled_and_the_oldest() {
     drop(old);
     drop(young);
     assert_eq!(tab.snapshot(threshold), TableSnapshot::default());
+}
+
+#[test]
+fn a_reused_device_id_starts_its_series_from_zero() {
+    let t = Telemetry::isolated(Daemon::Ublkd, "test");
+    let labels = |op| [("target", "arena"), ("op", op), ("device", "ublkb0")];
+    let errors = [
+        ("target", "arena"),
+        ("op", "write"),
+        ("errno", "eio"),
+        ("device", "ublkb0"),
+    ];
+    let old = IoMetrics::new(&t, "arena", Some(0)).unwrap();
+    let other = IoMetrics::new(&t, "arena", Some(10)).unwrap();
+    old.record(IoOp::Write, 0, Err(5), Duration::from_millis(1));
+    old.record(IoOp::Read, 4096, Ok(()), Duration::from_millis(1));
+    other.record(IoOp::Read, 4096, Ok(()), Duration::from_millis(1));
+    let m = render(&t);
+    assert_eq!(value(&m, "ublk_io_errors_total", &errors), 1.0);
+    assert_eq!(value(&m, "ublk_io_bytes_total", &labels("read")), 4096.0);
+
+    // Device 0 is deleted; a new device 0 (another volume) comes.
+    t.forget_device(0);
+    drop(old);
+    let new = IoMetrics::new(&t, "arena", Some(0)).unwrap();
+    new.record(IoOp::Read, 512, Ok(()), Duration::from_millis(1));
+    let m = render(&t);
+    assert_eq!(value(&m, "ublk_io_errors_total", &errors), 0.0);
+    assert_eq!(value(&m, "ublk_io_bytes_total", &labels("read")), 512.0);
+    assert_eq!(value(&m, "ublk_io_requests_total", &labels("write")), 0.0);
+    let count = [("target", "arena"), ("op", "read"), ("device", "ublkb0")];
+    assert_eq!(value(&m, "ublk_io_latency_seconds_count", &count), 1.0);
+    // Device 10 (whose label starts like device 1's) kept its counts.
+    let ten = [("target", "arena"), ("op", "read"), ("device", "ublkb10")];
+    assert_eq!(value(&m, "ublk_io_bytes_total", &ten), 4096.0);
 }

@@ -407,6 +407,9 @@ impl Observability {
     pub fn unregister(&self, id: u32) {
         self.devices.lock().remove(&id);
         self.driver.remove_device(id);
+        if self.per_device_labels {
+            self.tel.forget_device(id);
+        }
     }
 
     /// A registered device.
