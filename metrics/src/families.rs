@@ -269,6 +269,42 @@ pub const ARENA: &[Family] = &[
     ),
 ];
 
+/// The standard process families (the names every Prometheus client
+/// library exports, unprefixed), read from Linux `/proc` at each scrape.
+pub const PROCESS: &[Family] = &[
+    f(
+        "process_start_time_seconds",
+        Gauge,
+        &[],
+        "Start time of the process since the Unix epoch, in seconds.",
+    ),
+    f(
+        "process_cpu_seconds_total",
+        Counter,
+        &[],
+        "User and system CPU time spent, in seconds.",
+    ),
+    f(
+        "process_resident_memory_bytes",
+        Gauge,
+        &[],
+        "Resident memory size in bytes.",
+    ),
+    f(
+        "process_virtual_memory_bytes",
+        Gauge,
+        &[],
+        "Virtual memory size in bytes.",
+    ),
+    f("process_open_fds", Gauge, &[], "Open file descriptors."),
+    f(
+        "process_max_fds",
+        Gauge,
+        &[],
+        "The soft limit of open file descriptors (LimitNOFILE).",
+    ),
+];
+
 /// Self-observability families; the name is appended to the daemon prefix
 /// (`ublkd`, `arenad`).
 pub const SELF: &[Family] = &[
@@ -468,6 +504,7 @@ pub fn exported() -> Vec<(String, Kind)> {
         .chain(ACCOUNTING)
         .chain(DRIVER)
         .chain(ARENA)
+        .chain(PROCESS)
         .map(|f| (f.name.to_string(), f.kind))
         .collect();
     out.extend(driver_families());
@@ -501,6 +538,7 @@ pub(crate) fn help(name: &str) -> &'static str {
         .chain(ACCOUNTING)
         .chain(DRIVER)
         .chain(ARENA)
+        .chain(PROCESS)
         .find(|f| f.name == name)
         .map(|f| f.help)
         .unwrap_or("")

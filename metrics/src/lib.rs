@@ -25,6 +25,7 @@ pub mod health;
 pub mod histogram;
 pub mod http;
 pub mod labels;
+mod process;
 pub mod scanner;
 pub mod shard;
 pub mod telemetry;

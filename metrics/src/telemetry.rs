@@ -381,6 +381,7 @@ impl Telemetry {
             &mut out,
         );
         self.render_histograms(&mut out);
+        crate::process::render(&mut out);
         if out.len() > MAX_RENDER_BYTES {
             self.selfm.failures.increment(1);
             return Err(RenderError::TooLarge { len: out.len() });

@@ -95,6 +95,11 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
         "arenad_slots{state=\"dirty\"}",
         "arenad_ready 1",
         "arenad_build_info{version=",
+        "process_start_time_seconds ",
+        "process_cpu_seconds_total ",
+        "process_resident_memory_bytes ",
+        "process_open_fds ",
+        "process_max_fds ",
     ] {
         assert!(text.contains(want), "{want:?} missing from:\n{text}");
     }
