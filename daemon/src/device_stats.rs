@@ -6,7 +6,8 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::{Deserialize, Serialize};
-use ublk_metrics::IoOp;
+use ublk_metrics::histogram::HistogramSnapshot;
+use ublk_metrics::{IoOp, LatencyHistogram};
 
 /// Live counters of one device.
 #[derive(Default, Debug)]
@@ -21,6 +22,9 @@ pub struct DeviceStats {
     bytes_discarded: AtomicU64,
     errors: AtomicU64,
     in_flight: AtomicU64,
+    /// Per op (in `IoOp::ALL` order), completed requests' latencies: this
+    /// device's own, whatever `per_device_labels` says.
+    latency: [LatencyHistogram; IoOp::COUNT],
 }
 
 /// A copy of the counters at one moment, as `ublkctl stats` shows them.
@@ -46,6 +50,11 @@ pub struct StatsSnapshot {
     pub errors: u64,
     /// Requests being served now.
     pub in_flight: u64,
+    /// Latency histograms of completed requests (successful or not), per
+    /// op in `IoOp::ALL` order (`read`, `write`, `flush`, `discard`,
+    /// `write_zeroes`).
+    #[serde(default)]
+    pub latency: [HistogramSnapshot; IoOp::COUNT],
 }
 
 /// Decrements the in-flight gauge when the request ends, however it ends
@@ -80,6 +89,11 @@ impl DeviceStats {
         }
     }
 
+    /// Records how long a completed request (successful or not) took.
+    pub fn completed_in(&self, op: IoOp, latency: std::time::Duration) {
+        self.latency[op.index()].record(latency);
+    }
+
     /// Counts a request that failed, in the target or before reaching it.
     pub fn failed(&self) {
         self.errors.fetch_add(1, Relaxed);
@@ -98,6 +112,7 @@ impl DeviceStats {
             bytes_discarded: self.bytes_discarded.load(Relaxed),
             errors: self.errors.load(Relaxed),
             in_flight: self.in_flight.load(Relaxed),
+            latency: std::array::from_fn(|i| self.latency[i].snapshot()),
         }
     }
 }

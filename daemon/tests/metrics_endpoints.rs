@@ -208,6 +208,21 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
         let f = desc(sys::UBLK_IO_OP_FLUSH, u64::MAX, 0);
         assert_eq!(serve(&target, &f, &mut buf, &dev, 0, 2).await, 0);
     });
+    // `ublkctl stats` gets this device's own latency per op (whatever
+    // per_device_labels says): one write, one read, one flush, each with
+    // a p99 no smaller than its p50.
+    let snap = dev.stats().snapshot();
+    for (i, op) in ublk_metrics::IoOp::ALL.iter().enumerate() {
+        let h = &snap.latency[i];
+        let want = u64::from(matches!(
+            op,
+            ublk_metrics::IoOp::Read | ublk_metrics::IoOp::Write | ublk_metrics::IoOp::Flush
+        ));
+        assert_eq!(h.count(), want, "{op:?}");
+        if want == 1 {
+            assert!(h.quantile(0.5).unwrap() <= h.quantile(0.99).unwrap());
+        }
+    }
     obs.scanner().scan();
     let (_, text) = get(&metrics, "/metrics");
     promtool_check(&text);

@@ -70,8 +70,9 @@ impl Default for LatencyHistogram {
     }
 }
 
-/// Point-in-time copy of a histogram.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Point-in-time copy of a histogram (`ublkctl stats` gets one per device
+/// and op, and takes quantiles of the difference of two).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HistogramSnapshot {
     /// Non-cumulative counts per bucket; the last is above 30 s.
     pub buckets: [u64; SLOTS],
@@ -83,6 +84,42 @@ impl HistogramSnapshot {
     /// Number of observations.
     pub fn count(&self) -> u64 {
         self.buckets.iter().sum()
+    }
+
+    /// The `q` quantile (0..=1) estimated as Prometheus'
+    /// `histogram_quantile` does: linear within the bucket it falls in, the
+    /// bucket's upper bound for the last (+Inf) one, which has none.
+    /// `None` without observations.
+    pub fn quantile(&self, q: f64) -> Option<Duration> {
+        let total = self.count();
+        if total == 0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * total as f64;
+        let mut below = 0u64;
+        for (i, &n) in self.buckets.iter().enumerate() {
+            if n > 0 && (below + n) as f64 >= rank {
+                let Some(&upper) = BOUNDS_NS.get(i) else {
+                    return Some(Duration::from_nanos(BOUNDS_NS[BOUNDS_NS.len() - 1]));
+                };
+                let lower = if i == 0 { 0 } else { BOUNDS_NS[i - 1] };
+                let within = ((rank - below as f64) / n as f64).clamp(0.0, 1.0);
+                let ns = lower as f64 + (upper - lower) as f64 * within;
+                return Some(Duration::from_nanos(ns as u64));
+            }
+            below += n;
+        }
+        None
+    }
+
+    /// The observations since `earlier` (a snapshot of the same histogram).
+    pub fn since(&self, earlier: &HistogramSnapshot) -> HistogramSnapshot {
+        let mut d = *self;
+        for (b, e) in d.buckets.iter_mut().zip(earlier.buckets.iter()) {
+            *b = b.saturating_sub(*e);
+        }
+        d.sum_ns = d.sum_ns.saturating_sub(earlier.sum_ns);
+        d
     }
 }
 
@@ -157,6 +194,31 @@ impl LatencyHistogram {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn quantiles_interpolate_within_buckets_like_promql() {
+        let h = LatencyHistogram::default();
+        assert_eq!(h.snapshot().quantile(0.5), None);
+        // 90 requests in (100us, 250us], 10 in (5ms, 10ms].
+        for _ in 0..90 {
+            h.record_ns(200_000);
+        }
+        for _ in 0..10 {
+            h.record_ns(7_000_000);
+        }
+        let s = h.snapshot();
+        // Rank 50 of 90 in the 100..250us bucket: 100 + 150 * 50/90.
+        assert_eq!(s.quantile(0.5), Some(Duration::from_nanos(183_333)));
+        // Rank 99: the 9th of 10 in 5..10ms.
+        assert_eq!(s.quantile(0.99), Some(Duration::from_nanos(9_500_000)));
+        // Above the last bound: reported as the last bound.
+        h.record_ns(60_000_000_000);
+        assert_eq!(h.snapshot().quantile(1.0), Some(Duration::from_secs(30)));
+        let later = h.snapshot();
+        let d = later.since(&s);
+        assert_eq!(d.count(), 1);
+        assert_eq!(d.quantile(0.5), Some(Duration::from_secs(30)));
+    }
+
     use super::*;
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::size::{parse_size, HumanSize};
-use ublk_metrics::summarize;
+use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::TransportChoice;
 use ublkd::ctl::{
     self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, Reply, Request, Response, StatsReply,
@@ -101,6 +101,11 @@ struct Id {
 struct Stats {
     /// Device id; all devices when omitted.
     id: Option<u32>,
+    /// Seconds between the two samples the rates and latencies come from;
+    /// 0 prints totals and latencies since each device started (--json
+    /// always prints one sample).
+    #[arg(long, default_value_t = 1.0)]
+    interval: f64,
 }
 
 fn parse_transport(s: &str) -> Result<TransportChoice, String> {
@@ -163,6 +168,11 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&reply)?);
         return Ok(());
     }
+    if let (Cmd::Stats(s), Reply::Stats(first)) = (&cli.cmd, &reply) {
+        if s.interval > 0.0 {
+            return print_rates(cli, s, first);
+        }
+    }
     print_human(&cli.cmd, &reply)
 }
 
@@ -199,29 +209,126 @@ fn print_device(d: &DeviceInfo) {
     }
 }
 
-fn print_stats(d: &DeviceStatsInfo) {
+/// Latency as people read it: `850 us`, `12.5 ms`, `1.2 s`.
+fn latency(d: Option<Duration>) -> String {
+    match d {
+        None => "-".into(),
+        Some(d) if d < Duration::from_millis(1) => format!("{} us", d.as_micros()),
+        Some(d) if d < Duration::from_secs(1) => format!("{:.1} ms", d.as_secs_f64() * 1e3),
+        Some(d) => format!("{:.1} s", d.as_secs_f64()),
+    }
+}
+
+/// One device: per op the requests and bytes (totals), their rate over
+/// the interval between `earlier` and `d` (`secs`; none without an
+/// interval), and p50/p99 latency of the requests completed in it (since
+/// the device started without an interval).
+fn print_stats(d: &DeviceStatsInfo, earlier: Option<&DeviceStatsInfo>, secs: f64) {
     let s = &d.stats;
+    let e = earlier.map(|e| &e.stats);
     println!("device {}  {}", d.id, d.node);
     println!(
-        "  reads         {:>12}  {:>14} bytes",
-        s.reads, s.bytes_read
+        "  {:<13} {:>12} {:>10} {:>14} {:>10} {:>9} {:>9}",
+        "op", "requests", "req/s", "bytes", "MiB/s", "p50", "p99"
     );
-    println!(
-        "  writes        {:>12}  {:>14} bytes",
-        s.writes, s.bytes_written
-    );
-    println!("  flushes       {:>12}", s.flushes);
-    println!(
-        "  discards      {:>12}  {:>14} bytes (with write-zeroes)",
-        s.discards, s.bytes_discarded
-    );
-    println!("  write-zeroes  {:>12}", s.write_zeroes);
+    let rows = [
+        (
+            "reads",
+            s.reads,
+            Some(s.bytes_read),
+            e.map(|e| (e.reads, e.bytes_read)),
+        ),
+        (
+            "writes",
+            s.writes,
+            Some(s.bytes_written),
+            e.map(|e| (e.writes, e.bytes_written)),
+        ),
+        ("flushes", s.flushes, None, e.map(|e| (e.flushes, 0))),
+        // DISCARD and WRITE_ZEROES share one byte counter.
+        (
+            "discards",
+            s.discards,
+            Some(s.bytes_discarded),
+            e.map(|e| (e.discards, e.bytes_discarded)),
+        ),
+        (
+            "write-zeroes",
+            s.write_zeroes,
+            None,
+            e.map(|e| (e.write_zeroes, 0)),
+        ),
+    ];
+    for (i, (name, count, bytes, before)) in rows.into_iter().enumerate() {
+        let hist = match e {
+            Some(e) => s.latency[i].since(&e.latency[i]),
+            None => s.latency[i],
+        };
+        let rate = |now: u64, then: u64| format!("{:.1}", now.saturating_sub(then) as f64 / secs);
+        let (req_s, mib_s) = match before {
+            Some((c, b)) if secs > 0.0 => (
+                rate(count, c),
+                bytes.map_or("-".into(), |n| {
+                    format!(
+                        "{:.1}",
+                        n.saturating_sub(b) as f64 / secs / f64::from(1 << 20)
+                    )
+                }),
+            ),
+            _ => ("-".into(), "-".into()),
+        };
+        println!(
+            "  {:<13} {:>12} {:>10} {:>14} {:>10} {:>9} {:>9}",
+            name,
+            count,
+            req_s,
+            bytes.map_or("-".into(), |b| b.to_string()),
+            mib_s,
+            latency(hist.quantile(0.5)),
+            latency(hist.quantile(0.99)),
+        );
+    }
     println!("  errors        {:>12}", s.errors);
     println!("  in flight     {:>12}", s.in_flight);
     println!(
         "  stalled       {:>12}  (oldest in flight {} ms)",
         d.stalled, d.oldest_inflight_ms
     );
+}
+
+/// `stats` with an interval: a second sample `s.interval` seconds after
+/// `first`, and the rates between them.
+fn print_rates(cli: &Cli, s: &Stats, first: &StatsReply) -> anyhow::Result<()> {
+    let interval = Duration::try_from_secs_f64(s.interval)
+        .with_context(|| format!("--interval {}", s.interval))?;
+    std::thread::sleep(interval);
+    let request = Request::Stats { id: s.id };
+    let second = match ctl::call(&cli.socket, request, Duration::from_secs(cli.timeout))? {
+        Response::Ok {
+            reply: Reply::Stats(r),
+        } => r,
+        Response::Error { kind, message } => bail!("{}", explain(kind, &message)),
+        Response::Ok { .. } => bail!("ublkd answered stats with something else"),
+    };
+    println!("rates and latencies over {:.1} s", interval.as_secs_f64());
+    for d in &second.devices {
+        // A device new since the first sample has no rate yet.
+        let earlier = first.devices.iter().find(|e| e.id == d.id);
+        print_stats(d, earlier, if earlier.is_some() { s.interval } else { 0.0 });
+    }
+    print_data_path(&second.driver);
+    Ok(())
+}
+
+/// What the devices' data-path drivers did (`summarize`), indented.
+fn print_data_path(driver: &[DeviceDriverReport]) {
+    let block = summarize(driver);
+    if !block.is_empty() {
+        println!("data path");
+        for line in block.lines() {
+            println!("  {line}");
+        }
+    }
 }
 
 fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
@@ -250,15 +357,9 @@ fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
         }
         (_, Reply::Stats(StatsReply { devices, driver })) => {
             for d in devices {
-                print_stats(d);
+                print_stats(d, None, 0.0);
             }
-            let block = summarize(driver);
-            if !block.is_empty() {
-                println!("data path");
-                for line in block.lines() {
-                    println!("  {line}");
-                }
-            }
+            print_data_path(driver);
         }
         (_, Reply::Features { mask, names }) => {
             println!("ublk driver features: {mask:#x}");

@@ -138,15 +138,15 @@ impl<'a> RequestObs<'a> {
     /// Device I/O families (count, bytes or errno class, latency) and the
     /// tracker slot.
     fn complete(&mut self, bytes: u64, result: Result<(), i32>) {
-        match self.tracker.take() {
-            Some(g) => {
-                g.complete(&self.dev.io, bytes, result);
-            }
+        let latency = match self.tracker.take() {
+            Some(g) => g.complete(&self.dev.io, bytes, result),
             None => {
                 let latency = self.untracked_since.map_or(Duration::ZERO, |s| s.elapsed());
                 self.dev.io.record(self.op, bytes, result, latency);
+                latency
             }
-        }
+        };
+        self.dev.stats.completed_in(self.op, latency);
     }
 }
 

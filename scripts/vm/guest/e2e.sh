@@ -243,14 +243,17 @@ fi
 # Counters restart with ublkd (the crash above): read 1 MiB so this ublkd has
 # moved payloads whatever the timing of the crash scenario.
 timeout 120 dd if="$DEV" of=/dev/null bs=64k count=16 iflag=direct status=none
-ctl stats "$ID" >"$R/stats.txt" 2>&1
+# --interval 0: totals and latencies since the device started (the dd is
+# over before a rate sample would begin).
+ctl stats --interval 0 "$ID" >"$R/stats.txt" 2>&1
 if grep -q "writes" "$R/stats.txt" && grep -q "stalled" "$R/stats.txt" &&
+    grep -Eq "^  reads +[1-9][0-9]* .* [0-9.]+ (us|ms|s) +[0-9.]+ (us|ms|s)$" "$R/stats.txt" &&
     grep -Eq "ublkb$ID: TCP data path - Read: 0 transfers over RDMA, [1-9][0-9]* payload requests over TCP" "$R/stats.txt" &&
     ! grep -q "warning" "$R/stats.txt"; then
     # An `auto` device that negotiated TCP (no RDMA device in this VM) is
     # held to TCP: no "configured for RDMA" warning (scripts/vm/guest/rdma-e2e.sh
     # checks the RDMA side).
-    pass "ctl-stats (counters, stalled, driver block, no RDMA warning for auto on TCP)"
+    pass "ctl-stats (counters, p50/p99 per op, stalled, driver block, no RDMA warning for auto on TCP)"
 else fail ctl-stats "$(cat "$R/stats.txt")"; fi
 
 # ---- 4: arenad restart after sync keeps data ----------------------------
