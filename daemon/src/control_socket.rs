@@ -13,7 +13,7 @@ use rustix::fs::Mode;
 use rustix::process::umask;
 
 use crate::ctl::{self, ErrorKind, Reply, Request, Response, ResponseLine};
-use crate::device::{DeviceError, Manager, UBLK_CONTROL};
+use crate::device::{DeviceError, Manager};
 use crate::features;
 
 /// Why the socket could not be set up.
@@ -104,7 +104,9 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
         Request::Recover { id } => manager.recover(id).map(|device| Reply::Device {
             device: Box::new(device),
         }),
-        Request::Features => features_reply(),
+        Request::Features => {
+            features::from_driver().map(|(mask, names)| Reply::Features { mask, names })
+        }
     };
     match result {
         Ok(reply) => Response::Ok { reply },
@@ -113,21 +115,6 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
             message: e.to_string(),
         },
     }
-}
-
-fn features_reply() -> Result<Reply, DeviceError> {
-    if !Path::new(UBLK_CONTROL).exists() {
-        return Err(DeviceError::UblkMissing);
-    }
-    let mask = libublk::ctrl::UblkCtrl::get_features().ok_or(DeviceError::Ublk {
-        what: "GET_FEATURES",
-        id: -1,
-        detail: "the driver did not answer (kernel older than 6.5?)".into(),
-    })?;
-    Ok(Reply::Features {
-        mask,
-        names: features::names(mask),
-    })
 }
 
 fn serve_conn(manager: &Manager, stream: UnixStream) {

@@ -1,6 +1,25 @@
-//! Names of the ublk driver's feature bits, for `ublkctl features`.
+//! The ublk driver's feature bits and their names, for `ublkctl features`
+//! (which asks the driver itself, so it works without ublkd running).
+
+use std::path::Path;
 
 use libublk::sys;
+
+use crate::device::{DeviceError, UBLK_CONTROL};
+
+/// Asks the driver (`/dev/ublk-control`) for its feature mask; returns it
+/// with the names of its bits.
+pub fn from_driver() -> Result<(u64, Vec<String>), DeviceError> {
+    if !Path::new(UBLK_CONTROL).exists() {
+        return Err(DeviceError::UblkMissing);
+    }
+    let mask = libublk::ctrl::UblkCtrl::get_features().ok_or(DeviceError::Ublk {
+        what: "GET_FEATURES",
+        id: -1,
+        detail: "the driver did not answer (kernel older than 6.5?)".into(),
+    })?;
+    Ok((mask, names(mask)))
+}
 
 /// Every `UBLK_F_*` bit this build knows, with its name.
 const NAMES: &[(u64, &str)] = &[

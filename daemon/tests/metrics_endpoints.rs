@@ -122,6 +122,44 @@ fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
+
+    // ublkctl finds the socket from $UBLKCTL_SOCKET, or from ublkd's
+    // config, without --socket; `del --all` of no devices is a success.
+    let ctl = |args: &[&str], env: Option<&std::path::Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ublkctl"));
+        c.args(args).env_remove("UBLKCTL_SOCKET");
+        if let Some(e) = env {
+            c.env("UBLKCTL_SOCKET", e);
+        }
+        c.output().unwrap()
+    };
+    let cfg_arg = cfg.to_str().unwrap();
+    for out in [
+        ctl(&["list"], Some(&sock)),
+        ctl(&["--config", cfg_arg, "list"], None),
+        ctl(&["--config", cfg_arg, "del", "--all"], None),
+    ] {
+        assert!(out.status.success(), "{out:?}");
+    }
+    let out = ctl(&["--config", "/nonexistent.toml", "list"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/run/ublkd/ublkd.sock does not exist"),
+        "{err}"
+    );
+    let out = ctl(&["--version"], None);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("ublkctl "),
+        "{out:?}"
+    );
+    // `features` asks the driver, not ublkd.
+    let out = ctl(&["--socket", "/nonexistent.sock", "features"], None);
+    if std::path::Path::new(ublkd::device::UBLK_CONTROL).exists() {
+        assert!(out.status.success(), "{out:?}");
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("ublk driver is not loaded"), "{err}");
+    }
     drop(daemon);
 }
 

@@ -8,18 +8,24 @@ use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::size::{parse_size, HumanSize};
 use ublk_metrics::{summarize, DeviceDriverReport};
-use ublkd::config::TransportChoice;
+use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::ctl::{
     self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, Reply, Request, Response, StatsReply,
 };
+use ublkd::features;
 
 /// Control ublkd's block devices.
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "ublkctl", version)]
 pub(crate) struct Cli {
-    /// ublkd's control socket.
-    #[arg(long, global = true, default_value = "/run/ublkd/ublkd.sock")]
-    socket: PathBuf,
+    /// ublkd's control socket [default: $UBLKCTL_SOCKET, else the `socket`
+    /// of ublkd's config, else /run/ublkd/ublkd.sock].
+    #[arg(long, global = true)]
+    socket: Option<PathBuf>,
+    /// ublkd's config, read for its `socket` when neither --socket nor
+    /// $UBLKCTL_SOCKET is given.
+    #[arg(long, global = true, default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
@@ -44,7 +50,8 @@ enum Cmd {
     Stats(Stats),
     /// Re-attach a device whose queues stopped.
     Recover(Id),
-    /// What the running kernel's ublk driver supports.
+    /// What the running kernel's ublk driver supports (asks the driver;
+    /// ublkd need not run).
     Features(List),
 }
 
@@ -77,12 +84,20 @@ struct Add {
     /// Per-request buffer (and largest I/O), e.g. 512K.
     #[arg(long, value_parser = parse_size)]
     io_buf: Option<u64>,
+    /// Return only once /dev/ublkbN exists (udev made it), within --timeout.
+    #[arg(long)]
+    wait: bool,
 }
 
 #[derive(ClapArgs, Debug)]
 struct Del {
     /// Device id (N of /dev/ublkbN).
-    id: u32,
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    id: Option<u32>,
+    /// Delete every device (each refused while mounted or open, unless
+    /// --force); exits 1 if any is left.
+    #[arg(long)]
+    all: bool,
     /// Delete even if mounted or open (its users get I/O errors).
     #[arg(long)]
     force: bool,
@@ -124,7 +139,89 @@ fn main() -> ExitCode {
     }
 }
 
+/// The control socket: --socket, else $UBLKCTL_SOCKET, else the `socket`
+/// of ublkd's config when that file exists, else the packaged default.
+fn socket(cli: &Cli) -> anyhow::Result<PathBuf> {
+    if let Some(s) = &cli.socket {
+        return Ok(s.clone());
+    }
+    if let Some(s) = std::env::var_os("UBLKCTL_SOCKET").filter(|s| !s.is_empty()) {
+        return Ok(PathBuf::from(s));
+    }
+    if cli.config.exists() {
+        let cfg = UblkdConfig::load(&cli.config)
+            .context("finding the control socket (pass --socket to skip the config)")?;
+        return Ok(cfg.socket);
+    }
+    Ok(UblkdConfig::defaults().socket)
+}
+
+/// One request, its answer or the daemon's error (explained).
+fn call(cli: &Cli, request: Request) -> anyhow::Result<Reply> {
+    match ctl::call(&socket(cli)?, request, Duration::from_secs(cli.timeout))? {
+        Response::Ok { reply } => Ok(reply),
+        Response::Error { kind, message } => {
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"error": {"kind": kind, "message": message}})
+                );
+            }
+            bail!("{}", explain(kind, &message))
+        }
+    }
+}
+
+/// `del --all`: every listed device, one after the other.
+fn del_all(cli: &Cli, force: bool) -> anyhow::Result<()> {
+    let Reply::Devices { devices } = call(cli, Request::List)? else {
+        bail!("ublkd answered list with something else");
+    };
+    let mut left = Vec::new();
+    for d in devices {
+        match call(cli, Request::Del { id: d.id, force }) {
+            Ok(_) => println!("deleted {}", d.node),
+            Err(e) => {
+                eprintln!("ublkctl: {e:#}");
+                left.push(d.id.to_string());
+            }
+        }
+    }
+    if !left.is_empty() {
+        bail!("{} device(s) left: {}", left.len(), left.join(", "));
+    }
+    Ok(())
+}
+
+/// `add --wait`: until the node is a block device, or the timeout.
+fn wait_for_node(node: &str, timeout: Duration) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if std::fs::metadata(node).is_ok_and(|m| m.file_type().is_block_device()) {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "{node} did not appear within {} s (is udev running?); the device exists, see `ublkctl list`",
+                timeout.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn run(cli: &Cli) -> anyhow::Result<()> {
+    if let Cmd::Features(_) = &cli.cmd {
+        let (mask, names) = features::from_driver()?;
+        return print_output(cli, &Reply::Features { mask, names });
+    }
+    if let Cmd::Del(Del {
+        all: true, force, ..
+    }) = &cli.cmd
+    {
+        return del_all(cli, *force);
+    }
     let request = match &cli.cmd {
         Cmd::Add(a) => {
             let secret_file = std::path::absolute(&a.secret_file)
@@ -142,7 +239,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             })
         }
         Cmd::Del(d) => Request::Del {
-            id: d.id,
+            id: d.id.context("a device id or --all")?,
             force: d.force,
         },
         Cmd::List(_) => Request::List,
@@ -151,29 +248,25 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::Recover(i) => Request::Recover { id: i.id },
         Cmd::Features(_) => Request::Features,
     };
-    let response = ctl::call(&cli.socket, request, Duration::from_secs(cli.timeout))?;
-    let reply = match response {
-        Response::Ok { reply } => reply,
-        Response::Error { kind, message } => {
-            if cli.json {
-                println!(
-                    "{}",
-                    serde_json::json!({"error": {"kind": kind, "message": message}})
-                );
-            }
-            bail!("{}", explain(kind, &message));
-        }
-    };
-    if cli.json {
-        println!("{}", serde_json::to_string_pretty(&reply)?);
-        return Ok(());
+    let reply = call(cli, request)?;
+    if let (Cmd::Add(Add { wait: true, .. }), Reply::Device { device }) = (&cli.cmd, &reply) {
+        wait_for_node(&device.node, Duration::from_secs(cli.timeout))?;
     }
-    if let (Cmd::Stats(s), Reply::Stats(first)) = (&cli.cmd, &reply) {
+    if let (Cmd::Stats(s), Reply::Stats(first), false) = (&cli.cmd, &reply, cli.json) {
         if s.interval > 0.0 {
             return print_rates(cli, s, first);
         }
     }
-    print_human(&cli.cmd, &reply)
+    print_output(cli, &reply)
+}
+
+/// The answer as JSON (--json) or for people.
+fn print_output(cli: &Cli, reply: &Reply) -> anyhow::Result<()> {
+    if cli.json {
+        println!("{}", serde_json::to_string_pretty(reply)?);
+        return Ok(());
+    }
+    print_human(&cli.cmd, reply)
 }
 
 /// Adds the next step to errors where one is obvious.
@@ -302,13 +395,8 @@ fn print_rates(cli: &Cli, s: &Stats, first: &StatsReply) -> anyhow::Result<()> {
     let interval = Duration::try_from_secs_f64(s.interval)
         .with_context(|| format!("--interval {}", s.interval))?;
     std::thread::sleep(interval);
-    let request = Request::Stats { id: s.id };
-    let second = match ctl::call(&cli.socket, request, Duration::from_secs(cli.timeout))? {
-        Response::Ok {
-            reply: Reply::Stats(r),
-        } => r,
-        Response::Error { kind, message } => bail!("{}", explain(kind, &message)),
-        Response::Ok { .. } => bail!("ublkd answered stats with something else"),
+    let Reply::Stats(second) = call(cli, Request::Stats { id: s.id })? else {
+        bail!("ublkd answered stats with something else");
     };
     println!("rates and latencies over {:.1} s", interval.as_secs_f64());
     for d in &second.devices {

@@ -89,6 +89,10 @@ trap cleanup EXIT
 
 t0=$SECONDS
 start_arenad || { echo "FAIL setup (arenad did not listen; see arenad.log)"; exit 1; }
+# `features` asks the driver itself: no ublkd needed (none runs yet).
+out=$(timeout 60 "$BIN/ublkctl" --socket "$W/none.sock" features 2>&1)
+if [[ $? -eq 0 && "$out" == *USER_RECOVERY* ]]; then pass ctl-features-without-ublkd
+else fail ctl-features-without-ublkd "$out"; fi
 start_ublkd "$R/ublkd.log" || { echo "FAIL setup (ublkd did not come up; see ublkd.log)"; cat "$R/ublkd.log"; exit 1; }
 
 # ---- control-plane errors and add -------------------------------------
@@ -102,6 +106,10 @@ printf 'a-wrong-secret-0123456789abcdef\n' >"$W/bad.key"; chmod 600 "$W/bad.key"
 out=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/bad.key" --size 64M 2>&1)
 if [[ $? -ne 0 && "$out" == *"authentication failed"* ]]; then pass ctl-auth-failed
 else fail ctl-auth-failed "$out"; fi
+out=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 2G 2>&1)
+if [[ $? -ne 0 && "$out" == *"--size 2G is above the quota of volume \"e2e\""* ]] && ! ctl list | grep -q ublkb; then
+    pass ctl-quota-refused-before-the-kernel
+else fail ctl-quota-refused-before-the-kernel "$out"; fi
 out=$(ctl show 42 2>&1)
 if [[ $? -ne 0 && "$out" == *"no device 42"* ]]; then pass ctl-unknown-device
 else fail ctl-unknown-device "$out"; fi
@@ -109,8 +117,9 @@ out=$(ctl features 2>&1)
 if [[ $? -eq 0 && "$out" == *USER_RECOVERY* ]]; then pass ctl-features; else fail ctl-features "$out"; fi
 echo "$out" >"$R/features.txt"
 
-DEV=$(ctl add --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size "$DEV_SIZE" --transport auto 2>"$R/add.err")
-if [[ "$DEV" =~ ^/dev/ublkb[0-9]+$ ]] && wait_node "$DEV"; then pass "add ($DEV)"
+# --wait: the node exists when add returns.
+DEV=$(ctl add --wait --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size "$DEV_SIZE" --transport auto 2>"$R/add.err")
+if [[ "$DEV" =~ ^/dev/ublkb[0-9]+$ ]] && [[ -b "$DEV" ]]; then pass "add --wait ($DEV)"
 else echo "FAIL add ($(cat "$R/add.err"))"; exit 1; fi
 ID=${DEV#/dev/ublkb}
 ctl list | tee "$R/list.txt" | grep -q "tcp" && pass ctl-list-says-tcp || fail ctl-list-says-tcp
@@ -276,7 +285,9 @@ else
 fi
 
 # ---- teardown ------------------------------------------------------------
-if out=$(ctl del "$ID" 2>&1); then pass "ctl-del ($out)"; else fail ctl-del "$out"; fi
+if out=$(ctl del --all 2>&1) && [[ "$out" == "deleted $DEV" ]] && ! ctl list | grep -q ublkb; then
+    pass "ctl-del-all ($out)"
+else fail ctl-del-all "$out"; fi
 ctl list >>"$R/list.txt"
 
 echo "---- summary ($((SECONDS - t0)) s) ----"
