@@ -85,6 +85,13 @@ pub struct AddArgs {
     pub transport: Option<TransportChoice>,
     /// Per-request buffer size.
     pub io_buf: Option<u64>,
+    /// The device id to take (`add -n`); the kernel picks a free one when
+    /// unset.
+    #[serde(default)]
+    pub id: Option<u32>,
+    /// Expose the device read-only (the kernel refuses writes).
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// A response line.
@@ -180,6 +187,9 @@ pub struct DeviceInfo {
     pub node: String,
     /// Size in bytes.
     pub size: u64,
+    /// Read-only to its users.
+    #[serde(default)]
+    pub read_only: bool,
     /// Hardware queues.
     pub queues: u32,
     /// Queue depth.

@@ -84,6 +84,12 @@ struct Add {
     /// Per-request buffer (and largest I/O), e.g. 512K.
     #[arg(long, value_parser = parse_size)]
     io_buf: Option<u64>,
+    /// Device id to take (N of /dev/ublkbN); a free one when omitted.
+    #[arg(short = 'n', long = "number")]
+    number: Option<u32>,
+    /// Expose the device read-only (the kernel refuses writes to it).
+    #[arg(long)]
+    read_only: bool,
     /// Return only once /dev/ublkbN exists (udev made it), within --timeout.
     #[arg(long)]
     wait: bool,
@@ -236,6 +242,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 blob_size: a.blob_size,
                 transport: a.transport,
                 io_buf: a.io_buf,
+                id: a.number,
+                read_only: a.read_only,
             })
         }
         Cmd::Del(d) => Request::Del {
@@ -286,7 +294,12 @@ fn print_device(d: &DeviceInfo) {
     if let Some(e) = &d.error {
         println!("  error      {e}");
     }
-    println!("  size       {} ({} bytes)", HumanSize(d.size), d.size);
+    println!(
+        "  size       {} ({} bytes){}",
+        HumanSize(d.size),
+        d.size,
+        if d.read_only { ", read-only" } else { "" }
+    );
     println!("  queues     {} x depth {}", d.queues, d.depth);
     println!("  io buffer  {}", HumanSize(d.io_buf));
     println!("  blob size  {}", HumanSize(d.blob_size));

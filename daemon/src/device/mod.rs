@@ -511,6 +511,7 @@ impl Manager {
             max_write_zeroes_size: d.max_write_zeroes_size,
             write_cache: d.write_cache,
             fua: d.fua,
+            read_only: a.read_only,
         })
     }
 
@@ -524,7 +525,19 @@ impl Manager {
             )));
         }
         let _op = self.ops.lock();
-        let id = self.launch(spec, Mode::Add(-1), Admission::New)?;
+        // -1: the kernel picks a free id.
+        let wanted = match a.id {
+            Some(id) if self.devices.lock().contains_key(&id) => {
+                return Err(DeviceError::BadRequest(format!(
+                    "device {id} exists (see `ublkctl list`); pick another -n or leave it out"
+                )))
+            }
+            Some(id) => i32::try_from(id).map_err(|_| {
+                DeviceError::BadRequest(format!("invalid -n {id}: a ublk device id is below 2^31"))
+            })?,
+            None => -1,
+        };
+        let id = self.launch(spec, Mode::Add(wanted), Admission::New)?;
         self.info(id)
     }
 
@@ -602,6 +615,7 @@ impl Manager {
             id,
             node: format!("/dev/ublkb{id}"),
             size: dev.spec.size,
+            read_only: dev.spec.read_only,
             queues: dev.spec.queues,
             depth: dev.spec.depth,
             io_buf: dev.spec.io_buf,
@@ -759,6 +773,8 @@ mod tests {
             blob_size: None,
             transport: None,
             io_buf: None,
+            id: None,
+            read_only: false,
         }
     }
 
@@ -932,5 +948,21 @@ mod tests {
         assert_eq!(p.discard.max_discard_sectors, (1 << 30) >> 9);
         assert_eq!(p.discard.max_write_zeroes_sectors, (1 << 30) >> 9);
         assert_eq!(p.discard.max_discard_segments, 1);
+
+        // add --read-only: the kernel is told, and the definition keeps it
+        // (definitions written before the key existed read as writable).
+        let ro = m
+            .spec_for(&AddArgs {
+                read_only: true,
+                ..args()
+            })
+            .unwrap();
+        assert_ne!(params(&ro).basic.attrs & sys::UBLK_ATTR_READ_ONLY, 0);
+        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_READ_ONLY, 0);
+        let mut json = serde_json::to_value(&ro).unwrap();
+        assert_eq!(json["read_only"], true);
+        json.as_object_mut().unwrap().remove("read_only");
+        let old: DeviceSpec = serde_json::from_value(json).unwrap();
+        assert!(!old.read_only);
     }
 }

@@ -55,6 +55,9 @@ pub struct DeviceSpec {
     pub write_cache: bool,
     /// FUA advertised.
     pub fua: bool,
+    /// Read-only to its users (`add --read-only`).
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// Reads and writes device definitions.
@@ -182,6 +185,9 @@ pub(super) fn params(spec: &DeviceSpec) -> sys::ublk_params {
     }
     if spec.fua {
         attrs |= sys::UBLK_ATTR_FUA;
+    }
+    if spec.read_only {
+        attrs |= sys::UBLK_ATTR_READ_ONLY;
     }
     let mut p = sys::ublk_params {
         types: sys::UBLK_PARAM_TYPE_BASIC,

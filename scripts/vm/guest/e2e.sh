@@ -124,6 +124,13 @@ else echo "FAIL add ($(cat "$R/add.err"))"; exit 1; fi
 ID=${DEV#/dev/ublkb}
 ctl list | tee "$R/list.txt" | grep -q "tcp" && pass ctl-list-says-tcp || fail ctl-list-says-tcp
 ctl --json show "$ID" >"$R/show.json" && grep -q '"state": "live"' "$R/show.json" && pass ctl-show-live || fail ctl-show-live
+# add -n ID --read-only: the id asked for, a disk the kernel will not write.
+ro=$(ctl add -n 7 --read-only --wait --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 4M 2>&1)
+if [[ "$ro" == /dev/ublkb7 && -b /dev/ublkb7 && "$(blockdev --getro /dev/ublkb7)" == 1 ]] &&
+    ! dd if=/dev/zero of=/dev/ublkb7 bs=4k count=1 oflag=direct status=none 2>/dev/null &&
+    ctl show 7 | grep -q "read-only" && ctl del 7 >/dev/null; then
+    pass "add -n 7 --read-only"
+else fail add-n-read-only "$ro $(ctl show 7 2>&1)"; ctl del --force 7 >/dev/null 2>&1; fi
 
 # ---- 1: fio verify, sequential + random, 4k..1M, several jobs ----------
 log "fio"
