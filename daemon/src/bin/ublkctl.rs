@@ -12,6 +12,7 @@ use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::ctl::{
     self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, Reply, Request, Response, StatsReply,
 };
+use ublkd::device::DeviceSpec;
 use ublkd::features;
 
 /// Control ublkd's block devices.
@@ -53,6 +54,10 @@ enum Cmd {
     /// What the running kernel's ublk driver supports (asks the driver;
     /// ublkd need not run).
     Features(List),
+    /// Print the volume of device N, from ublkd's device definitions (for
+    /// the udev rule that makes /dev/disk/by-id/ublk-<volume>).
+    #[command(hide = true)]
+    UdevName(Id),
 }
 
 #[derive(ClapArgs, Debug)]
@@ -217,11 +222,36 @@ fn wait_for_node(node: &str, timeout: Duration) -> anyhow::Result<()> {
     }
 }
 
+/// `udev-name N`: the volume in `<state_dir>/devices/N.json`. udev runs
+/// this when the kernel announces /dev/ublkbN, which can be a moment before
+/// ublkd has written the definition, so it waits for it up to 5 s.
+fn udev_name(cli: &Cli, id: u32) -> anyhow::Result<()> {
+    let state_dir = if cli.config.exists() {
+        UblkdConfig::load(&cli.config)?.state_dir
+    } else {
+        UblkdConfig::defaults().state_dir
+    };
+    let path = state_dir.join("devices").join(format!("{id}.json"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        match std::fs::read_to_string(&path) {
+            Ok(t) => break t,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            Err(e) => bail!("device definition {}: {e}", path.display()),
+        }
+    };
+    let spec: DeviceSpec = serde_json::from_str(&text)
+        .with_context(|| format!("device definition {}", path.display()))?;
+    println!("{}", spec.volume);
+    Ok(())
+}
+
 fn run(cli: &Cli) -> anyhow::Result<()> {
-    if let Cmd::Features(_) = &cli.cmd {
-        let (mask, names) = features::from_driver()?;
-        return print_output(cli, &Reply::Features { mask, names });
-    }
     if let Cmd::Del(Del {
         all: true, force, ..
     }) = &cli.cmd
@@ -254,7 +284,12 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::Show(i) => Request::Show { id: i.id },
         Cmd::Stats(s) => Request::Stats { id: s.id },
         Cmd::Recover(i) => Request::Recover { id: i.id },
-        Cmd::Features(_) => Request::Features,
+        // Answered here, without ublkd.
+        Cmd::Features(_) => {
+            let (mask, names) = features::from_driver()?;
+            return print_output(cli, &Reply::Features { mask, names });
+        }
+        Cmd::UdevName(i) => return udev_name(cli, i.id),
     };
     let reply = call(cli, request)?;
     if let (Cmd::Add(Add { wait: true, .. }), Reply::Device { device }) = (&cli.cmd, &reply) {

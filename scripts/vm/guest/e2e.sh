@@ -122,6 +122,17 @@ DEV=$(ctl add --wait --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --si
 if [[ "$DEV" =~ ^/dev/ublkb[0-9]+$ ]] && [[ -b "$DEV" ]]; then pass "add --wait ($DEV)"
 else echo "FAIL add ($(cat "$R/add.err"))"; exit 1; fi
 ID=${DEV#/dev/ublkb}
+# The udev rule names the disk by its volume (udevadm test runs the rule's
+# PROGRAM against the live device; the VM has no udevd to make the link).
+if command -v udevadm >/dev/null; then
+    mkdir -p /run/udev/rules.d
+    sed -e "s#/usr/local/bin/ublkctl#$BIN/ublkctl --config $W/ublkd.toml#" \
+        "$UBLK_VM_REPO/systemd/60-ublk.rules" >/run/udev/rules.d/60-ublk.rules
+    udevadm test --action=add "/sys/class/block/ublkb$ID" >"$R/udev-test.txt" 2>&1
+    if grep -q "disk/by-id/ublk-e2e" "$R/udev-test.txt"; then pass "udev-rule (/dev/disk/by-id/ublk-e2e)"
+    else fail udev-rule "$(grep -iE 'ublk|PROGRAM|error' "$R/udev-test.txt" | tail -20)"; fi
+    rm -f /run/udev/rules.d/60-ublk.rules
+else fail udev-rule "udevadm missing (scripts/vm/deps installs udev)"; fi
 ctl list | tee "$R/list.txt" | grep -q "tcp" && pass ctl-list-says-tcp || fail ctl-list-says-tcp
 ctl --json show "$ID" >"$R/show.json" && grep -q '"state": "live"' "$R/show.json" && pass ctl-show-live || fail ctl-show-live
 # add -n ID --read-only: the id asked for, a disk the kernel will not write.
