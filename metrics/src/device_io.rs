@@ -2,7 +2,7 @@
 //! op.
 
 use crate::histogram::LatencyHistogram;
-use crate::labels::{validate_target, ErrnoClass, IoOp, LabelError};
+use crate::labels::{device_label, validate_target, ErrnoClass, IoOp, LabelError};
 use crate::shard::ShardedCounter;
 use crate::telemetry::Telemetry;
 use std::sync::Arc;
@@ -13,12 +13,6 @@ struct OpHandles {
     bytes: Arc<ShardedCounter>,
     errors: [Arc<ShardedCounter>; ErrnoClass::COUNT],
     latency: Arc<LatencyHistogram>,
-}
-
-/// The `device` label value of device `id`: its kernel name (`ublkb0`), so
-/// per-device series join with node_exporter's `node_disk_*{device="ublkb0"}`.
-pub fn device_label(id: u32) -> String {
-    format!("ublkb{id}")
 }
 
 /// The I/O counters and latency histograms of one target (and, with

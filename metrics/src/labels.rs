@@ -237,6 +237,12 @@ closed_enum! {
     }
 }
 
+/// The `device` label value of device `id`: its kernel name (`ublkb0`), so
+/// per-device series join with node_exporter's `node_disk_*{device="ublkb0"}`.
+pub fn device_label(id: u32) -> String {
+    format!("ublkb{id}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

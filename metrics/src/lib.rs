@@ -39,13 +39,13 @@ pub use arenad::{
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use correlation::CorrelationId;
-pub use device_io::{device_label, IoMetrics};
+pub use device_io::IoMetrics;
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};
 pub use families::Daemon;
 pub use health::{NotReadyReason, NotReadySet, Probes};
 pub use histogram::{LatencyHistogram, LATENCY_BUCKETS_SECONDS};
 pub use http::{HttpConfig, HttpError, MetricsServer};
-pub use labels::{ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
+pub use labels::{device_label, ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
 pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
 pub use shard::{ShardedCounter, ShardedGauge};
 pub use telemetry::{Collector, Readiness, RenderError, Telemetry, TelemetryError, REVISION};

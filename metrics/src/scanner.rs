@@ -126,7 +126,7 @@ impl Scanner {
     }
 
     fn make_series(&self, key: &SeriesKey) -> Series {
-        let dev = key.1.map(crate::device_io::device_label);
+        let dev = key.1.map(crate::labels::device_label);
         let labels = |op: Option<IoOp>| {
             let mut l: Vec<(&'static str, &str)> = vec![("target", &key.0)];
             if let Some(op) = op {

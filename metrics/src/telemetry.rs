@@ -278,7 +278,7 @@ impl Telemetry {
     /// zero instead of inheriting the old one's counts. Handles the old
     /// device still holds keep counting, unrendered.
     pub fn forget_device(&self, id: u32) {
-        let needle = format!("device=\"{}\"", crate::device_io::device_label(id));
+        let needle = format!("device=\"{}\"", crate::labels::device_label(id));
         let mine = |labels: &String| labels.split(',').any(|l| l == needle);
         for series in self.counters.lock().values_mut() {
             series.retain(|labels, _| !mine(labels));
