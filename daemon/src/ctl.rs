@@ -92,6 +92,10 @@ pub struct AddArgs {
     /// Expose the device read-only (the kernel refuses writes).
     #[serde(default)]
     pub read_only: bool,
+    /// CPUs to pin the queue threads to, queue q on `cpus[q % len]`; empty
+    /// keeps the kernel's queue mapping.
+    #[serde(default)]
+    pub cpus: Vec<u32>,
 }
 
 /// A response line.
@@ -190,6 +194,9 @@ pub struct DeviceInfo {
     /// Read-only to its users.
     #[serde(default)]
     pub read_only: bool,
+    /// CPUs the queue threads are pinned to (empty: the kernel's mapping).
+    #[serde(default)]
+    pub cpus: Vec<u32>,
     /// Hardware queues.
     pub queues: u32,
     /// Queue depth.

@@ -95,6 +95,10 @@ struct Add {
     /// Expose the device read-only (the kernel refuses writes to it).
     #[arg(long)]
     read_only: bool,
+    /// Pin queue q's thread to the q-th CPU of this list (round robin),
+    /// e.g. 0,2,4-7; the kernel's queue mapping when omitted.
+    #[arg(long, value_parser = parse_cpus)]
+    cpus: Option<Vec<u32>>,
     /// Return only once /dev/ublkbN exists (udev made it), within --timeout.
     #[arg(long)]
     wait: bool,
@@ -132,6 +136,24 @@ struct Stats {
     /// always prints one sample).
     #[arg(long, default_value_t = 1.0)]
     interval: f64,
+}
+
+/// `0,2,4-7` -> [0, 2, 4, 5, 6, 7].
+fn parse_cpus(s: &str) -> Result<Vec<u32>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',') {
+        let bad = || format!("invalid CPU list {s:?}: use numbers and ranges like 0,2,4-7");
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (u32, u32) = (
+            a.trim().parse().map_err(|_| bad())?,
+            b.trim().parse().map_err(|_| bad())?,
+        );
+        if a > b || b - a > 4096 {
+            return Err(bad());
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
 }
 
 fn parse_transport(s: &str) -> Result<TransportChoice, String> {
@@ -274,6 +296,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 io_buf: a.io_buf,
                 id: a.number,
                 read_only: a.read_only,
+                cpus: a.cpus.clone().unwrap_or_default(),
             })
         }
         Cmd::Del(d) => Request::Del {
@@ -336,6 +359,10 @@ fn print_device(d: &DeviceInfo) {
         if d.read_only { ", read-only" } else { "" }
     );
     println!("  queues     {} x depth {}", d.queues, d.depth);
+    if !d.cpus.is_empty() {
+        let cpus: Vec<String> = d.cpus.iter().map(u32::to_string).collect();
+        println!("  cpus       {} (queue q on the q-th)", cpus.join(","));
+    }
     println!("  io buffer  {}", HumanSize(d.io_buf));
     println!("  blob size  {}", HumanSize(d.blob_size));
     println!("  block size {}", d.logical_block_size);

@@ -209,6 +209,25 @@ fn fits_quota(spec: &DeviceSpec, ios: &[QueueIo]) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// `--cpus`: every CPU must exist on this host (an affinity to none would
+/// fail at start, in the kernel, long after `add` said yes).
+fn check_cpus(cpus: &[u32]) -> Result<Vec<u32>, DeviceError> {
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let set = rustix::thread::sched_getaffinity(None).ok();
+    for &c in cpus {
+        let usable = match &set {
+            Some(s) => (c as usize) < rustix::thread::CpuSet::MAX_CPU && s.is_set(c as usize),
+            None => (c as usize) < online,
+        };
+        if !usable {
+            return Err(DeviceError::BadRequest(format!(
+                "invalid --cpus: CPU {c} is not available to ublkd on this host"
+            )));
+        }
+    }
+    Ok(cpus.to_vec())
+}
+
 /// Owns every device's lifecycle.
 pub struct Manager {
     cfg: UblkdConfig,
@@ -512,6 +531,7 @@ impl Manager {
             write_cache: d.write_cache,
             fua: d.fua,
             read_only: a.read_only,
+            cpus: check_cpus(&a.cpus)?,
         })
     }
 
@@ -616,6 +636,7 @@ impl Manager {
             node: format!("/dev/ublkb{id}"),
             size: dev.spec.size,
             read_only: dev.spec.read_only,
+            cpus: dev.spec.cpus.clone(),
             queues: dev.spec.queues,
             depth: dev.spec.depth,
             io_buf: dev.spec.io_buf,
@@ -775,6 +796,7 @@ mod tests {
             io_buf: None,
             id: None,
             read_only: false,
+            cpus: Vec::new(),
         }
     }
 
@@ -909,6 +931,15 @@ mod tests {
         let e = add(1 << 20);
         assert!(!e.to_string().contains("quota"), "{e}");
         assert!(m.store.load_all().unwrap().is_empty(), "nothing persisted");
+    }
+
+    #[test]
+    fn cpus_must_be_usable_here() {
+        assert_eq!(check_cpus(&[0, 0]).unwrap(), vec![0, 0]);
+        assert_eq!(
+            check_cpus(&[0, 70000]).unwrap_err().to_string(),
+            "invalid --cpus: CPU 70000 is not available to ublkd on this host"
+        );
     }
 
     #[test]

@@ -58,6 +58,10 @@ pub struct DeviceSpec {
     /// Read-only to its users (`add --read-only`).
     #[serde(default)]
     pub read_only: bool,
+    /// CPUs the queue threads are pinned to, queue q on `cpus[q % len]`
+    /// (`add --cpus`); empty keeps the kernel's queue mapping.
+    #[serde(default)]
+    pub cpus: Vec<u32>,
 }
 
 /// Reads and writes device definitions.

@@ -126,7 +126,14 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
         Arc::new(Mutex::new(ios.into_iter().map(Some).collect()));
     let size = spec.size;
     let qobs = Arc::clone(&dobs);
+    // Each queue thread's id, for pinning once the device runs.
+    let tids: Arc<Mutex<Vec<Option<rustix::thread::Pid>>>> =
+        Arc::new(Mutex::new(vec![None; spec.queues as usize]));
+    let q_tids = Arc::clone(&tids);
     let q_fn = move |qid: u16, dev: &UblkDev| {
+        if let Some(slot) = q_tids.lock().get_mut(qid as usize) {
+            *slot = Some(rustix::thread::gettid());
+        }
         let Some(io) = queue_ios
             .lock()
             .get_mut(qid as usize)
@@ -146,7 +153,11 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
     let started_state = Arc::clone(&state);
     let started_obs = Arc::clone(&dobs);
     let started_tx = tx.clone();
+    let cpus = spec.cpus.clone();
     let on_started = move |_: &UblkCtrl| {
+        // After libublk gave each queue thread the kernel's mapping (every
+        // queue has FETCHed by START_DEV's return, so every id is known).
+        pin_queues(dev_id, &cpus, &tids.lock());
         *started_state.lock() = State::Live;
         started_obs.set_state(DevState::Live);
         let _ = started_tx.send(Event::Started);
@@ -166,6 +177,37 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
             *state.lock() = State::Failed(e.to_string());
             dobs.set_state(DevState::Failed);
             fail(&tx, e);
+        }
+    }
+}
+
+/// Pins queue q's thread to `cpus[q % len]` (`add --cpus`); nothing when
+/// `cpus` is empty. A failure is logged: the device serves unpinned.
+fn pin_queues(dev_id: u32, cpus: &[u32], tids: &[Option<rustix::thread::Pid>]) {
+    if cpus.is_empty() {
+        return;
+    }
+    for (qid, tid) in tids.iter().enumerate() {
+        let (Some(tid), cpu) = (tid, cpus[qid % cpus.len()]) else {
+            continue;
+        };
+        let mut set = rustix::thread::CpuSet::new();
+        set.set(cpu as usize);
+        match rustix::thread::sched_setaffinity(Some(*tid), &set) {
+            Ok(()) => tracing::info!(
+                event = "queue.pinned",
+                device = dev_id,
+                qid,
+                tid = tid.as_raw_nonzero().get(),
+                cpu
+            ),
+            Err(e) => tracing::warn!(
+                event = "queue.pin_failed",
+                device = dev_id,
+                qid,
+                cpu,
+                error = %std::io::Error::from(e)
+            ),
         }
     }
 }
