@@ -184,6 +184,18 @@ if [[ $rdma -gt 0 ]]; then pass payloads-moved-by-rdma; else fail payloads-moved
 bad=$(find /var/lib/arenad /var/lib/ublkd /run/ublkd -mindepth 1 \( -type f -o -type s \) -perm /077 -printf '%m %p\n')
 if [[ -z "$bad" ]]; then pass daemons-files-private; else fail daemons-files-private "$bad"; fi
 
+# systemctl reload: SIGHUP re-reads the configs; same processes, still
+# active, and each logs config.reloaded.
+pids="$(sc show -p MainPID --value arenad) $(sc show -p MainPID --value ublkd)"
+if sc reload arenad && sc reload ublkd && sleep 1 &&
+    [[ "$(sc show -p MainPID --value arenad) $(sc show -p MainPID --value ublkd)" == "$pids" ]] &&
+    [[ $(sc is-active arenad) == active && $(sc is-active ublkd) == active ]] &&
+    jc -u arenad | grep -q 'config.reloaded' && jc -u ublkd | grep -q 'config.reloaded'; then
+    pass systemctl-reload-both-units
+else
+    fail systemctl-reload-both-units "pids $pids -> $(sc show -p MainPID --value arenad) $(sc show -p MainPID --value ublkd)"
+fi
+
 old=$(sc show -p MainPID --value ublkd) new=''
 sc kill -s KILL ublkd
 for _ in $(seq 300); do
