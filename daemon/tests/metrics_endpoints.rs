@@ -147,6 +147,33 @@ fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
         err.contains("/run/ublkd/ublkd.sock does not exist"),
         "{err}"
     );
+    // The add flags parse (a refusal from ublkd, not a clap panic).
+    let out = ctl(
+        &[
+            "--config",
+            cfg_arg,
+            "add",
+            "-n",
+            "7",
+            "--read-only",
+            "--cpus",
+            "0,2-3",
+            "--peer",
+            "127.0.0.1:1",
+            "--volume",
+            "v",
+            "--secret-file",
+            "/x",
+            "--size",
+            "4M",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).starts_with("ublkctl: "),
+        "{out:?}"
+    );
     let out = ctl(&["--version"], None);
     assert!(
         String::from_utf8_lossy(&out.stdout).starts_with("ublkctl "),

@@ -98,7 +98,7 @@ struct Add {
     /// Pin queue q's thread to the q-th CPU of this list (round robin),
     /// e.g. 0,2,4-7; the kernel's queue mapping when omitted.
     #[arg(long, value_parser = parse_cpus)]
-    cpus: Option<Vec<u32>>,
+    cpus: Option<CpuList>,
     /// Return only once /dev/ublkbN exists (udev made it), within --timeout.
     #[arg(long)]
     wait: bool,
@@ -138,8 +138,12 @@ struct Stats {
     interval: f64,
 }
 
+/// A `--cpus` list, one value to clap (a bare `Vec` would be many).
+#[derive(Clone, Debug)]
+struct CpuList(Vec<u32>);
+
 /// `0,2,4-7` -> [0, 2, 4, 5, 6, 7].
-fn parse_cpus(s: &str) -> Result<Vec<u32>, String> {
+fn parse_cpus(s: &str) -> Result<CpuList, String> {
     let mut out = Vec::new();
     for part in s.split(',') {
         let bad = || format!("invalid CPU list {s:?}: use numbers and ranges like 0,2,4-7");
@@ -153,7 +157,7 @@ fn parse_cpus(s: &str) -> Result<Vec<u32>, String> {
         }
         out.extend(a..=b);
     }
-    Ok(out)
+    Ok(CpuList(out))
 }
 
 fn parse_transport(s: &str) -> Result<TransportChoice, String> {
@@ -296,7 +300,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 io_buf: a.io_buf,
                 id: a.number,
                 read_only: a.read_only,
-                cpus: a.cpus.clone().unwrap_or_default(),
+                cpus: a.cpus.clone().map(|c| c.0).unwrap_or_default(),
             })
         }
         Cmd::Del(d) => Request::Del {
