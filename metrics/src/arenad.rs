@@ -36,6 +36,8 @@ closed_enum! {
         Write => "write",
         /// STAT / keepalive.
         Stat => "stat",
+        /// EPOCH: a writer moves to a newer membership epoch.
+        Epoch => "epoch",
     }
 }
 
@@ -82,6 +84,9 @@ closed_enum! {
         Length => "length",
         /// Frame not valid in the session's state.
         Sequence => "sequence",
+        /// A version-2 frame whose tag does not verify (injected, replayed,
+        /// reordered or altered).
+        Tag => "tag",
         /// Anything else.
         Other => "other",
     }

@@ -171,6 +171,7 @@ fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
             max_inflight: 64,
             rdma: None,
             volumes: vec![("bench".into(), SECRET.into())],
+            allow_v1: false,
         },
     );
     Bench {

@@ -62,6 +62,13 @@ pub struct ArenadConfig {
     /// `/ready`, `/diagnostics`); `""` or `"off"` disables it.
     #[serde(default = "default_metrics_listen")]
     pub metrics_listen: String,
+    // --- Multi-tenant serving (issue 9): keys of the server's sessions. ---
+    /// Accept protocol version 1 sessions (no frame tags, no membership
+    /// epochs). Off by default: anyone on the path could otherwise inject
+    /// frames into a session, or talk a client down to version 1.
+    #[serde(default)]
+    pub allow_protocol_v1: bool,
+    // --- End of the multi-tenant serving keys. ---
     /// The volumes this peer serves.
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,

@@ -2,5 +2,6 @@
 //! observability. The storage engine it serves lives in [`crate::store`].
 
 pub mod config;
+pub mod epochs;
 pub mod observability;
 pub mod server;

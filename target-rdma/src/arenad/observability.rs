@@ -133,6 +133,7 @@ fn arena_op(op: Opcode) -> ArenaOp {
         Opcode::Flush => ArenaOp::Flush,
         Opcode::Write => ArenaOp::Write,
         Opcode::Read => ArenaOp::Read,
+        Opcode::Epoch => ArenaOp::Epoch,
     }
 }
 
@@ -146,7 +147,8 @@ fn outcome(status: Status) -> ArenaOutcome {
         | Status::Protocol
         | Status::AuthFailed
         | Status::VersionMismatch
-        | Status::LeaseLost => ArenaOutcome::Denied,
+        | Status::LeaseLost
+        | Status::StaleEpoch => ArenaOutcome::Denied,
         Status::ShuttingDown | Status::Internal => ArenaOutcome::Error,
     }
 }
@@ -157,10 +159,13 @@ pub fn frame_class(e: &FrameError) -> ProtocolErrorClass {
         FrameError::Truncated { .. } | FrameError::BadMagic(_) | FrameError::Reserved { .. } => {
             ProtocolErrorClass::Framing
         }
-        FrameError::BadVersion(_) => ProtocolErrorClass::Version,
+        FrameError::BadVersion(..) => ProtocolErrorClass::Version,
+        FrameError::BadTag { .. } => ProtocolErrorClass::Tag,
         FrameError::BadOpcode(_) => ProtocolErrorClass::Opcode,
         FrameError::TooLong { .. } | FrameError::BadBodyLength { .. } => ProtocolErrorClass::Length,
-        FrameError::Unexpected { .. } => ProtocolErrorClass::Sequence,
+        FrameError::Unexpected { .. } | FrameError::TooManyInFlight { .. } => {
+            ProtocolErrorClass::Sequence
+        }
         FrameError::Io(_) | FrameError::BadStatus(_) | FrameError::Invalid { .. } => {
             ProtocolErrorClass::Other
         }

@@ -8,7 +8,7 @@
 //! is counted by class, and closes that connection only.
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, BufWriter, Write};
+use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Weak};
@@ -19,11 +19,13 @@ use parking_lot::Mutex;
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use tracing::{debug, info, warn};
 
+use crate::arenad::epochs::Epochs;
 use crate::arenad::observability::ArenadObservability;
-use crate::auth::{self, Secret};
+use crate::auth::{self, FrameKey, Secret, SessionKeys};
 use crate::proto::{
     self, Challenge, Endpoint, FrameError, Header, Hello, Opcode, RailAccept, Request, Status,
-    Welcome, CAP_RDMA, CAP_TCP_DATA, MAC_LEN, MAX_INLINE, VERSION,
+    Welcome, CAP_RDMA, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY,
+    MAX_INLINE, TAG_LEN, VERSION, VERSION_1, VERSION_2,
 };
 use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{HolderId, Store, StoreError, VolumeId};
@@ -49,6 +51,8 @@ pub struct ServerLimits {
     pub max_inflight: u32,
     /// Time a connection has to complete its HELLO.
     pub handshake_timeout: Duration,
+    /// Accept version-1 sessions (no frame tags, no epochs).
+    pub allow_v1: bool,
 }
 
 /// What the connection thread shares with the rest of the server.
@@ -56,7 +60,122 @@ struct Conn {
     /// A handle to shut the socket down from outside (graceful stop).
     socket: TcpStream,
     /// Responses and revocations both go through here.
-    writer: Mutex<BufWriter<TcpStream>>,
+    writer: Mutex<FrameWriter>,
+}
+
+/// The sending side of a session: frames get the session's version and,
+/// in version 2, their tag.
+struct FrameWriter {
+    out: BufWriter<TcpStream>,
+    version: u8,
+    key: Option<FrameKey>,
+    seq: u64,
+}
+
+impl FrameWriter {
+    /// Sends an encoded frame whose body continues with `payload`.
+    fn send(&mut self, frame: &mut [u8], payload: &[u8]) -> io::Result<()> {
+        frame[4] = self.version;
+        if let Some(key) = &self.key {
+            let header: &[u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().expect("a header");
+            let digest = auth::body_digest(&[&frame[HEADER_LEN..], payload]);
+            let tag = key.tag(self.seq, header, &digest);
+            self.seq += 1;
+            self.out.write_all(frame)?;
+            self.out.write_all(payload)?;
+            return self.out.write_all(&tag);
+        }
+        self.out.write_all(frame)?;
+        self.out.write_all(payload)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+/// A session's receiving side: the version its frames carry and, in
+/// version 2, the key and sequence number their tags are checked with.
+struct FrameCheck {
+    version: u8,
+    key: Option<FrameKey>,
+    seq: u64,
+}
+
+impl FrameCheck {
+    /// Reads the next request frame: header, body (bounded by what the
+    /// header's opcode allows before a byte of it is read) and tag.
+    fn read(
+        &mut self,
+        r: &mut impl io::Read,
+        body: &mut Vec<u8>,
+        max_inline: u32,
+    ) -> Result<Option<Header>, FrameError> {
+        let mut hb = [0u8; HEADER_LEN];
+        match r.read(&mut hb[..1]) {
+            Ok(0) => return Ok(None),
+            Ok(_) => {}
+            Err(e) => return Err(e.into()),
+        }
+        r.read_exact(&mut hb[1..]).map_err(truncated)?;
+        let h = Header::decode(&hb)?;
+        h.expect_version(self.version)?;
+        let max = proto::max_request_body(h.opcode, max_inline).ok_or(FrameError::Unexpected {
+            op: h.opcode.name(),
+            detail: "not a request",
+        })?;
+        if h.body_len > max {
+            return Err(FrameError::TooLong {
+                what: "request body",
+                len: h.body_len.into(),
+                max: max.into(),
+            });
+        }
+        body.clear();
+        io::Read::take(&mut *r, u64::from(h.body_len)).read_to_end(body)?;
+        if body.len() != h.body_len as usize {
+            return Err(FrameError::Truncated {
+                got: HEADER_LEN + body.len(),
+                want: HEADER_LEN + h.body_len as usize,
+            });
+        }
+        if let Some(key) = &self.key {
+            let mut tag = [0u8; TAG_LEN];
+            r.read_exact(&mut tag).map_err(truncated)?;
+            let seq = self.seq;
+            self.seq += 1;
+            if !key.verify(seq, &hb, &auth::body_digest(&[body]), &tag) {
+                return Err(FrameError::BadTag {
+                    op: h.opcode.name(),
+                    seq,
+                });
+            }
+        }
+        Ok(Some(h))
+    }
+}
+
+fn truncated(e: io::Error) -> FrameError {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        FrameError::Truncated {
+            got: 0,
+            want: HEADER_LEN,
+        }
+    } else {
+        e.into()
+    }
+}
+
+/// What a session is bound to once its HELLO is accepted.
+struct Session<'a> {
+    vol: &'a ServedVolume,
+    /// Index of the volume (its epoch's too).
+    vol_index: usize,
+    granted: bool,
+    version: u8,
+    keys: Option<SessionKeys>,
+    /// The writer's membership epoch.
+    epoch: u64,
 }
 
 /// The arena registered with an RDMA device: what RAIL_CONNECT hands out.
@@ -118,6 +237,7 @@ pub struct Server {
     rdma: Option<ServerRdma>,
     store: Arc<Store>,
     volumes: Vec<ServedVolume>,
+    epochs: Epochs,
     limits: ServerLimits,
     conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
     next_conn: AtomicU64,
@@ -131,6 +251,7 @@ enum Fatal {
     Store(Opcode, u64, StoreError),
     Auth(&'static str),
     Hello(Status, String),
+    Epoch(crate::arenad::epochs::EpochError),
     Io(io::Error),
 }
 
@@ -147,11 +268,13 @@ impl From<io::Error> for Fatal {
 
 impl Server {
     /// Builds a server over an open store and installs its revoke hook.
-    /// Clients that ask for RDMA are granted it when `rdma` is set. Every
-    /// answer, refusal and session is reported to `obs`.
+    /// Clients that ask for RDMA are granted it when `rdma` is set. The
+    /// volumes' epochs are `epochs` (indexed like `volumes`). Every answer,
+    /// refusal and session is reported to `obs`.
     pub fn new(
         store: Arc<Store>,
         volumes: Vec<ServedVolume>,
+        epochs: Epochs,
         limits: ServerLimits,
         rdma: Option<ServerRdma>,
         obs: Arc<ArenadObservability>,
@@ -160,6 +283,7 @@ impl Server {
             rdma,
             store,
             volumes,
+            epochs,
             limits,
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
@@ -204,7 +328,7 @@ impl Server {
         let mut frame = Vec::new();
         proto::encode_revoke(&mut frame, key, token);
         let mut w = conn.writer.lock();
-        let _ = w.write_all(&frame).and_then(|_| w.flush());
+        let _ = w.send(&mut frame, &[]).and_then(|_| w.flush());
     }
 
     /// Accepts connections until [`Server::shutdown`], then waits for every
@@ -261,27 +385,39 @@ impl Server {
 
     fn run_conn(&self, id: HolderId, stream: TcpStream) {
         let result = self.conn_loop(id, &stream);
-        if self.conns.lock().remove(&id).is_some() {
+        let conn = self.conns.lock().remove(&id);
+        if conn.is_some() {
             self.obs.session_closed();
         }
         self.store.drop_holder(id);
         if let Err(fatal) = result {
-            self.report_fatal(id, &stream, fatal);
+            let mut frame = self.report_fatal(id, fatal);
+            // After the handshake the error is a frame of the session
+            // (version, tag); before it, a handshake frame.
+            match (&conn, frame.is_empty()) {
+                (_, true) => {}
+                (Some(c), false) => {
+                    let mut w = c.writer.lock();
+                    let _ = w.send(&mut frame, &[]).and_then(|()| w.flush());
+                }
+                (None, false) => {
+                    let _ = (&stream).write_all(&frame);
+                }
+            }
         }
         let _ = stream.shutdown(Shutdown::Both);
     }
 
-    /// Counts, logs and answers the error that ends a connection.
-    fn report_fatal(&self, id: HolderId, stream: &TcpStream, fatal: Fatal) {
+    /// Counts and logs the error that ends a connection; returns the error
+    /// frame that answers it (empty when the peer just went away).
+    fn report_fatal(&self, id: HolderId, fatal: Fatal) -> Vec<u8> {
         let mut frame = Vec::new();
         match fatal {
             Fatal::Io(e) => {
                 debug!(event = "peer.disconnected", conn = id, error = %e);
-                return;
             }
             Fatal::Frame(FrameError::Io(e)) => {
                 debug!(event = "peer.disconnected", conn = id, error = %e);
-                return;
             }
             Fatal::Frame(e) => {
                 self.obs.frame_error(&e);
@@ -314,15 +450,29 @@ impl Server {
                 warn!(event = "hello.refused", conn = id, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
+            Fatal::Epoch(e) => {
+                warn!(event = "epoch.persist_failed", conn = id, error = %e);
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Hello,
+                    0,
+                    Status::Internal,
+                    &e.to_string(),
+                );
+            }
         }
-        let mut w = stream;
-        let _ = w.write_all(&frame);
+        frame
     }
 
-    /// Runs the handshake; returns the volume the session is bound to.
-    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<(&ServedVolume, bool), Fatal> {
+    /// Runs the handshake; returns what the session is bound to.
+    fn handshake(&self, id: HolderId, stream: &TcpStream) -> Result<Session<'_>, Fatal> {
+        let min_version = if self.limits.allow_v1 {
+            VERSION_1
+        } else {
+            VERSION_2
+        };
         let ch = Challenge {
-            min_version: u16::from(VERSION),
+            min_version: u16::from(min_version),
             max_version: u16::from(VERSION),
             server_nonce: auth::nonce(),
             max_inflight: self.limits.max_inflight,
@@ -333,11 +483,19 @@ impl Server {
         (&*stream).write_all(&frame)?;
 
         stream.set_read_timeout(Some(self.limits.handshake_timeout))?;
-        let mut body = Vec::new();
-        let h = proto::read_frame(&mut &*stream, &mut body)?.ok_or(FrameError::Truncated {
-            got: 0,
-            want: proto::HEADER_LEN,
-        })?;
+        let mut hb = [0u8; HEADER_LEN];
+        (&*stream).read_exact(&mut hb).map_err(truncated)?;
+        let h = Header::decode(&hb)?;
+        h.expect_version(HANDSHAKE_VERSION)?;
+        if h.body_len > MAX_HELLO_BODY {
+            return Err(Fatal::Frame(FrameError::TooLong {
+                what: "HELLO body",
+                len: h.body_len.into(),
+                max: MAX_HELLO_BODY.into(),
+            }));
+        }
+        let mut body = vec![0u8; h.body_len as usize];
+        (&*stream).read_exact(&mut body).map_err(truncated)?;
         let hello = Hello::decode(&h, &body)?;
         stream.set_read_timeout(None)?;
 
@@ -352,10 +510,11 @@ impl Server {
         }
         // An unknown volume and a wrong secret look the same to the client,
         // so a scan cannot discover volume names.
-        let vol = self
+        let (vol_index, vol) = self
             .volumes
             .iter()
-            .find(|v| v.name == hello.volume)
+            .enumerate()
+            .find(|(_, v)| v.name == hello.volume)
             .ok_or(Fatal::Auth("unknown volume"))?;
         if !vol.secret.verify_hello(&ch, &hello) {
             return Err(Fatal::Auth("bad mac"));
@@ -370,6 +529,20 @@ impl Server {
                 ),
             ));
         }
+        let version = hello.version as u8;
+        if version < VERSION_2 && self.epochs.current(vol_index) > 0 {
+            return Err(Fatal::Hello(
+                Status::VersionMismatch,
+                format!(
+                    "volume {:?} has a membership epoch: it needs protocol version 2",
+                    vol.name
+                ),
+            ));
+        }
+        let epoch = self
+            .epochs
+            .raise(vol_index, hello.epoch)
+            .map_err(Fatal::Epoch)?;
         let rdma = hello.caps & CAP_RDMA != 0;
         if rdma && self.rdma.is_none() {
             info!(
@@ -390,24 +563,44 @@ impl Server {
                     CAP_TCP_DATA
                 },
             quota_blobs: vol.quota_blobs,
+            epoch,
             mac: [0; MAC_LEN],
         };
         welcome.mac = vol.secret.sign_welcome(&ch, &hello, &welcome);
-        welcome.encode(&mut frame);
+        welcome.encode(&mut frame, hello.version);
         (&*stream).write_all(&frame)?;
-        info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted);
-        Ok((vol, granted))
+        info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted, version, epoch = hello.epoch);
+        Ok(Session {
+            vol,
+            vol_index,
+            granted,
+            version,
+            keys: (version >= VERSION_2).then(|| vol.secret.session_keys(&ch, &hello)),
+            epoch: hello.epoch,
+        })
     }
 
     fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
         stream.set_nodelay(true)?;
         let started = Instant::now();
-        let (vol, granted) = self.handshake(id, stream)?;
+        let mut session = self.handshake(id, stream)?;
         self.obs.hello_ok(started.elapsed());
-        let mut rail = Rail { granted, qp: None };
+        let mut rail = Rail {
+            granted: session.granted,
+            qp: None,
+        };
+        let (client_key, server_key) = match session.keys.take() {
+            Some(k) => (Some(k.client_to_server), Some(k.server_to_client)),
+            None => (None, None),
+        };
         let conn = Arc::new(Conn {
             socket: stream.try_clone()?,
-            writer: Mutex::new(BufWriter::with_capacity(256 << 10, stream.try_clone()?)),
+            writer: Mutex::new(FrameWriter {
+                out: BufWriter::with_capacity(256 << 10, stream.try_clone()?),
+                version: session.version,
+                key: server_key,
+                seq: 0,
+            }),
         });
         self.conns.lock().insert(id, Arc::clone(&conn));
         self.obs.session_opened();
@@ -416,12 +609,18 @@ impl Server {
         }
 
         let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone()?);
+        let mut check = FrameCheck {
+            version: session.version,
+            key: client_key,
+            seq: 0,
+        };
+        let max_inline = self.store.blob_bytes().min(MAX_INLINE);
         let mut body = Vec::new();
         let mut out = Vec::new();
-        while let Some(h) = proto::read_frame(&mut reader, &mut body)? {
+        while let Some(h) = check.read(&mut reader, &mut body, max_inline)? {
             let started = Instant::now();
             let mut w = conn.writer.lock();
-            let answered = self.handle(vol.id, id, &h, &body, &mut out, &mut *w, &mut rail);
+            let answered = self.handle(&mut session, id, &h, &body, &mut out, &mut w, &mut rail);
             match &answered {
                 Ok(status) => self.obs.answered(h.opcode, *status, started.elapsed()),
                 Err(Fatal::Store(op, ..)) => self.obs.refused(*op, started.elapsed()),
@@ -442,29 +641,78 @@ impl Server {
     #[allow(clippy::too_many_arguments)]
     fn handle(
         &self,
-        vol: VolumeId,
+        session: &mut Session<'_>,
         holder: HolderId,
         h: &Header,
         body: &[u8],
         out: &mut Vec<u8>,
-        w: &mut impl Write,
+        w: &mut FrameWriter,
         rail: &mut Rail,
     ) -> Result<Status, Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
+        let vol = session.vol.id;
         let ok = |()| Status::Ok;
-        let result = match proto::decode_request(h, body)? {
+        let req = proto::decode_request(h, body)?;
+        if let Request::Epoch { epoch } = req {
+            if session.version < VERSION_2 {
+                return Err(Fatal::Frame(FrameError::Unexpected {
+                    op: op.name(),
+                    detail: "EPOCH needs protocol version 2",
+                }));
+            }
+            session.epoch = session.epoch.max(epoch);
+            let status = match self.epochs.raise(session.vol_index, session.epoch) {
+                Ok(now) if now > session.epoch => {
+                    proto::encode_error(out, op, rid, Status::StaleEpoch, &stale(session, now));
+                    Status::StaleEpoch
+                }
+                Ok(now) => {
+                    proto::encode_epoch(out, rid, now);
+                    Status::Ok
+                }
+                Err(e) => {
+                    warn!(event = "epoch.persist_failed", conn = holder, error = %e);
+                    proto::encode_error(out, op, rid, Status::Internal, &e.to_string());
+                    Status::Internal
+                }
+            };
+            w.send(out, &[])?;
+            return Ok(status);
+        }
+        // Every data operation runs admitted under the volume's epoch, so a
+        // raise waits for it and a stale session gets none.
+        let _admitted = match req {
+            Request::Release { .. } | Request::RailConnect(_) => None,
+            _ => match self.epochs.admit(session.vol_index, session.epoch) {
+                Ok(a) => Some(a),
+                Err(now) if session.version < VERSION_2 => return Err(Fatal::Hello(
+                    Status::VersionMismatch,
+                    format!(
+                        "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
+                        session.vol.name
+                    ),
+                )),
+                Err(now) => {
+                    proto::encode_error(out, op, rid, Status::StaleEpoch, &stale(session, now));
+                    w.send(out, &[])?;
+                    return Ok(Status::StaleEpoch);
+                }
+            },
+        };
+        let result = match req {
+            Request::Epoch { .. } => unreachable!("answered above"),
             Request::Read { key, offset, len } => {
                 let sent =
                     self.store
                         .read_with(vol, key, offset, len as usize, |bytes| match bytes {
                             Some(b) => {
                                 proto::encode_read_head(out, rid, len);
-                                w.write_all(out).and_then(|()| w.write_all(b)).map(ok)
+                                w.send(out, b).map(ok)
                             }
                             None => {
                                 proto::encode_error(out, op, rid, Status::NotFound, "");
-                                w.write_all(out).map(|()| Status::NotFound)
+                                w.send(out, &[]).map(|()| Status::NotFound)
                             }
                         });
                 match sent {
@@ -555,9 +803,16 @@ impl Server {
                 status
             }
         };
-        w.write_all(out)?;
+        w.send(out, &[])?;
         Ok(status)
     }
+}
+
+fn stale(session: &Session<'_>, now: u64) -> String {
+    format!(
+        "stale epoch: this session is at epoch {}, volume {:?} at {now}: a newer writer owns it",
+        session.epoch, session.vol.name
+    )
 }
 
 /// Waits up to `timeout` for the listener to have a connection pending.
