@@ -265,7 +265,9 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
     expect_protocol_error(&peer, &b, true, "unknown opcode 0x55");
     let mut b = good.clone();
     b[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
-    expect_protocol_error(&peer, &b, true, "exceeds the limit");
+    // The error frame names the request it answers.
+    let h = expect_protocol_error(&peer, &b, true, "exceeds the limit");
+    assert_eq!((h.opcode, h.request_id), (Opcode::Alloc, 1));
     let mut b = good.clone();
     b[4] = proto::VERSION;
     expect_protocol_error(&peer, &b[..HEADER_LEN + 3], false, "truncated");

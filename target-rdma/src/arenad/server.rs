@@ -104,21 +104,37 @@ struct FrameCheck {
 
 impl FrameCheck {
     /// Reads the next request frame: header, body (bounded by what the
-    /// header's opcode allows before a byte of it is read) and tag.
+    /// header's opcode allows before a byte of it is read) and tag. An
+    /// error once the header is in names the frame's opcode and request id.
     fn read(
         &mut self,
         r: &mut impl io::Read,
         body: &mut Vec<u8>,
         max_inline: u32,
-    ) -> Result<Option<Header>, FrameError> {
+    ) -> Result<Option<Header>, Fatal> {
         let mut hb = [0u8; HEADER_LEN];
         match r.read(&mut hb[..1]) {
             Ok(0) => return Ok(None),
             Ok(_) => {}
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(Fatal::Io(e)),
         }
         r.read_exact(&mut hb[1..]).map_err(truncated)?;
-        let h = Header::decode(&hb)?;
+        self.read_rest(r, &hb, body, max_inline)
+            .map(Some)
+            .map_err(|e| {
+                let (op, request_id) = Header::blame(&hb);
+                Fatal::Request(op, request_id, e)
+            })
+    }
+
+    fn read_rest(
+        &mut self,
+        r: &mut impl io::Read,
+        hb: &[u8; HEADER_LEN],
+        body: &mut Vec<u8>,
+        max_inline: u32,
+    ) -> Result<Header, FrameError> {
+        let h = Header::decode(hb)?;
         h.expect_version(self.version)?;
         let max = proto::max_request_body(h.opcode, max_inline).ok_or(FrameError::Unexpected {
             op: h.opcode.name(),
@@ -144,14 +160,14 @@ impl FrameCheck {
             r.read_exact(&mut tag).map_err(truncated)?;
             let seq = self.seq;
             self.seq += 1;
-            if !key.verify(seq, &hb, &auth::body_digest(&[body]), &tag) {
+            if !key.verify(seq, hb, &auth::body_digest(&[body]), &tag) {
                 return Err(FrameError::BadTag {
                     op: h.opcode.name(),
                     seq,
                 });
             }
         }
-        Ok(Some(h))
+        Ok(h)
     }
 }
 
@@ -248,6 +264,8 @@ pub struct Server {
 /// Why a connection ended early; each becomes an error frame before close.
 enum Fatal {
     Frame(FrameError),
+    /// A protocol error in a request whose header named this opcode and id.
+    Request(Opcode, u64, FrameError),
     Store(Opcode, u64, StoreError),
     Auth(&'static str),
     Hello(Status, String),
@@ -419,6 +437,9 @@ impl Server {
             Fatal::Frame(FrameError::Io(e)) => {
                 debug!(event = "peer.disconnected", conn = id, error = %e);
             }
+            Fatal::Request(_, _, FrameError::Io(e)) => {
+                debug!(event = "peer.disconnected", conn = id, error = %e);
+            }
             Fatal::Frame(e) => {
                 self.obs.frame_error(&e);
                 warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
@@ -429,6 +450,11 @@ impl Server {
                     Status::Protocol,
                     &e.to_string(),
                 );
+            }
+            Fatal::Request(op, request_id, e) => {
+                self.obs.frame_error(&e);
+                warn!(event = "protocol.error", conn = id, class = e.class(), op = op.name(), request_id, error = %e);
+                proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
             Fatal::Store(op, request_id, e) => {
                 warn!(event = "protocol.error", conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
@@ -653,13 +679,17 @@ impl Server {
         let rid = h.request_id;
         let vol = session.vol.id;
         let ok = |()| Status::Ok;
-        let req = proto::decode_request(h, body)?;
+        let req = proto::decode_request(h, body).map_err(|e| Fatal::Request(op, rid, e))?;
         if let Request::Epoch { epoch } = req {
             if session.version < VERSION_2 {
-                return Err(Fatal::Frame(FrameError::Unexpected {
-                    op: op.name(),
-                    detail: "EPOCH needs protocol version 2",
-                }));
+                return Err(Fatal::Request(
+                    op,
+                    rid,
+                    FrameError::Unexpected {
+                        op: op.name(),
+                        detail: "EPOCH needs protocol version 2",
+                    },
+                ));
             }
             session.epoch = session.epoch.max(epoch);
             let status = match self.epochs.raise(session.vol_index, session.epoch) {
@@ -686,13 +716,15 @@ impl Server {
             Request::Release { .. } | Request::RailConnect(_) => None,
             _ => match self.epochs.admit(session.vol_index, session.epoch) {
                 Ok(a) => Some(a),
-                Err(now) if session.version < VERSION_2 => return Err(Fatal::Hello(
-                    Status::VersionMismatch,
-                    format!(
+                Err(now) if session.version < VERSION_2 => {
+                    return Err(Fatal::Hello(
+                        Status::VersionMismatch,
+                        format!(
                         "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
                         session.vol.name
                     ),
-                )),
+                    ))
+                }
                 Err(now) => {
                     proto::encode_error(out, op, rid, Status::StaleEpoch, &stale(session, now));
                     w.send(out, &[])?;
@@ -762,10 +794,14 @@ impl Server {
                 .map(ok),
             Request::RailConnect(client) => {
                 let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
-                    return Err(Fatal::Frame(FrameError::Unexpected {
-                        op: op.name(),
-                        detail: "RAIL_CONNECT on a session that was not granted CAP_RDMA",
-                    }));
+                    return Err(Fatal::Request(
+                        op,
+                        rid,
+                        FrameError::Unexpected {
+                            op: op.name(),
+                            detail: "RAIL_CONNECT on a session that was not granted CAP_RDMA",
+                        },
+                    ));
                 };
                 // One QP per connection: a new RAIL_CONNECT replaces the old one.
                 rail.qp = None;

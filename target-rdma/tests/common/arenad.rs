@@ -135,13 +135,27 @@ impl Arenad {
 
     /// A client whose FLUSHes vouch for every client of `domain`.
     pub fn connect_in(&self, volume: &str, domain: Arc<FlushDomain>) -> ArenaClient {
+        let mut cfg = self.config(volume);
+        cfg.flush_domain = domain;
+        self.connect_with(cfg)
+    }
+
+    /// The client config of `volume` (its secret, this arenad's port).
+    pub fn config(&self, volume: &str) -> ClientConfig {
         let value = if volume == "a" { SECRET_A } else { SECRET_B };
+        ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value))
+    }
+
+    /// The address of the control stream.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// A client with `cfg`, retried until arenad listens.
+    pub fn connect_with(&self, cfg: ClientConfig) -> ArenaClient {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let mut cfg =
-                ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value));
-            cfg.flush_domain = Arc::clone(&domain);
-            match ArenaClient::connect(cfg) {
+            match ArenaClient::connect(cfg.clone()) {
                 Ok(c) => return c,
                 Err(ArenaError::Connect { .. }) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50))
