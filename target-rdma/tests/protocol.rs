@@ -510,3 +510,49 @@ fn client_counter(c: &ArenaClient, name: &str) -> u64 {
     assert!(snap.counters.iter().any(|v| v.name == name), "no {name}");
     snap.counter(name, None)
 }
+
+/// Version 1 (no tags, no epochs) only where the operator allows it, and
+/// never on a volume whose epoch was raised.
+#[test]
+fn version_1_sessions_only_with_allow_v1_and_only_below_any_epoch() {
+    let v1 = |peer: &Peer, volume: &str, s: &str| {
+        let mut cfg = peer.config(volume, s);
+        cfg.versions = 1..=2;
+        cfg
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let strict = Peer::start(dir.path(), PeerOpts::default());
+    let e = RawSession::try_open(strict.addr, "a", &secret(SECRET_A), 1, 0)
+        .err()
+        .expect("v1 refused by default");
+    assert_eq!(e.status, Status::VersionMismatch, "{}", e.message);
+    // A client that accepts 1..=2 still gets 2 from a strict peer.
+    let c = ArenaClient::connect(v1(&strict, "a", SECRET_A)).unwrap();
+    assert_eq!(block_on(c.raise_epoch(1)).unwrap(), 1);
+    drop((c, strict));
+
+    let lenient = Peer::start(
+        dir.path(),
+        PeerOpts {
+            allow_v1: true,
+            ..PeerOpts::default()
+        },
+    );
+    let mut only_v1 = v1(&lenient, "b", SECRET_B);
+    only_v1.versions = 1..=1;
+    let old = ArenaClient::connect(only_v1.clone()).unwrap();
+    block_on(old.write(1, 0, b"v1 ok")).unwrap();
+    let e = block_on(old.raise_epoch(2)).unwrap_err();
+    assert_eq!(e.status(), Some(Status::VersionMismatch), "{e}");
+    // Volume a's epoch (1, persisted by the strict peer) keeps v1 out.
+    let mut a_v1 = only_v1.clone();
+    a_v1.volume = "a".into();
+    a_v1.secret = secret(SECRET_A);
+    let e = ArenaClient::connect(a_v1).err().expect("v1 refused on a");
+    assert_eq!(e.status(), Some(Status::VersionMismatch), "{e}");
+    // Once b's epoch is raised, the v1 session is closed at its next op.
+    let new = ArenaClient::connect(v1(&lenient, "b", SECRET_B)).unwrap();
+    assert_eq!(block_on(new.raise_epoch(1)).unwrap(), 1);
+    let e = block_on(old.write(1, 0, b"late!")).unwrap_err();
+    assert!(e.to_string().contains("version 2"), "{e}");
+}

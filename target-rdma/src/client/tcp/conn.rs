@@ -165,9 +165,9 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32, epoch: u64) -> Result<C
     let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
     refused(peer, &h, &body)?;
     let ch = Challenge::decode(&h, &body).map_err(proto_err)?;
-    // The newest version both speak; below `min_version` only if the
-    // caller allows it (a downgrade would lose the frame tags).
-    let ours = u16::from(cfg.min_version)..=u16::from(VERSION);
+    // The newest version both speak; below VERSION only if the caller
+    // allows it (a downgrade would lose the frame tags).
+    let ours = u16::from(*cfg.versions.start())..=u16::from((*cfg.versions.end()).min(VERSION));
     let Some(version) = ours
         .clone()
         .rev()

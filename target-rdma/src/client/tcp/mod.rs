@@ -73,11 +73,12 @@ pub struct ClientConfig {
     /// session whose epoch is below the volume's with `STALE_EPOCH`.
     /// [`ArenaClient::raise_epoch`] raises it for later connections too.
     pub epoch: u64,
-    /// The oldest protocol version this client accepts. Version 1 has no
-    /// frame tags and no epochs: only for talking to an arenad that
-    /// predates version 2, never as a default (a peer, or anyone on the
-    /// path, could otherwise talk a client down to it).
-    pub min_version: u8,
+    /// The protocol versions this client accepts; it takes the newest the
+    /// peer offers. Version 1 has no frame tags and no epochs: only for
+    /// talking to an arenad that predates version 2 (or measuring what the
+    /// tags cost), never as a default (a peer, or anyone on the path, could
+    /// otherwise talk a client down to it).
+    pub versions: std::ops::RangeInclusive<u8>,
 }
 
 impl ClientConfig {
@@ -94,7 +95,7 @@ impl ClientConfig {
             offer_rdma: false,
             flush_domain: Arc::default(),
             epoch: 0,
-            min_version: proto::VERSION,
+            versions: proto::VERSION..=proto::VERSION,
         }
     }
 }
