@@ -166,6 +166,8 @@ impl Peer {
                 max_inflight: self.opts.max_inflight,
                 handshake_timeout: Duration::from_secs(5),
                 allow_v1: self.opts.allow_v1,
+                max_unauthenticated: 64,
+                write_timeout: Duration::from_secs(5),
             },
             rdma,
             Arc::clone(&self.obs),

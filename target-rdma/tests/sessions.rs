@@ -181,3 +181,197 @@ fn a_write_body_above_max_inline_is_refused_from_its_header() {
     assert!(msg.contains("exceeds the limit"), "{msg}");
     terminate(proc);
 }
+
+/// Reads the first frame the server sends on a fresh socket.
+fn first_frame(s: &mut std::net::TcpStream) -> (proto::Header, String) {
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut body = Vec::new();
+    let h = proto::read_frame(s, &mut body).unwrap().expect("a frame");
+    (h, proto::decode_error(&body))
+}
+
+fn fds(p: &common::arenad::Proc) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", p.pid()))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn connection_limits_hold_for_sockets_that_never_send_hello() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = arenad(dir.path());
+    a.set("max_connections = 6\nmax_unauthenticated = 3\nhandshake_timeout_secs = 600");
+    let mut proc = a.start();
+    let session = a.connect("a");
+    // Sockets that never send HELLO take the handshake places, then are
+    // refused at once, with a reason.
+    let mut idle = Vec::new();
+    let msg = loop {
+        let mut s = std::net::TcpStream::connect(a.addr()).unwrap();
+        let (h, msg) = first_frame(&mut s);
+        if h.status != Status::Ok {
+            assert_eq!((h.opcode, h.status), (Opcode::Challenge, Status::Busy));
+            break msg;
+        }
+        idle.push(s);
+        assert!(idle.len() <= 3, "more than max_unauthenticated admitted");
+    };
+    assert_eq!(idle.len(), 3);
+    assert!(msg.contains("in their handshake"), "{msg}");
+    block_on(session.write(1, 0, b"busy")).unwrap();
+    // Authenticated sessions fill max_connections; then a bare socket is
+    // refused before it could send anything.
+    idle.clear();
+    let mut clients = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        assert!(std::time::Instant::now() < deadline, "never refused");
+        match target_rdma::client::ArenaClient::connect(a.config("b")) {
+            Ok(c) => clients.push(c),
+            Err(e) if e.to_string().contains("in their handshake") => {}
+            Err(e) => {
+                assert_eq!(e.status(), Some(Status::Busy), "{e}");
+                assert!(e.to_string().contains("too many connections"), "{e}");
+                break;
+            }
+        }
+        assert!(clients.len() < 6, "more than max_connections admitted");
+    }
+    let mut s = std::net::TcpStream::connect(a.addr()).unwrap();
+    let (h, msg) = first_frame(&mut s);
+    assert_eq!(
+        (h.status, msg.as_str()),
+        (Status::Busy, "too many connections")
+    );
+    assert!(
+        a.metric(
+            "arenad_connections_refused_total",
+            &[("reason", "max_connections")]
+        ) >= 2.0
+    );
+    assert!(
+        a.metric(
+            "arenad_connections_refused_total",
+            &[("reason", "max_unauthenticated")]
+        ) >= 1.0
+    );
+    // Places come back when connections go.
+    clients.clear();
+    let again = loop {
+        match target_rdma::client::ArenaClient::connect(a.config("b")) {
+            Ok(c) => break c,
+            Err(e) if std::time::Instant::now() < deadline + std::time::Duration::from_secs(30) => {
+                assert_eq!(e.status(), Some(Status::Busy), "{e}");
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => panic!("places never came back: {e}"),
+        }
+    };
+    block_on(again.write(2, 0, b"back")).unwrap();
+    assert!(proc.alive());
+    drop((session, again));
+    terminate(proc);
+}
+
+#[test]
+fn the_handshake_deadline_is_absolute_not_per_read() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let a = arenad(dir.path());
+    a.set("handshake_timeout_secs = 1");
+    let proc = a.start();
+    let mut s = std::net::TcpStream::connect(a.addr()).unwrap();
+    let (h, _) = first_frame(&mut s);
+    assert_eq!(h.opcode, Opcode::Challenge);
+    // One byte of a HELLO every 200 ms: each read is well within the
+    // timeout, the whole never can be.
+    let hello = [0u8; HEADER_LEN + 147];
+    s.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .unwrap();
+    let mut sent = 0;
+    let closed = loop {
+        if s.write_all(&hello[sent..=sent]).is_err() {
+            break true;
+        }
+        sent += 1;
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) => break true,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break true,
+        }
+        if sent == hello.len() {
+            break false;
+        }
+    };
+    assert!(closed, "the server waited for all {sent} bytes");
+    assert!(sent < HEADER_LEN, "closed only after {sent} bytes");
+    terminate(proc);
+}
+
+#[test]
+fn probes_are_counted_not_protocol_errors_and_cost_nothing_lasting() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = arenad(dir.path());
+    let mut proc = a.start();
+    let churn = |n: usize| {
+        for _ in 0..n {
+            drop(std::net::TcpStream::connect(a.addr()).unwrap());
+        }
+    };
+    churn(50);
+    let wait_for = |probes: f64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        // A connection is a probe, or refused when probes come faster than
+        // their threads end (max_unauthenticated).
+        let seen = || {
+            a.metric("arenad_probes_total", &[])
+                + a.metric(
+                    "arenad_connections_refused_total",
+                    &[("reason", "max_unauthenticated")],
+                )
+        };
+        while seen() < probes {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "probes not counted: {}",
+                a.metrics()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    wait_for(50.0);
+    let (fds_before, rss_before) = (fds(&proc), rss_kib(&proc));
+    churn(500);
+    wait_for(550.0);
+    let (fds_after, rss_after) = (fds(&proc), rss_kib(&proc));
+    assert_eq!(a.metric("arenad_protocol_errors_total", &[]), 0.0);
+    assert!(
+        fds_after <= fds_before + 2,
+        "{fds_before} -> {fds_after} descriptors"
+    );
+    assert!(
+        rss_after <= rss_before + 8 * 1024,
+        "RSS {rss_before} -> {rss_after} KiB"
+    );
+    let c = a.connect("a");
+    block_on(c.write(1, 0, b"still")).unwrap();
+    assert!(proc.alive());
+    drop(c);
+    terminate(proc);
+}
+
+fn rss_kib(p: &common::arenad::Proc) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", p.pid())).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/<pid>/status")
+}

@@ -13,9 +13,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ublk_metrics::{
-    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, Daemon, HttpConfig, HttpError, IntegrityCheck,
-    MetricsServer, NotReadyReason, NotReadySet, Probes, ProtocolErrorClass, SlotState, Telemetry,
-    TelemetryError,
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, Daemon, HttpConfig,
+    HttpError, IntegrityCheck, MetricsServer, NotReadyReason, NotReadySet, Probes,
+    ProtocolErrorClass, SlotState, Telemetry, TelemetryError,
 };
 
 use crate::proto::{FrameError, Opcode, Status};
@@ -279,6 +279,21 @@ impl ArenadObservability {
     /// A malformed or unexpected frame ended a connection.
     pub fn frame_error(&self, e: &FrameError) {
         self.metrics.protocol_error(frame_class(e));
+    }
+
+    /// A connection was closed right after accept, for `reason`.
+    pub fn connection_refused(&self, reason: ConnectionRefusal) {
+        self.metrics.connection_refused(reason);
+    }
+
+    /// accept() failed (out of descriptors or memory); the server backs off.
+    pub fn accept_failed(&self) {
+        self.metrics.accept_error();
+    }
+
+    /// A connection closed before sending a byte (a probe or port scan).
+    pub fn probe(&self) {
+        self.metrics.probe();
     }
 }
 

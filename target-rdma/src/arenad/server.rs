@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -29,6 +29,7 @@ use crate::proto::{
 };
 use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{HolderId, Store, StoreError, VolumeId};
+use ublk_metrics::ConnectionRefusal;
 
 /// A volume as the server knows it: its store id and its secret.
 pub struct ServedVolume {
@@ -53,6 +54,85 @@ pub struct ServerLimits {
     pub handshake_timeout: Duration,
     /// Accept version-1 sessions (no frame tags, no epochs).
     pub allow_v1: bool,
+    /// Most connections that have not completed their HELLO, within
+    /// `max_connections`: what a flood of unauthenticated sockets can hold.
+    pub max_unauthenticated: u32,
+    /// Longest a socket write may block (a client that does not read its
+    /// answers): past it the connection ends, and its leases with it.
+    pub write_timeout: Duration,
+}
+
+/// Counts a connection in one of the server's limits while it lives.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl<'a> Counted<'a> {
+    /// Takes a place below `limit`, or `None` when all are taken.
+    fn take(count: &'a AtomicUsize, limit: u32) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit as usize).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Counted(count))
+    }
+}
+
+impl<'a> Counted<'a> {
+    /// Keeps the place taken without this guard; whoever holds the counter
+    /// gives it back with a new `Counted` over it.
+    fn leak(self) -> &'a AtomicUsize {
+        let count = self.0;
+        std::mem::forget(self);
+        count
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The handshake's reads, each bounded by what is left of one absolute
+/// deadline (a per-read timeout would let a client that sends a byte at a
+/// time hold its connection for 171 timeouts).
+struct Deadline<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+/// Logs a recurring resource error at most once per interval, with how many
+/// were not logged since.
+struct Throttled {
+    last: Option<Instant>,
+    muted: u64,
+}
+
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+impl Throttled {
+    fn log(&mut self, log: impl FnOnce(u64)) {
+        if self.last.is_some_and(|t| t.elapsed() < LOG_INTERVAL) {
+            self.muted += 1;
+            return;
+        }
+        self.last = Some(Instant::now());
+        log(std::mem::take(&mut self.muted));
+    }
 }
 
 /// What the connection thread shares with the rest of the server.
@@ -257,6 +337,10 @@ pub struct Server {
     limits: ServerLimits,
     conns: Mutex<HashMap<HolderId, Arc<Conn>>>,
     next_conn: AtomicU64,
+    /// Connections with a thread, authenticated or not.
+    open: AtomicUsize,
+    /// Connections still in their handshake.
+    unauthenticated: AtomicUsize,
     stopping: AtomicBool,
     obs: Arc<ArenadObservability>,
 }
@@ -269,6 +353,8 @@ enum Fatal {
     Store(Opcode, u64, StoreError),
     Auth(&'static str),
     Hello(Status, String),
+    /// Closed before sending a byte.
+    Probe,
     Epoch(crate::arenad::epochs::EpochError),
     Io(io::Error),
 }
@@ -305,6 +391,8 @@ impl Server {
             limits,
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            open: AtomicUsize::new(0),
+            unauthenticated: AtomicUsize::new(0),
             stopping: AtomicBool::new(false),
             obs,
         });
@@ -354,6 +442,21 @@ impl Server {
     pub fn serve(self: &Arc<Self>, listener: TcpListener) -> io::Result<()> {
         listener.set_nonblocking(true)?;
         let mut threads = Vec::new();
+        let (mut accept_errors, mut spawn_errors, mut refusals) = (
+            Throttled {
+                last: None,
+                muted: 0,
+            },
+            Throttled {
+                last: None,
+                muted: 0,
+            },
+            Throttled {
+                last: None,
+                muted: 0,
+            },
+        );
+        let mut backoff = Duration::from_millis(10);
         while !self.stopping.load(Ordering::SeqCst) {
             if !wait_readable(&listener, Duration::from_millis(200))? {
                 threads.retain(|t: &thread::JoinHandle<()>| !t.is_finished());
@@ -363,37 +466,77 @@ impl Server {
                 Ok(v) => v,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => {
-                    warn!(event = "accept.failed", error = %e);
-                    thread::sleep(Duration::from_millis(50));
+                    // EMFILE, ENFILE, ENOMEM, ...: keep serving the
+                    // connections there are, try again after a backoff.
+                    self.obs.accept_failed();
+                    accept_errors.log(|muted| warn!(event = "accept.failed", error = %e, unlogged = muted, "backing off"));
+                    thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
                     continue;
                 }
             };
-            stream.set_nonblocking(false)?;
-            if self.conns.lock().len() >= self.limits.max_connections as usize {
-                warn!(
-                    event = "connection.refused",
-                    reason = "max_connections",
-                    limit = self.limits.max_connections
-                );
+            backoff = Duration::from_millis(10);
+            // Both limits hold from the first byte: a socket that never
+            // sends HELLO takes a place like any other.
+            let refuse = |reason: ConnectionRefusal, message: &str, refusals: &mut Throttled| {
+                self.obs.connection_refused(reason);
+                refusals.log(|muted| {
+                    warn!(
+                        event = "connection.refused",
+                        reason = reason.as_str(),
+                        max_connections = self.limits.max_connections,
+                        max_unauthenticated = self.limits.max_unauthenticated,
+                        unlogged = muted
+                    )
+                });
                 let mut frame = Vec::new();
-                proto::encode_error(
-                    &mut frame,
-                    Opcode::Challenge,
-                    0,
-                    Status::Busy,
+                proto::encode_error(&mut frame, Opcode::Challenge, 0, Status::Busy, message);
+                // Non-blocking: the refusal never waits on the peer.
+                let _ = stream.set_nonblocking(true);
+                let _ = (&stream).write(&frame);
+            };
+            let Some(open) = Counted::take(&self.open, self.limits.max_connections) else {
+                refuse(
+                    ConnectionRefusal::MaxConnections,
                     "too many connections",
+                    &mut refusals,
                 );
-                let _ = (&stream).write_all(&frame);
                 continue;
-            }
+            };
+            let Some(handshaking) =
+                Counted::take(&self.unauthenticated, self.limits.max_unauthenticated)
+            else {
+                refuse(
+                    ConnectionRefusal::MaxUnauthenticated,
+                    "too many connections in their handshake",
+                    &mut refusals,
+                );
+                continue;
+            };
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let server = Arc::clone(self);
             debug!(event = "connection.accepted", conn = id, peer = %peer);
-            threads.push(
+            // The places move to the thread, which gives them back when the
+            // connection (or its handshake) ends.
+            let (open, handshaking) = (open.leak(), handshaking.leak());
+            let spawned = stream.set_nonblocking(false).and_then(|()| {
                 thread::Builder::new()
                     .name(format!("arenad-conn-{id}"))
-                    .spawn(move || server.run_conn(id, stream))?,
-            );
+                    .spawn(move || {
+                        let open = Counted(&server.open);
+                        let handshaking = Counted(&server.unauthenticated);
+                        server.run_conn(id, stream, handshaking);
+                        drop(open);
+                    })
+            });
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    drop((Counted(open), Counted(handshaking)));
+                    self.obs.connection_refused(ConnectionRefusal::SpawnFailed);
+                    spawn_errors.log(|muted| warn!(event = "connection.spawn_failed", error = %e, unlogged = muted));
+                }
+            }
         }
         for t in threads {
             let _ = t.join();
@@ -401,8 +544,8 @@ impl Server {
         Ok(())
     }
 
-    fn run_conn(&self, id: HolderId, stream: TcpStream) {
-        let result = self.conn_loop(id, &stream);
+    fn run_conn(&self, id: HolderId, stream: TcpStream, handshaking: Counted<'_>) {
+        let result = self.conn_loop(id, &stream, handshaking);
         let conn = self.conns.lock().remove(&id);
         if conn.is_some() {
             self.obs.session_closed();
@@ -433,6 +576,10 @@ impl Server {
         match fatal {
             Fatal::Io(e) => {
                 debug!(event = "peer.disconnected", conn = id, error = %e);
+            }
+            Fatal::Probe => {
+                self.obs.probe();
+                debug!(event = "connection.probe", conn = id);
             }
             Fatal::Frame(FrameError::Io(e)) => {
                 debug!(event = "peer.disconnected", conn = id, error = %e);
@@ -506,11 +653,32 @@ impl Server {
         };
         let mut frame = Vec::new();
         ch.encode(&mut frame);
-        (&*stream).write_all(&frame)?;
+        // A connection closed before its first byte is a probe (a health
+        // check, a port scan), not a protocol error: the CHALLENGE may meet
+        // a reset, or the first read an end of stream.
+        let gone = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+            )
+        };
+        match (&*stream).write_all(&frame) {
+            Err(e) if gone(&e) => return Err(Fatal::Probe),
+            r => r?,
+        }
 
-        stream.set_read_timeout(Some(self.limits.handshake_timeout))?;
+        let mut r = Deadline {
+            stream,
+            until: Instant::now() + self.limits.handshake_timeout,
+        };
         let mut hb = [0u8; HEADER_LEN];
-        (&*stream).read_exact(&mut hb).map_err(truncated)?;
+        match r.read(&mut hb[..1]) {
+            Ok(0) => return Err(Fatal::Probe),
+            Ok(_) => {}
+            Err(e) if gone(&e) => return Err(Fatal::Probe),
+            Err(e) => return Err(Fatal::Io(e)),
+        }
+        r.read_exact(&mut hb[1..]).map_err(truncated)?;
         let h = Header::decode(&hb)?;
         h.expect_version(HANDSHAKE_VERSION)?;
         if h.body_len > MAX_HELLO_BODY {
@@ -521,7 +689,7 @@ impl Server {
             }));
         }
         let mut body = vec![0u8; h.body_len as usize];
-        (&*stream).read_exact(&mut body).map_err(truncated)?;
+        r.read_exact(&mut body).map_err(truncated)?;
         let hello = Hello::decode(&h, &body)?;
         stream.set_read_timeout(None)?;
 
@@ -606,10 +774,18 @@ impl Server {
         })
     }
 
-    fn conn_loop(&self, id: HolderId, stream: &TcpStream) -> Result<(), Fatal> {
+    fn conn_loop(
+        &self,
+        id: HolderId,
+        stream: &TcpStream,
+        handshaking: Counted<'_>,
+    ) -> Result<(), Fatal> {
         stream.set_nodelay(true)?;
+        stream.set_write_timeout(Some(self.limits.write_timeout))?;
         let started = Instant::now();
-        let mut session = self.handshake(id, stream)?;
+        let session = self.handshake(id, stream);
+        drop(handshaking);
+        let mut session = session?;
         self.obs.hello_ok(started.elapsed());
         let mut rail = Rail {
             granted: session.granted,

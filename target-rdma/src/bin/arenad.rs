@@ -228,6 +228,8 @@ fn main() -> Result<()> {
             max_inflight: cfg.max_inflight,
             handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
             allow_v1: cfg.allow_protocol_v1,
+            max_unauthenticated: cfg.max_unauthenticated(),
+            write_timeout: Duration::from_secs(cfg.write_timeout_secs),
         },
         rdma,
         Arc::clone(&obs),

@@ -27,6 +27,18 @@ pub fn free_port() -> u16 {
 pub struct Proc(Option<Child>);
 
 impl Proc {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().expect("a running arenad").id()
+    }
+
+    /// Whether it still runs.
+    pub fn alive(&mut self) -> bool {
+        self.0
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
     fn take(mut self) -> Child {
         self.0.take().expect("a running arenad")
     }
@@ -78,6 +90,17 @@ impl Arenad {
             port,
             metrics_port,
         }
+    }
+
+    /// Adds top-level `keys` (TOML lines) to the config.
+    pub fn set(&self, keys: &str) {
+        let text = std::fs::read_to_string(&self.cfg).unwrap();
+        std::fs::write(&self.cfg, format!("{keys}\n{text}")).unwrap();
+    }
+
+    /// The value of arenad's exported sample `name` with `labels`.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        ublk_metrics::testing::sample(&self.metrics(), name, labels)
     }
 
     /// Starts arenad.

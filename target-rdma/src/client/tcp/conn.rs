@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use futures::channel::oneshot;
@@ -293,13 +293,26 @@ fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
     })
 }
 
-/// The reader thread: dispatches answers, queues revocations, expires requests.
-pub(super) fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
-    let peer = &shared.cfg.peer;
+/// The reader thread: dispatches answers, queues revocations, expires
+/// requests. It holds the client only weakly, between frames: once the last
+/// `ArenaClient` is dropped the connection is closed (a reader holding it
+/// would keep the session open on the peer forever).
+pub(super) fn read_loop(client: &Weak<Shared>, conn: &Conn, mut stream: TcpStream) {
+    let Some(shared) = client.upgrade() else {
+        return;
+    };
+    let peer = shared.cfg.peer.clone();
+    let peer = &peer;
     let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some());
+    drop(shared);
     let mut seq = 0;
     let mut last_sweep = Instant::now();
     let why = loop {
+        let Some(shared) = client.upgrade() else {
+            conn.kill(peer, "client dropped");
+            return;
+        };
+        let shared = &*shared;
         let land = |h: &Header| {
             let t = conn.pending.lock();
             let p = t.map.get(&h.request_id)?;

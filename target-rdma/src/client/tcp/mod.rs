@@ -241,7 +241,7 @@ impl ArenaClient {
                     peer: self.shared.cfg.peer.clone(),
                     source,
                 })?;
-        let shared = Arc::clone(&self.shared);
+        let shared = Arc::downgrade(&self.shared);
         let for_reader = Arc::clone(&conn);
         thread::Builder::new()
             .name("arena-client-rx".into())
