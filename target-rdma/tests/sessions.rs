@@ -136,7 +136,11 @@ fn a_secret_that_is_not_a_regular_file_is_refused_at_check_and_at_start() {
     let a = arenad(dir.path());
     let fifo = dir.path().join("b.key");
     std::fs::remove_file(&fifo).unwrap();
-    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    let made = Command::new("mkfifo")
+        .args(["-m", "600"])
+        .arg(&fifo)
+        .status()
+        .unwrap();
     assert!(made.success());
     // A FIFO nobody writes would block a plain read forever.
     for args in [&["--check"][..], &[][..]] {
@@ -284,9 +288,19 @@ fn the_handshake_deadline_is_absolute_not_per_read() {
     let mut s = std::net::TcpStream::connect(a.addr()).unwrap();
     let (h, _) = first_frame(&mut s);
     assert_eq!(h.opcode, Opcode::Challenge);
-    // One byte of a HELLO every 200 ms: each read is well within the
-    // timeout, the whole never can be.
-    let hello = [0u8; HEADER_LEN + 147];
+    // One byte of a well-formed HELLO every 200 ms: each read is well
+    // within the timeout, the whole never can be.
+    let mut hello = Vec::new();
+    proto::Hello {
+        version: u16::from(VERSION),
+        caps: proto::CAP_TCP_DATA,
+        blob_bytes: 0,
+        epoch: 0,
+        client_nonce: [1; proto::NONCE_LEN],
+        mac: [0; proto::MAC_LEN],
+        volume: "a".into(),
+    }
+    .encode(&mut hello);
     s.set_read_timeout(Some(std::time::Duration::from_millis(200)))
         .unwrap();
     let mut sent = 0;

@@ -163,10 +163,16 @@ impl Arenad {
         self.connect_with(cfg)
     }
 
-    /// The client config of `volume` (its secret, this arenad's port).
+    /// The client config of `volume` (its secret, this arenad's port). It
+    /// accepts protocol version 1 too, so the fixture also drives an arenad
+    /// that predates version 2 (a test's "fails on the old server" run);
+    /// arenad offers 2 unless allow_protocol_v1, and the client takes the
+    /// newest offered.
     pub fn config(&self, volume: &str) -> ClientConfig {
         let value = if volume == "a" { SECRET_A } else { SECRET_B };
-        ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value))
+        let mut cfg = ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value));
+        cfg.versions = 1..=target_rdma::proto::VERSION;
+        cfg
     }
 
     /// The address of the control stream.
