@@ -173,6 +173,7 @@ fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
             rdma: None,
             volumes: vec![("bench".into(), SECRET.into())],
             allow_v1: false,
+            max_connections: 64,
         },
     );
     Bench {
@@ -353,6 +354,7 @@ fn mac_cost(tmp: &tempfile::TempDir) {
             rdma: None,
             volumes: vec![("bench".into(), SECRET.into())],
             allow_v1: true,
+            max_connections: 64,
         },
     );
     let session = |version: u8| {

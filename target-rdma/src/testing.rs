@@ -64,6 +64,8 @@ pub struct PeerOpts {
     pub volumes: Vec<(String, String)>,
     /// Accept protocol version 1 sessions.
     pub allow_v1: bool,
+    /// Most connections at once.
+    pub max_connections: u32,
 }
 
 impl Default for PeerOpts {
@@ -77,6 +79,7 @@ impl Default for PeerOpts {
             rdma: None,
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
             allow_v1: false,
+            max_connections: 64,
         }
     }
 }
@@ -162,11 +165,11 @@ impl Peer {
             volumes,
             epochs,
             ServerLimits {
-                max_connections: 64,
+                max_connections: self.opts.max_connections,
                 max_inflight: self.opts.max_inflight,
                 handshake_timeout: Duration::from_secs(5),
                 allow_v1: self.opts.allow_v1,
-                max_unauthenticated: 64,
+                max_unauthenticated: self.opts.max_connections,
                 write_timeout: Duration::from_secs(5),
             },
             rdma,
@@ -238,6 +241,11 @@ impl Peer {
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
         let text = self.obs.telemetry().render().expect("render the metrics");
         sample(&text, name, labels) as u64
+    }
+
+    /// Authenticated sessions open on the peer now.
+    pub fn sessions(&self) -> usize {
+        self.obs.sessions()
     }
 
     /// Protocol errors the peer counted, all classes together.

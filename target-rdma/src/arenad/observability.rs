@@ -224,6 +224,11 @@ impl ArenadObservability {
         self.shared.connections.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Authenticated sessions open now.
+    pub fn sessions(&self) -> usize {
+        self.shared.connections.load(Ordering::Relaxed)
+    }
+
     /// A session ended.
     pub fn session_closed(&self) {
         self.shared.connections.fetch_sub(1, Ordering::Relaxed);
