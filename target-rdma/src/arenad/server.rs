@@ -19,13 +19,15 @@ use parking_lot::Mutex;
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use tracing::{debug, info, warn};
 
+use crate::arenad::admission::{Counted, Deadline, Throttled};
 use crate::arenad::epochs::Epochs;
+use crate::arenad::frames::{truncated, FrameCheck, FrameWriter, ReadError};
 use crate::arenad::observability::ArenadObservability;
-use crate::auth::{self, FrameKey, Secret, SessionKeys};
+use crate::auth::{self, Secret, SessionKeys};
 use crate::proto::{
     self, Challenge, Endpoint, FrameError, Header, Hello, Opcode, RailAccept, Request, Status,
     Welcome, CAP_RDMA, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY,
-    MAX_INLINE, TAG_LEN, VERSION, VERSION_1, VERSION_2,
+    MAX_INLINE, VERSION, VERSION_1, VERSION_2,
 };
 use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{HolderId, Store, StoreError, VolumeId};
@@ -62,204 +64,12 @@ pub struct ServerLimits {
     pub write_timeout: Duration,
 }
 
-/// Counts a connection in one of the server's limits while it lives.
-struct Counted<'a>(&'a AtomicUsize);
-
-impl<'a> Counted<'a> {
-    /// Takes a place below `limit`, or `None` when all are taken.
-    fn take(count: &'a AtomicUsize, limit: u32) -> Option<Self> {
-        count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < limit as usize).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Counted(count))
-    }
-}
-
-impl<'a> Counted<'a> {
-    /// Keeps the place taken without this guard; whoever holds the counter
-    /// gives it back with a new `Counted` over it.
-    fn leak(self) -> &'a AtomicUsize {
-        let count = self.0;
-        std::mem::forget(self);
-        count
-    }
-}
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// The handshake's reads, each bounded by what is left of one absolute
-/// deadline (a per-read timeout would let a client that sends a byte at a
-/// time hold its connection for 171 timeouts).
-struct Deadline<'a> {
-    stream: &'a TcpStream,
-    until: Instant,
-}
-
-impl Read for Deadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "handshake deadline passed",
-            ));
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf)
-    }
-}
-
-/// Logs a recurring resource error at most once per interval, with how many
-/// were not logged since.
-struct Throttled {
-    last: Option<Instant>,
-    muted: u64,
-}
-
-const LOG_INTERVAL: Duration = Duration::from_secs(10);
-
-impl Throttled {
-    fn log(&mut self, log: impl FnOnce(u64)) {
-        if self.last.is_some_and(|t| t.elapsed() < LOG_INTERVAL) {
-            self.muted += 1;
-            return;
-        }
-        self.last = Some(Instant::now());
-        log(std::mem::take(&mut self.muted));
-    }
-}
-
 /// What the connection thread shares with the rest of the server.
 struct Conn {
     /// A handle to shut the socket down from outside (graceful stop).
     socket: TcpStream,
     /// Responses and revocations both go through here.
     writer: Mutex<FrameWriter>,
-}
-
-/// The sending side of a session: frames get the session's version and,
-/// in version 2, their tag.
-struct FrameWriter {
-    out: BufWriter<TcpStream>,
-    version: u8,
-    key: Option<FrameKey>,
-    seq: u64,
-}
-
-impl FrameWriter {
-    /// Sends an encoded frame whose body continues with `payload`.
-    fn send(&mut self, frame: &mut [u8], payload: &[u8]) -> io::Result<()> {
-        frame[4] = self.version;
-        if let Some(key) = &self.key {
-            let header: &[u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().expect("a header");
-            let digest = auth::body_digest(&[&frame[HEADER_LEN..], payload]);
-            let tag = key.tag(self.seq, header, &digest);
-            self.seq += 1;
-            self.out.write_all(frame)?;
-            self.out.write_all(payload)?;
-            return self.out.write_all(&tag);
-        }
-        self.out.write_all(frame)?;
-        self.out.write_all(payload)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.out.flush()
-    }
-}
-
-/// A session's receiving side: the version its frames carry and, in
-/// version 2, the key and sequence number their tags are checked with.
-struct FrameCheck {
-    version: u8,
-    key: Option<FrameKey>,
-    seq: u64,
-}
-
-impl FrameCheck {
-    /// Reads the next request frame: header, body (bounded by what the
-    /// header's opcode allows before a byte of it is read) and tag. An
-    /// error once the header is in names the frame's opcode and request id.
-    fn read(
-        &mut self,
-        r: &mut impl io::Read,
-        body: &mut Vec<u8>,
-        max_inline: u32,
-    ) -> Result<Option<Header>, Fatal> {
-        let mut hb = [0u8; HEADER_LEN];
-        match r.read(&mut hb[..1]) {
-            Ok(0) => return Ok(None),
-            Ok(_) => {}
-            Err(e) => return Err(Fatal::Io(e)),
-        }
-        r.read_exact(&mut hb[1..]).map_err(truncated)?;
-        self.read_rest(r, &hb, body, max_inline)
-            .map(Some)
-            .map_err(|e| {
-                let (op, request_id) = Header::blame(&hb);
-                Fatal::Request(op, request_id, e)
-            })
-    }
-
-    fn read_rest(
-        &mut self,
-        r: &mut impl io::Read,
-        hb: &[u8; HEADER_LEN],
-        body: &mut Vec<u8>,
-        max_inline: u32,
-    ) -> Result<Header, FrameError> {
-        let h = Header::decode(hb)?;
-        h.expect_version(self.version)?;
-        let max = proto::max_request_body(h.opcode, max_inline).ok_or(FrameError::Unexpected {
-            op: h.opcode.name(),
-            detail: "not a request",
-        })?;
-        if h.body_len > max {
-            return Err(FrameError::TooLong {
-                what: "request body",
-                len: h.body_len.into(),
-                max: max.into(),
-            });
-        }
-        body.clear();
-        io::Read::take(&mut *r, u64::from(h.body_len)).read_to_end(body)?;
-        if body.len() != h.body_len as usize {
-            return Err(FrameError::Truncated {
-                got: HEADER_LEN + body.len(),
-                want: HEADER_LEN + h.body_len as usize,
-            });
-        }
-        if let Some(key) = &self.key {
-            let mut tag = [0u8; TAG_LEN];
-            r.read_exact(&mut tag).map_err(truncated)?;
-            let seq = self.seq;
-            self.seq += 1;
-            if !key.verify(seq, hb, &auth::body_digest(&[body]), &tag) {
-                return Err(FrameError::BadTag {
-                    op: h.opcode.name(),
-                    seq,
-                });
-            }
-        }
-        Ok(h)
-    }
-}
-
-fn truncated(e: io::Error) -> FrameError {
-    if e.kind() == io::ErrorKind::UnexpectedEof {
-        FrameError::Truncated {
-            got: 0,
-            want: HEADER_LEN,
-        }
-    } else {
-        e.into()
-    }
 }
 
 /// What a session is bound to once its HELLO is accepted.
@@ -364,6 +174,15 @@ impl From<FrameError> for Fatal {
         Fatal::Frame(e)
     }
 }
+impl From<ReadError> for Fatal {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Io(e) => Fatal::Io(e),
+            ReadError::Frame(e) => Fatal::Frame(e),
+            ReadError::Request(op, id, e) => Fatal::Request(op, id, e),
+        }
+    }
+}
 impl From<io::Error> for Fatal {
     fn from(e: io::Error) -> Self {
         Fatal::Io(e)
@@ -443,18 +262,9 @@ impl Server {
         listener.set_nonblocking(true)?;
         let mut threads = Vec::new();
         let (mut accept_errors, mut spawn_errors, mut refusals) = (
-            Throttled {
-                last: None,
-                muted: 0,
-            },
-            Throttled {
-                last: None,
-                muted: 0,
-            },
-            Throttled {
-                last: None,
-                muted: 0,
-            },
+            Throttled::default(),
+            Throttled::default(),
+            Throttled::default(),
         );
         let mut backoff = Duration::from_millis(10);
         while !self.stopping.load(Ordering::SeqCst) {
