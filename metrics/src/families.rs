@@ -262,6 +262,24 @@ pub const ARENA: &[Family] = &[
         "Connections refused at authentication.",
     ),
     f(
+        "arenad_connections_refused_total",
+        Counter,
+        &["reason"],
+        "Connections closed right after accept, by the limit that refused them.",
+    ),
+    f(
+        "arenad_accept_errors_total",
+        Counter,
+        &[],
+        "Failed accepts (out of descriptors or memory); arenad backs off and keeps serving.",
+    ),
+    f(
+        "arenad_probes_total",
+        Counter,
+        &[],
+        "Connections closed before sending a byte (health checks, port scans).",
+    ),
+    f(
         "arenad_integrity_errors_total",
         Counter,
         &["kind"],

@@ -34,7 +34,8 @@ pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
 pub use arenad::{
-    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, IntegrityCheck, ProtocolErrorClass, SlotState,
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, IntegrityCheck,
+    ProtocolErrorClass, SlotState,
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use correlation::CorrelationId;

@@ -4,6 +4,10 @@
 //! where tests read what the server counted. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
+mod raw;
+
+pub use raw::{RawSession, Refusal};
+
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -14,6 +18,7 @@ use std::time::Duration;
 use ublk_metrics::testing::sample;
 use ublk_metrics::{Daemon, Telemetry};
 
+use crate::arenad::epochs::Epochs;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use crate::auth::Secret;
@@ -57,6 +62,10 @@ pub struct PeerOpts {
     pub rdma: Option<Arc<dyn RdmaProvider>>,
     /// Volumes served, as (name, secret); by default "a" and "b".
     pub volumes: Vec<(String, String)>,
+    /// Accept protocol version 1 sessions.
+    pub allow_v1: bool,
+    /// Most connections at once.
+    pub max_connections: u32,
 }
 
 impl Default for PeerOpts {
@@ -69,6 +78,8 @@ impl Default for PeerOpts {
             max_inflight: 64,
             rdma: None,
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
+            allow_v1: false,
+            max_connections: 64,
         }
     }
 }
@@ -84,6 +95,7 @@ pub struct Peer {
     pub store: Arc<Store>,
     /// Its telemetry (isolated: nothing global).
     pub obs: Arc<ArenadObservability>,
+    dir: PathBuf,
     opts: PeerOpts,
     running: Option<(Arc<Server>, JoinHandle<()>)>,
 }
@@ -122,6 +134,7 @@ impl Peer {
             addr: listener.local_addr().expect("a bound address"),
             store,
             obs,
+            dir: dir.to_owned(),
             opts,
             running: None,
         };
@@ -145,13 +158,19 @@ impl Peer {
         let rdma = self.opts.rdma.clone().map(|p| {
             ServerRdma::register(p, &self.store, 64).expect("register the arena for RDMA")
         });
+        let names: Vec<String> = self.opts.volumes.iter().map(|(n, _)| n.clone()).collect();
+        let epochs = Epochs::open(&self.dir, &names).expect("load the volumes' epochs");
         let server = Server::new(
             Arc::clone(&self.store),
             volumes,
+            epochs,
             ServerLimits {
-                max_connections: 64,
+                max_connections: self.opts.max_connections,
                 max_inflight: self.opts.max_inflight,
                 handshake_timeout: Duration::from_secs(5),
+                allow_v1: self.opts.allow_v1,
+                max_unauthenticated: self.opts.max_connections,
+                write_timeout: Duration::from_secs(5),
             },
             rdma,
             Arc::clone(&self.obs),
@@ -222,6 +241,11 @@ impl Peer {
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
         let text = self.obs.telemetry().render().expect("render the metrics");
         sample(&text, name, labels) as u64
+    }
+
+    /// Authenticated sessions open on the peer now.
+    pub fn sessions(&self) -> usize {
+        self.obs.sessions()
     }
 
     /// Protocol errors the peer counted, all classes together.

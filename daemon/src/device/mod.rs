@@ -785,6 +785,43 @@ mod tests {
         );
     }
 
+    /// An `add` that fails after some queues connected (here the peer
+    /// refuses the third connection) leaves no arena session open: the
+    /// peer's count goes back to zero.
+    #[test]
+    fn a_failed_add_closes_every_arena_session_it_opened() {
+        use target_rdma::testing::{secret_file, Peer, PeerOpts, SECRET_A};
+        let dir = tempfile::tempdir().unwrap();
+        let peer = Peer::start(
+            &dir.path().join("peer"),
+            PeerOpts {
+                max_connections: 2,
+                ..PeerOpts::default()
+            },
+        );
+        let m = manager(&dir.path().join("ublkd"));
+        let mut a = args();
+        a.peer = peer.addr.to_string();
+        a.volume = "a".into();
+        a.secret_file = secret_file(dir.path(), "a.key", SECRET_A);
+        a.queues = Some(4);
+        a.blob_size = Some(64 << 10);
+        a.transport = Some(TransportChoice::Tcp);
+        let e = m.add(&a).unwrap_err();
+        assert!(e.to_string().contains("too many connections"), "{e}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while peer.sessions() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} sessions still open after the failed add",
+                peer.sessions()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The peer's places are free again: a client gets in.
+        drop(peer.client("a", SECRET_A));
+    }
+
     #[test]
     fn rdma_without_a_usable_device_is_refused_at_add_naming_the_reason() {
         use std::os::unix::fs::PermissionsExt;

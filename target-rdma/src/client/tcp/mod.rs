@@ -68,6 +68,17 @@ pub struct ClientConfig {
     /// The writes a FLUSH through this client vouches for; see
     /// [`FlushDomain`]. `new` gives each config a domain of its own.
     pub flush_domain: Arc<FlushDomain>,
+    /// The writer's membership epoch for the volume, presented in HELLO
+    /// (protocol version 2): a peer refuses the data operations of a
+    /// session whose epoch is below the volume's with `STALE_EPOCH`.
+    /// [`ArenaClient::raise_epoch`] raises it for later connections too.
+    pub epoch: u64,
+    /// The protocol versions this client accepts; it takes the newest the
+    /// peer offers. Version 1 has no frame tags and no epochs: only for
+    /// talking to an arenad that predates version 2 (or measuring what the
+    /// tags cost), never as a default (a peer, or anyone on the path, could
+    /// otherwise talk a client down to it).
+    pub versions: std::ops::RangeInclusive<u8>,
 }
 
 impl ClientConfig {
@@ -83,6 +94,8 @@ impl ClientConfig {
             stats: Arc::default(),
             offer_rdma: false,
             flush_domain: Arc::default(),
+            epoch: 0,
+            versions: proto::VERSION..=proto::VERSION,
         }
     }
 }
@@ -95,6 +108,9 @@ struct Shared {
     bodies: Arc<BodyPool>,
     /// Connections made so far: the epoch of the live one.
     connects: AtomicU64,
+    /// The membership epoch presented by the next HELLO (see
+    /// [`ClientConfig::epoch`]).
+    epoch: AtomicU64,
     revocations: Mutex<VecDeque<(u64, u64)>>,
 }
 
@@ -111,13 +127,14 @@ impl ArenaClient {
     pub fn connect(cfg: ClientConfig) -> Result<Self, ArenaError> {
         let client = Self {
             shared: Arc::new(Shared {
-                cfg,
                 conn: Mutex::new(None),
                 next_id: AtomicU64::new(1),
                 blob_bytes: AtomicU32::new(0),
                 bodies: Arc::default(),
                 connects: AtomicU64::new(0),
+                epoch: AtomicU64::new(cfg.epoch),
                 revocations: Mutex::new(VecDeque::new()),
+                cfg,
             }),
         };
         client.conn()?;
@@ -196,7 +213,8 @@ impl ArenaClient {
             return Ok(Arc::clone(c));
         }
         let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
-        let mut conn = handshake(&self.shared.cfg, agreed)?;
+        let epoch = self.shared.epoch.load(Ordering::Relaxed);
+        let mut conn = handshake(&self.shared.cfg, agreed, epoch)?;
         conn.epoch = self.shared.connects.fetch_add(1, Ordering::Relaxed) + 1;
         if conn.epoch > 1 {
             self.stats().count(|s| &s.reconnects);
@@ -217,12 +235,13 @@ impl ArenaClient {
         let reader_stream =
             conn.writer
                 .lock()
+                .stream
                 .try_clone()
                 .map_err(|source| ArenaError::Connect {
                     peer: self.shared.cfg.peer.clone(),
                     source,
                 })?;
-        let shared = Arc::clone(&self.shared);
+        let shared = Arc::downgrade(&self.shared);
         let for_reader = Arc::clone(&conn);
         thread::Builder::new()
             .name("arena-client-rx".into())
@@ -314,10 +333,11 @@ impl ArenaClient {
             Request::Write { data, .. } => data,
             _ => &[],
         };
-        let sent = {
-            let mut w = conn.writer.lock();
-            proto::write_vectored_all(&mut *w, &head, payload)
-        };
+        // The body's digest is taken before the lock: only the tag, which
+        // needs the frame's place in the stream, is computed under it.
+        let digest = (conn.version >= proto::VERSION_2)
+            .then(|| crate::auth::body_digest(&[&head[proto::HEADER_LEN..], payload]));
+        let sent = conn.writer.lock().send(&mut head, payload, digest.as_ref());
         if let Err(e) = sent {
             conn.kill(peer, &format!("send failed: {e}"));
         }
@@ -428,6 +448,34 @@ impl ArenaClient {
                 Ok(n)
             }
             _ => Err(self.unexpected(Opcode::Remove)),
+        }
+    }
+
+    /// The membership epoch this client presents (see
+    /// [`ClientConfig::epoch`]).
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Moves the session to `epoch` (EPOCH): the peer raises the volume's
+    /// epoch to it if it is higher, which makes every session with a lower
+    /// epoch stale (their data operations answer `STALE_EPOCH`), and
+    /// persists it before answering. Later connections present it in
+    /// HELLO. Returns the volume's epoch. An `epoch` below the volume's
+    /// answers `STALE_EPOCH`: a newer writer owns the volume.
+    pub async fn raise_epoch(&self, epoch: u64) -> Result<u64, ArenaError> {
+        let conn = self.conn()?;
+        if conn.version < proto::VERSION_2 {
+            return Err(ArenaError::Refused {
+                peer: self.shared.cfg.peer.clone(),
+                status: proto::Status::VersionMismatch,
+                message: "the session speaks protocol version 1, which has no epochs".into(),
+            });
+        }
+        self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
+        match self.call(&Request::Epoch { epoch }).await? {
+            Reply::Count(now) => Ok(now),
+            _ => Err(self.unexpected(Opcode::Epoch)),
         }
     }
 
