@@ -17,8 +17,9 @@ use parking_lot::Mutex;
 #[derive(Debug, Default)]
 pub struct FlushDomain {
     state: Mutex<Durability>,
-    /// `state.lost.is_some()`, readable without the lock: a replicated
-    /// volume asks on every request whether this member is stale.
+    /// Set, for good, once a restart lost writes acknowledged through the
+    /// domain; readable without the lock: a replicated volume asks on every
+    /// answer whether this member is stale.
     lost: AtomicBool,
 }
 
@@ -45,18 +46,20 @@ pub(super) struct FlushMark {
 pub(super) type Lost = (u64, u64);
 
 impl FlushDomain {
-    /// Whether a peer restart lost writes acknowledged through the domain
-    /// that no FLUSH has reported yet. It is set before the restarted peer
-    /// answers any request of the domain, so a caller that checks it after
-    /// an answer knows whether that answer came from a peer that lost
-    /// acknowledged writes.
+    /// Whether a peer restart ever lost writes acknowledged through the
+    /// domain. It is set before the restarted peer answers any request of
+    /// the domain, so a caller that checks it after an answer knows whether
+    /// that answer may come from a peer that lost acknowledged writes; the
+    /// FLUSH that reports the loss does not clear it (the data stays old).
     pub fn lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
     }
 
     fn set_lost(&self, d: &mut Durability, lost: Option<Lost>) {
         d.lost = lost;
-        self.lost.store(lost.is_some(), Ordering::Release);
+        if lost.is_some() {
+            self.lost.store(true, Ordering::Release);
+        }
     }
 
     /// A connection of the domain was opened in peer `generation`. When the
@@ -184,13 +187,13 @@ mod tests {
         d.acknowledged_in(1);
         assert!(d.lost(), "the write died with generation 1");
         assert_eq!(d.flush_start().unwrap_err(), (1, 2));
-        assert!(!d.lost(), "reported once");
+        assert!(d.lost(), "reported once, remembered");
         d.acknowledged_in(2);
         d.flush_done(d.flush_start().unwrap()).unwrap();
     }
 
     #[test]
-    fn the_loss_is_readable_until_a_flush_reports_it() {
+    fn the_loss_stays_readable_after_a_flush_reports_it() {
         let d = FlushDomain::default();
         d.connected(1);
         d.acknowledged_in(1);
@@ -201,7 +204,9 @@ mod tests {
         d.acknowledged_in(2);
         d.connected(3);
         assert_eq!(d.flush_start().unwrap_err(), (1, 2));
-        assert!(!d.lost());
+        assert!(d.lost());
+        d.flush_done(d.flush_start().unwrap()).unwrap();
+        assert!(d.lost());
     }
 
     #[test]

@@ -168,9 +168,9 @@ impl ArenaClient {
         self.shared.cfg.flush_domain.acknowledged();
     }
 
-    /// Whether the peer restarted and lost writes acknowledged through this
-    /// client's [`FlushDomain`] that no FLUSH has reported yet: its data is
-    /// older than what was acknowledged.
+    /// Whether the peer ever restarted and lost writes acknowledged through
+    /// this client's [`FlushDomain`]: its data is older than what was
+    /// acknowledged.
     pub fn lost_writes(&self) -> bool {
         self.shared.cfg.flush_domain.lost()
     }
