@@ -5,6 +5,7 @@
 //! a request or its answer dropped), on the test's clock.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,10 +40,10 @@ struct PeerState {
     durable: HashMap<u64, Vec<u8>>,
     /// Writes acknowledged since the last FLUSH.
     unflushed: bool,
-    /// A crash lost acknowledged writes (for good).
-    lost: bool,
-    /// The next FLUSH reports that loss.
-    report: bool,
+    /// One flag per set of sessions (a flush domain): a crash that lost
+    /// acknowledged writes sets every existing one, for good; sessions
+    /// opened later start clean.
+    domains: Vec<Arc<Domain>>,
     epoch: u64,
     fault: FakeFault,
 }
@@ -73,8 +74,11 @@ impl FakePeer {
 
     /// Sessions for a device of `queues` queues.
     pub fn sessions(self: &Arc<Self>, queues: usize) -> MemberSessions<FakeSession> {
+        let domain = Arc::new(Domain::default());
+        self.state.lock().domains.push(Arc::clone(&domain));
         let s = || FakeSession {
             peer: Arc::clone(self),
+            domain: Arc::clone(&domain),
         };
         MemberSessions {
             queues: (0..queues).map(|_| s()).collect(),
@@ -98,8 +102,10 @@ impl FakePeer {
         let mut s = self.state.lock();
         s.blobs = s.durable.clone();
         if s.unflushed {
-            s.lost = true;
-            s.report = true;
+            for d in &s.domains {
+                d.lost.store(true, Ordering::Release);
+                d.report.store(true, Ordering::Release);
+            }
         }
         s.unflushed = false;
     }
@@ -109,9 +115,14 @@ impl FakePeer {
         self.state.lock().blobs.get(&key).cloned()
     }
 
-    /// Whether a crash lost writes it had acknowledged.
+    /// Whether a crash lost writes it had acknowledged to sessions that
+    /// still exist.
     pub fn lost(&self) -> bool {
-        self.state.lock().lost
+        self.state
+            .lock()
+            .domains
+            .iter()
+            .any(|d| d.lost.load(Ordering::Acquire))
     }
 
     /// The highest membership epoch presented to it.
@@ -174,6 +185,17 @@ impl FakePeer {
 /// A session to a [`FakePeer`].
 pub struct FakeSession {
     peer: Arc<FakePeer>,
+    domain: Arc<Domain>,
+}
+
+/// What the sessions of one member share, as TCP sessions share a
+/// `FlushDomain`.
+#[derive(Default)]
+struct Domain {
+    /// A crash lost writes acknowledged to them (for good).
+    lost: AtomicBool,
+    /// Their next FLUSH reports that loss.
+    report: AtomicBool,
 }
 
 impl BlobIo for FakeSession {
@@ -234,9 +256,9 @@ impl BlobIo for FakeSession {
 
     async fn flush(&self) -> Result<(), ArenaError> {
         let p = &self.peer;
+        let report = &self.domain.report;
         p.request(Opcode::Flush, |s| {
-            if s.report {
-                s.report = false;
+            if report.swap(false, Ordering::AcqRel) {
                 return Err(ArenaError::UnflushedDataLost {
                     peer: p.name.clone(),
                     old: 1,
@@ -253,7 +275,7 @@ impl BlobIo for FakeSession {
 
 impl MemberIo for FakeSession {
     fn lost_writes(&self) -> bool {
-        self.peer.state.lock().lost
+        self.domain.lost.load(Ordering::Acquire)
     }
 
     async fn raise_epoch(&self, epoch: u64) -> Result<(), ArenaError> {

@@ -4,6 +4,7 @@
 //! hedged to a second.
 
 use std::collections::HashSet;
+use std::ops::Range;
 use std::sync::Arc;
 
 use futures::future::{join_all, select, Either};
@@ -122,7 +123,11 @@ impl<S: MemberIo> ReplicatedIo<S> {
     /// at acknowledgement acknowledged it: failed members are removed
     /// (recorded) first, and a membership that gained a member meanwhile
     /// gets the mutation again.
-    async fn mutate<T, F>(&self, op: F) -> Result<Vec<T>, ArenaError>
+    ///
+    /// `keys` are the blobs it changes (none for a flush): while a member
+    /// is syncing, their locks are held while the members are sent to, so
+    /// no rebuild copy of those keys interleaves.
+    async fn mutate<T, F>(&self, keys: Option<Range<u64>>, op: F) -> Result<Vec<T>, ArenaError>
     where
         F: AsyncFn(&S) -> Result<T, ArenaError>,
     {
@@ -131,7 +136,17 @@ impl<S: MemberIo> ReplicatedIo<S> {
         loop {
             set.may_acknowledge()?;
             let view = set.view();
-            let round = self.round(&view, &op).await?;
+            let syncing = view
+                .active
+                .iter()
+                .any(|(_, st)| *st == MemberState::Syncing);
+            let round = match &keys {
+                Some(keys) if syncing => {
+                    let _guard = set.keys.lock(keys).await;
+                    self.round(&view, &op).await?
+                }
+                _ => self.round(&view, &op).await?,
+            };
             if !round.failed.is_empty() {
                 set.exclude(&round.failed, deadline).await?;
             }
@@ -289,20 +304,22 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
 
     async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         let vias = self
-            .mutate(async |s: &S| s.write(key, offset, data).await)
+            .mutate(Some(key..key + 1), async |s: &S| {
+                s.write(key, offset, data).await
+            })
             .await?;
         Ok(vias.into_iter().fold(Via::Nothing, Via::and))
     }
 
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         let counts = self
-            .mutate(async |s: &S| s.remove(start, end).await)
+            .mutate(Some(start..end), async |s: &S| s.remove(start, end).await)
             .await?;
         Ok(counts.into_iter().max().unwrap_or(0))
     }
 
     async fn flush(&self) -> Result<(), ArenaError> {
-        self.mutate(async |s: &S| s.flush().await).await?;
+        self.mutate(None, async |s: &S| s.flush().await).await?;
         Ok(())
     }
 }

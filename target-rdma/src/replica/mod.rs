@@ -11,6 +11,7 @@
 //!   recorded membership, the members, the one path that changes it.
 //! - [`ReplicatedIo`] (io.rs): one queue's request path.
 //! - member.rs: what the core needs of a member's sessions ([`MemberIo`]).
+//! - rebuild.rs: bringing a new member up to date ([`ReplicaSet::rebuild`]).
 //! - [`clock`]: time and timers on any executor.
 //!
 //! Client side: it composes client sessions and never names the server
@@ -22,6 +23,7 @@ pub mod coordinator;
 pub mod fake;
 mod io;
 mod member;
+mod rebuild;
 mod set;
 
 pub use coordinator::{
@@ -32,6 +34,7 @@ pub use coordinator::{
 pub use coordinator::{CoordFault, MemoryCoordinator};
 pub use io::ReplicatedIo;
 pub use member::{MemberIo, MemberSessions};
+pub use rebuild::{RebuildConfig, RebuildStats};
 pub use set::{ReplicaConfig, ReplicaSet, ReplicaStats};
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use parking_lot::{Mutex, RwLock};
 use super::clock::Clock;
 use super::coordinator::{CoordError, CoordErrorKind, Coordinator, MemberState, Membership, Swap};
 use super::member::{Lane, Member, MemberIo, MemberSessions};
+use super::rebuild::KeyLocks;
 use super::ReplicatedIo;
 use crate::blob::{ArenaError, ReplicaFailure};
 
@@ -96,6 +97,8 @@ pub struct ReplicaSet<S> {
     /// earlier one.
     pub(super) members: RwLock<Vec<Arc<Member<S>>>>,
     view: RwLock<Arc<View<S>>>,
+    /// The per-key guard between rebuild copies and writes (rebuild.rs).
+    pub(super) keys: KeyLocks,
     /// Serializes this writer's membership changes: each is conditioned
     /// on the epoch the previous one stored.
     change: AsyncMutex<()>,
@@ -160,6 +163,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             clock,
             config,
             members: RwLock::new(members),
+            keys: KeyLocks::default(),
             change: AsyncMutex::new(()),
             fenced: AtomicBool::new(false),
             fence_reason: Mutex::new(None),
