@@ -16,7 +16,7 @@
 //! `REPLICA_MODEL_SEEDS=n` runs n seeds (default 24, a few seconds);
 //! docs/REPLICATION.md says how to soak.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -30,8 +30,8 @@ use target_rdma::blob::BlobIo;
 use target_rdma::replica::clock::{Clock, ManualClock};
 use target_rdma::replica::fake::{FakeFault, FakePeer, FakeSession};
 use target_rdma::replica::{
-    CoordFault, Coordinator, MemberState, Membership, MemoryCoordinator, ReplicaConfig, ReplicaSet,
-    ReplicatedIo,
+    CoordFault, Coordinator, MemberState, Membership, MemoryCoordinator, RebuildConfig,
+    RebuildStats, ReplicaConfig, ReplicaSet, ReplicatedIo,
 };
 
 const BLOB: u32 = 64;
@@ -103,6 +103,8 @@ struct Run {
     model: Vec<KeyModel>,
     seq: u64,
     acked: u64,
+    rebuilds: u64,
+    rebuilt: Rc<Cell<u64>>,
 }
 
 impl Run {
@@ -110,16 +112,17 @@ impl Run {
         let rng = StdRng::seed_from_u64(seed);
         let clock = ManualClock::new();
         let dyn_clock: Arc<dyn Clock> = Arc::clone(&clock) as Arc<dyn Clock>;
+        // n members and a spare.
         let n = 1 + (seed % 3) as usize;
-        let peers: Vec<_> = (0..n)
+        let peers: Vec<_> = (0..=n)
             .map(|i| FakePeer::new(&format!("p{i}"), BLOB, Arc::clone(&dyn_clock)))
             .collect();
-        let names: Vec<_> = peers.iter().map(|p| p.name().to_string()).collect();
+        let names: Vec<_> = peers[..n].iter().map(|p| p.name().to_string()).collect();
         let coord = MemoryCoordinator::new(
             Arc::clone(&dyn_clock),
             Membership::new_volume(&names).unwrap(),
         );
-        let sessions = peers
+        let sessions = peers[..n]
             .iter()
             .map(|p| (p.name().to_string(), p.sessions(QUEUES)))
             .collect();
@@ -153,19 +156,17 @@ impl Run {
             model: vec![KeyModel::default(); KEYS as usize],
             seq: 0,
             acked: 0,
+            rebuilds: 0,
+            rebuilt: Rc::default(),
         }
     }
 
-    /// Active members of the record that still hold every acknowledged
+    /// Healthy members of the record that still hold every acknowledged
     /// write (not crashed with a loss).
     fn sound_members(&self) -> Vec<usize> {
         let record = self.coord.record();
         (0..self.peers.len())
-            .filter(|i| {
-                record
-                    .state(self.peers[*i].name())
-                    .is_some_and(|s| s.is_active())
-            })
+            .filter(|i| record.state(self.peers[*i].name()) == Some(MemberState::Healthy))
             .filter(|i| !self.peers[*i].lost())
             .collect()
     }
@@ -204,11 +205,54 @@ impl Run {
         }
     }
 
+    /// Starts rebuilding a peer outside the membership (a spare, or one
+    /// taken out), concurrently with the round's requests.
+    fn rebuild(&mut self, pool: &mut LocalPool, pending: &Rc<RefCell<usize>>) {
+        let record = self.coord.record();
+        let out: Vec<_> = self
+            .peers
+            .iter()
+            .filter(|p| !record.state(p.name()).is_some_and(|s| s.is_active()))
+            .collect();
+        if out.is_empty() {
+            return;
+        }
+        let peer = Arc::clone(out[self.rng.gen_range(0..out.len())]);
+        let set = Arc::clone(&self.set);
+        let rate = [0, u64::from(BLOB) * KEYS * 20][self.rng.gen_range(0..2)];
+        let pending = Rc::clone(pending);
+        let rebuilt = Rc::clone(&self.rebuilt);
+        *pending.borrow_mut() += 1;
+        self.rebuilds += 1;
+        pool.spawner()
+            .spawn_local(async move {
+                let cfg = RebuildConfig {
+                    keys: 0..KEYS,
+                    bytes_per_sec: rate,
+                    change_deadline: Duration::from_millis(200),
+                };
+                let stats = RebuildStats::default();
+                let sessions = peer.sessions(QUEUES);
+                if set
+                    .rebuild(peer.name(), sessions, &cfg, &stats)
+                    .await
+                    .is_ok()
+                {
+                    rebuilt.set(rebuilt.get() + 1);
+                }
+                *pending.borrow_mut() -= 1;
+            })
+            .unwrap();
+    }
+
     /// One round of concurrent requests: at most one write per key, reads
-    /// of any key, sometimes a flush.
+    /// of any key, sometimes a flush, sometimes a rebuild.
     fn round(&mut self, pool: &mut LocalPool) {
         let pending = Rc::new(RefCell::new(0usize));
         let results = Rc::new(RefCell::new(Vec::new()));
+        if self.rng.gen_bool(0.15) {
+            self.rebuild(pool, &pending);
+        }
         let mut written = Vec::new();
         for _ in 0..self.rng.gen_range(1..8) {
             let key = self.rng.gen_range(0..KEYS);
@@ -345,7 +389,8 @@ fn seeds() -> u64 {
 
 #[test]
 fn acknowledged_writes_survive_every_injected_fault() {
-    let (mut acked, mut removals, mut unrecorded, mut hedges) = (0, 0, 0, 0);
+    let (mut acked, mut removals, mut unrecorded, mut hedges, mut rebuilds, mut rebuilt) =
+        (0, 0, 0, 0, 0, 0);
     for seed in 0..seeds() {
         let mut pool = LocalPool::new();
         let mut run = Run::new(seed, &mut pool);
@@ -361,13 +406,16 @@ fn acknowledged_writes_survive_every_injected_fault() {
         removals += stats.removals.load(Ordering::Relaxed);
         unrecorded += stats.unrecorded.load(Ordering::Relaxed);
         hedges += stats.hedged_reads.load(Ordering::Relaxed);
+        rebuilds += run.rebuilds;
+        rebuilt += run.rebuilt.get();
     }
     eprintln!(
         "{} seeds: {acked} writes acknowledged, {removals} members removed, \
-         {unrecorded} requests refused unrecorded, {hedges} reads hedged",
+         {unrecorded} requests refused unrecorded, {hedges} reads hedged, \
+         {rebuilds} rebuilds started, {rebuilt} completed",
         seeds()
     );
     // The faults did happen: a model test that injects nothing proves nothing.
     assert!(acked > seeds() * 20, "the runs acknowledged writes");
-    assert!(removals > 0 && unrecorded > 0 && hedges > 0);
+    assert!(removals > 0 && unrecorded > 0 && hedges > 0 && rebuilt > 0);
 }

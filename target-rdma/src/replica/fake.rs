@@ -115,14 +115,14 @@ impl FakePeer {
         self.state.lock().blobs.get(&key).cloned()
     }
 
-    /// Whether a crash lost writes it had acknowledged to sessions that
-    /// still exist.
+    /// Whether a crash lost writes it had acknowledged to its newest
+    /// sessions (the ones a volume that rebuilt it uses).
     pub fn lost(&self) -> bool {
         self.state
             .lock()
             .domains
-            .iter()
-            .any(|d| d.lost.load(Ordering::Acquire))
+            .last()
+            .is_some_and(|d| d.lost.load(Ordering::Acquire))
     }
 
     /// The highest membership epoch presented to it.
