@@ -109,7 +109,8 @@ trap cleanup EXIT
 [[ -n "$SDPID" ]] || { echo "FAIL setup (systemd did not start)"; exit 1; }
 
 for _ in $(seq 600); do
-    [[ -S /run/systemd/private ]] && sc is-active arenad ublkd >/dev/null 2>&1 && break
+    # One unit at a time: `is-active A B` succeeds when either is active.
+    [[ -S /run/systemd/private && $(sc is-active arenad) == active && $(sc is-active ublkd) == active ]] && break
     sc is-failed arenad >/dev/null 2>&1 && break
     sc is-failed ublkd >/dev/null 2>&1 && break
     sleep 0.2
