@@ -11,7 +11,8 @@
 //!   recorded membership, the members, the one path that changes it.
 //! - [`ReplicatedIo`] (io.rs): one queue's request path.
 //! - member.rs: what the core needs of a member's sessions ([`MemberIo`]).
-//! - rebuild.rs: bringing a new member up to date ([`ReplicaSet::rebuild`]).
+//! - rebuild.rs: bringing a new member up to date ([`ReplicaSet::rebuild`]);
+//!   keys.rs: the per-key guard between its copies and the writes.
 //! - [`clock`]: time and timers on any executor.
 //!
 //! Client side: it composes client sessions and never names the server
@@ -22,6 +23,7 @@ pub mod coordinator;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod fake;
 mod io;
+mod keys;
 mod member;
 mod rebuild;
 mod set;

@@ -14,8 +14,8 @@ use parking_lot::{Mutex, RwLock};
 
 use super::clock::Clock;
 use super::coordinator::{CoordError, CoordErrorKind, Coordinator, MemberState, Membership, Swap};
+use super::keys::KeyLocks;
 use super::member::{Lane, Member, MemberIo, MemberSessions};
-use super::rebuild::KeyLocks;
 use super::ReplicatedIo;
 use crate::blob::{ArenaError, ReplicaFailure};
 
@@ -97,7 +97,7 @@ pub struct ReplicaSet<S> {
     /// earlier one.
     pub(super) members: RwLock<Vec<Arc<Member<S>>>>,
     view: RwLock<Arc<View<S>>>,
-    /// The per-key guard between rebuild copies and writes (rebuild.rs).
+    /// The per-key guard between rebuild copies and writes.
     pub(super) keys: KeyLocks,
     /// Serializes this writer's membership changes: each is conditioned
     /// on the epoch the previous one stored.
