@@ -32,11 +32,11 @@ fn mem() -> Fixture<MemTarget> {
     }
 }
 
-fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
-    let dir = tempfile::tempdir().unwrap();
+/// A store of volume "a" in `dir`, its arena 8 blobs.
+fn store(dir: &std::path::Path) -> Arc<Store> {
     let store = Store::open(
         StoreConfig {
-            dir: dir.path().to_owned(),
+            dir: dir.to_owned(),
             arena_bytes: 8 * u64::from(BLOB),
             blob_bytes: BLOB,
             swap_bytes: 64 << 20,
@@ -47,8 +47,13 @@ fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
         }],
     )
     .unwrap();
+    Arc::new(store)
+}
+
+fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
+    let dir = tempfile::tempdir().unwrap();
     Fixture {
-        target: ArenaTarget::new(InProcess::new(Arc::new(store), 0), SIZE),
+        target: ArenaTarget::new(InProcess::new(store(dir.path()), 0), SIZE),
         _dir: Some(dir),
         _peers: vec![],
     }
@@ -77,20 +82,8 @@ fn arena_replicated_in_process() -> Fixture<ArenaTarget<ReplicatedIo<LocalMember
     let dir = tempfile::tempdir().unwrap();
     let members = (0..3)
         .map(|i| {
-            let store = Store::open(
-                StoreConfig {
-                    dir: dir.path().join(i.to_string()),
-                    arena_bytes: 8 * u64::from(BLOB),
-                    blob_bytes: BLOB,
-                    swap_bytes: 64 << 20,
-                },
-                &[VolumeSpec {
-                    name: "a".into(),
-                    quota_blobs: 1 << 20,
-                }],
-            )
-            .unwrap();
-            (format!("local{i}"), local_member(&Arc::new(store), 1))
+            let store = store(&dir.path().join(i.to_string()));
+            (format!("local{i}"), local_member(&store, 1))
         })
         .collect();
     Fixture {
