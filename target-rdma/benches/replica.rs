@@ -175,8 +175,8 @@ fn main() {
                     swap_bytes: SPAN * 2,
                     quota_blobs: SPAN * 2 / MIB as u64,
                     max_inflight: 64,
-                    rdma: None,
                     volumes: vec![("bench".into(), SECRET.into())],
+                    ..PeerOpts::default()
                 },
             )
         })
