@@ -1,0 +1,4 @@
+//! Shared fixtures of the daemon's integration tests.
+#![allow(dead_code)]
+
+pub mod etcd;
