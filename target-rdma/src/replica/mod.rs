@@ -1,0 +1,23 @@
+//! Replicated volumes: one volume on N arena peers, served to the block
+//! target as one `BlobIo`, so it works over every transport and the target
+//! does not change. The rules it keeps (writes to every member, removal of
+//! a failed member in the coordination store before anything it missed is
+//! acknowledged, hedged reads from healthy members only, epochs, rebuild)
+//! are in docs/REPLICATION.md.
+//!
+//! - [`coordinator`]: what the core needs of the coordination store (etcd,
+//!   a file for single-host use, memory for tests).
+//! - [`clock`]: time and timers on any executor.
+//!
+//! Client side: it composes client sessions and never names the server
+//! side.
+
+pub mod clock;
+pub mod coordinator;
+
+pub use coordinator::{
+    CoordError, CoordErrorKind, CoordFuture, Coordinator, FileCoordinator, MemberRecord,
+    MemberState, Membership, Swap, MAX_REPLICAS,
+};
+#[cfg(any(test, feature = "test-utils"))]
+pub use coordinator::{CoordFault, MemoryCoordinator};
