@@ -9,10 +9,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::etcd::{eventually, EtcdServer};
-use ublkd::coordination::etcd::{Etcd, Expect, Swap};
-use ublkd::coordination::{
-    CoordErrorKind, Coordination, MemberRecord, MemberState, MembershipRecord, PeerRecord,
+use target_rdma::replica::{
+    CoordErrorKind as CoreKind, Coordinator, MemberRecord, MemberState, Membership,
+    Swap as CoreSwap,
 };
+use ublkd::coordination::etcd::{Etcd, Expect, Swap};
+use ublkd::coordination::{CoordErrorKind, Coordination, MembershipRecord, PeerRecord};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -21,19 +23,10 @@ fn wait<T>(f: impl std::future::Future<Output = Result<T, ublkd::coordination::C
 }
 
 fn membership(epoch: u64, peers: &[&str]) -> MembershipRecord {
-    MembershipRecord {
-        epoch,
-        size: 1 << 30,
-        members: peers
-            .iter()
-            .map(|p| MemberRecord {
-                peer: (*p).into(),
-                addr: format!("{p}:7070"),
-                state: MemberState::Healthy,
-            })
-            .collect(),
-        reason: "created".into(),
-    }
+    let peers: Vec<String> = peers.iter().map(|p| (*p).to_owned()).collect();
+    let mut m = MembershipRecord::created(&peers, 1 << 30).unwrap();
+    m.membership.epoch = epoch;
+    m
 }
 
 #[test]
@@ -56,12 +49,12 @@ fn membership_swaps_conflict_on_a_stale_revision() {
     assert_eq!(read.record, created);
     // Two writers that read the same revision: exactly one swap wins.
     let mut a = created.clone();
-    a.epoch = 2;
-    a.members[1].state = MemberState::Failed;
+    a.membership.epoch = 2;
+    a.membership.members[1].state = MemberState::Failed;
     a.reason = "member_failed".into();
     let mut b = created.clone();
-    b.epoch = 2;
-    b.members[0].state = MemberState::Failed;
+    b.membership.epoch = 2;
+    b.membership.members[0].state = MemberState::Failed;
     let ra = wait(c.swap_membership("vm1", &a, Expect::Revision(read.revision), 1));
     let rb = wait(c.swap_membership("vm1", &b, Expect::Revision(read.revision), 1));
     assert!(matches!(ra, Swap::Done(_)), "{ra:?}");
@@ -114,7 +107,7 @@ fn a_second_writer_is_refused_naming_the_holder() {
 }
 
 #[test]
-fn a_revoked_lease_ends_the_deadline_and_a_taken_volume_stays_fenced() {
+fn a_revoked_lease_fences_its_writers_for_good() {
     let etcd = EtcdServer::start();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let cfg = etcd.config();
@@ -136,14 +129,103 @@ fn a_revoked_lease_ends_the_deadline_and_a_taken_volume_stays_fenced() {
     eventually(LIMIT, "a new lease", || {
         one.writer().lease_id() != 0 && one.writer().lease_id() != old
     });
-    // The volume nobody took is ours again under the new lease; the other
-    // one is fenced: no deadline, whatever the lease does.
-    eventually(LIMIT, "kept is writable again", || {
-        kept.valid_until().is_some()
-    });
+    // Neither old writer is valid again, whatever the new lease does: a
+    // new writer is a new acquisition (a new replica set, a new epoch).
+    assert!(!kept.held() && kept.valid_until().is_none());
     assert!(!taken.held() && taken.valid_until().is_none());
+    let again = one.writer().acquire("kept").unwrap();
+    assert!(again.valid_until().is_some_and(|t| t > Instant::now()));
+    assert_eq!(
+        one.writer().acquire("taken").err().unwrap().kind(),
+        CoordErrorKind::Held
+    );
     let (_, out) = etcd.etcdctl(&["get", "/ublk/volumes/taken/writer", "--print-value-only"]);
     assert!(out.contains("\"host\":\"other\""), "{out}");
+}
+
+fn block<T>(
+    f: target_rdma::replica::CoordFuture<'_, T>,
+) -> Result<T, target_rdma::replica::CoordError> {
+    futures::executor::block_on(f)
+}
+
+#[test]
+fn the_volume_coordinator_swaps_on_the_epoch_and_stops_with_its_lease() {
+    let etcd = EtcdServer::start();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let cfg = etcd.config();
+    let one = Coordination::start(&cfg, d1.path()).unwrap();
+    let peers = ["m1".to_string(), "m2".to_string()];
+    let vol = one.open_volume("vm1", &peers, 1 << 30).unwrap();
+    let m1 = block(vol.load()).unwrap();
+    assert_eq!(m1, Membership::new_volume(&peers).unwrap());
+    assert!(vol.lease_until() > Instant::now());
+    // Two swaps from epoch 1: the first wins, the second learns the winner.
+    let mut failed = m1.clone();
+    failed.epoch = 2;
+    failed.members[1].state = MemberState::Failed;
+    let mut other = m1.clone();
+    other.epoch = 2;
+    other.members[0].state = MemberState::Failed;
+    assert_eq!(
+        block(vol.compare_and_swap(1, failed.clone())),
+        Ok(CoreSwap::Done)
+    );
+    assert_eq!(
+        block(vol.compare_and_swap(1, other)),
+        Ok(CoreSwap::Lost(failed.clone()))
+    );
+    // The reason is read from the change and counted.
+    let mut syncing = failed.clone();
+    syncing.epoch = 3;
+    syncing.members.push(MemberRecord {
+        peer: "m3".into(),
+        state: MemberState::Syncing,
+    });
+    assert_eq!(
+        block(vol.compare_and_swap(2, syncing.clone())),
+        Ok(CoreSwap::Done)
+    );
+    let (_, out) = etcd.etcdctl(&["get", "/ublk/volumes/vm1/membership", "--print-value-only"]);
+    assert!(
+        out.contains("\"reason\":\"rebuild_started\"") && out.contains("\"size\":1073741824"),
+        "{out}"
+    );
+    use ublkd::coordination::EpochReason as R;
+    let counts = one.epoch_changes();
+    assert_eq!(
+        [R::Created, R::MemberFailed, R::RebuildStarted].map(|r| counts.get(r)),
+        [1, 1, 1]
+    );
+    // A swap that does not raise the epoch is refused, never stored.
+    let e = block(vol.compare_and_swap(3, syncing.clone())).unwrap_err();
+    assert_eq!(e.kind, CoreKind::Corrupt);
+    // A restarted writer (a second open) keeps the stored record.
+    drop(vol);
+    let vol = one.open_volume("vm1", &["x".into()], 1).unwrap();
+    assert_eq!(block(vol.load()).unwrap(), syncing);
+    // The lease revoked and the volume taken by another ublkd: no more
+    // acknowledgements, and no membership change from the fenced writer.
+    let old = one.writer().lease_id();
+    let (ok, out) = etcd.etcdctl(&["lease", "revoke", &format!("{old:x}")]);
+    assert!(ok, "{out}");
+    let mut cfg2 = cfg.clone();
+    cfg2.host_id = Some("other".into());
+    let two = Coordination::start(&cfg2, d2.path()).unwrap();
+    let vol2 = two.open_volume("vm1", &[], 0).unwrap();
+    eventually(LIMIT, "the lease loss is noticed", || {
+        vol.lease_until() <= Instant::now()
+    });
+    let mut back = syncing.clone();
+    back.epoch = 4;
+    back.members[2].state = MemberState::Healthy;
+    let e = block(vol.compare_and_swap(3, back.clone())).unwrap_err();
+    assert_eq!(e.kind, CoreKind::LeaseHeld, "{e}");
+    assert_eq!(
+        block(vol2.compare_and_swap(3, back.clone())),
+        Ok(CoreSwap::Done)
+    );
+    assert_eq!(block(vol.load()).unwrap(), back);
 }
 
 #[test]

@@ -214,7 +214,7 @@ mod tests {
         let c = parsed("endpoints = [\"127.0.0.1:2379\"]").unwrap();
         assert_eq!(c.prefix, "/ublk/");
         assert_eq!(c.lease_ttl(), Duration::from_secs(10));
-        assert_eq!(c.keepalive_interval(), Duration::from_millis(3333));
+        assert_eq!(c.keepalive_interval(), Duration::from_nanos(3_333_333_333));
         assert_eq!((c.dial_timeout_ms, c.request_timeout_ms), (2000, 2000));
         assert_eq!((c.lease_margin_ms, c.max_inflight), (2000, 256));
     }

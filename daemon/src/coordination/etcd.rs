@@ -276,7 +276,21 @@ impl Etcd {
         lease: Option<i64>,
     ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
         self.call("put_if", move |mut c| async move {
-            put_if(&mut c, key, value, expect, lease).await
+            let conditions = vec![(key.clone(), expect)];
+            put_if(&mut c, key, conditions, value, lease).await
+        })
+    }
+
+    /// Puts `value` at `key` if every condition holds (each on its own
+    /// key): one transaction. A conflict reports `key` as it is now.
+    pub fn put_if_all(
+        &self,
+        key: String,
+        conditions: Vec<(String, Expect)>,
+        value: Vec<u8>,
+    ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
+        self.call("put_if", move |mut c| async move {
+            put_if(&mut c, key, conditions, value, None).await
         })
     }
 
@@ -296,17 +310,18 @@ impl Etcd {
     }
 }
 
-/// [`Etcd::put_if`]'s transaction, for tasks already on the runtime.
-pub(super) async fn put_if(
+/// The conditional put's transaction.
+async fn put_if(
     c: &mut Client,
     key: String,
+    conditions: Vec<(String, Expect)>,
     value: Vec<u8>,
-    expect: Expect,
     lease: Option<i64>,
 ) -> Result<Swap, etcd_client::Error> {
     let opts = lease.map(|id| PutOptions::new().with_lease(id));
+    let when: Vec<Compare> = conditions.iter().map(|(k, e)| e.compare(k)).collect();
     let txn = Txn::new()
-        .when([expect.compare(&key)])
+        .when(when)
         .and_then([TxnOp::put(key.clone(), value, opts)])
         .or_else([TxnOp::get(key, None)]);
     swap_outcome(c.txn(txn).await?)

@@ -13,19 +13,23 @@
 //! - [`placement`]: choosing peers for replicas and spares.
 //! - [`pool`]: the etcd-backed service the device manager uses: the pool,
 //!   memberships, placement over them.
+//! - [`volume`]: one volume's [`Coordinator`](target_rdma::replica::Coordinator)
+//!   for the replication core: its membership and its writer's deadline.
 
 pub mod config;
 pub mod etcd;
 pub mod placement;
 pub mod pool;
 pub mod records;
+pub mod volume;
 pub mod writer;
 
 use std::path::PathBuf;
 
 pub use config::EtcdConfig;
 pub use pool::Coordination;
-pub use records::{MemberRecord, MemberState, MembershipRecord, PeerRecord, WriterRecord};
+pub use records::{EpochReason, MembershipRecord, PeerRecord, WriterRecord};
+pub use volume::EtcdVolume;
 pub use writer::{VolumeWriter, WriterLease};
 
 /// What kind of failure a [`CoordError`] is.

@@ -73,7 +73,8 @@ pub fn choose(
 
 #[cfg(test)]
 mod tests {
-    use super::super::records::{MemberRecord, MemberState};
+    use target_rdma::replica::MemberState;
+
     use super::*;
 
     fn peer(id: &str, cap: u64, domain: Option<&str>) -> PeerRecord {
@@ -114,22 +115,10 @@ mod tests {
             peer("m2", 10 * G, None),
             peer("m3", 4 * G, None),
         ];
-        let vol = |size, peers: &[&str]| MembershipRecord {
-            epoch: 1,
-            size,
-            members: peers
-                .iter()
-                .map(|p| MemberRecord {
-                    peer: (*p).into(),
-                    addr: String::new(),
-                    state: MemberState::Healthy,
-                })
-                .collect(),
-            reason: "created".into(),
-        };
-        let mut removed = vol(100 * G, &["m2"]);
-        removed.members[0].state = MemberState::Removed;
-        let placed = [vol(8 * G, &["m1"]), removed];
+        let vol = |size, peer: &str| MembershipRecord::created(&[peer.into()], size).unwrap();
+        let mut removed = vol(100 * G, "m2");
+        removed.membership.members[0].state = MemberState::Removed;
+        let placed = [vol(8 * G, "m1"), removed];
         let used = used_bytes(&placed);
         assert_eq!(used.get("m1"), Some(&(8 * G)));
         assert_eq!(used.get("m2"), None, "removed members hold nothing");

@@ -11,6 +11,7 @@ use super::config::EtcdConfig;
 use super::etcd::{Etcd, Expect, Swap, Versioned};
 use super::placement;
 use super::records::{Keys, MembershipRecord, PeerRecord};
+use super::volume::{EpochChanges, EtcdVolume};
 use super::writer::WriterLease;
 use super::CoordError;
 
@@ -29,6 +30,7 @@ pub struct Coordination {
     lease: WriterLease,
     etcd: Arc<Etcd>,
     keys: Keys,
+    changes: Arc<EpochChanges>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(key: &str, v: &Versioned) -> Result<T, CoordError> {
@@ -51,12 +53,53 @@ impl Coordination {
             keys: Keys::new(etcd.prefix()),
             etcd,
             lease,
+            changes: Arc::default(),
         })
     }
 
     /// The writer lease.
     pub fn writer(&self) -> &WriterLease {
         &self.lease
+    }
+
+    /// Epoch changes made by this ublkd, by reason.
+    pub fn epoch_changes(&self) -> &EpochChanges {
+        &self.changes
+    }
+
+    /// Takes `volume`'s writer key and returns its coordinator for the
+    /// replication core. A volume etcd does not know yet is created on
+    /// `peers` (epoch 1, `size` bytes); a known one keeps its stored
+    /// membership, which is authoritative after a restart or a move, and
+    /// `peers` is then ignored.
+    pub fn open_volume(
+        &self,
+        volume: &str,
+        peers: &[String],
+        size: u64,
+    ) -> Result<EtcdVolume, CoordError> {
+        let writer = self.lease.acquire(volume)?;
+        let key = self.keys.membership(volume);
+        if Etcd::wait(self.etcd.get(key.clone()))?.is_none() {
+            let record = MembershipRecord::created(peers, size)
+                .map_err(|e| CoordError::Invalid(format!("volume {volume:?}: {e}")))?;
+            if let Swap::Done(_) =
+                Etcd::wait(
+                    self.etcd
+                        .put_if(key.clone(), json(&record), Expect::Absent, None),
+                )?
+            {
+                self.changes.record(super::EpochReason::Created);
+                tracing::info!(event = "membership.created", volume, membership = %record.membership);
+            }
+        }
+        Ok(EtcdVolume::new(
+            Arc::clone(&self.etcd),
+            key,
+            self.keys.writer(volume),
+            writer,
+            Arc::clone(&self.changes),
+        ))
     }
 
     /// The etcd connection.
@@ -176,12 +219,13 @@ impl Coordination {
         expect: Expect,
         previous_epoch: u64,
     ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
-        let refused = (record.epoch <= previous_epoch && expect != Expect::Absent).then(|| {
-            CoordError::Invalid(format!(
-                "membership epoch must rise: {} -> {}",
-                previous_epoch, record.epoch
-            ))
-        });
+        let refused =
+            (record.membership.epoch <= previous_epoch && expect != Expect::Absent).then(|| {
+                CoordError::Invalid(format!(
+                    "membership epoch must rise: {} -> {}",
+                    previous_epoch, record.membership.epoch
+                ))
+            });
         let put = self
             .etcd
             .put_if(self.keys.membership(volume), json(record), expect, None);
@@ -208,7 +252,12 @@ impl Coordination {
         let pool = self.peers()?;
         let placed = self.memberships()?;
         let used = placement::used_bytes(placed.iter().map(|(_, m)| &m.record));
-        let members: BTreeSet<String> = membership.members.iter().map(|m| m.peer.clone()).collect();
+        let members: BTreeSet<String> = membership
+            .membership
+            .members
+            .iter()
+            .map(|m| m.peer.clone())
+            .collect();
         let domains: BTreeSet<String> = membership
             .placed()
             .filter_map(|m| pool.iter().find(|p| p.id == m.peer))

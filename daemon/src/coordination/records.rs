@@ -5,7 +5,7 @@
 //!
 //! | key | value | written |
 //! |---|---|---|
-//! | `<prefix>volumes/<volume>/membership` | [`MembershipRecord`]: epoch, members and their states | compare-and-swap on the key's `mod_revision` (created only if absent) |
+//! | `<prefix>volumes/<volume>/membership` | [`MembershipRecord`]: epoch, members (peer id or `host:port`) and their states, size, reason | compare-and-swap on the key's `mod_revision` (created only if absent) |
 //! | `<prefix>volumes/<volume>/writer` | [`WriterRecord`]: the ublkd serving the volume | created only if absent, bound to that ublkd's etcd lease |
 //! | `<prefix>peers/<peer id>` | [`PeerRecord`]: address, capacity, failure domain | `ublkctl peer add` / `del` (or `etcdctl put`) |
 
@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+use target_rdma::replica::{MemberRecord, MemberState, Membership};
 
 /// The keys of one prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -156,51 +157,101 @@ impl std::fmt::Display for WriterRecord {
     }
 }
 
-/// A member's state in a volume's membership.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemberState {
-    /// Holds every acknowledged write; reads may be served from it.
-    Healthy,
-    /// Being rebuilt: gets every new write, serves no read.
-    Syncing,
-    /// Left the membership after a failure; its data is stale.
-    Failed,
-    /// Taken out on purpose.
-    Removed,
-}
-
-/// One member of a volume.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MemberRecord {
-    /// Peer id (the placement pool's) or, without a pool, its address.
-    pub peer: String,
-    /// `host:port` of its arenad.
-    pub addr: String,
-    /// Its state.
-    pub state: MemberState,
-}
-
-/// A volume's membership at one epoch.
+/// A volume's record in etcd: the membership the replication core reads
+/// and swaps (part A's [`Membership`], stored as is, so `etcdctl get`
+/// shows the same JSON the file coordinator writes), plus what placement
+/// and operators need beside it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MembershipRecord {
-    /// Raised by every change; peers refuse writers of an older one.
-    pub epoch: u64,
+    /// Epoch and members.
+    #[serde(flatten)]
+    pub membership: Membership,
     /// Bytes of the volume, for placement's accounting of peer capacity.
     pub size: u64,
-    /// The members, in placement order.
-    pub members: Vec<MemberRecord>,
-    /// Why the last change was made (`created`, `member_failed`,
-    /// `member_rebuilt`, `writer_changed`, ...).
+    /// Why the last change was made (an [`EpochReason`] name).
     pub reason: String,
 }
 
 impl MembershipRecord {
+    /// A new volume of `size` bytes on `peers`, all healthy, at epoch 1.
+    pub fn created(peers: &[String], size: u64) -> Result<Self, String> {
+        Ok(Self {
+            membership: Membership::new_volume(peers)?,
+            size,
+            reason: EpochReason::Created.name().into(),
+        })
+    }
+
     /// Members that hold a copy placement must account for (not removed).
     pub fn placed(&self) -> impl Iterator<Item = &MemberRecord> {
-        self.members
+        self.membership
+            .members
             .iter()
             .filter(|m| m.state != MemberState::Removed)
+    }
+}
+
+/// Why a membership's epoch moved: the closed label set of the
+/// `epoch changes` metric and the `reason` of the stored record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EpochReason {
+    /// The volume was created.
+    Created,
+    /// A member left after a failure.
+    MemberFailed,
+    /// A member (new or returning) started its rebuild.
+    RebuildStarted,
+    /// A syncing member caught up and became healthy.
+    MemberRebuilt,
+    /// A member was taken out on purpose.
+    MemberRemoved,
+    /// A new writer took the volume (same members, a new epoch).
+    WriterChanged,
+}
+
+impl EpochReason {
+    /// Every reason, for metrics registration.
+    pub const ALL: [Self; 6] = [
+        Self::Created,
+        Self::MemberFailed,
+        Self::RebuildStarted,
+        Self::MemberRebuilt,
+        Self::MemberRemoved,
+        Self::WriterChanged,
+    ];
+
+    /// Stable snake_case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Created => "created",
+            Self::MemberFailed => "member_failed",
+            Self::RebuildStarted => "rebuild_started",
+            Self::MemberRebuilt => "member_rebuilt",
+            Self::MemberRemoved => "member_removed",
+            Self::WriterChanged => "writer_changed",
+        }
+    }
+
+    /// Why `old` became `new`, read from the members' states (the core's
+    /// swap says only what, not why). A failure outranks a rebuild in the
+    /// same change: it is what an operator must look at.
+    pub fn of_change(old: &Membership, new: &Membership) -> Self {
+        let moved = |to: MemberState| {
+            new.members
+                .iter()
+                .any(|m| m.state == to && old.state(&m.peer) != Some(to))
+        };
+        if moved(MemberState::Failed) {
+            Self::MemberFailed
+        } else if moved(MemberState::Removed) {
+            Self::MemberRemoved
+        } else if moved(MemberState::Syncing) {
+            Self::RebuildStarted
+        } else if moved(MemberState::Healthy) {
+            Self::MemberRebuilt
+        } else {
+            Self::WriterChanged
+        }
     }
 }
 
@@ -241,5 +292,48 @@ mod tests {
             json,
             r#"{"id":"mem1","addr":"10.0.0.5:7070","capacity":1073741824}"#
         );
+    }
+
+    #[test]
+    fn the_reason_is_read_from_the_states_that_moved() {
+        let peers = ["a".to_string(), "b".to_string()];
+        let base = Membership::new_volume(&peers).unwrap();
+        let with = |f: &dyn Fn(&mut Membership)| {
+            let mut m = base.clone();
+            m.epoch += 1;
+            f(&mut m);
+            m
+        };
+        let of = |m: &Membership| EpochReason::of_change(&base, m);
+        let failed = with(&|m| m.members[1].state = MemberState::Failed);
+        assert_eq!(of(&failed), EpochReason::MemberFailed);
+        let removed = with(&|m| m.members[1].state = MemberState::Removed);
+        assert_eq!(of(&removed), EpochReason::MemberRemoved);
+        let spare = with(&|m| {
+            m.members[1].state = MemberState::Failed;
+            m.members.push(MemberRecord {
+                peer: "c".into(),
+                state: MemberState::Syncing,
+            });
+        });
+        assert_eq!(of(&spare), EpochReason::MemberFailed, "a failure outranks");
+        let mut syncing = spare.clone();
+        syncing.members[1].state = MemberState::Removed;
+        assert_eq!(
+            EpochReason::of_change(&spare, &syncing),
+            EpochReason::MemberRemoved
+        );
+        let mut rebuilt = syncing.clone();
+        rebuilt.members[2].state = MemberState::Healthy;
+        assert_eq!(
+            EpochReason::of_change(&syncing, &rebuilt),
+            EpochReason::MemberRebuilt
+        );
+        assert_eq!(of(&with(&|_| {})), EpochReason::WriterChanged);
+        let names: Vec<&str> = EpochReason::ALL.iter().map(|r| r.name()).collect();
+        assert_eq!(names.len(), 6);
+        assert!(names
+            .iter()
+            .all(|n| n.chars().all(|c| c.is_ascii_lowercase() || c == '_')));
     }
 }

@@ -12,10 +12,13 @@
 //! the TTL (etcd counts from when it received it, later) minus
 //! `etcd.lease_margin_ms` for clock drift. A lease etcd no longer knows
 //! (expired, or revoked with `etcdctl lease revoke`) ends that deadline at
-//! once; the keepalive task then grants a new lease and re-creates the
-//! writer keys that are still absent. A key another ublkd took meanwhile
-//! stays lost: that volume's writer is fenced for good (`ublkctl recover`
-//! after the other writer let go).
+//! once and fences every [`VolumeWriter`] of it for good: a write the old
+//! lease did not cover may have been refused by peers that a new writer
+//! already moved to a new epoch, so a writer cannot silently become valid
+//! again (the replication core's contract). The keepalive task grants a
+//! new lease for what is acquired next; the device manager re-acquires
+//! the volume, which is a new writer with a new replica set and epoch, or
+//! is refused if another ublkd took it meanwhile.
 //!
 //! The lease id is kept in `<state_dir>/writer-lease`, which this process
 //! holds locked: a ublkd restarted after a crash adopts its predecessor's
@@ -36,7 +39,7 @@ use parking_lot::Mutex;
 use rustix::fs::{flock, FlockOperation};
 
 use super::config::EtcdConfig;
-use super::etcd::{self, Etcd, Expect, Swap};
+use super::etcd::{Etcd, Expect, Swap};
 use super::records::{unix_now, Keys, WriterRecord};
 use super::CoordError;
 
@@ -96,6 +99,8 @@ impl Shared {
 /// This ublkd's hold on one volume.
 pub struct VolumeWriter {
     volume: String,
+    /// The etcd lease the writer key was created under.
+    lease: i64,
     held: AtomicBool,
     shared: Arc<Shared>,
 }
@@ -109,6 +114,11 @@ impl VolumeWriter {
             return None;
         }
         self.shared.valid_until()
+    }
+
+    /// The etcd lease the writer key is bound to, `None` once fenced.
+    pub fn lease_id(&self) -> Option<i64> {
+        self.held().then_some(self.lease)
     }
 
     /// Whether the writer key is ours (the lease may still have lapsed).
@@ -303,6 +313,7 @@ impl WriterLease {
                 None => {
                     let v = Arc::new(VolumeWriter {
                         volume: volume.to_owned(),
+                        lease,
                         held: AtomicBool::new(true),
                         shared: Arc::clone(&self.shared),
                     });
@@ -385,7 +396,12 @@ async fn keepalive(client: Client, shared: Arc<Shared>, interval: Duration, time
                 shared.valid_until.store(0, Ordering::Release);
                 shared.lease.store(0, Ordering::Release);
                 shared.lost.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(event = "writer.lease_lost", lease = id);
+                let fenced = std::mem::take(&mut *shared.volumes.lock());
+                for v in fenced.values() {
+                    v.held.store(false, Ordering::Release);
+                    tracing::error!(event = "writer.fenced", volume = %v.volume, lease = id,
+                        "the writer lease is gone: writes are no longer acknowledged");
+                }
                 regrant(&client, &shared, timeout).await;
             }
             // etcd unreachable or slow: the deadline is not moved, so it
@@ -397,62 +413,22 @@ async fn keepalive(client: Client, shared: Arc<Shared>, interval: Duration, time
     }
 }
 
-/// A new lease after the old one was found gone, and the writer keys that
-/// nobody else took meanwhile.
+/// A new lease after the old one was found gone, for the writers acquired
+/// from now on.
 async fn regrant(client: &Client, shared: &Shared, timeout: Duration) {
     let ttl_secs = shared.ttl.as_secs() as i64;
-    let me = serde_json::to_vec(&shared.me).unwrap_or_default();
     loop {
         let sent = Instant::now();
         let mut c = client.clone();
-        let granted = tokio::time::timeout(timeout, c.lease_grant(ttl_secs, None)).await;
-        let id = match granted {
-            Ok(Ok(r)) => r.id(),
-            _ => {
-                tokio::time::sleep(shared.ttl / 3).await;
-                continue;
+        match tokio::time::timeout(timeout, c.lease_grant(ttl_secs, None)).await {
+            Ok(Ok(r)) => {
+                shared.persist(r.id());
+                shared.lease.store(r.id(), Ordering::Release);
+                shared.extend_from(sent);
+                tracing::info!(event = "writer.lease_granted", lease = r.id(), ttl_secs);
+                return;
             }
-        };
-        shared.persist(id);
-        shared.lease.store(id, Ordering::Release);
-        let volumes: Vec<Arc<VolumeWriter>> = shared.volumes.lock().values().cloned().collect();
-        for v in volumes {
-            let held = retake(&mut c, shared, &v.volume, &me, id, timeout).await;
-            v.held.store(held, Ordering::Release);
-            if held {
-                tracing::info!(event = "writer.reacquired", volume = %v.volume, lease = id);
-            } else {
-                tracing::error!(event = "writer.fenced", volume = %v.volume,
-                    "another ublkd took the volume's writer key: writes are no longer acknowledged");
-            }
-        }
-        shared.extend_from(sent);
-        return;
-    }
-}
-
-/// Re-creates one writer key under the new lease, retrying while etcd does
-/// not answer; `false` when another ublkd holds it.
-async fn retake(
-    c: &mut Client,
-    shared: &Shared,
-    volume: &str,
-    me: &[u8],
-    id: i64,
-    timeout: Duration,
-) -> bool {
-    loop {
-        let key = shared.keys.writer(volume);
-        let r = tokio::time::timeout(
-            timeout,
-            etcd::put_if(c, key, me.to_vec(), Expect::Absent, Some(id)),
-        )
-        .await;
-        match r {
-            Ok(Ok(Swap::Done(_))) => return true,
-            Ok(Ok(Swap::Conflict(Some(cur)))) => return cur.lease == id,
-            Ok(Ok(Swap::Conflict(None))) => {}
-            Ok(Err(_)) | Err(_) => tokio::time::sleep(shared.ttl / 3).await,
+            _ => tokio::time::sleep(shared.ttl / 3).await,
         }
     }
 }
