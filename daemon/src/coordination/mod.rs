@@ -13,6 +13,8 @@
 //! - [`placement`]: choosing peers for replicas and spares.
 //! - [`pool`]: the etcd-backed service the device manager uses: the pool,
 //!   memberships, placement over them.
+//! - [`slot`]: the service as the daemon holds it, started in the
+//!   background.
 //! - [`volume`]: one volume's [`Coordinator`](target_rdma::replica::Coordinator)
 //!   for the replication core: its membership and its writer's deadline.
 
@@ -21,6 +23,7 @@ pub mod etcd;
 pub mod placement;
 pub mod pool;
 pub mod records;
+pub mod slot;
 pub mod volume;
 pub mod writer;
 
@@ -29,6 +32,7 @@ use std::path::PathBuf;
 pub use config::EtcdConfig;
 pub use pool::Coordination;
 pub use records::{EpochReason, MembershipRecord, PeerRecord, WriterRecord};
+pub use slot::CoordinationSlot;
 pub use volume::EtcdVolume;
 pub use writer::{VolumeWriter, WriterLease};
 

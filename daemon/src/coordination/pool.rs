@@ -121,6 +121,20 @@ impl Coordination {
             .collect()
     }
 
+    /// The registered peers with the bytes placed on each.
+    pub fn peer_usage(&self) -> Result<Vec<(PeerRecord, u64)>, CoordError> {
+        let pool = self.peers()?;
+        let placed = self.memberships()?;
+        let used = placement::used_bytes(placed.iter().map(|(_, m)| &m.record));
+        Ok(pool
+            .into_iter()
+            .map(|p| {
+                let u = used.get(&p.id).copied().unwrap_or(0);
+                (p, u)
+            })
+            .collect())
+    }
+
     /// Registers a peer; an id already registered is refused.
     pub fn add_peer(&self, p: &PeerRecord) -> Result<(), CoordError> {
         p.validate().map_err(CoordError::Invalid)?;

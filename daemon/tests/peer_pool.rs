@@ -1,0 +1,153 @@
+//! `ublkctl peer` end to end, without the ublk kernel module: the real
+//! `ublkd` binary configured with `[etcd]` against a real etcd on loopback,
+//! and the real `ublkctl` registering, listing and unregistering arena
+//! peers; the records are the documented keys `etcdctl` reads. A ublkd
+//! without `[etcd]` refuses the commands naming the missing section.
+
+mod common;
+
+use std::process::{Child, Command, Output};
+use std::time::Duration;
+
+use common::etcd::{eventually, EtcdServer};
+use ublk_metrics::testing::spawn_with_log_lines;
+
+struct Ublkd(Child);
+
+impl Drop for Ublkd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_ublkd(dir: &std::path::Path, extra: &str) -> Ublkd {
+    let cfg = dir.join("ublkd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{}\"\nsocket = \"{}\"\n{extra}",
+            dir.join("state").display(),
+            dir.join("ublkd.sock").display()
+        ),
+    )
+    .unwrap();
+    let (child, rx) = spawn_with_log_lines(
+        Command::new(env!("CARGO_BIN_EXE_ublkd"))
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info"),
+    );
+    let daemon = Ublkd(child);
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("ublkd logs its start (or exited)");
+        if line.contains("ublkd.ready") {
+            return daemon;
+        }
+    }
+}
+
+fn ublkctl(dir: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ublkctl"))
+        .arg("--socket")
+        .arg(dir.join("ublkd.sock"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn peers_are_registered_listed_and_removed_through_ublkd() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let _d = start_ublkd(
+        dir.path(),
+        &format!(
+            "[etcd]\nendpoints = [\"{}\"]\nhost_id = \"h1\"\n",
+            etcd.endpoint()
+        ),
+    );
+    // The connection starts in the background: wait for it.
+    eventually(Duration::from_secs(30), "ublkd reaches etcd", || {
+        ublkctl(dir.path(), &["peer", "list"]).status.success()
+    });
+    let add = |id: &str, dom: &str| {
+        ublkctl(
+            dir.path(),
+            &[
+                "peer",
+                "add",
+                "--id",
+                id,
+                "--addr",
+                "10.0.0.7:7070",
+                "--capacity",
+                "64G",
+                "--failure-domain",
+                dom,
+            ],
+        )
+    };
+    let o = add("mem1", "rack-a");
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(add("mem2", "rack-b").status.success());
+    let o = add("mem1", "rack-c");
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("peer \"mem1\" is already registered"),
+        "{}",
+        text(&o)
+    );
+    let o = ublkctl(dir.path(), &["peer", "list"]);
+    let out = text(&o);
+    assert!(
+        out.contains("mem1") && out.contains("rack-b") && out.contains("64G"),
+        "{out}"
+    );
+    let o = ublkctl(dir.path(), &["--json", "peer", "list"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["peers"][1]["id"], "mem2");
+    assert_eq!(v["peers"][1]["used"], 0);
+    let (ok, out) = etcd.etcdctl(&["get", "/ublk/peers/mem2", "--print-value-only"]);
+    assert!(ok && out.contains("\"failure_domain\":\"rack-b\""), "{out}");
+    let o = ublkctl(dir.path(), &["peer", "del", "mem1"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = ublkctl(dir.path(), &["peer", "del", "mem1"]);
+    assert!(
+        text(&o).contains("no peer \"mem1\" is registered"),
+        "{}",
+        text(&o)
+    );
+    let o = ublkctl(dir.path(), &["--json", "peer", "list"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["peers"].as_array().unwrap().len(), 1);
+    // The writer lease is this ublkd's: its id is in the state dir.
+    assert!(dir.path().join("state/writer-lease").exists());
+}
+
+#[test]
+fn without_etcd_the_peer_commands_name_the_missing_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let _d = start_ublkd(dir.path(), "");
+    let o = ublkctl(dir.path(), &["--json", "peer", "list"]);
+    assert!(!o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["error"]["kind"], "bad_request");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no [etcd] section"),
+        "{v}"
+    );
+}
