@@ -1,8 +1,10 @@
 //! `ublkctl peer` end to end, without the ublk kernel module: the real
 //! `ublkd` binary configured with `[etcd]` against a real etcd on loopback,
 //! and the real `ublkctl` registering, listing and unregistering arena
-//! peers; the records are the documented keys `etcdctl` reads. A ublkd
-//! without `[etcd]` refuses the commands naming the missing section.
+//! peers; the records are the documented keys `etcdctl` reads. The
+//! coordination metrics show the writer lease valid, and a revoked lease
+//! counted lost and replaced. A ublkd without `[etcd]` refuses the
+//! commands naming the missing section and exports no such family.
 
 mod common;
 
@@ -10,7 +12,7 @@ use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 use common::etcd::{eventually, EtcdServer};
-use ublk_metrics::testing::spawn_with_log_lines;
+use ublk_metrics::testing::{addr_after, http_get, spawn_with_log_lines};
 
 struct Ublkd(Child);
 
@@ -21,12 +23,13 @@ impl Drop for Ublkd {
     }
 }
 
-fn start_ublkd(dir: &std::path::Path, extra: &str) -> Ublkd {
+/// Starts ublkd with `extra` config; returns it and its metrics address.
+fn start_ublkd(dir: &std::path::Path, extra: &str) -> (Ublkd, String) {
     let cfg = dir.join("ublkd.toml");
     std::fs::write(
         &cfg,
         format!(
-            "state_dir = \"{}\"\nsocket = \"{}\"\n{extra}",
+            "state_dir = \"{}\"\nsocket = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n{extra}",
             dir.join("state").display(),
             dir.join("ublkd.sock").display()
         ),
@@ -39,12 +42,17 @@ fn start_ublkd(dir: &std::path::Path, extra: &str) -> Ublkd {
             .env("RUST_LOG", "info"),
     );
     let daemon = Ublkd(child);
+    let mut metrics = None;
     loop {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("ublkd logs its start (or exited)");
+        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
         if line.contains("ublkd.ready") {
-            return daemon;
+            return (
+                daemon,
+                metrics.expect("metrics.listening before ublkd.ready"),
+            );
         }
     }
 }
@@ -70,7 +78,7 @@ fn text(o: &Output) -> String {
 fn peers_are_registered_listed_and_removed_through_ublkd() {
     let etcd = EtcdServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let _d = start_ublkd(
+    let (_d, metrics) = start_ublkd(
         dir.path(),
         &format!(
             "[etcd]\nendpoints = [\"{}\"]\nhost_id = \"h1\"\n",
@@ -131,14 +139,47 @@ fn peers_are_registered_listed_and_removed_through_ublkd() {
     let o = ublkctl(dir.path(), &["--json", "peer", "list"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["peers"].as_array().unwrap().len(), 1);
-    // The writer lease is this ublkd's: its id is in the state dir.
-    assert!(dir.path().join("state/writer-lease").exists());
+    // The writer lease is this ublkd's: its id is in the state dir, and
+    // the metrics say it is valid; revoked, it is counted lost and a new
+    // one is taken.
+    let scrape = || http_get(&metrics, "/metrics").1;
+    let has = |body: &str, sample: &str| body.lines().any(|l| l == sample);
+    let body = scrape();
+    assert!(has(&body, "ublk_writer_lease_valid 1"), "{body}");
+    assert!(has(&body, "ublk_writer_leases_lost_total 0"), "{body}");
+    assert!(
+        has(
+            &body,
+            "ublk_membership_epoch_changes_total{reason=\"created\"} 0"
+        ),
+        "{body}"
+    );
+    let lease: i64 = std::fs::read_to_string(dir.path().join("state/writer-lease"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let (ok, out) = etcd.etcdctl(&["lease", "revoke", &format!("{lease:x}")]);
+    assert!(ok, "{out}");
+    eventually(Duration::from_secs(30), "the loss is counted", || {
+        has(&scrape(), "ublk_writer_leases_lost_total 1")
+    });
+    eventually(Duration::from_secs(30), "a new lease is valid", || {
+        has(&scrape(), "ublk_writer_lease_valid 1")
+    });
+    let renewed = std::fs::read_to_string(dir.path().join("state/writer-lease")).unwrap();
+    assert_ne!(renewed.trim(), lease.to_string());
 }
 
 #[test]
 fn without_etcd_the_peer_commands_name_the_missing_section() {
     let dir = tempfile::tempdir().unwrap();
-    let _d = start_ublkd(dir.path(), "");
+    let (_d, metrics) = start_ublkd(dir.path(), "");
+    let (_, body) = http_get(&metrics, "/metrics");
+    assert!(
+        !body.contains("ublk_writer_lease_valid"),
+        "no [etcd], no family"
+    );
     let o = ublkctl(dir.path(), &["--json", "peer", "list"]);
     assert!(!o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

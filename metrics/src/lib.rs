@@ -16,6 +16,7 @@
 pub mod accounting;
 pub mod arenad;
 pub mod clock;
+pub mod coordination;
 pub mod correlation;
 pub mod device_io;
 pub mod driver;
@@ -37,6 +38,7 @@ pub use arenad::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, IntegrityCheck, ProtocolErrorClass, SlotState,
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use coordination::{CoordinationMetrics, CoordinationStats, EpochReason};
 pub use correlation::CorrelationId;
 pub use device_io::IoMetrics;
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};

@@ -31,8 +31,9 @@ use std::path::PathBuf;
 
 pub use config::EtcdConfig;
 pub use pool::Coordination;
-pub use records::{EpochReason, MembershipRecord, PeerRecord, WriterRecord};
+pub use records::{MembershipRecord, PeerRecord, WriterRecord};
 pub use slot::CoordinationSlot;
+pub use ublk_metrics::EpochReason;
 pub use volume::EtcdVolume;
 pub use writer::{VolumeWriter, WriterLease};
 

@@ -14,6 +14,7 @@ use super::records::{Keys, MembershipRecord, PeerRecord};
 use super::volume::{EpochChanges, EtcdVolume};
 use super::writer::WriterLease;
 use super::CoordError;
+use ublk_metrics::CoordinationStats;
 
 /// A membership as read, with the revision a swap must be conditioned on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,6 +66,18 @@ impl Coordination {
     /// Epoch changes made by this ublkd, by reason.
     pub fn epoch_changes(&self) -> &EpochChanges {
         &self.changes
+    }
+
+    /// What the coordination metrics export.
+    pub fn stats(&self) -> CoordinationStats {
+        CoordinationStats {
+            epoch_changes: self.changes.all(),
+            leases_lost: self.lease.leases_lost(),
+            lease_valid: self
+                .lease
+                .valid_until()
+                .is_some_and(|t| t > std::time::Instant::now()),
+        }
     }
 
     /// Takes `volume`'s writer key and returns its coordinator for the

@@ -14,6 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use target_rdma::replica::{MemberRecord, MemberState, Membership};
+use ublk_metrics::EpochReason;
 
 /// The keys of one prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -168,7 +169,7 @@ pub struct MembershipRecord {
     pub membership: Membership,
     /// Bytes of the volume, for placement's accounting of peer capacity.
     pub size: u64,
-    /// Why the last change was made (an [`EpochReason`] name).
+    /// Why the last change was made (an [`EpochReason`] label).
     pub reason: String,
 }
 
@@ -178,7 +179,7 @@ impl MembershipRecord {
         Ok(Self {
             membership: Membership::new_volume(peers)?,
             size,
-            reason: EpochReason::Created.name().into(),
+            reason: EpochReason::Created.as_str().into(),
         })
     }
 
@@ -191,67 +192,25 @@ impl MembershipRecord {
     }
 }
 
-/// Why a membership's epoch moved: the closed label set of the
-/// `epoch changes` metric and the `reason` of the stored record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum EpochReason {
-    /// The volume was created.
-    Created,
-    /// A member left after a failure.
-    MemberFailed,
-    /// A member (new or returning) started its rebuild.
-    RebuildStarted,
-    /// A syncing member caught up and became healthy.
-    MemberRebuilt,
-    /// A member was taken out on purpose.
-    MemberRemoved,
-    /// A new writer took the volume (same members, a new epoch).
-    WriterChanged,
-}
-
-impl EpochReason {
-    /// Every reason, for metrics registration.
-    pub const ALL: [Self; 6] = [
-        Self::Created,
-        Self::MemberFailed,
-        Self::RebuildStarted,
-        Self::MemberRebuilt,
-        Self::MemberRemoved,
-        Self::WriterChanged,
-    ];
-
-    /// Stable snake_case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Created => "created",
-            Self::MemberFailed => "member_failed",
-            Self::RebuildStarted => "rebuild_started",
-            Self::MemberRebuilt => "member_rebuilt",
-            Self::MemberRemoved => "member_removed",
-            Self::WriterChanged => "writer_changed",
-        }
-    }
-
-    /// Why `old` became `new`, read from the members' states (the core's
-    /// swap says only what, not why). A failure outranks a rebuild in the
-    /// same change: it is what an operator must look at.
-    pub fn of_change(old: &Membership, new: &Membership) -> Self {
-        let moved = |to: MemberState| {
-            new.members
-                .iter()
-                .any(|m| m.state == to && old.state(&m.peer) != Some(to))
-        };
-        if moved(MemberState::Failed) {
-            Self::MemberFailed
-        } else if moved(MemberState::Removed) {
-            Self::MemberRemoved
-        } else if moved(MemberState::Syncing) {
-            Self::RebuildStarted
-        } else if moved(MemberState::Healthy) {
-            Self::MemberRebuilt
-        } else {
-            Self::WriterChanged
-        }
+/// Why `old` became `new`, read from the members' states (the core's swap
+/// says only what, not why). A failure outranks a rebuild in the same
+/// change: it is what an operator must look at.
+pub fn reason_of_change(old: &Membership, new: &Membership) -> EpochReason {
+    let moved = |to: MemberState| {
+        new.members
+            .iter()
+            .any(|m| m.state == to && old.state(&m.peer) != Some(to))
+    };
+    if moved(MemberState::Failed) {
+        EpochReason::MemberFailed
+    } else if moved(MemberState::Removed) {
+        EpochReason::MemberRemoved
+    } else if moved(MemberState::Syncing) {
+        EpochReason::RebuildStarted
+    } else if moved(MemberState::Healthy) {
+        EpochReason::MemberRebuilt
+    } else {
+        EpochReason::WriterChanged
     }
 }
 
@@ -304,7 +263,7 @@ mod tests {
             f(&mut m);
             m
         };
-        let of = |m: &Membership| EpochReason::of_change(&base, m);
+        let of = |m: &Membership| reason_of_change(&base, m);
         let failed = with(&|m| m.members[1].state = MemberState::Failed);
         assert_eq!(of(&failed), EpochReason::MemberFailed);
         let removed = with(&|m| m.members[1].state = MemberState::Removed);
@@ -320,20 +279,15 @@ mod tests {
         let mut syncing = spare.clone();
         syncing.members[1].state = MemberState::Removed;
         assert_eq!(
-            EpochReason::of_change(&spare, &syncing),
+            reason_of_change(&spare, &syncing),
             EpochReason::MemberRemoved
         );
         let mut rebuilt = syncing.clone();
         rebuilt.members[2].state = MemberState::Healthy;
         assert_eq!(
-            EpochReason::of_change(&syncing, &rebuilt),
+            reason_of_change(&syncing, &rebuilt),
             EpochReason::MemberRebuilt
         );
         assert_eq!(of(&with(&|_| {})), EpochReason::WriterChanged);
-        let names: Vec<&str> = EpochReason::ALL.iter().map(|r| r.name()).collect();
-        assert_eq!(names.len(), 6);
-        assert!(names
-            .iter()
-            .all(|n| n.chars().all(|c| c.is_ascii_lowercase() || c == '_')));
     }
 }

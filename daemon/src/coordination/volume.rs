@@ -19,9 +19,10 @@ use target_rdma::replica::{
 };
 
 use super::etcd::{Etcd, Expect, Swap, Versioned};
-use super::records::{EpochReason, MembershipRecord};
+use super::records::{reason_of_change, MembershipRecord};
 use super::writer::VolumeWriter;
 use super::{CoordError, CoordErrorKind};
+use ublk_metrics::EpochReason;
 
 impl From<CoordError> for CoreError {
     fn from(e: CoordError) -> Self {
@@ -40,17 +41,22 @@ impl From<CoordError> for CoreError {
 /// Epoch changes this ublkd made, by [`EpochReason`] (the
 /// `ublk_membership_epoch_changes_total` family's source).
 #[derive(Debug, Default)]
-pub struct EpochChanges([AtomicU64; EpochReason::ALL.len()]);
+pub struct EpochChanges([AtomicU64; EpochReason::COUNT]);
 
 impl EpochChanges {
     /// Counts one change.
     pub fn record(&self, reason: EpochReason) {
-        self.0[reason as usize].fetch_add(1, Ordering::Relaxed);
+        self.0[reason.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Changes made for `reason`.
     pub fn get(&self, reason: EpochReason) -> u64 {
-        self.0[reason as usize].load(Ordering::Relaxed)
+        self.0[reason.index()].load(Ordering::Relaxed)
+    }
+
+    /// Every count, by [`EpochReason::index`].
+    pub fn all(&self) -> [u64; EpochReason::COUNT] {
+        EpochReason::ALL.map(|r| self.get(r))
     }
 }
 
@@ -126,11 +132,11 @@ impl EtcdVolume {
             return Ok(CoreSwap::Lost(current.membership));
         }
         let lease = self.writer.lease_id().ok_or_else(|| self.fenced())?;
-        let reason = EpochReason::of_change(&current.membership, &next);
+        let reason = reason_of_change(&current.membership, &next);
         let record = MembershipRecord {
             membership: next,
             size: current.size,
-            reason: reason.name().into(),
+            reason: reason.as_str().into(),
         };
         let value = serde_json::to_vec(&record).unwrap_or_default();
         let conditions = vec![
@@ -144,7 +150,7 @@ impl EtcdVolume {
             Swap::Done(_) => {
                 self.changes.record(reason);
                 tracing::info!(event = "membership.changed", volume = %self.volume,
-                    membership = %record.membership, reason = reason.name());
+                    membership = %record.membership, reason = reason.as_str());
                 Ok(CoreSwap::Done)
             }
             Swap::Conflict(Some(now)) if now.mod_revision != revision => Ok(CoreSwap::Lost(
