@@ -160,12 +160,19 @@ impl ArenaClient {
             .map(|c| c.epoch)
     }
 
-    /// Counts an acknowledged write (inline WRITE, COMMIT, REMOVE, or one
-    /// another data path made, such as RDMA into a leased slot), so that a
-    /// peer restart before the next FLUSH makes that FLUSH fail instead of
+    /// Counts a write another data path made (RDMA into a leased slot;
+    /// inline WRITE, COMMIT and REMOVE count themselves), so that a peer
+    /// restart before the next FLUSH makes that FLUSH fail instead of
     /// claiming durability.
     pub fn record_acknowledged_write(&self) {
         self.shared.cfg.flush_domain.acknowledged();
+    }
+
+    /// Whether the peer ever restarted and lost writes acknowledged through
+    /// this client's [`FlushDomain`]: its data is older than what was
+    /// acknowledged.
+    pub fn lost_writes(&self) -> bool {
+        self.shared.cfg.flush_domain.lost()
     }
 
     /// Exchanges QP endpoints on the current connection (RAIL_CONNECT);
@@ -321,8 +328,21 @@ impl ArenaClient {
         if let Err(e) = sent {
             conn.kill(peer, &format!("send failed: {e}"));
         }
-        rx.await
-            .unwrap_or_else(|_| Err(disconnected("answer channel closed")))
+        let reply = rx
+            .await
+            .unwrap_or_else(|_| Err(disconnected("answer channel closed")))?;
+        if matches!(
+            req,
+            Request::Write { .. } | Request::Commit { .. } | Request::Remove { .. }
+        ) {
+            // Counted with the peer generation that acknowledged it, so a
+            // restart found meanwhile by another connection is not missed.
+            self.shared
+                .cfg
+                .flush_domain
+                .acknowledged_in(conn.welcome.generation);
+        }
+        Ok(reply)
     }
 
     fn unexpected(&self, op: Opcode) -> ArenaError {
@@ -340,7 +360,6 @@ impl ArenaClient {
         let req = Request::Write { key, offset, data };
         match self.call(&req).await? {
             Reply::Empty => {
-                self.record_acknowledged_write();
                 self.stats().write(data.len());
                 Ok(())
             }
@@ -396,10 +415,7 @@ impl ArenaClient {
     /// Publishes an ALLOC lease's slot as the blob's content.
     pub async fn commit(&self, key: u64, token: u64) -> Result<(), ArenaError> {
         match self.call(&Request::Commit { key, token }).await? {
-            Reply::Empty => {
-                self.record_acknowledged_write();
-                Ok(())
-            }
+            Reply::Empty => Ok(()),
             _ => Err(self.unexpected(Opcode::Commit)),
         }
     }
@@ -423,10 +439,7 @@ impl ArenaClient {
     /// Drops blobs `start..end`; returns how many existed.
     pub async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         match self.call(&Request::Remove { start, end }).await? {
-            Reply::Count(n) => {
-                self.record_acknowledged_write();
-                Ok(n)
-            }
+            Reply::Count(n) => Ok(n),
             _ => Err(self.unexpected(Opcode::Remove)),
         }
     }
