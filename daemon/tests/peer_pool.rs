@@ -8,54 +8,12 @@
 
 mod common;
 
-use std::process::{Child, Command, Output};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::etcd::{eventually, EtcdServer};
-use ublk_metrics::testing::{addr_after, http_get, spawn_with_log_lines};
-
-struct Ublkd(Child);
-
-impl Drop for Ublkd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts ublkd with `extra` config; returns it and its metrics address.
-fn start_ublkd(dir: &std::path::Path, extra: &str) -> (Ublkd, String) {
-    let cfg = dir.join("ublkd.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "state_dir = \"{}\"\nsocket = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n{extra}",
-            dir.join("state").display(),
-            dir.join("ublkd.sock").display()
-        ),
-    )
-    .unwrap();
-    let (child, rx) = spawn_with_log_lines(
-        Command::new(env!("CARGO_BIN_EXE_ublkd"))
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "info"),
-    );
-    let daemon = Ublkd(child);
-    let mut metrics = None;
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("ublkd logs its start (or exited)");
-        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
-        if line.contains("ublkd.ready") {
-            return (
-                daemon,
-                metrics.expect("metrics.listening before ublkd.ready"),
-            );
-        }
-    }
-}
+use common::ublkd::Ublkd;
+use ublk_metrics::testing::http_get;
 
 fn ublkctl(dir: &std::path::Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ublkctl"))
@@ -78,13 +36,14 @@ fn text(o: &Output) -> String {
 fn peers_are_registered_listed_and_removed_through_ublkd() {
     let etcd = EtcdServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let (_d, metrics) = start_ublkd(
+    let d = Ublkd::start(
         dir.path(),
         &format!(
             "[etcd]\nendpoints = [\"{}\"]\nhost_id = \"h1\"\n",
             etcd.endpoint()
         ),
     );
+    let metrics = d.metrics.clone();
     // The connection starts in the background: wait for it.
     eventually(Duration::from_secs(30), "ublkd reaches etcd", || {
         ublkctl(dir.path(), &["peer", "list"]).status.success()
@@ -174,7 +133,8 @@ fn peers_are_registered_listed_and_removed_through_ublkd() {
 #[test]
 fn without_etcd_the_peer_commands_name_the_missing_section() {
     let dir = tempfile::tempdir().unwrap();
-    let (_d, metrics) = start_ublkd(dir.path(), "");
+    let d = Ublkd::start(dir.path(), "");
+    let metrics = d.metrics.clone();
     let (_, body) = http_get(&metrics, "/metrics");
     assert!(
         !body.contains("ublk_writer_lease_valid"),
