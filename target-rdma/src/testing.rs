@@ -17,9 +17,14 @@ use ublk_metrics::{Daemon, Telemetry};
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use crate::auth::Secret;
-use crate::client::{ArenaClient, ClientConfig, RdmaTransport, RdmaTransportConfig};
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
+use crate::client::{ArenaClient, ClientConfig, FlushDomain, RdmaTransport, RdmaTransportConfig};
 use crate::rdma::RdmaProvider;
-use crate::store::{Store, StoreConfig, VolumeSpec};
+use crate::replica::clock::system;
+use crate::replica::{
+    Coordinator, MemberIo, MemberSessions, Membership, MemoryCoordinator, ReplicaConfig, ReplicaSet,
+};
+use crate::store::{InProcess, Store, StoreConfig, VolumeSpec};
 
 /// Secret of the default volume "a".
 pub const SECRET_A: &str = "secret-of-volume-a-0123456789";
@@ -217,6 +222,22 @@ impl Peer {
         .expect("an RDMA session")
     }
 
+    /// TCP sessions of volume "a" as one replica member: `queues` queue
+    /// sessions and a background one, sharing one flush domain.
+    pub fn member_sessions(&self, queues: usize) -> MemberSessions<ArenaClient> {
+        let domain = Arc::new(FlushDomain::default());
+        let client = || {
+            let mut c = self.config("a", SECRET_A);
+            c.flush_domain = Arc::clone(&domain);
+            ArenaClient::connect(c).expect("connect to the peer")
+        };
+        MemberSessions {
+            queues: (0..queues).map(|_| client()).collect(),
+            background: client(),
+            epoch: 0,
+        }
+    }
+
     /// The value of the peer's exported sample `name` with `labels`
     /// (summed over the other labels).
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
@@ -248,4 +269,64 @@ pub fn pattern(key: u64, gen: u64, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// An in-process store as a replica member: it never restarts under its
+/// sessions, so it never loses acknowledged writes, and protocol epochs do
+/// not apply to direct calls.
+pub struct LocalMember(pub InProcess);
+
+impl BlobIo for LocalMember {
+    fn transport(&self) -> Transport {
+        self.0.transport()
+    }
+    fn blob_bytes(&self) -> u32 {
+        self.0.blob_bytes()
+    }
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        self.0.read(key, offset, out).await
+    }
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
+        self.0.write(key, offset, data).await
+    }
+    async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
+        self.0.remove(start, end).await
+    }
+    async fn flush(&self) -> Result<(), ArenaError> {
+        self.0.flush().await
+    }
+}
+
+impl MemberIo for LocalMember {
+    fn lost_writes(&self) -> bool {
+        false
+    }
+    async fn raise_epoch(&self, _epoch: u64) -> Result<(), ArenaError> {
+        Ok(())
+    }
+}
+
+/// `queues` sessions (and a background one) of volume 0 of `store`.
+pub fn local_member(store: &Arc<Store>, queues: usize) -> MemberSessions<LocalMember> {
+    let s = || LocalMember(InProcess::new(Arc::clone(store), 0));
+    MemberSessions {
+        queues: (0..queues).map(|_| s()).collect(),
+        background: s(),
+        epoch: 0,
+    }
+}
+
+/// A new replicated volume over `members` (peer name, sessions), all
+/// healthy, coordinated in memory on the system clock.
+pub fn replicated<S: MemberIo>(members: Vec<(String, MemberSessions<S>)>) -> Arc<ReplicaSet<S>> {
+    let names: Vec<_> = members.iter().map(|(n, _)| n.clone()).collect();
+    let coord = MemoryCoordinator::new(system(), Membership::new_volume(&names).expect("names"));
+    futures::executor::block_on(ReplicaSet::open(
+        "a",
+        coord as Arc<dyn Coordinator>,
+        system(),
+        ReplicaConfig::default(),
+        members,
+    ))
+    .expect("open the replicated volume")
 }

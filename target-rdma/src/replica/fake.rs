@@ -109,6 +109,11 @@ impl FakePeer {
         self.state.lock().blobs.get(&key).cloned()
     }
 
+    /// Whether a crash lost writes it had acknowledged.
+    pub fn lost(&self) -> bool {
+        self.state.lock().lost
+    }
+
     /// The highest membership epoch presented to it.
     pub fn epoch(&self) -> u64 {
         self.state.lock().epoch

@@ -59,8 +59,11 @@ impl<S: MemberIo> ReplicatedIo<S> {
         &self.set
     }
 
-    /// Sends `op` to every member of the current view that is not known
-    /// to be failing, in parallel, on this queue's sessions.
+    /// Sends `op` to every member of the view that is not known stale, in
+    /// parallel, on this queue's sessions. A suspect member (one whose
+    /// earlier request failed) gets it too: what it missed was not
+    /// acknowledged, or it would be out of the membership, so it may
+    /// acknowledge this one.
     async fn round<T, F>(&self, view: &View<S>, op: F) -> Result<Round<T>, ArenaError>
     where
         F: AsyncFn(&S) -> Result<T, ArenaError>,
@@ -75,7 +78,7 @@ impl<S: MemberIo> ReplicatedIo<S> {
         };
         let mut sent = Vec::new();
         for (m, _) in &view.active {
-            if m.failing() {
+            if m.stale() {
                 round.failed.insert(m.id);
             } else {
                 sent.push(Arc::clone(m));
@@ -94,10 +97,11 @@ impl<S: MemberIo> ReplicatedIo<S> {
             match r {
                 // A peer that lost acknowledged writes may have answered:
                 // its answer does not count.
-                Ok(_) if m.stale(lane) => {
+                Ok(_) if m.stale() => {
                     round.failed.insert(m.id);
                 }
                 Ok(v) => {
+                    m.clear_suspect();
                     round.acked.insert(m.id);
                     round.answers.push(v);
                 }
@@ -150,20 +154,23 @@ impl<S: MemberIo> ReplicatedIo<S> {
         }
     }
 
-    /// The healthy members a read may go to, fastest first.
+    /// The members a read may go to: healthy and not stale; fastest
+    /// first, suspect ones last (they hold every acknowledged write, or
+    /// they would be out of the membership, but they may be down).
     fn readers(&self, view: &View<S>) -> Vec<Arc<Member<S>>> {
         let mut r: Vec<_> = view
             .active
             .iter()
-            .filter(|(m, st)| *st == MemberState::Healthy && !m.failing())
+            .filter(|(m, st)| *st == MemberState::Healthy && !m.stale())
             .map(|(m, _)| Arc::clone(m))
             .collect();
-        r.sort_by_key(|m| m.latency_nanos());
+        r.sort_by_key(|m| (m.is_suspect(), m.latency_nanos()));
         r
     }
 
     /// One read from `m` into `out`; the answer is dropped when `m` turned
-    /// out stale or failed meanwhile.
+    /// out stale (its peer may have answered after losing acknowledged
+    /// writes).
     async fn read_from(
         &self,
         m: &Member<S>,
@@ -175,15 +182,14 @@ impl<S: MemberIo> ReplicatedIo<S> {
         m.raise(self.lane, epoch).await?;
         let start = self.set.clock.now();
         let via = m.session(self.lane).read(key, offset, out).await?;
-        // Stale since, or failed a write that may be acknowledged by now:
-        // the answer may be older than what the volume acknowledged.
-        if m.failing() {
+        if m.stale() {
             self.set.count_stale_answer();
             return Err(self.set.refusal(
                 ReplicaFailure::NoMember,
                 format!("{}: its answer was discarded", m.failure()),
             ));
         }
+        m.clear_suspect();
         m.observe_latency(self.set.clock.now().saturating_duration_since(start));
         Ok(via)
     }

@@ -93,9 +93,8 @@ pub(super) struct Member<S> {
     sessions: MemberSessions<S>,
     /// The epoch each session presented last (queues, then background).
     epochs: Vec<AtomicU64>,
-    /// A request to it failed: it is excluded from reads and new writes
-    /// until the next membership change removes it (or keeps it, as the
-    /// last copy).
+    /// A request to it failed and it has not answered since: reads try it
+    /// last, and writes that it fails take it out of the membership.
     suspect: AtomicBool,
     /// Why it became suspect, for the error of a request it fails.
     why: Mutex<Option<String>>,
@@ -149,14 +148,10 @@ impl<S: MemberIo> Member<S> {
         Ok(())
     }
 
-    /// Whether `lane`'s session reports a restart that lost acknowledged
-    /// writes.
-    pub(super) fn stale(&self, lane: Lane) -> bool {
-        self.session(lane).lost_writes()
-    }
-
-    /// Whether any of its sessions reports such a restart.
-    pub(super) fn stale_anywhere(&self) -> bool {
+    /// Whether its peer restarted and lost acknowledged writes (all its
+    /// sessions share one flush domain; any of them may have seen it
+    /// first).
+    pub(super) fn stale(&self) -> bool {
         self.sessions.background.lost_writes()
             || self.sessions.queues.iter().any(|s| s.lost_writes())
     }
@@ -176,15 +171,9 @@ impl<S: MemberIo> Member<S> {
         self.suspect.store(false, Ordering::Release);
     }
 
-    /// Whether it counts as failing: a request to it failed, or its peer
-    /// lost acknowledged writes.
-    pub(super) fn failing(&self) -> bool {
-        self.is_suspect() || self.stale_anywhere()
-    }
-
     /// Why it is failing, in words.
     pub(super) fn failure(&self) -> String {
-        if self.stale_anywhere() {
+        if self.stale() {
             return format!(
                 "member {} restarted and lost acknowledged writes",
                 self.peer

@@ -91,8 +91,10 @@ pub struct ReplicaSet<S> {
     coord: Arc<dyn Coordinator>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) config: ReplicaConfig,
-    /// Every member this writer has sessions for, by peer.
-    members: Vec<Arc<Member<S>>>,
+    /// Every member this writer has sessions for; a peer that came back
+    /// (rebuilt) is a later entry of the same peer, which supersedes the
+    /// earlier one.
+    pub(super) members: RwLock<Vec<Arc<Member<S>>>>,
     view: RwLock<Arc<View<S>>>,
     /// Serializes this writer's membership changes: each is conditioned
     /// on the epoch the previous one stored.
@@ -157,7 +159,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             coord,
             clock,
             config,
-            members,
+            members: RwLock::new(members),
             change: AsyncMutex::new(()),
             fenced: AtomicBool::new(false),
             fence_reason: Mutex::new(None),
@@ -180,7 +182,8 @@ impl<S: MemberIo> ReplicaSet<S> {
 
     /// The request path of queue `q`.
     pub fn queue(self: &Arc<Self>, q: usize) -> Option<ReplicatedIo<S>> {
-        (q < self.members[0].queues()).then(|| ReplicatedIo::new(Arc::clone(self), Lane::Queue(q)))
+        let queues = self.members.read()[0].queues();
+        (q < queues).then(|| ReplicatedIo::new(Arc::clone(self), Lane::Queue(q)))
     }
 
     /// The volume's name.
@@ -204,12 +207,13 @@ impl<S: MemberIo> ReplicaSet<S> {
 
     /// The sessions of `record`'s active members; an error names an active
     /// peer this writer has no sessions for.
-    fn view_of(&self, record: &Membership) -> Result<View<S>, String> {
+    pub(super) fn view_of(&self, record: &Membership) -> Result<View<S>, String> {
+        let members = self.members.read();
         let mut active = Vec::new();
         for r in record.active() {
-            let m = self
-                .members
+            let m = members
                 .iter()
+                .rev()
                 .find(|m| m.peer == r.peer)
                 .ok_or_else(|| format!("{record} names peer {} without sessions", r.peer))?;
             active.push((Arc::clone(m), r.state));
@@ -302,17 +306,8 @@ impl<S: MemberIo> ReplicaSet<S> {
         failed: &HashSet<u64>,
         deadline: Instant,
     ) -> Result<(), ArenaError> {
-        let unrecorded = |s: &Self, detail: String| s.refusal(ReplicaFailure::Unrecorded, detail);
-        let Some(_guard) = self.within(deadline, self.change.lock()).await else {
-            return Err(unrecorded(
-                self,
-                "timed out waiting for another membership change".into(),
-            ));
-        };
-        let mut last_error = String::from("no attempt finished in time");
-        loop {
-            self.may_acknowledge()?;
-            let view = self.view();
+        let what = failed_names(&self.members.read(), failed).join(", ");
+        self.change(&format!("removing {what}"), deadline, |view| {
             let still: Vec<_> = view
                 .active
                 .iter()
@@ -320,7 +315,7 @@ impl<S: MemberIo> ReplicaSet<S> {
                 .map(|(m, _)| Arc::clone(m))
                 .collect();
             if still.is_empty() {
-                return Ok(());
+                return Ok(None);
             }
             let next = next_of(&view.membership, &still);
             if next.validate().is_err() {
@@ -335,11 +330,40 @@ impl<S: MemberIo> ReplicaSet<S> {
                     format!("no healthy member left: {}", why.join("; ")),
                 ));
             }
+            Ok(Some((next, still.len() as u64)))
+        })
+        .await
+    }
+
+    /// Records the change `plan` makes to the current view, and installs
+    /// the record. `plan` says what to store next and how many members it
+    /// takes out, or `None` when nothing remains to do (the change, or one
+    /// that makes it moot, is in place). A lost race or an unknown outcome
+    /// is followed by reading the record and planning again, until
+    /// `deadline`.
+    pub(super) async fn change(
+        &self,
+        what: &str,
+        deadline: Instant,
+        plan: impl Fn(&View<S>) -> Result<Option<(Membership, u64)>, ArenaError>,
+    ) -> Result<(), ArenaError> {
+        let unrecorded = |detail: String| self.refusal(ReplicaFailure::Unrecorded, detail);
+        let Some(_guard) = self.within(deadline, self.change.lock()).await else {
+            return Err(unrecorded(format!(
+                "{what}: timed out waiting for another membership change"
+            )));
+        };
+        let mut last_error = String::from("no attempt finished in time");
+        loop {
+            self.may_acknowledge()?;
+            let view = self.view();
+            let Some((next, removals)) = plan(&view)? else {
+                return Ok(());
+            };
             let expected = view.membership.epoch;
             let cas = self.coord.compare_and_swap(expected, next.clone());
             let timeout = deadline.min(self.clock.now() + self.config.coord_timeout);
-            let outcome = self.within(timeout, cas).await;
-            let settled = match outcome {
+            let settled = match self.within(timeout, cas).await {
                 Some(Ok(Swap::Done)) => Some(next.clone()),
                 Some(Ok(Swap::Lost(now))) => Some(now),
                 Some(Err(e)) if e.kind == CoordErrorKind::LeaseHeld => {
@@ -377,39 +401,24 @@ impl<S: MemberIo> ReplicaSet<S> {
                 }
             };
             if let Some(record) = settled {
-                let stored_by_us = record == next;
-                match self.view_of(&record) {
-                    Ok(v) => {
-                        ReplicaStats::count(&self.stats.epoch_changes);
-                        if stored_by_us {
-                            self.stats
-                                .removals
-                                .fetch_add(still.len() as u64, Ordering::Relaxed);
-                        }
-                        self.install(v).await;
-                    }
-                    Err(why) => {
-                        return Err(unrecorded(
-                            self,
-                            format!(
-                                "the record moved on in a way this writer cannot follow: {why}"
-                            ),
-                        ))
-                    }
+                let v = self.view_of(&record).map_err(|why| {
+                    unrecorded(format!(
+                        "{what}: the record moved on in a way this writer cannot follow: {why}"
+                    ))
+                })?;
+                ReplicaStats::count(&self.stats.epoch_changes);
+                if record == next {
+                    self.stats.removals.fetch_add(removals, Ordering::Relaxed);
                 }
+                self.install(v).await;
             }
             if self.clock.now() >= deadline {
                 break;
             }
         }
-        let names: Vec<_> = failed_names(&self.members, failed);
-        Err(unrecorded(
-            self,
-            format!(
-                "removing {} was not recorded in time: {last_error}",
-                names.join(", ")
-            ),
-        ))
+        Err(unrecorded(format!(
+            "{what} was not recorded in time: {last_error}"
+        )))
     }
 }
 
