@@ -168,6 +168,28 @@ pub const DRIVER: &[Family] = &[
     ),
 ];
 
+/// Coordination of replicated volumes on etcd (ublkd, with `[etcd]`).
+pub const COORDINATION: &[Family] = &[
+    f(
+        "ublk_membership_epoch_changes_total",
+        Counter,
+        &["reason"],
+        "Membership epoch changes this ublkd made, by reason.",
+    ),
+    f(
+        "ublk_writer_leases_lost_total",
+        Counter,
+        &[],
+        "Writer leases etcd no longer knew (expired or revoked); their writers were fenced.",
+    ),
+    f(
+        "ublk_writer_lease_valid",
+        Gauge,
+        &[],
+        "1 while this ublkd's writer lease allows acknowledging writes, else 0.",
+    ),
+];
+
 /// arenad families.
 pub const ARENA: &[Family] = &[
     f(
@@ -485,6 +507,7 @@ pub fn exported() -> Vec<(String, Kind)> {
         .iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(COORDINATION)
         .chain(ARENA)
         .map(|f| (f.name.to_string(), f.kind))
         .collect();
@@ -518,6 +541,7 @@ pub(crate) fn help(name: &str) -> &'static str {
     IO.iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(COORDINATION)
         .chain(ARENA)
         .find(|f| f.name == name)
         .map(|f| f.help)

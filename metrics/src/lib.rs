@@ -16,6 +16,7 @@
 pub mod accounting;
 pub mod arenad;
 pub mod clock;
+pub mod coordination;
 pub mod correlation;
 pub mod device_io;
 pub mod driver;
@@ -38,6 +39,7 @@ pub use arenad::{
     ProtocolErrorClass, SlotState,
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use coordination::{CoordinationMetrics, CoordinationStats, EpochReason};
 pub use correlation::CorrelationId;
 pub use device_io::IoMetrics;
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};

@@ -152,6 +152,7 @@ impl Telemetry {
                 .iter()
                 .chain(families::ACCOUNTING)
                 .chain(families::DRIVER)
+                .chain(families::COORDINATION)
                 .chain(families::ARENA)
             {
                 describe(fam.name.to_string(), fam.kind, fam.help);
