@@ -22,6 +22,19 @@ pub const ATTEMPT_FAILED: &str = "attempt.failed";
 pub const TRANSPORT_FAILOVER: &str = "transport.failover";
 /// The arena peer connection was lost.
 pub const PEER_DISCONNECTED: &str = "peer.disconnected";
+/// A retained request's root span ([`crate::trace`]).
+pub const SPAN_REQUEST: &str = "span.request";
+/// One attempt of a retained request: a child span.
+pub const SPAN_ATTEMPT: &str = "span.attempt";
+/// The arena client got a frame it could not parse (bad magic, version,
+/// reserved bits, opcode, status, length); the connection is closed.
+pub const PROTOCOL_FRAME_ERROR: &str = "protocol.frame_error";
+/// An answer named a request that is not in flight (never sent, already
+/// answered) or answered it with another opcode; the connection is closed.
+pub const PROTOCOL_RESPONSE_ID_MISMATCH: &str = "protocol.response_id_mismatch";
+/// An answer carried another length than its request asked for; the
+/// request fails.
+pub const PROTOCOL_LENGTH_MISMATCH: &str = "protocol.length_mismatch";
 
 /// Every stable event name.
 pub const ALL: &[&str] = &[
@@ -31,6 +44,11 @@ pub const ALL: &[&str] = &[
     ATTEMPT_FAILED,
     TRANSPORT_FAILOVER,
     PEER_DISCONNECTED,
+    SPAN_REQUEST,
+    SPAN_ATTEMPT,
+    PROTOCOL_FRAME_ERROR,
+    PROTOCOL_RESPONSE_ID_MISMATCH,
+    PROTOCOL_LENGTH_MISMATCH,
 ];
 
 fn dev(device: Option<u32>) -> i64 {
@@ -136,6 +154,43 @@ pub fn peer_disconnected(device: Option<u32>, phase: Phase, reason: Reason) {
         phase = phase.as_str(),
         reason = reason.as_str(),
         "arena peer disconnected"
+    );
+}
+
+/// Logs [`PROTOCOL_FRAME_ERROR`]: `class` is the frame error's bounded
+/// class, `detail` its message (which names fields and values, never
+/// payload bytes).
+pub fn protocol_frame_error(class: &'static str, detail: &dyn std::fmt::Display) {
+    tracing::warn!(
+        event = PROTOCOL_FRAME_ERROR,
+        class,
+        detail = %detail,
+        "arena answer frame rejected"
+    );
+}
+
+/// Logs [`PROTOCOL_RESPONSE_ID_MISMATCH`]: the answer's request id and
+/// opcode, and the opcode of the request in flight under that id (`none`).
+pub fn protocol_response_id_mismatch(request_id: u64, op: &'static str, expected: &'static str) {
+    tracing::warn!(
+        event = PROTOCOL_RESPONSE_ID_MISMATCH,
+        request_id,
+        op,
+        expected,
+        "arena answer does not match a request in flight"
+    );
+}
+
+/// Logs [`PROTOCOL_LENGTH_MISMATCH`]: `requested` bytes asked, `answered`
+/// bytes the answer carries.
+pub fn protocol_length_mismatch(request_id: u64, op: &'static str, requested: u64, answered: u64) {
+    tracing::warn!(
+        event = PROTOCOL_LENGTH_MISMATCH,
+        request_id,
+        op,
+        requested,
+        answered,
+        "arena answer length differs from the request's"
     );
 }
 
