@@ -719,6 +719,65 @@ fn grafana_provisioning_example_points_at_a_dashboard_directory() {
     assert!(!value("name").is_empty());
 }
 
+/// The latency panels show exemplars, the panels of the TCP and
+/// protocol-integrity families exist, and the runbook section the latency
+/// panel points to walks from the exemplar to the log lines.
+#[test]
+fn latency_panels_lead_to_the_request_behind_a_spike() {
+    let dash = dashboard();
+    let panels = data_panels(&dash);
+    let queries = |family: &str| -> Vec<&serde_json::Value> {
+        panels
+            .iter()
+            .flat_map(|p| p["targets"].as_array().unwrap())
+            .filter(|t| str_at(t, &["expr"]).contains(family))
+            .collect()
+    };
+    for family in [
+        "ublk_io_latency_seconds_bucket",
+        "ublk_attempt_latency_seconds_bucket",
+    ] {
+        let q = queries(family);
+        assert!(!q.is_empty(), "no panel reads {family}");
+        assert!(
+            q.iter().all(|t| t["exemplar"] == true),
+            "{family}: every quantile query shows exemplars"
+        );
+    }
+    for family in [
+        "ublk_tcp_retransmissions_total",
+        "ublk_tcp_rtt_max_seconds",
+        "ublk_tcp_cwnd_min_segments",
+        "ublk_driver_frame_errors_total",
+        "ublk_driver_response_id_mismatches_total",
+        "ublk_driver_length_mismatches_total",
+    ] {
+        assert!(!queries(family).is_empty(), "no panel reads {family}");
+    }
+    let runbook = std::fs::read_to_string(repo().join("docs/RUNBOOK.md")).unwrap();
+    let section = runbook
+        .split("\n## ")
+        .find(|s| s.starts_with("A latency spike: find the request\n"))
+        .expect("runbook section");
+    for step in [
+        "--enable-feature=exemplar-storage",
+        "/metrics/openmetrics",
+        "/api/v1/query_exemplars",
+        "\"trace_id\":\"<id>\"",
+        "span.request",
+        "span.attempt",
+        "\"corr\":<corr>",
+        "Arena TCP retransmissions",
+    ] {
+        assert!(section.contains(step), "runbook section lacks {step:?}");
+    }
+    let latency_panel = panels
+        .iter()
+        .find(|p| p["title"] == "Block latency p50 and p99")
+        .unwrap();
+    assert!(str_at(latency_panel, &["description"]).contains("A latency spike: find the request"));
+}
+
 #[test]
 fn metrics_doc_describes_every_family_and_reason() {
     let doc = std::fs::read_to_string(repo().join("docs/METRICS.md")).expect("docs/METRICS.md");
