@@ -105,9 +105,9 @@ impl Clock for StdClock {
     }
 }
 
-fn ours(queues: u16, clock: Arc<dyn Clock>) -> Arc<Slots> {
-    let t = Telemetry::isolated(Daemon::Ublkd, "bench");
-    let table = TrackerTable::new(
+/// One tracker slot per (queue, tag) of `queues` queues.
+fn table(queues: u16, clock: Arc<dyn Clock>) -> TrackerTable {
+    TrackerTable::new(
         TrackerConfig {
             target: "arena".into(),
             device: None,
@@ -118,7 +118,12 @@ fn ours(queues: u16, clock: Arc<dyn Clock>) -> Arc<Slots> {
         None,
         clock,
     )
-    .expect("table");
+    .expect("table")
+}
+
+fn ours(queues: u16, clock: Arc<dyn Clock>) -> Arc<Slots> {
+    let t = Telemetry::isolated(Daemon::Ublkd, "bench");
+    let table = table(queues, clock);
     let io = IoMetrics::new(&t, "arena", None).expect("io");
     std::mem::forget(t);
     Arc::new(Slots { table, io })
@@ -142,18 +147,7 @@ struct Observed {
 
 fn observed(queues: u16, sample_rate_ppm: Option<u32>) -> Arc<Observed> {
     let t = Telemetry::isolated(Daemon::Ublkd, "bench");
-    let table = TrackerTable::new(
-        TrackerConfig {
-            target: "arena".into(),
-            device: None,
-            queues,
-            depth: DEPTH,
-            slow_threshold: None,
-        },
-        None,
-        Arc::new(MonotonicClock::new()),
-    )
-    .expect("table");
+    let table = table(queues, Arc::new(MonotonicClock::new()));
     let io = IoMetrics::new(&t, "arena", None).expect("io");
     let acct = RequestAccounting::new(&t);
     std::mem::forget(t);

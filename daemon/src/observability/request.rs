@@ -213,6 +213,20 @@ impl Slot<'_> {
         (latency_ns, attempt_ns)
     }
 
+    /// The root span of this request; `errno` positive, 0 for none.
+    fn record(&self, latency_ns: u64, end: SpanEnd, errno: u32) -> RequestRecord<'static> {
+        RequestRecord {
+            corr: self.corr,
+            target: TARGET,
+            device: Some(self.dev.id()),
+            op: self.op,
+            transport: self.transport,
+            latency_ns,
+            end,
+            errno: (errno != 0).then_some(errno),
+        }
+    }
+
     /// Hands the request to the tracer; a retained one becomes the
     /// exemplar of its latency buckets (request and measured attempts).
     #[inline]
@@ -239,16 +253,7 @@ impl Slot<'_> {
                 end: SpanEnd::Cancelled,
             })
         });
-        let record = RequestRecord {
-            corr: self.corr,
-            target: TARGET,
-            device: Some(self.dev.id()),
-            op: self.op,
-            transport: self.transport,
-            latency_ns,
-            end,
-            errno: (errno != 0).then_some(errno),
-        };
+        let record = self.record(latency_ns, end, errno);
         if tracer.finish(&record, &list[..n]).is_some() {
             self.dev.io.latency(self.op).exemplar(latency_ns, self.corr);
             for a in &list[..n] {
@@ -276,16 +281,7 @@ impl Drop for Slot<'_> {
             latency_ns: Some(latency_ns.saturating_sub(d)),
             end: SpanEnd::Cancelled,
         });
-        let record = RequestRecord {
-            corr: self.corr,
-            target: TARGET,
-            device: Some(self.dev.id()),
-            op: self.op,
-            transport: self.transport,
-            latency_ns,
-            end: SpanEnd::Cancelled,
-            errno: None,
-        };
+        let record = self.record(latency_ns, SpanEnd::Cancelled, 0);
         if let Some(tracer) = &self.dev.tracer {
             tracer.finish(&record, attempt.as_slice());
         }
