@@ -580,6 +580,7 @@ mod tests {
         assert_eq!(roots.len(), 1, "only the failed-over write: {roots:#?}");
         let root = roots[0];
         assert_eq!(root["op"], "write");
+        assert_eq!(root["target"], "arena", "one `target` key: the I/O target");
         assert_eq!(root["outcome"], "success");
         assert_eq!(root["retention"], "linked_child");
         let id = root["trace_id"].as_str().unwrap().to_string();

@@ -255,13 +255,10 @@ fn best<S: Send + Sync + 'static>(
 
 fn main() {
     // Retained spans go through a real subscriber, formatted, to nowhere.
-    tracing::subscriber::set_global_default(
-        tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_writer(std::io::sink)
-            .finish(),
-    )
+    tracing::subscriber::set_global_default(ublk_metrics::events::json_subscriber(
+        tracing_subscriber::EnvFilter::new("info"),
+        std::io::sink,
+    ))
     .expect("subscriber");
     println!("per-I/O accounting cost ({IOS} I/Os per thread, queue depth {DEPTH})");
     println!("{:<56} {:>8} {:>10}", "design", "ns/IO", "allocs/IO");

@@ -221,22 +221,45 @@ pub enum LogInitError {
 
 /// Installs the process's `tracing` subscriber writing to stderr, with an
 /// `EnvFilter` directive such as `info` or `ublkd=debug`. Both daemons log
-/// through this, so their JSON lines have one shape (the event's fields at
-/// the top level).
+/// through this, so their JSON lines have one shape ([`json_subscriber`]).
 pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), LogInitError> {
+    use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::EnvFilter;
     let env = EnvFilter::try_new(filter).map_err(|e| LogInitError::Filter {
         filter: filter.to_string(),
         message: e.to_string(),
     })?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(env)
-        .with_writer(std::io::stderr);
     let res = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(env)
+            .with_writer(std::io::stderr)
+            .try_init()
+            .map_err(drop),
+        LogFormat::Json => json_subscriber(env, std::io::stderr)
+            .try_init()
+            .map_err(drop),
     };
-    res.map_err(|_| LogInitError::AlreadySet)
+    res.map_err(|()| LogInitError::AlreadySet)
+}
+
+/// The JSON log shape: one object per line, the event's fields at the top
+/// level, and no `target` key for the module path, which would be a second
+/// `target` key in the events that name the I/O target (`request.slow`,
+/// `span.request`), and JSON readers keep only one of two.
+pub fn json_subscriber<W>(
+    filter: impl Into<tracing_subscriber::EnvFilter>,
+    writer: W,
+) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .json()
+        .flatten_event(true)
+        .with_target(false)
+        .finish()
 }
 
 /// [`init_logging`] with the filter from `RUST_LOG` (default `info`); a

@@ -213,7 +213,7 @@ pub fn sample(exposition: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 /// Runs `f` with this thread's `tracing` records captured as JSON lines
-/// (the format `log_format = "json"` writes) and returns its result and the
+/// (the shape `log_format = "json"` writes, [`crate::events::json_subscriber`]) and returns its result and the
 /// parsed records.
 pub fn capture_json_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<serde_json::Value>) {
     #[derive(Clone, Default)]
@@ -229,12 +229,10 @@ pub fn capture_json_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<serde_json::Value>
     }
     let buf = Buf::default();
     let sink = buf.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .json()
-        .flatten_event(true)
-        .with_max_level(tracing::Level::TRACE)
-        .with_writer(move || sink.clone())
-        .finish();
+    let subscriber =
+        crate::events::json_subscriber(tracing_subscriber::EnvFilter::new("trace"), move || {
+            sink.clone()
+        });
     let r = tracing::subscriber::with_default(subscriber, f);
     let text = String::from_utf8(buf.0.lock().clone()).expect("utf-8 logs");
     let records = text
