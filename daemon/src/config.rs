@@ -102,6 +102,12 @@ pub struct UblkdConfig {
     /// Which RDMA device `rdma` and `auto` devices use.
     #[serde(default)]
     pub rdma: RdmaConfig,
+    // --- replication (issue 11) ---
+    /// The coordination service of replicated volumes; absent: the static
+    /// fallback (memberships in the state dir, one host only).
+    #[serde(default)]
+    pub etcd: Option<crate::coordination::EtcdConfig>,
+    // --- end replication ---
     /// Sampled request spans.
     #[serde(default)]
     pub tracing: TracingConfig,
@@ -455,6 +461,11 @@ impl UblkdConfig {
         self.device.validate()?;
         self.rdma.validate()?;
         self.tracing.validate()?;
+        // --- replication (issue 11) ---
+        if let Some(e) = &self.etcd {
+            e.validate()?;
+        }
+        // --- end replication ---
         self.metrics.validate()
     }
 }

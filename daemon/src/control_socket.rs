@@ -12,7 +12,7 @@ use std::sync::Arc;
 use rustix::fs::Mode;
 use rustix::process::umask;
 
-use crate::ctl::{self, ErrorKind, Reply, Request, Response, ResponseLine};
+use crate::ctl::{self, ErrorKind, PeerInfo, Reply, Request, Response, ResponseLine};
 use crate::device::{DeviceError, Manager, UBLK_CONTROL};
 use crate::features;
 
@@ -100,6 +100,27 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
             device: Box::new(device),
         }),
         Request::Features => features_reply(),
+        // --- replication (issue 11) ---
+        Request::PeerAdd { peer } => manager.coordination().and_then(|c| {
+            c.add_peer(&peer)?;
+            Ok(Reply::Peers {
+                peers: vec![PeerInfo { peer, used: 0 }],
+            })
+        }),
+        Request::PeerDel { id } => manager.coordination().and_then(|c| {
+            c.remove_peer(&id)?;
+            Ok(Reply::PeerDeleted { id })
+        }),
+        Request::PeerList => manager.coordination().and_then(|c| {
+            let peers = c.peer_usage()?;
+            Ok(Reply::Peers {
+                peers: peers
+                    .into_iter()
+                    .map(|(peer, used)| PeerInfo { peer, used })
+                    .collect(),
+            })
+        }),
+        // --- end replication ---
     };
     match result {
         Ok(reply) => Response::Ok { reply },

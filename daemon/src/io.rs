@@ -5,7 +5,7 @@
 //! and buffers between the kernel and [`serve`].
 
 use libublk::sys;
-use target_rdma::blob::{ErrorKind, Via};
+use target_rdma::blob::{ErrorKind, ReplicaFailure, Via};
 use target_rdma::block::{BlockTarget, TargetError};
 use target_rdma::proto::Status;
 use ublk_metrics::{IoOp, Phase, Reason};
@@ -142,6 +142,11 @@ pub fn classify(e: &TargetError) -> Failure {
             ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
             ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
             ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
+            ErrorKind::Replica(failure) => match failure {
+                ReplicaFailure::Unrecorded => (Phase::Completion, Reason::Timeout),
+                ReplicaFailure::Fenced => (Phase::Completion, Reason::Auth),
+                ReplicaFailure::NoMember => (Phase::Connect, Reason::Unavailable),
+            },
             ErrorKind::Status(status) => match status {
                 Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
                     (Phase::Alloc, Reason::ResourceExhausted)

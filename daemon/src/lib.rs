@@ -1,7 +1,8 @@
 //! `ublkd`: serves ublk block devices backed by a remote arena, and the
 //! library behind `ublkctl`.
 //!
-//! Control plane: [`config`], [`device`] (the device manager, its persisted
+//! Control plane: [`config`], [`coordination`] (etcd: writer lease,
+//! memberships, placement), [`device`] (the device manager, its persisted
 //! definitions and the peer monitor), [`control_socket`] and [`ctl`] (the
 //! control socket and its protocol), [`observability`] (metrics, readiness,
 //! diagnostics, and the per-request observer), [`device_stats`] (the
@@ -13,6 +14,7 @@
 pub mod busy;
 pub mod config;
 pub mod control_socket;
+pub mod coordination;
 pub mod ctl;
 pub mod device;
 pub mod device_stats;

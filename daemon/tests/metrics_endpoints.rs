@@ -12,13 +12,15 @@
 //!   connection is an exemplar whose trace id names its spans in the log,
 //!   and the connection's TCP_INFO reaches the `ublk_tcp_*` gauges.
 
-use std::process::{Child, Command};
+mod common;
+
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
-use ublk_metrics::testing::{
-    addr_after, capture_json_logs, http_get as get, http_get_typed, parse_openmetrics,
-    promtool_check_metrics as promtool_check, sample, spawn_with_log_lines,
-};
+use ublk_metrics::testing::{capture_json_logs, http_get_typed, parse_openmetrics, sample};
+
+use common::ublkd::Ublkd;
+use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
 
 use libublk::sys;
 use target_rdma::block::ArenaTarget;
@@ -35,47 +37,12 @@ use ublkd::queue_io::{QueueIo, TagBuffers};
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
 
-struct Ublkd(Child);
-
-impl Drop for Ublkd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("ublkd.sock");
-    let cfg = dir.path().join("ublkd.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "state_dir = \"{}\"\nsocket = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
-            dir.path().join("state").display(),
-            sock.display()
-        ),
-    )
-    .unwrap();
-    let (child, rx) = spawn_with_log_lines(
-        Command::new(env!("CARGO_BIN_EXE_ublkd"))
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "info"),
-    );
-    let daemon = Ublkd(child);
-    let mut metrics = None;
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("ublkd logs its start (or exited)");
-        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
-        if line.contains("ublkd.ready") {
-            break;
-        }
-    }
-    let metrics = metrics.expect("metrics.listening logged before ublkd.ready");
+    let daemon = Ublkd::start(dir.path(), "");
+    let metrics = daemon.metrics.clone();
 
     let (code, body) = get(&metrics, "/ready");
     assert_eq!(

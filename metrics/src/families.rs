@@ -217,6 +217,28 @@ pub const DRIVER: &[Family] = &[
     ),
 ];
 
+/// Coordination of replicated volumes on etcd (ublkd, with `[etcd]`).
+pub const COORDINATION: &[Family] = &[
+    f(
+        "ublk_membership_epoch_changes_total",
+        Counter,
+        &["reason"],
+        "Membership epoch changes this ublkd made, by reason.",
+    ),
+    f(
+        "ublk_writer_leases_lost_total",
+        Counter,
+        &[],
+        "Writer leases etcd no longer knew (expired or revoked); their writers were fenced.",
+    ),
+    f(
+        "ublk_writer_lease_valid",
+        Gauge,
+        &[],
+        "1 while this ublkd's writer lease allows acknowledging writes, else 0.",
+    ),
+];
+
 /// arenad families.
 pub const ARENA: &[Family] = &[
     f(
@@ -309,6 +331,24 @@ pub const ARENA: &[Family] = &[
         Counter,
         &[],
         "Connections refused at authentication.",
+    ),
+    f(
+        "arenad_connections_refused_total",
+        Counter,
+        &["reason"],
+        "Connections closed right after accept, by the limit that refused them.",
+    ),
+    f(
+        "arenad_accept_errors_total",
+        Counter,
+        &[],
+        "Failed accepts (out of descriptors or memory); arenad backs off and keeps serving.",
+    ),
+    f(
+        "arenad_probes_total",
+        Counter,
+        &[],
+        "Connections closed before sending a byte (health checks, port scans).",
     ),
     f(
         "arenad_integrity_errors_total",
@@ -530,6 +570,7 @@ pub fn exported() -> Vec<(String, Kind)> {
         .chain(ACCOUNTING)
         .chain(DRIVER)
         .chain(TCP)
+        .chain(COORDINATION)
         .chain(ARENA)
         .map(|f| (f.name.to_string(), f.kind))
         .collect();
@@ -564,6 +605,7 @@ pub(crate) fn help(name: &str) -> &'static str {
         .chain(ACCOUNTING)
         .chain(DRIVER)
         .chain(TCP)
+        .chain(COORDINATION)
         .chain(ARENA)
         .find(|f| f.name == name)
         .map(|f| f.help)

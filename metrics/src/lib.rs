@@ -19,6 +19,7 @@
 pub mod accounting;
 pub mod arenad;
 pub mod clock;
+pub mod coordination;
 pub mod correlation;
 pub mod device_io;
 pub mod driver;
@@ -40,9 +41,11 @@ pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
 pub use arenad::{
-    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, IntegrityCheck, ProtocolErrorClass, SlotState,
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, IntegrityCheck,
+    ProtocolErrorClass, SlotState,
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use coordination::{CoordinationMetrics, CoordinationStats, EpochReason};
 pub use correlation::CorrelationId;
 pub use device_io::IoMetrics;
 pub use driver::{summarize, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry};

@@ -154,6 +154,7 @@ impl Telemetry {
                 .chain(families::ACCOUNTING)
                 .chain(families::DRIVER)
                 .chain(families::TCP)
+                .chain(families::COORDINATION)
                 .chain(families::ARENA)
             {
                 describe(fam.name.to_string(), fam.kind, fam.help);

@@ -125,6 +125,12 @@ fn ublkd_expositions() -> Expositions {
     r.succeed();
     acct.start_request(IoOp::Write, Transport::Tcp, CorrelationId::next())
         .fail(Phase::Commit, Reason::Timeout);
+    let coord = ublk_metrics::CoordinationMetrics::new(&t);
+    coord.update_from(&ublk_metrics::CoordinationStats {
+        epoch_changes: [1, 2, 0, 1, 1, 0],
+        leases_lost: 1,
+        lease_valid: true,
+    });
     t.enable_openmetrics();
     Expositions {
         text: t.render().unwrap(),

@@ -4,7 +4,8 @@
 //!   [`proto`] (the wire codec), [`auth`], [`rdma`] (the verbs layer),
 //!   [`config_file`], [`size`], [`sd_notify`].
 //! - Client side (ublkd): [`client`] (the TCP client, the RDMA transport, a
-//!   queue's `Session`) and [`block`] (the block target).
+//!   queue's `Session`), [`replica`] (a volume on N peers as one `BlobIo`)
+//!   and [`block`] (the block target).
 //! - Server side (arenad): [`arenad`] (server, observability, config) and
 //!   [`store`] (the storage engine, and `InProcess`, the reference
 //!   transport).
@@ -21,6 +22,7 @@ pub mod client;
 pub mod config_file;
 pub mod proto;
 pub mod rdma;
+pub mod replica;
 pub mod sd_notify;
 pub mod size;
 pub mod store;

@@ -11,7 +11,7 @@ use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use ublk_metrics::events::{init_logging_from_env, LogFormat};
-use ublk_metrics::{Daemon, HttpConfig, MetricsServer, Telemetry};
+use ublk_metrics::{CoordinationMetrics, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::control_socket;
 use ublkd::device::Manager;
@@ -69,7 +69,16 @@ fn main() -> anyhow::Result<()> {
         },
         None => None,
     };
+    let with_etcd = cfg.etcd.is_some();
     let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
+    // --- replication (issue 11) ---
+    let _coordination_metrics = with_etcd.then(|| {
+        let m = CoordinationMetrics::new(&tel);
+        let weak = Arc::downgrade(&manager);
+        m.set_source(move || Some(weak.upgrade()?.coordination().ok()?.stats()));
+        m
+    });
+    // --- end replication ---
     manager
         .spawn_peer_monitor()
         .context("starting the peer monitor")?;

@@ -39,6 +39,7 @@ use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, TransportChoice, UblkdConfig};
+use crate::coordination::{CoordError, CoordErrorKind, Coordination, CoordinationSlot};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
 use crate::device_stats::DeviceStats;
 use crate::observability::{DevState, DeviceObs, Observability};
@@ -113,6 +114,9 @@ pub enum DeviceError {
         /// The driver's error.
         detail: String,
     },
+    /// The coordination service (issue 11).
+    #[error("{0}")]
+    Coordination(#[from] CoordError),
     /// The state directory failed.
     #[error("state dir {path}: {source}")]
     State {
@@ -140,6 +144,10 @@ impl DeviceError {
             },
             Self::UblkMissing => ErrorKind::UblkMissing,
             Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
+            Self::Coordination(e) => match e.kind() {
+                CoordErrorKind::Invalid => ErrorKind::BadRequest,
+                _ => ErrorKind::Coordination,
+            },
         }
     }
 }
@@ -189,6 +197,8 @@ pub struct Manager {
     /// Serialises add/del/recover; reads (list, stats) never wait on it.
     ops: Mutex<()>,
     obs: Arc<Observability>,
+    /// etcd, when `[etcd]` is configured (issue 11).
+    coordination: Option<Arc<CoordinationSlot>>,
 }
 
 impl Manager {
@@ -196,13 +206,36 @@ impl Manager {
     /// persisted ones.
     pub fn new(cfg: UblkdConfig, obs: Arc<Observability>) -> Result<Self, DeviceError> {
         let store = SpecStore::open(&cfg.state_dir)?;
+        let coordination = match &cfg.etcd {
+            Some(e) => Some(
+                CoordinationSlot::start(e.clone(), cfg.state_dir.clone()).map_err(|source| {
+                    DeviceError::State {
+                        path: cfg.state_dir.clone(),
+                        source,
+                    }
+                })?,
+            ),
+            None => None,
+        };
         Ok(Self {
             cfg,
             store,
             devices: Mutex::new(BTreeMap::new()),
             ops: Mutex::new(()),
             obs,
+            coordination,
         })
+    }
+
+    /// The coordination service; an error naming the missing `[etcd]`
+    /// section, or why etcd is not up yet.
+    pub fn coordination(&self) -> Result<Arc<Coordination>, DeviceError> {
+        let slot = self.coordination.as_ref().ok_or_else(|| {
+            DeviceError::BadRequest(
+                "no [etcd] section in ublkd's config: the placement pool lives in etcd".into(),
+            )
+        })?;
+        Ok(slot.get()?)
     }
 
     /// Lists a device that could not be brought back as `failed` (it stays
@@ -785,6 +818,43 @@ mod tests {
             text.starts_with("secret file /nonexistent/secret: "),
             "{text}"
         );
+    }
+
+    /// An `add` that fails after some queues connected (here the peer
+    /// refuses the third connection) leaves no arena session open: the
+    /// peer's count goes back to zero.
+    #[test]
+    fn a_failed_add_closes_every_arena_session_it_opened() {
+        use target_rdma::testing::{secret_file, Peer, PeerOpts, SECRET_A};
+        let dir = tempfile::tempdir().unwrap();
+        let peer = Peer::start(
+            &dir.path().join("peer"),
+            PeerOpts {
+                max_connections: 2,
+                ..PeerOpts::default()
+            },
+        );
+        let m = manager(&dir.path().join("ublkd"));
+        let mut a = args();
+        a.peer = peer.addr.to_string();
+        a.volume = "a".into();
+        a.secret_file = secret_file(dir.path(), "a.key", SECRET_A);
+        a.queues = Some(4);
+        a.blob_size = Some(64 << 10);
+        a.transport = Some(TransportChoice::Tcp);
+        let e = m.add(&a).unwrap_err();
+        assert!(e.to_string().contains("too many connections"), "{e}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while peer.sessions() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} sessions still open after the failed add",
+                peer.sessions()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The peer's places are free again: a client gets in.
+        drop(peer.client("a", SECRET_A));
     }
 
     #[test]

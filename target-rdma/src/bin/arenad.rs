@@ -16,6 +16,7 @@ use ublk_metrics::events::{init_logging_from_env, LogFormat};
 use ublk_metrics::MetricsServer;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
+use target_rdma::arenad::epochs::Epochs;
 use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use target_rdma::auth::Secret;
@@ -201,6 +202,8 @@ fn main() -> Result<()> {
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
+    let names: Vec<String> = cfg.volumes.iter().map(|v| v.name.clone()).collect();
+    let epochs = Epochs::open(&cfg.swap_dir, &names).context("loading the volumes' epochs")?;
     obs.store_opened(&store, cfg.volumes.len());
     let listener =
         TcpListener::bind(&cfg.listen).with_context(|| format!("listen on {}", cfg.listen))?;
@@ -219,10 +222,14 @@ fn main() -> Result<()> {
     let server = Server::new(
         Arc::clone(&store),
         served,
+        epochs,
         ServerLimits {
             max_connections: cfg.max_connections,
             max_inflight: cfg.max_inflight,
             handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
+            allow_v1: cfg.allow_protocol_v1,
+            max_unauthenticated: cfg.max_unauthenticated(),
+            write_timeout: Duration::from_secs(cfg.write_timeout_secs),
         },
         rdma,
         Arc::clone(&obs),

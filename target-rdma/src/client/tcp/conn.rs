@@ -12,7 +12,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use futures::channel::oneshot;
@@ -20,14 +20,14 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::debug;
 
-use super::frames::{Body, FrameReader, Landing};
+use super::frames::{Body, FrameReader, Landing, Trailer};
 use super::tcp_info::Sampler;
 use super::{ClientConfig, Shared, MAX_QUEUED_REVOCATIONS, TICK};
-use crate::auth;
+use crate::auth::{self, FrameKey, SessionKeys};
 use crate::blob::ArenaError;
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Status, Welcome,
-    CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
+    CAP_RDMA, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, VERSION, VERSION_2,
 };
 
 /// A successful answer.
@@ -40,6 +40,41 @@ pub(super) enum Reply {
     Landed,
     NotFound,
     Rail(RailAccept),
+}
+
+/// The sending half of a connection: the stream, and in a version-2
+/// session the key and sequence number that tag each frame.
+pub(super) struct Writer {
+    pub(super) stream: TcpStream,
+    version: u8,
+    key: Option<FrameKey>,
+    seq: u64,
+}
+
+impl Writer {
+    /// Sends a request: its encoded head, then the payload (vectored, so a
+    /// WRITE's payload is never copied), then its tag in a version-2
+    /// session. `digest` is the body's, computed by the caller without the
+    /// lock this writer is behind.
+    pub(super) fn send(
+        &mut self,
+        head: &mut [u8],
+        payload: &[u8],
+        digest: Option<&[u8; 32]>,
+    ) -> io::Result<()> {
+        head[4] = self.version;
+        let tag = match (&self.key, digest) {
+            (Some(key), Some(digest)) => {
+                let header: &[u8; HEADER_LEN] = head[..HEADER_LEN].try_into().expect("a header");
+                let tag = key.tag(self.seq, header, digest);
+                self.seq += 1;
+                Some(tag)
+            }
+            _ => None,
+        };
+        let tag: &[u8] = tag.as_ref().map_or(&[], |t| &t[..]);
+        proto::write_vectored_all(&mut self.stream, &[head, payload, tag])
+    }
 }
 
 pub(super) struct Pending {
@@ -61,13 +96,17 @@ pub(super) struct PendingTable {
 
 /// One live connection.
 pub(super) struct Conn {
-    pub(super) writer: Mutex<TcpStream>,
+    pub(super) writer: Mutex<Writer>,
     pub(super) pending: Mutex<PendingTable>,
     pub(super) slots: Semaphore,
     pub(super) welcome: Welcome,
     pub(super) max_inline: u32,
     /// Which connection of this client this is (1 for the first).
     pub(super) epoch: u64,
+    /// The protocol version the session speaks.
+    pub(super) version: u8,
+    /// Checks the tags of the server's frames (version 2).
+    pub(super) server_key: Option<FrameKey>,
 }
 
 impl Conn {
@@ -91,13 +130,14 @@ impl Conn {
             }));
         }
         self.slots.close();
-        let _ = self.writer.lock().shutdown(Shutdown::Both);
+        let _ = self.writer.lock().stream.shutdown(Shutdown::Both);
     }
 }
 
 /// Connects, authenticates both ways and returns the live connection. A
-/// reconnect insists on the blob size agreed the first time (`agreed`).
-pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaError> {
+/// reconnect insists on the blob size agreed the first time (`agreed`) and
+/// presents the writer's current `epoch`.
+pub(super) fn handshake(cfg: &ClientConfig, agreed: u32, epoch: u64) -> Result<Conn, ArenaError> {
     let peer = &cfg.peer;
     let io_err = |source: io::Error| ArenaError::Connect {
         peer: peer.clone(),
@@ -135,17 +175,26 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
     let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
     refused(peer, &h, &body)?;
     let ch = Challenge::decode(&h, &body).map_err(proto_err)?;
-    let version = u16::from(VERSION);
-    if !(ch.min_version..=ch.max_version).contains(&version) {
+    // The newest version both speak; below VERSION only if the caller
+    // allows it (a downgrade would lose the frame tags).
+    let ours = u16::from(*cfg.versions.start())..=u16::from((*cfg.versions.end()).min(VERSION));
+    let Some(version) = ours
+        .clone()
+        .rev()
+        .find(|v| (ch.min_version..=ch.max_version).contains(v))
+    else {
         return Err(ArenaError::Refused {
             peer: peer.clone(),
             status: Status::VersionMismatch,
             message: format!(
-                "peer speaks versions {}..={}, this client {version}",
-                ch.min_version, ch.max_version
+                "peer speaks versions {}..={}, this client {}..={}",
+                ch.min_version,
+                ch.max_version,
+                ours.start(),
+                ours.end()
             ),
         });
-    }
+    };
     let mut hello = Hello {
         version,
         caps: if cfg.offer_rdma {
@@ -154,6 +203,11 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
             CAP_TCP_DATA
         },
         blob_bytes: if agreed != 0 { agreed } else { cfg.blob_bytes },
+        epoch: if version >= u16::from(VERSION_2) {
+            epoch
+        } else {
+            0
+        },
         client_nonce: auth::nonce(),
         mac: [0; MAC_LEN],
         volume: cfg.volume.clone(),
@@ -171,34 +225,71 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
         });
     }
     refused(peer, &h, &body)?;
-    let welcome = Welcome::decode(&h, &body).map_err(proto_err)?;
+    let welcome = Welcome::decode(&h, &body, version).map_err(proto_err)?;
     if !cfg.secret.verify_welcome(&ch, &hello, &welcome) {
         return Err(ArenaError::PeerNotAuthentic {
             peer: peer.clone(),
             volume: cfg.volume.clone(),
         });
     }
+    let keys = (version >= u16::from(VERSION_2)).then(|| cfg.secret.session_keys(&ch, &hello));
+    let (client_key, server_key) = match keys {
+        Some(SessionKeys {
+            client_to_server,
+            server_to_client,
+        }) => (Some(client_to_server), Some(server_to_client)),
+        None => (None, None),
+    };
     stream.set_read_timeout(Some(TICK)).map_err(io_err)?;
     debug!(
         event = "session.opened",
         session = welcome.session_id,
         generation = welcome.generation
     );
+    let version = version as u8;
     Ok(Conn {
-        writer: Mutex::new(stream),
+        writer: Mutex::new(Writer {
+            stream,
+            version,
+            key: client_key,
+            seq: 0,
+        }),
         pending: Mutex::new(PendingTable::default()),
         slots: Semaphore::new(ch.max_inflight as usize),
         welcome,
         max_inline: ch.max_inline,
         epoch: 0,
+        version,
+        server_key,
     })
 }
 
 fn read_answer(stream: &mut TcpStream, body: &mut Vec<u8>) -> Result<Header, FrameError> {
-    proto::read_frame(stream, body)?.ok_or(FrameError::Truncated {
+    let h = proto::read_frame(stream, body)?.ok_or(FrameError::Truncated {
         got: 0,
         want: proto::HEADER_LEN,
-    })
+    })?;
+    h.expect_version(HANDSHAKE_VERSION)?;
+    Ok(h)
+}
+
+/// Checks a server frame's version and, in a version-2 session, its tag
+/// (the `seq`-th frame from the server).
+fn check_frame(
+    conn: &Conn,
+    h: &Header,
+    trailer: Option<&Trailer>,
+    seq: u64,
+) -> Result<(), FrameError> {
+    h.expect_version(conn.version)?;
+    match (&conn.server_key, trailer) {
+        (None, _) => Ok(()),
+        (Some(key), Some(t)) if key.verify(seq, &h.encode(), &t.digest, &t.tag) => Ok(()),
+        (Some(_), _) => Err(FrameError::BadTag {
+            op: h.opcode.name(),
+            seq,
+        }),
+    }
 }
 
 fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
@@ -254,14 +345,29 @@ enum Broken {
     Mismatch(String),
 }
 
-/// The reader thread: dispatches answers, queues revocations, expires requests.
-pub(super) fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
-    let peer = &shared.cfg.peer;
-    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies));
+/// The reader thread: dispatches answers, queues revocations, expires
+/// requests. It holds the client only weakly, between frames: once the last
+/// `ArenaClient` is dropped the connection is closed (a reader holding it
+/// would keep the session open on the peer forever).
+pub(super) fn read_loop(client: &Weak<Shared>, conn: &Conn, mut stream: TcpStream) {
+    let Some(shared) = client.upgrade() else {
+        return;
+    };
+    let peer = shared.cfg.peer.clone();
+    let peer = &peer;
+    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some());
+    let mut tcp = Sampler::open(&shared.cfg.tcp_links, &stream);
+    drop(shared);
+    let mut seq = 0;
     let mut last_sweep = Instant::now();
     let mut expired = Expired::new();
-    let mut tcp = Sampler::open(&shared.cfg.tcp_links, &stream);
     let why = loop {
+        let Some(shared) = client.upgrade() else {
+            tcp.close(&stream);
+            conn.kill(peer, "client dropped");
+            return;
+        };
+        let shared = &*shared;
         let land = |h: &Header| {
             let t = conn.pending.lock();
             let p = t.map.get(&h.request_id)?;
@@ -273,9 +379,11 @@ pub(super) fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
                 .flatten()
         };
         match reader.next(&mut stream, land) {
-            Ok(Some((h, body))) => {
+            Ok(Some((h, body, trailer))) => {
                 tcp.answered(&stream);
-                match dispatch(shared, conn, &h, body, &mut expired) {
+                let checked = check_frame(conn, &h, trailer.as_ref(), seq).map_err(Broken::Frame);
+                seq += 1;
+                match checked.and_then(|()| dispatch(shared, conn, &h, body, &mut expired)) {
                     Ok(()) => {}
                     Err(Broken::Frame(e)) => {
                         frame_error(shared, &e);
@@ -430,7 +538,7 @@ fn dispatch(
         (Status::Ok, Opcode::Alloc | Opcode::Get) => Ok(Reply::Lease(
             proto::decode_lease(h, body.bytes()).map_err(frame)?,
         )),
-        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(
+        (Status::Ok, Opcode::Remove | Opcode::Epoch) => Ok(Reply::Count(
             proto::decode_count(h, body.bytes()).map_err(frame)?,
         )),
         (Status::Ok, Opcode::Read) => match body {
