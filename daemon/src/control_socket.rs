@@ -224,6 +224,7 @@ mod tests {
         let obs = crate::observability::Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &cfg.metrics,
+            &cfg.tracing,
         );
         let m = Arc::new(Manager::new(cfg, obs).unwrap());
         std::thread::spawn(move || serve(listener, m));

@@ -149,6 +149,55 @@ pub const ACCOUNTING: &[Family] = &[
         &["transport", "phase", "reason"],
         "Physical attempts that failed, by failing phase and reason.",
     ),
+    f(
+        "ublk_attempt_latency_seconds",
+        Histogram,
+        &["op", "transport"],
+        "Duration of physical attempts that succeeded or failed, by the transport they ran on.",
+    ),
+];
+
+/// TCP_INFO of the arena connections (ublkd), aggregated over connections:
+/// kernel TCP retransmissions, apart from software retries
+/// (`ublk_driver_request_retries_total`) and RDMA completion errors
+/// (`ublk_driver_wc_errors_total`).
+pub const TCP: &[Family] = &[
+    f(
+        "ublk_tcp_connections",
+        Gauge,
+        &[],
+        "Arena TCP connections open, whose TCP_INFO the gauges below aggregate.",
+    ),
+    f(
+        "ublk_tcp_retransmissions_total",
+        Counter,
+        &[],
+        "TCP segments the kernel retransmitted on arena connections (TCP_INFO tcpi_total_retrans).",
+    ),
+    f(
+        "ublk_tcp_rtt_max_seconds",
+        Gauge,
+        &[],
+        "Largest smoothed round-trip time of the open arena connections at their last sample.",
+    ),
+    f(
+        "ublk_tcp_rtt_mean_seconds",
+        Gauge,
+        &[],
+        "Mean smoothed round-trip time of the open arena connections at their last sample.",
+    ),
+    f(
+        "ublk_tcp_cwnd_min_segments",
+        Gauge,
+        &[],
+        "Smallest congestion window of the open arena connections at their last sample.",
+    ),
+    f(
+        "ublk_tcp_cwnd_mean_segments",
+        Gauge,
+        &[],
+        "Mean congestion window of the open arena connections at their last sample.",
+    ),
 ];
 
 /// Driver statistics aggregates (ublkd); the per-counter families are in
@@ -445,6 +494,13 @@ pub mod driver_names {
     pub const REVOCATIONS_RECEIVED: &str = "revocations_received";
     /// Revocations dropped because their owner did not collect them.
     pub const REVOCATIONS_DROPPED: &str = "revocations_dropped";
+    /// Answer frames the client could not parse (with a `reason`: the
+    /// frame error's class).
+    pub const FRAME_ERRORS: &str = "frame_errors";
+    /// Answers naming a request not in flight, or with another opcode.
+    pub const RESPONSE_ID_MISMATCHES: &str = "response_id_mismatches";
+    /// Answers whose length differs from what their request asked for.
+    pub const LENGTH_MISMATCHES: &str = "length_mismatches";
 
     /// Every well-known counter name.
     pub const COUNTERS: &[&str] = &[
@@ -469,6 +525,9 @@ pub mod driver_names {
         PEER_RESTARTS,
         REVOCATIONS_RECEIVED,
         REVOCATIONS_DROPPED,
+        FRAME_ERRORS,
+        RESPONSE_ID_MISMATCHES,
+        LENGTH_MISMATCHES,
     ];
     /// Every well-known gauge name.
     pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];
@@ -483,6 +542,9 @@ pub mod driver_names {
         REGISTRATION_FAILURES,
         ALLOCATION_FAILURES,
         LEASE_FAILURES,
+        FRAME_ERRORS,
+        RESPONSE_ID_MISMATCHES,
+        LENGTH_MISMATCHES,
     ];
 }
 
@@ -507,6 +569,7 @@ pub fn exported() -> Vec<(String, Kind)> {
         .iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(TCP)
         .chain(COORDINATION)
         .chain(ARENA)
         .map(|f| (f.name.to_string(), f.kind))
@@ -541,6 +604,7 @@ pub(crate) fn help(name: &str) -> &'static str {
     IO.iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(TCP)
         .chain(COORDINATION)
         .chain(ARENA)
         .find(|f| f.name == name)

@@ -155,13 +155,22 @@ fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
 fn fake_peer(
     secret_value: Option<&'static str>,
 ) -> (std::net::SocketAddr, std::thread::JoinHandle<TcpStream>) {
+    fake_peer_version(secret_value, 2)
+}
+
+/// [`fake_peer`] offering only protocol `version` (1: untagged frames, so
+/// a test can write answers by hand).
+fn fake_peer_version(
+    secret_value: Option<&'static str>,
+    version: u16,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<TcpStream>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let peer = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         let ch = Challenge {
-            min_version: 2,
-            max_version: 2,
+            min_version: version,
+            max_version: version,
             server_nonce: [1; 32],
             max_inflight: 4,
             max_inline: 4096,
@@ -509,6 +518,174 @@ fn client_counter(c: &ArenaClient, name: &str) -> u64 {
     let snap = c.stats().snapshot();
     assert!(snap.counters.iter().any(|v| v.name == name), "no {name}");
     snap.counter(name, None)
+}
+
+/// Reads one request frame from the client: its header.
+fn next_request(s: &mut TcpStream) -> proto::Header {
+    let mut body = Vec::new();
+    proto::read_frame(s, &mut body).unwrap().unwrap()
+}
+
+/// A READ answer of `len` bytes to request `id`.
+fn read_answer(id: u64, len: u32) -> Vec<u8> {
+    let mut f = Vec::new();
+    proto::encode_read_head(&mut f, id, len);
+    f.resize(f.len() + len as usize, 0xab);
+    f
+}
+
+#[test]
+fn a_read_answer_of_another_length_fails_that_request_only() {
+    let (addr, peer) = fake_peer_version(Some(SECRET_A), 1);
+    let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.versions = 1..=1;
+    let c = ArenaClient::connect(cfg).unwrap();
+    let mut s = peer.join().unwrap();
+    let client = c.clone();
+    let reads = std::thread::spawn(move || {
+        block_on(async {
+            let mut out = vec![0; 512];
+            let first = client.read(1, 0, &mut out).await;
+            let second = client.read(1, 0, &mut out).await;
+            (first, second)
+        })
+    });
+    let h = next_request(&mut s);
+    s.write_all(&read_answer(h.request_id, 100)).unwrap();
+    let h = next_request(&mut s);
+    s.write_all(&read_answer(h.request_id, 512)).unwrap();
+    let (first, second) = reads.join().unwrap();
+    let e = first.unwrap_err();
+    assert!(matches!(e, ArenaError::Protocol { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("read body is 100 bytes, expected 512"),
+        "{e}"
+    );
+    assert!(second.unwrap(), "the connection still serves");
+    assert_eq!(client_counter(&c, names::LENGTH_MISMATCHES), 1);
+    assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
+    assert!(c.stats().snapshot().counter(names::FRAME_ERRORS, None) == 0);
+}
+
+#[test]
+fn answers_to_requests_not_in_flight_are_mismatches_and_close_the_connection() {
+    // An id never sent, then an answer whose opcode is not its request's.
+    for wrong_op in [false, true] {
+        let (addr, peer) = fake_peer_version(Some(SECRET_A), 1);
+        let mut cfg =
+            target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+        cfg.versions = 1..=1;
+        let c = ArenaClient::connect(cfg).unwrap();
+        let mut s = peer.join().unwrap();
+        let client = c.clone();
+        let flush = std::thread::spawn(move || block_on(client.flush()));
+        let h = next_request(&mut s);
+        assert_eq!(h.opcode, Opcode::Flush);
+        let mut f = Vec::new();
+        if wrong_op {
+            proto::encode_ok(&mut f, Opcode::Commit, h.request_id);
+        } else {
+            proto::encode_ok(&mut f, Opcode::Flush, h.request_id + 1000);
+        }
+        s.write_all(&f).unwrap();
+        let e = flush.join().unwrap().unwrap_err();
+        assert!(matches!(e, ArenaError::Disconnected { .. }), "{e}");
+        assert!(
+            e.to_string().contains(if wrong_op {
+                "commit answer to request id 1, which is a flush"
+            } else {
+                "flush answer to request id 1001, which is not in flight"
+            }),
+            "{e}"
+        );
+        assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 1);
+        assert_eq!(client_counter(&c, names::LATE_ANSWERS), 0);
+        assert_eq!(c.stats().snapshot().counter(names::FRAME_ERRORS, None), 0);
+    }
+}
+
+#[test]
+fn a_late_answer_is_no_mismatch_and_a_bad_frame_is_a_frame_error() {
+    let (addr, peer) = fake_peer_version(Some(SECRET_A), 1);
+    let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.versions = 1..=1;
+    cfg.request_timeout = Duration::from_millis(200);
+    let c = ArenaClient::connect(cfg).unwrap();
+    let mut s = peer.join().unwrap();
+    let client = c.clone();
+    let flush = std::thread::spawn(move || block_on(client.flush()));
+    let h = next_request(&mut s);
+    let e = flush.join().unwrap().unwrap_err();
+    assert!(matches!(e, ArenaError::TimedOut { .. }), "{e}");
+    let mut f = Vec::new();
+    proto::encode_ok(&mut f, Opcode::Flush, h.request_id);
+    s.write_all(&f).unwrap();
+    // The late answer is read and counted; the connection stays up.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while client_counter(&c, names::LATE_ANSWERS) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "late answer not counted"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(c.is_connected());
+    assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
+    // Then a frame with a bad magic: a frame error of its class.
+    let mut bad = f.clone();
+    bad[..4].copy_from_slice(b"XXXX");
+    s.write_all(&bad).unwrap();
+    while c.is_connected() {
+        assert!(std::time::Instant::now() < deadline, "bad frame not seen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let snap = c.stats().snapshot();
+    let frame_errors: Vec<_> = snap
+        .counters
+        .iter()
+        .filter(|v| v.name == names::FRAME_ERRORS)
+        .map(|v| (v.reason.as_deref().unwrap_or_default(), v.value))
+        .collect();
+    assert_eq!(frame_errors, [("bad_magic", 1)]);
+    assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
+}
+
+/// TCP_INFO of a real connection to a real arenad reaches the links:
+/// sampled at open, every 256 answers and at close.
+#[test]
+fn arena_connections_report_their_tcp_info() {
+    use std::sync::Arc;
+    use ublk_metrics::TcpLinks;
+
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    let mut cfg = peer.config("a", SECRET_A);
+    let links = Arc::new(TcpLinks::default());
+    cfg.tcp_links = Arc::clone(&links);
+    let c = ArenaClient::connect(cfg).unwrap();
+    block_on(async {
+        c.write(1, 0, &[5; 4096]).await.unwrap();
+        let mut out = vec![0; 4096];
+        for _ in 0..300 {
+            c.read(1, 0, &mut out).await.unwrap();
+        }
+    });
+    let s = links.summary();
+    assert_eq!(s.connections, 1, "{s:?}");
+    assert!(s.rtt_max > 0.0 && s.rtt_mean > 0.0, "{s:?}");
+    assert!(s.cwnd_min > 0.0 && s.cwnd_mean > 0.0, "{s:?}");
+    c.disconnect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while links.summary().connections != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "closed link still open"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Loopback loses nothing; the count survives the connection.
+    assert_eq!(links.retransmissions(), 0);
 }
 
 /// Version 1 (no tags, no epochs) only where the operator allows it, and

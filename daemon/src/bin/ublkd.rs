@@ -48,7 +48,7 @@ fn main() -> anyhow::Result<()> {
     // Signals first, so a SIGTERM during a long restore is not lost.
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
     let tel = Telemetry::install(Daemon::Ublkd, env!("CARGO_PKG_VERSION"))?;
-    let obs = Observability::new(Arc::clone(&tel), &cfg.metrics);
+    let obs = Observability::new(Arc::clone(&tel), &cfg.metrics, &cfg.tracing);
     let _scanner = obs
         .scanner()
         .spawn()

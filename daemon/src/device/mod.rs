@@ -408,6 +408,7 @@ impl Manager {
             let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
             cc.flush_domain = Arc::clone(&flush_domain);
             cc.stats = Arc::clone(&client_stats);
+            cc.tcp_links = Arc::clone(self.obs.tcp_links());
             cc.blob_bytes = spec.blob_size as u32;
             cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
             cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
@@ -744,6 +745,7 @@ mod tests {
         let obs = Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &c.metrics,
+            &c.tracing,
         );
         Manager::new(c, obs).unwrap()
     }
@@ -865,6 +867,7 @@ mod tests {
         let obs = Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &c.metrics,
+            &c.tracing,
         );
         let m = Manager::new(c, obs).unwrap();
         let secret = dir.path().join("secret");

@@ -1,8 +1,15 @@
 //! One live control connection: the handshake that opens it, the table of
 //! requests in flight on it, and the reader thread that matches answers to
-//! them, queues revocations and fails requests past their deadline.
+//! them, queues revocations, fails requests past their deadline and samples
+//! the socket's TCP_INFO.
+//!
+//! Answers that do not fit their request are counted apart from frames
+//! that do not parse: an answer naming a request that is not in flight, or
+//! with another opcode (`response_id_mismatches`: the stream's correlation
+//! is broken, the connection is closed), and a READ answer of another
+//! length than asked (`length_mismatches`: that request fails).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Weak};
@@ -14,6 +21,7 @@ use tokio::sync::Semaphore;
 use tracing::debug;
 
 use super::frames::{Body, FrameReader, Landing, Trailer};
+use super::tcp_info::Sampler;
 use super::{ClientConfig, Shared, MAX_QUEUED_REVOCATIONS, TICK};
 use crate::auth::{self, FrameKey, SessionKeys};
 use crate::blob::ArenaError;
@@ -71,6 +79,8 @@ impl Writer {
 
 pub(super) struct Pending {
     pub(super) op: Opcode,
+    /// Bytes a READ asked for: its answer must carry exactly these.
+    pub(super) want_len: Option<u32>,
     /// Where a large READ answer goes, when the caller offered its buffer.
     pub(super) landing: Option<Arc<Landing>>,
     pub(super) deadline: Instant,
@@ -293,6 +303,48 @@ fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
     })
 }
 
+/// Ids of requests that timed out, so their answers, if they come, are
+/// told from answers to requests never sent. Bounded: the oldest are
+/// forgotten first (an answer that late then counts as a mismatch).
+struct Expired {
+    order: VecDeque<u64>,
+    ids: HashSet<u64>,
+}
+
+impl Expired {
+    const KEEP: usize = 4096;
+
+    fn new() -> Self {
+        Self {
+            order: VecDeque::new(),
+            ids: HashSet::new(),
+        }
+    }
+
+    fn add(&mut self, id: u64) {
+        if self.order.len() >= Self::KEEP {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+        self.order.push_back(id);
+        self.ids.insert(id);
+    }
+
+    /// Whether `id` timed out (each late answer is recognised once).
+    fn take(&mut self, id: u64) -> bool {
+        self.ids.remove(&id)
+    }
+}
+
+/// Why the reader stops reading a connection.
+enum Broken {
+    /// A frame that did not parse (counted as a frame error).
+    Frame(FrameError),
+    /// An answer that matches no request in flight (counted as such).
+    Mismatch(String),
+}
+
 /// The reader thread: dispatches answers, queues revocations, expires
 /// requests. It holds the client only weakly, between frames: once the last
 /// `ArenaClient` is dropped the connection is closed (a reader holding it
@@ -304,11 +356,14 @@ pub(super) fn read_loop(client: &Weak<Shared>, conn: &Conn, mut stream: TcpStrea
     let peer = shared.cfg.peer.clone();
     let peer = &peer;
     let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some());
+    let mut tcp = Sampler::open(&shared.cfg.tcp_links, &stream);
     drop(shared);
     let mut seq = 0;
     let mut last_sweep = Instant::now();
+    let mut expired = Expired::new();
     let why = loop {
         let Some(shared) = client.upgrade() else {
+            tcp.close(&stream);
             conn.kill(peer, "client dropped");
             return;
         };
@@ -325,36 +380,60 @@ pub(super) fn read_loop(client: &Weak<Shared>, conn: &Conn, mut stream: TcpStrea
         };
         match reader.next(&mut stream, land) {
             Ok(Some((h, body, trailer))) => {
-                let checked = check_frame(conn, &h, trailer.as_ref(), seq);
+                tcp.answered(&stream);
+                let checked = check_frame(conn, &h, trailer.as_ref(), seq).map_err(Broken::Frame);
                 seq += 1;
-                if let Err(e) = checked.and_then(|()| dispatch(shared, conn, &h, body)) {
-                    break format!("protocol error: {e}");
+                match checked.and_then(|()| dispatch(shared, conn, &h, body, &mut expired)) {
+                    Ok(()) => {}
+                    Err(Broken::Frame(e)) => {
+                        frame_error(shared, &e);
+                        break Some(format!("protocol error: {e}"));
+                    }
+                    Err(Broken::Mismatch(why)) => break Some(format!("protocol error: {why}")),
                 }
             }
-            Ok(None) => break "peer closed the connection".to_owned(),
+            Ok(None) => break Some("peer closed the connection".to_owned()),
             Err(FrameError::Io(e))
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) => {}
-            Err(e) => break e.to_string(),
+            Err(e) => {
+                frame_error(shared, &e);
+                break Some(e.to_string());
+            }
         }
         if conn.is_dead() {
-            return;
+            break None;
         }
         if last_sweep.elapsed() >= TICK {
             last_sweep = Instant::now();
-            expire(shared, conn);
+            for id in expire(shared, conn) {
+                expired.add(id);
+            }
         }
     };
-    debug!(event = "peer.disconnected", detail = %why);
-    conn.kill(peer, &why);
+    tcp.close(&stream);
+    if let Some(why) = why {
+        debug!(event = "peer.disconnected", detail = %why);
+        conn.kill(peer, &why);
+    }
 }
 
-/// Fails every request whose deadline has passed.
-fn expire(shared: &Shared, conn: &Conn) {
+/// Counts and logs a frame that did not parse. A stream that failed or
+/// ended mid-frame is a lost connection, not a malformed frame.
+fn frame_error(shared: &Shared, e: &FrameError) {
+    if matches!(e, FrameError::Io(_) | FrameError::Truncated { .. }) {
+        return;
+    }
+    shared.cfg.stats.frame_error(e.class());
+    ublk_metrics::events::protocol_frame_error(e.class(), e);
+}
+
+/// Fails every request whose deadline has passed; returns their ids.
+fn expire(shared: &Shared, conn: &Conn) -> Vec<u64> {
     let now = Instant::now();
-    let expired: Vec<Pending> = {
+    let expired: Vec<(u64, Pending)> = {
         let mut t = conn.pending.lock();
         let ids: Vec<u64> = t
             .map
@@ -362,27 +441,55 @@ fn expire(shared: &Shared, conn: &Conn) {
             .filter(|(_, p)| p.deadline <= now)
             .map(|(id, _)| *id)
             .collect();
-        ids.iter().filter_map(|id| t.map.remove(id)).collect()
+        ids.iter()
+            .filter_map(|id| t.map.remove(id).map(|p| (*id, p)))
+            .collect()
     };
-    for p in expired {
+    let mut ids = Vec::with_capacity(expired.len());
+    for (id, p) in expired {
         shared.cfg.stats.count(|s| &s.request_timeouts);
         let _ = p.tx.send(Err(ArenaError::TimedOut {
             op: p.op,
             peer: shared.cfg.peer.clone(),
             after: shared.cfg.request_timeout,
         }));
+        ids.push(id);
     }
+    ids
 }
 
-fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<(), FrameError> {
+/// Counts, logs and describes an answer that fits no request in flight.
+fn mismatch(shared: &Shared, h: &Header, expected: Option<Opcode>) -> Broken {
+    shared.cfg.stats.count(|s| &s.response_id_mismatches);
+    let expected = expected.map_or("none", Opcode::name);
+    ublk_metrics::events::protocol_response_id_mismatch(h.request_id, h.opcode.name(), expected);
+    Broken::Mismatch(format!(
+        "{} answer to request id {}, which is {}",
+        h.opcode.name(),
+        h.request_id,
+        if expected == "none" {
+            "not in flight".to_owned()
+        } else {
+            format!("a {expected}")
+        }
+    ))
+}
+
+fn dispatch(
+    shared: &Shared,
+    conn: &Conn,
+    h: &Header,
+    body: Body<'_>,
+    expired: &mut Expired,
+) -> Result<(), Broken> {
     if !h.is_response() {
-        return Err(FrameError::Unexpected {
+        return Err(Broken::Frame(FrameError::Unexpected {
             op: h.opcode.name(),
             detail: "server frame without the response flag",
-        });
+        }));
     }
     if h.opcode == Opcode::Revoke {
-        let rv = proto::decode_revoke(h, body.bytes())?;
+        let rv = proto::decode_revoke(h, body.bytes()).map_err(Broken::Frame)?;
         shared.cfg.stats.count(|s| &s.revocations_received);
         let mut q = shared.revocations.lock();
         if q.len() >= MAX_QUEUED_REVOCATIONS {
@@ -393,27 +500,54 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
         return Ok(());
     }
     let Some(p) = conn.pending.lock().map.remove(&h.request_id) else {
-        shared.cfg.stats.count(|s| &s.late_answers);
-        return Ok(());
+        if expired.take(h.request_id) {
+            shared.cfg.stats.count(|s| &s.late_answers);
+            return Ok(());
+        }
+        return Err(mismatch(shared, h, None));
     };
     if p.op != h.opcode {
-        return Err(FrameError::Unexpected {
-            op: h.opcode.name(),
-            detail: "answer opcode differs from the request's",
-        });
+        let broken = mismatch(shared, h, Some(p.op));
+        // Back in the table, so the connection's end fails it with the
+        // reason like every other request in flight.
+        conn.pending.lock().map.insert(h.request_id, p);
+        return Err(broken);
     }
+    if let (Status::Ok, Some(want)) = (h.status, p.want_len) {
+        if h.body_len != want {
+            shared.cfg.stats.count(|s| &s.length_mismatches);
+            ublk_metrics::events::protocol_length_mismatch(
+                h.request_id,
+                h.opcode.name(),
+                want.into(),
+                h.body_len.into(),
+            );
+            let _ = p.tx.send(Err(ArenaError::Protocol {
+                peer: shared.cfg.peer.clone(),
+                source: FrameError::BadBodyLength {
+                    op: h.opcode.name(),
+                    len: h.body_len as usize,
+                    expected: format!("{want} (the length requested)"),
+                },
+            }));
+            return Ok(());
+        }
+    }
+    let frame = Broken::Frame;
     let reply = match (h.status, h.opcode) {
-        (Status::Ok, Opcode::Alloc | Opcode::Get) => {
-            Ok(Reply::Lease(proto::decode_lease(h, body.bytes())?))
-        }
-        (Status::Ok, Opcode::Remove | Opcode::Epoch) => {
-            Ok(Reply::Count(proto::decode_count(h, body.bytes())?))
-        }
+        (Status::Ok, Opcode::Alloc | Opcode::Get) => Ok(Reply::Lease(
+            proto::decode_lease(h, body.bytes()).map_err(frame)?,
+        )),
+        (Status::Ok, Opcode::Remove | Opcode::Epoch) => Ok(Reply::Count(
+            proto::decode_count(h, body.bytes()).map_err(frame)?,
+        )),
         (Status::Ok, Opcode::Read) => match body {
             Body::Landed(_) => Ok(Reply::Landed),
             body => Ok(Reply::Data(body.into_vec())),
         },
-        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(RailAccept::decode(h, body.bytes())?)),
+        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(
+            RailAccept::decode(h, body.bytes()).map_err(frame)?,
+        )),
         (Status::Ok, _) => Ok(Reply::Empty),
         (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
         (status, op) => Err(ArenaError::Status {
@@ -424,11 +558,11 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
         }),
     };
     if matches!(&reply, Ok(Reply::Data(_) | Reply::Landed)) && h.body_len > conn.max_inline {
-        return Err(FrameError::TooLong {
+        return Err(Broken::Frame(FrameError::TooLong {
             what: "inline answer",
             len: h.body_len.into(),
             max: conn.max_inline.into(),
-        });
+        }));
     }
     let _ = p.tx.send(reply);
     Ok(())

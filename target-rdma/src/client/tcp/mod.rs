@@ -18,6 +18,7 @@ mod conn;
 mod durability;
 mod frames;
 mod stats;
+pub mod tcp_info;
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant};
 use futures::channel::oneshot;
 use parking_lot::Mutex;
 use tracing::warn;
+use ublk_metrics::TcpLinks;
 
 pub use durability::FlushDomain;
 pub use frames::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
@@ -68,6 +70,9 @@ pub struct ClientConfig {
     /// The writes a FLUSH through this client vouches for; see
     /// [`FlushDomain`]. `new` gives each config a domain of its own.
     pub flush_domain: Arc<FlushDomain>,
+    /// Where the connections' TCP_INFO goes (ublkd: the process's, which
+    /// it exports); `new` gives each config one of its own.
+    pub tcp_links: Arc<TcpLinks>,
     /// The writer's membership epoch for the volume, presented in HELLO
     /// (protocol version 2): a peer refuses the data operations of a
     /// session whose epoch is below the volume's with `STALE_EPOCH`.
@@ -94,6 +99,7 @@ impl ClientConfig {
             stats: Arc::default(),
             offer_rdma: false,
             flush_domain: Arc::default(),
+            tcp_links: Arc::default(),
             epoch: 0,
             versions: proto::VERSION..=proto::VERSION,
         }
@@ -328,6 +334,10 @@ impl ArenaClient {
                 id,
                 Pending {
                     op: req.opcode(),
+                    want_len: match req {
+                        Request::Read { len, .. } => Some(*len),
+                        _ => None,
+                    },
                     landing,
                     deadline: Instant::now() + self.shared.cfg.request_timeout,
                     tx,
