@@ -123,6 +123,53 @@ pub struct UblkdConfig {
     /// Which RDMA device `rdma` and `auto` devices use.
     #[serde(default)]
     pub rdma: RdmaConfig,
+    // --- replication (issue 11) ---
+    /// The coordination service of replicated volumes; absent: the static
+    /// fallback (memberships in the state dir, one host only).
+    #[serde(default)]
+    pub etcd: Option<crate::coordination::EtcdConfig>,
+    // --- end replication ---
+    /// Sampled request spans.
+    #[serde(default)]
+    pub tracing: TracingConfig,
+}
+
+/// `[tracing]`: sampled spans of block requests (`span.request`,
+/// `span.attempt` log records) and the exemplars they give
+/// `/metrics/openmetrics`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingConfig {
+    /// Off by default.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Requests per million kept by the head sample, besides every failed,
+    /// timed-out, cancelled and slow (`[metrics] slow_threshold_ms`) one.
+    #[serde(default = "default_sample_rate_ppm")]
+    pub sample_rate_ppm: u32,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            sample_rate_ppm: default_sample_rate_ppm(),
+        }
+    }
+}
+
+impl TracingConfig {
+    /// Checks every `[tracing]` key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.sample_rate_ppm > ublk_metrics::trace::MAX_SAMPLE_RATE_PPM {
+            return Err(invalid(
+                "tracing.sample_rate_ppm",
+                self.sample_rate_ppm,
+                "must be between 0 and 1000000 (every request)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `[rdma]`: the local RDMA device of `transport = rdma|auto` devices.
@@ -189,10 +236,14 @@ pub struct MetricsConfig {
     /// Age in seconds at which an in-flight request counts as stalled.
     #[serde(default = "default_stall_threshold")]
     pub stall_threshold_secs: u64,
-    /// Requests completing at or above this many ms log `request.slow`;
-    /// 0 disables the event.
+    /// Requests completing at or above this many ms log `request.slow`
+    /// (and, with `[tracing] enabled`, keep their spans); 0 disables both.
     #[serde(default = "default_slow_threshold")]
     pub slow_threshold_ms: u64,
+    /// Serves `/metrics/openmetrics` (OpenMetrics 1.0 with exemplars of
+    /// retained traces); `/metrics` stays the Prometheus text format.
+    #[serde(default)]
+    pub openmetrics: bool,
 }
 
 impl MetricsConfig {
@@ -321,6 +372,9 @@ fn default_stall_threshold() -> u64 {
 fn default_slow_threshold() -> u64 {
     5000
 }
+fn default_sample_rate_ppm() -> u32 {
+    100
+}
 fn default_queues() -> u32 {
     1
 }
@@ -417,6 +471,12 @@ impl UblkdConfig {
         }
         self.device.validate()?;
         self.rdma.validate()?;
+        self.tracing.validate()?;
+        // --- replication (issue 11) ---
+        if let Some(e) = &self.etcd {
+            e.validate()?;
+        }
+        // --- end replication ---
         self.metrics.validate()
     }
 }
@@ -557,6 +617,24 @@ mod tests {
         assert_eq!(c.metrics.scan_interval_secs, 5);
         assert_eq!(c.metrics.stall_threshold_secs, 30);
         assert_eq!(c.metrics.slow_threshold_ms, 5000);
+        assert!(!c.metrics.openmetrics);
+        assert!(!c.tracing.enabled);
+        assert_eq!(c.tracing.sample_rate_ppm, 100);
+    }
+
+    #[test]
+    fn the_sample_rate_is_at_most_every_request() {
+        let c = UblkdConfig::parse(
+            "[tracing]\nenabled = true\nsample_rate_ppm = 1000000\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert!(c.tracing.enabled);
+        assert_eq!(
+            err("[tracing]\nsample_rate_ppm = 1000001\n"),
+            "invalid config: tracing.sample_rate_ppm = 1000001: \
+             must be between 0 and 1000000 (every request)"
+        );
     }
 
     #[test]

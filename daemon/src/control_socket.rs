@@ -12,7 +12,7 @@ use std::sync::Arc;
 use rustix::fs::Mode;
 use rustix::process::umask;
 
-use crate::ctl::{self, ErrorKind, Reply, Request, Response, ResponseLine};
+use crate::ctl::{self, ErrorKind, PeerInfo, Reply, Request, Response, ResponseLine};
 use crate::device::{DeviceError, Manager};
 use crate::features;
 
@@ -107,6 +107,27 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
         Request::Features => {
             features::from_driver().map(|(mask, names)| Reply::Features { mask, names })
         }
+        // --- replication (issue 11) ---
+        Request::PeerAdd { peer } => manager.coordination().and_then(|c| {
+            c.add_peer(&peer)?;
+            Ok(Reply::Peers {
+                peers: vec![PeerInfo { peer, used: 0 }],
+            })
+        }),
+        Request::PeerDel { id } => manager.coordination().and_then(|c| {
+            c.remove_peer(&id)?;
+            Ok(Reply::PeerDeleted { id })
+        }),
+        Request::PeerList => manager.coordination().and_then(|c| {
+            let peers = c.peer_usage()?;
+            Ok(Reply::Peers {
+                peers: peers
+                    .into_iter()
+                    .map(|(peer, used)| PeerInfo { peer, used })
+                    .collect(),
+            })
+        }),
+        // --- end replication ---
     };
     match result {
         Ok(reply) => Response::Ok { reply },
@@ -195,6 +216,7 @@ mod tests {
         let obs = crate::observability::Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &cfg.metrics,
+            &cfg.tracing,
         );
         let m = Arc::new(Manager::new(cfg, obs).unwrap());
         std::thread::spawn(move || serve(listener, m));

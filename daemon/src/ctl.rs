@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TransportChoice;
+use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
 use ublk_metrics::DeviceDriverReport;
 
@@ -62,6 +63,20 @@ pub enum Request {
     },
     /// What the running kernel's ublk driver supports.
     Features,
+    // --- replication (issue 11): the placement pool in etcd ---
+    /// Register an arena peer for placement.
+    PeerAdd {
+        /// The peer.
+        peer: PeerRecord,
+    },
+    /// Unregister a peer (refused while a volume lists it).
+    PeerDel {
+        /// Peer id.
+        id: String,
+    },
+    /// The placement pool.
+    PeerList,
+    // --- end replication ---
 }
 
 /// Arguments of `add`; absent fields take the daemon's `[device]` defaults.
@@ -150,6 +165,9 @@ pub enum ErrorKind {
     TransportUnavailable,
     /// The ublk driver or the system failed.
     System,
+    /// The coordination service (etcd) failed, is not configured, or
+    /// another ublkd serves the volume.
+    Coordination,
 }
 
 /// A successful reply.
@@ -173,6 +191,16 @@ pub enum Reply {
     },
     /// `stats`.
     Stats(StatsReply),
+    /// `peer add` and `peer list`.
+    Peers {
+        /// The peers, by id.
+        peers: Vec<PeerInfo>,
+    },
+    /// `peer del`.
+    PeerDeleted {
+        /// The peer id.
+        id: String,
+    },
     /// `features`.
     Features {
         /// The raw `UBLK_F_*` mask.
@@ -223,6 +251,16 @@ pub struct DeviceInfo {
     pub transport_note: Option<String>,
     /// Logical block size.
     pub logical_block_size: u32,
+}
+
+/// A registered peer as `peer list` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    /// The registration.
+    #[serde(flatten)]
+    pub peer: PeerRecord,
+    /// Bytes of volumes placed on it.
+    pub used: u64,
 }
 
 /// The answer to `stats`.

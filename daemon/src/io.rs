@@ -5,7 +5,7 @@
 //! and buffers between the kernel and [`serve`].
 
 use libublk::sys;
-use target_rdma::blob::{ErrorKind, Via};
+use target_rdma::blob::{ErrorKind, ReplicaFailure, Via};
 use target_rdma::block::{BlockTarget, TargetError};
 use target_rdma::proto::Status;
 use ublk_metrics::{IoOp, Phase, Reason};
@@ -142,6 +142,11 @@ pub fn classify(e: &TargetError) -> Failure {
             ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
             ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
             ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
+            ErrorKind::Replica(failure) => match failure {
+                ReplicaFailure::Unrecorded => (Phase::Completion, Reason::Timeout),
+                ReplicaFailure::Fenced => (Phase::Completion, Reason::Auth),
+                ReplicaFailure::NoMember => (Phase::Connect, Reason::Unavailable),
+            },
             ErrorKind::Status(status) => match status {
                 Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
                     (Phase::Alloc, Reason::ResourceExhausted)
@@ -273,9 +278,20 @@ mod tests {
 
     impl<T: BlockTarget> FakeQueue<T> {
         fn new(target: T) -> Self {
+            Self::with_tracing(target, &crate::config::TracingConfig::default())
+        }
+
+        /// With `tracing`, `/metrics/openmetrics` on and the default slow
+        /// threshold (5 s).
+        fn with_tracing(target: T, tracing: &crate::config::TracingConfig) -> Self {
+            let metrics = MetricsConfig {
+                openmetrics: true,
+                ..MetricsConfig::default()
+            };
             let obs = Observability::new(
                 Telemetry::isolated(Daemon::Ublkd, "test"),
-                &MetricsConfig::default(),
+                &metrics,
+                tracing,
             );
             let dev = obs
                 .register(
@@ -526,6 +542,163 @@ mod tests {
             1.0
         );
         assert_eq!(s("ublk_failovers_total", &[]), 2.0);
+    }
+
+    /// The `span.*` records of trace `id` among `logs`.
+    fn spans<'l>(logs: &'l [serde_json::Value], id: &str) -> Vec<&'l serde_json::Value> {
+        logs.iter()
+            .filter(|r| r["trace_id"] == id)
+            .filter(|r| r["event"].as_str().is_some_and(|e| e.starts_with("span.")))
+            .collect()
+    }
+
+    /// The exemplar trace id on the one bucket line of `family{labels}`
+    /// that has one.
+    fn exemplar_of(openmetrics: &str, family: &str, labels: &str) -> Option<String> {
+        let prefix = format!("{family}_bucket{{{labels},le=");
+        let mut found = openmetrics
+            .lines()
+            .filter(|l| l.starts_with(&prefix))
+            .filter_map(|l| l.split_once(" # {trace_id=\""))
+            .map(|(_, rest)| rest[..32].to_string());
+        let id = found.next();
+        assert!(found.next().is_none(), "one exemplar per series here");
+        id
+    }
+
+    #[test]
+    fn a_failed_over_request_is_retained_with_both_attempts_and_is_the_exemplar() {
+        let tracing = crate::config::TracingConfig {
+            enabled: true,
+            sample_rate_ppm: 0,
+        };
+        let q = FakeQueue::with_tracing(FailingOver(MemTarget::new(1 << 20)), &tracing);
+        let ((), logs) = ublk_metrics::testing::capture_json_logs(|| {
+            // Not sampled, fast, successful, no failover: not retained.
+            assert_eq!(q.issue(0, desc(sys::UBLK_IO_OP_FLUSH, 0, 0, 0)), 0);
+            assert_eq!(q.write(1, 0, &pattern(4096, 1), false), 4096);
+        });
+        let roots: Vec<_> = logs
+            .iter()
+            .filter(|r| r["event"] == ublk_metrics::events::SPAN_REQUEST)
+            .collect();
+        assert_eq!(roots.len(), 1, "only the failed-over write: {roots:#?}");
+        let root = roots[0];
+        assert_eq!(root["op"], "write");
+        assert_eq!(root["target"], "arena", "one `target` key: the I/O target");
+        assert_eq!(root["outcome"], "success");
+        assert_eq!(root["retention"], "linked_child");
+        let id = root["trace_id"].as_str().unwrap().to_string();
+        assert_eq!(id.len(), 32);
+        let corr = root["corr"].as_u64().unwrap();
+        assert!(
+            id.ends_with(&format!("{corr:016x}")),
+            "{id} carries corr {corr}"
+        );
+        let spans = spans(&logs, &id);
+        let attempts: Vec<(&str, &str, &str)> = spans
+            .iter()
+            .filter(|r| r["event"] == ublk_metrics::events::SPAN_ATTEMPT)
+            .map(|r| {
+                assert_eq!(r["parent_span_id"], root["span_id"]);
+                (
+                    r["transport"].as_str().unwrap(),
+                    r["outcome"].as_str().unwrap(),
+                    r["retention"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            attempts,
+            [
+                ("rdma", "failure", "error"),
+                ("tcp", "success", "linked_child")
+            ]
+        );
+        let om = q.obs.telemetry().render_openmetrics().unwrap();
+        assert_eq!(
+            exemplar_of(
+                &om,
+                "ublk_io_latency_seconds",
+                r#"target="arena",op="write""#
+            ),
+            Some(id.clone())
+        );
+        assert_eq!(
+            exemplar_of(
+                &om,
+                "ublk_attempt_latency_seconds",
+                r#"op="write",transport="tcp""#
+            ),
+            Some(id),
+            "the TCP attempt is timed; the failed RDMA one only the transport saw end"
+        );
+        assert_eq!(
+            exemplar_of(
+                &om,
+                "ublk_io_latency_seconds",
+                r#"target="arena",op="flush""#
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn failed_and_cancelled_requests_keep_their_spans_and_nothing_is_traced_when_off() {
+        let on = crate::config::TracingConfig {
+            enabled: true,
+            sample_rate_ppm: 0,
+        };
+        let q = FakeQueue::with_tracing(BrokenTarget, &on);
+        let (r, logs) = ublk_metrics::testing::capture_json_logs(|| {
+            let r = q.issue(0, desc(sys::UBLK_IO_OP_READ, 0, 0, 8));
+            // The queue goes down with a request at its target.
+            let cancelled = q.dev.begin(0, 1, IoOp::Write, MetricsTransport::Tcp);
+            drop(cancelled.dispatched());
+            r
+        });
+        assert_eq!(r, -libc::ENOLINK);
+        let roots: Vec<(&str, &str, &str, u64)> = logs
+            .iter()
+            .filter(|r| r["event"] == ublk_metrics::events::SPAN_REQUEST)
+            .map(|r| {
+                (
+                    r["op"].as_str().unwrap(),
+                    r["outcome"].as_str().unwrap(),
+                    r["retention"].as_str().unwrap(),
+                    r["attempts"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            roots,
+            [
+                ("read", "failure", "error", 1),
+                ("write", "cancelled", "error", 1)
+            ]
+        );
+        let failed = logs
+            .iter()
+            .find(|r| r["event"] == ublk_metrics::events::SPAN_ATTEMPT)
+            .unwrap();
+        assert_eq!(
+            (&failed["phase"], &failed["reason"]),
+            (
+                &serde_json::json!("poll"),
+                &serde_json::json!("peer_closed")
+            )
+        );
+
+        let off = FakeQueue::new(BrokenTarget);
+        let ((), logs) = ublk_metrics::testing::capture_json_logs(|| {
+            off.issue(0, desc(sys::UBLK_IO_OP_READ, 0, 0, 8));
+        });
+        assert!(
+            !logs
+                .iter()
+                .any(|r| r["event"].as_str().is_some_and(|e| e.starts_with("span."))),
+            "tracing is off by default"
+        );
     }
 
     /// Fails every request the way a dead arena connection does.

@@ -2,7 +2,8 @@
 //! library behind `ublkctl`.
 //!
 //! Control plane: [`config`], [`check`] (`--check-config`), [`reload`]
-//! (SIGHUP), [`device`] (the device manager, its persisted
+//! (SIGHUP), [`coordination`] (etcd: writer lease, memberships,
+//! placement), [`device`] (the device manager, its persisted
 //! definitions and the peer monitor), [`control_socket`] and [`ctl`] (the
 //! control socket and its protocol), [`observability`] (metrics, readiness,
 //! diagnostics, and the per-request observer), [`device_stats`] (the
@@ -15,6 +16,7 @@ pub mod busy;
 pub mod check;
 pub mod config;
 pub mod control_socket;
+pub mod coordination;
 pub mod ctl;
 pub mod device;
 pub mod device_stats;

@@ -7,21 +7,27 @@
 //!   I/O through the queue's `serve` is counted and passes promtool, `/ready`
 //!   goes 503 `peer_disconnected` when the peer stops and back to 200 when
 //!   it returns, `/diagnostics` leaks no secret, volume or address, and the
-//!   driver summary shows the TCP data path and its RDMA warning.
+//!   driver summary shows the TCP data path and its RDMA warning;
+//! - with tracing and `/metrics/openmetrics` on, a request over a real arena
+//!   connection is an exemplar whose trace id names its spans in the log,
+//!   and the connection's TCP_INFO reaches the `ublk_tcp_*` gauges.
 
-use std::process::{Child, Command};
+mod common;
+
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
-use ublk_metrics::testing::{
-    addr_after, http_get as get, promtool_check_metrics as promtool_check, spawn_with_log_lines,
-};
+use ublk_metrics::testing::{capture_json_logs, http_get_typed, parse_openmetrics, sample};
+
+use common::ublkd::Ublkd;
+use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
 
 use libublk::sys;
 use target_rdma::block::ArenaTarget;
 use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::testing::{secret, Peer, PeerOpts};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
-use ublkd::config::{MetricsConfig, TransportChoice};
+use ublkd::config::{MetricsConfig, TracingConfig, TransportChoice};
 use ublkd::device::check_peer;
 use ublkd::io::{serve, IoDesc};
 use ublkd::observability::{DevState, DeviceObs, DeviceShape, Observability};
@@ -31,47 +37,12 @@ use ublkd::queue_io::{QueueIo, TagBuffers};
 const SECRET: &str = "ublkd-endpoint-test-secret-41c2e8";
 const VOLUME: &str = "vol-ublkd-endpoint";
 
-struct Ublkd(Child);
-
-impl Drop for Ublkd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("ublkd.sock");
-    let cfg = dir.path().join("ublkd.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "state_dir = \"{}\"\nsocket = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
-            dir.path().join("state").display(),
-            sock.display()
-        ),
-    )
-    .unwrap();
-    let (child, rx) = spawn_with_log_lines(
-        Command::new(env!("CARGO_BIN_EXE_ublkd"))
-            .arg("--config")
-            .arg(&cfg)
-            .env("RUST_LOG", "info"),
-    );
-    let daemon = Ublkd(child);
-    let mut metrics = None;
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("ublkd logs its start (or exited)");
-        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
-        if line.contains("ublkd.ready") {
-            break;
-        }
-    }
-    let metrics = metrics.expect("metrics.listening logged before ublkd.ready");
+    let daemon = Ublkd::start(dir.path(), "");
+    let metrics = daemon.metrics.clone();
 
     // Ready only where devices can be added: with the ublk driver loaded.
     // This host (and CI's container) has none; the VM suite has it.
@@ -133,6 +104,7 @@ fn the_ublkd_binary_serves_metrics_and_readiness_without_devices() {
         }
         c.output().unwrap()
     };
+    let cfg = dir.path().join("ublkd.toml");
     let cfg_arg = cfg.to_str().unwrap();
     for out in [
         ctl(&["list"], Some(&sock)),
@@ -225,7 +197,11 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
         },
     );
     let tel = Telemetry::isolated(Daemon::Ublkd, "test");
-    let obs = Observability::new(Arc::clone(&tel), &MetricsConfig::default());
+    let obs = Observability::new(
+        Arc::clone(&tel),
+        &MetricsConfig::default(),
+        &TracingConfig::default(),
+    );
     let http =
         MetricsServer::start("127.0.0.1:0", Arc::clone(&tel), HttpConfig::default()).unwrap();
     let metrics = http.local_addr().to_string();
@@ -352,4 +328,112 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
         ),
         "removed devices' counts stay: {text}"
     );
+}
+
+#[test]
+fn a_traced_request_is_the_exemplar_and_its_connection_reports_tcp_info() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            volumes: vec![(VOLUME.into(), SECRET.into())],
+            ..PeerOpts::default()
+        },
+    );
+    let tel = Telemetry::isolated(Daemon::Ublkd, "test");
+    let metrics_cfg = MetricsConfig {
+        openmetrics: true,
+        ..MetricsConfig::default()
+    };
+    // Every request head-sampled.
+    let tracing_cfg = TracingConfig {
+        enabled: true,
+        sample_rate_ppm: 1_000_000,
+    };
+    let obs = Observability::new(Arc::clone(&tel), &metrics_cfg, &tracing_cfg);
+    let http =
+        MetricsServer::start("127.0.0.1:0", Arc::clone(&tel), HttpConfig::default()).unwrap();
+    let metrics = http.local_addr().to_string();
+    let mut cc = ClientConfig::new(peer.addr.to_string(), VOLUME, secret(SECRET));
+    cc.tcp_links = Arc::clone(obs.tcp_links());
+    let stats = Arc::clone(&cc.stats);
+    let io = QueueIo::tcp(
+        ArenaClient::connect(cc).unwrap(),
+        TagBuffers::new(4, 64 << 10),
+    );
+    let dev = obs
+        .register(
+            DeviceShape {
+                id: 0,
+                queues: 1,
+                depth: 4,
+                transport: TransportChoice::Tcp,
+            },
+            DevState::Live,
+            Arc::default(),
+            negotiated(std::slice::from_ref(&io)),
+            stats,
+        )
+        .unwrap();
+    let target = ArenaTarget::new(io.session(), 64 << 20);
+    let mut buf = vec![0x3cu8; 64 << 10];
+    let (read, logs) = capture_json_logs(|| {
+        futures::executor::block_on(async {
+            let w = desc(sys::UBLK_IO_OP_WRITE, 0, 8);
+            assert_eq!(serve(&target, &w, &mut buf, &dev, 0, 0).await, 4096);
+            let r = desc(sys::UBLK_IO_OP_READ, 0, 8);
+            serve(&target, &r, &mut buf, &dev, 0, 1).await
+        })
+    });
+    assert_eq!(read, 4096);
+
+    let (code, content_type, om) = http_get_typed(&metrics, "/metrics/openmetrics");
+    assert_eq!(code, 200);
+    assert_eq!(
+        content_type,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(om.ends_with("# EOF\n"));
+    let parsed = parse_openmetrics(&om);
+    let exemplar = parsed
+        .lines()
+        .find(|l| {
+            l.starts_with("histogram ublk_io_latency_seconds_bucket ")
+                && l.contains(r#""op":"read""#)
+                && !l.ends_with(" - -")
+        })
+        .unwrap_or_else(|| panic!("no exemplar on the read latency:\n{parsed}"));
+    let trace_id = exemplar.split(' ').nth_back(1).unwrap();
+    let spans: Vec<&str> = logs
+        .iter()
+        .filter(|r| r["trace_id"] == trace_id)
+        .map(|r| r["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(spans, ["span.request", "span.attempt"], "{logs:#?}");
+    let root = logs.iter().find(|r| r["trace_id"] == trace_id).unwrap();
+    assert_eq!(
+        (&root["op"], &root["retention"]),
+        (
+            &serde_json::json!("read"),
+            &serde_json::json!("head_sampled")
+        )
+    );
+    assert!(parsed.lines().any(|l| {
+        l.starts_with("histogram ublk_attempt_latency_seconds_bucket ")
+            && l.contains(r#""transport":"tcp""#)
+            && l.contains(trace_id)
+    }));
+
+    // The Prometheus text has the same samples, no exemplars, and the TCP
+    // connection's kernel view.
+    let (_, text) = get(&metrics, "/metrics");
+    promtool_check(&text);
+    assert!(!text.contains("trace_id"));
+    assert_eq!(sample(&text, "ublk_tcp_connections", &[]), 1.0);
+    assert!(
+        sample(&text, "ublk_tcp_rtt_max_seconds", &[]) > 0.0,
+        "{text}"
+    );
+    assert!(sample(&text, "ublk_tcp_cwnd_min_segments", &[]) > 0.0);
+    assert_eq!(sample(&text, "ublk_tcp_retransmissions_total", &[]), 0.0);
 }

@@ -33,7 +33,7 @@ fn installed_units() -> (tempfile::TempDir, Vec<std::path::PathBuf>) {
     std::fs::write(bin.join("arenad"), "#!/bin/sh\nexit 0\n").unwrap();
     std::fs::set_permissions(bin.join("arenad"), std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut paths = Vec::new();
-    for name in ["ublkd.service", "arenad.service"] {
+    for name in ["ublkd.service", "arenad.service", "ublk-etcd.service"] {
         let text = std::fs::read_to_string(units.join(name)).unwrap();
         let text = text.replace("/usr/local/bin/", &format!("{}/", bin.display()));
         let p = dir.path().join(name);
@@ -59,7 +59,7 @@ fn units_pass_systemd_analyze_verify() {
     // Lines about other units on the build host (not ours) are not our problem.
     let ours: Vec<&str> = stderr
         .lines()
-        .filter(|l| l.contains("ublkd") || l.contains("arenad"))
+        .filter(|l| l.contains("ublkd") || l.contains("arenad") || l.contains("ublk-etcd"))
         .collect();
     assert!(
         out.status.success() && ours.is_empty(),

@@ -10,10 +10,13 @@
 //!
 //! holds for requests and for attempts, by construction: every start returns
 //! a span that records exactly one outcome (dropping it records
-//! `cancelled`).
+//! `cancelled`). Attempts that end (succeed or fail) also record their
+//! duration, when the observer measured it, by the transport they ran on
+//! (`ublk_attempt_latency_seconds`).
 
 use crate::correlation::CorrelationId;
 use crate::events;
+use crate::histogram::LatencyHistogram;
 use crate::labels::{IoOp, Outcome, Phase, Reason, Transport};
 use crate::shard::{ShardedCounter, ShardedGauge};
 use crate::telemetry::Telemetry;
@@ -77,6 +80,7 @@ pub struct RequestAccounting {
     telemetry: std::sync::Arc<Telemetry>,
     requests: Flow,
     attempts: Flow,
+    attempt_latency: [[Arc<LatencyHistogram>; T]; O],
     failovers: [[[Counter; T]; T]; O],
     // Failure counters are registered on first use: the full phase x reason
     // x transport product is large, the set that occurs is small, and the
@@ -108,6 +112,14 @@ impl RequestAccounting {
                 "ublk_attempt_outcomes_total",
                 "ublk_attempts_inflight",
             ),
+            attempt_latency: IoOp::ALL.map(|op| {
+                Transport::ALL.map(|t| {
+                    tel.histogram(
+                        "ublk_attempt_latency_seconds",
+                        &[("op", op.as_str()), ("transport", t.as_str())],
+                    )
+                })
+            }),
             failovers: IoOp::ALL.map(|op| {
                 Transport::ALL.map(|from| {
                     Transport::ALL.map(|to| {
@@ -146,6 +158,11 @@ impl RequestAccounting {
             failed_over: false,
             done: false,
         }
+    }
+
+    /// The attempt latency histogram of (`op`, `transport`), for exemplars.
+    pub fn attempt_latency(&self, op: IoOp, transport: Transport) -> &LatencyHistogram {
+        &self.attempt_latency[op.index()][transport.index()]
     }
 
     fn failure(&self, request: bool, t: Transport, phase: Phase, reason: Reason) {
@@ -263,16 +280,29 @@ impl std::fmt::Debug for AttemptSpan<'_> {
 }
 
 impl AttemptSpan<'_> {
-    /// The attempt succeeded.
-    pub fn succeed(mut self) {
+    /// The attempt succeeded after `latency_ns`.
+    pub fn succeed(mut self, latency_ns: u64) {
+        self.observe(latency_ns);
         self.finish(Outcome::Success);
     }
 
-    /// The attempt failed in `phase` for `reason`; logs `attempt.failed`.
-    pub fn fail(mut self, phase: Phase, reason: Reason) {
+    /// The attempt failed in `phase` for `reason` after `latency_ns`
+    /// (`None`: its end was seen only by the transport, as for the RDMA
+    /// attempt of a failover, and it stays out of the histogram); logs
+    /// `attempt.failed`.
+    pub fn fail(mut self, phase: Phase, reason: Reason, latency_ns: Option<u64>) {
         self.acct.failure(false, self.transport, phase, reason);
         events::attempt_failed(self.corr, self.op, self.transport, phase, reason);
+        if let Some(ns) = latency_ns {
+            self.observe(ns);
+        }
         self.finish(Outcome::Failure);
+    }
+
+    fn observe(&self, latency_ns: u64) {
+        self.acct
+            .attempt_latency(self.op, self.transport)
+            .record_ns(latency_ns);
     }
 
     fn finish(&mut self, outcome: Outcome) {

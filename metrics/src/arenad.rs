@@ -36,6 +36,8 @@ closed_enum! {
         Write => "write",
         /// STAT / keepalive.
         Stat => "stat",
+        /// EPOCH: a writer moves to a newer membership epoch.
+        Epoch => "epoch",
     }
 }
 
@@ -82,8 +84,23 @@ closed_enum! {
         Length => "length",
         /// Frame not valid in the session's state.
         Sequence => "sequence",
+        /// A version-2 frame whose tag does not verify (injected, replayed,
+        /// reordered or altered).
+        Tag => "tag",
         /// Anything else.
         Other => "other",
+    }
+}
+
+closed_enum! {
+    /// Why arenad closed a connection right after accepting it.
+    ConnectionRefusal {
+        /// `max_connections` connections were open.
+        MaxConnections => "max_connections",
+        /// `max_unauthenticated` connections were in their handshake.
+        MaxUnauthenticated => "max_unauthenticated",
+        /// No thread could be started for it (EAGAIN, ENOMEM).
+        SpawnFailed => "spawn_failed",
     }
 }
 
@@ -146,6 +163,9 @@ pub struct ArenaMetrics {
     flush: Arc<LatencyHistogram>,
     protocol_errors: [Counter; ProtocolErrorClass::COUNT],
     auth_failures: Counter,
+    refusals: [Counter; ConnectionRefusal::COUNT],
+    accept_errors: Counter,
+    probes: Counter,
     integrity_errors: [Counter; IntegrityCheck::COUNT],
     source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
 }
@@ -200,6 +220,16 @@ impl ArenaMetrics {
             protocol_errors: ProtocolErrorClass::ALL
                 .map(|c| t.counter("arenad_protocol_errors_total", &[("class", c.as_str())])),
             auth_failures: c0("arenad_auth_failures_total"),
+            refusals: ConnectionRefusal::ALL.map(|r| {
+                let c = t.counter(
+                    "arenad_connections_refused_total",
+                    &[("reason", r.as_str())],
+                );
+                c.increment(0);
+                c
+            }),
+            accept_errors: c0("arenad_accept_errors_total"),
+            probes: c0("arenad_probes_total"),
             integrity_errors: IntegrityCheck::ALL.map(|c| {
                 let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
                 counter.increment(0);
@@ -242,6 +272,21 @@ impl ArenaMetrics {
     /// Counts a connection refused at authentication.
     pub fn auth_failure(&self) {
         self.auth_failures.increment(1);
+    }
+
+    /// Counts a connection closed right after accept.
+    pub fn connection_refused(&self, reason: ConnectionRefusal) {
+        self.refusals[reason.index()].increment(1);
+    }
+
+    /// Counts a failed accept (out of descriptors or memory).
+    pub fn accept_error(&self) {
+        self.accept_errors.increment(1);
+    }
+
+    /// Counts a connection closed before it sent a byte.
+    pub fn probe(&self) {
+        self.probes.increment(1);
     }
 
     /// Publishes store state. Cumulative fields are applied as absolute

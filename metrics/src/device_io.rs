@@ -84,6 +84,11 @@ impl IoMetrics {
         self.device
     }
 
+    /// The latency histogram of `op` (for exemplars).
+    pub fn latency(&self, op: IoOp) -> &LatencyHistogram {
+        &self.ops[op.index()].latency
+    }
+
     /// Accounts one completed request. `bytes` counts only on success;
     /// `Err(errno)` takes a Linux errno of either sign.
     #[inline]

@@ -22,6 +22,19 @@ pub const ATTEMPT_FAILED: &str = "attempt.failed";
 pub const TRANSPORT_FAILOVER: &str = "transport.failover";
 /// The arena peer connection was lost.
 pub const PEER_DISCONNECTED: &str = "peer.disconnected";
+/// A retained request's root span ([`crate::trace`]).
+pub const SPAN_REQUEST: &str = "span.request";
+/// One attempt of a retained request: a child span.
+pub const SPAN_ATTEMPT: &str = "span.attempt";
+/// The arena client got a frame it could not parse (bad magic, version,
+/// reserved bits, opcode, status, length); the connection is closed.
+pub const PROTOCOL_FRAME_ERROR: &str = "protocol.frame_error";
+/// An answer named a request that is not in flight (never sent, already
+/// answered) or answered it with another opcode; the connection is closed.
+pub const PROTOCOL_RESPONSE_ID_MISMATCH: &str = "protocol.response_id_mismatch";
+/// An answer carried another length than its request asked for; the
+/// request fails.
+pub const PROTOCOL_LENGTH_MISMATCH: &str = "protocol.length_mismatch";
 
 /// Every stable event name.
 pub const ALL: &[&str] = &[
@@ -31,6 +44,11 @@ pub const ALL: &[&str] = &[
     ATTEMPT_FAILED,
     TRANSPORT_FAILOVER,
     PEER_DISCONNECTED,
+    SPAN_REQUEST,
+    SPAN_ATTEMPT,
+    PROTOCOL_FRAME_ERROR,
+    PROTOCOL_RESPONSE_ID_MISMATCH,
+    PROTOCOL_LENGTH_MISMATCH,
 ];
 
 fn dev(device: Option<u32>) -> i64 {
@@ -136,6 +154,43 @@ pub fn peer_disconnected(device: Option<u32>, phase: Phase, reason: Reason) {
         phase = phase.as_str(),
         reason = reason.as_str(),
         "arena peer disconnected"
+    );
+}
+
+/// Logs [`PROTOCOL_FRAME_ERROR`]: `class` is the frame error's bounded
+/// class, `detail` its message (which names fields and values, never
+/// payload bytes).
+pub fn protocol_frame_error(class: &'static str, detail: &dyn std::fmt::Display) {
+    tracing::warn!(
+        event = PROTOCOL_FRAME_ERROR,
+        class,
+        detail = %detail,
+        "arena answer frame rejected"
+    );
+}
+
+/// Logs [`PROTOCOL_RESPONSE_ID_MISMATCH`]: the answer's request id and
+/// opcode, and the opcode of the request in flight under that id (`none`).
+pub fn protocol_response_id_mismatch(request_id: u64, op: &'static str, expected: &'static str) {
+    tracing::warn!(
+        event = PROTOCOL_RESPONSE_ID_MISMATCH,
+        request_id,
+        op,
+        expected,
+        "arena answer does not match a request in flight"
+    );
+}
+
+/// Logs [`PROTOCOL_LENGTH_MISMATCH`]: `requested` bytes asked, `answered`
+/// bytes the answer carries.
+pub fn protocol_length_mismatch(request_id: u64, op: &'static str, requested: u64, answered: u64) {
+    tracing::warn!(
+        event = PROTOCOL_LENGTH_MISMATCH,
+        request_id,
+        op,
+        requested,
+        answered,
+        "arena answer length differs from the request's"
     );
 }
 
@@ -272,8 +327,7 @@ impl LogControl {
 
 /// Installs the process's `tracing` subscriber writing to stderr, with an
 /// `EnvFilter` directive such as `info` or `ublkd=debug`. Both daemons log
-/// through this, so their JSON lines have one shape (the event's fields at
-/// the top level, next to `timestamp`, `level` and `target`).
+/// through this, so their JSON lines have one shape ([`json_subscriber`]).
 pub fn init_logging(format: LogFormat, filter: &str) -> Result<LogControl, LogInitError> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter(filter)?)
@@ -291,6 +345,7 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<LogControl, LogIn
                 .with_ansi(false)
                 .json()
                 .flatten_event(true)
+                .with_target(false)
                 .with_filter_reloading();
             let h = b.reload_handle();
             b.try_init().map_err(|_| LogInitError::AlreadySet)?;
@@ -301,4 +356,24 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<LogControl, LogIn
         reload,
         filter: parking_lot::Mutex::new(filter.to_owned()),
     })
+}
+
+/// The JSON log shape: one object per line, the event's fields at the top
+/// level, and no `target` key for the module path, which would be a second
+/// `target` key in the events that name the I/O target (`request.slow`,
+/// `span.request`), and JSON readers keep only one of two.
+pub fn json_subscriber<W>(
+    filter: impl Into<tracing_subscriber::EnvFilter>,
+    writer: W,
+) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .json()
+        .flatten_event(true)
+        .with_target(false)
+        .finish()
 }

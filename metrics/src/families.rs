@@ -149,6 +149,55 @@ pub const ACCOUNTING: &[Family] = &[
         &["transport", "phase", "reason"],
         "Physical attempts that failed, by failing phase and reason.",
     ),
+    f(
+        "ublk_attempt_latency_seconds",
+        Histogram,
+        &["op", "transport"],
+        "Duration of physical attempts that succeeded or failed, by the transport they ran on.",
+    ),
+];
+
+/// TCP_INFO of the arena connections (ublkd), aggregated over connections:
+/// kernel TCP retransmissions, apart from software retries
+/// (`ublk_driver_request_retries_total`) and RDMA completion errors
+/// (`ublk_driver_wc_errors_total`).
+pub const TCP: &[Family] = &[
+    f(
+        "ublk_tcp_connections",
+        Gauge,
+        &[],
+        "Arena TCP connections open, whose TCP_INFO the gauges below aggregate.",
+    ),
+    f(
+        "ublk_tcp_retransmissions_total",
+        Counter,
+        &[],
+        "TCP segments the kernel retransmitted on arena connections (TCP_INFO tcpi_total_retrans).",
+    ),
+    f(
+        "ublk_tcp_rtt_max_seconds",
+        Gauge,
+        &[],
+        "Largest smoothed round-trip time of the open arena connections at their last sample.",
+    ),
+    f(
+        "ublk_tcp_rtt_mean_seconds",
+        Gauge,
+        &[],
+        "Mean smoothed round-trip time of the open arena connections at their last sample.",
+    ),
+    f(
+        "ublk_tcp_cwnd_min_segments",
+        Gauge,
+        &[],
+        "Smallest congestion window of the open arena connections at their last sample.",
+    ),
+    f(
+        "ublk_tcp_cwnd_mean_segments",
+        Gauge,
+        &[],
+        "Mean congestion window of the open arena connections at their last sample.",
+    ),
 ];
 
 /// Driver statistics aggregates (ublkd); the per-counter families are in
@@ -165,6 +214,28 @@ pub const DRIVER: &[Family] = &[
         Gauge,
         &[],
         "1 when reporting devices use different drivers, so no sums are exported.",
+    ),
+];
+
+/// Coordination of replicated volumes on etcd (ublkd, with `[etcd]`).
+pub const COORDINATION: &[Family] = &[
+    f(
+        "ublk_membership_epoch_changes_total",
+        Counter,
+        &["reason"],
+        "Membership epoch changes this ublkd made, by reason.",
+    ),
+    f(
+        "ublk_writer_leases_lost_total",
+        Counter,
+        &[],
+        "Writer leases etcd no longer knew (expired or revoked); their writers were fenced.",
+    ),
+    f(
+        "ublk_writer_lease_valid",
+        Gauge,
+        &[],
+        "1 while this ublkd's writer lease allows acknowledging writes, else 0.",
     ),
 ];
 
@@ -260,6 +331,24 @@ pub const ARENA: &[Family] = &[
         Counter,
         &[],
         "Connections refused at authentication.",
+    ),
+    f(
+        "arenad_connections_refused_total",
+        Counter,
+        &["reason"],
+        "Connections closed right after accept, by the limit that refused them.",
+    ),
+    f(
+        "arenad_accept_errors_total",
+        Counter,
+        &[],
+        "Failed accepts (out of descriptors or memory); arenad backs off and keeps serving.",
+    ),
+    f(
+        "arenad_probes_total",
+        Counter,
+        &[],
+        "Connections closed before sending a byte (health checks, port scans).",
     ),
     f(
         "arenad_integrity_errors_total",
@@ -441,6 +530,13 @@ pub mod driver_names {
     pub const REVOCATIONS_RECEIVED: &str = "revocations_received";
     /// Revocations dropped because their owner did not collect them.
     pub const REVOCATIONS_DROPPED: &str = "revocations_dropped";
+    /// Answer frames the client could not parse (with a `reason`: the
+    /// frame error's class).
+    pub const FRAME_ERRORS: &str = "frame_errors";
+    /// Answers naming a request not in flight, or with another opcode.
+    pub const RESPONSE_ID_MISMATCHES: &str = "response_id_mismatches";
+    /// Answers whose length differs from what their request asked for.
+    pub const LENGTH_MISMATCHES: &str = "length_mismatches";
 
     /// Every well-known counter name.
     pub const COUNTERS: &[&str] = &[
@@ -465,6 +561,9 @@ pub mod driver_names {
         PEER_RESTARTS,
         REVOCATIONS_RECEIVED,
         REVOCATIONS_DROPPED,
+        FRAME_ERRORS,
+        RESPONSE_ID_MISMATCHES,
+        LENGTH_MISMATCHES,
     ];
     /// Every well-known gauge name.
     pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];
@@ -479,6 +578,9 @@ pub mod driver_names {
         REGISTRATION_FAILURES,
         ALLOCATION_FAILURES,
         LEASE_FAILURES,
+        FRAME_ERRORS,
+        RESPONSE_ID_MISMATCHES,
+        LENGTH_MISMATCHES,
     ];
 }
 
@@ -503,6 +605,8 @@ pub fn exported() -> Vec<(String, Kind)> {
         .iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(TCP)
+        .chain(COORDINATION)
         .chain(ARENA)
         .chain(PROCESS)
         .map(|f| (f.name.to_string(), f.kind))
@@ -537,6 +641,8 @@ pub(crate) fn help(name: &str) -> &'static str {
     IO.iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(TCP)
+        .chain(COORDINATION)
         .chain(ARENA)
         .chain(PROCESS)
         .find(|f| f.name == name)

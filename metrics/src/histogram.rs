@@ -7,12 +7,19 @@
 //! counters: recording is two relaxed additions, no allocation, and memory is
 //! fixed at registration. Each thread records into its own shard
 //! ([`crate::shard`]), so queues do not contend for the same lines.
+//!
+//! Each histogram also keeps one exemplar per bucket: the trace id of the
+//! latest retained request that landed there ([`LatencyHistogram::exemplar`]),
+//! rendered only in the OpenMetrics exposition. The store is fixed (one cell
+//! per bucket), written after the observation and only for retained traces.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::correlation::CorrelationId;
 use crate::shard::{self, Padded};
+use crate::trace::TraceId;
 
 /// Upper bounds of the latency buckets, in seconds (`le` values).
 ///
@@ -53,6 +60,72 @@ const SLOTS: usize = BOUNDS_NS.len() + 1;
 #[derive(Debug)]
 pub struct LatencyHistogram {
     shards: Box<[Padded<Shard>]>,
+    exemplars: [ExemplarCell; SLOTS],
+}
+
+/// The latest exemplar of one bucket, behind a sequence lock: a writer
+/// that finds another one writing skips (an exemplar is a pointer to one
+/// example, losing one under contention loses nothing), a reader retries.
+#[derive(Debug, Default)]
+struct ExemplarCell {
+    // Odd while a writer is in the cell.
+    seq: AtomicU64,
+    // 0: no exemplar yet.
+    corr: AtomicU64,
+    value_ns: AtomicU64,
+    unix_ms: AtomicU64,
+}
+
+/// One bucket's exemplar: which request, its latency, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exemplar {
+    /// The retained request's trace.
+    pub trace: TraceId,
+    /// Its latency in nanoseconds.
+    pub value_ns: u64,
+    /// Unix time of the observation in milliseconds.
+    pub unix_ms: u64,
+}
+
+impl ExemplarCell {
+    fn write(&self, corr: u64, value_ns: u64, unix_ms: u64) {
+        let seq = self.seq.load(Ordering::Relaxed);
+        if seq & 1 == 1
+            || self
+                .seq
+                .compare_exchange(seq, seq + 1, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        self.corr.store(corr, Ordering::Relaxed);
+        self.value_ns.store(value_ns, Ordering::Relaxed);
+        self.unix_ms.store(unix_ms, Ordering::Relaxed);
+        self.seq.store(seq + 2, Ordering::Release);
+    }
+
+    fn read(&self) -> Option<Exemplar> {
+        for _ in 0..8 {
+            let before = self.seq.load(Ordering::Acquire);
+            if before & 1 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let corr = self.corr.load(Ordering::Relaxed);
+            let value_ns = self.value_ns.load(Ordering::Relaxed);
+            let unix_ms = self.unix_ms.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) == before {
+                return (corr != 0).then(|| Exemplar {
+                    trace: TraceId::of(CorrelationId::from_raw(corr)),
+                    value_ns,
+                    unix_ms,
+                });
+            }
+        }
+        // A writer kept the cell busy: show no exemplar this scrape.
+        None
+    }
 }
 
 #[derive(Debug, Default)]
@@ -66,8 +139,21 @@ impl Default for LatencyHistogram {
     fn default() -> Self {
         Self {
             shards: shard::new_shards(),
+            exemplars: Default::default(),
         }
     }
+}
+
+/// The bucket an observation of `ns` lands in.
+#[inline]
+fn bucket(ns: u64) -> usize {
+    // Linear scan: block I/O latencies sit in the first few buckets, so
+    // this usually ends after 3-6 comparisons.
+    let mut i = 0;
+    while i < BOUNDS_NS.len() && ns > BOUNDS_NS[i] {
+        i += 1;
+    }
+    i
 }
 
 /// Point-in-time copy of a histogram (`ublkctl stats` gets one per device
@@ -127,14 +213,8 @@ impl LatencyHistogram {
     /// Records one observation in nanoseconds.
     #[inline]
     pub fn record_ns(&self, ns: u64) {
-        // Linear scan: block I/O latencies sit in the first few buckets, so
-        // this usually ends after 3-6 comparisons.
-        let mut i = 0;
-        while i < BOUNDS_NS.len() && ns > BOUNDS_NS[i] {
-            i += 1;
-        }
         let s = &*self.shards[shard::current()];
-        s.buckets[i].fetch_add(1, Ordering::Relaxed);
+        s.buckets[bucket(ns)].fetch_add(1, Ordering::Relaxed);
         s.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
@@ -142,6 +222,22 @@ impl LatencyHistogram {
     #[inline]
     pub fn record(&self, d: Duration) {
         self.record_ns(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    /// Makes `corr`'s request the exemplar of the bucket an observation of
+    /// `ns` lands in. Call it after [`Self::record_ns`] of the same value,
+    /// so a scrape that shows the exemplar also counts its observation
+    /// (the render reads exemplars before counts).
+    pub fn exemplar(&self, ns: u64, corr: CorrelationId) {
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        self.exemplars[bucket(ns)].write(corr.get(), ns, unix_ms);
+    }
+
+    /// The exemplar of each bucket (the last is `+Inf`).
+    pub fn exemplars(&self) -> [Option<Exemplar>; SLOTS] {
+        std::array::from_fn(|i| self.exemplars[i].read())
     }
 
     /// Copies the counts (summed over the shards).
@@ -161,22 +257,42 @@ impl LatencyHistogram {
 
     /// Appends the `_bucket`, `_sum` and `_count` samples of one series.
     /// `labels` is the pre-rendered label list without braces (may be empty).
-    pub(crate) fn render(&self, name: &str, labels: &str, out: &mut String) {
+    /// With `exemplars` (OpenMetrics only), a bucket line that has one ends
+    /// with ` # {trace_id="..."} <seconds> <unix seconds>`.
+    pub(crate) fn render(&self, name: &str, labels: &str, exemplars: bool, out: &mut String) {
+        // Exemplars first: each was written after its observation, so the
+        // counts read next include every exemplar shown.
+        let ex = if exemplars {
+            self.exemplars()
+        } else {
+            [None; SLOTS]
+        };
         let snap = self.snapshot();
         let sep = if labels.is_empty() { "" } else { "," };
         let mut cumulative = 0u64;
         for (i, count) in snap.buckets.iter().enumerate() {
             cumulative += count;
             let _ = match LATENCY_BUCKETS_SECONDS.get(i) {
-                Some(le) => writeln!(
+                Some(le) => write!(
                     out,
                     "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
                 ),
-                None => writeln!(
+                None => write!(
                     out,
                     "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}"
                 ),
             };
+            if let Some(e) = ex[i] {
+                let _ = write!(
+                    out,
+                    " # {{trace_id=\"{}\"}} {} {}.{:03}",
+                    e.trace,
+                    e.value_ns as f64 / 1e9,
+                    e.unix_ms / 1000,
+                    e.unix_ms % 1000
+                );
+            }
+            out.push('\n');
         }
         // The count is the +Inf bucket read above, so the two always agree
         // even while observations race with the scrape.
@@ -249,11 +365,48 @@ mod tests {
         h.record_ns(50_000);
         h.record_ns(2_000_000);
         let mut out = String::new();
-        h.render("x_seconds", "op=\"read\"", &mut out);
+        h.render("x_seconds", "op=\"read\"", false, &mut out);
         assert!(out.contains("x_seconds_bucket{op=\"read\",le=\"0.00005\"} 1\n"));
         assert!(out.contains("x_seconds_bucket{op=\"read\",le=\"0.0025\"} 2\n"));
         assert!(out.contains("x_seconds_bucket{op=\"read\",le=\"+Inf\"} 2\n"));
         assert!(out.contains("x_seconds_count{op=\"read\"} 2\n"));
         assert!(out.contains("x_seconds_sum{op=\"read\"} 0.00205\n"));
+    }
+
+    #[test]
+    fn the_latest_exemplar_of_a_bucket_renders_on_its_line_only() {
+        let h = LatencyHistogram::default();
+        let (a, b, c) = (
+            CorrelationId::from_raw(7),
+            CorrelationId::from_raw(8),
+            CorrelationId::from_raw(9),
+        );
+        for (ns, corr) in [(2_000_000, a), (2_100_000, b), (40_000_000_000, c)] {
+            h.record_ns(ns);
+            h.exemplar(ns, corr);
+        }
+        let mut plain = String::new();
+        h.render("x_seconds", "", false, &mut plain);
+        assert!(!plain.contains('#'), "no exemplars outside OpenMetrics");
+        let mut out = String::new();
+        h.render("x_seconds", "", true, &mut out);
+        let line = |le: &str| {
+            out.lines()
+                .find(|l| l.starts_with(&format!("x_seconds_bucket{{le=\"{le}\"}}")))
+                .unwrap()
+                .to_string()
+        };
+        let mid = line("0.0025");
+        assert!(
+            mid.starts_with("x_seconds_bucket{le=\"0.0025\"} 2 # {trace_id=\""),
+            "{mid}"
+        );
+        assert!(
+            mid.contains(&TraceId::of(b).to_string()),
+            "latest wins: {mid}"
+        );
+        assert!(mid.contains("} 0.0021 "), "{mid}");
+        assert!(line("+Inf").contains(&TraceId::of(c).to_string()));
+        assert!(!line("0.001").contains('#'));
     }
 }

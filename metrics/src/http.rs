@@ -1,5 +1,5 @@
-//! The metrics listener: `/metrics`, `/health`, `/live`, `/ready`,
-//! `/diagnostics`.
+//! The metrics listener: `/metrics`, `/metrics/openmetrics` (opt-in),
+//! `/health`, `/live`, `/ready`, `/diagnostics`.
 //!
 //! A scrape endpoint must keep answering when the daemon's async runtime is
 //! wedged, which is exactly when it is needed, so it runs on its own std
@@ -225,6 +225,10 @@ fn serve(mut stream: TcpStream, tel: &Telemetry, config: &HttpConfig) {
                 "text/plain; version=0.0.4; charset=utf-8",
                 text.into_bytes(),
             ),
+            Err(e) => (500, "text/plain", format!("{e}\n").into_bytes()),
+        },
+        "/metrics/openmetrics" if tel.openmetrics_enabled() => match tel.render_openmetrics() {
+            Ok(text) => (200, crate::openmetrics::CONTENT_TYPE, text.into_bytes()),
             Err(e) => (500, "text/plain", format!("{e}\n").into_bytes()),
         },
         "/health" => (200, "text/plain", b"ok\n".to_vec()),

@@ -106,6 +106,7 @@ pub struct Telemetry {
     collectors: Mutex<Vec<Weak<dyn Collector>>>,
     probes: RwLock<Option<Arc<dyn Probes>>>,
     shutting_down: AtomicBool,
+    openmetrics: AtomicBool,
     started: Instant,
     selfm: SelfMetrics,
 }
@@ -156,6 +157,8 @@ impl Telemetry {
                 .iter()
                 .chain(families::ACCOUNTING)
                 .chain(families::DRIVER)
+                .chain(families::TCP)
+                .chain(families::COORDINATION)
                 .chain(families::ARENA)
             {
                 describe(fam.name.to_string(), fam.kind, fam.help);
@@ -205,6 +208,7 @@ impl Telemetry {
             collectors: Mutex::new(Vec::new()),
             probes: RwLock::new(None),
             shutting_down: AtomicBool::new(false),
+            openmetrics: AtomicBool::new(false),
             started: Instant::now(),
             selfm,
         }
@@ -351,9 +355,32 @@ impl Telemetry {
         })
     }
 
-    /// Renders the Prometheus text exposition: runs collectors, renders the
-    /// exporter's counters and gauges, then the native histograms.
+    /// Serves the OpenMetrics exposition on `/metrics/openmetrics` from now
+    /// on (opt-in: until then that path answers 404).
+    pub fn enable_openmetrics(&self) {
+        self.openmetrics.store(true, Ordering::Release);
+    }
+
+    /// Whether `/metrics/openmetrics` is served.
+    pub fn openmetrics_enabled(&self) -> bool {
+        self.openmetrics.load(Ordering::Acquire)
+    }
+
+    /// Renders the Prometheus text exposition (format 0.0.4): runs
+    /// collectors, renders the exporter's counters and gauges, then the
+    /// native histograms.
     pub fn render(&self) -> Result<String, RenderError> {
+        self.render_as(false)
+    }
+
+    /// Renders the same samples as [`Self::render`] in OpenMetrics 1.0
+    /// text, with the latest retained trace of each histogram bucket as its
+    /// exemplar, ending with `# EOF`.
+    pub fn render_openmetrics(&self) -> Result<String, RenderError> {
+        self.render_as(true)
+    }
+
+    fn render_as(&self, openmetrics: bool) -> Result<String, RenderError> {
         self.selfm.attempts.increment(1);
         self.readiness();
         let collectors: Vec<Arc<dyn Collector>> = {
@@ -380,8 +407,11 @@ impl Telemetry {
             |g| g.value().to_string(),
             &mut out,
         );
-        self.render_histograms(&mut out);
+        self.render_histograms(openmetrics, &mut out);
         crate::process::render(&mut out);
+        if openmetrics {
+            out = crate::openmetrics::from_text(&out);
+        }
         if out.len() > MAX_RENDER_BYTES {
             self.selfm.failures.increment(1);
             return Err(RenderError::TooLarge { len: out.len() });
@@ -390,13 +420,13 @@ impl Telemetry {
         Ok(out)
     }
 
-    fn render_histograms(&self, out: &mut String) {
+    fn render_histograms(&self, exemplars: bool, out: &mut String) {
         let map = self.histograms.lock();
         for (family, series) in map.iter() {
             let _ = writeln!(out, "# HELP {family} {}", families::help(family));
             let _ = writeln!(out, "# TYPE {family} histogram");
             for (labels, h) in series {
-                h.render(family, labels, out);
+                h.render(family, labels, exemplars, out);
             }
             out.push('\n');
         }

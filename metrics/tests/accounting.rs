@@ -63,7 +63,7 @@ fn randomized_mix_keeps_started_equal_to_outcomes_plus_inflight() {
         let a = req.attempt(first);
         let request_done = match rng.pick(6) {
             0 => {
-                a.fail(Phase::Completion, Reason::WcError);
+                a.fail(Phase::Completion, Reason::WcError, Some(1_000));
                 req.failover(Transport::Tcp);
                 req.failover(Transport::Tcp); // counted once
                 if first != Transport::Tcp {
@@ -71,10 +71,10 @@ fn randomized_mix_keeps_started_equal_to_outcomes_plus_inflight() {
                 }
                 let b = req.attempt(Transport::Tcp);
                 if rng.pick(2) == 0 {
-                    b.succeed();
+                    b.succeed(1_000);
                     req.succeed();
                 } else {
-                    b.fail(Phase::Post, Reason::Timeout);
+                    b.fail(Phase::Post, Reason::Timeout, Some(1_000));
                     req.fail(Phase::Post, Reason::Timeout);
                 }
                 true
@@ -85,7 +85,7 @@ fn randomized_mix_keeps_started_equal_to_outcomes_plus_inflight() {
                 true
             }
             2 => {
-                a.fail(Phase::Alloc, Reason::ResourceExhausted);
+                a.fail(Phase::Alloc, Reason::ResourceExhausted, Some(1_000));
                 req.fail(Phase::Alloc, Reason::ResourceExhausted);
                 true
             }
@@ -95,7 +95,7 @@ fn randomized_mix_keeps_started_equal_to_outcomes_plus_inflight() {
                 false
             }
             _ => {
-                a.succeed();
+                a.succeed(1_000);
                 req.succeed();
                 true
             }
@@ -103,7 +103,7 @@ fn randomized_mix_keeps_started_equal_to_outcomes_plus_inflight() {
         let _ = request_done;
         if held.len() > 50 {
             let (r, a) = held.remove(rng.pick(held.len() as u64) as usize);
-            a.succeed();
+            a.succeed(1_000);
             r.succeed();
         }
     }

@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 use ublk_metrics::driver::{names, CounterValue, GaugeValue};
 use ublk_metrics::families;
-use ublk_metrics::testing::run_promtool;
+use ublk_metrics::testing::{parse_openmetrics, run_promtool};
 use ublk_metrics::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, CorrelationId, Daemon, DriverSnapshot,
     DriverStats, DriverStatsRegistry, IoMetrics, IoOp, ManualClock, Phase, ProtocolErrorClass,
-    Reason, RequestAccounting, Scanner, ScannerConfig, Telemetry, TrackerConfig, TrackerTable,
-    Transport,
+    Reason, RequestAccounting, Scanner, ScannerConfig, TcpInfoSample, TcpLinks, Telemetry, TraceId,
+    TrackerConfig, TrackerTable, Transport,
 };
 
 fn repo() -> PathBuf {
@@ -55,6 +55,22 @@ impl DriverStats for EveryStat {
 
 /// A ublkd exposition with every family populated.
 fn ublkd_exposition() -> String {
+    ublkd_expositions().text
+}
+
+/// The same ublkd state rendered as Prometheus text and as OpenMetrics, and
+/// the trace ids made exemplars.
+struct Expositions {
+    text: String,
+    openmetrics: String,
+    /// Exemplar of `ublk_io_latency_seconds{op="read"}`'s 0.0005 bucket.
+    io_trace: TraceId,
+    /// Exemplar of `ublk_attempt_latency_seconds{op="read",transport="rdma"}`'s
+    /// 0.0025 bucket.
+    attempt_trace: TraceId,
+}
+
+fn ublkd_expositions() -> Expositions {
     let t = Telemetry::isolated(Daemon::Ublkd, "0.1.0");
     let clock = Arc::new(ManualClock::new());
     let io = IoMetrics::new(&t, "arena", None).unwrap();
@@ -74,26 +90,54 @@ fn ublkd_exposition() -> String {
     );
     let scanner = Scanner::new(t.clone(), ScannerConfig::default());
     scanner.register(&tab);
+    let mut io_trace = None;
     for (tag, op) in IoOp::ALL.into_iter().enumerate() {
         let g = tab.start(0, tag as u16, op).unwrap();
+        let corr = g.correlation_id();
         clock.advance(Duration::from_micros(300));
         g.complete(&io, 4096, if tag % 2 == 0 { Ok(()) } else { Err(-110) });
+        if op == IoOp::Read {
+            io.latency(op).exemplar(300_000, corr);
+            io_trace = Some(TraceId::of(corr));
+        }
     }
+    let links = TcpLinks::new(&t);
+    let mut link = links.open();
+    link.sample(TcpInfoSample {
+        total_retrans: 3,
+        rtt_us: 250,
+        cwnd: 10,
+    });
     let _held = tab.start(0, 7, IoOp::Write).unwrap();
     clock.advance(Duration::from_secs(31));
     scanner.scan();
     let reg = DriverStatsRegistry::new(&t);
     reg.add_device(0, Transport::Rdma, Arc::new(EveryStat));
     let acct = RequestAccounting::new(&t);
-    let mut r = acct.start_request(IoOp::Read, Transport::Rdma, CorrelationId::next());
+    let corr = CorrelationId::next();
+    let mut r = acct.start_request(IoOp::Read, Transport::Rdma, corr);
     r.attempt(Transport::Rdma)
-        .fail(Phase::Completion, Reason::WcError);
+        .fail(Phase::Completion, Reason::WcError, Some(2_000_000));
+    acct.attempt_latency(IoOp::Read, Transport::Rdma)
+        .exemplar(2_000_000, corr);
     r.failover(Transport::Tcp);
-    r.attempt(Transport::Tcp).succeed();
+    r.attempt(Transport::Tcp).succeed(3_000_000);
     r.succeed();
     acct.start_request(IoOp::Write, Transport::Tcp, CorrelationId::next())
         .fail(Phase::Commit, Reason::Timeout);
-    t.render().unwrap()
+    let coord = ublk_metrics::CoordinationMetrics::new(&t);
+    coord.update_from(&ublk_metrics::CoordinationStats {
+        epoch_changes: [1, 2, 0, 1, 1, 0],
+        leases_lost: 1,
+        lease_valid: true,
+    });
+    t.enable_openmetrics();
+    Expositions {
+        text: t.render().unwrap(),
+        openmetrics: t.render_openmetrics().unwrap(),
+        io_trace: io_trace.unwrap(),
+        attempt_trace: TraceId::of(corr),
+    }
 }
 
 /// An arenad exposition with every family populated.
@@ -133,6 +177,53 @@ fn sample_names(text: &str) -> BTreeSet<String> {
         .filter(|l| !l.starts_with('#') && !l.is_empty())
         .map(|l| l.split(['{', ' ']).next().unwrap_or_default().to_string())
         .collect()
+}
+
+/// `/metrics/openmetrics` is real OpenMetrics: the reference parser takes
+/// it, it holds exactly the samples of the Prometheus text, and each
+/// exemplar sits on the bucket its latency falls in.
+#[test]
+fn the_openmetrics_exposition_parses_and_carries_exemplars_on_their_buckets() {
+    let e = ublkd_expositions();
+    assert!(e.openmetrics.ends_with("\n# EOF\n"));
+    assert!(!e.text.contains("trace_id"), "no exemplars in format 0.0.4");
+    let parsed = parse_openmetrics(&e.openmetrics);
+    let samples: BTreeSet<&str> = parsed
+        .lines()
+        .map(|l| l.split(' ').nth(1).unwrap())
+        .collect();
+    assert_eq!(
+        samples,
+        sample_names(&e.text).iter().map(String::as_str).collect(),
+        "both expositions list the same samples"
+    );
+    let with_exemplar: Vec<&str> = parsed.lines().filter(|l| !l.ends_with(" - -")).collect();
+    assert_eq!(with_exemplar.len(), 2, "{with_exemplar:#?}");
+    let io = format!("{}", e.io_trace);
+    assert!(
+        with_exemplar.iter().any(
+            |l| l.starts_with("histogram ublk_io_latency_seconds_bucket ")
+                && l.contains(r#""le":"0.0005""#)
+                && l.contains(r#""op":"read""#)
+                && l.ends_with(&format!(" {io} 0.0003"))
+        ),
+        "{with_exemplar:#?}"
+    );
+    let attempt = format!("{}", e.attempt_trace);
+    assert!(
+        with_exemplar.iter().any(|l| l
+            .starts_with("histogram ublk_attempt_latency_seconds_bucket ")
+            && l.contains(r#""le":"0.0025""#)
+            && l.contains(r#""transport":"rdma""#)
+            && l.ends_with(&format!(" {attempt} 0.002"))),
+        "{with_exemplar:#?}"
+    );
+    assert!(
+        parsed
+            .lines()
+            .any(|l| l.starts_with("counter ublk_tcp_retransmissions_total {} 3 ")),
+        "counter families keep their _total samples:\n{parsed}"
+    );
 }
 
 #[test]
@@ -632,6 +723,65 @@ fn grafana_provisioning_example_points_at_a_dashboard_directory() {
         "options.path must be absolute"
     );
     assert!(!value("name").is_empty());
+}
+
+/// The latency panels show exemplars, the panels of the TCP and
+/// protocol-integrity families exist, and the runbook section the latency
+/// panel points to walks from the exemplar to the log lines.
+#[test]
+fn latency_panels_lead_to_the_request_behind_a_spike() {
+    let dash = dashboard();
+    let panels = data_panels(&dash);
+    let queries = |family: &str| -> Vec<&serde_json::Value> {
+        panels
+            .iter()
+            .flat_map(|p| p["targets"].as_array().unwrap())
+            .filter(|t| str_at(t, &["expr"]).contains(family))
+            .collect()
+    };
+    for family in [
+        "ublk_io_latency_seconds_bucket",
+        "ublk_attempt_latency_seconds_bucket",
+    ] {
+        let q = queries(family);
+        assert!(!q.is_empty(), "no panel reads {family}");
+        assert!(
+            q.iter().all(|t| t["exemplar"] == true),
+            "{family}: every quantile query shows exemplars"
+        );
+    }
+    for family in [
+        "ublk_tcp_retransmissions_total",
+        "ublk_tcp_rtt_max_seconds",
+        "ublk_tcp_cwnd_min_segments",
+        "ublk_driver_frame_errors_total",
+        "ublk_driver_response_id_mismatches_total",
+        "ublk_driver_length_mismatches_total",
+    ] {
+        assert!(!queries(family).is_empty(), "no panel reads {family}");
+    }
+    let runbook = std::fs::read_to_string(repo().join("docs/RUNBOOK.md")).unwrap();
+    let section = runbook
+        .split("\n## ")
+        .find(|s| s.starts_with("A latency spike: find the request\n"))
+        .expect("runbook section");
+    for step in [
+        "--enable-feature=exemplar-storage",
+        "/metrics/openmetrics",
+        "/api/v1/query_exemplars",
+        "\"trace_id\":\"<id>\"",
+        "span.request",
+        "span.attempt",
+        "\"corr\":<corr>",
+        "Arena TCP retransmissions",
+    ] {
+        assert!(section.contains(step), "runbook section lacks {step:?}");
+    }
+    let latency_panel = panels
+        .iter()
+        .find(|p| p["title"] == "Block latency p50 and p99")
+        .unwrap();
+    assert!(str_at(latency_panel, &["description"]).contains("A latency spike: find the request"));
 }
 
 #[test]

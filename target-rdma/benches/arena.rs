@@ -22,7 +22,8 @@
 //! reports the median ratio, so load on a shared machine shifts both sides.
 //! `BENCH_SECS` (default 2) sets the time per run; `BENCH_DIR` the swap dir
 //! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
-//! swap-bound cases, `BENCH_ONLY=cold` only the cold-read cases, any other
+//! swap-bound cases, `BENCH_ONLY=cold` only the cold-read cases,
+//! `BENCH_ONLY=mac` only the cost of protocol version 2's frame tags, any other
 //! `BENCH_ONLY` only the resident cases whose name contains it
 //! (`BENCH_ONLY="read QD32"`).
 
@@ -171,6 +172,8 @@ fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
             max_inflight: 64,
             rdma: None,
             volumes: vec![("bench".into(), SECRET.into())],
+            allow_v1: false,
+            max_connections: 64,
         },
     );
     Bench {
@@ -326,7 +329,98 @@ fn main() {
         }
         Some("swap") => swap_bound(&tmp),
         Some("cold") => cold_reads(&tmp),
+        Some("mac") => mac_cost(&tmp),
         Some(case) => resident(&tmp, case),
+    }
+}
+
+/// What protocol version 2's frame tags cost: the same resident requests
+/// over a version-1 session (no tags) and a version-2 one of the same
+/// server, alternating; and the two candidate MACs alone over one frame's
+/// body (keyed BLAKE3 as used, HMAC-SHA256 as the alternative).
+fn mac_cost(tmp: &tempfile::TempDir) {
+    use hmac::{Hmac, Mac};
+    let dir = tmp.path().join("mac");
+    std::fs::create_dir_all(&dir).unwrap();
+    let blob = MIB as u32;
+    let peer = Peer::start(
+        &dir,
+        PeerOpts {
+            arena_bytes: 1 << 30,
+            blob_bytes: blob,
+            swap_bytes: 2 << 30,
+            quota_blobs: 2048,
+            max_inflight: 64,
+            rdma: None,
+            volumes: vec![("bench".into(), SECRET.into())],
+            allow_v1: true,
+            max_connections: 64,
+        },
+    );
+    let session = |version: u8| {
+        let mut cfg = peer.config("bench", SECRET);
+        cfg.request_timeout = Duration::from_secs(30);
+        cfg.versions = version..=version;
+        ArenaClient::connect(cfg).unwrap()
+    };
+    // One bench, its client swapped between a v2 and a v1 session.
+    let mut other = session(1);
+    let mut b = Bench {
+        client: session(2),
+        blob: blob as usize,
+        peer,
+    };
+    let span = 256 << 20;
+    run(&b, Dir::Write, MIB, 32, span, true);
+    println!("\n| frame tags, arena-resident | v1 (no tags) ops/s | v2 (tags) ops/s | median v2/v1 |\n|---|---:|---:|---:|");
+    for (name, dir, size, qd, seq) in [
+        ("1 MiB seq write QD32", Dir::Write, MIB, 32, true),
+        ("1 MiB seq read QD32", Dir::Read, MIB, 32, true),
+        ("4 KiB rand write QD32", Dir::Write, 4096, 32, false),
+        ("4 KiB rand read QD32", Dir::Read, 4096, 32, false),
+    ] {
+        let (mut offs, mut ons, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds() {
+            std::mem::swap(&mut b.client, &mut other);
+            let off = run(&b, dir, size, qd, span, seq).iops();
+            std::mem::swap(&mut b.client, &mut other);
+            let on = run(&b, dir, size, qd, span, seq).iops();
+            ratios.push(on / off);
+            offs.push(off);
+            ons.push(on);
+        }
+        println!(
+            "| {name} | {:.0} | {:.0} | {:.3}x |",
+            median(offs),
+            median(ons),
+            median(ratios)
+        );
+    }
+    println!("\n| MAC over one body, one core | keyed BLAKE3 µs | HMAC-SHA256 µs | HMAC / BLAKE3 |\n|---|---:|---:|---:|");
+    for size in [4096usize, MIB] {
+        let body = vec![0x5au8; size];
+        let key = [7u8; 32];
+        let n = (64 * MIB / size).max(16);
+        let time = |f: &dyn Fn()| {
+            let start = Instant::now();
+            for _ in 0..n {
+                f();
+            }
+            start.elapsed().as_secs_f64() * 1e6 / n as f64
+        };
+        let blake = time(&|| {
+            std::hint::black_box(blake3::keyed_hash(&key, std::hint::black_box(&body)));
+        });
+        let hmac = time(&|| {
+            let mut m = Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+            m.update(std::hint::black_box(&body));
+            std::hint::black_box(m.finalize());
+        });
+        println!(
+            "| {} | {blake:.2} | {hmac:.2} | {:.1}x |",
+            if size == MIB { "1 MiB" } else { "4 KiB" },
+            hmac / blake
+        );
     }
 }
 

@@ -1,19 +1,27 @@
-//! Volume secrets and the HELLO challenge-response.
+//! Volume secrets, the HELLO challenge-response, and the tags that
+//! authenticate every frame after it (protocol version 2).
 //!
 //! The secret never crosses the wire: the server sends a fresh nonce, the
 //! client answers with an HMAC-SHA256 over the whole handshake transcript,
 //! and the server proves knowledge of the same secret in its reply, so a
 //! client cannot be lured into talking to an impostor either. Tags are
 //! compared in constant time by `hmac`'s `verify_slice`.
+//!
+//! After a version-2 handshake each direction has a key of its own, derived
+//! from the secret and both nonces ([`Secret::session_keys`]), and every
+//! frame carries a [`FrameKey::tag`] over its sequence number in that
+//! direction, its header and a digest of its body: a frame cannot be
+//! injected, replayed, reordered or dropped without the receiver noticing.
 
 use std::fmt;
-use std::os::unix::fs::PermissionsExt;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::proto::{Challenge, Hello, Welcome, MAC_LEN};
+use crate::proto::{Challenge, Hello, Welcome, HEADER_LEN, MAC_LEN, TAG_LEN, VERSION_2};
 
 /// Shortest secret accepted: 128 bits.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -49,6 +57,15 @@ pub enum SecretError {
         /// Its permission bits.
         mode: u32,
     },
+    /// Not a regular file (a FIFO would block the reader forever, a device
+    /// or directory is a wrong path).
+    #[error("secret file {path} is {kind}, not a regular file")]
+    NotRegular {
+        /// The file.
+        path: PathBuf,
+        /// What it is instead.
+        kind: &'static str,
+    },
     /// Too short or too long after trimming whitespace.
     #[error("secret file {path} holds {len} bytes: a secret must be {MIN_SECRET_LEN}..={MAX_SECRET_LEN} bytes")]
     Length {
@@ -71,14 +88,27 @@ impl Secret {
         Ok(Self(bytes))
     }
 
-    /// Reads a secret file: mode must deny group and others, surrounding
-    /// whitespace (a trailing newline from `echo`) is not part of the secret.
+    /// Reads a secret file. It must be a regular file (a symlink to one is
+    /// followed) whose mode denies group and others. The secret is the
+    /// file's bytes with leading and trailing ASCII whitespace (space, tab,
+    /// CR, LF, form feed) removed, nothing else: no decoding, so the text a
+    /// `base64` command wrote is the secret, as text.
     pub fn from_file(path: &Path) -> Result<Self, SecretError> {
         let read_err = |source| SecretError::Read {
             path: path.to_owned(),
             source,
         };
-        let meta = std::fs::metadata(path).map_err(read_err)?;
+        // Refuse what is not a regular file before opening it, then check
+        // again what was opened (it may have been swapped in between);
+        // O_NONBLOCK keeps the open itself from waiting on a FIFO.
+        not_regular(path, &std::fs::metadata(path).map_err(read_err)?)?;
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(read_err)?;
+        let meta = file.metadata().map_err(read_err)?;
+        not_regular(path, &meta)?;
         let mode = meta.permissions().mode() & 0o7777;
         if mode & 0o077 != 0 {
             return Err(SecretError::Permissions {
@@ -86,13 +116,18 @@ impl Secret {
                 mode,
             });
         }
-        if meta.len() > MAX_SECRET_LEN as u64 * 2 {
+        let cap = MAX_SECRET_LEN as u64 * 2;
+        if meta.len() > cap {
             return Err(SecretError::Length {
                 path: path.to_owned(),
                 len: meta.len() as usize,
             });
         }
-        let raw = std::fs::read(path).map_err(read_err)?;
+        let mut raw = Vec::new();
+        file.by_ref()
+            .take(cap + 1)
+            .read_to_end(&mut raw)
+            .map_err(read_err)?;
         let trimmed = raw.trim_ascii();
         Self::new(trimmed.to_vec()).map_err(|_| SecretError::Length {
             path: path.to_owned(),
@@ -118,12 +153,32 @@ impl Secret {
     }
 
     fn client_mac(&self, ch: &Challenge, h: &Hello) -> Hmac<Sha256> {
+        if h.version < u16::from(VERSION_2) {
+            return self.mac(
+                b"arena-v1 client",
+                &[
+                    &h.version.to_le_bytes(),
+                    &h.caps.to_le_bytes(),
+                    &h.blob_bytes.to_le_bytes(),
+                    &ch.server_nonce,
+                    &h.client_nonce,
+                    h.volume.as_bytes(),
+                ],
+            );
+        }
+        // Version 2 also covers what the CHALLENGE offered, so neither the
+        // version range nor the limits can be altered on the way.
         self.mac(
-            b"arena-v1 client",
+            b"arena-v2 client",
             &[
+                &ch.min_version.to_le_bytes(),
+                &ch.max_version.to_le_bytes(),
+                &ch.max_inflight.to_le_bytes(),
+                &ch.max_inline.to_le_bytes(),
                 &h.version.to_le_bytes(),
                 &h.caps.to_le_bytes(),
                 &h.blob_bytes.to_le_bytes(),
+                &h.epoch.to_le_bytes(),
                 &ch.server_nonce,
                 &h.client_nonce,
                 h.volume.as_bytes(),
@@ -132,19 +187,49 @@ impl Secret {
     }
 
     fn server_mac(&self, ch: &Challenge, h: &Hello, w: &Welcome) -> Hmac<Sha256> {
-        self.mac(
-            b"arena-v1 server",
-            &[
-                &w.session_id.to_le_bytes(),
-                &w.generation.to_le_bytes(),
-                &w.blob_bytes.to_le_bytes(),
-                &w.caps.to_le_bytes(),
-                &w.quota_blobs.to_le_bytes(),
-                &ch.server_nonce,
-                &h.client_nonce,
-                h.volume.as_bytes(),
-            ],
-        )
+        let v2 = h.version >= u16::from(VERSION_2);
+        let (sid, generation, quota) = (
+            w.session_id.to_le_bytes(),
+            w.generation.to_le_bytes(),
+            w.quota_blobs.to_le_bytes(),
+        );
+        let (blob, caps) = (w.blob_bytes.to_le_bytes(), w.caps.to_le_bytes());
+        let (hello_epoch, volume_epoch) = (h.epoch.to_le_bytes(), w.epoch.to_le_bytes());
+        let mut parts: Vec<&[u8]> = vec![&sid, &generation, &blob, &caps, &quota];
+        if v2 {
+            parts.extend([&hello_epoch[..], &volume_epoch[..]]);
+        }
+        parts.extend([
+            &ch.server_nonce[..],
+            &h.client_nonce[..],
+            h.volume.as_bytes(),
+        ]);
+        let label: &[u8] = if v2 {
+            b"arena-v2 server"
+        } else {
+            b"arena-v1 server"
+        };
+        self.mac(label, &parts)
+    }
+
+    /// The keys of a version-2 session opened by this CHALLENGE and HELLO:
+    /// one per direction, from the secret and both (fresh) nonces, so no
+    /// two sessions share a key.
+    pub fn session_keys(&self, ch: &Challenge, h: &Hello) -> SessionKeys {
+        let key = |label: &[u8]| {
+            let tag = self
+                .mac(
+                    label,
+                    &[&ch.server_nonce, &h.client_nonce, h.volume.as_bytes()],
+                )
+                .finalize()
+                .into_bytes();
+            FrameKey(tag.into())
+        };
+        SessionKeys {
+            client_to_server: key(b"arena-v2 frames client->server"),
+            server_to_client: key(b"arena-v2 frames server->client"),
+        }
     }
 
     /// The tag a client puts in its HELLO (whose `mac` field is ignored).
@@ -168,6 +253,95 @@ impl Secret {
     }
 }
 
+/// Both directions' frame keys of one version-2 session.
+#[derive(Clone)]
+pub struct SessionKeys {
+    /// Tags the client's frames.
+    pub client_to_server: FrameKey,
+    /// Tags the server's frames.
+    pub server_to_client: FrameKey,
+}
+
+impl fmt::Debug for SessionKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SessionKeys(<redacted>)")
+    }
+}
+
+/// The key of one direction of a session. A frame's tag is keyed BLAKE3
+/// over a label, the frame's sequence number in its direction (0 for the
+/// first frame after the handshake), its 24-byte header and the BLAKE3
+/// digest of its body, cut to [`TAG_LEN`] bytes. Hashing the body apart
+/// lets a sender digest a large payload before it knows the frame's place
+/// in the stream, and the tag itself costs one compression.
+#[derive(Clone)]
+pub struct FrameKey([u8; 32]);
+
+/// The BLAKE3 digest of a frame body, given in pieces (fixed fields, then a
+/// payload sent or received apart).
+pub fn body_digest(parts: &[&[u8]]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.finalize().into()
+}
+
+impl FrameKey {
+    /// The tag of frame `seq` with this header and body digest.
+    pub fn tag(&self, seq: u64, header: &[u8; HEADER_LEN], digest: &[u8; 32]) -> [u8; TAG_LEN] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"arena-v2 frame");
+        h.update(&seq.to_le_bytes());
+        h.update(header);
+        h.update(digest);
+        let full = h.finalize();
+        let mut tag = [0; TAG_LEN];
+        tag.copy_from_slice(&full.as_bytes()[..TAG_LEN]);
+        tag
+    }
+
+    /// Whether `tag` is frame `seq`'s, compared in constant time.
+    pub fn verify(
+        &self,
+        seq: u64,
+        header: &[u8; HEADER_LEN],
+        digest: &[u8; 32],
+        tag: &[u8; TAG_LEN],
+    ) -> bool {
+        let want = self.tag(seq, header, digest);
+        let diff = want
+            .iter()
+            .zip(tag)
+            .fold(0u8, |acc, (a, b)| acc | std::hint::black_box(a ^ b));
+        diff == 0
+    }
+}
+
+fn not_regular(path: &Path, meta: &std::fs::Metadata) -> Result<(), SecretError> {
+    let t = meta.file_type();
+    if t.is_file() {
+        return Ok(());
+    }
+    let kind = if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a file"
+    };
+    Err(SecretError::NotRegular {
+        path: path.to_owned(),
+        kind,
+    })
+}
+
 /// A fresh random nonce from the OS-seeded CSPRNG.
 pub fn nonce() -> [u8; crate::proto::NONCE_LEN] {
     rand::random()
@@ -186,15 +360,16 @@ mod tests {
     fn transcript() -> (Challenge, Hello, Welcome) {
         let ch = Challenge {
             min_version: 1,
-            max_version: 1,
+            max_version: 2,
             server_nonce: nonce(),
             max_inflight: 64,
             max_inline: 1 << 20,
         };
         let h = Hello {
-            version: 1,
+            version: 2,
             caps: CAP_TCP_DATA,
             blob_bytes: 0,
+            epoch: 4,
             client_nonce: nonce(),
             mac: [0; MAC_LEN],
             volume: "vm1".into(),
@@ -205,6 +380,7 @@ mod tests {
             blob_bytes: 1 << 20,
             caps: CAP_TCP_DATA,
             quota_blobs: 10,
+            epoch: 4,
             mac: [0; MAC_LEN],
         };
         (ch, h, w)
@@ -234,6 +410,41 @@ mod tests {
         let mut replay = ch.clone();
         replay.server_nonce = [0; NONCE_LEN];
         assert!(!s.verify_hello(&replay, &h));
+
+        // Version 2 covers the epoch and what the CHALLENGE offered.
+        let mut older = h.clone();
+        older.epoch = 3;
+        assert!(!s.verify_hello(&ch, &older));
+        let mut downgraded = ch.clone();
+        downgraded.max_inline = 4096;
+        assert!(!s.verify_hello(&downgraded, &h));
+    }
+
+    #[test]
+    fn frame_tags_bind_key_direction_sequence_header_and_body() {
+        let (ch, h, _) = transcript();
+        let s = secret("correct horse battery staple");
+        let keys = s.session_keys(&ch, &h);
+        let header = [7u8; HEADER_LEN];
+        let digest = body_digest(&[b"body", b" continued"]);
+        assert_eq!(digest, body_digest(&[b"body continued"]));
+        let tag = keys.client_to_server.tag(3, &header, &digest);
+        assert!(keys.client_to_server.verify(3, &header, &digest, &tag));
+        // Replayed at another place, reflected back, altered, or from
+        // another session (a fresh nonce): refused.
+        assert!(!keys.client_to_server.verify(4, &header, &digest, &tag));
+        assert!(!keys.server_to_client.verify(3, &header, &digest, &tag));
+        let mut other_header = header;
+        other_header[5] ^= 1;
+        assert!(!keys
+            .client_to_server
+            .verify(3, &other_header, &digest, &tag));
+        let other_body = body_digest(&[b"body continueD"]);
+        assert!(!keys.client_to_server.verify(3, &header, &other_body, &tag));
+        let mut other_session = h.clone();
+        other_session.client_nonce = nonce();
+        let other = s.session_keys(&ch, &other_session);
+        assert!(!other.client_to_server.verify(3, &header, &digest, &tag));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!   [`config_file`], [`error_chain`], [`preflight`] (the checks of a start, without
 //!   starting), [`size`], [`sd_notify`].
 //! - Client side (ublkd): [`client`] (the TCP client, the RDMA transport, a
-//!   queue's `Session`) and [`block`] (the block target).
+//!   queue's `Session`), [`replica`] (a volume on N peers as one `BlobIo`)
+//!   and [`block`] (the block target).
 //! - Server side (arenad): [`arenad`] (server, observability, config) and
 //!   [`store`] (the storage engine, and `InProcess`, the reference
 //!   transport).
@@ -24,6 +25,7 @@ pub mod error_chain;
 pub mod preflight;
 pub mod proto;
 pub mod rdma;
+pub mod replica;
 pub mod sd_notify;
 pub mod size;
 pub mod store;

@@ -11,8 +11,20 @@ use std::io::{self, Read, Write};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"ARNA";
-/// The only protocol version this build speaks.
-pub const VERSION: u8 = 1;
+/// Version 1: frames after the handshake are not authenticated.
+pub const VERSION_1: u8 = 1;
+/// Version 2: every frame after the handshake carries a [`TAG_LEN`]-byte
+/// tag keyed from the handshake; HELLO carries the writer's epoch, and
+/// EPOCH / `STALE_EPOCH` exist.
+pub const VERSION_2: u8 = 2;
+/// The newest protocol version this build speaks.
+pub const VERSION: u8 = VERSION_2;
+/// The version byte of the handshake frames (CHALLENGE, HELLO and its
+/// answer), whatever the session negotiates: a client of any version can
+/// read the CHALLENGE and tell which versions the peer offers.
+pub const HANDSHAKE_VERSION: u8 = VERSION_1;
+/// Length of the tag that follows every version-2 frame after the handshake.
+pub const TAG_LEN: usize = 16;
 /// Size of the fixed frame header.
 pub const HEADER_LEN: usize = 24;
 /// Largest payload an inline WRITE or READ may carry (also the largest blob).
@@ -66,6 +78,9 @@ pub enum Opcode {
     Write = 0x16,
     /// Read a byte range of a blob inline.
     Read = 0x17,
+    /// Raise the session's (and maybe the volume's) membership epoch
+    /// (version 2).
+    Epoch = 0x18,
     /// Server → client: give a lease back.
     Revoke = 0x20,
 }
@@ -85,6 +100,7 @@ impl Opcode {
             0x15 => Self::Flush,
             0x16 => Self::Write,
             0x17 => Self::Read,
+            0x18 => Self::Epoch,
             0x20 => Self::Revoke,
             _ => return None,
         })
@@ -104,6 +120,7 @@ impl Opcode {
             Self::Flush => "flush",
             Self::Write => "write",
             Self::Read => "read",
+            Self::Epoch => "epoch",
             Self::Revoke => "revoke",
         }
     }
@@ -133,9 +150,13 @@ pub enum Status {
     ShuttingDown = 8,
     /// A storage error on the peer (swap or index I/O).
     Internal = 9,
-    /// COMMIT of a lease whose blob was removed meanwhile: the write is
-    /// dropped and the lease ended; the client may write again.
+    /// COMMIT of a lease whose blob was removed meanwhile (or that the peer
+    /// force-ended after a revocation): the write is dropped and the lease
+    /// ended; the client may write again.
     LeaseLost = 10,
+    /// The session's epoch is below the volume's: a newer writer took the
+    /// volume over. The connection stays (version 2).
+    StaleEpoch = 11,
 }
 
 impl Status {
@@ -153,6 +174,7 @@ impl Status {
             8 => Self::ShuttingDown,
             9 => Self::Internal,
             10 => Self::LeaseLost,
+            11 => Self::StaleEpoch,
             _ => return None,
         })
     }
@@ -171,6 +193,7 @@ impl Status {
             Self::ShuttingDown => "shutting_down",
             Self::Internal => "internal",
             Self::LeaseLost => "lease_lost",
+            Self::StaleEpoch => "stale_epoch",
         }
     }
 }
@@ -192,9 +215,9 @@ pub enum FrameError {
     /// The first four bytes were not `ARNA`.
     #[error("bad magic {0:02x?}, expected \"ARNA\"")]
     BadMagic([u8; 4]),
-    /// A version this build does not speak.
-    #[error("unsupported protocol version {0}, this build speaks {VERSION}")]
-    BadVersion(u8),
+    /// A version this build does not speak, or not the session's.
+    #[error("unsupported protocol version {0}, this session speaks {1}")]
+    BadVersion(u8, u8),
     /// An opcode byte with no meaning.
     #[error("unknown opcode {0:#04x}")]
     BadOpcode(u8),
@@ -245,6 +268,23 @@ pub enum FrameError {
         /// Why it was unexpected.
         detail: &'static str,
     },
+    /// A version-2 frame whose tag does not verify: injected, replayed,
+    /// reordered, or altered on the way.
+    #[error("frame {seq} ({op}) fails its authentication tag: injected, replayed, reordered or altered in transit")]
+    BadTag {
+        /// The opcode's name.
+        op: &'static str,
+        /// The frame's sequence number in its direction.
+        seq: u64,
+    },
+    /// More requests in flight than the CHALLENGE announced.
+    #[error("request {request_id} exceeds the {limit} requests in flight announced in CHALLENGE")]
+    TooManyInFlight {
+        /// The request's id.
+        request_id: u64,
+        /// The announced `max_inflight`.
+        limit: u32,
+    },
 }
 
 impl FrameError {
@@ -254,14 +294,15 @@ impl FrameError {
             Self::Io(_) => "io",
             Self::Truncated { .. } => "truncated",
             Self::BadMagic(_) => "bad_magic",
-            Self::BadVersion(_) => "bad_version",
+            Self::BadVersion(..) => "bad_version",
             Self::BadOpcode(_) => "bad_opcode",
             Self::Reserved { .. } => "reserved_bits",
             Self::BadStatus(_) => "bad_status",
             Self::TooLong { .. } => "oversized",
             Self::BadBodyLength { .. } => "bad_length",
             Self::Invalid { .. } => "invalid_field",
-            Self::Unexpected { .. } => "out_of_order",
+            Self::Unexpected { .. } | Self::TooManyInFlight { .. } => "out_of_order",
+            Self::BadTag { .. } => "bad_tag",
         }
     }
 }
@@ -269,6 +310,9 @@ impl FrameError {
 /// Decoded frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// The version byte: [`HANDSHAKE_VERSION`] on handshake frames, the
+    /// session's version after.
+    pub version: u8,
     /// What the frame carries.
     pub opcode: Opcode,
     /// Flag bits (`FLAG_*`).
@@ -291,7 +335,7 @@ impl Header {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&MAGIC);
-        b[4] = VERSION;
+        b[4] = self.version;
         b[5] = self.opcode as u8;
         b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
@@ -302,13 +346,15 @@ impl Header {
     }
 
     /// Decodes and validates a header, including the body length limit.
+    /// Any version this build speaks passes; the session checks that it is
+    /// its own ([`Header::expect_version`]).
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, FrameError> {
         let magic = [b[0], b[1], b[2], b[3]];
         if magic != MAGIC {
             return Err(FrameError::BadMagic(magic));
         }
-        if b[4] != VERSION {
-            return Err(FrameError::BadVersion(b[4]));
+        if !(VERSION_1..=VERSION).contains(&b[4]) {
+            return Err(FrameError::BadVersion(b[4], VERSION));
         }
         let opcode = Opcode::from_u8(b[5]).ok_or(FrameError::BadOpcode(b[5]))?;
         let flags = u16::from_le_bytes([b[6], b[7]]);
@@ -328,6 +374,7 @@ impl Header {
             });
         }
         Ok(Self {
+            version: b[4],
             opcode,
             flags,
             request_id,
@@ -335,7 +382,48 @@ impl Header {
             body_len,
         })
     }
+
+    /// Fails unless the frame carries `version` (the session's, or
+    /// [`HANDSHAKE_VERSION`] during the handshake).
+    pub fn expect_version(&self, version: u8) -> Result<(), FrameError> {
+        if self.version != version {
+            return Err(FrameError::BadVersion(self.version, version));
+        }
+        Ok(())
+    }
+
+    /// What an error frame answering a broken frame with these raw header
+    /// bytes names: its opcode (CHALLENGE when the opcode byte is unknown)
+    /// and its request id, read from the bytes whatever else is wrong.
+    pub fn blame(b: &[u8; HEADER_LEN]) -> (Opcode, u64) {
+        let op = Opcode::from_u8(b[5]).unwrap_or(Opcode::Challenge);
+        let id = u64::from_le_bytes(b[8..16].try_into().expect("8-byte slice"));
+        (op, id)
+    }
 }
+
+/// The largest body a request of `op` may declare after the handshake,
+/// given the `max_inline` the server announced: every length is known from
+/// the header, before a byte of the body is read. `None` for opcodes that
+/// are not requests.
+pub fn max_request_body(op: Opcode, max_inline: u32) -> Option<u32> {
+    Some(match op {
+        Opcode::Alloc | Opcode::Get | Opcode::Epoch => 8,
+        Opcode::Commit | Opcode::Remove | Opcode::Read => 16,
+        Opcode::Release => 4 + 8 * MAX_RELEASE_BATCH,
+        Opcode::Flush => 0,
+        Opcode::Write => 16 + max_inline.min(MAX_INLINE),
+        Opcode::RailConnect => ENDPOINT_LEN as u32,
+        Opcode::Challenge | Opcode::Hello | Opcode::Revoke => return None,
+    })
+}
+
+/// Bytes of an RDMA endpoint on the wire.
+pub const ENDPOINT_LEN: usize = 28;
+/// Largest HELLO body (version 2, longest volume name): what a server reads
+/// before authentication, at most.
+pub const MAX_HELLO_BODY: u32 =
+    2 + 4 + 4 + 8 + NONCE_LEN as u32 + MAC_LEN as u32 + 1 + MAX_VOLUME_NAME as u32;
 
 /// Fills `buf` from the stream; a clean end before the first byte is `Ok(false)`.
 fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> Result<bool, FrameError> {
@@ -497,6 +585,9 @@ pub struct Hello {
     pub caps: u32,
     /// Blob size the client expects; 0 accepts the volume's.
     pub blob_bytes: u32,
+    /// The writer's membership epoch for the volume (version 2; 0 in a
+    /// version-1 HELLO, where it is not on the wire).
+    pub epoch: u64,
     /// The client's nonce, MACed by the server in its reply.
     pub client_nonce: [u8; NONCE_LEN],
     /// HMAC over the handshake transcript with the volume secret.
@@ -519,6 +610,10 @@ pub struct Welcome {
     pub caps: u32,
     /// The volume's quota in blobs.
     pub quota_blobs: u64,
+    /// The volume's epoch once this HELLO was taken into account (version
+    /// 2; not on the wire in version 1): above the HELLO's epoch, the
+    /// session is stale from the start.
+    pub epoch: u64,
     /// HMAC proving the server knows the secret too.
     pub mac: [u8; MAC_LEN],
 }
@@ -587,6 +682,11 @@ pub enum Request<'a> {
     },
     /// See [`Opcode::RailConnect`]: the client's QP endpoint.
     RailConnect(Endpoint),
+    /// See [`Opcode::Epoch`]: the epoch the session moves to.
+    Epoch {
+        /// The writer's membership epoch.
+        epoch: u64,
+    },
 }
 
 impl Request<'_> {
@@ -602,6 +702,7 @@ impl Request<'_> {
             Self::Write { .. } => Opcode::Write,
             Self::Read { .. } => Opcode::Read,
             Self::RailConnect(_) => Opcode::RailConnect,
+            Self::Epoch { .. } => Opcode::Epoch,
         }
     }
 }
@@ -620,6 +721,7 @@ pub fn encode_frame(
     body(out);
     let body_len = u32::try_from(out.len() - HEADER_LEN).expect("encoder bodies are bounded");
     let h = Header {
+        version: HANDSHAKE_VERSION,
         opcode,
         flags,
         request_id,
@@ -642,6 +744,7 @@ pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request<'_>
         Status::Ok,
         |b| match req {
             Request::Alloc { key } | Request::Get { key } => put_u64(b, *key),
+            Request::Epoch { epoch } => put_u64(b, *epoch),
             Request::Commit { key, token } => {
                 put_u64(b, *key);
                 put_u64(b, *token);
@@ -745,6 +848,7 @@ pub fn decode_request<'a>(h: &Header, body: &'a [u8]) -> Result<Request<'a>, Fra
             Request::Read { key, offset, len }
         }
         Opcode::RailConnect => Request::RailConnect(c.endpoint()?),
+        Opcode::Epoch => Request::Epoch { epoch: c.u64()? },
         Opcode::Challenge | Opcode::Hello | Opcode::Revoke => {
             return Err(FrameError::Unexpected {
                 op: h.opcode.name(),
@@ -907,6 +1011,9 @@ impl Hello {
             put_u16(b, self.version);
             put_u32(b, self.caps);
             put_u32(b, self.blob_bytes);
+            if self.version >= u16::from(VERSION_2) {
+                put_u64(b, self.epoch);
+            }
             b.extend_from_slice(&self.client_nonce);
             b.extend_from_slice(&self.mac);
             b.push(self.volume.len() as u8);
@@ -914,13 +1021,19 @@ impl Hello {
         });
     }
 
-    /// Decodes a HELLO frame, validating the volume name.
+    /// Decodes a HELLO frame, validating the volume name. The layout is
+    /// the one of the version the HELLO names (version 2 adds `epoch`).
     pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {
         expect(h, Opcode::Hello, false)?;
         let mut c = Cursor::new(h.opcode, body);
         let version = c.u16()?;
         let caps = c.u32()?;
         let blob_bytes = c.u32()?;
+        let epoch = if version >= u16::from(VERSION_2) {
+            c.u64()?
+        } else {
+            0
+        };
         let client_nonce = c.array()?;
         let mac = c.array()?;
         let n = c.u8()? as usize;
@@ -937,6 +1050,7 @@ impl Hello {
             version,
             caps,
             blob_bytes,
+            epoch,
             client_nonce,
             mac,
             volume,
@@ -954,21 +1068,24 @@ pub fn valid_volume_name(name: &str) -> bool {
 }
 
 impl Welcome {
-    /// Encodes the HELLO reply.
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    /// Encodes the HELLO reply of a session of `version`.
+    pub fn encode(&self, out: &mut Vec<u8>, version: u16) {
         encode_frame(out, Opcode::Hello, FLAG_RESPONSE, 0, Status::Ok, |b| {
             put_u64(b, self.session_id);
             put_u64(b, self.generation);
             put_u32(b, self.blob_bytes);
             put_u32(b, self.caps);
             put_u64(b, self.quota_blobs);
+            if version >= u16::from(VERSION_2) {
+                put_u64(b, self.epoch);
+            }
             b.extend_from_slice(&self.mac);
         });
     }
 
-    /// Decodes the HELLO reply; a non-OK status is returned as an error
-    /// message by [`decode_error`].
-    pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {
+    /// Decodes the HELLO reply of a session of `version`; a non-OK status
+    /// is returned as an error message by [`decode_error`].
+    pub fn decode(h: &Header, body: &[u8], version: u16) -> Result<Self, FrameError> {
         expect(h, Opcode::Hello, true)?;
         let mut c = Cursor::new(h.opcode, body);
         let v = Self {
@@ -977,6 +1094,11 @@ impl Welcome {
             blob_bytes: c.u32()?,
             caps: c.u32()?,
             quota_blobs: c.u64()?,
+            epoch: if version >= u16::from(VERSION_2) {
+                c.u64()?
+            } else {
+                0
+            },
             mac: c.array()?,
         };
         c.finish()?;
@@ -1066,6 +1188,11 @@ pub fn encode_ok(out: &mut Vec<u8>, opcode: Opcode, request_id: u64) {
     encode_frame(out, opcode, FLAG_RESPONSE, request_id, Status::Ok, |_| {});
 }
 
+/// Encodes a successful EPOCH answer: the volume's epoch, now the session's.
+pub fn encode_epoch(out: &mut Vec<u8>, request_id: u64, epoch: u64) {
+    encode_count(out, Opcode::Epoch, request_id, epoch);
+}
+
 /// Encodes the head of a READ response carrying `len` payload bytes, which
 /// the caller sends right after it.
 pub fn encode_read_head(out: &mut Vec<u8>, request_id: u64, len: u32) {
@@ -1096,17 +1223,26 @@ pub fn decode_revoke(h: &Header, body: &[u8]) -> Result<(u64, u64), FrameError> 
     Ok(v)
 }
 
-/// Writes `head` then `payload` as one vectored write, retrying partial writes.
-pub fn write_vectored_all(w: &mut impl Write, head: &[u8], payload: &[u8]) -> io::Result<()> {
-    let (mut a, mut b) = (head, payload);
-    while !a.is_empty() || !b.is_empty() {
-        let n = w.write_vectored(&[io::IoSlice::new(a), io::IoSlice::new(b)])?;
+/// Writes `parts` in order as vectored writes, retrying partial writes.
+pub fn write_vectored_all(w: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
+    let mut parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
+    let mut first = 0;
+    while first < parts.len() {
+        let slices: Vec<io::IoSlice<'_>> =
+            parts[first..].iter().map(|p| io::IoSlice::new(p)).collect();
+        let mut n = w.write_vectored(&slices)?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        let from_a = n.min(a.len());
-        a = &a[from_a..];
-        b = &b[n - from_a..];
+        while n > 0 {
+            let p = &mut parts[first];
+            let k = n.min(p.len());
+            *p = &p[k..];
+            n -= k;
+            if p.is_empty() {
+                first += 1;
+            }
+        }
     }
     Ok(())
 }
@@ -1212,29 +1348,51 @@ mod tests {
         let (h, b) = decode_one(&buf);
         assert_eq!(Challenge::decode(&h, &b).unwrap(), ch);
 
-        let hello = Hello {
-            version: 1,
-            caps: CAP_TCP_DATA,
-            blob_bytes: 1 << 20,
-            client_nonce: [9; NONCE_LEN],
-            mac: [3; MAC_LEN],
-            volume: "vm-1.disk_a".into(),
-        };
-        hello.encode(&mut buf);
-        let (h, b) = decode_one(&buf);
-        assert_eq!(Hello::decode(&h, &b).unwrap(), hello);
+        // Version 2 carries the epochs; version 1 has no room for them.
+        for (version, epoch) in [(2u16, 41), (1, 0)] {
+            let hello = Hello {
+                version,
+                caps: CAP_TCP_DATA,
+                blob_bytes: 1 << 20,
+                epoch,
+                client_nonce: [9; NONCE_LEN],
+                mac: [3; MAC_LEN],
+                volume: "vm-1.disk_a".into(),
+            };
+            hello.encode(&mut buf);
+            let (h, b) = decode_one(&buf);
+            assert_eq!(Hello::decode(&h, &b).unwrap(), hello);
+            assert!(b.len() <= MAX_HELLO_BODY as usize);
 
-        let w = Welcome {
-            session_id: 5,
-            generation: 2,
-            blob_bytes: 1 << 20,
+            let w = Welcome {
+                session_id: 5,
+                generation: 2,
+                blob_bytes: 1 << 20,
+                caps: CAP_TCP_DATA,
+                quota_blobs: 1000,
+                epoch: epoch + u64::from(epoch > 0),
+                mac: [8; MAC_LEN],
+            };
+            w.encode(&mut buf, version);
+            let (h, b) = decode_one(&buf);
+            assert_eq!(Welcome::decode(&h, &b, version).unwrap(), w);
+        }
+    }
+
+    #[test]
+    fn the_longest_hello_is_max_hello_body() {
+        let hello = Hello {
+            version: u16::from(VERSION),
             caps: CAP_TCP_DATA,
-            quota_blobs: 1000,
-            mac: [8; MAC_LEN],
+            blob_bytes: 0,
+            epoch: u64::MAX,
+            client_nonce: [0; NONCE_LEN],
+            mac: [0; MAC_LEN],
+            volume: "v".repeat(MAX_VOLUME_NAME),
         };
-        w.encode(&mut buf);
-        let (h, b) = decode_one(&buf);
-        assert_eq!(Welcome::decode(&h, &b).unwrap(), w);
+        let mut buf = Vec::new();
+        hello.encode(&mut buf);
+        assert_eq!(buf.len() - HEADER_LEN, MAX_HELLO_BODY as usize);
     }
 
     #[test]
@@ -1314,7 +1472,7 @@ mod tests {
 
         let mut b = good.clone();
         b[4] = 9;
-        assert!(matches!(frame_error(&b), FrameError::BadVersion(9)));
+        assert!(matches!(frame_error(&b), FrameError::BadVersion(9, _)));
 
         let mut b = good.clone();
         b[5] = 0x7e;
@@ -1431,6 +1589,7 @@ mod tests {
                 version: 1,
                 caps: 0,
                 blob_bytes: 0,
+                epoch: 0,
                 client_nonce: [0; NONCE_LEN],
                 mac: [0; MAC_LEN],
                 volume: name.into(),
@@ -1451,7 +1610,7 @@ mod tests {
     #[test]
     fn vectored_write_sends_head_then_payload() {
         let mut out = Vec::new();
-        write_vectored_all(&mut out, b"head", b"payload").unwrap();
-        assert_eq!(out, b"headpayload");
+        write_vectored_all(&mut out, &[b"head", b"", b"payload", b"tag"]).unwrap();
+        assert_eq!(out, b"headpayloadtag");
     }
 }

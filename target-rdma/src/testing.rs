@@ -4,6 +4,10 @@
 //! where tests read what the server counted. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
+mod raw;
+
+pub use raw::{RawSession, Refusal};
+
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -14,12 +18,18 @@ use std::time::Duration;
 use ublk_metrics::testing::sample;
 use ublk_metrics::{Daemon, Telemetry};
 
+use crate::arenad::epochs::Epochs;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use crate::auth::Secret;
-use crate::client::{ArenaClient, ClientConfig, RdmaTransport, RdmaTransportConfig};
+use crate::blob::{ArenaError, BlobIo, Transport, Via};
+use crate::client::{ArenaClient, ClientConfig, FlushDomain, RdmaTransport, RdmaTransportConfig};
 use crate::rdma::RdmaProvider;
-use crate::store::{Store, StoreConfig, VolumeSpec};
+use crate::replica::clock::system;
+use crate::replica::{
+    Coordinator, MemberIo, MemberSessions, Membership, MemoryCoordinator, ReplicaConfig, ReplicaSet,
+};
+use crate::store::{InProcess, Store, StoreConfig, VolumeSpec};
 
 /// Secret of the default volume "a".
 pub const SECRET_A: &str = "secret-of-volume-a-0123456789";
@@ -57,6 +67,10 @@ pub struct PeerOpts {
     pub rdma: Option<Arc<dyn RdmaProvider>>,
     /// Volumes served, as (name, secret); by default "a" and "b".
     pub volumes: Vec<(String, String)>,
+    /// Accept protocol version 1 sessions.
+    pub allow_v1: bool,
+    /// Most connections at once.
+    pub max_connections: u32,
 }
 
 impl Default for PeerOpts {
@@ -69,6 +83,8 @@ impl Default for PeerOpts {
             max_inflight: 64,
             rdma: None,
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
+            allow_v1: false,
+            max_connections: 64,
         }
     }
 }
@@ -84,6 +100,7 @@ pub struct Peer {
     pub store: Arc<Store>,
     /// Its telemetry (isolated: nothing global).
     pub obs: Arc<ArenadObservability>,
+    dir: PathBuf,
     opts: PeerOpts,
     running: Option<(Arc<Server>, JoinHandle<()>)>,
 }
@@ -122,6 +139,7 @@ impl Peer {
             addr: listener.local_addr().expect("a bound address"),
             store,
             obs,
+            dir: dir.to_owned(),
             opts,
             running: None,
         };
@@ -145,13 +163,18 @@ impl Peer {
         let rdma = self.opts.rdma.clone().map(|p| {
             ServerRdma::register(p, &self.store, 64).expect("register the arena for RDMA")
         });
+        let epochs = Epochs::open(&self.dir).expect("load the volumes' epochs");
         let server = Server::new(
             Arc::clone(&self.store),
             volumes,
+            epochs,
             ServerLimits {
-                max_connections: 64,
+                max_connections: self.opts.max_connections,
                 max_inflight: self.opts.max_inflight,
                 handshake_timeout: Duration::from_secs(5),
+                allow_v1: self.opts.allow_v1,
+                max_unauthenticated: self.opts.max_connections,
+                write_timeout: Duration::from_secs(5),
             },
             rdma,
             Arc::clone(&self.obs),
@@ -218,11 +241,32 @@ impl Peer {
         .expect("an RDMA session")
     }
 
+    /// TCP sessions of volume "a" as one replica member: `queues` queue
+    /// sessions and a background one, sharing one flush domain.
+    pub fn member_sessions(&self, queues: usize) -> MemberSessions<ArenaClient> {
+        let domain = Arc::new(FlushDomain::default());
+        let client = || {
+            let mut c = self.config("a", SECRET_A);
+            c.flush_domain = Arc::clone(&domain);
+            ArenaClient::connect(c).expect("connect to the peer")
+        };
+        MemberSessions {
+            queues: (0..queues).map(|_| client()).collect(),
+            background: client(),
+            epoch: 0,
+        }
+    }
+
     /// The value of the peer's exported sample `name` with `labels`
     /// (summed over the other labels).
     pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
         let text = self.obs.telemetry().render().expect("render the metrics");
         sample(&text, name, labels) as u64
+    }
+
+    /// Authenticated sessions open on the peer now.
+    pub fn sessions(&self) -> usize {
+        self.obs.sessions()
     }
 
     /// Protocol errors the peer counted, all classes together.
@@ -249,4 +293,64 @@ pub fn pattern(key: u64, gen: u64, len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// An in-process store as a replica member: it never restarts under its
+/// sessions, so it never loses acknowledged writes, and protocol epochs do
+/// not apply to direct calls.
+pub struct LocalMember(pub InProcess);
+
+impl BlobIo for LocalMember {
+    fn transport(&self) -> Transport {
+        self.0.transport()
+    }
+    fn blob_bytes(&self) -> u32 {
+        self.0.blob_bytes()
+    }
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        self.0.read(key, offset, out).await
+    }
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
+        self.0.write(key, offset, data).await
+    }
+    async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
+        self.0.remove(start, end).await
+    }
+    async fn flush(&self) -> Result<(), ArenaError> {
+        self.0.flush().await
+    }
+}
+
+impl MemberIo for LocalMember {
+    fn lost_writes(&self) -> bool {
+        false
+    }
+    async fn raise_epoch(&self, _epoch: u64) -> Result<(), ArenaError> {
+        Ok(())
+    }
+}
+
+/// `queues` sessions (and a background one) of volume 0 of `store`.
+pub fn local_member(store: &Arc<Store>, queues: usize) -> MemberSessions<LocalMember> {
+    let s = || LocalMember(InProcess::new(Arc::clone(store), 0));
+    MemberSessions {
+        queues: (0..queues).map(|_| s()).collect(),
+        background: s(),
+        epoch: 0,
+    }
+}
+
+/// A new replicated volume over `members` (peer name, sessions), all
+/// healthy, coordinated in memory on the system clock.
+pub fn replicated<S: MemberIo>(members: Vec<(String, MemberSessions<S>)>) -> Arc<ReplicaSet<S>> {
+    let names: Vec<_> = members.iter().map(|(n, _)| n.clone()).collect();
+    let coord = MemoryCoordinator::new(system(), Membership::new_volume(&names).expect("names"));
+    futures::executor::block_on(ReplicaSet::open(
+        "a",
+        coord as Arc<dyn Coordinator>,
+        system(),
+        ReplicaConfig::default(),
+        members,
+    ))
+    .expect("open the replicated volume")
 }

@@ -1,7 +1,7 @@
 //! The paging protocol end to end: a real `arenad` server on loopback and
 //! the real client, including hostile peers and malformed frames.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 
@@ -9,7 +9,9 @@ use futures::executor::block_on;
 use futures::future::join_all;
 use target_rdma::blob::ArenaError;
 use target_rdma::client::ArenaClient;
-use target_rdma::proto::{self, Challenge, Hello, Opcode, Request, Status, HEADER_LEN, MAC_LEN};
+use target_rdma::proto::{
+    self, Challenge, Header, Hello, Opcode, Request, Status, HEADER_LEN, MAC_LEN,
+};
 use target_rdma::testing::*;
 use ublk_metrics::driver::names;
 use ublk_metrics::DriverStats as _;
@@ -153,13 +155,22 @@ fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
 fn fake_peer(
     secret_value: Option<&'static str>,
 ) -> (std::net::SocketAddr, std::thread::JoinHandle<TcpStream>) {
+    fake_peer_version(secret_value, 2)
+}
+
+/// [`fake_peer`] offering only protocol `version` (1: untagged frames, so
+/// a test can write answers by hand).
+fn fake_peer_version(
+    secret_value: Option<&'static str>,
+    version: u16,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<TcpStream>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let peer = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         let ch = Challenge {
-            min_version: 1,
-            max_version: 1,
+            min_version: version,
+            max_version: version,
             server_nonce: [1; 32],
             max_inflight: 4,
             max_inline: 4096,
@@ -176,12 +187,13 @@ fn fake_peer(
             blob_bytes: 4096,
             caps: 1,
             quota_blobs: 1,
+            epoch: 0,
             mac: [0; MAC_LEN],
         };
         if let Some(v) = secret_value {
             w.mac = secret(v).sign_welcome(&ch, &hello, &w);
         }
-        w.encode(&mut f);
+        w.encode(&mut f, hello.version);
         s.write_all(&f).unwrap();
         s
     });
@@ -212,49 +224,31 @@ fn connect_errors_name_the_peer() {
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
 }
 
-/// Opens a raw authenticated session so tests can send arbitrary bytes.
-fn raw_session(peer: &Peer) -> TcpStream {
-    let mut s = TcpStream::connect(peer.addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut body = Vec::new();
-    let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
-    let ch = Challenge::decode(&h, &body).unwrap();
-    let mut hello = Hello {
-        version: 1,
-        caps: 1,
-        blob_bytes: 0,
-        client_nonce: [2; 32],
-        mac: [0; MAC_LEN],
-        volume: "a".into(),
-    };
-    hello.mac = secret(SECRET_A).sign_hello(&ch, &hello);
-    let mut f = Vec::new();
-    hello.encode(&mut f);
-    s.write_all(&f).unwrap();
-    let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
-    assert_eq!(h.status, Status::Ok);
-    s
+/// Opens a raw authenticated version-2 session of volume "a".
+fn raw_session(peer: &Peer) -> RawSession {
+    RawSession::open(peer.addr, "a", &secret(SECRET_A), proto::VERSION, 0)
 }
 
-/// Sends `bytes`, expects a PROTOCOL error frame whose message contains
-/// `needle`, then the connection closing.
-fn expect_protocol_error(peer: &Peer, bytes: &[u8], needle: &str) {
+/// Sends `bytes` (as the session's next frame, tagged, or as they are when
+/// `tagged` is false), expects a PROTOCOL error frame whose message
+/// contains `needle`, then the connection closing.
+fn expect_protocol_error(peer: &Peer, bytes: &[u8], tagged: bool, needle: &str) -> Header {
     let mut s = raw_session(peer);
-    s.write_all(bytes).unwrap();
-    let _ = s.shutdown(std::net::Shutdown::Write);
-    let mut body = Vec::new();
-    let h = proto::read_frame(&mut s, &mut body)
-        .unwrap()
-        .expect("an error frame");
+    if tagged {
+        s.send(bytes).unwrap();
+    } else {
+        s.inject(bytes).unwrap();
+    }
+    let _ = s.stream.shutdown(std::net::Shutdown::Write);
+    let (h, body) = s.recv().expect("an error frame");
     assert_eq!(h.status, Status::Protocol, "for {needle}");
     let msg = proto::decode_error(&body);
     assert!(msg.contains(needle), "message {msg:?} lacks {needle:?}");
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).unwrap();
     assert!(
-        rest.is_empty(),
+        s.recv().is_none(),
         "connection stayed open after a protocol error"
     );
+    h
 }
 
 #[test]
@@ -269,20 +263,26 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
 
     let mut b = good.clone();
     b[0] = b'Z';
-    expect_protocol_error(&peer, &b, "bad magic");
+    expect_protocol_error(&peer, &b, false, "bad magic");
     let mut b = good.clone();
-    b[4] = 2;
-    expect_protocol_error(&peer, &b, "unsupported protocol version 2");
+    b[4] = 3;
+    expect_protocol_error(&peer, &b, false, "unsupported protocol version 3");
+    // A version-1 frame in a version-2 session.
+    expect_protocol_error(&peer, &good, false, "unsupported protocol version 1");
     let mut b = good.clone();
     b[5] = 0x55;
-    expect_protocol_error(&peer, &b, "unknown opcode 0x55");
+    expect_protocol_error(&peer, &b, true, "unknown opcode 0x55");
     let mut b = good.clone();
     b[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
-    expect_protocol_error(&peer, &b, "exceeds the limit");
-    expect_protocol_error(&peer, &good[..HEADER_LEN + 3], "truncated");
+    // The error frame names the request it answers.
+    let h = expect_protocol_error(&peer, &b, true, "exceeds the limit");
+    assert_eq!((h.opcode, h.request_id), (Opcode::Alloc, 1));
+    let mut b = good.clone();
+    b[4] = proto::VERSION;
+    expect_protocol_error(&peer, &b[..HEADER_LEN + 3], false, "truncated");
     let mut b = Vec::new();
     proto::encode_revoke(&mut b, 1, 1);
-    expect_protocol_error(&peer, &b, "unexpected revoke");
+    expect_protocol_error(&peer, &b, true, "unexpected revoke");
     // Semantically bad requests: unknown lease token, COMMIT without ALLOC,
     // a range past the end of the blob.
     proto::encode_request(
@@ -292,9 +292,9 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
             tokens: vec![12345],
         },
     );
-    expect_protocol_error(&peer, &b, "12345");
+    expect_protocol_error(&peer, &b, true, "12345");
     proto::encode_request(&mut b, 5, &Request::Commit { key: 9, token: 777 });
-    expect_protocol_error(&peer, &b, "777");
+    expect_protocol_error(&peer, &b, true, "777");
     proto::encode_request(
         &mut b,
         5,
@@ -304,10 +304,10 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
             len: 1,
         },
     );
-    expect_protocol_error(&peer, &b, "65536");
+    expect_protocol_error(&peer, &b, true, "65536");
 
     let errors = peer.protocol_errors();
-    assert_eq!(errors, 9, "{}", peer.obs.telemetry().render().unwrap());
+    assert_eq!(errors, 10, "{}", peer.obs.telemetry().render().unwrap());
 
     // The bystander's session and data were untouched throughout.
     let mut out = vec![0; 4096];
@@ -330,7 +330,7 @@ fn a_client_that_vanishes_mid_request_hurts_nobody() {
             data: &[7; 8192],
         },
     );
-    s.write_all(&f[..f.len() / 2]).unwrap();
+    s.inject(&f[..f.len() / 2]).unwrap();
     drop(s);
     let c = peer.client("a", SECRET_A);
     let mut out = vec![1; 8192];
@@ -538,4 +538,218 @@ fn client_counter(c: &ArenaClient, name: &str) -> u64 {
     let snap = c.stats().snapshot();
     assert!(snap.counters.iter().any(|v| v.name == name), "no {name}");
     snap.counter(name, None)
+}
+
+/// Reads one request frame from the client: its header.
+fn next_request(s: &mut TcpStream) -> proto::Header {
+    let mut body = Vec::new();
+    proto::read_frame(s, &mut body).unwrap().unwrap()
+}
+
+/// A READ answer of `len` bytes to request `id`.
+fn read_answer(id: u64, len: u32) -> Vec<u8> {
+    let mut f = Vec::new();
+    proto::encode_read_head(&mut f, id, len);
+    f.resize(f.len() + len as usize, 0xab);
+    f
+}
+
+#[test]
+fn a_read_answer_of_another_length_fails_that_request_only() {
+    let (addr, peer) = fake_peer_version(Some(SECRET_A), 1);
+    let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.versions = 1..=1;
+    let c = ArenaClient::connect(cfg).unwrap();
+    let mut s = peer.join().unwrap();
+    let client = c.clone();
+    let reads = std::thread::spawn(move || {
+        block_on(async {
+            let mut out = vec![0; 512];
+            let first = client.read(1, 0, &mut out).await;
+            let second = client.read(1, 0, &mut out).await;
+            (first, second)
+        })
+    });
+    let h = next_request(&mut s);
+    s.write_all(&read_answer(h.request_id, 100)).unwrap();
+    let h = next_request(&mut s);
+    s.write_all(&read_answer(h.request_id, 512)).unwrap();
+    let (first, second) = reads.join().unwrap();
+    let e = first.unwrap_err();
+    assert!(matches!(e, ArenaError::Protocol { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("read body is 100 bytes, expected 512"),
+        "{e}"
+    );
+    assert!(second.unwrap(), "the connection still serves");
+    assert_eq!(client_counter(&c, names::LENGTH_MISMATCHES), 1);
+    assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
+    assert!(c.stats().snapshot().counter(names::FRAME_ERRORS, None) == 0);
+}
+
+#[test]
+fn answers_to_requests_not_in_flight_are_mismatches_and_close_the_connection() {
+    // An id never sent, then an answer whose opcode is not its request's.
+    for wrong_op in [false, true] {
+        let (addr, peer) = fake_peer_version(Some(SECRET_A), 1);
+        let mut cfg =
+            target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+        cfg.versions = 1..=1;
+        let c = ArenaClient::connect(cfg).unwrap();
+        let mut s = peer.join().unwrap();
+        let client = c.clone();
+        let flush = std::thread::spawn(move || block_on(client.flush()));
+        let h = next_request(&mut s);
+        assert_eq!(h.opcode, Opcode::Flush);
+        let mut f = Vec::new();
+        if wrong_op {
+            proto::encode_ok(&mut f, Opcode::Commit, h.request_id);
+        } else {
+            proto::encode_ok(&mut f, Opcode::Flush, h.request_id + 1000);
+        }
+        s.write_all(&f).unwrap();
+        let e = flush.join().unwrap().unwrap_err();
+        assert!(matches!(e, ArenaError::Disconnected { .. }), "{e}");
+        assert!(
+            e.to_string().contains(if wrong_op {
+                "commit answer to request id 1, which is a flush"
+            } else {
+                "flush answer to request id 1001, which is not in flight"
+            }),
+            "{e}"
+        );
+        assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 1);
+        assert_eq!(client_counter(&c, names::LATE_ANSWERS), 0);
+        assert_eq!(c.stats().snapshot().counter(names::FRAME_ERRORS, None), 0);
+    }
+}
+
+#[test]
+fn a_late_answer_is_no_mismatch_and_a_bad_frame_is_a_frame_error() {
+    let (addr, peer) = fake_peer_version(Some(SECRET_A), 1);
+    let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.versions = 1..=1;
+    cfg.request_timeout = Duration::from_millis(200);
+    let c = ArenaClient::connect(cfg).unwrap();
+    let mut s = peer.join().unwrap();
+    let client = c.clone();
+    let flush = std::thread::spawn(move || block_on(client.flush()));
+    let h = next_request(&mut s);
+    let e = flush.join().unwrap().unwrap_err();
+    assert!(matches!(e, ArenaError::TimedOut { .. }), "{e}");
+    let mut f = Vec::new();
+    proto::encode_ok(&mut f, Opcode::Flush, h.request_id);
+    s.write_all(&f).unwrap();
+    // The late answer is read and counted; the connection stays up.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while client_counter(&c, names::LATE_ANSWERS) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "late answer not counted"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(c.is_connected());
+    assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
+    // Then a frame with a bad magic: a frame error of its class.
+    let mut bad = f.clone();
+    bad[..4].copy_from_slice(b"XXXX");
+    s.write_all(&bad).unwrap();
+    while c.is_connected() {
+        assert!(std::time::Instant::now() < deadline, "bad frame not seen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let snap = c.stats().snapshot();
+    let frame_errors: Vec<_> = snap
+        .counters
+        .iter()
+        .filter(|v| v.name == names::FRAME_ERRORS)
+        .map(|v| (v.reason.as_deref().unwrap_or_default(), v.value))
+        .collect();
+    assert_eq!(frame_errors, [("bad_magic", 1)]);
+    assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
+}
+
+/// TCP_INFO of a real connection to a real arenad reaches the links:
+/// sampled at open, every 256 answers and at close.
+#[test]
+fn arena_connections_report_their_tcp_info() {
+    use std::sync::Arc;
+    use ublk_metrics::TcpLinks;
+
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    let mut cfg = peer.config("a", SECRET_A);
+    let links = Arc::new(TcpLinks::default());
+    cfg.tcp_links = Arc::clone(&links);
+    let c = ArenaClient::connect(cfg).unwrap();
+    block_on(async {
+        c.write(1, 0, &[5; 4096]).await.unwrap();
+        let mut out = vec![0; 4096];
+        for _ in 0..300 {
+            c.read(1, 0, &mut out).await.unwrap();
+        }
+    });
+    let s = links.summary();
+    assert_eq!(s.connections, 1, "{s:?}");
+    assert!(s.rtt_max > 0.0 && s.rtt_mean > 0.0, "{s:?}");
+    assert!(s.cwnd_min > 0.0 && s.cwnd_mean > 0.0, "{s:?}");
+    c.disconnect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while links.summary().connections != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "closed link still open"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Loopback loses nothing; the count survives the connection.
+    assert_eq!(links.retransmissions(), 0);
+}
+
+/// Version 1 (no tags, no epochs) only where the operator allows it, and
+/// never on a volume whose epoch was raised.
+#[test]
+fn version_1_sessions_only_with_allow_v1_and_only_below_any_epoch() {
+    let v1 = |peer: &Peer, volume: &str, s: &str| {
+        let mut cfg = peer.config(volume, s);
+        cfg.versions = 1..=2;
+        cfg
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let strict = Peer::start(dir.path(), PeerOpts::default());
+    let e = RawSession::try_open(strict.addr, "a", &secret(SECRET_A), 1, 0)
+        .err()
+        .expect("v1 refused by default");
+    assert_eq!(e.status, Status::VersionMismatch, "{}", e.message);
+    // A client that accepts 1..=2 still gets 2 from a strict peer.
+    let c = ArenaClient::connect(v1(&strict, "a", SECRET_A)).unwrap();
+    assert_eq!(block_on(c.raise_epoch(1)).unwrap(), 1);
+    drop((c, strict));
+
+    let lenient = Peer::start(
+        dir.path(),
+        PeerOpts {
+            allow_v1: true,
+            ..PeerOpts::default()
+        },
+    );
+    let mut only_v1 = v1(&lenient, "b", SECRET_B);
+    only_v1.versions = 1..=1;
+    let old = ArenaClient::connect(only_v1.clone()).unwrap();
+    block_on(old.write(1, 0, b"v1 ok")).unwrap();
+    let e = block_on(old.raise_epoch(2)).unwrap_err();
+    assert_eq!(e.status(), Some(Status::VersionMismatch), "{e}");
+    // Volume a's epoch (1, persisted by the strict peer) keeps v1 out.
+    let mut a_v1 = only_v1.clone();
+    a_v1.volume = "a".into();
+    a_v1.secret = secret(SECRET_A);
+    let e = ArenaClient::connect(a_v1).err().expect("v1 refused on a");
+    assert_eq!(e.status(), Some(Status::VersionMismatch), "{e}");
+    // Once b's epoch is raised, the v1 session is closed at its next op.
+    let new = ArenaClient::connect(v1(&lenient, "b", SECRET_B)).unwrap();
+    assert_eq!(block_on(new.raise_epoch(1)).unwrap(), 1);
+    let e = block_on(old.write(1, 0, b"late!")).unwrap_err();
+    assert!(e.to_string().contains("version 2"), "{e}");
 }

@@ -11,6 +11,7 @@ use target_rdma::blob::{Transport, Via};
 use target_rdma::block::{ArenaTarget, BlockTarget, MemTarget, TargetError};
 use target_rdma::client::{ArenaClient, RdmaTransport};
 use target_rdma::rdma::loopback::LoopbackProvider;
+use target_rdma::replica::ReplicatedIo;
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::*;
 
@@ -20,22 +21,22 @@ const SIZE: u64 = 1 << 20;
 struct Fixture<T> {
     target: T,
     _dir: Option<tempfile::TempDir>,
-    _peer: Option<Peer>,
+    _peers: Vec<Peer>,
 }
 
 fn mem() -> Fixture<MemTarget> {
     Fixture {
         target: MemTarget::new(SIZE),
         _dir: None,
-        _peer: None,
+        _peers: vec![],
     }
 }
 
-fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
-    let dir = tempfile::tempdir().unwrap();
+/// A store of volume "a" in `dir`, its arena 8 blobs.
+fn store(dir: &std::path::Path) -> Arc<Store> {
     let store = Store::open(
         StoreConfig {
-            dir: dir.path().to_owned(),
+            dir: dir.to_owned(),
             arena_bytes: 8 * u64::from(BLOB),
             blob_bytes: BLOB,
             swap_bytes: 64 << 20,
@@ -46,10 +47,15 @@ fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
         }],
     )
     .unwrap();
+    Arc::new(store)
+}
+
+fn arena_in_process() -> Fixture<ArenaTarget<InProcess>> {
+    let dir = tempfile::tempdir().unwrap();
     Fixture {
-        target: ArenaTarget::new(InProcess::new(Arc::new(store), 0), SIZE),
+        target: ArenaTarget::new(InProcess::new(store(dir.path()), 0), SIZE),
         _dir: Some(dir),
-        _peer: None,
+        _peers: vec![],
     }
 }
 
@@ -67,7 +73,45 @@ fn arena_tcp() -> Fixture<ArenaTarget<ArenaClient>> {
     Fixture {
         target,
         _dir: Some(dir),
-        _peer: Some(peer),
+        _peers: vec![peer],
+    }
+}
+
+/// The arena target over a volume replicated on three in-process stores.
+fn arena_replicated_in_process() -> Fixture<ArenaTarget<ReplicatedIo<LocalMember>>> {
+    let dir = tempfile::tempdir().unwrap();
+    let members = (0..3)
+        .map(|i| {
+            let store = store(&dir.path().join(i.to_string()));
+            (format!("local{i}"), local_member(&store, 1))
+        })
+        .collect();
+    Fixture {
+        target: ArenaTarget::new(replicated(members).queue(0).unwrap(), SIZE),
+        _dir: Some(dir),
+        _peers: vec![],
+    }
+}
+
+/// The arena target over a volume replicated on two arena peers over TCP.
+fn arena_replicated_tcp() -> Fixture<ArenaTarget<ReplicatedIo<ArenaClient>>> {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = PeerOpts {
+        arena_bytes: 8 * u64::from(BLOB),
+        blob_bytes: BLOB,
+        ..PeerOpts::default()
+    };
+    let peers: Vec<_> = (0..2)
+        .map(|i| Peer::start(&dir.path().join(i.to_string()), opts.clone()))
+        .collect();
+    let members = peers
+        .iter()
+        .map(|p| (p.addr.to_string(), p.member_sessions(1)))
+        .collect();
+    Fixture {
+        target: ArenaTarget::new(replicated(members).queue(0).unwrap(), SIZE),
+        _dir: Some(dir),
+        _peers: peers,
     }
 }
 
@@ -89,7 +133,7 @@ fn arena_rdma_loopback() -> Fixture<ArenaTarget<RdmaTransport>> {
     Fixture {
         target: ArenaTarget::new(t, SIZE),
         _dir: Some(dir),
-        _peer: Some(peer),
+        _peers: vec![peer],
     }
 }
 
@@ -183,7 +227,14 @@ macro_rules! conformance {
     )*};
 }
 
-conformance!(mem, arena_in_process, arena_tcp, arena_rdma_loopback);
+conformance!(
+    mem,
+    arena_in_process,
+    arena_tcp,
+    arena_rdma_loopback,
+    arena_replicated_in_process,
+    arena_replicated_tcp
+);
 
 #[derive(Debug, Clone)]
 enum Op {

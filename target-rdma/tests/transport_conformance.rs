@@ -13,6 +13,7 @@ use target_rdma::proto::Status;
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{DeviceSelector, RdmaProvider};
+use target_rdma::replica::ReplicatedIo;
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::*;
 
@@ -23,12 +24,11 @@ const QUOTA: u64 = 48;
 /// A transport plus whatever must outlive it.
 struct Fixture<T> {
     io: T,
-    _dir: tempfile::TempDir,
-    _peer: Option<Peer>,
+    _dirs: Vec<tempfile::TempDir>,
+    _peers: Vec<Peer>,
 }
 
-fn in_process() -> Fixture<InProcess> {
-    let dir = tempfile::tempdir().unwrap();
+fn store(dir: &tempfile::TempDir) -> Arc<Store> {
     let store = Store::open(
         StoreConfig {
             dir: dir.path().to_owned(),
@@ -42,16 +42,20 @@ fn in_process() -> Fixture<InProcess> {
         }],
     )
     .unwrap();
+    Arc::new(store)
+}
+
+fn in_process() -> Fixture<InProcess> {
+    let dir = tempfile::tempdir().unwrap();
     Fixture {
-        io: InProcess::new(Arc::new(store), 0),
-        _dir: dir,
-        _peer: None,
+        io: InProcess::new(store(&dir), 0),
+        _dirs: vec![dir],
+        _peers: vec![],
     }
 }
 
-fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
-    let dir = tempfile::tempdir().unwrap();
-    let peer = Peer::start(
+fn tcp_peer(dir: &tempfile::TempDir) -> Peer {
+    Peer::start(
         dir.path(),
         PeerOpts {
             arena_bytes: 1 << 20,
@@ -59,13 +63,67 @@ fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
             quota_blobs: QUOTA,
             ..PeerOpts::default()
         },
-    );
+    )
+}
+
+fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = tcp_peer(&dir);
     let io = peer.client("a", SECRET_A);
     Fixture {
         io,
-        _dir: dir,
-        _peer: Some(peer),
+        _dirs: vec![dir],
+        _peers: vec![peer],
     }
+}
+
+/// A volume replicated on `n` in-process stores.
+fn replicated_in_process(n: usize) -> Fixture<ReplicatedIo<LocalMember>> {
+    let dirs: Vec<_> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
+    let members = dirs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (format!("local{i}"), local_member(&store(d), 1)))
+        .collect();
+    Fixture {
+        io: replicated(members).queue(0).unwrap(),
+        _dirs: dirs,
+        _peers: vec![],
+    }
+}
+
+/// A volume replicated on `n` arena peers over TCP.
+fn replicated_tcp(n: usize) -> Fixture<ReplicatedIo<target_rdma::client::ArenaClient>> {
+    let dirs: Vec<_> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
+    let peers: Vec<_> = dirs.iter().map(tcp_peer).collect();
+    let members = peers
+        .iter()
+        .map(|p| (p.addr.to_string(), p.member_sessions(1)))
+        .collect();
+    Fixture {
+        io: replicated(members).queue(0).unwrap(),
+        _dirs: dirs,
+        _peers: peers,
+    }
+}
+
+fn replicated_in_process_1() -> Fixture<ReplicatedIo<LocalMember>> {
+    replicated_in_process(1)
+}
+fn replicated_in_process_2() -> Fixture<ReplicatedIo<LocalMember>> {
+    replicated_in_process(2)
+}
+fn replicated_in_process_3() -> Fixture<ReplicatedIo<LocalMember>> {
+    replicated_in_process(3)
+}
+fn replicated_tcp_1() -> Fixture<ReplicatedIo<target_rdma::client::ArenaClient>> {
+    replicated_tcp(1)
+}
+fn replicated_tcp_2() -> Fixture<ReplicatedIo<target_rdma::client::ArenaClient>> {
+    replicated_tcp(2)
+}
+fn replicated_tcp_3() -> Fixture<ReplicatedIo<target_rdma::client::ArenaClient>> {
+    replicated_tcp(3)
 }
 
 /// RDMA over `provider` on both sides, every payload by RDMA (threshold 1
@@ -85,8 +143,8 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
     let io = peer.rdma_session(provider, BLOB, 4);
     Fixture {
         io,
-        _dir: dir,
-        _peer: Some(peer),
+        _dirs: vec![dir],
+        _peers: vec![peer],
     }
 }
 
@@ -226,6 +284,12 @@ conformance!(
     in_process => Transport::InProcess,
     tcp => Transport::Tcp,
     rdma_loopback => Transport::Rdma,
+    replicated_in_process_1 => Transport::InProcess,
+    replicated_in_process_2 => Transport::InProcess,
+    replicated_in_process_3 => Transport::InProcess,
+    replicated_tcp_1 => Transport::Tcp,
+    replicated_tcp_2 => Transport::Tcp,
+    replicated_tcp_3 => Transport::Tcp,
     #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
     rdma_verbs => Transport::Rdma
 );

@@ -9,8 +9,10 @@ use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::size::{parse_size, HumanSize};
 use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
+use ublkd::coordination::PeerRecord;
 use ublkd::ctl::{
-    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, Reply, Request, Response, StatsReply,
+    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, Reply, Request, Response,
+    StatsReply,
 };
 use ublkd::device::DeviceSpec;
 use ublkd::features;
@@ -54,11 +56,80 @@ enum Cmd {
     /// What the running kernel's ublk driver supports (asks the driver;
     /// ublkd need not run).
     Features(List),
+    /// The placement pool in etcd: arena peers replicated volumes are placed on.
+    #[command(subcommand)]
+    Peer(PeerCmd),
     /// Print the volume of device N, from ublkd's device definitions (for
     /// the udev rule that makes /dev/disk/by-id/ublk-<volume>).
     #[command(hide = true)]
     UdevName(Id),
 }
+
+// --- replication (issue 11): `ublkctl peer` ---
+#[derive(Subcommand, Debug)]
+enum PeerCmd {
+    /// Register an arenad for placement.
+    Add(PeerAdd),
+    /// Unregister a peer (refused while a volume has replicas on it).
+    Del(PeerId),
+    /// List the registered peers and what is placed on them.
+    List(List),
+}
+
+#[derive(ClapArgs, Debug)]
+struct PeerAdd {
+    /// Stable name, e.g. mem1.
+    #[arg(long)]
+    id: String,
+    /// Its arenad's HOST:PORT.
+    #[arg(long)]
+    addr: String,
+    /// Bytes of volumes it may hold, e.g. 512G.
+    #[arg(long, value_parser = parse_size)]
+    capacity: u64,
+    /// Rack, power feed or zone; replicas of a volume go to distinct ones.
+    #[arg(long)]
+    failure_domain: Option<String>,
+}
+
+#[derive(ClapArgs, Debug)]
+struct PeerId {
+    /// Peer id.
+    id: String,
+}
+
+fn peer_request(p: &PeerCmd) -> Request {
+    match p {
+        PeerCmd::Add(a) => Request::PeerAdd {
+            peer: PeerRecord {
+                id: a.id.clone(),
+                addr: a.addr.clone(),
+                capacity: a.capacity,
+                failure_domain: a.failure_domain.clone(),
+            },
+        },
+        PeerCmd::Del(d) => Request::PeerDel { id: d.id.clone() },
+        PeerCmd::List(_) => Request::PeerList,
+    }
+}
+
+fn print_peers(peers: &[PeerInfo]) {
+    println!(
+        "{:<16} {:<24} {:>9} {:>9} DOMAIN",
+        "ID", "ADDR", "CAPACITY", "USED"
+    );
+    for p in peers {
+        println!(
+            "{:<16} {:<24} {:>9} {:>9} {}",
+            p.peer.id,
+            p.peer.addr,
+            HumanSize(p.peer.capacity).to_string(),
+            HumanSize(p.used).to_string(),
+            p.peer.failure_domain.as_deref().unwrap_or("-")
+        );
+    }
+}
+// --- end replication ---
 
 #[derive(ClapArgs, Debug)]
 struct Add {
@@ -311,6 +382,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::Show(i) => Request::Show { id: i.id },
         Cmd::Stats(s) => Request::Stats { id: s.id },
         Cmd::Recover(i) => Request::Recover { id: i.id },
+        Cmd::Peer(p) => peer_request(p),
         // Answered here, without ublkd.
         Cmd::Features(_) => {
             let (mask, names) = features::from_driver()?;
@@ -528,6 +600,8 @@ fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
             }
             print_data_path(driver);
         }
+        (_, Reply::Peers { peers }) => print_peers(peers),
+        (_, Reply::PeerDeleted { id }) => println!("unregistered peer {id}"),
         (_, Reply::Features { mask, names }) => {
             println!("ublk driver features: {mask:#x}");
             for n in names {

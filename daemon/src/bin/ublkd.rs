@@ -12,7 +12,7 @@ use clap::Parser;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
-use ublk_metrics::{Daemon, Telemetry};
+use ublk_metrics::{CoordinationMetrics, Daemon, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::control_socket;
 use ublkd::device::{Manager, UBLK_CONTROL};
@@ -66,7 +66,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     let mut signals =
         Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
     let tel = Telemetry::install(Daemon::Ublkd, env!("CARGO_PKG_VERSION"))?;
-    let obs = Observability::new(Arc::clone(&tel), &cfg.metrics);
+    let obs = Observability::new(Arc::clone(&tel), &cfg.metrics, &cfg.tracing);
     obs.watch_driver(UBLK_CONTROL);
     let _scanner = obs
         .scanner()
@@ -80,7 +80,16 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
         Arc::clone(&tel),
         Arc::clone(&obs),
     );
+    let with_etcd = cfg.etcd.is_some();
     let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
+    // --- replication (issue 11) ---
+    let _coordination_metrics = with_etcd.then(|| {
+        let m = CoordinationMetrics::new(&tel);
+        let weak = Arc::downgrade(&manager);
+        m.set_source(move || Some(weak.upgrade()?.coordination().ok()?.stats()));
+        m
+    });
+    // --- end replication ---
     manager
         .spawn_peer_monitor()
         .context("starting the peer monitor")?;

@@ -40,6 +40,7 @@ use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, TransportChoice, UblkdConfig};
+use crate::coordination::{CoordError, CoordErrorKind, Coordination, CoordinationSlot};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
 use crate::device_stats::DeviceStats;
 use crate::observability::{DevState, DeviceObs, Observability};
@@ -109,6 +110,9 @@ pub enum DeviceError {
         /// The driver's error.
         detail: String,
     },
+    /// The coordination service (issue 11).
+    #[error("{0}")]
+    Coordination(#[from] CoordError),
     /// The state directory failed.
     #[error("state dir {path}: {source}")]
     State {
@@ -136,6 +140,10 @@ impl DeviceError {
             },
             Self::UblkMissing => ErrorKind::UblkMissing,
             Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
+            Self::Coordination(e) => match e.kind() {
+                CoordErrorKind::Invalid => ErrorKind::BadRequest,
+                _ => ErrorKind::Coordination,
+            },
         }
     }
 }
@@ -236,6 +244,8 @@ pub struct Manager {
     /// Serialises add/del/recover; reads (list, stats) never wait on it.
     ops: Mutex<()>,
     obs: Arc<Observability>,
+    /// etcd, when `[etcd]` is configured (issue 11).
+    coordination: Option<Arc<CoordinationSlot>>,
 }
 
 impl Manager {
@@ -243,13 +253,36 @@ impl Manager {
     /// persisted ones.
     pub fn new(cfg: UblkdConfig, obs: Arc<Observability>) -> Result<Self, DeviceError> {
         let store = SpecStore::open(&cfg.state_dir)?;
+        let coordination = match &cfg.etcd {
+            Some(e) => Some(
+                CoordinationSlot::start(e.clone(), cfg.state_dir.clone()).map_err(|source| {
+                    DeviceError::State {
+                        path: cfg.state_dir.clone(),
+                        source,
+                    }
+                })?,
+            ),
+            None => None,
+        };
         Ok(Self {
             cfg,
             store,
             devices: Mutex::new(BTreeMap::new()),
             ops: Mutex::new(()),
             obs,
+            coordination,
         })
+    }
+
+    /// The coordination service; an error naming the missing `[etcd]`
+    /// section, or why etcd is not up yet.
+    pub fn coordination(&self) -> Result<Arc<Coordination>, DeviceError> {
+        let slot = self.coordination.as_ref().ok_or_else(|| {
+            DeviceError::BadRequest(
+                "no [etcd] section in ublkd's config: the placement pool lives in etcd".into(),
+            )
+        })?;
+        Ok(slot.get()?)
     }
 
     /// Lists a device that could not be brought back as `failed` (it stays
@@ -427,6 +460,7 @@ impl Manager {
             let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
             cc.flush_domain = Arc::clone(&flush_domain);
             cc.stats = Arc::clone(&client_stats);
+            cc.tcp_links = Arc::clone(self.obs.tcp_links());
             cc.blob_bytes = spec.blob_size as u32;
             cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
             cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
@@ -779,6 +813,7 @@ mod tests {
         let obs = Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &c.metrics,
+            &c.tracing,
         );
         Manager::new(c, obs).unwrap()
     }
@@ -856,6 +891,43 @@ mod tests {
         );
     }
 
+    /// An `add` that fails after some queues connected (here the peer
+    /// refuses the third connection) leaves no arena session open: the
+    /// peer's count goes back to zero.
+    #[test]
+    fn a_failed_add_closes_every_arena_session_it_opened() {
+        use target_rdma::testing::{secret_file, Peer, PeerOpts, SECRET_A};
+        let dir = tempfile::tempdir().unwrap();
+        let peer = Peer::start(
+            &dir.path().join("peer"),
+            PeerOpts {
+                max_connections: 2,
+                ..PeerOpts::default()
+            },
+        );
+        let m = manager(&dir.path().join("ublkd"));
+        let mut a = args();
+        a.peer = peer.addr.to_string();
+        a.volume = "a".into();
+        a.secret_file = secret_file(dir.path(), "a.key", SECRET_A);
+        a.queues = Some(4);
+        a.blob_size = Some(64 << 10);
+        a.transport = Some(TransportChoice::Tcp);
+        let e = m.add(&a).unwrap_err();
+        assert!(e.to_string().contains("too many connections"), "{e}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while peer.sessions() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} sessions still open after the failed add",
+                peer.sessions()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The peer's places are free again: a client gets in.
+        drop(peer.client("a", SECRET_A));
+    }
+
     #[test]
     fn rdma_without_a_usable_device_is_refused_at_add_naming_the_reason() {
         use std::os::unix::fs::PermissionsExt;
@@ -866,6 +938,7 @@ mod tests {
         let obs = Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &c.metrics,
+            &c.tracing,
         );
         let m = Manager::new(c, obs).unwrap();
         let secret = dir.path().join("secret");

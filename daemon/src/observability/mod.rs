@@ -8,8 +8,10 @@
 //! Each block request is observed once, by one owner: the [`RequestObs`]
 //! that [`DeviceObs::begin`] returns holds its tracker slot, its request and
 //! attempt accounting, the device's `ublkctl stats` counters and its
-//! `request.failed` event (`request.rs`). Nothing here holds a session: the
-//! device manager reports what it sees of them (`peer_checked`).
+//! `request.failed` event (`request.rs`), and, with `[tracing] enabled`, its
+//! spans and exemplars. Nothing here holds a session: the device manager
+//! reports what it sees of them (`peer_checked`), and the arena clients
+//! sample their sockets' TCP_INFO into the process's [`TcpLinks`].
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -20,10 +22,11 @@ use parking_lot::Mutex;
 use ublk_metrics::{
     events, Clock, DeviceDriverReport, DriverStats, DriverStatsRegistry, IoMetrics, MonotonicClock,
     NotReadyReason, NotReadySet, Phase, Probes, Reason, RequestAccounting, Scanner, ScannerConfig,
-    TableSnapshot, Telemetry, TrackerConfig, TrackerError, TrackerTable, Transport,
+    TableSnapshot, TcpLinks, Telemetry, TraceConfig, Tracer, TrackerConfig, TrackerError,
+    TrackerTable, Transport,
 };
 
-use crate::config::{self, MetricsConfig};
+use crate::config::{self, MetricsConfig, TracingConfig};
 use crate::device_stats::DeviceStats;
 
 mod request;
@@ -94,6 +97,8 @@ pub struct DeviceObs {
     table: Arc<TrackerTable>,
     io: IoMetrics,
     acct: Arc<RequestAccounting>,
+    /// Set when `[tracing] enabled`.
+    tracer: Option<Tracer>,
     /// The data path its queues negotiated, and why not RDMA when not.
     negotiated: Option<(Transport, Option<String>)>,
     /// Per queue: whether its arena connection was up at the last check.
@@ -229,6 +234,8 @@ pub struct Observability {
     scanner: Arc<Scanner>,
     driver: Arc<DriverStatsRegistry>,
     acct: Arc<RequestAccounting>,
+    tracer: Option<Tracer>,
+    tcp_links: Arc<TcpLinks>,
     clock: Arc<dyn Clock>,
     per_device_labels: bool,
     /// `[metrics] slow_threshold_ms` in force (SIGHUP changes it).
@@ -267,9 +274,10 @@ impl Probes for UblkdProbes {
 }
 
 impl Observability {
-    /// Sets up the scanner, driver statistics and accounting on `tel` and
-    /// registers the readiness and diagnostics probes.
-    pub fn new(tel: Arc<Telemetry>, cfg: &MetricsConfig) -> Arc<Self> {
+    /// Sets up the scanner, driver statistics, accounting, TCP links and
+    /// (when enabled) the tracer on `tel` and registers the readiness and
+    /// diagnostics probes.
+    pub fn new(tel: Arc<Telemetry>, cfg: &MetricsConfig, tracing: &TracingConfig) -> Arc<Self> {
         let scan_interval = Duration::from_secs(cfg.scan_interval_secs);
         let stall_threshold = Duration::from_secs(cfg.stall_threshold_secs);
         let scanner = Scanner::new(
@@ -279,9 +287,19 @@ impl Observability {
                 stall_threshold,
             },
         );
+        if cfg.openmetrics {
+            tel.enable_openmetrics();
+        }
         let obs = Arc::new(Self {
             driver: DriverStatsRegistry::new(&tel),
             acct: Arc::new(RequestAccounting::new(&tel)),
+            tracer: tracing.enabled.then(|| {
+                Tracer::new(TraceConfig {
+                    sample_rate_ppm: tracing.sample_rate_ppm,
+                    slow_threshold: slow_threshold(cfg),
+                })
+            }),
+            tcp_links: TcpLinks::new(&tel),
             scanner,
             clock: Arc::new(MonotonicClock::new()),
             per_device_labels: cfg.per_device_labels,
@@ -304,6 +322,11 @@ impl Observability {
     /// The tracker scanner (start it with [`Scanner::spawn`]).
     pub fn scanner(&self) -> &Arc<Scanner> {
         &self.scanner
+    }
+
+    /// Where every arena connection's TCP_INFO goes.
+    pub fn tcp_links(&self) -> &Arc<TcpLinks> {
+        &self.tcp_links
     }
 
     /// The stall threshold in force.
@@ -378,6 +401,7 @@ impl Observability {
             table,
             io,
             acct: Arc::clone(&self.acct),
+            tracer: self.tracer.clone(),
             links: Mutex::new(if negotiated.is_some() {
                 vec![true; usize::from(shape.queues)]
             } else {
@@ -468,6 +492,7 @@ impl Observability {
                 "scan_interval_seconds": scan.interval.as_secs(),
                 "stall_threshold_seconds": scan.stall_threshold.as_secs(),
                 "slow_threshold_ms": self.slow_threshold.lock().map_or(0, |d| d.as_millis() as u64),
+                "tracing": self.tracer.is_some(),
             },
             "devices": devices,
         })

@@ -2,21 +2,29 @@
 //! completion, [`RequestObs`] (and, once the request reaches its target,
 //! [`AttemptObs`]) owns its tracker slot, its logical request and physical
 //! attempt accounting, the device's `ublkctl stats` counters, the peer flag
-//! readiness reads, and its `request.failed` event. The I/O plane only says
-//! what happened; every sink is updated here.
+//! readiness reads, its `request.failed` event and, with tracing on, its
+//! spans and exemplars. The I/O plane only says what happened; every sink
+//! is updated here.
+//!
+//! A span is kept or not only at the request's end (was it slow, did it
+//! fail?), so the observer carries what the spans need in fields it has
+//! anyway (start in the tracker slot, op, correlation id, the time the
+//! attempt was dispatched) and hands them to the tracer at completion: no
+//! allocation per I/O, nothing emitted for a request that is not retained.
 //!
 //! Dropped before it finishes (the queue went down mid-request), the
-//! request and its attempt count as cancelled and the slot is cleared.
+//! request and its attempt count as cancelled, the slot is cleared and,
+//! with tracing on, the cancelled request's spans are emitted.
 
 use std::time::{Duration, Instant};
 
 use target_rdma::blob::Via;
 use ublk_metrics::{
-    events, AttemptSpan, CorrelationId, ErrnoClass, IoOp, Phase, Reason, RequestSpan, TrackerGuard,
-    TrackerTable, Transport,
+    events, AttemptRecord, AttemptSpan, CorrelationId, ErrnoClass, IoOp, Phase, Reason,
+    RequestRecord, RequestSpan, SpanEnd, TrackerGuard, TrackerTable, Transport,
 };
 
-use super::DeviceObs;
+use super::{DeviceObs, TARGET};
 use crate::device_stats::InFlight;
 
 /// How a request failed: what the kernel gets and where it belongs in the
@@ -42,11 +50,25 @@ pub struct RequestObs<'a> {
     /// Transport of the first attempt.
     transport: Transport,
     corr: CorrelationId,
+    slot: Slot<'a>,
+    span: RequestSpan<'a>,
+}
+
+/// The request's tracker slot and the timing its spans need; dropped
+/// before [`Slot::complete`], the request was cancelled.
+struct Slot<'a> {
+    dev: &'a DeviceObs,
+    op: IoOp,
+    transport: Transport,
+    corr: CorrelationId,
     tracker: Option<TrackerGuard<&'a TrackerTable>>,
     /// Set when the tracker refused the slot (a bug, logged): the latency
     /// is then measured here.
     untracked_since: Option<Instant>,
-    span: RequestSpan<'a>,
+    /// Time from the start to the dispatch of the first attempt, once
+    /// dispatched.
+    dispatched_ns: Option<u64>,
+    done: bool,
 }
 
 /// A request at its target: one attempt in flight on the transport it
@@ -82,8 +104,16 @@ impl DeviceObs {
             op,
             transport,
             corr,
-            tracker,
-            untracked_since,
+            slot: Slot {
+                dev: self,
+                op,
+                transport,
+                corr,
+                tracker,
+                untracked_since,
+                dispatched_ns: None,
+                done: false,
+            },
             span: self.acct.start_request(op, transport, corr),
         }
     }
@@ -122,31 +152,142 @@ impl<'a> RequestObs<'a> {
             nr_sectors,
             errno
         );
-        self.complete(0, Err(errno));
+        let end = SpanEnd::Failure { phase, reason };
+        self.slot
+            .complete(0, Err(errno), end, errno.unsigned_abs(), [None, None]);
         self.span.fail(phase, reason);
     }
 
     /// The request goes to its target: its first attempt starts.
-    pub fn dispatched(self) -> AttemptObs<'a> {
+    pub fn dispatched(mut self) -> AttemptObs<'a> {
+        self.slot.dispatched_ns = Some(self.slot.elapsed_ns());
         AttemptObs {
             _inflight: self.dev.stats.start(),
             attempt: self.span.attempt(self.transport),
             req: self,
         }
     }
+}
 
-    /// Device I/O families (count, bytes or errno class, latency) and the
-    /// tracker slot.
-    fn complete(&mut self, bytes: u64, result: Result<(), i32>) {
-        let latency = match self.tracker.take() {
-            Some(g) => g.complete(&self.dev.io, bytes, result),
+/// The attempts of a request as its spans show them: the first, and the
+/// TCP attempt it failed over to.
+type Attempts = [Option<AttemptRecord>; 2];
+
+impl Slot<'_> {
+    /// Time since the start.
+    fn elapsed_ns(&self) -> u64 {
+        let d = match &self.tracker {
+            Some(g) => g.elapsed(),
+            None => self.untracked_since.map_or(Duration::ZERO, |s| s.elapsed()),
+        };
+        u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Device I/O families (count, bytes or errno class, latency), the
+    /// tracker slot, the `ublkctl stats` latency and, with tracing on, the
+    /// spans and exemplars. `errno` is positive, 0 on success; `attempts` as
+    /// far as the caller knows them (none: never dispatched). Returns the
+    /// request's latency and the last attempt's, from its dispatch.
+    fn complete(
+        &mut self,
+        bytes: u64,
+        result: Result<(), i32>,
+        end: SpanEnd,
+        errno: u32,
+        attempts: Attempts,
+    ) -> (u64, Option<u64>) {
+        self.done = true;
+        let latency_ns = match self.tracker.take() {
+            Some(g) => {
+                let d = g.complete(&self.dev.io, bytes, result);
+                u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+            }
             None => {
                 let latency = self.untracked_since.map_or(Duration::ZERO, |s| s.elapsed());
                 self.dev.io.record(self.op, bytes, result, latency);
-                latency
+                u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX)
             }
         };
-        self.dev.stats.completed_in(self.op, latency);
+        self.dev
+            .stats
+            .completed_in(self.op, Duration::from_nanos(latency_ns));
+        let attempt_ns = self.dispatched_ns.map(|d| latency_ns.saturating_sub(d));
+        self.trace(latency_ns, end, errno, attempt_ns, attempts);
+        (latency_ns, attempt_ns)
+    }
+
+    /// The root span of this request; `errno` positive, 0 for none.
+    fn record(&self, latency_ns: u64, end: SpanEnd, errno: u32) -> RequestRecord<'static> {
+        RequestRecord {
+            corr: self.corr,
+            target: TARGET,
+            device: Some(self.dev.id()),
+            op: self.op,
+            transport: self.transport,
+            latency_ns,
+            end,
+            errno: (errno != 0).then_some(errno),
+        }
+    }
+
+    /// Hands the request to the tracer; a retained one becomes the
+    /// exemplar of its latency buckets (request and measured attempts).
+    #[inline]
+    fn trace(
+        &self,
+        latency_ns: u64,
+        end: SpanEnd,
+        errno: u32,
+        last_attempt_ns: Option<u64>,
+        mut attempts: Attempts,
+    ) {
+        let Some(tracer) = &self.dev.tracer else {
+            return;
+        };
+        // The last attempt present is timed from the dispatch.
+        if let Some(last) = attempts.iter_mut().rev().flatten().next() {
+            last.latency_ns = last_attempt_ns;
+        }
+        let n = attempts.iter().flatten().count();
+        let list: [AttemptRecord; 2] = attempts.map(|a| {
+            a.unwrap_or(AttemptRecord {
+                transport: self.transport,
+                latency_ns: None,
+                end: SpanEnd::Cancelled,
+            })
+        });
+        let record = self.record(latency_ns, end, errno);
+        if tracer.finish(&record, &list[..n]).is_some() {
+            self.dev.io.latency(self.op).exemplar(latency_ns, self.corr);
+            for a in &list[..n] {
+                if let Some(ns) = a.latency_ns {
+                    self.dev
+                        .acct
+                        .attempt_latency(self.op, a.transport)
+                        .exemplar(ns, self.corr);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if self.done || self.dev.tracer.is_none() {
+            return;
+        }
+        // Cancelled: its spans say so (the tracker guard, dropped after
+        // this, clears the slot).
+        let latency_ns = self.elapsed_ns();
+        let attempt = self.dispatched_ns.map(|d| AttemptRecord {
+            transport: self.transport,
+            latency_ns: Some(latency_ns.saturating_sub(d)),
+            end: SpanEnd::Cancelled,
+        });
+        let record = self.record(latency_ns, SpanEnd::Cancelled, 0);
+        if let Some(tracer) = &self.dev.tracer {
+            tracer.finish(&record, attempt.as_slice());
+        }
     }
 }
 
@@ -154,20 +295,43 @@ impl AttemptObs<'_> {
     /// The target served the request; `via` says how its payloads went. A
     /// failover is one failed attempt on the first transport, one on TCP,
     /// and one failover.
+    ///
+    /// The failed RDMA attempt of a failover ends where only the transport
+    /// sees it: it has no duration here, and the TCP attempt is timed from
+    /// the dispatch.
     pub fn succeeded(mut self, bytes: u64, via: Via) {
         let mut attempt = self.attempt;
+        let ok = AttemptRecord {
+            transport: self.req.transport,
+            latency_ns: None,
+            end: SpanEnd::Success,
+        };
+        let mut attempts: Attempts = [Some(ok), None];
         if via.failed_over() {
             // The RDMA attempt failed (its work request errored or timed
             // out, counted by the driver) and TCP carried the payload.
-            attempt.fail(Phase::Completion, Reason::WcError);
+            let (phase, reason) = (Phase::Completion, Reason::WcError);
+            attempt.fail(phase, reason, None);
             self.req.span.failover(Transport::Tcp);
             attempt = self.req.span.attempt(Transport::Tcp);
+            attempts = [
+                Some(AttemptRecord {
+                    end: SpanEnd::Failure { phase, reason },
+                    ..ok
+                }),
+                Some(AttemptRecord {
+                    transport: Transport::Tcp,
+                    ..ok
+                }),
+            ];
         }
-        attempt.succeed();
         let req = &mut self.req;
         req.dev.peer_ok();
         req.dev.stats.done(req.op, bytes);
-        req.complete(bytes, Ok(()));
+        let (_, attempt_ns) = req
+            .slot
+            .complete(bytes, Ok(()), SpanEnd::Success, 0, attempts);
+        attempt.succeed(attempt_ns.unwrap_or(0));
         let RequestObs { span, .. } = self.req;
         span.succeed();
     }
@@ -180,7 +344,6 @@ impl AttemptObs<'_> {
             reason,
             peer_gone,
         } = *failure;
-        self.attempt.fail(phase, reason);
         let req = &mut self.req;
         if peer_gone {
             req.dev.peer_lost(phase, reason);
@@ -195,7 +358,20 @@ impl AttemptObs<'_> {
             reason,
         );
         tracing::debug!(event = "request.error", corr = req.corr.get(), error = %error);
-        req.complete(0, Err(errno));
+        let end = SpanEnd::Failure { phase, reason };
+        let attempt = AttemptRecord {
+            transport: req.transport,
+            latency_ns: None,
+            end,
+        };
+        let (_, attempt_ns) = req.slot.complete(
+            0,
+            Err(errno),
+            end,
+            errno.unsigned_abs(),
+            [Some(attempt), None],
+        );
+        self.attempt.fail(phase, reason, attempt_ns);
         let RequestObs { span, .. } = self.req;
         span.fail(phase, reason);
     }

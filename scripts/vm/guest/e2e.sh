@@ -48,12 +48,17 @@ state_dir = "$W/state"
 socket = "$SOCK"
 on_shutdown = "keep"
 request_timeout_ms = 60000
+log_format = "json"
 [device]
 queues = 2
 depth = 16
 io_buf = "1M"
 [metrics]
 listen = "127.0.0.1:9477"
+openmetrics = true
+slow_threshold_ms = 1000
+[tracing]
+enabled = true
 TOML
 
 start_arenad() {
@@ -175,17 +180,22 @@ else fail swap-on-nvme-direct-io "$(findmnt -no SOURCE "$W/arena"), $(cat "$R/ar
 if grep -qs -e e2e-volume-secret -e "$PEER" -e '"e2e"' "$R/ublkd-diagnostics.json" "$R/arenad-diagnostics.json"; then
     fail diagnostics-redacted "secret, peer or volume in diagnostics"
 else pass diagnostics-redacted; fi
+http 9477/metrics/openmetrics >"$R/ublkd-openmetrics.txt"
+# ublkd is scraped as OpenMetrics (with exemplars): Prometheus's own parser
+# must take it, or the request count below never arrives.
 cat >"$W/prom.yml" <<YML
 global:
   scrape_interval: 1s
   scrape_timeout: 1s
 scrape_configs:
   - job_name: ublkd
+    metrics_path: /metrics/openmetrics
     static_configs: [{targets: ["127.0.0.1:9477"]}]
   - job_name: arenad
     static_configs: [{targets: ["127.0.0.1:9478"]}]
 YML
 /usr/bin/prometheus --config.file="$W/prom.yml" --storage.tsdb.path="$W/prom" \
+    --enable-feature=exemplar-storage \
     --web.listen-address=127.0.0.1:9090 >"$R/prometheus.log" 2>&1 &
 PROM_PID=$!
 # The kernel's completed I/Os: reads, writes (with write-zeroes), discards, flushes.
@@ -202,6 +212,47 @@ echo "kernel completed $kernel_ios I/Os ($(cat "/sys/block/ublkb$ID/stat")); pro
 if [[ "$up" == 2 && -n "$prom_ios" && "$prom_ios" == "$kernel_ios" ]]; then
     pass "prometheus-request-count ($prom_ios = kernel completions)"
 else fail prometheus-request-count "prometheus ${prom_ios:-none} vs kernel $kernel_ios, up ${up:-none}; see prometheus.log"; fi
+
+# ---- from a latency spike to the request: arenad stopped for 3 s (longer
+# than slow_threshold_ms) makes one read slow; Prometheus's exemplar query
+# returns its trace id, and ublkd's log has its spans -----------------------
+log "exemplar"
+kill -STOP "$ARENAD_PID"
+timeout 120 dd if="$DEV" of=/dev/null bs=4k count=1 skip=777 iflag=direct status=none &
+DD=$!
+sleep 3
+kill -CONT "$ARENAD_PID"
+wait "$DD"; dd_rc=$?
+# Exemplars of buckets at or above 2 s: the stopped read (the highest value).
+slow_trace=""
+for _ in $(seq 60); do
+    http "9090/api/v1/query_exemplars?query=ublk_io_latency_seconds_bucket&start=$(($(date +%s) - 600))&end=$(($(date +%s) + 60))" \
+        >"$R/exemplars.json"
+    slow_trace=$(/usr/bin/python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+ex = [(float(e["value"]), e["labels"].get("trace_id", ""), s["seriesLabels"].get("op", ""))
+      for s in d.get("data", []) for e in s["exemplars"]]
+slow = sorted(x for x in ex if x[0] >= 2.0 and x[2] == "read")
+print(slow[-1][1] if slow else "")' "$R/exemplars.json" 2>>"$R/exemplars.err")
+    [[ -n "$slow_trace" ]] && break
+    sleep 1
+done
+grep "\"trace_id\":\"${slow_trace:-none}\"" "$R/ublkd.log" >"$R/slow-spans.log"
+if [[ $dd_rc -eq 0 && -n "$slow_trace" ]] &&
+    grep -q '"event":"span.request".*"retention":"slow"' "$R/slow-spans.log" &&
+    grep -q '"event":"span.attempt".*"transport":"tcp"' "$R/slow-spans.log"; then
+    corr=$(sed -n 's/.*"event":"span.request".*"corr":\([0-9]*\).*/\1/p' "$R/slow-spans.log" | head -1)
+    if grep -q "\"event\":\"request.slow\".*\"corr\":$corr[,}]" "$R/ublkd.log"; then
+        pass "exemplar-to-spans (trace $slow_trace: span.request slow, span.attempt, request.slow of corr $corr)"
+    else fail exemplar-to-spans "no request.slow for corr ${corr:-none}"; fi
+else
+    fail exemplar-to-spans "dd $dd_rc, trace ${slow_trace:-none}; see exemplars.json, slow-spans.log"
+fi
+tcp_conns=$(query 'sum(ublk_tcp_connections)'); tcp_rtt=$(query 'max(ublk_tcp_rtt_max_seconds)')
+if [[ "$tcp_conns" == 2 ]] && awk -v r="${tcp_rtt:-0}" 'BEGIN { exit !(r > 0) }'; then
+    pass "tcp-info (2 arena connections, max RTT $tcp_rtt s)"
+else fail tcp-info "connections ${tcp_conns:-none}, rtt ${tcp_rtt:-none}"; fi
 kill "$PROM_PID" 2>/dev/null; wait "$PROM_PID" 2>/dev/null; PROM_PID=
 
 # ---- 2: ext4 mkfs, copy a tree, fsck, remount, checksums -----------------

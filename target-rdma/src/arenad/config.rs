@@ -67,6 +67,22 @@ pub struct ArenadConfig {
     /// overrides it. Reloaded on SIGHUP.
     #[serde(default = "default_log_level")]
     pub log_level: String,
+    // --- Multi-tenant serving (issue 9): keys of the server's sessions. ---
+    /// Accept protocol version 1 sessions (no frame tags, no membership
+    /// epochs). Off by default: anyone on the path could otherwise inject
+    /// frames into a session, or talk a client down to version 1.
+    #[serde(default)]
+    pub allow_protocol_v1: bool,
+    /// Most connections still in their handshake (within
+    /// `max_connections`): what unauthenticated sockets can hold. Unset:
+    /// 64, or `max_connections` if that is smaller.
+    #[serde(default)]
+    pub max_unauthenticated: Option<u32>,
+    /// Seconds a socket write to a client may block before the connection
+    /// is ended (a client that does not read its answers).
+    #[serde(default = "default_write_timeout")]
+    pub write_timeout_secs: u64,
+    // --- End of the multi-tenant serving keys. ---
     /// The volumes this peer serves (SIGHUP adds, removes and rotates them).
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,
@@ -118,6 +134,9 @@ fn default_log_format() -> LogFormat {
 fn default_log_level() -> String {
     "info".into()
 }
+fn default_write_timeout() -> u64 {
+    5
+}
 fn default_metrics_listen() -> String {
     "127.0.0.1:9478".into()
 }
@@ -136,6 +155,12 @@ impl ArenadConfig {
     /// A config with every default and no volumes.
     pub fn defaults() -> Self {
         Self::parse("", Path::new("<defaults>")).expect("the empty config parses")
+    }
+
+    /// `max_unauthenticated`, or its default.
+    pub fn max_unauthenticated(&self) -> u32 {
+        self.max_unauthenticated
+            .unwrap_or(64.min(self.max_connections))
     }
 
     /// The device selection the `rdma_*` keys describe.
@@ -217,6 +242,20 @@ impl ArenadConfig {
         }
         if let Err(why) = ublk_metrics::events::check_filter(&self.log_level) {
             return Err(invalid("log_level", format!("{:?}", self.log_level), why));
+        }
+        if !(1..=self.max_connections).contains(&self.max_unauthenticated()) {
+            return Err(invalid(
+                "max_unauthenticated",
+                self.max_unauthenticated(),
+                format!("must be in 1..=max_connections ({})", self.max_connections),
+            ));
+        }
+        if !(1..=600).contains(&self.write_timeout_secs) {
+            return Err(invalid(
+                "write_timeout_secs",
+                self.write_timeout_secs,
+                "must be in 1..=600",
+            ));
         }
         if self.volumes.is_empty() {
             return Err(invalid(

@@ -2,8 +2,11 @@
 //! connection server, reloads (SIGHUP) and its observability. The storage
 //! engine it serves lives in [`crate::store`].
 
+mod admission;
 pub mod check;
 pub mod config;
+pub mod epochs;
+mod frames;
 pub mod listener;
 pub mod observability;
 pub mod reload;

@@ -13,9 +13,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ublk_metrics::{
-    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, Daemon, HttpConfig, HttpError, IntegrityCheck,
-    MetricsServer, NotReadyReason, NotReadySet, Probes, ProtocolErrorClass, SlotState, Telemetry,
-    TelemetryError,
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, Daemon, HttpConfig,
+    HttpError, IntegrityCheck, MetricsServer, NotReadyReason, NotReadySet, Probes,
+    ProtocolErrorClass, SlotState, Telemetry, TelemetryError,
 };
 
 use crate::proto::{FrameError, Opcode, Status};
@@ -141,6 +141,7 @@ fn arena_op(op: Opcode) -> ArenaOp {
         Opcode::Flush => ArenaOp::Flush,
         Opcode::Write => ArenaOp::Write,
         Opcode::Read => ArenaOp::Read,
+        Opcode::Epoch => ArenaOp::Epoch,
     }
 }
 
@@ -154,7 +155,8 @@ fn outcome(status: Status) -> ArenaOutcome {
         | Status::Protocol
         | Status::AuthFailed
         | Status::VersionMismatch
-        | Status::LeaseLost => ArenaOutcome::Denied,
+        | Status::LeaseLost
+        | Status::StaleEpoch => ArenaOutcome::Denied,
         Status::ShuttingDown | Status::Internal => ArenaOutcome::Error,
     }
 }
@@ -165,10 +167,13 @@ pub fn frame_class(e: &FrameError) -> ProtocolErrorClass {
         FrameError::Truncated { .. } | FrameError::BadMagic(_) | FrameError::Reserved { .. } => {
             ProtocolErrorClass::Framing
         }
-        FrameError::BadVersion(_) => ProtocolErrorClass::Version,
+        FrameError::BadVersion(..) => ProtocolErrorClass::Version,
+        FrameError::BadTag { .. } => ProtocolErrorClass::Tag,
         FrameError::BadOpcode(_) => ProtocolErrorClass::Opcode,
         FrameError::TooLong { .. } | FrameError::BadBodyLength { .. } => ProtocolErrorClass::Length,
-        FrameError::Unexpected { .. } => ProtocolErrorClass::Sequence,
+        FrameError::Unexpected { .. } | FrameError::TooManyInFlight { .. } => {
+            ProtocolErrorClass::Sequence
+        }
         FrameError::Io(_) | FrameError::BadStatus(_) | FrameError::Invalid { .. } => {
             ProtocolErrorClass::Other
         }
@@ -237,6 +242,11 @@ impl ArenadObservability {
         self.shared.connections.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Authenticated sessions open now.
+    pub fn sessions(&self) -> usize {
+        self.shared.connections.load(Ordering::Relaxed)
+    }
+
     /// A session ended.
     pub fn session_closed(&self) {
         self.shared.connections.fetch_sub(1, Ordering::Relaxed);
@@ -292,6 +302,21 @@ impl ArenadObservability {
     /// A malformed or unexpected frame ended a connection.
     pub fn frame_error(&self, e: &FrameError) {
         self.metrics.protocol_error(frame_class(e));
+    }
+
+    /// A connection was closed right after accept, for `reason`.
+    pub fn connection_refused(&self, reason: ConnectionRefusal) {
+        self.metrics.connection_refused(reason);
+    }
+
+    /// accept() failed (out of descriptors or memory); the server backs off.
+    pub fn accept_failed(&self) {
+        self.metrics.accept_error();
+    }
+
+    /// A connection closed before sending a byte (a probe or port scan).
+    pub fn probe(&self) {
+        self.metrics.probe();
     }
 }
 

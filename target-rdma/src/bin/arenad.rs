@@ -20,6 +20,7 @@ use ublk_metrics::MetricsServer;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
 use target_rdma::arenad::listener::Reserved;
+use target_rdma::arenad::epochs::Epochs;
 use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::reload::{read_secrets, served, Runtime};
 use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
@@ -216,6 +217,7 @@ fn run(args: &Args) -> Result<ExitCode> {
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
+    let epochs = Epochs::open(&cfg.swap_dir).context("loading the volumes' epochs")?;
     obs.store_opened(&store, cfg.volumes.len());
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
         Ok(provider) => {
@@ -232,10 +234,14 @@ fn run(args: &Args) -> Result<ExitCode> {
     let server = Server::new(
         Arc::clone(&store),
         served(&store, &cfg, &secrets)?,
+        epochs,
         ServerLimits {
             max_connections: cfg.max_connections,
             max_inflight: cfg.max_inflight,
             handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
+            allow_v1: cfg.allow_protocol_v1,
+            max_unauthenticated: cfg.max_unauthenticated(),
+            write_timeout: Duration::from_secs(cfg.write_timeout_secs),
         },
         rdma,
         Arc::clone(&obs),

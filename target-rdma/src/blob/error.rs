@@ -31,6 +31,35 @@ pub enum ErrorKind {
     Protocol,
     /// The peer restarted and lost acknowledged, unflushed writes.
     UnflushedDataLost,
+    /// A replicated volume refused a request that no single member's
+    /// failure explains.
+    Replica(ReplicaFailure),
+}
+
+/// Why a replicated volume refused a request of its own accord.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReplicaFailure {
+    /// A member missed the request and its removal could not be recorded in
+    /// the coordination store in time (unreachable, slow, or the record
+    /// moved on in a way this writer cannot follow).
+    Unrecorded,
+    /// This process may no longer write the volume: its writer lease
+    /// expired, or a peer has seen a newer membership epoch (another
+    /// writer took over).
+    Fenced,
+    /// No member of the membership can serve the request.
+    NoMember,
+}
+
+impl ReplicaFailure {
+    /// Stable lower-case name, for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Unrecorded => "unrecorded",
+            Self::Fenced => "fenced",
+            Self::NoMember => "no_member",
+        }
+    }
 }
 
 /// A failed arena operation. Messages name the peer, the op and the cause.
@@ -118,6 +147,16 @@ pub enum ArenaError {
         /// Generation after the restart.
         new: u64,
     },
+    /// A replicated volume refused the request.
+    #[error("replicated volume {volume:?} refused the request ({failure}): {detail}", failure = failure.name())]
+    Replica {
+        /// The volume.
+        volume: String,
+        /// Why.
+        failure: ReplicaFailure,
+        /// What happened, naming the members involved.
+        detail: String,
+    },
 }
 
 impl ArenaError {
@@ -133,6 +172,7 @@ impl ArenaError {
             Self::Status { status, .. } => ErrorKind::Status(*status),
             Self::Protocol { .. } => ErrorKind::Protocol,
             Self::UnflushedDataLost { .. } => ErrorKind::UnflushedDataLost,
+            Self::Replica { failure, .. } => ErrorKind::Replica(*failure),
         }
     }
 

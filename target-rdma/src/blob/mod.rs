@@ -17,7 +17,7 @@ mod error;
 
 use std::future::Future;
 
-pub use error::{ArenaError, ErrorKind};
+pub use error::{ArenaError, ErrorKind, ReplicaFailure};
 pub use ublk_metrics::Transport;
 
 /// Which path carried a payload: what a successful operation tells the

@@ -18,7 +18,7 @@ pub use mem_target::MemTarget;
 
 use ublk_metrics::IoOp;
 
-use crate::blob::{ArenaError, ErrorKind, Transport, Via};
+use crate::blob::{ArenaError, ErrorKind, ReplicaFailure, Transport, Via};
 use crate::proto::Status;
 
 /// A block request that failed.
@@ -57,7 +57,10 @@ impl TargetError {
             Self::OutOfRange { .. } => libc::EIO,
             Self::Arena { source, .. } => match source.kind() {
                 ErrorKind::TimedOut => libc::ETIMEDOUT,
-                ErrorKind::Connect | ErrorKind::Disconnected => libc::ENOLINK,
+                ErrorKind::Connect
+                | ErrorKind::Disconnected
+                | ErrorKind::Replica(ReplicaFailure::NoMember) => libc::ENOLINK,
+                ErrorKind::Replica(ReplicaFailure::Unrecorded) => libc::ETIMEDOUT,
                 ErrorKind::Status(Status::NoSpace | Status::QuotaExceeded) => libc::ENOSPC,
                 _ => libc::EIO,
             },

@@ -27,6 +27,18 @@ pub fn free_port() -> u16 {
 pub struct Proc(Option<Child>);
 
 impl Proc {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().expect("a running arenad").id()
+    }
+
+    /// Whether it still runs.
+    pub fn alive(&mut self) -> bool {
+        self.0
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
     fn take(mut self) -> Child {
         self.0.take().expect("a running arenad")
     }
@@ -95,6 +107,17 @@ impl Arenad {
             port,
             metrics_port,
         }
+    }
+
+    /// Adds top-level `keys` (TOML lines) to the config.
+    pub fn set(&self, keys: &str) {
+        let text = std::fs::read_to_string(&self.cfg).unwrap();
+        std::fs::write(&self.cfg, format!("{keys}\n{text}")).unwrap();
+    }
+
+    /// The value of arenad's exported sample `name` with `labels`.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        ublk_metrics::testing::sample(&self.metrics(), name, labels)
     }
 
     /// Starts arenad.
@@ -166,13 +189,33 @@ impl Arenad {
 
     /// A client whose FLUSHes vouch for every client of `domain`.
     pub fn connect_in(&self, volume: &str, domain: Arc<FlushDomain>) -> ArenaClient {
+        let mut cfg = self.config(volume);
+        cfg.flush_domain = domain;
+        self.connect_with(cfg)
+    }
+
+    /// The client config of `volume` (its secret, this arenad's port). It
+    /// accepts protocol version 1 too, so the fixture also drives an arenad
+    /// that predates version 2 (a test's "fails on the old server" run);
+    /// arenad offers 2 unless allow_protocol_v1, and the client takes the
+    /// newest offered.
+    pub fn config(&self, volume: &str) -> ClientConfig {
         let value = if volume == "a" { SECRET_A } else { SECRET_B };
+        let mut cfg = ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value));
+        cfg.versions = 1..=target_rdma::proto::VERSION;
+        cfg
+    }
+
+    /// The address of the control stream.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// A client with `cfg`, retried until arenad listens.
+    pub fn connect_with(&self, cfg: ClientConfig) -> ArenaClient {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let mut cfg =
-                ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value));
-            cfg.flush_domain = Arc::clone(&domain);
-            match ArenaClient::connect(cfg) {
+            match ArenaClient::connect(cfg.clone()) {
                 Ok(c) => return c,
                 Err(ArenaError::Connect { .. }) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50))

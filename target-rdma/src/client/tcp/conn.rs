@@ -1,11 +1,18 @@
 //! One live control connection: the handshake that opens it, the table of
 //! requests in flight on it, and the reader thread that matches answers to
-//! them, queues revocations and fails requests past their deadline.
+//! them, queues revocations, fails requests past their deadline and samples
+//! the socket's TCP_INFO.
+//!
+//! Answers that do not fit their request are counted apart from frames
+//! that do not parse: an answer naming a request that is not in flight, or
+//! with another opcode (`response_id_mismatches`: the stream's correlation
+//! is broken, the connection is closed), and a READ answer of another
+//! length than asked (`length_mismatches`: that request fails).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use futures::channel::oneshot;
@@ -13,13 +20,14 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::debug;
 
-use super::frames::{Body, FrameReader, Landing};
+use super::frames::{Body, FrameReader, Landing, Trailer};
+use super::tcp_info::Sampler;
 use super::{ClientConfig, Shared, MAX_QUEUED_REVOCATIONS, TICK};
-use crate::auth;
+use crate::auth::{self, FrameKey, SessionKeys};
 use crate::blob::ArenaError;
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Status, Welcome,
-    CAP_RDMA, CAP_TCP_DATA, MAC_LEN, VERSION,
+    CAP_RDMA, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, VERSION, VERSION_2,
 };
 
 /// A successful answer.
@@ -34,8 +42,45 @@ pub(super) enum Reply {
     Rail(RailAccept),
 }
 
+/// The sending half of a connection: the stream, and in a version-2
+/// session the key and sequence number that tag each frame.
+pub(super) struct Writer {
+    pub(super) stream: TcpStream,
+    version: u8,
+    key: Option<FrameKey>,
+    seq: u64,
+}
+
+impl Writer {
+    /// Sends a request: its encoded head, then the payload (vectored, so a
+    /// WRITE's payload is never copied), then its tag in a version-2
+    /// session. `digest` is the body's, computed by the caller without the
+    /// lock this writer is behind.
+    pub(super) fn send(
+        &mut self,
+        head: &mut [u8],
+        payload: &[u8],
+        digest: Option<&[u8; 32]>,
+    ) -> io::Result<()> {
+        head[4] = self.version;
+        let tag = match (&self.key, digest) {
+            (Some(key), Some(digest)) => {
+                let header: &[u8; HEADER_LEN] = head[..HEADER_LEN].try_into().expect("a header");
+                let tag = key.tag(self.seq, header, digest);
+                self.seq += 1;
+                Some(tag)
+            }
+            _ => None,
+        };
+        let tag: &[u8] = tag.as_ref().map_or(&[], |t| &t[..]);
+        proto::write_vectored_all(&mut self.stream, &[head, payload, tag])
+    }
+}
+
 pub(super) struct Pending {
     pub(super) op: Opcode,
+    /// Bytes a READ asked for: its answer must carry exactly these.
+    pub(super) want_len: Option<u32>,
     /// Where a large READ answer goes, when the caller offered its buffer.
     pub(super) landing: Option<Arc<Landing>>,
     pub(super) deadline: Instant,
@@ -51,13 +96,17 @@ pub(super) struct PendingTable {
 
 /// One live connection.
 pub(super) struct Conn {
-    pub(super) writer: Mutex<TcpStream>,
+    pub(super) writer: Mutex<Writer>,
     pub(super) pending: Mutex<PendingTable>,
     pub(super) slots: Semaphore,
     pub(super) welcome: Welcome,
     pub(super) max_inline: u32,
     /// Which connection of this client this is (1 for the first).
     pub(super) epoch: u64,
+    /// The protocol version the session speaks.
+    pub(super) version: u8,
+    /// Checks the tags of the server's frames (version 2).
+    pub(super) server_key: Option<FrameKey>,
 }
 
 impl Conn {
@@ -81,13 +130,14 @@ impl Conn {
             }));
         }
         self.slots.close();
-        let _ = self.writer.lock().shutdown(Shutdown::Both);
+        let _ = self.writer.lock().stream.shutdown(Shutdown::Both);
     }
 }
 
 /// Connects, authenticates both ways and returns the live connection. A
-/// reconnect insists on the blob size agreed the first time (`agreed`).
-pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaError> {
+/// reconnect insists on the blob size agreed the first time (`agreed`) and
+/// presents the writer's current `epoch`.
+pub(super) fn handshake(cfg: &ClientConfig, agreed: u32, epoch: u64) -> Result<Conn, ArenaError> {
     let peer = &cfg.peer;
     let io_err = |source: io::Error| ArenaError::Connect {
         peer: peer.clone(),
@@ -138,17 +188,26 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
     let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
     refused(peer, &h, &body)?;
     let ch = Challenge::decode(&h, &body).map_err(proto_err)?;
-    let version = u16::from(VERSION);
-    if !(ch.min_version..=ch.max_version).contains(&version) {
+    // The newest version both speak; below VERSION only if the caller
+    // allows it (a downgrade would lose the frame tags).
+    let ours = u16::from(*cfg.versions.start())..=u16::from((*cfg.versions.end()).min(VERSION));
+    let Some(version) = ours
+        .clone()
+        .rev()
+        .find(|v| (ch.min_version..=ch.max_version).contains(v))
+    else {
         return Err(ArenaError::Refused {
             peer: peer.clone(),
             status: Status::VersionMismatch,
             message: format!(
-                "peer speaks versions {}..={}, this client {version}",
-                ch.min_version, ch.max_version
+                "peer speaks versions {}..={}, this client {}..={}",
+                ch.min_version,
+                ch.max_version,
+                ours.start(),
+                ours.end()
             ),
         });
-    }
+    };
     let mut hello = Hello {
         version,
         caps: if cfg.offer_rdma {
@@ -157,6 +216,11 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
             CAP_TCP_DATA
         },
         blob_bytes: if agreed != 0 { agreed } else { cfg.blob_bytes },
+        epoch: if version >= u16::from(VERSION_2) {
+            epoch
+        } else {
+            0
+        },
         client_nonce: auth::nonce(),
         mac: [0; MAC_LEN],
         volume: cfg.volume.clone(),
@@ -174,26 +238,42 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32) -> Result<Conn, ArenaEr
         });
     }
     refused(peer, &h, &body)?;
-    let welcome = Welcome::decode(&h, &body).map_err(proto_err)?;
+    let welcome = Welcome::decode(&h, &body, version).map_err(proto_err)?;
     if !cfg.secret.verify_welcome(&ch, &hello, &welcome) {
         return Err(ArenaError::PeerNotAuthentic {
             peer: peer.clone(),
             volume: cfg.volume.clone(),
         });
     }
+    let keys = (version >= u16::from(VERSION_2)).then(|| cfg.secret.session_keys(&ch, &hello));
+    let (client_key, server_key) = match keys {
+        Some(SessionKeys {
+            client_to_server,
+            server_to_client,
+        }) => (Some(client_to_server), Some(server_to_client)),
+        None => (None, None),
+    };
     stream.set_read_timeout(Some(TICK)).map_err(io_err)?;
     debug!(
         event = "session.opened",
         session = welcome.session_id,
         generation = welcome.generation
     );
+    let version = version as u8;
     Ok(Conn {
-        writer: Mutex::new(stream),
+        writer: Mutex::new(Writer {
+            stream,
+            version,
+            key: client_key,
+            seq: 0,
+        }),
         pending: Mutex::new(PendingTable::default()),
         slots: Semaphore::new(ch.max_inflight as usize),
         welcome,
         max_inline: ch.max_inline,
         epoch: 0,
+        version,
+        server_key,
     })
 }
 
@@ -214,10 +294,31 @@ fn seconds(d: std::time::Duration) -> String {
 }
 
 fn read_answer(stream: &mut TcpStream, body: &mut Vec<u8>) -> Result<Header, FrameError> {
-    proto::read_frame(stream, body)?.ok_or(FrameError::Truncated {
+    let h = proto::read_frame(stream, body)?.ok_or(FrameError::Truncated {
         got: 0,
         want: proto::HEADER_LEN,
-    })
+    })?;
+    h.expect_version(HANDSHAKE_VERSION)?;
+    Ok(h)
+}
+
+/// Checks a server frame's version and, in a version-2 session, its tag
+/// (the `seq`-th frame from the server).
+fn check_frame(
+    conn: &Conn,
+    h: &Header,
+    trailer: Option<&Trailer>,
+    seq: u64,
+) -> Result<(), FrameError> {
+    h.expect_version(conn.version)?;
+    match (&conn.server_key, trailer) {
+        (None, _) => Ok(()),
+        (Some(key), Some(t)) if key.verify(seq, &h.encode(), &t.digest, &t.tag) => Ok(()),
+        (Some(_), _) => Err(FrameError::BadTag {
+            op: h.opcode.name(),
+            seq,
+        }),
+    }
 }
 
 fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
@@ -231,12 +332,71 @@ fn refused(peer: &str, h: &Header, body: &[u8]) -> Result<(), ArenaError> {
     })
 }
 
-/// The reader thread: dispatches answers, queues revocations, expires requests.
-pub(super) fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
-    let peer = &shared.cfg.peer;
-    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies));
+/// Ids of requests that timed out, so their answers, if they come, are
+/// told from answers to requests never sent. Bounded: the oldest are
+/// forgotten first (an answer that late then counts as a mismatch).
+struct Expired {
+    order: VecDeque<u64>,
+    ids: HashSet<u64>,
+}
+
+impl Expired {
+    const KEEP: usize = 4096;
+
+    fn new() -> Self {
+        Self {
+            order: VecDeque::new(),
+            ids: HashSet::new(),
+        }
+    }
+
+    fn add(&mut self, id: u64) {
+        if self.order.len() >= Self::KEEP {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+        self.order.push_back(id);
+        self.ids.insert(id);
+    }
+
+    /// Whether `id` timed out (each late answer is recognised once).
+    fn take(&mut self, id: u64) -> bool {
+        self.ids.remove(&id)
+    }
+}
+
+/// Why the reader stops reading a connection.
+enum Broken {
+    /// A frame that did not parse (counted as a frame error).
+    Frame(FrameError),
+    /// An answer that matches no request in flight (counted as such).
+    Mismatch(String),
+}
+
+/// The reader thread: dispatches answers, queues revocations, expires
+/// requests. It holds the client only weakly, between frames: once the last
+/// `ArenaClient` is dropped the connection is closed (a reader holding it
+/// would keep the session open on the peer forever).
+pub(super) fn read_loop(client: &Weak<Shared>, conn: &Conn, mut stream: TcpStream) {
+    let Some(shared) = client.upgrade() else {
+        return;
+    };
+    let peer = shared.cfg.peer.clone();
+    let peer = &peer;
+    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some());
+    let mut tcp = Sampler::open(&shared.cfg.tcp_links, &stream);
+    drop(shared);
+    let mut seq = 0;
     let mut last_sweep = Instant::now();
+    let mut expired = Expired::new();
     let why = loop {
+        let Some(shared) = client.upgrade() else {
+            tcp.close(&stream);
+            conn.kill(peer, "client dropped");
+            return;
+        };
+        let shared = &*shared;
         let land = |h: &Header| {
             let t = conn.pending.lock();
             let p = t.map.get(&h.request_id)?;
@@ -248,35 +408,61 @@ pub(super) fn read_loop(shared: &Shared, conn: &Conn, mut stream: TcpStream) {
                 .flatten()
         };
         match reader.next(&mut stream, land) {
-            Ok(Some((h, body))) => {
-                if let Err(e) = dispatch(shared, conn, &h, body) {
-                    break format!("protocol error: {e}");
+            Ok(Some((h, body, trailer))) => {
+                tcp.answered(&stream);
+                let checked = check_frame(conn, &h, trailer.as_ref(), seq).map_err(Broken::Frame);
+                seq += 1;
+                match checked.and_then(|()| dispatch(shared, conn, &h, body, &mut expired)) {
+                    Ok(()) => {}
+                    Err(Broken::Frame(e)) => {
+                        frame_error(shared, &e);
+                        break Some(format!("protocol error: {e}"));
+                    }
+                    Err(Broken::Mismatch(why)) => break Some(format!("protocol error: {why}")),
                 }
             }
-            Ok(None) => break "peer closed the connection".to_owned(),
+            Ok(None) => break Some("peer closed the connection".to_owned()),
             Err(FrameError::Io(e))
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) => {}
-            Err(e) => break e.to_string(),
+            Err(e) => {
+                frame_error(shared, &e);
+                break Some(e.to_string());
+            }
         }
         if conn.is_dead() {
-            return;
+            break None;
         }
         if last_sweep.elapsed() >= TICK {
             last_sweep = Instant::now();
-            expire(shared, conn);
+            for id in expire(shared, conn) {
+                expired.add(id);
+            }
         }
     };
-    debug!(event = "peer.disconnected", detail = %why);
-    conn.kill(peer, &why);
+    tcp.close(&stream);
+    if let Some(why) = why {
+        debug!(event = "peer.disconnected", detail = %why);
+        conn.kill(peer, &why);
+    }
 }
 
-/// Fails every request whose deadline has passed.
-fn expire(shared: &Shared, conn: &Conn) {
+/// Counts and logs a frame that did not parse. A stream that failed or
+/// ended mid-frame is a lost connection, not a malformed frame.
+fn frame_error(shared: &Shared, e: &FrameError) {
+    if matches!(e, FrameError::Io(_) | FrameError::Truncated { .. }) {
+        return;
+    }
+    shared.cfg.stats.frame_error(e.class());
+    ublk_metrics::events::protocol_frame_error(e.class(), e);
+}
+
+/// Fails every request whose deadline has passed; returns their ids.
+fn expire(shared: &Shared, conn: &Conn) -> Vec<u64> {
     let now = Instant::now();
-    let expired: Vec<Pending> = {
+    let expired: Vec<(u64, Pending)> = {
         let mut t = conn.pending.lock();
         let ids: Vec<u64> = t
             .map
@@ -284,27 +470,55 @@ fn expire(shared: &Shared, conn: &Conn) {
             .filter(|(_, p)| p.deadline <= now)
             .map(|(id, _)| *id)
             .collect();
-        ids.iter().filter_map(|id| t.map.remove(id)).collect()
+        ids.iter()
+            .filter_map(|id| t.map.remove(id).map(|p| (*id, p)))
+            .collect()
     };
-    for p in expired {
+    let mut ids = Vec::with_capacity(expired.len());
+    for (id, p) in expired {
         shared.cfg.stats.count(|s| &s.request_timeouts);
         let _ = p.tx.send(Err(ArenaError::TimedOut {
             op: p.op,
             peer: shared.cfg.peer.clone(),
             after: shared.cfg.request_timeout,
         }));
+        ids.push(id);
     }
+    ids
 }
 
-fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<(), FrameError> {
+/// Counts, logs and describes an answer that fits no request in flight.
+fn mismatch(shared: &Shared, h: &Header, expected: Option<Opcode>) -> Broken {
+    shared.cfg.stats.count(|s| &s.response_id_mismatches);
+    let expected = expected.map_or("none", Opcode::name);
+    ublk_metrics::events::protocol_response_id_mismatch(h.request_id, h.opcode.name(), expected);
+    Broken::Mismatch(format!(
+        "{} answer to request id {}, which is {}",
+        h.opcode.name(),
+        h.request_id,
+        if expected == "none" {
+            "not in flight".to_owned()
+        } else {
+            format!("a {expected}")
+        }
+    ))
+}
+
+fn dispatch(
+    shared: &Shared,
+    conn: &Conn,
+    h: &Header,
+    body: Body<'_>,
+    expired: &mut Expired,
+) -> Result<(), Broken> {
     if !h.is_response() {
-        return Err(FrameError::Unexpected {
+        return Err(Broken::Frame(FrameError::Unexpected {
             op: h.opcode.name(),
             detail: "server frame without the response flag",
-        });
+        }));
     }
     if h.opcode == Opcode::Revoke {
-        let rv = proto::decode_revoke(h, body.bytes())?;
+        let rv = proto::decode_revoke(h, body.bytes()).map_err(Broken::Frame)?;
         shared.cfg.stats.count(|s| &s.revocations_received);
         let mut q = shared.revocations.lock();
         if q.len() >= MAX_QUEUED_REVOCATIONS {
@@ -315,25 +529,54 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
         return Ok(());
     }
     let Some(p) = conn.pending.lock().map.remove(&h.request_id) else {
-        shared.cfg.stats.count(|s| &s.late_answers);
-        return Ok(());
+        if expired.take(h.request_id) {
+            shared.cfg.stats.count(|s| &s.late_answers);
+            return Ok(());
+        }
+        return Err(mismatch(shared, h, None));
     };
     if p.op != h.opcode {
-        return Err(FrameError::Unexpected {
-            op: h.opcode.name(),
-            detail: "answer opcode differs from the request's",
-        });
+        let broken = mismatch(shared, h, Some(p.op));
+        // Back in the table, so the connection's end fails it with the
+        // reason like every other request in flight.
+        conn.pending.lock().map.insert(h.request_id, p);
+        return Err(broken);
     }
-    let reply = match (h.status, h.opcode) {
-        (Status::Ok, Opcode::Alloc | Opcode::Get) => {
-            Ok(Reply::Lease(proto::decode_lease(h, body.bytes())?))
+    if let (Status::Ok, Some(want)) = (h.status, p.want_len) {
+        if h.body_len != want {
+            shared.cfg.stats.count(|s| &s.length_mismatches);
+            ublk_metrics::events::protocol_length_mismatch(
+                h.request_id,
+                h.opcode.name(),
+                want.into(),
+                h.body_len.into(),
+            );
+            let _ = p.tx.send(Err(ArenaError::Protocol {
+                peer: shared.cfg.peer.clone(),
+                source: FrameError::BadBodyLength {
+                    op: h.opcode.name(),
+                    len: h.body_len as usize,
+                    expected: format!("{want} (the length requested)"),
+                },
+            }));
+            return Ok(());
         }
-        (Status::Ok, Opcode::Remove) => Ok(Reply::Count(proto::decode_count(h, body.bytes())?)),
+    }
+    let frame = Broken::Frame;
+    let reply = match (h.status, h.opcode) {
+        (Status::Ok, Opcode::Alloc | Opcode::Get) => Ok(Reply::Lease(
+            proto::decode_lease(h, body.bytes()).map_err(frame)?,
+        )),
+        (Status::Ok, Opcode::Remove | Opcode::Epoch) => Ok(Reply::Count(
+            proto::decode_count(h, body.bytes()).map_err(frame)?,
+        )),
         (Status::Ok, Opcode::Read) => match body {
             Body::Landed(_) => Ok(Reply::Landed),
             body => Ok(Reply::Data(body.into_vec())),
         },
-        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(RailAccept::decode(h, body.bytes())?)),
+        (Status::Ok, Opcode::RailConnect) => Ok(Reply::Rail(
+            RailAccept::decode(h, body.bytes()).map_err(frame)?,
+        )),
         (Status::Ok, _) => Ok(Reply::Empty),
         (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
         (status, op) => Err(ArenaError::Status {
@@ -344,11 +587,11 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
         }),
     };
     if matches!(&reply, Ok(Reply::Data(_) | Reply::Landed)) && h.body_len > conn.max_inline {
-        return Err(FrameError::TooLong {
+        return Err(Broken::Frame(FrameError::TooLong {
             what: "inline answer",
             len: h.body_len.into(),
             max: conn.max_inline.into(),
-        });
+        }));
     }
     let _ = p.tx.send(reply);
     Ok(())

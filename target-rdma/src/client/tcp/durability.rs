@@ -1,6 +1,8 @@
 //! Durability across peer restarts: which acknowledged writes a FLUSH
 //! vouches for, and whether a restart of the peer lost some of them.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use parking_lot::Mutex;
 
 /// The clients whose acknowledged writes one FLUSH vouches for.
@@ -15,6 +17,10 @@ use parking_lot::Mutex;
 #[derive(Debug, Default)]
 pub struct FlushDomain {
     state: Mutex<Durability>,
+    /// Set, for good, once a restart lost writes acknowledged through the
+    /// domain; readable without the lock: a replicated volume asks on every
+    /// answer whether this member is stale.
+    lost: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -40,6 +46,22 @@ pub(super) struct FlushMark {
 pub(super) type Lost = (u64, u64);
 
 impl FlushDomain {
+    /// Whether a peer restart ever lost writes acknowledged through the
+    /// domain. It is set before the restarted peer answers any request of
+    /// the domain, so a caller that checks it after an answer knows whether
+    /// that answer may come from a peer that lost acknowledged writes; the
+    /// FLUSH that reports the loss does not clear it (the data stays old).
+    pub fn lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    fn set_lost(&self, d: &mut Durability, lost: Option<Lost>) {
+        d.lost = lost;
+        if lost.is_some() {
+            self.lost.store(true, Ordering::Release);
+        }
+    }
+
     /// A connection of the domain was opened in peer `generation`. When the
     /// generation changed the peer restarted, and writes acknowledged since
     /// the last FLUSH are gone: the next FLUSH reports them. Returns the old
@@ -48,8 +70,8 @@ impl FlushDomain {
         let mut d = self.state.lock();
         let old = d.generation.filter(|g| *g != generation);
         if let Some(old) = old {
-            if d.acked > d.flushed {
-                d.lost = Some((old, generation));
+            if d.acked > d.flushed && d.lost.is_none() {
+                self.set_lost(&mut d, Some((old, generation)));
             }
             d.flushed = d.acked;
         }
@@ -57,7 +79,24 @@ impl FlushDomain {
         old
     }
 
-    /// A write was acknowledged through one of the domain's connections.
+    /// A write was acknowledged through one of the domain's connections,
+    /// by the peer generation that connection was opened in. If another
+    /// connection of the domain has meanwhile found the peer restarted, the
+    /// write died with the old peer (no FLUSH can have covered it: it was
+    /// not counted yet), and the next FLUSH reports it.
+    pub(super) fn acknowledged_in(&self, generation: u64) {
+        let mut d = self.state.lock();
+        match d.generation {
+            Some(now) if now != generation => {
+                if d.lost.is_none() {
+                    self.set_lost(&mut d, Some((generation, now)));
+                }
+            }
+            _ => d.acked += 1,
+        }
+    }
+
+    /// A write was acknowledged through the domain's current connection.
     pub(super) fn acknowledged(&self) {
         self.state.lock().acked += 1;
     }
@@ -66,7 +105,8 @@ impl FlushDomain {
     /// restart that lost some (reported once).
     pub(super) fn flush_start(&self) -> Result<FlushMark, Lost> {
         let mut d = self.state.lock();
-        if let Some(lost) = d.lost.take() {
+        if let Some(lost) = d.lost {
+            self.set_lost(&mut d, None);
             return Err(lost);
         }
         Ok(FlushMark {
@@ -80,7 +120,8 @@ impl FlushDomain {
     pub(super) fn flush_done(&self, mark: FlushMark) -> Result<(), Lost> {
         let mut d = self.state.lock();
         if d.generation != mark.generation {
-            if let Some(lost) = d.lost.take() {
+            if let Some(lost) = d.lost {
+                self.set_lost(&mut d, None);
                 return Err(lost);
             }
         }
@@ -132,6 +173,40 @@ mod tests {
         d.connected(8);
         assert_eq!(d.flush_done(m).unwrap_err(), (7, 8));
         d.flush_done(d.flush_start().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_write_acknowledged_by_a_peer_since_replaced_is_lost() {
+        let d = FlushDomain::default();
+        d.connected(1);
+        d.flush_done(d.flush_start().unwrap()).unwrap();
+        // Queue 1's connection finds the peer restarted before queue 0's
+        // write, acknowledged by the old peer, is counted.
+        d.connected(2);
+        assert!(!d.lost(), "nothing counted was unflushed");
+        d.acknowledged_in(1);
+        assert!(d.lost(), "the write died with generation 1");
+        assert_eq!(d.flush_start().unwrap_err(), (1, 2));
+        assert!(d.lost(), "reported once, remembered");
+        d.acknowledged_in(2);
+        d.flush_done(d.flush_start().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn the_loss_stays_readable_after_a_flush_reports_it() {
+        let d = FlushDomain::default();
+        d.connected(1);
+        d.acknowledged_in(1);
+        assert!(!d.lost());
+        d.connected(2);
+        assert!(d.lost());
+        // A second restart before the report keeps the first loss.
+        d.acknowledged_in(2);
+        d.connected(3);
+        assert_eq!(d.flush_start().unwrap_err(), (1, 2));
+        assert!(d.lost());
+        d.flush_done(d.flush_start().unwrap()).unwrap();
+        assert!(d.lost());
     }
 
     #[test]

@@ -1,14 +1,26 @@
 //! A resumable frame reader: bytes accumulate in one buffer and whole frames
 //! are handed out, so a read timeout between or inside frames loses nothing.
 //! The client's reader thread relies on this to wake up periodically and
-//! expire requests without a second thread.
+//! expire requests without a second thread. In a version-2 session each
+//! frame's tag is read after its body and handed out with the body's
+//! digest, computed as the bytes arrive.
 
 use std::io::{self, Read};
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::proto::{FrameError, Header, HEADER_LEN};
+use crate::proto::{FrameError, Header, HEADER_LEN, TAG_LEN};
+
+/// What a version-2 frame brings to check its tag: the digest of the body
+/// received and the tag that followed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Trailer {
+    /// BLAKE3 of the body.
+    pub digest: [u8; 32],
+    /// The tag the sender put after the body.
+    pub tag: [u8; TAG_LEN],
+}
 
 /// Bodies at least this large are read straight into a buffer of their own
 /// and handed over by value, so a READ answer is not copied twice.
@@ -126,8 +138,14 @@ impl Landing {
         }
     }
 
-    /// Reads from `r` into the landing from `filled`; `None` when abandoned.
-    fn read_into(&self, r: &mut impl Read, filled: usize) -> Option<io::Result<usize>> {
+    /// Reads from `r` into the landing from `filled`, feeding what arrived
+    /// to `hash`; `None` when abandoned.
+    fn read_into(
+        &self,
+        r: &mut impl Read,
+        filled: usize,
+        hash: Option<&mut blake3::Hasher>,
+    ) -> Option<io::Result<usize>> {
         {
             let mut st = self.state.lock();
             if *st != LandState::Open {
@@ -141,6 +159,9 @@ impl Landing {
         let dst =
             unsafe { std::slice::from_raw_parts_mut(self.ptr.add(filled), self.len - filled) };
         let r = r.read(dst);
+        if let (Ok(n), Some(h)) = (&r, hash) {
+            h.update(&dst[..*n]);
+        }
         *self.state.lock() = LandState::Open;
         self.idle.notify_all();
         Some(r)
@@ -172,8 +193,17 @@ impl Landing {
 
 /// Where a large body is being read to.
 enum Large {
-    Owned(Vec<u8>),
-    Landing(Arc<Landing>, usize),
+    /// The body so far; in a tagged session the digest of a prefix that a
+    /// landing saw before it was abandoned, and that prefix's length.
+    Owned(Vec<u8>, Option<(Box<blake3::Hasher>, usize)>),
+    /// The landing, bytes filled, and their running digest (tagged sessions).
+    Landing(Arc<Landing>, usize, Option<Box<blake3::Hasher>>),
+}
+
+/// A whole body waiting for its tag (tagged sessions).
+enum Tail {
+    Owned(Vec<u8>, [u8; 32]),
+    Landed(usize, [u8; 32]),
 }
 
 /// Large-body buffers handed back by their consumers for reuse, so a
@@ -210,6 +240,10 @@ pub struct FrameReader {
     end: usize,
     /// A large body being filled: its header and where it goes.
     large: Option<(Header, Large)>,
+    /// A large body complete, its tag still to come.
+    tail: Option<(Header, Tail)>,
+    /// Frames carry a tag after their body (version 2).
+    tagged: bool,
     pool: std::sync::Arc<BodyPool>,
 }
 
@@ -220,35 +254,61 @@ impl Default for FrameReader {
             start: 0,
             end: 0,
             large: None,
+            tail: None,
+            tagged: false,
             pool: std::sync::Arc::default(),
         }
     }
 }
 
+/// One frame as the reader hands it out.
+pub type Frame<'a> = (Header, Body<'a>, Option<Trailer>);
+
 impl FrameReader {
-    /// A reader that takes its large-body buffers from `pool`.
-    pub fn with_pool(pool: std::sync::Arc<BodyPool>) -> Self {
+    /// A reader that takes its large-body buffers from `pool`; with
+    /// `tagged` every frame is followed by a [`TAG_LEN`]-byte tag.
+    pub fn with_pool(pool: std::sync::Arc<BodyPool>, tagged: bool) -> Self {
         Self {
             pool,
+            tagged,
             ..Self::default()
         }
     }
 
-    /// Returns the next whole frame. `Ok(None)` is a clean end of stream
-    /// between frames; a timeout surfaces as `FrameError::Io` with the
-    /// partial frame kept for the next call. `land` is asked, for each
-    /// large body, whether a [`Landing`] of exactly its length awaits it.
+    /// Returns the next whole frame, with its [`Trailer`] in a tagged
+    /// session. `Ok(None)` is a clean end of stream between frames; a
+    /// timeout surfaces as `FrameError::Io` with the partial frame kept for
+    /// the next call. `land` is asked, for each large body, whether a
+    /// [`Landing`] of exactly its length awaits it.
     pub fn next<'a>(
         &'a mut self,
         r: &mut impl Read,
         land: impl Fn(&Header) -> Option<Arc<Landing>>,
-    ) -> Result<Option<(Header, Body<'a>)>, FrameError> {
+    ) -> Result<Option<Frame<'a>>, FrameError> {
         loop {
+            if self.tail.is_some() {
+                if self.end - self.start >= TAG_LEN {
+                    let mut tag = [0; TAG_LEN];
+                    tag.copy_from_slice(&self.buf[self.start..self.start + TAG_LEN]);
+                    self.start += TAG_LEN;
+                    let Some((h, tail)) = self.tail.take() else {
+                        unreachable!("tail checked above")
+                    };
+                    let (body, digest) = match tail {
+                        Tail::Owned(v, d) => (Body::Owned(v), d),
+                        Tail::Landed(n, d) => (Body::Landed(n), d),
+                    };
+                    return Ok(Some((h, body, Some(Trailer { digest, tag }))));
+                }
+                self.make_room(TAG_LEN);
+                self.fill(r)?;
+                continue;
+            }
             if let Some((h, large)) = &mut self.large {
                 let want = h.body_len as usize;
-                if let Large::Landing(landing, filled) = large {
+                if let Large::Landing(landing, filled, hash) = large {
                     while *filled < want {
-                        match landing.read_into(r, *filled) {
+                        match landing.read_into(r, *filled, hash.as_deref_mut()) {
                             Some(Ok(0)) => {
                                 return Err(FrameError::Truncated {
                                     got: HEADER_LEN + *filled,
@@ -263,16 +323,27 @@ impl FrameReader {
                         }
                     }
                     let filled = *filled;
+                    let hash = hash.take();
                     if filled == want && landing.finish() {
                         let h = *h;
                         self.large = None;
-                        return Ok(Some((h, Body::Landed(want))));
+                        match hash {
+                            Some(hash) => {
+                                let digest = *hash.finalize().as_bytes();
+                                self.tail = Some((h, Tail::Landed(want, digest)));
+                                continue;
+                            }
+                            None => return Ok(Some((h, Body::Landed(want), None))),
+                        }
                     }
+                    // The bytes already landed are the owner's: the drained
+                    // copy gets zeros in their place, and the digest goes on
+                    // from what the landing saw.
                     let mut body = self.pool.take(want);
                     body.resize(filled, 0);
-                    *large = Large::Owned(body);
+                    *large = Large::Owned(body, hash.map(|h| (h, filled)));
                 }
-                let Large::Owned(body) = large else {
+                let Large::Owned(body, _) = large else {
                     unreachable!("landing handled above")
                 };
                 while body.len() < want {
@@ -290,11 +361,21 @@ impl FrameReader {
                         Err(e) => return Err(e.into()),
                     }
                 }
-                let h = *h;
-                let Some((_, Large::Owned(body))) = self.large.take() else {
+                let Some((h, Large::Owned(body, hash))) = self.large.take() else {
                     unreachable!("owned body checked above")
                 };
-                return Ok(Some((h, Body::Owned(body))));
+                if !self.tagged {
+                    return Ok(Some((h, Body::Owned(body), None)));
+                }
+                let digest = match hash {
+                    Some((mut hash, from)) => {
+                        hash.update(&body[from..]);
+                        *hash.finalize().as_bytes()
+                    }
+                    None => crate::auth::body_digest(&[&body]),
+                };
+                self.tail = Some((h, Tail::Owned(body, digest)));
+                continue;
             }
             let avail = self.end - self.start;
             if avail >= HEADER_LEN {
@@ -303,20 +384,36 @@ impl FrameReader {
                     .expect("header");
                 let h = Header::decode(hb)?;
                 let len = h.body_len as usize;
-                let total = HEADER_LEN + len;
+                let trailer = if self.tagged { TAG_LEN } else { 0 };
+                let total = HEADER_LEN + len + trailer;
                 if avail >= total {
-                    let body = self.start + HEADER_LEN..self.start + total;
+                    let body = self.start + HEADER_LEN..self.start + HEADER_LEN + len;
                     self.start += total;
-                    return Ok(Some((h, Body::Buffered(&self.buf[body]))));
+                    let trailer = self.tagged.then(|| {
+                        let mut tag = [0; TAG_LEN];
+                        tag.copy_from_slice(&self.buf[body.end..body.end + TAG_LEN]);
+                        Trailer {
+                            digest: crate::auth::body_digest(&[&self.buf[body.clone()]]),
+                            tag,
+                        }
+                    });
+                    return Ok(Some((h, Body::Buffered(&self.buf[body]), trailer)));
                 }
-                if len >= OWNED_BODY_MIN {
+                if len >= OWNED_BODY_MIN && avail < HEADER_LEN + len {
                     let have = &self.buf[self.start + HEADER_LEN..self.end];
                     let large = match land(&h).filter(|l| l.len() == len) {
-                        Some(l) if l.fill_prefix(have) => Large::Landing(l, have.len()),
+                        Some(l) if l.fill_prefix(have) => {
+                            let hash = self.tagged.then(|| {
+                                let mut hash = Box::new(blake3::Hasher::new());
+                                hash.update(have);
+                                hash
+                            });
+                            Large::Landing(l, have.len(), hash)
+                        }
                         _ => {
                             let mut body = self.pool.take(len);
                             body.extend_from_slice(have);
-                            Large::Owned(body)
+                            Large::Owned(body, None)
                         }
                     };
                     self.start = self.end;
@@ -327,15 +424,28 @@ impl FrameReader {
             } else {
                 self.make_room(HEADER_LEN);
             }
+            if !self.fill(r)? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Reads more bytes into the buffer; `false` on a clean end of stream
+    /// between frames.
+    fn fill(&mut self, r: &mut impl Read) -> Result<bool, FrameError> {
+        loop {
             match r.read(&mut self.buf[self.end..]) {
-                Ok(0) if self.end == self.start => return Ok(None),
+                Ok(0) if self.end == self.start && self.tail.is_none() => return Ok(false),
                 Ok(0) => {
                     return Err(FrameError::Truncated {
                         got: self.end - self.start,
                         want: HEADER_LEN.max(self.end - self.start + 1),
                     })
                 }
-                Ok(n) => self.end += n,
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(true);
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.into()),
             }
@@ -408,7 +518,7 @@ mod tests {
         let mut seen = Vec::new();
         loop {
             match r.next(&mut src, |_| None) {
-                Ok(Some((h, body))) => {
+                Ok(Some((h, body, _))) => {
                     if h.opcode == Opcode::Read {
                         assert!(body.bytes().iter().all(|b| *b == h.request_id as u8));
                         let large = h.request_id % 2 == 1;
@@ -436,7 +546,7 @@ mod tests {
         f.extend_from_slice(b"abc");
         let mut r = FrameReader::default();
         assert!(matches!(
-            r.next(&mut &f[..], |_| None),
+            r.next(&mut &f[..], |_| None).map(|f| f.map(|(h, ..)| h)),
             Err(FrameError::Truncated { .. })
         ));
     }
@@ -472,7 +582,7 @@ mod tests {
             match r.next(&mut src, |h| {
                 Some(Arc::clone(&landings[h.request_id as usize]))
             }) {
-                Ok(Some((h, body))) => match body {
+                Ok(Some((h, body, _))) => match body {
                     Body::Landed(n) => {
                         assert_eq!(n, len);
                         landed.push(h.request_id);
@@ -486,7 +596,7 @@ mod tests {
                 Ok(None) => break,
                 Err(FrameError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
                     // Abandon request 3 once its body has started arriving.
-                    if matches!(&r.large, Some((h, Large::Landing(_, n))) if h.request_id == 3 && *n > 0)
+                    if matches!(&r.large, Some((h, Large::Landing(_, n, _))) if h.request_id == 3 && *n > 0)
                     {
                         landings[3].abandon();
                     }

@@ -18,6 +18,7 @@ mod conn;
 mod durability;
 mod frames;
 mod stats;
+pub mod tcp_info;
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant};
 use futures::channel::oneshot;
 use parking_lot::Mutex;
 use tracing::warn;
+use ublk_metrics::TcpLinks;
 
 pub use durability::FlushDomain;
 pub use frames::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
@@ -68,6 +70,20 @@ pub struct ClientConfig {
     /// The writes a FLUSH through this client vouches for; see
     /// [`FlushDomain`]. `new` gives each config a domain of its own.
     pub flush_domain: Arc<FlushDomain>,
+    /// Where the connections' TCP_INFO goes (ublkd: the process's, which
+    /// it exports); `new` gives each config one of its own.
+    pub tcp_links: Arc<TcpLinks>,
+    /// The writer's membership epoch for the volume, presented in HELLO
+    /// (protocol version 2): a peer refuses the data operations of a
+    /// session whose epoch is below the volume's with `STALE_EPOCH`.
+    /// [`ArenaClient::raise_epoch`] raises it for later connections too.
+    pub epoch: u64,
+    /// The protocol versions this client accepts; it takes the newest the
+    /// peer offers. Version 1 has no frame tags and no epochs: only for
+    /// talking to an arenad that predates version 2 (or measuring what the
+    /// tags cost), never as a default (a peer, or anyone on the path, could
+    /// otherwise talk a client down to it).
+    pub versions: std::ops::RangeInclusive<u8>,
 }
 
 impl ClientConfig {
@@ -83,6 +99,9 @@ impl ClientConfig {
             stats: Arc::default(),
             offer_rdma: false,
             flush_domain: Arc::default(),
+            tcp_links: Arc::default(),
+            epoch: 0,
+            versions: proto::VERSION..=proto::VERSION,
         }
     }
 }
@@ -95,6 +114,9 @@ struct Shared {
     bodies: Arc<BodyPool>,
     /// Connections made so far: the epoch of the live one.
     connects: AtomicU64,
+    /// The membership epoch presented by the next HELLO (see
+    /// [`ClientConfig::epoch`]).
+    epoch: AtomicU64,
     revocations: Mutex<VecDeque<(u64, u64)>>,
 }
 
@@ -111,13 +133,14 @@ impl ArenaClient {
     pub fn connect(cfg: ClientConfig) -> Result<Self, ArenaError> {
         let client = Self {
             shared: Arc::new(Shared {
-                cfg,
                 conn: Mutex::new(None),
                 next_id: AtomicU64::new(1),
                 blob_bytes: AtomicU32::new(0),
                 bodies: Arc::default(),
                 connects: AtomicU64::new(0),
+                epoch: AtomicU64::new(cfg.epoch),
                 revocations: Mutex::new(VecDeque::new()),
+                cfg,
             }),
         };
         client.conn()?;
@@ -160,12 +183,19 @@ impl ArenaClient {
             .map(|c| c.epoch)
     }
 
-    /// Counts an acknowledged write (inline WRITE, COMMIT, REMOVE, or one
-    /// another data path made, such as RDMA into a leased slot), so that a
-    /// peer restart before the next FLUSH makes that FLUSH fail instead of
+    /// Counts a write another data path made (RDMA into a leased slot;
+    /// inline WRITE, COMMIT and REMOVE count themselves), so that a peer
+    /// restart before the next FLUSH makes that FLUSH fail instead of
     /// claiming durability.
     pub fn record_acknowledged_write(&self) {
         self.shared.cfg.flush_domain.acknowledged();
+    }
+
+    /// Whether the peer ever restarted and lost writes acknowledged through
+    /// this client's [`FlushDomain`]: its data is older than what was
+    /// acknowledged.
+    pub fn lost_writes(&self) -> bool {
+        self.shared.cfg.flush_domain.lost()
     }
 
     /// Exchanges QP endpoints on the current connection (RAIL_CONNECT);
@@ -196,7 +226,8 @@ impl ArenaClient {
             return Ok(Arc::clone(c));
         }
         let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
-        let mut conn = handshake(&self.shared.cfg, agreed)?;
+        let epoch = self.shared.epoch.load(Ordering::Relaxed);
+        let mut conn = handshake(&self.shared.cfg, agreed, epoch)?;
         conn.epoch = self.shared.connects.fetch_add(1, Ordering::Relaxed) + 1;
         if conn.epoch > 1 {
             self.stats().count(|s| &s.reconnects);
@@ -217,12 +248,13 @@ impl ArenaClient {
         let reader_stream =
             conn.writer
                 .lock()
+                .stream
                 .try_clone()
                 .map_err(|source| ArenaError::Connect {
                     peer: self.shared.cfg.peer.clone(),
                     source,
                 })?;
-        let shared = Arc::clone(&self.shared);
+        let shared = Arc::downgrade(&self.shared);
         let for_reader = Arc::clone(&conn);
         thread::Builder::new()
             .name("arena-client-rx".into())
@@ -302,6 +334,10 @@ impl ArenaClient {
                 id,
                 Pending {
                     op: req.opcode(),
+                    want_len: match req {
+                        Request::Read { len, .. } => Some(*len),
+                        _ => None,
+                    },
                     landing,
                     deadline: Instant::now() + self.shared.cfg.request_timeout,
                     tx,
@@ -314,15 +350,29 @@ impl ArenaClient {
             Request::Write { data, .. } => data,
             _ => &[],
         };
-        let sent = {
-            let mut w = conn.writer.lock();
-            proto::write_vectored_all(&mut *w, &head, payload)
-        };
+        // The body's digest is taken before the lock: only the tag, which
+        // needs the frame's place in the stream, is computed under it.
+        let digest = (conn.version >= proto::VERSION_2)
+            .then(|| crate::auth::body_digest(&[&head[proto::HEADER_LEN..], payload]));
+        let sent = conn.writer.lock().send(&mut head, payload, digest.as_ref());
         if let Err(e) = sent {
             conn.kill(peer, &format!("send failed: {e}"));
         }
-        rx.await
-            .unwrap_or_else(|_| Err(disconnected("answer channel closed")))
+        let reply = rx
+            .await
+            .unwrap_or_else(|_| Err(disconnected("answer channel closed")))?;
+        if matches!(
+            req,
+            Request::Write { .. } | Request::Commit { .. } | Request::Remove { .. }
+        ) {
+            // Counted with the peer generation that acknowledged it, so a
+            // restart found meanwhile by another connection is not missed.
+            self.shared
+                .cfg
+                .flush_domain
+                .acknowledged_in(conn.welcome.generation);
+        }
+        Ok(reply)
     }
 
     fn unexpected(&self, op: Opcode) -> ArenaError {
@@ -340,7 +390,6 @@ impl ArenaClient {
         let req = Request::Write { key, offset, data };
         match self.call(&req).await? {
             Reply::Empty => {
-                self.record_acknowledged_write();
                 self.stats().write(data.len());
                 Ok(())
             }
@@ -396,10 +445,7 @@ impl ArenaClient {
     /// Publishes an ALLOC lease's slot as the blob's content.
     pub async fn commit(&self, key: u64, token: u64) -> Result<(), ArenaError> {
         match self.call(&Request::Commit { key, token }).await? {
-            Reply::Empty => {
-                self.record_acknowledged_write();
-                Ok(())
-            }
+            Reply::Empty => Ok(()),
             _ => Err(self.unexpected(Opcode::Commit)),
         }
     }
@@ -423,11 +469,36 @@ impl ArenaClient {
     /// Drops blobs `start..end`; returns how many existed.
     pub async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         match self.call(&Request::Remove { start, end }).await? {
-            Reply::Count(n) => {
-                self.record_acknowledged_write();
-                Ok(n)
-            }
+            Reply::Count(n) => Ok(n),
             _ => Err(self.unexpected(Opcode::Remove)),
+        }
+    }
+
+    /// The membership epoch this client presents (see
+    /// [`ClientConfig::epoch`]).
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Moves the session to `epoch` (EPOCH): the peer raises the volume's
+    /// epoch to it if it is higher, which makes every session with a lower
+    /// epoch stale (their data operations answer `STALE_EPOCH`), and
+    /// persists it before answering. Later connections present it in
+    /// HELLO. Returns the volume's epoch. An `epoch` below the volume's
+    /// answers `STALE_EPOCH`: a newer writer owns the volume.
+    pub async fn raise_epoch(&self, epoch: u64) -> Result<u64, ArenaError> {
+        let conn = self.conn()?;
+        if conn.version < proto::VERSION_2 {
+            return Err(ArenaError::Refused {
+                peer: self.shared.cfg.peer.clone(),
+                status: proto::Status::VersionMismatch,
+                message: "the session speaks protocol version 1, which has no epochs".into(),
+            });
+        }
+        self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
+        match self.call(&Request::Epoch { epoch }).await? {
+            Reply::Count(now) => Ok(now),
+            _ => Err(self.unexpected(Opcode::Epoch)),
         }
     }
 

@@ -2,12 +2,16 @@
 //! connection of the device (`ClientConfig::stats`), so the device reports
 //! one set of counters whatever its queue count: payloads carried inline,
 //! and the connection's own life (reconnects, timeouts, retries, late
-//! answers, peer restarts, revocations). A TCP device reports all of it as
-//! its driver statistics; an RDMA device reports the connection counters
-//! beside its transport's own.
+//! answers, peer restarts, revocations, answers that did not parse or did
+//! not fit their request). A TCP device reports all of it as its driver
+//! statistics; an RDMA device reports the connection counters beside its
+//! transport's own.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 use ublk_metrics::driver::names;
 use ublk_metrics::driver::CounterValue;
@@ -32,6 +36,11 @@ pub struct ClientStats {
     pub(super) peer_restarts: AtomicU64,
     pub(super) revocations_received: AtomicU64,
     pub(super) revocations_dropped: AtomicU64,
+    pub(super) response_id_mismatches: AtomicU64,
+    pub(super) length_mismatches: AtomicU64,
+    /// Frames that did not parse, by `FrameError::class` (a closed set);
+    /// rare, so a map behind a lock.
+    frame_errors: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 fn bump(c: &AtomicU64) {
@@ -57,9 +66,14 @@ impl ClientStats {
         bump(c(self));
     }
 
+    /// Counts one frame that did not parse, by its error class.
+    pub(super) fn frame_error(&self, class: &'static str) {
+        *self.frame_errors.lock().entry(class).or_insert(0) += 1;
+    }
+
     /// The connection counters under their exported names.
     pub fn connection_counters(&self) -> Vec<CounterValue> {
-        [
+        let mut counters: Vec<CounterValue> = [
             (names::RECONNECTS, &self.reconnects),
             (names::REQUEST_TIMEOUTS, &self.request_timeouts),
             (names::REQUEST_RETRIES, &self.request_retries),
@@ -67,6 +81,8 @@ impl ClientStats {
             (names::PEER_RESTARTS, &self.peer_restarts),
             (names::REVOCATIONS_RECEIVED, &self.revocations_received),
             (names::REVOCATIONS_DROPPED, &self.revocations_dropped),
+            (names::RESPONSE_ID_MISMATCHES, &self.response_id_mismatches),
+            (names::LENGTH_MISMATCHES, &self.length_mismatches),
         ]
         .into_iter()
         .map(|(name, v)| CounterValue {
@@ -75,7 +91,19 @@ impl ClientStats {
             reason: None,
             value: v.load(Ordering::Relaxed),
         })
-        .collect()
+        .collect();
+        counters.extend(
+            self.frame_errors
+                .lock()
+                .iter()
+                .map(|(class, n)| CounterValue {
+                    name: Cow::Borrowed(names::FRAME_ERRORS),
+                    op: None,
+                    reason: Some(Cow::Borrowed(*class)),
+                    value: *n,
+                }),
+        );
+        counters
     }
 }
 

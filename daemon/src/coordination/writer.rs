@@ -1,0 +1,434 @@
+//! The writer lease: exactly one ublkd serves a volume. Each ublkd holds
+//! one etcd lease (TTL `etcd.lease_ttl_secs`) and, per volume it serves,
+//! the volume's writer key bound to that lease, created only if absent. A
+//! second ublkd asking for the volume finds the key and is refused with
+//! the holder's name. If this ublkd stops keeping the lease alive (crash,
+//! partition, etcd down), etcd deletes its keys when the TTL runs out and
+//! another ublkd may take the volumes.
+//!
+//! The replication core must not acknowledge a write after the lease may
+//! have expired, so each keepalive that etcd answers moves a deadline,
+//! [`VolumeWriter::valid_until`]: the instant the keepalive was *sent* plus
+//! the TTL (etcd counts from when it received it, later) minus
+//! `etcd.lease_margin_ms` for clock drift. A lease etcd no longer knows
+//! (expired, or revoked with `etcdctl lease revoke`) ends that deadline at
+//! once and fences every [`VolumeWriter`] of it for good: a write the old
+//! lease did not cover may have been refused by peers that a new writer
+//! already moved to a new epoch, so a writer cannot silently become valid
+//! again (the replication core's contract). The keepalive task grants a
+//! new lease for what is acquired next; the device manager re-acquires
+//! the volume, which is a new writer with a new replica set and epoch, or
+//! is refused if another ublkd took it meanwhile.
+//!
+//! The lease id is kept in `<state_dir>/writer-lease`, which this process
+//! holds locked: a ublkd restarted after a crash adopts its predecessor's
+//! lease while it lives (the devices it recovers keep their writer keys),
+//! and two ublkd on one state dir cannot both run.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
+use parking_lot::Mutex;
+use rustix::fs::{flock, FlockOperation};
+
+use super::config::EtcdConfig;
+use super::etcd::{Etcd, Expect, Swap};
+use super::records::{unix_now, Keys, WriterRecord};
+use super::CoordError;
+
+/// How long `acquire` waits for a writer key left by this installation's
+/// previous (dead) process to vanish with its lease, beyond the TTL.
+const PREDECESSOR_GRACE: Duration = Duration::from_secs(2);
+
+/// What the keepalive task and the per-volume handles share.
+struct Shared {
+    base: Instant,
+    /// Nanoseconds after `base` until which writes may be acknowledged;
+    /// 0 while no lease is known to be alive.
+    valid_until: AtomicU64,
+    lease: AtomicI64,
+    ttl: Duration,
+    margin: Duration,
+    keys: Keys,
+    me: WriterRecord,
+    volumes: Mutex<BTreeMap<String, Arc<VolumeWriter>>>,
+    lease_path: PathBuf,
+    /// Leases found gone (expired or revoked) by the keepalive task.
+    lost: AtomicU64,
+}
+
+impl Shared {
+    fn extend_from(&self, sent: Instant) {
+        let until = (sent + self.ttl).saturating_duration_since(self.base);
+        let until = until.saturating_sub(self.margin).as_nanos() as u64;
+        self.valid_until.fetch_max(until.max(1), Ordering::AcqRel);
+    }
+
+    fn valid_until(&self) -> Option<Instant> {
+        match self.valid_until.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(self.base + Duration::from_nanos(n)),
+        }
+    }
+
+    /// Records the lease id for the next ublkd on this state dir (through
+    /// a descriptor of its own: the lock stays with [`WriterLease`]).
+    fn persist(&self, id: i64) {
+        let r = OpenOptions::new()
+            .write(true)
+            .open(&self.lease_path)
+            .and_then(|mut f| {
+                f.set_len(0)?;
+                f.rewind()?;
+                f.write_all(format!("{id}\n").as_bytes())?;
+                f.sync_all()
+            });
+        if let Err(e) = r {
+            tracing::warn!(event = "writer.lease_file_failed", path = %self.lease_path.display(), error = %e);
+        }
+    }
+}
+
+/// This ublkd's hold on one volume.
+pub struct VolumeWriter {
+    volume: String,
+    /// The etcd lease the writer key was created under.
+    lease: i64,
+    held: AtomicBool,
+    shared: Arc<Shared>,
+}
+
+impl VolumeWriter {
+    /// Until when writes to the volume may be acknowledged; `None` when
+    /// the volume's writer key is not (or no longer) ours, or no lease is
+    /// alive. Two atomic loads: cheap enough for every write.
+    pub fn valid_until(&self) -> Option<Instant> {
+        if !self.held.load(Ordering::Acquire) {
+            return None;
+        }
+        self.shared.valid_until()
+    }
+
+    /// The etcd lease the writer key is bound to, `None` once fenced.
+    pub fn lease_id(&self) -> Option<i64> {
+        self.held().then_some(self.lease)
+    }
+
+    /// Whether the writer key is ours (the lease may still have lapsed).
+    pub fn held(&self) -> bool {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// The volume.
+    pub fn volume(&self) -> &str {
+        &self.volume
+    }
+}
+
+/// This ublkd's writer lease and the volumes it holds.
+pub struct WriterLease {
+    shared: Arc<Shared>,
+    /// `<state_dir>/writer-lease`, locked for as long as this lives.
+    _lock: File,
+    etcd: Arc<Etcd>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Opens and locks `<state_dir>/writer-lease`, returning the lease id it
+/// names, if any.
+fn lock_lease_file(state_dir: &Path) -> Result<(File, PathBuf, Option<i64>), CoordError> {
+    let path = state_dir.join("writer-lease");
+    let io = |e: std::io::Error| CoordError::LeaseFile {
+        path: path.clone(),
+        detail: e.to_string(),
+    };
+    std::fs::create_dir_all(state_dir).map_err(io)?;
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io)?;
+    flock(&f, FlockOperation::NonBlockingLockExclusive).map_err(|_| CoordError::LeaseFile {
+        path: path.clone(),
+        detail: "locked by another ublkd using the same state_dir".into(),
+    })?;
+    let mut text = String::new();
+    f.read_to_string(&mut text).map_err(io)?;
+    Ok((f, path, text.trim().parse().ok()))
+}
+
+fn host_name() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// etcd no longer knows the lease: it expired or was revoked
+/// ("etcdserver: requested lease not found", or a keepalive answered with
+/// TTL 0).
+fn lease_gone(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::LeaseKeepAliveError(m) => m.contains("not found"),
+        etcd_client::Error::GRpcStatus(s) => s.message().contains("lease not found"),
+        _ => false,
+    }
+}
+
+impl WriterLease {
+    /// Locks the state dir's lease file, adopts the lease it names if etcd
+    /// still has it (else grants a new one), and starts keeping it alive.
+    pub fn start(etcd: &Arc<Etcd>, cfg: &EtcdConfig, state_dir: &Path) -> Result<Self, CoordError> {
+        let (file, lease_path, previous) = lock_lease_file(state_dir)?;
+        let ttl = cfg.lease_ttl();
+        let shared = Arc::new(Shared {
+            base: Instant::now(),
+            valid_until: AtomicU64::new(0),
+            lease: AtomicI64::new(0),
+            ttl,
+            margin: Duration::from_millis(cfg.lease_margin_ms),
+            keys: Keys::new(&cfg.prefix),
+            me: WriterRecord {
+                host: cfg.host_id.clone().unwrap_or_else(host_name),
+                state_dir: state_dir.to_owned(),
+                pid: std::process::id(),
+                since: unix_now(),
+            },
+            volumes: Mutex::new(BTreeMap::new()),
+            lease_path,
+            lost: AtomicU64::new(0),
+        });
+        let sent = Instant::now();
+        let ttl_secs = ttl.as_secs() as i64;
+        let adopted = match previous {
+            Some(id) => Etcd::wait(etcd.call("lease_keepalive", move |mut c| async move {
+                match c.lease_keep_alive(id).await {
+                    Ok(_) => Ok(Some(id)),
+                    Err(e) if lease_gone(&e) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }))?,
+            None => None,
+        };
+        let id = match adopted {
+            Some(id) => {
+                tracing::info!(event = "writer.lease_adopted", lease = id);
+                id
+            }
+            None => {
+                let id = Etcd::wait(etcd.call("lease_grant", move |mut c| async move {
+                    Ok(c.lease_grant(ttl_secs, None).await?.id())
+                }))?;
+                shared.persist(id);
+                tracing::info!(event = "writer.lease_granted", lease = id, ttl_secs);
+                id
+            }
+        };
+        shared.lease.store(id, Ordering::Release);
+        shared.extend_from(sent);
+        let task = etcd.handle().spawn(keepalive(
+            etcd.client(),
+            Arc::clone(&shared),
+            cfg.keepalive_interval(),
+            etcd.request_timeout(),
+        ));
+        Ok(Self {
+            shared,
+            _lock: file,
+            etcd: Arc::clone(etcd),
+            task,
+        })
+    }
+
+    /// The etcd lease id in use (0 while none is alive).
+    pub fn lease_id(&self) -> i64 {
+        self.shared.lease.load(Ordering::Acquire)
+    }
+
+    /// Until when writes may be acknowledged, whatever the volume.
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.shared.valid_until()
+    }
+
+    /// How many times the keepalive found the lease gone.
+    pub fn leases_lost(&self) -> u64 {
+        self.shared.lost.load(Ordering::Relaxed)
+    }
+
+    /// This ublkd's record in writer keys.
+    pub fn me(&self) -> &WriterRecord {
+        &self.shared.me
+    }
+
+    /// Takes `volume`'s writer key: created if absent, kept if ours (an
+    /// adopted lease), waited for if this installation's dead predecessor
+    /// left it; otherwise refused with [`CoordError::Held`] naming the
+    /// holder.
+    pub fn acquire(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordError> {
+        if let Some(v) = self.shared.volumes.lock().get(volume) {
+            if v.held() {
+                return Ok(Arc::clone(v));
+            }
+        }
+        let key = self.shared.keys.writer(volume);
+        let me = serde_json::to_vec(&self.shared.me).unwrap_or_default();
+        let give_up = Instant::now() + self.shared.ttl + PREDECESSOR_GRACE;
+        loop {
+            let lease = self.lease_id();
+            if lease == 0 {
+                return Err(CoordError::Unavailable {
+                    what: "writer lease",
+                    detail: "no etcd lease is alive".into(),
+                });
+            }
+            let swap =
+                Etcd::wait(
+                    self.etcd
+                        .put_if(key.clone(), me.clone(), Expect::Absent, Some(lease)),
+                )?;
+            let holder = match swap {
+                Swap::Done(_) => None,
+                Swap::Conflict(Some(cur)) if cur.lease == lease => None,
+                Swap::Conflict(Some(cur)) => Some(
+                    serde_json::from_slice::<WriterRecord>(&cur.value).map_err(|e| {
+                        CoordError::Corrupt {
+                            key: key.clone(),
+                            detail: e.to_string(),
+                        }
+                    })?,
+                ),
+                Swap::Conflict(None) => continue,
+            };
+            match holder {
+                None => {
+                    let v = Arc::new(VolumeWriter {
+                        volume: volume.to_owned(),
+                        lease,
+                        held: AtomicBool::new(true),
+                        shared: Arc::clone(&self.shared),
+                    });
+                    self.shared
+                        .volumes
+                        .lock()
+                        .insert(volume.to_owned(), Arc::clone(&v));
+                    tracing::info!(event = "writer.acquired", volume, lease);
+                    return Ok(v);
+                }
+                Some(h) if h.same_installation(&self.shared.me) && Instant::now() < give_up => {
+                    // Our previous process (dead: we hold the state dir's
+                    // lock) had it under a lease we could not adopt.
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                Some(h) => {
+                    return Err(CoordError::Held {
+                        volume: volume.to_owned(),
+                        holder: h.to_string(),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Gives `volume` up: its writer key is deleted if it is still ours.
+    pub fn release(&self, volume: &str) -> Result<(), CoordError> {
+        let Some(v) = self.shared.volumes.lock().remove(volume) else {
+            return Ok(());
+        };
+        v.held.store(false, Ordering::Release);
+        let lease = self.lease_id();
+        Etcd::wait(
+            self.etcd
+                .delete_if(self.shared.keys.writer(volume), Expect::Lease(lease)),
+        )
+        .map(|_| tracing::info!(event = "writer.released", volume))
+    }
+}
+
+impl Drop for WriterLease {
+    fn drop(&mut self) {
+        // The lease is left to expire or to be adopted by the next ublkd.
+        self.task.abort();
+    }
+}
+
+/// Keeps the lease alive every `interval`; when etcd says it is gone,
+/// grants a new one and re-takes the writer keys still absent.
+async fn keepalive(client: Client, shared: Arc<Shared>, interval: Duration, timeout: Duration) {
+    let mut keeper = None;
+    loop {
+        tokio::time::sleep(interval).await;
+        let id = shared.lease.load(Ordering::Acquire);
+        let sent = Instant::now();
+        let mut c = client.clone();
+        let round = tokio::time::timeout(timeout, async {
+            match keeper.take() {
+                None => c.lease_keep_alive(id).await.map(Some),
+                Some((mut k, mut s)) => {
+                    let (k2, s2): (&mut LeaseKeeper, &mut LeaseKeepAliveStream) = (&mut k, &mut s);
+                    k2.keep_alive().await?;
+                    match s2.message().await? {
+                        Some(r) if r.ttl() > 0 => Ok(Some((k, s))),
+                        Some(_) => Err(etcd_client::Error::LeaseKeepAliveError(
+                            "lease not found".into(),
+                        )),
+                        None => Ok(None),
+                    }
+                }
+            }
+        })
+        .await;
+        match round {
+            Ok(Ok(Some(ks))) => {
+                shared.extend_from(sent);
+                keeper = Some(ks);
+            }
+            Ok(Err(e)) if lease_gone(&e) => {
+                shared.valid_until.store(0, Ordering::Release);
+                shared.lease.store(0, Ordering::Release);
+                shared.lost.fetch_add(1, Ordering::Relaxed);
+                let fenced = std::mem::take(&mut *shared.volumes.lock());
+                for v in fenced.values() {
+                    v.held.store(false, Ordering::Release);
+                    tracing::error!(event = "writer.fenced", volume = %v.volume, lease = id,
+                        "the writer lease is gone: writes are no longer acknowledged");
+                }
+                regrant(&client, &shared, timeout).await;
+            }
+            // etcd unreachable or slow: the deadline is not moved, so it
+            // lapses by itself if this goes on; the stream is reopened.
+            Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
+                tracing::warn!(event = "writer.keepalive_failed", lease = id);
+            }
+        }
+    }
+}
+
+/// A new lease after the old one was found gone, for the writers acquired
+/// from now on.
+async fn regrant(client: &Client, shared: &Shared, timeout: Duration) {
+    let ttl_secs = shared.ttl.as_secs() as i64;
+    loop {
+        let sent = Instant::now();
+        let mut c = client.clone();
+        match tokio::time::timeout(timeout, c.lease_grant(ttl_secs, None)).await {
+            Ok(Ok(r)) => {
+                shared.persist(r.id());
+                shared.lease.store(r.id(), Ordering::Release);
+                shared.extend_from(sent);
+                tracing::info!(event = "writer.lease_granted", lease = r.id(), ttl_secs);
+                return;
+            }
+            _ => tokio::time::sleep(shared.ttl / 3).await,
+        }
+    }
+}

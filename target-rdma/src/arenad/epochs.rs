@@ -1,0 +1,357 @@
+//! Each volume's membership epoch: the highest epoch any authenticated
+//! HELLO or EPOCH presented for it, persisted so that a restart does not
+//! let a fenced-out writer back in, and the fence that refuses the data
+//! operations of sessions below it.
+//!
+//! The epochs live in a small file of their own, `epochs` in the swap
+//! directory (the store's index is the storage engine's format): one line
+//! per volume ever raised, configured or not, and a CRC32C of the whole.
+//! It is replaced atomically (written to `epochs.tmp`, synced, renamed,
+//! directory synced) before a raise is answered. A damaged file refuses to
+//! start, like a damaged index: trusting it could let a stale writer in.
+//!
+//! A raise is strict: once it returns, no data operation admitted under a
+//! lower epoch is still running, so a new writer that raised the epoch
+//! never races a write of the one it fenced out.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
+
+/// The file's name in the swap directory.
+pub const EPOCHS_FILE: &str = "epochs";
+const HEADER: &str = "arenad-epochs 1";
+
+/// Why the epochs could not be loaded or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum EpochError {
+    /// The file could not be read or written.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// The operation, phrased to precede the path.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The file does not parse or fails its checksum.
+    #[error("{} is damaged ({detail}): refusing to start, since lost epochs would let fenced-out writers back in; restore it, or move it aside to start every volume at epoch 0", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+/// One volume's epoch and the data operations running under it.
+#[derive(Default)]
+struct Fence {
+    epoch: u64,
+    /// Operations admitted at the current epoch, still running.
+    active: u64,
+    /// Operations admitted at a lower epoch, still running: a raise waits
+    /// for them.
+    draining: u64,
+}
+
+/// One volume's epoch and the data operations running under it: a
+/// session holds its volume's from the handshake on.
+pub struct VolumeEpoch {
+    name: String,
+    fence: Mutex<Fence>,
+    drained: Condvar,
+}
+
+impl VolumeEpoch {
+    /// The epoch now.
+    pub fn current(&self) -> u64 {
+        self.fence.lock().epoch
+    }
+
+    /// Admits a data operation of a session at `session` epoch, or returns
+    /// the volume's (higher) epoch: the session is stale.
+    pub fn admit(&self, session: u64) -> Result<Admitted<'_>, u64> {
+        let mut f = self.fence.lock();
+        if session < f.epoch {
+            return Err(f.epoch);
+        }
+        f.active += 1;
+        Ok(Admitted {
+            volume: self,
+            at: f.epoch,
+        })
+    }
+}
+
+/// Every volume's epoch, backed by the file. Volumes are looked up by
+/// name, so one served from a reload (SIGHUP) gets its epoch like one
+/// configured at start, and a volume removed and added again keeps its.
+pub struct Epochs {
+    path: PathBuf,
+    /// The volumes sessions have been bound to (each served volume's name:
+    /// bounded by the configuration).
+    volumes: Mutex<BTreeMap<String, Arc<VolumeEpoch>>>,
+    /// Every epoch the file holds, unconfigured volumes' included; the
+    /// lock also orders the file's replacements.
+    file: Mutex<BTreeMap<String, u64>>,
+}
+
+impl std::fmt::Debug for Epochs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Epochs")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A data operation admitted by [`Epochs::admit`]; it counts as running
+/// until dropped.
+pub struct Admitted<'a> {
+    volume: &'a VolumeEpoch,
+    at: u64,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let mut f = self.volume.fence.lock();
+        if self.at == f.epoch {
+            f.active -= 1;
+        } else {
+            f.draining -= 1;
+            if f.draining == 0 {
+                self.volume.drained.notify_all();
+            }
+        }
+    }
+}
+
+fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, u64>, EpochError> {
+    let corrupt = |detail: String| EpochError::Corrupt {
+        path: path.to_owned(),
+        detail,
+    };
+    let body_end = text
+        .trim_end_matches('\n')
+        .rfind('\n')
+        .map(|i| i + 1)
+        .ok_or_else(|| corrupt("no checksum line".into()))?;
+    let (body, last) = text.split_at(body_end);
+    let want = last
+        .trim_end()
+        .strip_prefix("crc32c ")
+        .and_then(|h| u32::from_str_radix(h, 16).ok())
+        .ok_or_else(|| corrupt(format!("bad checksum line {:?}", last.trim_end())))?;
+    let got = crc32c::crc32c(body.as_bytes());
+    if got != want {
+        return Err(corrupt(format!(
+            "checksum {got:08x}, the file says {want:08x}"
+        )));
+    }
+    let mut lines = body.lines();
+    if lines.next() != Some(HEADER) {
+        return Err(corrupt(format!("the first line is not {HEADER:?}")));
+    }
+    let mut map = BTreeMap::new();
+    for (n, line) in lines.enumerate() {
+        let (epoch, name) = line
+            .split_once(' ')
+            .and_then(|(e, n)| Some((e.parse::<u64>().ok()?, n)))
+            .filter(|(_, n)| crate::proto::valid_volume_name(n))
+            .ok_or_else(|| corrupt(format!("line {} is not \"<epoch> <volume>\"", n + 2)))?;
+        map.insert(name.to_owned(), epoch);
+    }
+    Ok(map)
+}
+
+fn render(map: &BTreeMap<String, u64>) -> String {
+    let mut text = format!("{HEADER}\n");
+    for (name, epoch) in map {
+        text.push_str(&format!("{epoch} {name}\n"));
+    }
+    let crc = crc32c::crc32c(text.as_bytes());
+    text.push_str(&format!("crc32c {crc:08x}\n"));
+    text
+}
+
+impl Epochs {
+    /// Loads the epochs of `dir` (none yet is every volume at 0).
+    pub fn open(dir: &Path) -> Result<Epochs, EpochError> {
+        let path = dir.join(EPOCHS_FILE);
+        let map = match fs::read_to_string(&path) {
+            Ok(text) => parse(&path, &text)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(source) => {
+                return Err(EpochError::Io {
+                    what: "reading",
+                    path,
+                    source,
+                })
+            }
+        };
+        Ok(Epochs {
+            path,
+            volumes: Mutex::new(BTreeMap::new()),
+            file: Mutex::new(map),
+        })
+    }
+
+    /// Volume `name`'s epoch: the one its sessions share, starting from
+    /// the file's (0 for a volume never raised).
+    pub fn volume(&self, name: &str) -> Arc<VolumeEpoch> {
+        let mut volumes = self.volumes.lock();
+        if let Some(v) = volumes.get(name) {
+            return Arc::clone(v);
+        }
+        let epoch = self.file.lock().get(name).copied().unwrap_or(0);
+        let v = Arc::new(VolumeEpoch {
+            name: name.to_owned(),
+            fence: Mutex::new(Fence {
+                epoch,
+                ..Fence::default()
+            }),
+            drained: Condvar::new(),
+        });
+        volumes.insert(name.to_owned(), Arc::clone(&v));
+        v
+    }
+
+    /// Raises `volume`'s epoch to `epoch` if that is higher: from now on
+    /// sessions below it are refused; the new epoch is persisted, and the
+    /// operations admitted under a lower one are waited for, before this
+    /// returns. Returns the volume's epoch. Blocks (a file sync, running
+    /// operations): call it off the reactor.
+    pub fn raise(&self, volume: &VolumeEpoch, epoch: u64) -> Result<u64, EpochError> {
+        {
+            let mut f = volume.fence.lock();
+            if epoch <= f.epoch {
+                return Ok(f.epoch);
+            }
+            f.epoch = epoch;
+            f.draining += std::mem::take(&mut f.active);
+        }
+        {
+            let mut map = self.file.lock();
+            let now = map.get(&volume.name).copied().unwrap_or(0).max(epoch);
+            map.insert(volume.name.clone(), now);
+            self.save(&map)?;
+        }
+        let mut f = volume.fence.lock();
+        while f.draining > 0 {
+            volume.drained.wait(&mut f);
+        }
+        Ok(f.epoch)
+    }
+
+    fn save(&self, map: &BTreeMap<String, u64>) -> Result<(), EpochError> {
+        let io = |what: &'static str, path: &Path| {
+            let path = path.to_owned();
+            move |source| EpochError::Io { what, path, source }
+        };
+        let tmp = self.path.with_extension("tmp");
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io("creating", &tmp))?;
+        f.write_all(render(map).as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(io("writing", &tmp))?;
+        fs::rename(&tmp, &self.path).map_err(io("renaming into place", &self.path))?;
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("syncing the directory of", &self.path))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn raises_persist_and_survive_a_reopen_with_unconfigured_volumes_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Epochs::open(dir.path()).unwrap();
+        let a = e.volume("a");
+        assert_eq!(a.current(), 0);
+        assert_eq!(e.raise(&a, 7).unwrap(), 7);
+        assert_eq!(e.raise(&a, 3).unwrap(), 7, "never lowered");
+        assert_eq!(e.volume("a").current(), 7, "one fence per volume");
+        drop((a, e));
+        // "b" is gone from the config and "c" is new: a's epoch stays, and
+        // so does b's line when c is raised.
+        let e = Epochs::open(dir.path()).unwrap();
+        e.raise(&e.volume("b"), 4).unwrap();
+        drop(e);
+        let e = Epochs::open(dir.path()).unwrap();
+        let (a, c) = (e.volume("a"), e.volume("c"));
+        assert_eq!((a.current(), c.current()), (7, 0));
+        e.raise(&c, 2).unwrap();
+        drop((a, c, e));
+        let e = Epochs::open(dir.path()).unwrap();
+        assert_eq!((e.volume("a").current(), e.volume("c").current()), (7, 2));
+        let text = fs::read_to_string(dir.path().join(EPOCHS_FILE)).unwrap();
+        assert!(
+            text.contains("7 a\n") && text.contains("4 b\n") && text.contains("2 c\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_damaged_file_refuses_to_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Epochs::open(dir.path()).unwrap();
+        e.raise(&e.volume("b"), 12).unwrap();
+        let path = dir.path().join(EPOCHS_FILE);
+        let text = fs::read_to_string(&path).unwrap();
+        fs::write(&path, text.replace("12 b", "11 b")).unwrap();
+        let err = Epochs::open(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("is damaged (checksum") && err.contains("epochs"),
+            "{err}"
+        );
+        fs::write(&path, "garbage").unwrap();
+        assert!(Epochs::open(dir.path()).is_err());
+    }
+
+    #[test]
+    fn stale_sessions_are_refused_and_a_raise_waits_for_running_operations() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Arc::new(Epochs::open(dir.path()).unwrap());
+        let a = e.volume("a");
+        e.raise(&a, 1).unwrap();
+        assert_eq!(a.admit(0).err(), Some(1));
+        let running = a.admit(1).unwrap();
+        let raiser = {
+            let (e, a) = (Arc::clone(&e), Arc::clone(&a));
+            std::thread::spawn(move || e.raise(&a, 2).unwrap())
+        };
+        // The raise is visible at once, but does not return while an
+        // operation admitted at epoch 1 runs.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while a.admit(1).is_ok() {
+            assert!(std::time::Instant::now() < deadline, "raise never applied");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!raiser.is_finished());
+        let newer = a.admit(2).unwrap();
+        drop(running);
+        assert_eq!(raiser.join().unwrap(), 2);
+        drop(newer);
+        assert_eq!(
+            e.volume("b").admit(0).map(|_| ()),
+            Ok(()),
+            "volume b is untouched"
+        );
+    }
+}

@@ -1,0 +1,224 @@
+//! A coordination store in memory, with the faults a real one has: it can
+//! be unreachable, slow, lose compare-and-swap races to another writer, or
+//! apply a swap and lose the answer. Tests only (feature `test-utils`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::{CoordError, CoordErrorKind, CoordFuture, Coordinator, Membership, Swap};
+use crate::replica::clock::Clock;
+
+/// Faults a [`MemoryCoordinator`] handle injects.
+#[derive(Clone, Debug, Default)]
+pub struct CoordFault {
+    /// Every request fails (a partition from the store).
+    pub unavailable: bool,
+    /// Every request answers this late (on the handle's clock).
+    pub delay: Duration,
+    /// The next this many swaps find that another writer stored the next
+    /// epoch (same members) just before.
+    pub lose_races: u32,
+    /// The next this many swaps are stored but answered `Unavailable`.
+    pub lose_answers: u32,
+}
+
+struct Record {
+    membership: Membership,
+    swaps: u64,
+}
+
+/// One writer's handle on a record in memory. [`MemoryCoordinator::writer`]
+/// makes another handle on the same record, with its own lease and faults:
+/// a second writer.
+pub struct MemoryCoordinator {
+    record: Arc<Mutex<Record>>,
+    clock: Arc<dyn Clock>,
+    fault: Mutex<CoordFault>,
+    lease: Mutex<Instant>,
+}
+
+impl MemoryCoordinator {
+    /// A record holding `membership`; the handle's lease never expires
+    /// until [`set_lease_until`](Self::set_lease_until) says otherwise.
+    pub fn new(clock: Arc<dyn Clock>, membership: Membership) -> Arc<Self> {
+        let record = Arc::new(Mutex::new(Record {
+            membership,
+            swaps: 0,
+        }));
+        Self::handle(record, clock)
+    }
+
+    fn handle(record: Arc<Mutex<Record>>, clock: Arc<dyn Clock>) -> Arc<Self> {
+        let forever = clock.now() + Duration::from_secs(1 << 32);
+        Arc::new(Self {
+            record,
+            clock,
+            fault: Mutex::default(),
+            lease: Mutex::new(forever),
+        })
+    }
+
+    /// Another writer's handle on the same record.
+    pub fn writer(&self) -> Arc<Self> {
+        Self::handle(Arc::clone(&self.record), Arc::clone(&self.clock))
+    }
+
+    /// The stored record, read without faults.
+    pub fn record(&self) -> Membership {
+        self.record.lock().membership.clone()
+    }
+
+    /// Successful swaps so far (all handles).
+    pub fn swaps(&self) -> u64 {
+        self.record.lock().swaps
+    }
+
+    /// Replaces this handle's faults.
+    pub fn set_fault(&self, fault: CoordFault) {
+        *self.fault.lock() = fault;
+    }
+
+    /// Changes this handle's faults in place.
+    pub fn update_fault(&self, f: impl FnOnce(&mut CoordFault)) {
+        f(&mut self.fault.lock());
+    }
+
+    /// The lease expires (or expired) at `at`.
+    pub fn set_lease_until(&self, at: Instant) {
+        *self.lease.lock() = at;
+    }
+
+    /// Waits the injected delay, then fails if the store is unreachable.
+    async fn reach(&self) -> Result<(), CoordError> {
+        let delay = self.fault.lock().delay;
+        if !delay.is_zero() {
+            self.clock.sleep(delay).await;
+        }
+        if self.fault.lock().unavailable {
+            return Err(CoordError::new(
+                CoordErrorKind::Unavailable,
+                "the in-memory store is partitioned away (injected)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Coordinator for MemoryCoordinator {
+    fn load(&self) -> CoordFuture<'_, Membership> {
+        Box::pin(async move {
+            self.reach().await?;
+            Ok(self.record())
+        })
+    }
+
+    fn compare_and_swap(&self, expected: u64, next: Membership) -> CoordFuture<'_, Swap> {
+        Box::pin(async move {
+            self.reach().await?;
+            if let Err(why) = next.validate() {
+                return Err(CoordError::new(
+                    CoordErrorKind::Corrupt,
+                    format!("refusing to store {next}: {why}"),
+                ));
+            }
+            assert!(next.epoch > expected, "a swap must raise the epoch");
+            let mut r = self.record.lock();
+            {
+                let mut f = self.fault.lock();
+                if f.lose_races > 0 && r.membership.epoch == expected {
+                    f.lose_races -= 1;
+                    r.membership.epoch += 1;
+                    r.swaps += 1;
+                }
+            }
+            if r.membership.epoch != expected {
+                return Ok(Swap::Lost(r.membership.clone()));
+            }
+            r.membership = next;
+            r.swaps += 1;
+            let mut f = self.fault.lock();
+            if f.lose_answers > 0 {
+                f.lose_answers -= 1;
+                return Err(CoordError::new(
+                    CoordErrorKind::Unavailable,
+                    "the answer was lost after the swap was stored (injected)",
+                ));
+            }
+            Ok(Swap::Done)
+        })
+    }
+
+    fn lease_until(&self) -> Instant {
+        *self.lease.lock()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::executor::block_on;
+
+    use super::*;
+    use crate::replica::clock::system;
+    use crate::replica::coordinator::MemberState;
+
+    fn two() -> Membership {
+        Membership::new_volume(&["a".into(), "b".into()]).unwrap()
+    }
+
+    fn without_b(epoch: u64) -> Membership {
+        let mut m = two();
+        m.epoch = epoch;
+        m.members[1].state = MemberState::Failed;
+        m
+    }
+
+    #[test]
+    fn swaps_are_conditioned_on_the_epoch() {
+        let c = MemoryCoordinator::new(system(), two());
+        assert_eq!(
+            block_on(c.compare_and_swap(1, without_b(2))).unwrap(),
+            Swap::Done
+        );
+        let lost = block_on(c.compare_and_swap(1, without_b(2))).unwrap();
+        assert_eq!(lost, Swap::Lost(without_b(2)));
+        assert_eq!(c.swaps(), 1);
+    }
+
+    #[test]
+    fn injected_faults_behave_as_a_real_store_would() {
+        let c = MemoryCoordinator::new(system(), two());
+        c.set_fault(CoordFault {
+            unavailable: true,
+            ..CoordFault::default()
+        });
+        let e = block_on(c.load()).unwrap_err();
+        assert_eq!(e.kind, CoordErrorKind::Unavailable);
+        c.set_fault(CoordFault {
+            lose_races: 1,
+            ..CoordFault::default()
+        });
+        match block_on(c.compare_and_swap(1, without_b(2))).unwrap() {
+            Swap::Lost(now) => assert_eq!((now.epoch, now.active().count()), (2, 2)),
+            Swap::Done => panic!("the race was not lost"),
+        }
+        c.update_fault(|f| f.lose_answers = 1);
+        let e = block_on(c.compare_and_swap(2, without_b(3))).unwrap_err();
+        assert_eq!(e.kind, CoordErrorKind::Unavailable);
+        assert_eq!(
+            c.record(),
+            without_b(3),
+            "stored although the answer was lost"
+        );
+        let second = c.writer();
+        assert_eq!(block_on(second.load()).unwrap(), without_b(3));
+        let past = Instant::now() - Duration::from_secs(1);
+        second.set_lease_until(past);
+        assert_eq!(second.lease_until(), past);
+        assert!(
+            c.lease_until() > Instant::now(),
+            "each writer has its own lease"
+        );
+    }
+}

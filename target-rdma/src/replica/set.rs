@@ -1,0 +1,447 @@
+//! The state one device's queues share: the recorded membership, the
+//! members' sessions, and the one path that changes the membership (the
+//! removal of failed members, recorded in the coordination store before
+//! anything they missed is acknowledged).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::{select, Either};
+use futures::lock::Mutex as AsyncMutex;
+use parking_lot::{Mutex, RwLock};
+
+use super::clock::Clock;
+use super::coordinator::{CoordError, CoordErrorKind, Coordinator, MemberState, Membership, Swap};
+use super::keys::KeyLocks;
+use super::member::{Lane, Member, MemberIo, MemberSessions};
+use super::ReplicatedIo;
+use crate::blob::{ArenaError, ReplicaFailure};
+
+/// How a replicated volume waits.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// A read not answered after this long is sent to a second healthy
+    /// member as well; the first answer wins.
+    pub hedge_after: Duration,
+    /// How long a request may wait for a membership change (the removal of
+    /// a member that failed it) before it fails unacknowledged.
+    pub change_deadline: Duration,
+    /// Longest wait for one coordination request.
+    pub coord_timeout: Duration,
+    /// Pause between attempts to reach the coordination store.
+    pub coord_retry: Duration,
+}
+
+impl Default for ReplicaConfig {
+    fn default() -> Self {
+        Self {
+            hedge_after: Duration::from_millis(2),
+            change_deadline: Duration::from_secs(5),
+            coord_timeout: Duration::from_secs(1),
+            coord_retry: Duration::from_millis(50),
+        }
+    }
+}
+
+/// What a replicated volume counted; the daemon exports it.
+#[derive(Debug, Default)]
+pub struct ReplicaStats {
+    /// Members taken out of the membership (recorded as failed).
+    pub removals: AtomicU64,
+    /// Membership changes recorded by this writer.
+    pub epoch_changes: AtomicU64,
+    /// Reads sent to a second member because the first was slow.
+    pub hedged_reads: AtomicU64,
+    /// Hedged reads the second member answered first.
+    pub hedge_wins: AtomicU64,
+    /// Answers discarded because their member turned out stale or failed.
+    pub stale_answers: AtomicU64,
+    /// Requests refused because the writer is fenced.
+    pub fenced: AtomicU64,
+    /// Requests refused because a removal could not be recorded in time.
+    pub unrecorded: AtomicU64,
+}
+
+impl ReplicaStats {
+    fn count(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The membership as the requests see it: one immutable snapshot, replaced
+/// whole on every change, so a request never mixes two epochs.
+pub(super) struct View<S> {
+    pub(super) membership: Membership,
+    /// The active members (healthy and syncing), in record order.
+    pub(super) active: Vec<(Arc<Member<S>>, MemberState)>,
+}
+
+impl<S> View<S> {
+    /// Active members' ids.
+    pub(super) fn active_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.active.iter().map(|(m, _)| m.id)
+    }
+}
+
+/// One replicated volume of one device: shared by all its queues
+/// ([`ReplicaSet::queue`] gives each queue its [`ReplicatedIo`]).
+pub struct ReplicaSet<S> {
+    volume: String,
+    coord: Arc<dyn Coordinator>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) config: ReplicaConfig,
+    /// Every member this writer has sessions for; a peer that came back
+    /// (rebuilt) is a later entry of the same peer, which supersedes the
+    /// earlier one.
+    pub(super) members: RwLock<Vec<Arc<Member<S>>>>,
+    view: RwLock<Arc<View<S>>>,
+    /// The per-key guard between rebuild copies and writes.
+    pub(super) keys: KeyLocks,
+    /// Serializes this writer's membership changes: each is conditioned
+    /// on the epoch the previous one stored.
+    change: AsyncMutex<()>,
+    /// Set once this writer learns it may no longer write; never cleared.
+    fenced: AtomicBool,
+    fence_reason: Mutex<Option<String>>,
+    stats: ReplicaStats,
+}
+
+impl<S: MemberIo> ReplicaSet<S> {
+    /// Opens the volume as its writer: reads the record, takes a new epoch
+    /// (which fences any earlier writer's sessions) and presents it to
+    /// every active member. `sessions` must cover every active member of
+    /// the record, each with the same number of queues.
+    pub async fn open(
+        volume: impl Into<String>,
+        coord: Arc<dyn Coordinator>,
+        clock: Arc<dyn Clock>,
+        config: ReplicaConfig,
+        sessions: Vec<(String, MemberSessions<S>)>,
+    ) -> Result<Arc<Self>, ArenaError> {
+        let volume: String = volume.into();
+        let name = volume.clone();
+        let refuse = |detail: String| ArenaError::Replica {
+            volume: name.clone(),
+            failure: ReplicaFailure::NoMember,
+            detail,
+        };
+        let queues = sessions.first().map_or(0, |(_, s)| s.queues.len());
+        if queues == 0 || sessions.iter().any(|(_, s)| s.queues.len() != queues) {
+            return Err(refuse(
+                "every member needs one session per queue, and at least one queue".into(),
+            ));
+        }
+        let members: Vec<_> = sessions
+            .into_iter()
+            .enumerate()
+            .map(|(i, (peer, s))| Arc::new(Member::new(peer, i as u64, s)))
+            .collect();
+        let bytes = members[0].session(Lane::Background).blob_bytes();
+        if members
+            .iter()
+            .any(|m| m.session(Lane::Background).blob_bytes() != bytes)
+        {
+            return Err(refuse("members disagree on the blob size".into()));
+        }
+        let unavailable = |e: CoordError| ArenaError::Replica {
+            volume: name.clone(),
+            failure: ReplicaFailure::Unrecorded,
+            detail: format!("cannot open the volume: {e}"),
+        };
+        let record = coord.load().await.map_err(unavailable)?;
+        let mut next = record.clone();
+        next.epoch = record.epoch + 1;
+        let set = Arc::new(Self {
+            view: RwLock::new(Arc::new(View {
+                membership: record.clone(),
+                active: Vec::new(),
+            })),
+            volume,
+            coord,
+            clock,
+            config,
+            members: RwLock::new(members),
+            keys: KeyLocks::default(),
+            change: AsyncMutex::new(()),
+            fenced: AtomicBool::new(false),
+            fence_reason: Mutex::new(None),
+            stats: ReplicaStats::default(),
+        });
+        let view = set.view_of(&next).map_err(refuse)?;
+        match set.coord.compare_and_swap(record.epoch, next).await {
+            Ok(Swap::Done) => {}
+            Ok(Swap::Lost(now)) => {
+                return Err(unavailable(CoordError::new(
+                    CoordErrorKind::LeaseHeld,
+                    format!("another writer changed the record meanwhile, to {now}"),
+                )))
+            }
+            Err(e) => return Err(unavailable(e)),
+        }
+        set.install(view).await;
+        Ok(set)
+    }
+
+    /// The request path of queue `q`.
+    pub fn queue(self: &Arc<Self>, q: usize) -> Option<ReplicatedIo<S>> {
+        let queues = self.members.read()[0].queues();
+        (q < queues).then(|| ReplicatedIo::new(Arc::clone(self), Lane::Queue(q)))
+    }
+
+    /// The volume's name.
+    pub fn volume(&self) -> &str {
+        &self.volume
+    }
+
+    /// The membership requests are served under now.
+    pub fn membership(&self) -> Membership {
+        self.view().membership.clone()
+    }
+
+    /// What the volume counted.
+    pub fn stats(&self) -> &ReplicaStats {
+        &self.stats
+    }
+
+    pub(super) fn view(&self) -> Arc<View<S>> {
+        Arc::clone(&self.view.read())
+    }
+
+    /// The sessions of `record`'s active members; an error names an active
+    /// peer this writer has no sessions for.
+    pub(super) fn view_of(&self, record: &Membership) -> Result<View<S>, String> {
+        let members = self.members.read();
+        let mut active = Vec::new();
+        for r in record.active() {
+            let m = members
+                .iter()
+                .rev()
+                .find(|m| m.peer == r.peer)
+                .ok_or_else(|| format!("{record} names peer {} without sessions", r.peer))?;
+            active.push((Arc::clone(m), r.state));
+        }
+        Ok(View {
+            membership: record.clone(),
+            active,
+        })
+    }
+
+    /// Makes `view` the one requests see, then presents its epoch on the
+    /// members' background sessions (queues present it on their next
+    /// request). A member that cannot take it becomes suspect.
+    async fn install(&self, view: View<S>) {
+        let epoch = view.membership.epoch;
+        let active: Vec<_> = view.active.iter().map(|(m, _)| Arc::clone(m)).collect();
+        *self.view.write() = Arc::new(view);
+        for m in active {
+            if let Err(e) = m.raise(Lane::Background, epoch).await {
+                m.suspect(format!("cannot present epoch {epoch}: {e}"));
+            }
+        }
+    }
+
+    /// An error for a refusal of the volume's own.
+    pub(super) fn refusal(&self, failure: ReplicaFailure, detail: String) -> ArenaError {
+        match failure {
+            ReplicaFailure::Fenced => ReplicaStats::count(&self.stats.fenced),
+            ReplicaFailure::Unrecorded => ReplicaStats::count(&self.stats.unrecorded),
+            ReplicaFailure::NoMember => {}
+        }
+        ArenaError::Replica {
+            volume: self.volume.clone(),
+            failure,
+            detail,
+        }
+    }
+
+    /// Fences this writer for good: `why` says what showed it.
+    pub(super) fn fence(&self, why: String) {
+        self.fence_reason.lock().get_or_insert(why);
+        self.fenced.store(true, Ordering::Release);
+    }
+
+    /// Whether this writer may still acknowledge writes: not fenced, and
+    /// its lease runs past now.
+    pub(super) fn may_acknowledge(&self) -> Result<(), ArenaError> {
+        if !self.fenced.load(Ordering::Acquire) && self.coord.lease_until() > self.clock.now() {
+            return Ok(());
+        }
+        let why = match self.fence_reason.lock().clone() {
+            Some(why) => why,
+            None => "the writer lease expired".into(),
+        };
+        self.fence(why.clone());
+        Err(self.refusal(ReplicaFailure::Fenced, why))
+    }
+
+    pub(super) fn count_stale_answer(&self) {
+        ReplicaStats::count(&self.stats.stale_answers);
+    }
+
+    pub(super) fn count_hedge(&self, won: bool) {
+        ReplicaStats::count(&self.stats.hedged_reads);
+        if won {
+            ReplicaStats::count(&self.stats.hedge_wins);
+        }
+    }
+
+    /// Runs `f` with a deadline on the set's clock; `None` when it passed.
+    pub(super) async fn within<T>(
+        &self,
+        deadline: Instant,
+        f: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        let f = std::pin::pin!(f);
+        match select(f, self.clock.sleep_until(deadline)).await {
+            Either::Left((v, _)) => Some(v),
+            Either::Right(_) => None,
+        }
+    }
+
+    /// Takes the members `failed` (ids) out of the membership, recorded in
+    /// the coordination store, unless a change since took them out
+    /// already. Returns once no member of the current view is in `failed`;
+    /// errs when that cannot be recorded by `deadline`, when it would leave
+    /// no healthy member, or when this writer is fenced.
+    pub(super) async fn exclude(
+        &self,
+        failed: &HashSet<u64>,
+        deadline: Instant,
+    ) -> Result<(), ArenaError> {
+        let what = failed_names(&self.members.read(), failed).join(", ");
+        self.change(&format!("removing {what}"), deadline, |view| {
+            let still: Vec<_> = view
+                .active
+                .iter()
+                .filter(|(m, _)| failed.contains(&m.id))
+                .map(|(m, _)| Arc::clone(m))
+                .collect();
+            if still.is_empty() {
+                return Ok(None);
+            }
+            let next = next_of(&view.membership, &still);
+            if next.validate().is_err() {
+                // No healthy copy would be left: keep the last ones and let
+                // the caller fail; they may come back.
+                let why: Vec<_> = still.iter().map(|m| m.failure()).collect();
+                for m in &still {
+                    m.clear_suspect();
+                }
+                return Err(self.refusal(
+                    ReplicaFailure::NoMember,
+                    format!("no healthy member left: {}", why.join("; ")),
+                ));
+            }
+            Ok(Some((next, still.len() as u64)))
+        })
+        .await
+    }
+
+    /// Records the change `plan` makes to the current view, and installs
+    /// the record. `plan` says what to store next and how many members it
+    /// takes out, or `None` when nothing remains to do (the change, or one
+    /// that makes it moot, is in place). A lost race or an unknown outcome
+    /// is followed by reading the record and planning again, until
+    /// `deadline`.
+    pub(super) async fn change(
+        &self,
+        what: &str,
+        deadline: Instant,
+        plan: impl Fn(&View<S>) -> Result<Option<(Membership, u64)>, ArenaError>,
+    ) -> Result<(), ArenaError> {
+        let unrecorded = |detail: String| self.refusal(ReplicaFailure::Unrecorded, detail);
+        let Some(_guard) = self.within(deadline, self.change.lock()).await else {
+            return Err(unrecorded(format!(
+                "{what}: timed out waiting for another membership change"
+            )));
+        };
+        let mut last_error = String::from("no attempt finished in time");
+        loop {
+            self.may_acknowledge()?;
+            let view = self.view();
+            let Some((next, removals)) = plan(&view)? else {
+                return Ok(());
+            };
+            let expected = view.membership.epoch;
+            let cas = self.coord.compare_and_swap(expected, next.clone());
+            let timeout = deadline.min(self.clock.now() + self.config.coord_timeout);
+            let settled = match self.within(timeout, cas).await {
+                Some(Ok(Swap::Done)) => Some(next.clone()),
+                Some(Ok(Swap::Lost(now))) => Some(now),
+                Some(Err(e)) if e.kind == CoordErrorKind::LeaseHeld => {
+                    self.fence(format!("{e}"));
+                    return self.may_acknowledge();
+                }
+                Some(Err(e)) => {
+                    last_error = e.to_string();
+                    None
+                }
+                None => {
+                    last_error = "the compare-and-swap timed out".into();
+                    None
+                }
+            };
+            // After an unknown outcome, the record says what happened.
+            let settled = match settled {
+                Some(s) => Some(s),
+                None => {
+                    let pause = self.clock.now() + self.config.coord_retry;
+                    if pause >= deadline {
+                        break;
+                    }
+                    self.clock.sleep_until(pause).await;
+                    let timeout = deadline.min(self.clock.now() + self.config.coord_timeout);
+                    match self.within(timeout, self.coord.load()).await {
+                        Some(Ok(now)) if now.epoch > expected => Some(now),
+                        Some(Ok(_)) => None,
+                        Some(Err(e)) => {
+                            last_error = e.to_string();
+                            None
+                        }
+                        None => None,
+                    }
+                }
+            };
+            if let Some(record) = settled {
+                let v = self.view_of(&record).map_err(|why| {
+                    unrecorded(format!(
+                        "{what}: the record moved on in a way this writer cannot follow: {why}"
+                    ))
+                })?;
+                ReplicaStats::count(&self.stats.epoch_changes);
+                if record == next {
+                    self.stats.removals.fetch_add(removals, Ordering::Relaxed);
+                }
+                self.install(v).await;
+            }
+            if self.clock.now() >= deadline {
+                break;
+            }
+        }
+        Err(unrecorded(format!(
+            "{what} was not recorded in time: {last_error}"
+        )))
+    }
+}
+
+/// The record that takes `still` out of `m`.
+fn next_of<S>(m: &Membership, still: &[Arc<Member<S>>]) -> Membership {
+    let mut next = m.clone();
+    next.epoch += 1;
+    for r in next.members.iter_mut() {
+        if still.iter().any(|s| s.peer == r.peer) {
+            r.state = MemberState::Failed;
+        }
+    }
+    next
+}
+
+fn failed_names<S>(members: &[Arc<Member<S>>], failed: &HashSet<u64>) -> Vec<String> {
+    members
+        .iter()
+        .filter(|m| failed.contains(&m.id))
+        .map(|m| m.peer.clone())
+        .collect()
+}

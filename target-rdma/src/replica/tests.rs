@@ -1,0 +1,490 @@
+//! One test per rule of docs/REPLICATION.md, on fake members and the
+//! in-memory coordination store.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::executor::block_on;
+use futures::future::join_all;
+
+use std::future::Future;
+
+use super::clock::{system, Clock, ManualClock};
+use super::fake::{FakeFault, FakePeer, FakeSession};
+use super::*;
+use crate::blob::{BlobIo, ErrorKind, ReplicaFailure};
+use crate::proto::Status;
+
+const BLOB: u32 = 4096;
+
+struct Volume {
+    peers: Vec<Arc<FakePeer>>,
+    coord: Arc<MemoryCoordinator>,
+    set: Arc<ReplicaSet<FakeSession>>,
+}
+
+impl Volume {
+    fn io(&self) -> ReplicatedIo<FakeSession> {
+        self.set.queue(0).unwrap()
+    }
+
+    fn state(&self, peer: usize) -> Option<MemberState> {
+        self.coord.record().state(self.peers[peer].name())
+    }
+}
+
+fn config() -> ReplicaConfig {
+    ReplicaConfig {
+        hedge_after: Duration::from_millis(2),
+        change_deadline: Duration::from_millis(300),
+        coord_timeout: Duration::from_millis(100),
+        coord_retry: Duration::from_millis(10),
+    }
+}
+
+fn volume(n: usize) -> Volume {
+    volume_on(system(), n)
+}
+
+fn volume_on(clock: Arc<dyn Clock>, n: usize) -> Volume {
+    let peers: Vec<_> = (0..n)
+        .map(|i| FakePeer::new(&format!("p{i}"), BLOB, Arc::clone(&clock)))
+        .collect();
+    let names: Vec<_> = peers.iter().map(|p| p.name().to_string()).collect();
+    let coord = MemoryCoordinator::new(Arc::clone(&clock), Membership::new_volume(&names).unwrap());
+    let sessions = peers
+        .iter()
+        .map(|p| (p.name().to_string(), p.sessions(2)))
+        .collect();
+    let set = block_on(ReplicaSet::open(
+        "vol",
+        Arc::clone(&coord) as Arc<dyn Coordinator>,
+        clock,
+        config(),
+        sessions,
+    ))
+    .unwrap();
+    Volume { peers, coord, set }
+}
+
+fn down() -> FakeFault {
+    FakeFault {
+        down: true,
+        ..FakeFault::default()
+    }
+}
+
+fn read(io: &ReplicatedIo<FakeSession>, key: u64) -> Vec<u8> {
+    let mut out = vec![0; 8];
+    block_on(io.read(key, 0, &mut out)).unwrap();
+    out
+}
+
+#[test]
+fn opening_takes_a_new_epoch_and_presents_it_to_every_member() {
+    let v = volume(3);
+    assert_eq!(v.coord.record().epoch, 2);
+    for p in &v.peers {
+        assert_eq!(p.epoch(), 2, "{}", p.name());
+    }
+    assert_eq!(v.set.queue(2).map(|_| ()), None, "two queues only");
+}
+
+#[test]
+fn a_write_reaches_every_member_before_it_is_acknowledged() {
+    let v = volume(3);
+    let io = v.io();
+    block_on(io.write(7, 0, b"abcdefgh")).unwrap();
+    for p in &v.peers {
+        assert_eq!(&p.blob(7).unwrap()[..8], b"abcdefgh", "{}", p.name());
+    }
+    assert_eq!(read(&io, 7), b"abcdefgh");
+    assert_eq!(v.set.stats().removals.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_failed_member_is_recorded_as_failed_before_the_write_is_acknowledged() {
+    let v = volume(3);
+    v.peers[1].set_fault(down());
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+    let record = v.coord.record();
+    assert_eq!(record.epoch, 3);
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+    assert_eq!(record.active().count(), 2);
+    assert_eq!(v.set.membership(), record);
+    // The remaining members present the new epoch; later writes skip p1.
+    assert_eq!(v.peers[0].epoch(), 3);
+    v.peers[1].set_fault(FakeFault::default());
+    block_on(v.io().write(2, 0, b"later...")).unwrap();
+    assert_eq!(v.peers[1].blob(2), None, "a removed member gets nothing");
+    assert_eq!(v.set.stats().removals.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_removal_the_store_cannot_record_fails_the_write() {
+    let v = volume(2);
+    v.peers[1].set_fault(down());
+    v.coord.set_fault(CoordFault {
+        unavailable: true,
+        ..CoordFault::default()
+    });
+    let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+    assert_eq!(v.state(1), Some(MemberState::Healthy), "nothing recorded");
+    assert_eq!(v.coord.record().epoch, 2);
+    // Once the store answers, the removal is recorded and writes succeed.
+    v.coord.set_fault(CoordFault::default());
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+}
+
+#[test]
+fn a_slow_store_fails_the_write_at_the_deadline() {
+    let v = volume(2);
+    v.peers[0].set_fault(down());
+    v.coord.set_fault(CoordFault {
+        delay: Duration::from_secs(5),
+        ..CoordFault::default()
+    });
+    let start = Instant::now();
+    let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "bounded by the deadline"
+    );
+    assert_eq!(v.set.stats().unrecorded.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn lost_races_and_lost_answers_are_followed_not_acknowledged_blindly() {
+    let v = volume(3);
+    v.peers[2].set_fault(down());
+    v.coord.set_fault(CoordFault {
+        lose_races: 2,
+        lose_answers: 1,
+        ..CoordFault::default()
+    });
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+    let record = v.coord.record();
+    assert_eq!(v.state(2), Some(MemberState::Failed));
+    // Two foreign epochs, then ours (whose answer was lost).
+    assert_eq!(record.epoch, 5);
+    assert_eq!(v.set.membership(), record);
+}
+
+#[test]
+fn a_record_naming_peers_without_sessions_cannot_be_followed() {
+    let v = volume(2);
+    let other = v.coord.writer();
+    let mut foreign = v.coord.record();
+    foreign.epoch += 1;
+    foreign.members[1].peer = "elsewhere".into();
+    assert_eq!(
+        block_on(other.compare_and_swap(foreign.epoch - 1, foreign)).unwrap(),
+        Swap::Done
+    );
+    v.peers[1].set_fault(down());
+    let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+    assert!(e.to_string().contains("elsewhere"), "{e}");
+}
+
+#[test]
+fn an_expired_lease_fences_the_writer_for_good() {
+    let v = volume(2);
+    v.coord
+        .set_lease_until(Instant::now() - Duration::from_millis(1));
+    let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+    assert_eq!(v.peers[0].blob(1), None, "refused before sending");
+    v.coord
+        .set_lease_until(Instant::now() + Duration::from_secs(60));
+    let e = block_on(v.io().flush()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+}
+
+#[test]
+fn a_lease_lost_during_the_write_withholds_the_acknowledgement() {
+    let v = volume(2);
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(50));
+    let io = v.io();
+    let lease = Instant::now() + Duration::from_millis(20);
+    v.coord.set_lease_until(lease);
+    let e = block_on(io.write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+}
+
+#[test]
+fn the_request_s_own_fault_is_the_caller_s_error_and_blames_no_member() {
+    let v = volume(2);
+    let io = v.io();
+    let e = block_on(io.write(1, BLOB - 4, b"12345678")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Status(Status::Protocol), "{e}");
+    v.peers[1].update_fault(|f| f.quota_blobs = Some(0));
+    let e = block_on(io.write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Status(Status::QuotaExceeded), "{e}");
+    assert_eq!(v.coord.record().epoch, 2, "no member removed");
+    let mut out = [0; 8];
+    let e = block_on(io.read(1, BLOB - 4, &mut out)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Status(Status::Protocol), "{e}");
+}
+
+#[test]
+fn the_last_copy_is_kept_and_the_caller_gets_the_error() {
+    let v = volume(2);
+    v.peers[0].set_fault(down());
+    v.peers[1].set_fault(down());
+    let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::NoMember),
+        "{e}"
+    );
+    assert_eq!(v.coord.record().active().count(), 2, "nobody removed");
+    // Back from the partition: the same members serve again.
+    v.peers[0].set_fault(FakeFault::default());
+    v.peers[1].set_fault(FakeFault::default());
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+    assert_eq!(read(&v.io(), 1), b"12345678");
+}
+
+#[test]
+fn a_member_that_lost_acknowledged_writes_is_never_read() {
+    let v = volume(2);
+    let io = v.io();
+    block_on(io.write(3, 0, b"acked...")).unwrap();
+    // p0 restarts and loses the unflushed write; p1 still has it.
+    v.peers[0].crash();
+    assert_eq!(v.peers[0].blob(3), None);
+    for _ in 0..4 {
+        assert_eq!(read(&io, 3), b"acked...");
+    }
+    // The next write removes it.
+    block_on(io.write(4, 0, b"next....")).unwrap();
+    assert_eq!(v.state(0), Some(MemberState::Failed));
+}
+
+#[test]
+fn a_flush_that_reports_lost_writes_removes_the_member() {
+    let v = volume(3);
+    let io = v.io();
+    block_on(io.write(3, 0, b"acked...")).unwrap();
+    v.peers[2].crash();
+    block_on(io.flush()).unwrap();
+    assert_eq!(v.state(2), Some(MemberState::Failed));
+    for p in &v.peers[..2] {
+        assert_eq!(&p.blob(3).unwrap()[..8], b"acked...");
+    }
+}
+
+#[test]
+fn a_slow_read_is_hedged_to_another_healthy_member() {
+    let v = volume(2);
+    let io = v.io();
+    block_on(io.write(5, 0, b"hedged..")).unwrap();
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(200));
+    v.peers[1].update_fault(|f| f.delay = Duration::ZERO);
+    let start = Instant::now();
+    assert_eq!(read(&io, 5), b"hedged..");
+    assert!(
+        start.elapsed() < Duration::from_millis(200),
+        "the hedge answered"
+    );
+    let stats = v.set.stats();
+    assert_eq!(stats.hedged_reads.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.hedge_wins.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_read_falls_back_when_its_member_fails() {
+    let v = volume(3);
+    let io = v.io();
+    block_on(io.write(5, 0, b"fallback")).unwrap();
+    v.peers[0].set_fault(down());
+    v.peers[1].set_fault(down());
+    assert_eq!(read(&io, 5), b"fallback");
+    v.peers[2].set_fault(down());
+    let mut out = [0; 8];
+    let e = block_on(io.read(5, 0, &mut out)).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::NoMember),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_removal_one_request_makes_is_seen_by_all_concurrent_ones() {
+    let v = volume(3);
+    v.peers[1].set_fault(down());
+    let q0 = v.set.queue(0).unwrap();
+    let q1 = v.set.queue(1).unwrap();
+    let writes = (0..16u64).map(|k| {
+        let io = if k % 2 == 0 { &q0 } else { &q1 };
+        async move { io.write(k, 0, &k.to_le_bytes()).await }
+    });
+    for r in block_on(join_all(writes)) {
+        r.unwrap();
+    }
+    assert_eq!(v.coord.swaps(), 2, "the open, then one removal");
+    assert_eq!(v.set.stats().removals.load(Ordering::Relaxed), 1);
+    for k in 0..16u64 {
+        for p in [0, 2] {
+            assert_eq!(&v.peers[p].blob(k).unwrap()[..8], &k.to_le_bytes());
+        }
+    }
+}
+
+#[test]
+fn a_dropped_answer_counts_as_a_failure() {
+    let v = volume(2);
+    v.peers[0].update_fault(|f| f.drop_answers = 1);
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+    assert_eq!(v.state(0), Some(MemberState::Failed));
+}
+
+fn rebuild_cfg(keys: u64, bytes_per_sec: u64) -> RebuildConfig {
+    RebuildConfig {
+        keys: 0..keys,
+        bytes_per_sec,
+        change_deadline: Duration::from_millis(300),
+    }
+}
+
+#[test]
+fn a_spare_is_rebuilt_and_becomes_healthy() {
+    let v = volume(2);
+    let io = v.io();
+    for k in 0..8u64 {
+        block_on(io.write(k, 0, &k.to_le_bytes())).unwrap();
+    }
+    v.peers[1].set_fault(down());
+    block_on(io.write(9, 0, b"9.......")).unwrap();
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+    // Blob 3 was removed while p1 was out; the spare must not have it.
+    block_on(io.remove(3, 4)).unwrap();
+    let spare = FakePeer::new("spare", BLOB, system());
+    block_on(spare.sessions(2).background.write(3, 0, b"leftover")).unwrap();
+    let stats = RebuildStats::default();
+    block_on(
+        v.set
+            .rebuild("spare", spare.sessions(2), &rebuild_cfg(12, 0), &stats),
+    )
+    .unwrap();
+    let record = v.coord.record();
+    assert_eq!(
+        record.state("spare"),
+        Some(MemberState::Healthy),
+        "{record}"
+    );
+    assert_eq!(
+        stats.bytes_copied.load(Ordering::Relaxed),
+        12 * u64::from(BLOB)
+    );
+    assert_eq!(stats.bytes_remaining.load(Ordering::Relaxed), 0);
+    for k in 0..12u64 {
+        assert_eq!(spare.blob(k), v.peers[0].blob(k), "key {k}");
+    }
+    assert_eq!(spare.blob(3), None);
+    // The spare now carries the volume alone.
+    v.peers[0].set_fault(down());
+    assert_eq!(read(&io, 9), b"9.......");
+    assert_eq!(&read(&io, 5)[..8], &5u64.to_le_bytes());
+}
+
+#[test]
+fn a_peer_back_after_losing_writes_rejoins_with_fresh_sessions() {
+    let v = volume(2);
+    let io = v.io();
+    block_on(io.write(1, 0, b"first...")).unwrap();
+    v.peers[1].crash();
+    block_on(io.write(2, 0, b"second..")).unwrap();
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+    let stats = RebuildStats::default();
+    let back = v.peers[1].sessions(2);
+    block_on(v.set.rebuild("p1", back, &rebuild_cfg(4, 0), &stats)).unwrap();
+    assert_eq!(v.state(1), Some(MemberState::Healthy));
+    v.peers[0].set_fault(down());
+    assert_eq!(read(&io, 1), b"first...");
+    assert_eq!(read(&io, 2), b"second..");
+}
+
+#[test]
+fn a_copy_never_overwrites_a_newer_write() {
+    let v = volume(2);
+    let io = v.io();
+    for k in 0..6u64 {
+        block_on(io.write(k, 0, b"old.....")).unwrap();
+    }
+    v.peers[1].set_fault(down());
+    block_on(io.write(0, 0, b"old.....")).unwrap();
+    // Copies read p0 slowly, so writes arrive while a copy is in flight.
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(3));
+    let spare = FakePeer::new("spare", BLOB, system());
+    let stats = RebuildStats::default();
+    let cfg = rebuild_cfg(6, 0);
+    let rebuild = v.set.rebuild("spare", spare.sessions(2), &cfg, &stats);
+    let writes = async {
+        // Wait until the spare is syncing, then overwrite every key.
+        while v.set.membership().state("spare").is_none() {
+            system().sleep(Duration::from_millis(1)).await;
+        }
+        for k in 0..6u64 {
+            io.write(k, 0, b"new.....").await.unwrap();
+        }
+    };
+    let (r, ()) = block_on(futures::future::join(rebuild, writes));
+    r.unwrap();
+    for k in 0..6u64 {
+        assert_eq!(&spare.blob(k).unwrap()[..8], b"new.....", "key {k}");
+    }
+}
+
+#[test]
+fn a_rebuild_is_paced_by_its_rate_limit() {
+    let clock = ManualClock::new();
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 1);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Clock>);
+    let stats = RebuildStats::default();
+    // 8 blobs of 4 KiB at 256 KiB/s: 125 ms of virtual time.
+    let cfg = rebuild_cfg(8, 256 << 10);
+    let mut rebuild = std::pin::pin!(v.set.rebuild("spare", spare.sessions(2), &cfg, &stats));
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let start = clock.elapsed();
+    loop {
+        match rebuild.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(r) => break r.unwrap(),
+            std::task::Poll::Pending => clock.advance_to(clock.next_deadline().unwrap()),
+        }
+    }
+    assert_eq!(clock.elapsed() - start, Duration::from_millis(125));
+}
+
+#[test]
+fn a_replacement_that_fails_its_copy_is_removed() {
+    let v = volume(2);
+    let spare = FakePeer::new("spare", BLOB, system());
+    spare.update_fault(|f| f.drop_requests = 3);
+    let stats = RebuildStats::default();
+    let sessions = spare.sessions(2);
+    // The join presents the epoch (dropped: suspect), the copy fails.
+    let e = block_on(v.set.rebuild("spare", sessions, &rebuild_cfg(4, 0), &stats)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert_eq!(v.coord.record().state("spare"), Some(MemberState::Failed));
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+}
