@@ -115,7 +115,10 @@ fn both_daemons_log_one_json_shape() {
         assert!(!m.contains_key("fields"), "{name} nests fields: {m:?}");
         // No module path under `target`: events that name the I/O target
         // use that key.
-        assert!(!m.contains_key("target"), "{name} has a module target: {m:?}");
+        assert!(
+            !m.contains_key("target"),
+            "{name} has a module target: {m:?}"
+        );
         assert_eq!(m["level"], "INFO", "{name}");
         // RFC 3339 in UTC, same precision.
         let ts = m["timestamp"].as_str().unwrap();

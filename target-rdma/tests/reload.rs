@@ -1,7 +1,8 @@
 //! SIGHUP against the real `arenad` process: volumes added and removed,
 //! a secret rotated without a restart (new sessions prove the new one,
 //! open sessions go on), a bad config kept out, keys that need a restart
-//! named, and no exit 129.
+//! named, and no exit 129; a volume added by SIGHUP has a membership
+//! epoch like the others, kept across unserving and a restart.
 
 mod common;
 
@@ -155,4 +156,90 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}");
+}
+
+/// A client of `volume` that speaks protocol version 2 only, at `epoch`.
+fn connect_v2(p: &Arenad, volume: &str, secret_value: &str, epoch: u64) -> ArenaClient {
+    let mut cfg = ClientConfig::new(
+        format!("127.0.0.1:{}", p.port),
+        volume,
+        secret(secret_value),
+    );
+    cfg.versions = 2..=2;
+    cfg.epoch = epoch;
+    ArenaClient::connect(cfg).expect("a version 2 session")
+}
+
+#[test]
+fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Arenad::new(dir.path(), "512K", "64K", "64M", None);
+    let original = std::fs::read_to_string(&p.cfg).unwrap();
+    let (mut proc, lines) = p.spawn_logged(&[]);
+    until(&lines, "arenad.ready");
+
+    // Volume c comes in by SIGHUP, after a and b (a third volume index).
+    let c_key = secret_file(dir.path(), "c.key", SECRET_C);
+    let with_c = format!(
+        "{original}\n[[volume]]\nname = \"c\"\nsecret_file = \"{}\"\nquota = \"1M\"\n",
+        c_key.display()
+    );
+    std::fs::write(&p.cfg, &with_c).unwrap();
+    let seen = hup(&mut proc, &lines, "config.reloaded");
+    assert!(has(&seen, "volume.served", "\"volume\":\"c\""), "{seen:#?}");
+
+    let stale = |r: Result<(), ArenaError>| {
+        let e = r.expect_err("a stale writer is refused");
+        assert_eq!(
+            e.status(),
+            Some(target_rdma::proto::Status::StaleEpoch),
+            "{e}"
+        );
+    };
+    let old = connect_v2(&p, "c", SECRET_C, 1);
+    block_on(old.write(1, 0, &pattern(1, 1, BLOB))).unwrap();
+    // A newer writer fences the first out; EPOCH raises past it again.
+    let new = connect_v2(&p, "c", SECRET_C, 2);
+    stale(block_on(old.write(1, 0, &pattern(9, 1, BLOB))));
+    assert_eq!(block_on(old.raise_epoch(5)).unwrap(), 5);
+    stale(block_on(new.write(2, 0, &pattern(9, 1, BLOB))));
+    block_on(old.write(3, 0, &pattern(3, 1, BLOB))).unwrap();
+    // a's epoch is its own.
+    block_on(connect_v2(&p, "a", SECRET_A, 0).write(1, 0, &pattern(4, 1, BLOB))).unwrap();
+    drop((old, new));
+
+    // Unserved and served again, c keeps its epoch.
+    std::fs::write(&p.cfg, &original).unwrap();
+    hup(&mut proc, &lines, "config.reloaded");
+    std::fs::write(&p.cfg, &with_c).unwrap();
+    hup(&mut proc, &lines, "config.reloaded");
+    stale(block_on(connect_v2(&p, "c", SECRET_C, 4).write(
+        4,
+        0,
+        &pattern(9, 1, BLOB),
+    )));
+
+    // After a restart (c now in the config from the start) 5 still holds.
+    proc.signal("TERM");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proc.exited().is_none() {
+        assert!(Instant::now() < deadline, "arenad did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_proc, lines) = p.spawn_logged(&[]);
+    until(&lines, "arenad.ready");
+    stale(block_on(connect_v2(&p, "c", SECRET_C, 4).write(
+        4,
+        0,
+        &pattern(9, 1, BLOB),
+    )));
+    let five = connect_v2(&p, "c", SECRET_C, 5);
+    let mut out = vec![0; BLOB];
+    block_on(five.read(1, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(1, 1, BLOB), "the stale write never landed");
+    block_on(five.read(3, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(3, 1, BLOB));
+    let epochs = std::fs::read_to_string(p.swap_dir.join("epochs")).unwrap();
+    assert!(epochs.contains("5 c\n"), "{epochs}");
+    assert!(!epochs.contains(" a\n"), "a was never raised: {epochs}");
 }

@@ -19,8 +19,8 @@ use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
 use ublk_metrics::MetricsServer;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
-use target_rdma::arenad::listener::Reserved;
 use target_rdma::arenad::epochs::Epochs;
+use target_rdma::arenad::listener::Reserved;
 use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::reload::{read_secrets, served, Runtime};
 use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
