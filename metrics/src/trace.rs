@@ -24,7 +24,8 @@
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::correlation::CorrelationId;
@@ -166,11 +167,14 @@ pub struct TraceConfig {
     pub slow_threshold: Option<Duration>,
 }
 
-/// Decides which requests are retained and emits their spans.
+/// Decides which requests are retained and emits their spans. Clones share
+/// the slow threshold, so [`Tracer::set_slow_threshold`] (a reload) reaches
+/// every device's.
 #[derive(Debug, Clone)]
 pub struct Tracer {
     ppm: u32,
-    slow_ns: u64,
+    /// 0: nothing is retained for being slow.
+    slow_ns: Arc<AtomicU64>,
 }
 
 /// Multiplier of the sampling hash (2^64 / golden ratio): consecutive
@@ -178,15 +182,23 @@ pub struct Tracer {
 /// is the configured rate even over short runs.
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
+fn threshold_ns(slow: Option<Duration>) -> u64 {
+    slow.map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
 impl Tracer {
     /// A tracer with `config`.
     pub fn new(config: TraceConfig) -> Tracer {
         Tracer {
             ppm: config.sample_rate_ppm.min(MAX_SAMPLE_RATE_PPM),
-            slow_ns: config
-                .slow_threshold
-                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+            slow_ns: Arc::new(AtomicU64::new(threshold_ns(config.slow_threshold))),
         }
+    }
+
+    /// Retains requests and attempts of at least `slow` from now on (`None`:
+    /// none for being slow).
+    pub fn set_slow_threshold(&self, slow: Option<Duration>) {
+        self.slow_ns.store(threshold_ns(slow), Ordering::Relaxed);
     }
 
     /// Whether the head sample keeps `corr`'s request: a function of its
@@ -207,10 +219,10 @@ impl Tracer {
             } => Some(Retention::Timeout),
             SpanEnd::Failure { .. } if errno == Some(ETIMEDOUT) => Some(Retention::Timeout),
             SpanEnd::Failure { .. } | SpanEnd::Cancelled => Some(Retention::Error),
-            SpanEnd::Success if self.slow_ns != 0 && latency_ns >= self.slow_ns => {
-                Some(Retention::Slow)
+            SpanEnd::Success => {
+                let slow = self.slow_ns.load(Ordering::Relaxed);
+                (slow != 0 && latency_ns >= slow).then_some(Retention::Slow)
             }
-            SpanEnd::Success => None,
         }
     }
 
@@ -370,6 +382,21 @@ mod tests {
             );
             assert!(ids.iter().all(|c| t.head_sampled(*c) == t.head_sampled(*c)));
         }
+    }
+
+    #[test]
+    fn a_changed_slow_threshold_reaches_every_clone() {
+        let t = tracer(0, 0);
+        let device = t.clone();
+        assert_eq!(device.own(SpanEnd::Success, 150_000_000, None), None);
+        t.set_slow_threshold(Some(Duration::from_millis(100)));
+        assert_eq!(
+            device.own(SpanEnd::Success, 150_000_000, None),
+            Some(Retention::Slow)
+        );
+        assert_eq!(device.own(SpanEnd::Success, 50_000_000, None), None);
+        t.set_slow_threshold(None);
+        assert_eq!(device.own(SpanEnd::Success, 150_000_000, None), None);
     }
 
     #[test]

@@ -336,7 +336,8 @@ impl Observability {
 
     /// Applies reloaded `[metrics]` settings: the scan interval and stall
     /// threshold from the next scan, the slow threshold to every device's
-    /// requests completing from now on. `listen` is the daemon's (it owns
+    /// requests (their `request.slow` logs and the tracer's retention)
+    /// completing from now on. `listen` is the daemon's (it owns
     /// the listener); `per_device_labels` needs a restart (it names series).
     pub fn apply(&self, cfg: &MetricsConfig) {
         self.scanner.set_config(ScannerConfig {
@@ -345,6 +346,9 @@ impl Observability {
         });
         let slow = slow_threshold(cfg);
         *self.slow_threshold.lock() = slow;
+        if let Some(t) = &self.tracer {
+            t.set_slow_threshold(slow);
+        }
         for d in self.all() {
             d.table.set_slow_threshold(slow);
         }
