@@ -116,6 +116,23 @@ impl Arenad {
         ))
     }
 
+    /// Starts arenad the way a typical shell would, under `umask 022`, so a
+    /// test can check the modes of the files it creates.
+    pub fn spawn_under_umask_022(&self) -> Proc {
+        Proc(Some(
+            Command::new("sh")
+                .arg("-c")
+                .arg("umask 022 && exec \"$0\" \"$@\"")
+                .arg(env!("CARGO_BIN_EXE_arenad"))
+                .arg("--config")
+                .arg(&self.cfg)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ))
+    }
+
     /// Starts arenad and waits until it serves (its signal handlers are in
     /// place by then).
     pub fn start(&self) -> Proc {
