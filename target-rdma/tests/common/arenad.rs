@@ -122,9 +122,22 @@ impl Arenad {
 
     /// Starts arenad.
     pub fn spawn(&self) -> Proc {
+        self.spawn_by(Command::new(env!("CARGO_BIN_EXE_arenad")))
+    }
+
+    /// Starts arenad the way a typical shell would, under `umask 022`, so a
+    /// test can check the modes of the files it creates.
+    pub fn spawn_under_umask_022(&self) -> Proc {
+        let mut sh = Command::new("sh");
+        sh.args(["-c", "umask 022 && exec \"$0\" \"$@\""])
+            .arg(env!("CARGO_BIN_EXE_arenad"));
+        self.spawn_by(sh)
+    }
+
+    /// Runs `cmd` (arenad, or what execs it) with this config, output muted.
+    fn spawn_by(&self, mut cmd: Command) -> Proc {
         Proc(Some(
-            Command::new(env!("CARGO_BIN_EXE_arenad"))
-                .arg("--config")
+            cmd.arg("--config")
                 .arg(&self.cfg)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())

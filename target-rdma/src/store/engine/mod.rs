@@ -501,6 +501,26 @@ impl State {
 }
 
 impl Core {
+    /// Reads `key`'s image at `placed` into `slot` (put in transition by
+    /// the caller) with the store lock dropped, and checks it against the
+    /// extent's block checksums: `Some(block)` is the first bad block.
+    fn load_unlocked(
+        &self,
+        g: &mut Guard<'_>,
+        slot: u32,
+        key: BlobKey,
+        placed: &Placed,
+    ) -> Result<Option<usize>, StoreError> {
+        let ident = g.ident(key, placed.version);
+        let crcs = g.block_crcs(placed.extent, 0, g.blocks);
+        MutexGuard::unlocked(g, || {
+            let mut bytes = self.arena.write(slot);
+            self.swap
+                .read_extent(placed.extent, &mut bytes)
+                .map(|()| extent::first_bad_block(&ident, 0, &bytes, &crcs))
+        })
+    }
+
     pub(super) fn new(arena: Arena, swap: Swap, state: State) -> Core {
         Core {
             arena,
@@ -581,14 +601,7 @@ impl Core {
             if stage {
                 return Ok(Some(Staged::Staged(slot)));
             }
-            let ident = st.ident(key, placed.version);
-            let crcs = st.block_crcs(placed.extent, 0, st.blocks);
-            let read = MutexGuard::unlocked(g, || {
-                let mut bytes = self.arena.write(slot);
-                self.swap
-                    .read_extent(placed.extent, &mut bytes)
-                    .map(|()| extent::first_bad_block(&ident, 0, &bytes, &crcs))
-            });
+            let read = self.load_unlocked(g, slot, key, &placed);
             let st = &mut **g;
             let ours = st.finish_load(slot, key, matches!(read, Ok(None)));
             self.settled.notify_all();
@@ -847,14 +860,7 @@ impl Core {
             ..SlotMeta::default()
         };
         st.in_transit += 1;
-        let ident = st.ident(key, placed.version);
-        let crcs = st.block_crcs(placed.extent, 0, st.blocks);
-        let read = MutexGuard::unlocked(g, || {
-            let mut bytes = self.arena.write(slot);
-            self.swap
-                .read_extent(placed.extent, &mut bytes)
-                .map(|()| extent::first_bad_block(&ident, 0, &bytes, &crcs))
-        });
+        let read = self.load_unlocked(g, slot, key, &placed);
         let st = &mut **g;
         let ok = matches!(read, Ok(None));
         if st.finish_load(slot, key, ok) && ok {
