@@ -232,17 +232,6 @@ impl State {
         std::mem::take(&mut self.revocations)
     }
 
-    fn check_vol(&self, vol: VolumeId) -> Result<(), StoreError> {
-        if self.volumes.get(vol as usize).is_some_and(|v| v.served) {
-            Ok(())
-        } else {
-            Err(StoreError::UnknownVolume {
-                vol,
-                count: self.volumes.iter().filter(|v| v.served).count(),
-            })
-        }
-    }
-
     fn no_space(&self) -> StoreError {
         StoreError::NoSpace {
             slots: self.slots.len(),

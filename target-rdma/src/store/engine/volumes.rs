@@ -57,4 +57,16 @@ impl State {
         tracing::info!(event = "volume.added", volume = %name, quota_blobs = quota);
         Ok((self.volumes.len() - 1) as VolumeId)
     }
+
+    /// A request names a served volume (one kept only from the index is not).
+    pub(super) fn check_vol(&self, vol: VolumeId) -> Result<(), StoreError> {
+        if self.volumes.get(vol as usize).is_some_and(|v| v.served) {
+            Ok(())
+        } else {
+            Err(StoreError::UnknownVolume {
+                vol,
+                count: self.volumes.iter().filter(|v| v.served).count(),
+            })
+        }
+    }
 }
