@@ -175,6 +175,11 @@ fn a_replicated_device_survives_kill_9_of_two_peers_and_rebuilds_the_one_that_re
             .load(std::sync::atomic::Ordering::Relaxed),
         0
     );
+    assert_eq!(
+        rep.rebuild_bytes(),
+        (KEYS * BLOB as u64, 0),
+        "every blob of the range copied once"
+    );
     verify_peer(&peers[1], info.epoch, 2);
     verify_all(io, 2);
 

@@ -6,7 +6,7 @@
 //! docs/REPLICATION.md; this file only wires them to a device.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -28,6 +28,7 @@ use super::{DeviceError, DeviceSpec, ReplicaSpec};
 use crate::coordination::{CoordError, ReplicationConfig};
 use crate::ctl::{AddArgs, RebuildInfo, ReplicaInfo, ReplicasInfo};
 use crate::queue_io::{QueueIo, TagBuffers};
+use ublk_metrics::ReplicaStats;
 
 /// Maps a peer as the membership record names it to the address to
 /// connect to (a placement-pool id to its registered address; `host:port`
@@ -39,8 +40,11 @@ pub type Resolve = Arc<dyn Fn(&str) -> Result<String, DeviceError> + Send + Sync
 pub struct Replicated {
     set: Arc<ReplicaSet<Session>>,
     rebuild: RebuildStats,
-    /// The member being rebuilt, while a rebuild runs.
+    /// The member being rebuilt, while a rebuild runs; held while a
+    /// finished rebuild's bytes move into `rebuilt`.
     rebuilding: Mutex<Option<String>>,
+    /// Blob bytes copied by this device's finished rebuilds.
+    rebuilt: AtomicU64,
     /// Cleared when the device stops: its rebuild thread ends.
     running: AtomicBool,
     /// The queues' tag buffers, registered with every member's queue
@@ -117,6 +121,7 @@ impl Replicated {
             set,
             rebuild: RebuildStats::default(),
             rebuilding: Mutex::new(None),
+            rebuilt: AtomicU64::new(0),
             running: AtomicBool::new(true),
             bufs,
         });
@@ -223,7 +228,6 @@ impl Replicated {
             bytes_per_sec: cfg.rebuild_bytes_per_sec,
             change_deadline: cfg.core().change_deadline,
         };
-        self.rebuild.bytes_copied.store(0, Ordering::Relaxed);
         *self.rebuilding.lock() = Some(peer.to_owned());
         tracing::info!(event = "rebuild.started", volume, peer);
         let rebuild =
@@ -246,8 +250,23 @@ impl Replicated {
             }
             Either::Right(_) => tracing::info!(event = "rebuild.abandoned", volume, peer),
         }
-        *self.rebuilding.lock() = None;
+        let mut rebuilding = self.rebuilding.lock();
+        let copied = self.rebuild.bytes_copied.swap(0, Ordering::Relaxed);
+        self.rebuilt.fetch_add(copied, Ordering::Relaxed);
+        self.rebuild.bytes_remaining.store(0, Ordering::Relaxed);
+        *rebuilding = None;
         true
+    }
+
+    /// Blob bytes copied by this device's rebuilds (finished and running),
+    /// and what the running one has left.
+    pub fn rebuild_bytes(&self) -> (u64, u64) {
+        let _steady = self.rebuilding.lock();
+        let copied = self.rebuild.bytes_copied.load(Ordering::Relaxed);
+        (
+            self.rebuilt.load(Ordering::Relaxed) + copied,
+            self.rebuild.bytes_remaining.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -344,6 +363,27 @@ fn rebuild_loop(
 }
 
 impl super::Manager {
+    /// Replica health summed over the replicated devices, for the
+    /// metrics (metrics/src/replicas.rs).
+    pub fn replica_stats(&self) -> ReplicaStats {
+        let mut s = ReplicaStats::default();
+        for d in self.devices.lock().values() {
+            let (Some(spec), Some((rep, _))) = (&d.spec.replicas, &d.replicated) else {
+                continue;
+            };
+            let healthy = rep.info().healthy as u64;
+            let wanted = spec.peers.len() as u64;
+            s.replicas += wanted;
+            s.healthy += healthy;
+            s.degraded += u64::from(healthy < wanted);
+            let (done, remaining) = rep.rebuild_bytes();
+            s.rebuild_bytes += done;
+            s.rebuild_remaining += remaining;
+            s.stale_epoch_fences += rep.set().stats().stale_epoch_fences.load(Ordering::Relaxed);
+        }
+        s
+    }
+
     /// `add` without `--peer`: placement in etcd chooses the peers (`1` when
     /// `--replicas` is not given). One placed peer is a volume on one peer,
     /// served exactly as one named with `--peer`.
