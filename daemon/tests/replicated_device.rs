@@ -198,6 +198,45 @@ fn a_replicated_device_survives_kill_9_of_two_peers_and_rebuilds_the_one_that_re
     rebuilder.join().unwrap();
     drop(ios);
     drop(rep);
+    drop(coord);
+
+    // ublkd restarts (same state dir: it adopts its writer lease) while
+    // another member is down: the member is recorded failed before the
+    // volume serves, the writer takes a new epoch and every block is there.
+    let epoch = info.epoch;
+    drop(coordination);
+    kill9(procs[1].take().unwrap());
+    let coordination = Coordination::start(&etcd.config(), state).unwrap();
+    let coord = Arc::new(coordination.open_volume("a", &names, spec.size).unwrap());
+    let connector = Connector::new(&cfg, Arc::clone(obs.tcp_links()));
+    let resolve: Resolve = Arc::new(|n: &str| Ok(n.to_owned()));
+    let (ios, rep) = Replicated::open(
+        &connector,
+        &spec,
+        &secret(SECRET_A),
+        Arc::clone(&coord) as Arc<dyn Coordinator>,
+        &resolve,
+        &ReplicationConfig::default(),
+    )
+    .unwrap();
+    let info = rep.info();
+    assert_eq!(
+        info.epoch,
+        epoch + 2,
+        "member out, then a new writer: {info:?}"
+    );
+    assert_eq!(
+        info.members
+            .iter()
+            .map(|m| m.state.as_str())
+            .collect::<Vec<_>>(),
+        ["healthy", "failed", "failed"],
+        "{info:?}"
+    );
+    verify_all(&ios[0], 3);
+    write_all(&ios[0], 4, || {});
+    verify_all(&ios[0], 4);
+    drop((ios, rep, coord, coordination));
     for p in procs.into_iter().flatten() {
         terminate(p);
     }

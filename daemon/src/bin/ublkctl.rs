@@ -704,6 +704,37 @@ mod tests {
     }
 
     #[test]
+    fn add_takes_peers_repeated_or_a_replica_count() {
+        let add = |extra: &[&str]| {
+            let mut argv = vec![
+                "ublkctl",
+                "add",
+                "--volume",
+                "v",
+                "--secret-file",
+                "/s",
+                "--size",
+                "1G",
+            ];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv)
+        };
+        let Cmd::Add(a) = add(&["--peer", "h:1", "--peer", "h:2"]).unwrap().cmd else {
+            panic!("an add")
+        };
+        assert_eq!(
+            (a.peer, a.replicas),
+            (vec!["h:1".into(), "h:2".into()], None)
+        );
+        let Cmd::Add(a) = add(&["--replicas", "3"]).unwrap().cmd else {
+            panic!("an add")
+        };
+        assert_eq!((a.peer.len(), a.replicas), (0, Some(3)));
+        assert!(add(&["--replicas", "6"]).is_err(), "1..=5");
+        assert!(add(&[]).is_err(), "a peer or a replica count");
+    }
+
+    #[test]
     fn peer_and_auth_errors_get_a_hint() {
         assert_eq!(
             explain(ErrorKind::PeerUnreachable, "cannot connect"),

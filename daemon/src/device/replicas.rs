@@ -91,17 +91,28 @@ impl Replicated {
             .collect();
         let record = block_on(coord.load()).map_err(|e| core_coord_error(volume, e))?;
         let mut members: Vec<(String, PeerSessions)> = Vec::new();
-        let mut unreachable: Vec<(String, DeviceError)> = Vec::new();
+        // Members that cannot serve, with why; the first connect error.
+        let mut out: Vec<(String, String)> = Vec::new();
+        let mut first_error = None;
         for m in record.active() {
+            if m.state == MemberState::Syncing {
+                // Its copy stopped with the writer that ran it: it never
+                // completes, so it starts again as a failed member.
+                out.push((m.peer.clone(), "its rebuild was interrupted".into()));
+                continue;
+            }
             let opened = resolve(&m.peer)
                 .and_then(|addr| connector.connect(spec, &addr, secret, &bufs, true));
             match opened {
                 Ok(s) => members.push((m.peer.clone(), s)),
-                Err(e) => unreachable.push((m.peer.clone(), e)),
+                Err(e) => {
+                    out.push((m.peer.clone(), e.to_string()));
+                    first_error.get_or_insert(e);
+                }
             }
         }
-        if !unreachable.is_empty() {
-            record_unreachable(volume, &*coord, &record, &members, unreachable)?;
+        if !out.is_empty() {
+            record_out(volume, &*coord, &record, &members, &out, first_error)?;
         }
         let queue_sessions: Vec<Vec<Session>> = (0..spec.queues as usize)
             .map(|q| members.iter().map(|(_, s)| s.queues[q].clone()).collect())
@@ -282,36 +293,32 @@ fn member_sessions(s: PeerSessions) -> MemberSessions<Session> {
     }
 }
 
-/// Records the active members of `record` that could not be reached as
-/// failed, at the next epoch, before the volume serves anything: the
-/// volume then opens on the others. Refused when no healthy member answers.
-fn record_unreachable(
+/// Records the active members of `record` that cannot serve (`out`:
+/// unreachable, or a rebuild that was interrupted) as failed, at the next
+/// epoch, before the volume serves anything: the volume then opens on the
+/// others, and the rebuild thread brings them back. Refused with the first
+/// connect error when no healthy member answers.
+fn record_out(
     volume: &str,
     coord: &dyn Coordinator,
     record: &Membership,
     reached: &[(String, PeerSessions)],
-    unreachable: Vec<(String, DeviceError)>,
+    out: &[(String, String)],
+    first_error: Option<DeviceError>,
 ) -> Result<(), DeviceError> {
     let healthy_reached = reached
         .iter()
         .any(|(p, _)| record.state(p) == Some(MemberState::Healthy));
     if !healthy_reached {
-        let (peer, e) = unreachable
-            .into_iter()
-            .next()
-            .expect("called with unreachable members");
-        return Err(match e {
-            DeviceError::Arena(_) => DeviceError::BadRequest(format!(
-                "volume {volume:?}: no healthy member answers ({record}); {peer}: {e}"
-            )),
-            e => e,
-        });
+        return Err(first_error.unwrap_or_else(|| {
+            DeviceError::BadRequest(format!("volume {volume:?}: no healthy member in {record}"))
+        }));
     }
     let mut next = record.clone();
     next.epoch += 1;
     for r in next.members.iter_mut() {
-        if let Some((_, e)) = unreachable.iter().find(|(p, _)| *p == r.peer) {
-            tracing::warn!(event = "replicas.member_unreachable", volume, peer = %r.peer, error = %e);
+        if let Some((_, why)) = out.iter().find(|(p, _)| *p == r.peer) {
+            tracing::warn!(event = "replicas.member_out", volume, peer = %r.peer, reason = %why);
             r.state = MemberState::Failed;
         }
     }
