@@ -428,6 +428,12 @@ pub const SELF: &[Family] = &[
         "Failures to bind or start the metrics HTTP listener.",
     ),
     f(
+        "_metrics_http_rejections_total",
+        Counter,
+        &["reason"],
+        "Metrics HTTP connections or requests ended without their answer, by reason.",
+    ),
+    f(
         "_metrics_serialization_attempts_total",
         Counter,
         &[],

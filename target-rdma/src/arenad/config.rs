@@ -83,6 +83,21 @@ pub struct ArenadConfig {
     #[serde(default = "default_write_timeout")]
     pub write_timeout_secs: u64,
     // --- End of the multi-tenant serving keys. ---
+    // --- Metrics listener limits (issue 9, HTTP endpoints). ---
+    /// Connections the metrics listener holds open; past it a new one
+    /// sheds the oldest that has not sent its request yet. One descriptor
+    /// each.
+    #[serde(default = "default_metrics_max_connections")]
+    pub metrics_max_connections: usize,
+    /// Seconds from accept to a complete request head on the metrics
+    /// listener, however slowly it is sent; then the connection is closed.
+    #[serde(default = "default_metrics_request_timeout")]
+    pub metrics_request_timeout_secs: u64,
+    /// Seconds from a complete request head until its answer has been
+    /// built and read; then the connection is closed.
+    #[serde(default = "default_metrics_write_timeout")]
+    pub metrics_write_timeout_secs: u64,
+    // --- End of the metrics listener limits. ---
     /// The volumes this peer serves (SIGHUP adds, removes and rotates them).
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,
@@ -137,6 +152,15 @@ fn default_log_level() -> String {
 fn default_write_timeout() -> u64 {
     5
 }
+fn default_metrics_max_connections() -> usize {
+    ublk_metrics::http::DEFAULT_MAX_CONNECTIONS
+}
+fn default_metrics_request_timeout() -> u64 {
+    ublk_metrics::http::DEFAULT_REQUEST_TIMEOUT_SECS
+}
+fn default_metrics_write_timeout() -> u64 {
+    ublk_metrics::http::DEFAULT_WRITE_TIMEOUT_SECS
+}
 fn default_metrics_listen() -> String {
     "127.0.0.1:9478".into()
 }
@@ -180,9 +204,39 @@ impl ArenadConfig {
             .flatten()
     }
 
+    /// The metrics listener limits the `metrics_*` keys set.
+    pub fn metrics_http(&self) -> ublk_metrics::HttpConfig {
+        ublk_metrics::HttpConfig::with_limits(
+            self.metrics_max_connections,
+            self.metrics_request_timeout_secs,
+            self.metrics_write_timeout_secs,
+        )
+    }
+
     /// Checks every value; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
         listen_setting("metrics_listen", &self.metrics_listen, "127.0.0.1:9478")?;
+        if !(1..=65_536).contains(&self.metrics_max_connections) {
+            return Err(invalid(
+                "metrics_max_connections",
+                self.metrics_max_connections,
+                "must be in 1..=65536",
+            ));
+        }
+        for (key, v) in [
+            (
+                "metrics_request_timeout_secs",
+                self.metrics_request_timeout_secs,
+            ),
+            (
+                "metrics_write_timeout_secs",
+                self.metrics_write_timeout_secs,
+            ),
+        ] {
+            if !(1..=300).contains(&v) {
+                return Err(invalid(key, v, "must be in 1..=300"));
+            }
+        }
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(invalid(
                 "listen",
@@ -352,6 +406,11 @@ quota = "10G"
         assert!(
             e.starts_with("invalid config: volume[0].name = \"vm/1\": "),
             "{e}"
+        );
+        let e = err(&format!("metrics_request_timeout_secs = 0\n{GOOD}"));
+        assert_eq!(
+            e,
+            "invalid config: metrics_request_timeout_secs = 0: must be in 1..=300"
         );
         let e = err(&format!("max_inflight = 0\n{GOOD}"));
         assert!(

@@ -197,9 +197,10 @@ impl ArenadObservability {
         Ok(Self::new(Telemetry::install(Daemon::Arenad, version)?))
     }
 
-    /// Starts the metrics listener on `addr`; it serves until dropped.
-    pub fn listen(&self, addr: &str) -> Result<MetricsServer, HttpError> {
-        MetricsServer::start(addr, Arc::clone(&self.tel), HttpConfig::default())
+    /// Starts the metrics listener on `addr` with `limits`; it serves
+    /// until dropped.
+    pub fn listen(&self, addr: &str, limits: HttpConfig) -> Result<MetricsServer, HttpError> {
+        MetricsServer::start(addr, Arc::clone(&self.tel), limits)
     }
 
     /// The telemetry plane.

@@ -145,18 +145,18 @@ fn start_observability(
     cfg: &ArenadConfig,
 ) -> Result<(Arc<ArenadObservability>, Option<MetricsServer>)> {
     let obs = ArenadObservability::install(env!("CARGO_PKG_VERSION"))?;
-    let listener = cfg
-        .metrics_listen_addr()
-        .and_then(|addr| match obs.listen(addr) {
-            Ok(l) => {
-                info!(event = "metrics.listening", addr = %l.local_addr());
-                Some(l)
-            }
-            Err(e) => {
-                error!(event = "metrics.listen_failed", error = %e);
-                None
-            }
-        });
+    let listener =
+        cfg.metrics_listen_addr()
+            .and_then(|addr| match obs.listen(addr, cfg.metrics_http()) {
+                Ok(l) => {
+                    info!(event = "metrics.listening", addr = %l.local_addr());
+                    Some(l)
+                }
+                Err(e) => {
+                    error!(event = "metrics.listen_failed", error = %e);
+                    None
+                }
+            });
     Ok((obs, listener))
 }
 
