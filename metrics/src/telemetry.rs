@@ -4,7 +4,7 @@ use crate::clock::unix_seconds;
 use crate::families::{self, Daemon, Kind};
 use crate::health::{NotReadyReason, NotReadySet, Probes};
 use crate::histogram::LatencyHistogram;
-use crate::http::HttpRejection;
+use crate::labels::HttpRejection;
 use crate::shard::{ShardedCounter, ShardedGauge};
 use metrics::{Counter, Gauge, Label};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
