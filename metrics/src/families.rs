@@ -261,6 +261,18 @@ pub const ARENA: &[Family] = &[
         "Leases currently held by clients.",
     ),
     f(
+        "arenad_lease_revocations_total",
+        Counter,
+        &[],
+        "Leases the arena asked back (REVOKE) because every slot was pinned.",
+    ),
+    f(
+        "arenad_leases_force_ended_total",
+        Counter,
+        &[],
+        "Revoked leases not given back within revoke_deadline_ms, ended by force.",
+    ),
+    f(
         "arenad_evictions_total",
         Counter,
         &[],

@@ -114,6 +114,8 @@ pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
         slots,
         leases_held: s.leases_held,
         evictions: s.evictions,
+        revocations: s.revocations,
+        leases_force_ended: s.leases_force_ended,
         writebacks: s.write_backs,
         fault_ins: s.fault_ins,
         swap_read_bytes: s.swap_bytes_read,

@@ -217,6 +217,7 @@ fn run(args: &Args) -> Result<ExitCode> {
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
+    store.set_lease_limits(cfg.lease_limits());
     let epochs = Epochs::open(&cfg.swap_dir).context("loading the volumes' epochs")?;
     obs.store_opened(&store, cfg.volumes.len());
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
