@@ -451,19 +451,19 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
     block_on(async {
         let l1 = c.alloc(1).await.unwrap();
         let l2 = c.alloc(2).await.unwrap();
-        // Both slots pinned: the third blob cannot get one, and the peer asks
-        // for the leases back.
+        // Both slots pinned, volume "a" past its share (one of two slots,
+        // with volume "b" served): the third blob cannot get one, and the
+        // peer asks the lease past the share back, the oldest.
         let e = c.alloc(3).await.unwrap_err();
         assert_eq!(e.status(), Some(Status::Busy), "{e}");
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         let mut revoked = Vec::new();
-        while revoked.len() < 2 && std::time::Instant::now() < deadline {
+        while revoked.is_empty() && std::time::Instant::now() < deadline {
             revoked.extend(c.take_revocations());
             std::thread::sleep(Duration::from_millis(10));
         }
-        revoked.sort();
-        assert_eq!(revoked, vec![(1, l1.token), (2, l2.token)]);
-        // Honouring the revocations frees the slots.
+        assert_eq!(revoked, vec![(1, l1.token)]);
+        // Honouring the revocation frees the slot.
         c.commit(1, l1.token).await.unwrap();
         c.commit(2, l2.token).await.unwrap();
         c.write(3, 0, &[3; 16]).await.unwrap();
@@ -476,7 +476,7 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
         assert_eq!(out, [3; 16]);
     });
     assert_eq!(client_counter(&c, names::RECONNECTS), 0);
-    assert_eq!(client_counter(&c, names::REVOCATIONS_RECEIVED), 2);
+    assert_eq!(client_counter(&c, names::REVOCATIONS_RECEIVED), 1);
 }
 
 #[test]

@@ -52,7 +52,8 @@ mod open;
 mod volumes;
 mod write_back;
 
-use lease::LeaseInfo;
+use lease::Leases;
+pub use lease::{LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.
@@ -119,9 +120,7 @@ pub(super) struct State {
     slots: Vec<SlotMeta>,
     free_slots: Vec<u32>,
     clock: Clock,
-    /// By token; tokens grow, so iteration order is age order.
-    leases: BTreeMap<u64, LeaseInfo>,
-    next_token: u64,
+    leases: Leases,
     index: Index,
     /// Blobs whose `extent` holds a written-back image the index lacks.
     unjournaled: BTreeSet<BlobKey>,
@@ -451,6 +450,7 @@ impl State {
             slots_total: self.slots.len() as u64,
             leases_held: self.leases.len() as u64,
             revocations: self.counters.revocations,
+            leases_force_ended: self.leases.forced(),
             evictions: self.counters.evictions,
             write_backs: self.counters.write_backs,
             fault_ins: self.counters.fault_ins,
@@ -572,7 +572,7 @@ impl Core {
                 }
             }
             // May drop the lock, after which the blob may have changed.
-            let slot = self.take_slot(g)?;
+            let slot = self.take_slot(g, key.0)?;
             let st = &mut **g;
             let placed = match st.blobs.get_mut(&key) {
                 Some(b) if b.slot.is_none() && (stage || b.damaged.is_none()) => {
@@ -719,7 +719,7 @@ impl Core {
             if st.blobs.len() as u64 + 1 >= u64::from(st.extents.total()) {
                 return Err(st.no_space());
             }
-            let slot = self.take_slot(g)?;
+            let slot = self.take_slot(g, key.0)?;
             let st = &mut **g;
             if st.blobs.contains_key(&key) {
                 // Created by another thread while we evicted.
