@@ -4,8 +4,10 @@
 //! where tests read what the server counted. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
+mod echo;
 mod raw;
 
+pub use echo::EchoPeer;
 pub use raw::{RawSession, Refusal};
 
 use std::net::{SocketAddr, TcpListener};
