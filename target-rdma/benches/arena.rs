@@ -36,16 +36,18 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
+use std::pin::pin;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
+use futures::future::select;
 use futures::stream::{FuturesUnordered, StreamExt};
 use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::proto::{self, Request, HEADER_LEN, TAG_LEN};
 use target_rdma::store::bench_hooks::extent_checksums;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::testing::{secret, EchoPeer, Peer, PeerOpts};
+use target_rdma::testing::{secret, EchoPeer, Peer, PeerOpts, UringLoop};
 
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
@@ -215,12 +217,15 @@ enum Dir {
 /// Sequential: offsets walk the first `span` bytes in order. Random: a
 /// xorshift picks `size`-aligned offsets in `span`.
 fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool) -> Rate {
-    run_client(&b.client, b.blob, dir, size, qd, span, sequential)
+    run_client(&b.client, None, b.blob, dir, size, qd, span, sequential)
 }
 
-/// [`run`] on any client of a volume with `blob`-byte blobs.
+/// [`run`] on any client of a volume with `blob`-byte blobs; a driven
+/// client runs with its driver on the loop `on`, on this thread.
+#[allow(clippy::too_many_arguments)]
 fn run_client(
     c: &ArenaClient,
+    on: Option<&UringLoop>,
     blob: usize,
     dir: Dir,
     size: usize,
@@ -253,7 +258,7 @@ fn run_client(
     let pool = &pool;
     let start = Instant::now();
     let mut ops = 0u64;
-    block_on(async {
+    let work = async {
         let mut inflight = FuturesUnordered::new();
         loop {
             while inflight.len() < qd && start.elapsed() < secs() {
@@ -278,7 +283,16 @@ fn run_client(
                 None => break,
             }
         }
-    });
+    };
+    match on {
+        None => block_on(work),
+        Some(lp) => {
+            let driver = c.driver().expect("a driven client");
+            lp.block_on(async {
+                let _ = select(pin!(work), pin!(driver.run(lp))).await;
+            });
+        }
+    }
     Rate {
         ops,
         bytes: ops * size as u64,
@@ -518,7 +532,8 @@ fn resident(tmp: &tempfile::TempDir, only: &str) {
 /// The client's path alone at QD 1: 4 KiB WRITEs and READs through an
 /// `ArenaClient` to the protocol-only [`EchoPeer`] (handshake, tags, no
 /// store), against a raw socket ping-pong of the same frame sizes each
-/// way, and through the real arenad for comparison, in the same round.
+/// way, and through the real arenad for comparison, in the same round;
+/// each with a reader thread and driven on the caller's ring.
 fn client_path(tmp: &tempfile::TempDir) {
     let dir = tmp.path().join("rtt");
     std::fs::create_dir_all(&dir).unwrap();
@@ -528,7 +543,16 @@ fn client_path(tmp: &tempfile::TempDir) {
     let echo = EchoPeer::start("bench", secret(SECRET), MIB as u32);
     let mut cfg = ClientConfig::new(echo.addr.to_string(), "bench", secret(SECRET));
     cfg.request_timeout = Duration::from_secs(30);
-    let c = ArenaClient::connect(cfg).unwrap();
+    let c = ArenaClient::connect(cfg.clone()).unwrap();
+    // The same clients driven on this thread's ring, as ublkd's queues run
+    // them.
+    cfg.driven = true;
+    let dc = ArenaClient::connect(cfg).unwrap();
+    let mut acfg = b.peer.config("bench", SECRET);
+    acfg.request_timeout = Duration::from_secs(30);
+    acfg.driven = true;
+    let da = ArenaClient::connect(acfg).unwrap();
+    let lp = UringLoop::new().unwrap();
     let size = 4096usize;
     // Frame bytes each way, tags included.
     let mut frame = Vec::new();
@@ -542,31 +566,32 @@ fn client_path(tmp: &tempfile::TempDir) {
     let read_out = req(&Request::Read { key: 0, offset: 0, len: size as u32 }, &mut frame);
     let ok_back = HEADER_LEN + TAG_LEN;
     println!(
-        "\n| client path, QD 1 | raw ping-pong ops/s | client -> echo peer ops/s | client -> arenad ops/s | echo / raw | arenad / raw |\n|---|---:|---:|---:|---:|---:|"
+        "\n| client path, QD 1 | raw ping-pong | echo, reader thread | echo, driven | arenad, reader thread | arenad, driven | echo thread / raw | echo driven / raw | arenad driven / thread |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for (name, d, out, back) in [
         ("4 KiB write", Dir::Write, write_out, ok_back),
         ("4 KiB read", Dir::Read, read_out, ok_back + size),
     ] {
-        let (mut raw, mut on_echo, mut on_arenad) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut r_echo, mut r_arenad) = (Vec::new(), Vec::new());
+        // ops/s of raw, echo (thread, driven), arenad (thread, driven),
+        // and the three ratios.
+        let mut cols: Vec<Vec<f64>> = vec![Vec::new(); 8];
         for _ in 0..rounds() {
             let base = raw_tcp_pingpong(out, back).iops();
-            let e = run_client(&c, MIB, d, size, 1, span, false).iops();
-            let a = run(&b, d, size, 1, span, false).iops();
-            r_echo.push(e / base);
-            r_arenad.push(a / base);
-            raw.push(base);
-            on_echo.push(e);
-            on_arenad.push(a);
+            let et = run_client(&c, None, MIB, d, size, 1, span, false).iops();
+            let ed = run_client(&dc, Some(&lp), MIB, d, size, 1, span, false).iops();
+            let at = run(&b, d, size, 1, span, false).iops();
+            let ad = run_client(&da, Some(&lp), MIB, d, size, 1, span, false).iops();
+            for (i, v) in [base, et, ed, at, ad, et / base, ed / base, ad / at]
+                .into_iter()
+                .enumerate()
+            {
+                cols[i].push(v);
+            }
         }
+        let m: Vec<f64> = cols.into_iter().map(median).collect();
         println!(
-            "| {name} ({out} B out, {back} B back) | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x |",
-            median(raw),
-            median(on_echo),
-            median(on_arenad),
-            median(r_echo),
-            median(r_arenad)
+            "| {name} ({out} B out, {back} B back) | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {:.2}x |",
+            m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]
         );
     }
 }

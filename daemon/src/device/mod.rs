@@ -471,7 +471,12 @@ impl Manager {
             TransportChoice::Tcp => {
                 let mut ios = Vec::with_capacity(spec.queues as usize);
                 for _ in 0..spec.queues {
-                    ios.push(QueueIo::tcp(ArenaClient::connect(client_cfg())?, bufs()));
+                    // Answers are read on the queue's ring (queue.rs).
+                    let cc = ClientConfig {
+                        driven: true,
+                        ..client_cfg()
+                    };
+                    ios.push(QueueIo::tcp(ArenaClient::connect(cc)?, bufs()));
                 }
                 return Ok((ios, client_stats));
             }

@@ -1,7 +1,8 @@
 //! A one-thread io_uring loop that stands in for a ublk queue thread in
 //! tests and benchmarks: [`UringLoop::block_on`] polls one future and
-//! waits in the ring for the completions of the operations it submitted,
-//! as libublk's queue loop does, so a driven client
+//! waits in the ring for the completions of the operations it submitted
+//! (and for wakes from other threads, through an eventfd it polls, as
+//! ublkd's queue does), as libublk's queue loop does, so a driven client
 //! ([`crate::client::ClientConfig::driven`]) runs here exactly as it does
 //! in ublkd, without the kernel module.
 
@@ -9,13 +10,15 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
+use std::thread::{self, ThreadId};
 
 use io_uring::{opcode, squeue, types, IoUring};
+use rustix::event::{eventfd, EventfdFlags};
 
 use crate::client::tcp::ring::Ring;
 use crate::client::tcp::TICK;
@@ -38,15 +41,34 @@ pub struct UringLoop {
     ops: RefCell<HashMap<u64, Slot>>,
     next: std::cell::Cell<u64>,
     woken: Arc<Flag>,
+    /// A poll of the eventfd is in the ring.
+    armed: std::cell::Cell<bool>,
 }
 
-struct Flag(AtomicBool);
+/// The loop's waker: a flag for wakes on the loop's thread, and an
+/// eventfd the ring polls for wakes from other threads (a driven client
+/// reconnected by another thread hands its receiver over so).
+struct Flag {
+    woken: AtomicBool,
+    efd: OwnedFd,
+    owner: ThreadId,
+}
 
 impl Wake for Flag {
     fn wake(self: Arc<Self>) {
-        self.0.store(true, Ordering::SeqCst);
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::SeqCst);
+        if thread::current().id() != self.owner {
+            let _ = rustix::io::write(&self.efd, &1u64.to_ne_bytes());
+        }
     }
 }
+
+/// The user data of the eventfd's poll.
+const WAKE: u64 = 0;
 
 impl UringLoop {
     /// A loop with a ring of 64 entries.
@@ -54,8 +76,13 @@ impl UringLoop {
         Ok(Self {
             ring: RefCell::new(IoUring::new(64)?),
             ops: RefCell::default(),
-            next: std::cell::Cell::new(1),
-            woken: Arc::new(Flag(AtomicBool::new(false))),
+            next: std::cell::Cell::new(WAKE + 1),
+            woken: Arc::new(Flag {
+                woken: AtomicBool::new(false),
+                efd: eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?,
+                owner: thread::current().id(),
+            }),
+            armed: std::cell::Cell::new(false),
         })
     }
 
@@ -65,22 +92,43 @@ impl UringLoop {
         let mut f = pin!(f);
         let waker = Waker::from(Arc::clone(&self.woken));
         let mut cx = Context::from_waker(&waker);
+        assert_eq!(
+            thread::current().id(),
+            self.woken.owner,
+            "a loop runs on the thread that made it"
+        );
         loop {
-            self.woken.0.store(false, Ordering::SeqCst);
+            self.woken.woken.store(false, Ordering::SeqCst);
             if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
                 return v;
             }
-            if self.woken.0.load(Ordering::SeqCst) {
+            if self.woken.woken.load(Ordering::SeqCst) {
                 continue;
             }
-            // A wake from another thread is seen at the next completion
-            // (the driver's tick bounds the wait).
             let mut ring = self.ring.borrow_mut();
+            if !self.armed.get() {
+                let fd = types::Fd(self.woken.efd.as_raw_fd());
+                let sqe = opcode::PollAdd::new(fd, libc::POLLIN as u32)
+                    .build()
+                    .user_data(WAKE);
+                // SAFETY: a poll of the eventfd, which lives as long as the
+                // ring (both are this loop's).
+                while unsafe { ring.submission().push(&sqe) }.is_err() {
+                    ring.submit().expect("io_uring submit");
+                }
+                self.armed.set(true);
+            }
             if let Err(e) = ring.submit_and_wait(1) {
                 assert_eq!(e.raw_os_error(), Some(libc::EINTR), "io_uring_enter: {e}");
             }
             let mut ops = self.ops.borrow_mut();
             for cqe in ring.completion() {
+                if cqe.user_data() == WAKE {
+                    let mut buf = [0u8; 8];
+                    let _ = rustix::io::read(&self.woken.efd, &mut buf);
+                    self.armed.set(false);
+                    continue;
+                }
                 if let Some(slot) = ops.get_mut(&cqe.user_data()) {
                     slot.result = Some(cqe.result());
                     if let Some(w) = slot.waker.take() {

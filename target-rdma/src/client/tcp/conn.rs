@@ -140,6 +140,11 @@ impl Conn {
         self.pending.lock().dead.is_some()
     }
 
+    /// Requests waiting for their answers.
+    pub(super) fn in_flight(&self) -> usize {
+        self.pending.lock().map.len()
+    }
+
     /// Marks the connection dead and fails everything in flight.
     pub(super) fn kill(&self, peer: &str, detail: &str) {
         let drained: Vec<Pending> = {

@@ -362,6 +362,9 @@ impl ArenaClient {
                 },
             );
         }
+        if let Some(h) = &self.shared.handoff {
+            h.in_flight();
+        }
         let mut head = Vec::with_capacity(64);
         proto::encode_request_head(&mut head, id, req);
         let payload: &[u8] = match req {

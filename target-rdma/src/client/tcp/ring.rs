@@ -47,6 +47,8 @@ pub trait Ring {
 pub(super) struct Handoff {
     rx: Mutex<Option<Receiver>>,
     waker: Mutex<Option<Waker>>,
+    /// The sweep, parked while no request is in flight.
+    sweeper: Mutex<Option<Waker>>,
     /// The client is gone: the driver stops.
     closed: AtomicBool,
 }
@@ -62,6 +64,14 @@ impl Handoff {
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         self.wake();
+        self.in_flight();
+    }
+
+    /// A request went in flight: the deadline sweep runs again.
+    pub(super) fn in_flight(&self) {
+        if let Some(w) = self.sweeper.lock().take() {
+            w.wake();
+        }
     }
 
     fn wake(&self) {
@@ -122,9 +132,27 @@ impl Driver {
     }
 
     /// Deadlines of requests on a quiet connection (a busy one is swept as
-    /// its answers are read).
+    /// its answers are read). Parked while nothing is in flight, so an idle
+    /// queue's ring really idles.
     async fn sweep(&self, ring: &impl Ring) {
         loop {
+            let busy = poll_fn(|cx| {
+                *self.handoff.sweeper.lock() = Some(cx.waker().clone());
+                if self.handoff.closed.load(Ordering::SeqCst) {
+                    return Poll::Ready(false);
+                }
+                let Some(shared) = self.client.upgrade() else {
+                    return Poll::Ready(false);
+                };
+                let conn = shared.conn.lock().clone();
+                match conn {
+                    Some(c) if c.in_flight() > 0 => Poll::Ready(true),
+                    _ => Poll::Pending,
+                }
+            });
+            if !busy.await {
+                return;
+            }
             ring.tick().await;
             let Some(shared) = self.client.upgrade() else {
                 return;
