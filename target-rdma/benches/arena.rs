@@ -562,8 +562,22 @@ fn client_path(tmp: &tempfile::TempDir) {
         proto::encode_request(frame, 1, r);
         frame.len() + TAG_LEN
     };
-    let write_out = req(&Request::Write { key: 0, offset: 0, data: &data }, &mut frame);
-    let read_out = req(&Request::Read { key: 0, offset: 0, len: size as u32 }, &mut frame);
+    let write_out = req(
+        &Request::Write {
+            key: 0,
+            offset: 0,
+            data: &data,
+        },
+        &mut frame,
+    );
+    let read_out = req(
+        &Request::Read {
+            key: 0,
+            offset: 0,
+            len: size as u32,
+        },
+        &mut frame,
+    );
     let ok_back = HEADER_LEN + TAG_LEN;
     println!(
         "\n| client path, QD 1 | raw ping-pong | echo, reader thread | echo, driven | arenad, reader thread | arenad, driven | echo thread / raw | echo driven / raw | arenad driven / thread |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"

@@ -221,7 +221,12 @@ impl Write for NoWait<'_> {
         let until = Instant::now() + self.limit;
         loop {
             let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-            match sendmsg(self.stream, bufs, &mut SendAncillaryBuffer::default(), flags) {
+            match sendmsg(
+                self.stream,
+                bufs,
+                &mut SendAncillaryBuffer::default(),
+                flags,
+            ) {
                 Ok(n) => return Ok(n),
                 Err(rustix::io::Errno::INTR) => {}
                 Err(rustix::io::Errno::AGAIN) => self.wait(until)?,
