@@ -2,7 +2,8 @@
 //! requests in flight on it, and the receiver that matches answers to
 //! them, queues revocations, fails requests past their deadline and samples
 //! the socket's TCP_INFO (run by the client's reader thread, or by the
-//! owner's loop for a driven connection).
+//! owner's loop for a driven connection: the `Handoff` gives it each new
+//! receiver, and `NoWait` keeps a driven send from blocking that loop).
 //!
 //! Answers that do not fit their request are counted apart from frames
 //! that do not parse: an answer naming a request that is not in flight, or
@@ -11,18 +12,23 @@
 //! length than asked (`length_mismatches`: that request fails).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::{self, Write};
+use std::future::{poll_fn, Future};
+use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
 use parking_lot::Mutex;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
 use tokio::sync::Semaphore;
 use tracing::debug;
 
 use super::frames::{Body, FrameReader, Landing, Trailer};
-use super::ring::{Handoff, NoWait};
 use super::tcp_info::Sampler;
 use super::{ClientConfig, Shared, MAX_QUEUED_REVOCATIONS, TICK};
 use crate::auth::{self, FrameKey, SessionKeys};
@@ -52,7 +58,7 @@ pub(super) struct Writer {
     key: Option<FrameKey>,
     seq: u64,
     /// In a driven connection, where its answers are read while a send
-    /// waits for room (see [`ring::NoWait`]).
+    /// waits for room (see [`NoWait`]).
     pub(super) driven: Option<(Arc<Handoff>, Duration)>,
 }
 
@@ -738,4 +744,141 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
     }
     let _ = p.tx.send(reply);
     Ok(())
+}
+
+/// Where a driven client's connections put their receivers for the driver.
+#[derive(Default)]
+pub(super) struct Handoff {
+    pub(super) rx: Mutex<Option<Receiver>>,
+    waker: Mutex<Option<Waker>>,
+    /// The sweep, parked while no request is in flight.
+    pub(super) sweeper: Mutex<Option<Waker>>,
+    /// The client is gone: the driver stops.
+    pub(super) closed: AtomicBool,
+}
+
+impl Handoff {
+    /// Gives the driver a new connection's receiver (the old one ended).
+    pub(super) fn install(&self, rx: Receiver) {
+        *self.rx.lock() = Some(rx);
+        self.wake();
+    }
+
+    /// The client is gone.
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.wake();
+        self.in_flight();
+    }
+
+    /// A request went in flight: the deadline sweep runs again.
+    pub(super) fn in_flight(&self) {
+        if let Some(w) = self.sweeper.lock().take() {
+            w.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self.waker.lock().take() {
+            w.wake();
+        }
+    }
+
+    /// Reads what has arrived; the socket to wait on next, `None` once the
+    /// connection ended (or none was installed).
+    pub(super) fn pump(&self) -> Option<RawFd> {
+        let mut rx = self.rx.lock();
+        let r = rx.as_mut()?;
+        r.pump().then(|| r.fd())
+    }
+
+    /// Ready with `true` once a live receiver is installed, `false` once
+    /// the client is gone.
+    pub(super) fn live(&self) -> impl Future<Output = bool> + '_ {
+        poll_fn(|cx| {
+            *self.waker.lock() = Some(cx.waker().clone());
+            if self.closed.load(Ordering::SeqCst) {
+                return Poll::Ready(false);
+            }
+            match &*self.rx.lock() {
+                Some(r) if !r.conn().is_dead() => Poll::Ready(true),
+                _ => Poll::Pending,
+            }
+        })
+    }
+}
+
+/// A driven connection's socket as a `Write` that never blocks the loop:
+/// when the socket is full it waits (at most `limit`) for room, reading
+/// the answers that arrive meanwhile.
+pub(super) struct NoWait<'a> {
+    stream: &'a TcpStream,
+    answers: &'a Handoff,
+    limit: Duration,
+}
+
+impl<'a> NoWait<'a> {
+    pub(super) fn new(stream: &'a TcpStream, answers: &'a Handoff, limit: Duration) -> Self {
+        Self {
+            stream,
+            answers,
+            limit,
+        }
+    }
+
+    /// Waits until the socket has room, pumping answers as they come.
+    fn wait(&self, until: Instant) -> io::Result<()> {
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no room to send for {:?}", self.limit),
+                ));
+            }
+            let fd = self.stream.as_fd();
+            let mut fds = [PollFd::new(&fd, PollFlags::OUT | PollFlags::IN)];
+            let timeout = Timespec::try_from(left).map_err(io::Error::other)?;
+            match poll(&mut fds, Some(&timeout)) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let ready = fds[0].revents();
+            if ready.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR) {
+                self.answers.pump();
+            }
+            if ready.intersects(PollFlags::OUT | PollFlags::HUP | PollFlags::ERR) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+impl Write for NoWait<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let until = Instant::now() + self.limit;
+        loop {
+            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+            match sendmsg(
+                self.stream,
+                bufs,
+                &mut SendAncillaryBuffer::default(),
+                flags,
+            ) {
+                Ok(n) => return Ok(n),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => self.wait(until)?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }

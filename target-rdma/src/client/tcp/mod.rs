@@ -40,8 +40,8 @@ pub use durability::FlushDomain;
 pub use frames::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
 pub use stats::{ClientStats, REASON_CONFIGURED_TCP};
 
-use conn::{handshake, read_loop, Conn, Pending, Receiver, Reply};
-use ring::{Driver, Handoff};
+use conn::{handshake, read_loop, Conn, Handoff, Pending, Receiver, Reply};
+use ring::Driver;
 
 use crate::auth::Secret;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
