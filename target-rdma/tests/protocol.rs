@@ -397,11 +397,25 @@ fn many_clients_many_requests_in_flight_no_mixups() {
 
 #[test]
 fn requests_time_out_and_say_so() {
+    requests_time_out(false);
+}
+
+#[test]
+fn requests_of_a_driven_client_time_out_on_its_ring() {
+    requests_time_out(true);
+}
+
+fn requests_time_out(driven: bool) {
     // A peer that authenticates but never answers requests.
     let (addr, peer) = fake_peer(Some(SECRET_A));
     let mut cfg = target_rdma::client::ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
     cfg.request_timeout = Duration::from_millis(300);
-    let c = ArenaClient::connect(cfg).unwrap();
+    cfg.driven = driven;
+    let c = if driven {
+        target_rdma::testing::driven(cfg)
+    } else {
+        ArenaClient::connect(cfg).unwrap()
+    };
     let _open = peer.join().unwrap();
     let e = block_on(c.flush()).unwrap_err();
     assert!(
@@ -481,10 +495,23 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
 
 #[test]
 fn the_client_reconnects_after_a_peer_restart_and_retries_idempotent_requests() {
+    reconnects_after_a_peer_restart(false);
+}
+
+#[test]
+fn a_driven_client_reconnects_after_a_peer_restart() {
+    reconnects_after_a_peer_restart(true);
+}
+
+fn reconnects_after_a_peer_restart(driven: bool) {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(dir.path(), PeerOpts::default());
     let addr = peer.addr;
-    let c = peer.client("a", SECRET_A);
+    let c = if driven {
+        peer.driven_client("a", SECRET_A)
+    } else {
+        peer.client("a", SECRET_A)
+    };
     block_on(async {
         c.write(1, 0, &[1; 4096]).await.unwrap();
         c.flush().await.unwrap();
