@@ -14,8 +14,8 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::{poll_fn, Future};
 use std::io::{self, IoSlice, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, RawFd};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Poll, Waker};
@@ -124,10 +124,11 @@ impl Default for PendingTable {
 
 /// One live connection.
 pub(super) struct Conn {
-    /// A handle on the socket for shutting it down without the writer's
+    /// The socket's descriptor, for shutting it down without the writer's
     /// lock (a driven send holds it while it reads answers, which may end
-    /// the connection).
-    socket: TcpStream,
+    /// the connection). Not a second handle: every descriptor a queue's
+    /// connection holds counts against ublkd's `LimitNOFILE`.
+    socket: RawFd,
     pub(super) writer: Mutex<Writer>,
     pub(super) pending: Mutex<PendingTable>,
     pub(super) slots: Semaphore,
@@ -167,7 +168,11 @@ impl Conn {
             }));
         }
         self.slots.close();
-        let _ = self.socket.shutdown(Shutdown::Both);
+        // SAFETY: `socket` is the descriptor of the writer's stream, which
+        // `self` owns and never replaces, so it is open for as long as
+        // `self` is borrowed here.
+        let fd = unsafe { BorrowedFd::borrow_raw(self.socket) };
+        let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
     }
 }
 
@@ -304,7 +309,7 @@ pub(super) fn handshake(
     );
     let version = version as u8;
     Ok(Conn {
-        socket: stream.try_clone().map_err(io_err)?,
+        socket: stream.as_raw_fd(),
         writer: Mutex::new(Writer {
             stream,
             version,
