@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use target_rdma::config_file::{changes, Change};
-use ublk_metrics::events::{effective_filter, FilterSource, LogControl};
+use ublk_metrics::events::LogControl;
 use ublk_metrics::{HttpConfig, MetricsServer, Telemetry};
 
 use crate::config::{ConfigError, OnShutdown, UblkdConfig};
@@ -98,19 +98,7 @@ impl Runtime {
         }
         let changed = |key: &str| done.applied.iter().any(|c| c.key == key);
         if changed("log_level") {
-            match effective_filter(&new.log_level) {
-                (_, FilterSource::Environment) => tracing::warn!(
-                    event = "config.log_level_ignored",
-                    log_level = %new.log_level,
-                    "RUST_LOG is set and overrides log_level"
-                ),
-                (filter, FilterSource::Config) => {
-                    if let Err(e) = self.log.set_filter(&filter) {
-                        // Validation parsed it, so this is the subscriber.
-                        tracing::error!(event = "config.log_level_failed", error = %e);
-                    }
-                }
-            }
+            self.log.apply_log_level(&new.log_level);
             running.log_level = new.log_level.clone();
         }
         running.on_shutdown = new.on_shutdown;
