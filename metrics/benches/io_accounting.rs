@@ -5,7 +5,11 @@
 //! Then the whole observation of a request as ublkd makes it (tracker,
 //! request and attempt accounting, both latency histograms) with sampled
 //! tracing off and on (the default 100 ppm, and 10,000 ppm), spans written
-//! as JSON lines to a sink by a real `tracing` subscriber, in the same run.
+//! as JSON lines to a sink by a real `tracing` subscriber, in the same run;
+//! then tracing's cost at the default rate resolved to a few tenths of a
+//! percent (`tracing_cost`: interleaved rounds, thread CPU time, an A/A
+//! control), and what formatting a retained request's spans costs with
+//! `tracing_subscriber`'s JSON format and with the daemons' `JsonLine`.
 //!
 //! `cargo bench -p ublk-metrics` prints ns and heap allocations per I/O.
 
@@ -17,9 +21,12 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
+use ublk_metrics::json_line::JsonLine;
+use ublk_metrics::trace::MAX_SAMPLE_RATE_PPM;
 use ublk_metrics::{
-    AttemptRecord, Clock, Daemon, IoMetrics, IoOp, MonotonicClock, RequestAccounting,
-    RequestRecord, SpanEnd, Telemetry, TraceConfig, Tracer, TrackerConfig, TrackerTable, Transport,
+    AttemptRecord, Clock, CorrelationId, Daemon, IoMetrics, IoOp, MonotonicClock,
+    RequestAccounting, RequestRecord, SpanEnd, Telemetry, TraceConfig, Tracer, TrackerConfig,
+    TrackerTable, Transport,
 };
 
 struct Counting;
@@ -386,6 +393,74 @@ fn tracing_cost(threads: u16) {
     }
 }
 
+/// Rounds of [`span_format`], and retained requests per format per round.
+const FORMAT_ROUNDS: usize = 100;
+const SPANS: u32 = 2_000;
+
+/// What a retained request's two span lines cost to format with
+/// `tracing_subscriber`'s JSON format and with the daemons' [`JsonLine`]
+/// (the same bytes), alternated on one thread, in thread CPU time.
+fn span_format() {
+    let every = tracer(MAX_SAMPLE_RATE_PPM);
+    let stock = tracing::Dispatch::new(
+        tracing_subscriber::fmt()
+            .with_env_filter("info")
+            .with_writer(std::io::sink)
+            .json()
+            .flatten_event(true)
+            .with_target(false)
+            .finish(),
+    );
+    let ours = tracing::Dispatch::new(
+        tracing_subscriber::fmt()
+            .with_env_filter("info")
+            .with_writer(std::io::sink)
+            .event_format(JsonLine)
+            .finish(),
+    );
+    let spans = || {
+        for _ in 0..SPANS {
+            let record = RequestRecord {
+                corr: CorrelationId::next(),
+                target: "arena",
+                device: Some(0),
+                op: IoOp::Read,
+                transport: Transport::Tcp,
+                latency_ns: 41_000,
+                end: SpanEnd::Success,
+                errno: None,
+            };
+            let attempts = [AttemptRecord {
+                transport: Transport::Tcp,
+                latency_ns: Some(38_000),
+                end: SpanEnd::Success,
+            }];
+            black_box(every.finish(&record, &attempts));
+        }
+    };
+    let mut ns = [Vec::new(), Vec::new()];
+    let mut ratios = Vec::new();
+    for r in 0..FORMAT_ROUNDS {
+        let mut round = [0.0; 2];
+        for i in [r % 2, 1 - r % 2] {
+            let cpu = thread_cpu_ns();
+            tracing::dispatcher::with_default([&stock, &ours][i], spans);
+            round[i] = (thread_cpu_ns() - cpu) as f64 / f64::from(SPANS);
+            ns[i].push(round[i]);
+        }
+        ratios.push(round[1] / round[0]);
+    }
+    let [stock_ns, ours_ns] = ns.map(|v| median_ci(v).0);
+    let (m, lo, hi) = median_ci(ratios);
+    println!(
+        "span lines of a retained request, {FORMAT_ROUNDS} alternated rounds of {SPANS}: \
+         tracing_subscriber json {:.2} us, JsonLine {:.2} us (thread CPU); \
+         JsonLine/json {m:.2} [{lo:.2}, {hi:.2}]",
+        stock_ns / 1000.0,
+        ours_ns / 1000.0
+    );
+}
+
 /// Runs `ios` I/Os per thread on `threads` threads (one queue each) and
 /// returns (ns per I/O per thread, allocations per I/O).
 fn run<S: Send + Sync + 'static>(state: Arc<S>, threads: u16, f: fn(&S, u16, u16)) -> (f64, f64) {
@@ -514,4 +589,8 @@ fn main() {
     for threads in [1u16, 2] {
         tracing_cost(threads);
     }
+    println!();
+    // Last: a scoped dispatcher makes every later event look up the
+    // thread's.
+    span_format();
 }

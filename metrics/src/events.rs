@@ -6,6 +6,7 @@
 //! request; no helper takes payloads, keys, addresses or secrets.
 
 use crate::correlation::CorrelationId;
+use crate::json_line::JsonLine;
 use crate::labels::{ErrnoClass, IoOp, Phase, Reason, Transport};
 use std::time::Duration;
 use thiserror::Error;
@@ -361,9 +362,7 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<LogControl, LogIn
         LogFormat::Json => {
             let b = builder
                 .with_ansi(false)
-                .json()
-                .flatten_event(true)
-                .with_target(false)
+                .event_format(JsonLine)
                 .with_filter_reloading();
             let h = b.reload_handle();
             b.try_init().map_err(|_| LogInitError::AlreadySet)?;
@@ -390,8 +389,6 @@ where
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
-        .json()
-        .flatten_event(true)
-        .with_target(false)
+        .event_format(JsonLine)
         .finish()
 }

@@ -28,6 +28,7 @@ pub mod families;
 pub mod health;
 pub mod histogram;
 pub mod http;
+pub mod json_line;
 pub mod labels;
 pub mod openmetrics;
 mod process;
