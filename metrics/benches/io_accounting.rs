@@ -228,7 +228,7 @@ fn observed_io(s: &Device, tracer: Option<&Tracer>, queue: u16, tag: u16) {
 
 /// Rounds whose per-round ratios `tracing_cost` summarizes, after
 /// [`WARMUP_ROUNDS`] it discards: the median's interval narrows as
-/// 1/sqrt(rounds), to about +-0.3% here.
+/// 1/sqrt(rounds), to +-0.3-0.8% on this host.
 const ROUNDS: usize = 400;
 const WARMUP_ROUNDS: usize = 8;
 /// I/Os per thread per variant per round, about 10 ms. Long enough that a
