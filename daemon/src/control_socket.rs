@@ -104,6 +104,9 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
         Request::Recover { id } => manager.recover(id).map(|device| Reply::Device {
             device: Box::new(device),
         }),
+        Request::Resize { id, size } => manager.resize(id, size).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
         Request::Features => {
             features::from_driver().map(|(mask, names)| Reply::Features { mask, names })
         }
