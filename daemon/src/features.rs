@@ -10,20 +10,15 @@ use crate::device::{DeviceError, UBLK_CONTROL};
 /// Asks the driver (`/dev/ublk-control`) for its feature mask; returns it
 /// with the names of its bits.
 pub fn from_driver() -> Result<(u64, Vec<String>), DeviceError> {
-    let mask = mask()?;
-    Ok((mask, names(mask)))
-}
-
-/// The driver's `UBLK_F_*` mask.
-pub fn mask() -> Result<u64, DeviceError> {
     if !Path::new(UBLK_CONTROL).exists() {
         return Err(DeviceError::UblkMissing);
     }
-    libublk::ctrl::UblkCtrl::get_features().ok_or(DeviceError::Ublk {
+    let mask = libublk::ctrl::UblkCtrl::get_features().ok_or(DeviceError::Ublk {
         what: "GET_FEATURES",
         id: -1,
         detail: "the driver did not answer (kernel older than 6.5?)".into(),
-    })
+    })?;
+    Ok((mask, names(mask)))
 }
 
 /// Every `UBLK_F_*` bit this build knows, with its name.

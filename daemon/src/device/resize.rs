@@ -7,6 +7,7 @@
 //! the kernel refuses is too. A shrink is refused: the data past the new
 //! end would be cut from under the device's users.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use libublk::ctrl::UblkCtrl;
@@ -15,9 +16,8 @@ use target_rdma::auth::Secret;
 use target_rdma::size::HumanSize;
 
 use super::thread::ublk_err;
-use super::{within_quota, Connector, DeviceError, Manager, State};
+use super::{within_quota, Connector, DeviceError, Manager, State, UBLK_CONTROL};
 use crate::ctl::DeviceInfo;
-use crate::features;
 
 /// The kernel's side of a device's size: whether the ublk driver can
 /// change a live device's size, and changing it. A trait so that the
@@ -34,7 +34,9 @@ pub(super) struct UblkDriver;
 
 impl KernelSize for UblkDriver {
     fn supported(&self) -> bool {
-        features::mask().is_ok_and(|m| m & u64::from(sys::UBLK_F_UPDATE_SIZE) != 0)
+        // What `ublkctl features` reads (GET_FEATURES; none before 6.5).
+        Path::new(UBLK_CONTROL).exists()
+            && UblkCtrl::get_features().is_some_and(|m| m & u64::from(sys::UBLK_F_UPDATE_SIZE) != 0)
     }
 
     fn update(&self, id: u32, bytes: u64) -> Result<(), DeviceError> {
@@ -163,7 +165,6 @@ fn kernel_detail(e: &DeviceError) -> String {
 mod tests {
     use std::fs;
     use std::os::unix::fs::PermissionsExt;
-    use std::path::Path;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     use parking_lot::Mutex;
