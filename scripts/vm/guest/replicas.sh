@@ -20,7 +20,7 @@ SOCK=$W/run/ublkd.sock
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PEERS=(127.0.0.1:7071 127.0.0.1:7072)
 ETCD=127.0.0.1:2379
-DEV_SIZE=${REP_DEV_SIZE:-256M}   # arena 64M per peer: swap is in play
+DEV_SIZE=${REP_DEV_SIZE:-192M}   # arena 64M per peer: swap is in play
 failures=0
 declare -a summary=() ARENAD_PIDS=()
 
@@ -184,11 +184,11 @@ start_sectors=$(sectors_written)
 timeout 900 fio --output="$R/fio-verify.txt" --directory="$W/mnt" --direct=1 --ioengine=libaio \
     --verify=crc32c --do_verify=1 --verify_state_save=0 --verify_fatal=1 --fsync=16 --end_fsync=1 \
     --bssplit=4k/40:64k/30:256k/15:1m/15 --iodepth=8 \
-    --name=seq --rw=write --size=48M --name=rand --rw=randwrite --size=48M &
+    --name=seq --rw=write --size=32M --name=rand --rw=randwrite --size=32M &
 FIO_PID=$!
-# Kill once fio has written 24 MiB (of 96) to the device: mid-workload by
+# Kill once fio has written 16 MiB (of 64) to the device: mid-workload by
 # construction, whatever the speed of the emulated CPU.
-while kill -0 "$FIO_PID" 2>/dev/null && (($(sectors_written) - start_sectors < 24 * 2048)); do sleep 0.1; done
+while kill -0 "$FIO_PID" 2>/dev/null && (($(sectors_written) - start_sectors < 16 * 2048)); do sleep 0.1; done
 if kill -0 "$FIO_PID" 2>/dev/null; then
     kill9_arenad 1
     mid=1
