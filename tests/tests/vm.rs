@@ -60,3 +60,9 @@ fn vm_rdma_over_soft_roce() {
 fn vm_systemd_units_with_rdma_and_ublk() {
     suite("scripts/vm/units", &["900"], 11);
 }
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
+fn vm_replicated_device_through_a_peer_kill() {
+    suite("scripts/vm/replicas", &["1200"], 12);
+}

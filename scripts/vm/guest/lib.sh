@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, bench-rdma,
-# bench-swap).
+# Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, replicas,
+# bench-rdma, bench-swap, bench-replicas).
 # Source it after setting BIN (the release binaries), SOCK (ublkd's control
 # socket) and W (the scenario's work dir holding ublkd.toml).
 
@@ -34,4 +34,62 @@ swap_disk() {
     mkdir -p "$1"
     timeout 300 mkfs.ext4 -q -F -E nodiscard "$dev" >&2 || return 1
     timeout 60 mount "$dev" "$1"
+}
+
+# wait_listen PORT PID: until something listens on 127.0.0.1:PORT (up to
+# 30 s); fails at once if process PID exits.
+wait_listen() {
+    for _ in $(seq 300); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        kill -0 "$2" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
+# start_etcd ADDR DIR LOG: a single-member etcd (Debian's etcd-server) for
+# the replicated-device scenarios, clients on ADDR (HOST:PORT; its peer
+# port is the next one), data in DIR; sets ETCD_PID and waits up to 60 s
+# until it answers as healthy.
+start_etcd() {
+    local peer="http://${1%:*}:$((${1##*:} + 1))"
+    etcd --name vm --data-dir "$2" --listen-client-urls "http://$1" --advertise-client-urls "http://$1" \
+        --listen-peer-urls "$peer" --initial-advertise-peer-urls "$peer" \
+        --initial-cluster "vm=$peer" >"$3" 2>&1 &
+    ETCD_PID=$!
+    for _ in $(seq 300); do
+        ETCDCTL_API=3 timeout 10 etcdctl --endpoints "$1" --dial-timeout 2s endpoint health >/dev/null 2>&1 && return 0
+        kill -0 "$ETCD_PID" 2>/dev/null || return 1
+        sleep 0.2
+    done
+    return 1
+}
+
+# replica_fact ID FIELD: one fact of device ID's replica set, from
+# `ublkctl --json show`: epoch, healthy, active, states (space-separated,
+# record order) or rebuild (bytes remaining, "none" when none runs).
+replica_fact() {
+    ctl --json show "$1" 2>/dev/null | /usr/bin/python3 -c '
+import json, sys
+r = json.load(sys.stdin)["device"].get("replicas") or {}
+f = sys.argv[1]
+if f == "states":
+    print(" ".join(m["state"] for m in r.get("members", [])))
+elif f == "rebuild":
+    b = r.get("rebuild")
+    print("none" if b is None else b["bytes_remaining"])
+else:
+    print(r.get(f, ""))' "$2"
+}
+
+# add_when_etcd ARGS...: `ctl add ARGS...`, retried for up to 60 s while
+# ublkd has not reached etcd yet (it dials in the background); prints the
+# node, errors on stderr.
+add_when_etcd() {
+    local out end=$((SECONDS + 60))
+    while :; do
+        out=$(ctl add "$@" 2>&1) && { echo "$out"; return 0; }
+        [[ "$out" == *"etcd unavailable"* && $SECONDS -lt $end ]] || { echo "$out" >&2; return 1; }
+        sleep 0.5
+    done
 }

@@ -5,7 +5,7 @@
 //! a request or its answer dropped), on the test's clock.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +31,9 @@ pub struct FakeFault {
     pub drop_answers: u32,
     /// New blobs are refused beyond this many (quota).
     pub quota_blobs: Option<usize>,
+    /// Reads and writes of a session that presented an older epoch than
+    /// the peer has seen are refused `STALE_EPOCH`, as arenad does.
+    pub fence_epochs: bool,
 }
 
 #[derive(Default)]
@@ -79,6 +82,7 @@ impl FakePeer {
         let s = || FakeSession {
             peer: Arc::clone(self),
             domain: Arc::clone(&domain),
+            epoch: AtomicU64::new(0),
         };
         MemberSessions {
             queues: (0..queues).map(|_| s()).collect(),
@@ -186,6 +190,21 @@ impl FakePeer {
 pub struct FakeSession {
     peer: Arc<FakePeer>,
     domain: Arc<Domain>,
+    /// The highest epoch this session presented.
+    epoch: AtomicU64,
+}
+
+impl FakeSession {
+    /// `STALE_EPOCH` when the peer fences epochs and has seen a newer one
+    /// than this session presented.
+    fn check_epoch(&self, s: &PeerState, op: Opcode) -> Result<(), ArenaError> {
+        if s.fault.fence_epochs && self.epoch.load(Ordering::Acquire) < s.epoch {
+            return Err(self
+                .peer
+                .status(op, Status::StaleEpoch, "stale epoch (fake)"));
+        }
+        Ok(())
+    }
 }
 
 /// What the sessions of one member share, as TCP sessions share a
@@ -211,7 +230,10 @@ impl BlobIo for FakeSession {
         let p = &self.peer;
         p.check_range(Opcode::Read, offset, out.len())?;
         let found = p
-            .request(Opcode::Read, |s| Ok(s.blobs.get(&key).cloned()))
+            .request(Opcode::Read, |s| {
+                self.check_epoch(s, Opcode::Read)?;
+                Ok(s.blobs.get(&key).cloned())
+            })
             .await?;
         let at = offset as usize;
         match found {
@@ -231,6 +253,7 @@ impl BlobIo for FakeSession {
         p.check_range(Opcode::Write, offset, data.len())?;
         let bytes = p.blob_bytes as usize;
         p.request(Opcode::Write, |s| {
+            self.check_epoch(s, Opcode::Write)?;
             let full = s.fault.quota_blobs.is_some_and(|q| s.blobs.len() >= q);
             if full && !s.blobs.contains_key(&key) {
                 return Err(p.status(Opcode::Write, Status::QuotaExceeded, "quota (injected)"));
@@ -282,6 +305,7 @@ impl MemberIo for FakeSession {
         self.peer
             .request(Opcode::Hello, |s| {
                 s.epoch = s.epoch.max(epoch);
+                self.epoch.fetch_max(epoch, Ordering::AcqRel);
                 Ok(())
             })
             .await

@@ -112,6 +112,16 @@ impl<S: MemberIo> ReplicatedIo<S> {
                     round.answers.push(v);
                 }
                 Err(e) if verdict(&e) == Verdict::Request => fault = Some(e),
+                // This writer's own newer epoch reached the peer first (the
+                // view moved on while the request was out, and the new
+                // view's epoch was presented on another of the member's
+                // sessions): neither acked nor failed, so `mutate` sends
+                // it again under the new view. Were a newer writer's epoch
+                // behind it, that round is refused at the current epoch
+                // and fences.
+                Err(e)
+                    if verdict(&e) == Verdict::Fenced
+                        && self.set.view().membership.epoch > epoch => {}
                 Err(e) if verdict(&e) == Verdict::Fenced => fenced = Some(e),
                 Err(e) => {
                     m.suspect(e.to_string());
@@ -281,6 +291,7 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
         let mut last = None;
         loop {
             let view = self.set.view();
+            let epoch = view.membership.epoch;
             let readers: Vec<_> = self
                 .readers(&view)
                 .into_iter()
@@ -301,6 +312,14 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
                 match r {
                     Ok(via) => return Ok(via),
                     Err(e) if verdict(&e) == Verdict::Request => return Err(e),
+                    // As in `round`: our own newer epoch, presented on
+                    // another session first; read it again under it.
+                    Err(e)
+                        if verdict(&e) == Verdict::Fenced
+                            && self.set.view().membership.epoch > epoch =>
+                    {
+                        tried.remove(&id);
+                    }
                     Err(e) if verdict(&e) == Verdict::Fenced => {
                         self.set.fence_stale(&e);
                         self.set.may_acknowledge()?;
