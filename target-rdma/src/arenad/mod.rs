@@ -2,12 +2,20 @@
 //! connection server, reloads (SIGHUP) and its observability. The storage
 //! engine it serves lives in [`crate::store`].
 
+mod accept;
 mod admission;
+mod barrier;
+mod blocking;
 pub mod check;
 pub mod config;
+mod connection;
+mod dispatch;
 pub mod epochs;
+mod fatal;
 mod frames;
+mod handshake;
 pub mod listener;
 pub mod observability;
+mod outbox;
 pub mod reload;
 pub mod server;
