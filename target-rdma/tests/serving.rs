@@ -80,15 +80,6 @@ fn tasks_of(uid: u32) -> u64 {
     n
 }
 
-fn prlimit(pid: u32, limit: &str) {
-    let ok = Command::new("prlimit")
-        .args(["--pid", &pid.to_string(), limit])
-        .status()
-        .expect("prlimit (util-linux)")
-        .success();
-    assert!(ok, "prlimit {limit}");
-}
-
 fn chown_tree(path: &std::path::Path, uid: u32) {
     std::os::unix::fs::chown(path, Some(uid), Some(uid)).unwrap();
     if path.is_dir() {
