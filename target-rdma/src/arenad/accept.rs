@@ -14,10 +14,10 @@ use tracing::{debug, info, warn};
 use ublk_metrics::ConnectionRefusal;
 
 use crate::arenad::admission::{Counted, Throttled};
-use crate::arenad::server::Server;
+use crate::arenad::shared::Shared;
 use crate::proto::{self, Opcode, Status};
 
-impl Server {
+impl Shared {
     /// Accepts until shutdown, then waits (up to `shutdown_timeout`) for
     /// every connection to end.
     pub(super) async fn accept_loop(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {

@@ -22,27 +22,14 @@ use tracing::{debug, warn};
 
 use crate::arenad::admission::Counted;
 use crate::arenad::barrier::WriteBarrier;
-use crate::arenad::epochs::VolumeEpoch;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
-use crate::arenad::server::{Rail, ServedVolume, Server};
+use crate::arenad::served::Rail;
+use crate::arenad::session::Session;
+use crate::arenad::shared::Shared;
 use crate::proto::{FrameError, MAX_INLINE};
 use crate::store::HolderId;
-
-/// What the reader, the pool jobs and the writer of one connection share.
-pub(super) struct Connection {
-    pub(super) id: HolderId,
-    pub(super) peer: SocketAddr,
-    pub(super) vol: Arc<ServedVolume>,
-    pub(super) fence: Arc<VolumeEpoch>,
-    pub(super) version: u8,
-    /// The writer's membership epoch (raised by EPOCH requests).
-    pub(super) epoch: AtomicU64,
-    pub(super) rail: Mutex<Rail>,
-    pub(super) outbox: Outbox,
-    pub(super) barrier: WriteBarrier,
-}
 
 /// A request's reader state, moved into each read and back, so a read in
 /// progress is never dropped half way through a frame while the reader
@@ -59,7 +46,7 @@ impl ReadSide {
     }
 }
 
-impl Server {
+impl Shared {
     /// Serves one accepted connection to its end.
     pub(super) async fn run_conn(
         self: Arc<Self>,
@@ -92,7 +79,7 @@ impl Server {
             Some(k) => (Some(k.client_to_server), Some(k.server_to_client)),
             None => (None, None),
         };
-        let conn = Arc::new(Connection {
+        let conn = Arc::new(Session {
             id,
             peer,
             vol: session.vol,
@@ -162,7 +149,7 @@ impl Server {
     /// full) or the server stops; returns once every started request is done.
     async fn read_requests(
         self: &Arc<Self>,
-        conn: &Arc<Connection>,
+        conn: &Arc<Session>,
         side: ReadSide,
     ) -> Result<(), Fatal> {
         let mut jobs: JoinSet<Result<(), Fatal>> = JoinSet::new();
@@ -208,7 +195,7 @@ impl Server {
     /// when cheap, else spawned onto the blocking pool.
     async fn start(
         self: &Arc<Self>,
-        conn: &Arc<Connection>,
+        conn: &Arc<Session>,
         req: Incoming,
         jobs: &mut JoinSet<Result<(), Fatal>>,
     ) -> Result<(), Fatal> {

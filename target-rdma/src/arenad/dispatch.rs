@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use tracing::warn;
 
-use crate::arenad::connection::Connection;
 use crate::arenad::fatal::Fatal;
-use crate::arenad::server::Server;
+use crate::arenad::session::Session;
+use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Opcode, Request, Status, TAG_LEN, VERSION_2};
 use crate::store::Residency;
 
@@ -30,16 +30,11 @@ pub(super) struct Answer {
     frame: Vec<u8>,
 }
 
-impl Server {
+impl Shared {
     /// Decides where a request runs: inline only when its store call cannot
     /// read the disk or wait for a write-back (a blob in its slot; a READ
     /// or GET of no blob; COMMIT and RELEASE, which only end leases).
-    pub(super) fn place(
-        &self,
-        conn: &Connection,
-        h: &Header,
-        body: &[u8],
-    ) -> Result<Placed, Fatal> {
+    pub(super) fn place(&self, conn: &Session, h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
         let req = proto::decode_request(h, body)
             .map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
         let vol = conn.vol.id;
@@ -73,7 +68,7 @@ impl Server {
     /// error is returned to end the session.
     pub(super) async fn answer(
         &self,
-        conn: &Connection,
+        conn: &Session,
         h: Header,
         started: Instant,
         answered: Result<Answer, Fatal>,
@@ -96,7 +91,7 @@ impl Server {
     /// Executes one request and encodes its answer (room left for its tag).
     pub(super) fn execute(
         self: &Arc<Self>,
-        conn: &Connection,
+        conn: &Session,
         h: &Header,
         body: &[u8],
     ) -> Result<Answer, Fatal> {
@@ -241,7 +236,7 @@ impl Server {
     /// RAIL_CONNECT: one QP per connection, a new one replacing the old.
     fn rail_connect(
         &self,
-        conn: &Connection,
+        conn: &Session,
         op: Opcode,
         rid: u64,
         client: &proto::Endpoint,
@@ -280,7 +275,7 @@ impl Server {
     }
 }
 
-fn stale(conn: &Connection, now: u64) -> String {
+fn stale(conn: &Session, now: u64) -> String {
     format!(
         "stale epoch: this session is at epoch {}, volume {:?} at {now}: a newer writer owns it",
         conn.epoch.load(Ordering::Acquire),

@@ -8,7 +8,7 @@ use tracing::{debug, warn};
 
 use crate::arenad::epochs::EpochError;
 use crate::arenad::frames::ReadError;
-use crate::arenad::server::Server;
+use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Opcode, Status};
 use crate::store::{HolderId, StoreError};
 
@@ -46,7 +46,7 @@ impl From<io::Error> for Fatal {
     }
 }
 
-impl Server {
+impl Shared {
     /// Counts and logs the error that ends a connection; returns the error
     /// frame that answers it (empty when the peer just went away). Logs
     /// name the peer's address where an operator needs it (refused

@@ -15,7 +15,8 @@ use crate::arenad::admission::Counted;
 use crate::arenad::epochs::VolumeEpoch;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::truncated;
-use crate::arenad::server::{ServedVolume, Server};
+use crate::arenad::served::ServedVolume;
+use crate::arenad::shared::Shared;
 use crate::auth::{self, SessionKeys};
 use crate::proto::{
     Challenge, FrameError, Header, Hello, Status, Welcome, CAP_RDMA, CAP_TCP_DATA,
@@ -36,7 +37,7 @@ pub(super) struct Session {
     pub(super) epoch: u64,
 }
 
-impl Server {
+impl Shared {
     /// Runs the handshake within the handshake deadline; returns what the
     /// session is bound to.
     pub(super) async fn handshake(

@@ -18,4 +18,7 @@ pub mod listener;
 pub mod observability;
 mod outbox;
 pub mod reload;
+mod served;
 pub mod server;
+mod session;
+mod shared;
