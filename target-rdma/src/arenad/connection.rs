@@ -1,10 +1,10 @@
 //! One connection's life: its handshake, then a reader that reads requests
 //! and starts each (answered inline when it touches only resident blobs,
 //! else on the blocking pool, so a cold fault-in never delays the next
-//! request), and a writer task that alone writes the socket
-//! ([`crate::arenad::outbox`]). It ends on the client's close, a protocol
-//! error, the write deadline or shutdown; its leases end after its last
-//! request finished.
+//! request), and a writer that alone writes the socket
+//! ([`crate::arenad::outbox`]), two futures of the connection's task. It
+//! ends on the client's close, a protocol error, the write deadline or
+//! shutdown; its leases end after its last request finished.
 
 use std::net::SocketAddr;
 use std::pin::pin;
@@ -102,10 +102,6 @@ impl Shared {
             key: server_key,
             seq: 0,
         };
-        let writer = {
-            let (conn, deadline) = (Arc::clone(&conn), self.limits.write_timeout);
-            tokio::spawn(async move { outbox::write(&conn.outbox, wr, tagger, deadline).await })
-        };
         self.conns.lock().insert(id, Arc::clone(&conn));
         self.obs.session_opened();
         let budget_bytes = u32::try_from(self.limits.max_queued_bytes).unwrap_or(u32::MAX);
@@ -120,11 +116,19 @@ impl Shared {
                 budget_bytes,
             },
         };
-        let result = self.read_requests(&conn, side).await;
-        let last = result.err().map(|f| self.report_fatal(id, peer, f));
-        conn.outbox.finish(last.filter(|f| !f.is_empty()));
-        match writer.await {
-            Ok(WriterEnd::Deadline) => {
+        // The reader and the writer are two futures of this one task: an
+        // answer queued by the reader is written when the reader next
+        // waits, on the same thread, without waking another task (the
+        // QD1 path gains no hop); a pool job's answer wakes this task.
+        let reading = async {
+            let result = self.read_requests(&conn, side).await;
+            let last = result.err().map(|f| self.report_fatal(id, peer, f));
+            conn.outbox.finish(last.filter(|f| !f.is_empty()));
+        };
+        let writing = outbox::write(&conn.outbox, wr, tagger, self.limits.write_timeout);
+        let ((), end) = tokio::join!(reading, writing);
+        match end {
+            WriterEnd::Deadline => {
                 warn!(
                     event = "connection.not_reading",
                     conn = id,
@@ -132,8 +136,8 @@ impl Shared {
                     "disconnected: its answers were not read within the write deadline"
                 );
             }
-            Ok(WriterEnd::Io(e)) => debug!(event = "peer.disconnected", conn = id, error = %e),
-            Ok(WriterEnd::Drained) | Err(_) => {}
+            WriterEnd::Io(e) => debug!(event = "peer.disconnected", conn = id, error = %e),
+            WriterEnd::Drained => {}
         }
         self.conns.lock().remove(&id);
         self.obs.session_closed();
@@ -154,11 +158,15 @@ impl Shared {
     ) -> Result<(), Fatal> {
         let mut jobs: JoinSet<Result<(), Fatal>> = JoinSet::new();
         let mut read = pin!(side.next());
+        // Made once: each registers with a Notify (the stop signal's is
+        // every connection's), not once per request.
+        let mut stopped = pin!(self.stopped());
+        let mut ended = pin!(conn.outbox.ended());
         let result = loop {
             tokio::select! {
                 biased;
-                () = self.stopped() => break Ok(()),
-                () = conn.outbox.ended() => break Ok(()),
+                () = &mut stopped => break Ok(()),
+                () = &mut ended => break Ok(()),
                 Some(done) = jobs.join_next(), if !jobs.is_empty() => {
                     match done {
                         Ok(Ok(())) => {}

@@ -1,6 +1,6 @@
 //! A connection's outbound side: a queue bounded in frames and bytes, and
-//! the writer task that alone writes the socket. Answers (from the reader
-//! or a blocking-pool job) and REVOKEs (from whichever thread the store
+//! the writer (a future of the connection's task) that alone writes the
+//! socket. Answers (from the reader or a blocking-pool job) and REVOKEs (from whichever thread the store
 //! revoked on) are pushed here; the writer seals them (version byte, tag
 //! and sequence number) in the order they reach the socket, so tags stay
 //! right however the producers interleave.

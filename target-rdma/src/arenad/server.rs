@@ -1,7 +1,7 @@
 //! The control-stream server: an event-driven core on a tokio runtime.
 //! A connection costs a socket and a small task until its handshake is
-//! done; then it is a reader task and a writer task with a bounded
-//! outbound queue. Requests of one connection run concurrently (answers
+//! done; then it is a reader and a writer (two futures of its task) with a
+//! bounded outbound queue. Requests of one connection run concurrently (answers
 //! are matched by request id), the cheap ones inline on the reader, those
 //! that may block on the disk on a fixed blocking pool. No lock shared
 //! between connections is held across a socket read or write
