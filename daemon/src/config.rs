@@ -128,6 +128,9 @@ pub struct UblkdConfig {
     /// fallback (memberships in the state dir, one host only).
     #[serde(default)]
     pub etcd: Option<crate::coordination::EtcdConfig>,
+    /// How replicated devices wait and rebuild.
+    #[serde(default)]
+    pub replication: crate::coordination::ReplicationConfig,
     // --- end replication ---
     /// Sampled request spans.
     #[serde(default)]
@@ -476,6 +479,7 @@ impl UblkdConfig {
         if let Some(e) = &self.etcd {
             e.validate()?;
         }
+        self.replication.validate()?;
         // --- end replication ---
         self.metrics.validate()
     }

@@ -82,8 +82,14 @@ pub enum Request {
 /// Arguments of `add`; absent fields take the daemon's `[device]` defaults.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AddArgs {
-    /// `host:port` of `arenad`.
-    pub peer: String,
+    /// `host:port` of each `arenad` holding a replica (`--peer`, repeatable;
+    /// one for a volume on one peer); empty: placement in etcd chooses
+    /// them. The field was once one string named `peer`, still accepted.
+    #[serde(alias = "peer", deserialize_with = "one_or_many")]
+    pub peers: Vec<String>,
+    /// Replicas (1..=5); the number of peers when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u8>,
     /// Volume name on the peer.
     pub volume: String,
     /// File holding the volume's secret, read by the daemon.
@@ -111,6 +117,20 @@ pub struct AddArgs {
     /// keeps the kernel's queue mapping.
     #[serde(default)]
     pub cpus: Vec<u32>,
+}
+
+/// A string or a list of strings (`add`'s peers, once a single string).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 /// A response line.
@@ -251,6 +271,46 @@ pub struct DeviceInfo {
     pub transport_note: Option<String>,
     /// Logical block size.
     pub logical_block_size: u32,
+    /// A replicated volume's members, epoch and rebuild; absent for a
+    /// volume on one peer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicasInfo>,
+}
+
+/// A replicated volume as `show` and `list` describe it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicasInfo {
+    /// The membership epoch requests are served under.
+    pub epoch: u64,
+    /// Members that receive writes (healthy and syncing).
+    pub active: usize,
+    /// Healthy members (hold every acknowledged write).
+    pub healthy: usize,
+    /// Every member of the record, in record order.
+    pub members: Vec<ReplicaInfo>,
+    /// The rebuild in progress, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild: Option<RebuildInfo>,
+}
+
+/// One member of a replicated volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaInfo {
+    /// The peer as the record names it (`host:port` or a pool id).
+    pub peer: String,
+    /// `healthy`, `syncing`, `failed` or `removed`.
+    pub state: String,
+}
+
+/// A rebuild's progress.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebuildInfo {
+    /// The member being rebuilt.
+    pub peer: String,
+    /// Blob bytes copied to it so far.
+    pub bytes_done: u64,
+    /// Blob bytes still to copy.
+    pub bytes_remaining: u64,
 }
 
 /// A registered peer as `peer list` shows it.

@@ -1,13 +1,16 @@
-//! A queue's arena session and the I/O buffers it moves payloads between:
-//! one [`QueueIo`] per queue thread. The session is target-rdma's
-//! [`Session`] (TCP or RDMA, one `BlobIo`); what is ublkd's own is the
-//! libublk buffer per tag, registered once for RDMA.
+//! A queue's way to its volume and the I/O buffers it moves payloads
+//! between: one [`QueueIo`] per queue thread. The way is target-rdma's
+//! [`Session`] (TCP or RDMA) for a volume on one peer, or the replication
+//! core's [`ReplicatedIo`] over one session per member; both are one
+//! `BlobIo`, so the block target does not change. What is ublkd's own is
+//! the libublk buffer per tag, registered once for RDMA.
 
 use std::sync::Arc;
 
 use libublk::helpers::IoBuf;
-use target_rdma::blob::{BlobIo, Transport};
-use target_rdma::client::{RdmaTransport, Session, TransportGroup};
+use target_rdma::blob::{ArenaError, BlobIo, Transport, Via};
+use target_rdma::client::{RdmaTransport, Session};
+use target_rdma::replica::ReplicatedIo;
 
 /// A queue's I/O buffers: one page-aligned buffer of `io_buf` bytes per
 /// tag, allocated when the device is added and registered once for RDMA.
@@ -32,60 +35,139 @@ impl TagBuffers {
     }
 }
 
-/// One queue's arena session and its I/O buffers. Cloning shares both.
+/// Registers a queue's tag buffers with an RDMA transport once, so payloads
+/// move straight between them and the arena; nothing when the transport
+/// serves TCP. A failed registration is logged and counted by the
+/// transport, whose payloads then bounce through its own registered pool.
+pub fn register_buffers(t: &RdmaTransport, bufs: &Arc<TagBuffers>) {
+    if !t.uses_rdma() {
+        return;
+    }
+    for b in &bufs.bufs {
+        // SAFETY: the memory lives in `bufs`, which every `QueueIo` holding
+        // this transport's session keeps alive until after the session is
+        // gone (see the type docs); each tag's buffer is used by one request
+        // at a time, and only through the transport while that request
+        // runs. Group members reach the transport only to end cached
+        // leases, which moves no payload. A replicated volume's background
+        // session is never given a queue's buffers.
+        if let Err(e) = unsafe { t.register_io_buffers(b.as_mut_ptr(), b.len()) } {
+            tracing::warn!(event = "rdma.register_failed", bytes = b.len(), error = %e);
+        }
+    }
+}
+
+/// One queue's way to its volume and its I/O buffers. Cloning shares both.
 ///
-/// The session is declared before the buffers and only ever lent out
-/// ([`QueueIo::session`]), so the last clone drops it (deregistering the
-/// buffers) before the buffers' memory is freed.
+/// The sessions are declared before the buffers and only ever lent out, so
+/// the last clone drops them (deregistering the buffers) before the
+/// buffers' memory is freed.
 #[derive(Clone)]
 pub struct QueueIo {
-    session: Session,
+    path: Path,
     bufs: Arc<TagBuffers>,
 }
 
+#[derive(Clone)]
+enum Path {
+    /// A volume on one peer: the queue's session.
+    Single(Session),
+    /// A replicated volume: the core's request path for this queue, and
+    /// the queue's session of each member it was opened with (for the
+    /// peer monitor and the buffers' lifetime).
+    Replicated {
+        io: Arc<ReplicatedIo<Session>>,
+        sessions: Vec<Session>,
+    },
+}
+
 impl QueueIo {
-    /// A TCP session (`transport = tcp`).
-    pub fn tcp(client: target_rdma::client::ArenaClient, bufs: TagBuffers) -> Self {
+    /// A volume on one peer, over `session` (whose transport has `bufs`
+    /// registered, see [`register_buffers`]).
+    pub fn single(session: Session, bufs: Arc<TagBuffers>) -> Self {
         Self {
-            session: Session::Tcp(client),
-            bufs: Arc::new(bufs),
+            path: Path::Single(session),
+            bufs,
         }
     }
 
-    /// An RDMA session (`transport = rdma` or `auto`); when the transport
-    /// negotiated RDMA, `bufs` are registered with it once, so payloads move
-    /// straight between them and the arena. A failed registration is logged
-    /// and counted by the transport, whose payloads then bounce through its
-    /// own registered pool. `group` holds the device's other queues (see
-    /// [`TransportGroup`]).
-    pub fn rdma(t: RdmaTransport, bufs: TagBuffers, group: &Arc<TransportGroup>) -> Self {
-        if t.uses_rdma() {
-            for b in &bufs.bufs {
-                // SAFETY: the memory lives in `bufs`, which this struct keeps
-                // alive until after the transport is gone (see the type
-                // docs); each tag's buffer is used by one request at a time,
-                // and only through the transport while that request runs.
-                // Group members reach the transport only to end cached
-                // leases, which moves no payload.
-                if let Err(e) = unsafe { t.register_io_buffers(b.as_mut_ptr(), b.len()) } {
-                    tracing::warn!(event = "rdma.register_failed", bytes = b.len(), error = %e);
-                }
-            }
-        }
+    /// A replicated volume: `io` is the queue's request path, `sessions`
+    /// the queue's session of every member (each with `bufs` registered).
+    pub fn replicated(
+        io: ReplicatedIo<Session>,
+        sessions: Vec<Session>,
+        bufs: Arc<TagBuffers>,
+    ) -> Self {
         Self {
-            session: Session::rdma(t, group),
-            bufs: Arc::new(bufs),
+            path: Path::Replicated {
+                io: Arc::new(io),
+                sessions,
+            },
+            bufs,
         }
     }
 
-    /// The queue's session, lent for as long as this handle lives.
+    /// The queue's first session (the only one of a volume on one peer):
+    /// its handshake answers (quota, blob size) hold for every member.
     pub fn session(&self) -> &Session {
-        &self.session
+        &self.sessions()[0]
+    }
+
+    /// The queue's sessions, one per member it was opened with.
+    pub fn sessions(&self) -> &[Session] {
+        match &self.path {
+            Path::Single(s) => std::slice::from_ref(s),
+            Path::Replicated { sessions, .. } => sessions,
+        }
     }
 
     /// The queue's I/O buffers.
     pub fn buffers(&self) -> &TagBuffers {
         &self.bufs
+    }
+}
+
+impl BlobIo for QueueIo {
+    fn transport(&self) -> Transport {
+        match &self.path {
+            Path::Single(s) => s.transport(),
+            Path::Replicated { io, .. } => io.transport(),
+        }
+    }
+
+    fn blob_bytes(&self) -> u32 {
+        match &self.path {
+            Path::Single(s) => s.blob_bytes(),
+            Path::Replicated { io, .. } => io.blob_bytes(),
+        }
+    }
+
+    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        match &self.path {
+            Path::Single(s) => s.read(key, offset, out).await,
+            Path::Replicated { io, .. } => io.read(key, offset, out).await,
+        }
+    }
+
+    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
+        match &self.path {
+            Path::Single(s) => s.write(key, offset, data).await,
+            Path::Replicated { io, .. } => io.write(key, offset, data).await,
+        }
+    }
+
+    async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
+        match &self.path {
+            Path::Single(s) => s.remove(start, end).await,
+            Path::Replicated { io, .. } => io.remove(start, end).await,
+        }
+    }
+
+    async fn flush(&self) -> Result<(), ArenaError> {
+        match &self.path {
+            Path::Single(s) => s.flush().await,
+            Path::Replicated { io, .. } => io.flush().await,
+        }
     }
 }
 
@@ -95,10 +177,14 @@ pub fn negotiated(ios: &[QueueIo]) -> Option<(Transport, Option<String>)> {
     ios.first()?;
     if ios
         .iter()
-        .all(|io| io.session().transport() == Transport::Rdma)
+        .flat_map(QueueIo::sessions)
+        .all(|s| s.transport() == Transport::Rdma)
     {
         return Some((Transport::Rdma, None));
     }
-    let why = ios.iter().find_map(|io| io.session().tcp_reason());
+    let why = ios
+        .iter()
+        .flat_map(QueueIo::sessions)
+        .find_map(Session::tcp_reason);
     Some((Transport::Tcp, why))
 }

@@ -24,7 +24,7 @@ use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_
 
 use libublk::sys;
 use target_rdma::block::ArenaTarget;
-use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::client::{ArenaClient, ClientConfig, Session};
 use target_rdma::testing::{secret, Peer, PeerOpts};
 use ublk_metrics::{summarize, Daemon, HttpConfig, MetricsServer, Telemetry};
 use ublkd::config::{MetricsConfig, TracingConfig, TransportChoice};
@@ -215,7 +215,7 @@ fn readiness_follows_the_peer_and_diagnostics_stay_redacted() {
     let cc = ClientConfig::new(peer.addr.to_string(), VOLUME, secret(SECRET));
     let payload = Arc::clone(&cc.stats);
     let client = ArenaClient::connect(cc).expect("connect to the peer");
-    let io = QueueIo::tcp(client, TagBuffers::new(4, 64 << 10));
+    let io = QueueIo::single(Session::Tcp(client), Arc::new(TagBuffers::new(4, 64 << 10)));
     let dev = obs
         .register(
             DeviceShape {
@@ -357,9 +357,9 @@ fn a_traced_request_is_the_exemplar_and_its_connection_reports_tcp_info() {
     let mut cc = ClientConfig::new(peer.addr.to_string(), VOLUME, secret(SECRET));
     cc.tcp_links = Arc::clone(obs.tcp_links());
     let stats = Arc::clone(&cc.stats);
-    let io = QueueIo::tcp(
-        ArenaClient::connect(cc).unwrap(),
-        TagBuffers::new(4, 64 << 10),
+    let io = QueueIo::single(
+        Session::Tcp(ArenaClient::connect(cc).unwrap()),
+        Arc::new(TagBuffers::new(4, 64 << 10)),
     );
     let dev = obs
         .register(

@@ -132,8 +132,8 @@ fn a_replicated_volume_survives_two_lost_peers_and_its_writer_is_fenced() {
         matches!(e.kind(), ErrorKind::Replica(_)),
         "refused by the replicated volume itself: {e}"
     );
-    // Protocol version 1 has no epochs: that a peer refuses the stale
-    // writer's sessions (STALE_EPOCH) waits for issue 9's protocol v2.
+    // That the peers refuse a superseded writer's epoch (STALE_EPOCH) is
+    // target-rdma/tests/replica_fencing.rs.
     for p in peers.drain(..) {
         p.stop();
     }

@@ -178,7 +178,11 @@ fn observed_io(s: &Observed, queue: u16, tag: u16) {
     // ... the I/O happens here ...
     let latency_ns = g.complete(&s.io, 4096, Ok(())).as_nanos() as u64;
     let attempt_ns = latency_ns.saturating_sub(dispatched_ns);
-    if let Some(tracer) = &s.tracer {
+    if let Some(tracer) = s
+        .tracer
+        .as_ref()
+        .filter(|t| t.keeps_success(corr, latency_ns))
+    {
         let record = RequestRecord {
             corr,
             target: "arena",

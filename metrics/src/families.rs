@@ -217,7 +217,8 @@ pub const DRIVER: &[Family] = &[
     ),
 ];
 
-/// Coordination of replicated volumes on etcd (ublkd, with `[etcd]`).
+/// Replicated volumes (ublkd): coordination on etcd (with `[etcd]`) and
+/// replica health.
 pub const COORDINATION: &[Family] = &[
     f(
         "ublk_membership_epoch_changes_total",
@@ -236,6 +237,43 @@ pub const COORDINATION: &[Family] = &[
         Gauge,
         &[],
         "1 while this ublkd's writer lease allows acknowledging writes, else 0.",
+    ),
+    // Replica health (metrics/src/replicas.rs); with or without etcd.
+    f(
+        "ublk_replicas",
+        Gauge,
+        &[],
+        "Replicas the replicated devices were created with, summed over the devices.",
+    ),
+    f(
+        "ublk_replicas_healthy",
+        Gauge,
+        &[],
+        "Members of replicated devices that hold every acknowledged write, summed.",
+    ),
+    f(
+        "ublk_devices_degraded",
+        Gauge,
+        &[],
+        "Replicated devices with fewer healthy members than replicas.",
+    ),
+    f(
+        "ublk_rebuild_bytes_total",
+        Counter,
+        &[],
+        "Blob bytes copied to rebuilt members.",
+    ),
+    f(
+        "ublk_rebuild_remaining_bytes",
+        Gauge,
+        &[],
+        "Blob bytes the running rebuilds still have to copy.",
+    ),
+    f(
+        "ublk_writer_stale_epoch_fences_total",
+        Counter,
+        &[],
+        "Writers fenced because a peer had seen a newer membership epoch (another writer took over).",
     ),
 ];
 

@@ -173,6 +173,11 @@ pub struct TraceConfig {
 #[derive(Debug, Clone)]
 pub struct Tracer {
     ppm: u32,
+    /// [`process_prefix`], read once here rather than per request.
+    prefix: u64,
+    /// A request is head-sampled when its hash is below this: the rate as
+    /// a fraction of the hash range, so the test is one compare.
+    sample_limit: u128,
     /// 0: nothing is retained for being slow.
     slow_ns: Arc<AtomicU64>,
 }
@@ -182,6 +187,13 @@ pub struct Tracer {
 /// is the configured rate even over short runs.
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
+/// The hash bound of `ppm`: `h < limit` exactly when `h * 10^6 / 2^64 <
+/// ppm`, the rate's share of the 64-bit hash range (rounded up, so the
+/// bound is exact for integer hashes).
+fn sample_limit(ppm: u32) -> u128 {
+    (u128::from(ppm) << 64).div_ceil(u128::from(MAX_SAMPLE_RATE_PPM))
+}
+
 fn threshold_ns(slow: Option<Duration>) -> u64 {
     slow.map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
@@ -189,8 +201,11 @@ fn threshold_ns(slow: Option<Duration>) -> u64 {
 impl Tracer {
     /// A tracer with `config`.
     pub fn new(config: TraceConfig) -> Tracer {
+        let ppm = config.sample_rate_ppm.min(MAX_SAMPLE_RATE_PPM);
         Tracer {
-            ppm: config.sample_rate_ppm.min(MAX_SAMPLE_RATE_PPM),
+            ppm,
+            prefix: process_prefix(),
+            sample_limit: sample_limit(ppm),
             slow_ns: Arc::new(AtomicU64::new(threshold_ns(config.slow_threshold))),
         }
     }
@@ -205,8 +220,19 @@ impl Tracer {
     /// trace id only.
     #[inline]
     pub fn head_sampled(&self, corr: CorrelationId) -> bool {
-        let h = (corr.get() ^ process_prefix()).wrapping_mul(GOLDEN);
-        ((u128::from(h) * u128::from(MAX_SAMPLE_RATE_PPM)) >> 64) < u128::from(self.ppm)
+        let h = (corr.get() ^ self.prefix).wrapping_mul(GOLDEN);
+        u128::from(h) < self.sample_limit
+    }
+
+    /// Whether a request that succeeded after `latency_ns`, every attempt of
+    /// it succeeded too, is retained: the one test the common request
+    /// needs, so its caller can skip building the records [`Tracer::finish`]
+    /// takes. Exact because an attempt runs within its request, so no
+    /// attempt of a request below the slow threshold is above it.
+    #[inline]
+    pub fn keeps_success(&self, corr: CorrelationId, latency_ns: u64) -> bool {
+        let slow = self.slow_ns.load(Ordering::Relaxed);
+        (slow != 0 && latency_ns >= slow) || self.head_sampled(corr)
     }
 
     /// A span's own reason to be kept, if any.
@@ -381,6 +407,54 @@ mod tests {
                 "{ppm} ppm: {hits} of {n}, want ~{want}"
             );
             assert!(ids.iter().all(|c| t.head_sampled(*c) == t.head_sampled(*c)));
+        }
+    }
+
+    #[test]
+    fn the_sample_bound_is_the_rate_share_of_the_hash_range() {
+        let hashes = [
+            0,
+            1,
+            u64::MAX,
+            u64::MAX / 2,
+            GOLDEN,
+            18_446_744_073_709,
+            18_446_744_073_710,
+        ];
+        for ppm in [0, 1, 100, 999_999, MAX_SAMPLE_RATE_PPM] {
+            for h in hashes
+                .iter()
+                .copied()
+                .chain((0..1000u64).map(|i| i.wrapping_mul(GOLDEN)))
+            {
+                let by_product =
+                    ((u128::from(h) * u128::from(MAX_SAMPLE_RATE_PPM)) >> 64) < u128::from(ppm);
+                assert_eq!(
+                    u128::from(h) < sample_limit(ppm),
+                    by_product,
+                    "ppm {ppm} hash {h}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn keeps_success_agrees_with_finish_on_successful_requests() {
+        let t = tracer(10_000, 5);
+        for i in 1..5000u64 {
+            let corr = CorrelationId::next();
+            let latency_ms = i % 8;
+            let record = req(corr, latency_ms, SpanEnd::Success);
+            let attempt = AttemptRecord {
+                transport: Transport::Tcp,
+                latency_ns: Some(record.latency_ns / 2),
+                end: SpanEnd::Success,
+            };
+            assert_eq!(
+                t.keeps_success(corr, record.latency_ns),
+                t.finish(&record, &[attempt]).is_some(),
+                "request {i}"
+            );
         }
     }
 

@@ -131,6 +131,14 @@ fn ublkd_expositions() -> Expositions {
         leases_lost: 1,
         lease_valid: true,
     });
+    ublk_metrics::ReplicaMetrics::new(&t).update_from(&ublk_metrics::ReplicaStats {
+        replicas: 3,
+        healthy: 2,
+        degraded: 1,
+        rebuild_bytes: 1 << 20,
+        rebuild_remaining: 65536,
+        stale_epoch_fences: 0,
+    });
     t.enable_openmetrics();
     Expositions {
         text: t.render().unwrap(),

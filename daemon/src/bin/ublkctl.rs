@@ -11,8 +11,8 @@ use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::coordination::PeerRecord;
 use ublkd::ctl::{
-    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, Reply, Request, Response,
-    StatsReply,
+    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, ReplicasInfo, Reply, Request,
+    Response, StatsReply,
 };
 use ublkd::device::DeviceSpec;
 use ublkd::features;
@@ -133,9 +133,15 @@ fn print_peers(peers: &[PeerInfo]) {
 
 #[derive(ClapArgs, Debug)]
 struct Add {
-    /// arenad's HOST:PORT.
-    #[arg(long)]
-    peer: String,
+    // --- replication (issue 11) ---
+    /// arenad's HOST:PORT; repeat it for a replicated volume (one replica
+    /// per peer). Without it, placement in etcd chooses --replicas peers.
+    #[arg(long, required_unless_present = "replicas")]
+    peer: Vec<String>,
+    /// Replicas of the volume, 1 to 5 (default: the number of --peer).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=5))]
+    replicas: Option<u8>,
+    // --- end replication ---
     /// Volume name on arenad.
     #[arg(long)]
     volume: String,
@@ -360,7 +366,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             let secret_file = std::path::absolute(&a.secret_file)
                 .with_context(|| format!("--secret-file {}", a.secret_file.display()))?;
             Request::Add(AddArgs {
-                peer: a.peer.clone(),
+                peers: a.peer.clone(),
+                replicas: a.replicas,
                 volume: a.volume.clone(),
                 secret_file,
                 size: a.size,
@@ -442,7 +449,10 @@ fn print_device(d: &DeviceInfo) {
     println!("  io buffer  {}", HumanSize(d.io_buf));
     println!("  blob size  {}", HumanSize(d.blob_size));
     println!("  block size {}", d.logical_block_size);
-    println!("  peer       {}", d.peer);
+    match &d.replicas {
+        None => println!("  peer       {}", d.peer),
+        Some(r) => print_replicas(r),
+    }
     println!("  volume     {}", d.volume);
     println!(
         "  transport  {} (requested {})",
@@ -452,6 +462,38 @@ fn print_device(d: &DeviceInfo) {
         println!("  tcp because {why}");
     }
 }
+
+// --- replication (issue 11) ---
+fn print_replicas(r: &ReplicasInfo) {
+    println!(
+        "  replicas   {} healthy of {} active, epoch {}",
+        r.healthy, r.active, r.epoch
+    );
+    for m in &r.members {
+        let progress = match &r.rebuild {
+            Some(b) if b.peer == m.peer => {
+                let total = b.bytes_done + b.bytes_remaining;
+                let pct = (b.bytes_done * 100).checked_div(total).unwrap_or(100);
+                format!(
+                    "  rebuild {pct}% ({} of {})",
+                    HumanSize(b.bytes_done),
+                    HumanSize(total)
+                )
+            }
+            _ => String::new(),
+        };
+        println!("    {:<8} {}{progress}", m.state, m.peer);
+    }
+}
+
+/// `list`'s PEER column: the peer, or a replicated volume's health.
+fn peer_column(d: &DeviceInfo) -> String {
+    match &d.replicas {
+        None => d.peer.clone(),
+        Some(r) => format!("{}/{} replicas e{}", r.healthy, r.members.len(), r.epoch),
+    }
+}
+// --- end replication ---
 
 /// Latency as people read it: `850 us`, `12.5 ms`, `1.2 s`.
 fn latency(d: Option<Duration>) -> String {
@@ -588,7 +630,7 @@ fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
                     HumanSize(d.size).to_string(),
                     format!("{}/{}", d.queues, d.depth),
                     d.state,
-                    d.peer,
+                    peer_column(d),
                     d.volume,
                     d.transport
                 );
@@ -659,6 +701,37 @@ mod tests {
             e.contains("unknown transport \"udp\": use tcp, rdma or auto"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn add_takes_peers_repeated_or_a_replica_count() {
+        let add = |extra: &[&str]| {
+            let mut argv = vec![
+                "ublkctl",
+                "add",
+                "--volume",
+                "v",
+                "--secret-file",
+                "/s",
+                "--size",
+                "1G",
+            ];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv)
+        };
+        let Cmd::Add(a) = add(&["--peer", "h:1", "--peer", "h:2"]).unwrap().cmd else {
+            panic!("an add")
+        };
+        assert_eq!(
+            (a.peer, a.replicas),
+            (vec!["h:1".into(), "h:2".into()], None)
+        );
+        let Cmd::Add(a) = add(&["--replicas", "3"]).unwrap().cmd else {
+            panic!("an add")
+        };
+        assert_eq!((a.peer.len(), a.replicas), (0, Some(3)));
+        assert!(add(&["--replicas", "6"]).is_err(), "1..=5");
+        assert!(add(&[]).is_err(), "a peer or a replica count");
     }
 
     #[test]

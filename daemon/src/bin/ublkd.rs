@@ -12,7 +12,7 @@ use clap::Parser;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
-use ublk_metrics::{CoordinationMetrics, Daemon, Telemetry};
+use ublk_metrics::{CoordinationMetrics, Daemon, ReplicaMetrics, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::control_socket;
 use ublkd::device::{Manager, UBLK_CONTROL};
@@ -89,6 +89,15 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
         m.set_source(move || Some(weak.upgrade()?.coordination().ok()?.stats()));
         m
     });
+    let replica_metrics = ReplicaMetrics::new(&tel);
+    {
+        let weak = Arc::downgrade(&manager);
+        replica_metrics.set_source(move || {
+            weak.upgrade()
+                .map(|m| m.replica_stats())
+                .unwrap_or_default()
+        });
+    }
     // --- end replication ---
     manager
         .spawn_peer_monitor()

@@ -5,7 +5,7 @@
 //! elects on its own. Key layout: [`records`]; docs/REPLICATION.md
 //! describes the operation.
 //!
-//! - [`config`]: the `[etcd]` section.
+//! - [`config`]: the `[etcd]` section; [`replication`]: `[replication]`.
 //! - [`etcd`]: the client on its own tokio runtime, bridged to non-tokio
 //!   callers; bounded requests; conditional puts and deletes.
 //! - [`writer`]: the writer lease (one ublkd per volume) and the deadline
@@ -23,6 +23,7 @@ pub mod etcd;
 pub mod placement;
 pub mod pool;
 pub mod records;
+pub mod replication;
 pub mod slot;
 pub mod volume;
 pub mod writer;
@@ -32,6 +33,7 @@ use std::path::PathBuf;
 pub use config::EtcdConfig;
 pub use pool::Coordination;
 pub use records::{MembershipRecord, PeerRecord, WriterRecord};
+pub use replication::ReplicationConfig;
 pub use slot::CoordinationSlot;
 pub use ublk_metrics::EpochReason;
 pub use volume::EtcdVolume;

@@ -14,6 +14,8 @@
 //! (so a device idle when its peer comes back turns ready again) and tells
 //! each device's observer what it found.
 
+mod connect;
+mod replicas;
 mod spec;
 mod thread;
 
@@ -30,25 +32,23 @@ use parking_lot::Mutex;
 use target_rdma::auth::{Secret, SecretError};
 use target_rdma::blob::BlobIo;
 use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
-use target_rdma::client::{ArenaClient, ClientConfig, ClientStats, FlushDomain};
-use target_rdma::client::{
-    RdmaConnectError, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TransportGroup,
-};
-use target_rdma::rdma::{open_provider, RdmaMode};
+use target_rdma::client::ClientStats;
 use target_rdma::size::{ApproxSize, HumanSize};
-use ublk_metrics::{DriverStats, Transport as MetricsTransport};
 
 use crate::busy;
-use crate::config::{check_geometry, ConfigError, DeviceDefaults, TransportChoice, UblkdConfig};
+use crate::config::{check_geometry, ConfigError, DeviceDefaults, UblkdConfig};
 use crate::coordination::{CoordError, CoordErrorKind, Coordination, CoordinationSlot};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
 use crate::device_stats::DeviceStats;
 use crate::observability::{DevState, DeviceObs, Observability};
 use crate::queue_io::{QueueIo, TagBuffers};
+use connect::driver_stats;
+pub use connect::Connector;
+pub use replicas::{Replicated, Resolve};
 #[cfg(test)]
 use spec::params;
 use spec::shape;
-pub use spec::{DeviceSpec, SpecStore};
+pub use spec::{DeviceSpec, ReplicaSpec, SpecStore};
 use thread::{device_thread, kernel_state, DeviceStart, Event, Mode};
 
 /// The ublk control node; absent when `ublk_drv` is not loaded.
@@ -63,10 +63,16 @@ pub const PEER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 /// (blocks up to the connect timeout per lost one: call it from the
 /// monitor, never from `/ready`), and tells the device's observer.
 pub fn check_peer(dev: &DeviceObs, ios: &[QueueIo]) {
+    // A replicated queue is linked while any of its members is: the
+    // volume serves on the others.
     let links: Vec<bool> = ios
         .iter()
-        .map(|io| io.session().client())
-        .map(|c| c.is_connected() || c.welcome().is_ok())
+        .map(|io| {
+            io.sessions()
+                .iter()
+                .map(|s| s.client())
+                .any(|c| c.is_connected() || c.welcome().is_ok())
+        })
         .collect();
     dev.peer_checked(&links);
 }
@@ -179,10 +185,12 @@ struct Device {
     spec: DeviceSpec,
     stats: Arc<DeviceStats>,
     state: Arc<Mutex<State>>,
-    /// The queues' arena sessions (shared), for FLUSH at shutdown.
+    /// The queues' ways to the volume (shared), for FLUSH at shutdown.
     ios: Vec<QueueIo>,
     blob_bytes: u32,
     thread: Option<JoinHandle<()>>,
+    /// A replicated volume's shared state and its rebuild thread.
+    replicated: Option<(Arc<Replicated>, Option<JoinHandle<()>>)>,
 }
 
 /// Whether a launch creates a device (`add`) or brings back one that was
@@ -234,6 +242,19 @@ fn check_cpus(cpus: &[u32]) -> Result<Vec<u32>, DeviceError> {
         }
     }
     Ok(cpus.to_vec())
+}
+
+/// Waits for a stopped device's thread, and ends its rebuild thread.
+fn finish(dev: &mut Device) {
+    if let Some(t) = dev.thread.take() {
+        let _ = t.join();
+    }
+    if let Some((rep, rebuilder)) = dev.replicated.take() {
+        rep.stop();
+        if let Some(t) = rebuilder {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Owns every device's lifecycle.
@@ -307,6 +328,7 @@ impl Manager {
                 ios: Vec::new(),
                 blob_bytes: 0,
                 thread: None,
+                replicated: None,
             },
         );
     }
@@ -348,15 +370,38 @@ impl Manager {
     }
 
     /// Connects the queues' clients, starts the device thread and waits
-    /// until the device is live. Returns the device id.
+    /// until the device is live. Returns the device id. A replicated
+    /// device that does not start gives its writer key back.
     fn launch(
+        &self,
+        spec: DeviceSpec,
+        mode: Mode,
+        admission: Admission,
+    ) -> Result<u32, DeviceError> {
+        let volume = spec.replicas.is_some().then(|| spec.volume.clone());
+        let launched = self.start_device(spec, mode, admission);
+        if let (Err(_), Some(volume)) = (&launched, volume) {
+            self.release_writer(&volume);
+        }
+        launched
+    }
+
+    fn start_device(
         &self,
         mut spec: DeviceSpec,
         mode: Mode,
         admission: Admission,
     ) -> Result<u32, DeviceError> {
         let secret = Secret::from_file(&spec.secret_file)?;
-        let (ios, driver) = self.connect_queues(&spec, &secret)?;
+        let connector = Connector::new(&self.cfg, Arc::clone(self.obs.tcp_links()));
+        let (ios, replicated) = match &spec.replicas {
+            None => (self.connect_single(&connector, &spec, &secret)?, None),
+            Some(r) => {
+                let (ios, rep) = self.open_replicated(&connector, &spec, r, &secret)?;
+                (ios, Some(rep))
+            }
+        };
+        let driver = driver_stats(&ios, &connector);
         if admission == Admission::New {
             fits_quota(&spec, &ios)?;
         }
@@ -428,6 +473,21 @@ impl Manager {
                 return Err(failed(thread, "device did not become live in time".into()));
             }
         }
+        let replicated = match replicated {
+            Some(rep) => {
+                let rebuilder = rep
+                    .spawn_rebuilder(
+                        connector,
+                        spec.clone(),
+                        self.resolver(),
+                        self.cfg.replication.clone(),
+                    )
+                    .map_err(|e| tracing::error!(event = "rebuild.spawn_failed", id, error = %e))
+                    .ok();
+                Some((rep, rebuilder))
+            }
+            None => None,
+        };
         self.devices.lock().insert(
             id,
             Device {
@@ -437,85 +497,31 @@ impl Manager {
                 ios,
                 blob_bytes,
                 thread: Some(thread),
+                replicated,
             },
         );
         tracing::info!(event = "device.live", id, blob_bytes);
         Ok(id)
     }
 
-    /// One arena session per queue, on the spec's transport, and the
-    /// driver statistics that report them. `rdma` fails unless every queue
-    /// negotiated RDMA; `auto` takes RDMA where it can and TCP otherwise.
-    fn connect_queues(
+    /// A volume on one peer: one session per queue, on the spec's
+    /// transport.
+    fn connect_single(
         &self,
+        connector: &Connector,
         spec: &DeviceSpec,
         secret: &Secret,
-    ) -> Result<(Vec<QueueIo>, Arc<dyn DriverStats>), DeviceError> {
-        // A FLUSH on any queue covers writes completed on every queue, so
-        // the queues' connections vouch for each other's writes; and they
-        // count into one set of statistics, the device's.
-        let flush_domain = Arc::new(FlushDomain::default());
-        let client_stats = Arc::new(ClientStats::default());
-        let client_cfg = || {
-            let mut cc = ClientConfig::new(spec.peer.clone(), spec.volume.clone(), secret.clone());
-            cc.flush_domain = Arc::clone(&flush_domain);
-            cc.stats = Arc::clone(&client_stats);
-            cc.tcp_links = Arc::clone(self.obs.tcp_links());
-            cc.blob_bytes = spec.blob_size as u32;
-            cc.connect_timeout = Duration::from_millis(self.cfg.connect_timeout_ms);
-            cc.request_timeout = Duration::from_millis(self.cfg.request_timeout_ms);
-            cc
-        };
-        let bufs = || TagBuffers::new(spec.depth as usize, spec.io_buf as usize);
-        let mode = match spec.transport {
-            TransportChoice::Tcp => {
-                let mut ios = Vec::with_capacity(spec.queues as usize);
-                for _ in 0..spec.queues {
-                    ios.push(QueueIo::tcp(ArenaClient::connect(client_cfg())?, bufs()));
-                }
-                return Ok((ios, client_stats));
-            }
-            TransportChoice::Rdma => RdmaMode::On,
-            TransportChoice::Auto => RdmaMode::Auto,
-        };
-        let provider = open_provider(mode, &self.cfg.rdma.selector())
-            .map_err(|e| DeviceError::RdmaUnavailable(e.to_string()))?;
-        let cfg = RdmaTransportConfig {
-            // Every payload ublkd moves comes from a tag buffer: larger ones
-            // cannot exist, and the bounce pool only serves the zero-fill
-            // writes of partial DISCARD/WRITE_ZEROES ranges.
-            buffer_bytes: spec.io_buf as u32,
-            pool_buffers: 4,
-            sq_depth: (spec.depth * 2).clamp(16, 256),
-            op_timeout: Duration::from_millis(self.cfg.request_timeout_ms)
-                .min(Duration::from_secs(5)),
-            require_rdma: spec.transport == TransportChoice::Rdma,
-            ..RdmaTransportConfig::default()
-        };
-        // Leases are cached per queue connection; the group lets a FLUSH or
-        // DISCARD on one queue end the other queues' affected leases first.
-        let group = TransportGroup::new();
-        let mut ios = Vec::with_capacity(spec.queues as usize);
-        for _ in 0..spec.queues {
-            let t = RdmaTransport::connect(client_cfg(), provider.clone(), cfg.clone()).map_err(
-                |e| match e {
-                    RdmaConnectError::Arena(e) => DeviceError::Arena(e),
-                    e @ RdmaConnectError::Unavailable { .. } => {
-                        DeviceError::RdmaUnavailable(e.to_string())
-                    }
-                },
-            )?;
-            ios.push(QueueIo::rdma(t, bufs(), &group));
-        }
-        let rdma = ios
-            .iter()
-            .all(|io| io.session().transport() == MetricsTransport::Rdma);
-        let stats = ios
-            .iter()
-            .filter_map(|io| io.session().rdma_stats())
+    ) -> Result<Vec<QueueIo>, DeviceError> {
+        let bufs: Vec<Arc<TagBuffers>> = (0..spec.queues)
+            .map(|_| Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize)))
             .collect();
-        let driver = RdmaDriverStats::new(if rdma { "rdma" } else { "tcp" }, stats, client_stats);
-        Ok((ios, Arc::new(driver)))
+        let sessions = connector.connect(spec, &spec.peer, secret, &bufs, false)?;
+        Ok(sessions
+            .queues
+            .into_iter()
+            .zip(bufs)
+            .map(|(s, b)| QueueIo::single(s, b))
+            .collect())
     }
 
     /// Builds a spec from `add` arguments and the `[device]` defaults.
@@ -539,14 +545,16 @@ impl Manager {
                 a.size
             )));
         }
-        if a.peer.is_empty() || a.volume.is_empty() {
-            return Err(DeviceError::BadRequest(
-                "--peer and --volume must not be empty".into(),
-            ));
+        if a.volume.is_empty() {
+            return Err(DeviceError::BadRequest("--volume must not be empty".into()));
         }
+        let replicas = replicas::replica_spec(a)?;
+        let Some(peer) = a.peers.first() else {
+            return Err(DeviceError::BadRequest("--peer must be given".into()));
+        };
         Ok(DeviceSpec {
             id: 0,
-            peer: a.peer.clone(),
+            peer: peer.clone(),
             volume: a.volume.clone(),
             secret_file: a.secret_file.clone(),
             size: a.size,
@@ -566,11 +574,13 @@ impl Manager {
             fua: d.fua,
             read_only: a.read_only,
             cpus: check_cpus(&a.cpus)?,
+            replicas,
         })
     }
 
     /// `add`: creates a device and returns its description.
     pub fn add(&self, a: &AddArgs) -> Result<DeviceInfo, DeviceError> {
+        let a = &self.place(a)?;
         let spec = self.spec_for(a)?;
         if !a.secret_file.is_absolute() {
             return Err(DeviceError::BadRequest(format!(
@@ -591,6 +601,19 @@ impl Manager {
             })?,
             None => -1,
         };
+        if spec.replicas.is_some() {
+            if let Some((id, _)) = self
+                .devices
+                .lock()
+                .iter()
+                .find(|(_, d)| d.spec.volume == spec.volume)
+            {
+                return Err(DeviceError::BadRequest(format!(
+                    "volume {:?} is already served here by device {id}: a replicated volume has one writer",
+                    spec.volume
+                )));
+            }
+        }
         let id = self.launch(spec, Mode::Add(wanted), Admission::New)?;
         self.info(id)
     }
@@ -616,6 +639,9 @@ impl Manager {
         let dev = self.devices.lock().remove(&id);
         if let Some(mut dev) = dev {
             self.stop(id, &mut dev);
+            if dev.spec.replicas.is_some() {
+                self.release_writer(&dev.spec.volume);
+            }
         }
         let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.del_dev());
         self.obs.unregister(id);
@@ -631,9 +657,7 @@ impl Manager {
                 tracing::warn!(event = "device.stop_failed", id, error = %e);
             }
         }
-        if let Some(t) = dev.thread.take() {
-            let _ = t.join();
-        }
+        finish(dev);
     }
 
     /// `recover`: brings a stopped or failed device back.
@@ -651,9 +675,7 @@ impl Manager {
             dev.spec.clone()
         };
         if let Some(mut dev) = self.devices.lock().remove(&id) {
-            if let Some(t) = dev.thread.take() {
-                let _ = t.join();
-            }
+            finish(&mut dev);
         }
         if let Err(e) = self.bring_back(spec.clone()) {
             self.insert_failed(spec, &e);
@@ -689,6 +711,7 @@ impl Manager {
             transport_requested: dev.spec.transport.name().into(),
             transport_note: negotiated.and_then(|(_, why)| why),
             logical_block_size: dev.spec.logical_block_size,
+            replicas: dev.replicated.as_ref().map(|(r, _)| r.info()),
         }
     }
 
@@ -777,7 +800,7 @@ impl Manager {
         let _op = self.ops.lock();
         for (id, dev) in self.devices.lock().iter() {
             for io in &dev.ios {
-                if let Err(e) = futures::executor::block_on(io.session().flush()) {
+                if let Err(e) = futures::executor::block_on(io.flush()) {
                     tracing::warn!(event = "device.flush_failed", id, error = %e);
                 }
             }
@@ -801,6 +824,7 @@ mod tests {
     use std::fs;
 
     use super::*;
+    use crate::config::TransportChoice;
 
     fn cfg(dir: &Path) -> UblkdConfig {
         let mut c = UblkdConfig::defaults();
@@ -820,7 +844,8 @@ mod tests {
 
     fn args() -> AddArgs {
         AddArgs {
-            peer: "127.0.0.1:1".into(),
+            peers: vec!["127.0.0.1:1".into()],
+            replicas: None,
             volume: "vol".into(),
             secret_file: "/nonexistent/secret".into(),
             size: 64 << 20,
@@ -907,7 +932,7 @@ mod tests {
         );
         let m = manager(&dir.path().join("ublkd"));
         let mut a = args();
-        a.peer = peer.addr.to_string();
+        a.peers = vec![peer.addr.to_string()];
         a.volume = "a".into();
         a.secret_file = secret_file(dir.path(), "a.key", SECRET_A);
         a.queues = Some(4);
@@ -981,7 +1006,7 @@ mod tests {
         fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
         let add = |size: u64| {
             m.add(&AddArgs {
-                peer: peer.addr.to_string(),
+                peers: vec![peer.addr.to_string()],
                 volume: "a".into(),
                 secret_file: secret.clone(),
                 size,
@@ -1068,5 +1093,120 @@ mod tests {
         json.as_object_mut().unwrap().remove("read_only");
         let old: DeviceSpec = serde_json::from_value(json).unwrap();
         assert!(!old.read_only);
+    }
+
+    /// A definition exactly as ublkd before replication wrote it still
+    /// loads, as a volume on one peer, and is written back byte for byte.
+    #[test]
+    fn definitions_from_before_replication_load_unchanged() {
+        let old = r#"{
+  "id": 3,
+  "peer": "10.0.0.5:7070",
+  "volume": "vm1",
+  "secret_file": "/etc/ublk/vm1.key",
+  "size": 68719476736,
+  "queues": 2,
+  "depth": 64,
+  "io_buf": 524288,
+  "blob_size": 0,
+  "transport": "tcp",
+  "logical_block_size": 512,
+  "physical_block_size": 4096,
+  "max_io_size": 524288,
+  "discard": true,
+  "max_discard_size": 1073741824,
+  "write_zeroes": true,
+  "max_write_zeroes_size": 1073741824,
+  "write_cache": true,
+  "fua": true,
+  "read_only": false,
+  "cpus": []
+}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let store = SpecStore::open(dir.path()).unwrap();
+        fs::write(dir.path().join("devices/3.json"), old).unwrap();
+        let loaded = store.load_all().unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].replicas, None);
+        store.save(&loaded[0]).unwrap();
+        assert_eq!(
+            fs::read_to_string(dir.path().join("devices/3.json")).unwrap(),
+            old
+        );
+        // `add --peer P` (one replica) makes exactly such a definition.
+        let m = manager(dir.path());
+        let one = m
+            .spec_for(&AddArgs {
+                replicas: Some(1),
+                ..args()
+            })
+            .unwrap();
+        assert_eq!(one.replicas, None);
+        assert!(!serde_json::to_string(&one).unwrap().contains("replicas"));
+    }
+
+    #[test]
+    fn replica_sets_are_checked_and_persisted() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager(dir.path());
+        let peers = |n: usize| (1..=n).map(|i| format!("10.0.0.{i}:7070")).collect();
+        let msg = |a: AddArgs| m.spec_for(&a).unwrap_err().to_string();
+        assert_eq!(
+            msg(AddArgs {
+                peers: peers(2),
+                replicas: Some(3),
+                ..args()
+            }),
+            "--replicas 3 needs 3 --peer (got 2), or no --peer to let placement choose"
+        );
+        assert_eq!(
+            msg(AddArgs {
+                peers: peers(6),
+                replicas: Some(6),
+                ..args()
+            }),
+            "invalid --replicas 6: must be between 1 and 5"
+        );
+        assert_eq!(
+            msg(AddArgs {
+                peers: vec!["h:1".into(), "h:1".into()],
+                ..args()
+            }),
+            "--peer h:1 is given twice: replicas live on distinct peers"
+        );
+        // Without [etcd] there is nothing to place on.
+        let e = m
+            .add(&AddArgs {
+                peers: Vec::new(),
+                replicas: Some(2),
+                ..args()
+            })
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BadRequest);
+        assert!(e.to_string().starts_with("--peer is required"), "{e}");
+
+        let mut s = m
+            .spec_for(&AddArgs {
+                peers: peers(3),
+                ..args()
+            })
+            .unwrap();
+        assert_eq!(s.peer, "10.0.0.1:7070");
+        assert_eq!(s.replicas, Some(ReplicaSpec { peers: peers(3) }));
+        s.id = 9;
+        m.store.save(&s).unwrap();
+        assert_eq!(m.store.load_all().unwrap(), vec![s]);
+    }
+
+    /// `add` requests of ublkctl from before replication (`"peer": "h:p"`)
+    /// still parse.
+    #[test]
+    fn old_add_requests_still_parse() {
+        let line = r#"{"version":1,"op":"add","peer":"h:1","volume":"v","secret_file":"/s","size":4096,"queues":null,"depth":null,"blob_size":null,"transport":null,"io_buf":null}"#;
+        let r: crate::ctl::RequestLine = serde_json::from_str(line).unwrap();
+        let crate::ctl::Request::Add(a) = r.request else {
+            panic!("{r:?}")
+        };
+        assert_eq!((a.peers, a.replicas), (vec!["h:1".to_string()], None));
     }
 }

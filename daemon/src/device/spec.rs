@@ -62,6 +62,21 @@ pub struct DeviceSpec {
     /// (`add --cpus`); empty keeps the kernel's queue mapping.
     #[serde(default)]
     pub cpus: Vec<u32>,
+    /// A replicated volume (issue 11): its members. Absent for a volume on
+    /// one peer (`peer`), so those definitions read and write exactly as
+    /// before replication existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicaSpec>,
+}
+
+/// The replica set a replicated device was created with. After that the
+/// membership record (etcd, or the state dir without it) is authoritative:
+/// a restarted ublkd serves the members it names.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaSpec {
+    /// The members at creation, as the record names them: `host:port`
+    /// (`add --peer`), or placement-pool ids (placed by etcd).
+    pub peers: Vec<String>,
 }
 
 /// Reads and writes device definitions.

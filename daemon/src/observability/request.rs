@@ -244,6 +244,11 @@ impl Slot<'_> {
         let Some(tracer) = &self.dev.tracer else {
             return;
         };
+        let all_succeeded =
+            end == SpanEnd::Success && attempts.iter().flatten().all(|a| a.end == SpanEnd::Success);
+        if all_succeeded && !tracer.keeps_success(self.corr, latency_ns) {
+            return;
+        }
         // The last attempt present is timed from the dispatch.
         if let Some(last) = attempts.iter_mut().rev().flatten().next() {
             last.latency_ns = last_attempt_ns;

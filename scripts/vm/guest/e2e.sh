@@ -140,18 +140,6 @@ if command -v udevadm >/dev/null; then
 else fail udev-rule "udevadm missing (scripts/vm/deps installs udev)"; fi
 ctl list | tee "$R/list.txt" | grep -q "tcp" && pass ctl-list-says-tcp || fail ctl-list-says-tcp
 ctl --json show "$ID" >"$R/show.json" && grep -q '"state": "live"' "$R/show.json" && pass ctl-show-live || fail ctl-show-live
-# add -n ID --read-only --cpus: the id asked for, a disk the kernel will
-# not write, its queue thread pinned to the CPU asked for.
-ro=$(ctl add -n 7 --read-only --cpus 0 --wait --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 4M 2>&1)
-tid=$(grep 'queue.pinned' "$R/ublkd.log" | grep 'device=7' | grep -o 'tid=[0-9]*' | tail -1 | cut -d= -f2)
-allowed=$(awk '/^Cpus_allowed_list/ { print $2 }' "/proc/$UBLKD_PID/task/${tid:-none}/status" 2>/dev/null)
-if [[ "$allowed" == 0 ]]; then pass "add --cpus 0 (queue thread $tid on CPU 0)"
-else fail add-cpus "tid=$tid allowed=$allowed $(grep queue.p "$R/ublkd.log" | tail -3)"; fi
-if [[ "$ro" == /dev/ublkb7 && -b /dev/ublkb7 && "$(blockdev --getro /dev/ublkb7)" == 1 ]] &&
-    ! dd if=/dev/zero of=/dev/ublkb7 bs=4k count=1 oflag=direct status=none 2>/dev/null &&
-    ctl show 7 | grep -q "read-only" && ctl del 7 >/dev/null; then
-    pass "add -n 7 --read-only"
-else fail add-n-read-only "$ro $(ctl show 7 2>&1)"; ctl del --force 7 >/dev/null 2>&1; fi
 
 # ---- 1: fio verify, sequential + random, 4k..1M, several jobs ----------
 log "fio"
@@ -254,6 +242,21 @@ if [[ "$tcp_conns" == 2 ]] && awk -v r="${tcp_rtt:-0}" 'BEGIN { exit !(r > 0) }'
     pass "tcp-info (2 arena connections, max RTT $tcp_rtt s)"
 else fail tcp-info "connections ${tcp_conns:-none}, rtt ${tcp_rtt:-none}"; fi
 kill "$PROM_PID" 2>/dev/null; wait "$PROM_PID" 2>/dev/null; PROM_PID=
+
+# add -n ID --read-only --cpus: the id asked for, a disk the kernel will
+# not write, its queue thread pinned to the CPU asked for.
+ro=$(ctl add -n 7 --read-only --cpus 0 --wait --peer "$PEER" --volume e2e --secret-file "$W/vol.key" --size 4M 2>&1)
+# (after the Prometheus count: its I/Os would be in ublkd's totals; the log
+# is JSON here, key=value in the text format, so either shape is matched)
+tid=$(grep 'queue.pinned' "$R/ublkd.log" | grep -E 'device(=|":)7[^0-9]' | grep -oE 'tid(=|":)[0-9]+' | tail -1 | grep -oE '[0-9]+$')
+allowed=$(awk '/^Cpus_allowed_list/ { print $2 }' "/proc/$UBLKD_PID/task/${tid:-none}/status" 2>/dev/null)
+if [[ "$allowed" == 0 ]]; then pass "add --cpus 0 (queue thread $tid on CPU 0)"
+else fail add-cpus "tid=$tid allowed=$allowed $(grep queue.p "$R/ublkd.log" | tail -3)"; fi
+if [[ "$ro" == /dev/ublkb7 && -b /dev/ublkb7 && "$(blockdev --getro /dev/ublkb7)" == 1 ]] &&
+    ! dd if=/dev/zero of=/dev/ublkb7 bs=4k count=1 oflag=direct status=none 2>/dev/null &&
+    ctl show 7 | grep -q "read-only" && ctl del 7 >/dev/null; then
+    pass "add -n 7 --read-only"
+else fail add-n-read-only "$ro $(ctl show 7 2>&1)"; ctl del --force 7 >/dev/null 2>&1; fi
 
 # ---- 2: ext4 mkfs, copy a tree, fsck, remount, checksums -----------------
 log "ext4"

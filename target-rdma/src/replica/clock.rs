@@ -169,17 +169,20 @@ impl Timers {
 
     fn run(&self, now: impl Fn() -> Instant) {
         loop {
-            let next = self.fire_due(now());
-            {
+            let fired_next = self.fire_due(now());
+            // A timer added since `fire_due` (its `add` saw the thread awake
+            // and did not unpark it) may be earlier than `fired_next`, or
+            // the only one: the sleep below must be planned from both.
+            let next = {
                 let mut s = self.state.lock();
-                // A timer added since `fire_due` may be earlier than `next`.
-                let next = match (next, s.heap.peek().map(|e| e.0.at)) {
+                let next = match (fired_next, s.heap.peek().map(|e| e.0.at)) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
                 s.planned = next;
                 s.parked = true;
-            }
+                next
+            };
             match next {
                 Some(at) => thread::park_timeout(at.saturating_duration_since(now())),
                 None => thread::park(),

@@ -24,6 +24,9 @@ enum Verdict {
     /// The member failed: it must leave the membership before anything it
     /// missed is acknowledged.
     Member,
+    /// The peer has seen a newer membership epoch (`STALE_EPOCH`): another
+    /// writer took the volume over, and this one is fenced.
+    Fenced,
 }
 
 fn verdict(e: &ArenaError) -> Verdict {
@@ -31,6 +34,7 @@ fn verdict(e: &ArenaError) -> Verdict {
         ErrorKind::Status(Status::Protocol | Status::QuotaExceeded | Status::NoSpace) => {
             Verdict::Request
         }
+        _ if e.status() == Some(Status::StaleEpoch) => Verdict::Fenced,
         _ => Verdict::Member,
     }
 }
@@ -94,6 +98,7 @@ impl<S: MemberIo> ReplicatedIo<S> {
         }))
         .await;
         let mut fault = None;
+        let mut fenced = None;
         for (m, r) in sent.iter().zip(results) {
             match r {
                 // A peer that lost acknowledged writes may have answered:
@@ -107,11 +112,18 @@ impl<S: MemberIo> ReplicatedIo<S> {
                     round.answers.push(v);
                 }
                 Err(e) if verdict(&e) == Verdict::Request => fault = Some(e),
+                Err(e) if verdict(&e) == Verdict::Fenced => fenced = Some(e),
                 Err(e) => {
                     m.suspect(e.to_string());
                     round.failed.insert(m.id);
                 }
             }
+        }
+        if let Some(e) = fenced {
+            // Not a member failure: the member is fine, this writer is
+            // not. Nothing is acknowledged from here on.
+            self.set.fence_stale(&e);
+            self.set.may_acknowledge()?;
         }
         match fault {
             Some(e) => Err(e),
@@ -289,6 +301,10 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
                 match r {
                     Ok(via) => return Ok(via),
                     Err(e) if verdict(&e) == Verdict::Request => return Err(e),
+                    Err(e) if verdict(&e) == Verdict::Fenced => {
+                        self.set.fence_stale(&e);
+                        self.set.may_acknowledge()?;
+                    }
                     Err(e) => {
                         if let Some(m) = readers.iter().find(|m| m.id == id) {
                             if !matches!(e.kind(), ErrorKind::Replica(_)) {

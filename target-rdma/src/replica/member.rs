@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::blob::{ArenaError, BlobIo};
 use crate::client::{ArenaClient, RdmaTransport, Session};
+use crate::proto::Status;
 
 /// A session to one member, as the replication core uses it.
 ///
@@ -35,11 +36,15 @@ impl MemberIo for ArenaClient {
         ArenaClient::lost_writes(self)
     }
 
-    async fn raise_epoch(&self, _epoch: u64) -> Result<(), ArenaError> {
-        // Protocol version 1 has no epochs (issue 9 adds them in version
-        // 2): against a version-1 peer, fencing rests on the writer lease
-        // alone. docs/REPLICATION.md says so.
-        Ok(())
+    async fn raise_epoch(&self, epoch: u64) -> Result<(), ArenaError> {
+        match ArenaClient::raise_epoch(self, epoch).await {
+            Ok(_) => Ok(()),
+            // A protocol-1 session has no epochs: against such a peer
+            // (allowed only with allow_protocol_v1) fencing rests on the
+            // writer lease alone. docs/REPLICATION.md says so.
+            Err(e) if e.status() == Some(Status::VersionMismatch) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use super::coordinator::{MemberRecord, MemberState};
 use super::member::{Lane, Member, MemberIo, MemberSessions};
 use super::set::ReplicaSet;
 use crate::blob::{ArenaError, ReplicaFailure, Via};
+use crate::proto::Status;
 
 /// What to rebuild.
 #[derive(Clone, Debug)]
@@ -171,6 +172,10 @@ impl<S: MemberIo> ReplicaSet<S> {
             .await
         };
         if let Err(e) = result {
+            if e.status() == Some(Status::StaleEpoch) {
+                self.fence_stale(&e);
+                self.may_acknowledge()?;
+            }
             to.suspect(e.to_string());
             let deadline = self.clock.now() + self.config.change_deadline;
             self.exclude(&[to.id].into_iter().collect(), deadline)

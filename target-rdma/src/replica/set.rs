@@ -18,6 +18,7 @@ use super::keys::KeyLocks;
 use super::member::{Lane, Member, MemberIo, MemberSessions};
 use super::ReplicatedIo;
 use crate::blob::{ArenaError, ReplicaFailure};
+use crate::proto::Status;
 
 /// How a replicated volume waits.
 #[derive(Clone, Debug)]
@@ -62,6 +63,9 @@ pub struct ReplicaStats {
     pub fenced: AtomicU64,
     /// Requests refused because a removal could not be recorded in time.
     pub unrecorded: AtomicU64,
+    /// Times a peer's `STALE_EPOCH` showed this writer it was fenced (at
+    /// most once per writer: it stays fenced).
+    pub stale_epoch_fences: AtomicU64,
 }
 
 impl ReplicaStats {
@@ -236,8 +240,10 @@ impl<S: MemberIo> ReplicaSet<S> {
         let active: Vec<_> = view.active.iter().map(|(m, _)| Arc::clone(m)).collect();
         *self.view.write() = Arc::new(view);
         for m in active {
-            if let Err(e) = m.raise(Lane::Background, epoch).await {
-                m.suspect(format!("cannot present epoch {epoch}: {e}"));
+            match m.raise(Lane::Background, epoch).await {
+                Ok(()) => {}
+                Err(e) if e.status() == Some(Status::StaleEpoch) => self.fence_stale(&e),
+                Err(e) => m.suspect(format!("cannot present epoch {epoch}: {e}")),
             }
         }
     }
@@ -256,10 +262,25 @@ impl<S: MemberIo> ReplicaSet<S> {
         }
     }
 
-    /// Fences this writer for good: `why` says what showed it.
+    /// Fences this writer for good: `why` says what showed it (logged
+    /// once, at the first).
     pub(super) fn fence(&self, why: String) {
-        self.fence_reason.lock().get_or_insert(why);
+        let mut reason = self.fence_reason.lock();
+        if reason.is_none() {
+            tracing::error!(event = "replica.fenced", volume = %self.volume, reason = %why);
+        }
+        reason.get_or_insert(why);
         self.fenced.store(true, Ordering::Release);
+    }
+
+    /// A peer answered `STALE_EPOCH`: it has seen a newer membership epoch
+    /// than this writer's, so a newer writer owns the volume. The same
+    /// path as a lapsed writer lease: fenced for good, counted once.
+    pub(super) fn fence_stale(&self, e: &ArenaError) {
+        if !self.fenced.load(Ordering::Acquire) {
+            ReplicaStats::count(&self.stats.stale_epoch_fences);
+        }
+        self.fence(format!("a newer writer owns the volume: {e}"));
     }
 
     /// Whether this writer may still acknowledge writes: not fenced, and

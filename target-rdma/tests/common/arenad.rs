@@ -14,6 +14,27 @@ use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain};
 
 use super::{secret, secret_file, SECRET_A, SECRET_B};
 
+/// The arenad binary: cargo names it to target-rdma's own tests; other
+/// packages' tests (ublkd's) find it beside their own executable, in the
+/// target dir `cargo test --workspace` built it into.
+pub fn arenad_bin() -> PathBuf {
+    if let Some(p) = option_env!("CARGO_BIN_EXE_arenad") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("the test's own path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
+    let p = dir.join("arenad");
+    assert!(
+        p.exists(),
+        "{} is missing: build it first (cargo build -p target-rdma --bin arenad)",
+        p.display()
+    );
+    p
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -122,7 +143,7 @@ impl Arenad {
 
     /// Starts arenad.
     pub fn spawn(&self) -> Proc {
-        self.spawn_by(Command::new(env!("CARGO_BIN_EXE_arenad")))
+        self.spawn_by(Command::new(arenad_bin()))
     }
 
     /// Starts arenad the way a typical shell would, under `umask 022`, so a
@@ -130,7 +151,7 @@ impl Arenad {
     pub fn spawn_under_umask_022(&self) -> Proc {
         let mut sh = Command::new("sh");
         sh.args(["-c", "umask 022 && exec \"$0\" \"$@\""])
-            .arg(env!("CARGO_BIN_EXE_arenad"));
+            .arg(arenad_bin());
         self.spawn_by(sh)
     }
 
@@ -150,7 +171,7 @@ impl Arenad {
     /// lines as they come.
     pub fn spawn_logged(&self, args: &[&str]) -> (Proc, std::sync::mpsc::Receiver<String>) {
         let (child, lines) = ublk_metrics::testing::spawn_with_log_lines(
-            Command::new(env!("CARGO_BIN_EXE_arenad"))
+            Command::new(arenad_bin())
                 .arg("--config")
                 .arg(&self.cfg)
                 .args(["--log-format", "json"])
@@ -172,7 +193,7 @@ impl Arenad {
     /// refusal to start, `--repair`); fails the test if it is still running
     /// after 60 s.
     pub fn run(&self, args: &[&str]) -> Output {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_arenad"))
+        let mut child = Command::new(arenad_bin())
             .arg("--config")
             .arg(&self.cfg)
             .args(args)
