@@ -247,6 +247,19 @@ pub struct MetricsConfig {
     /// retained traces); `/metrics` stays the Prometheus text format.
     #[serde(default)]
     pub openmetrics: bool,
+    /// Connections the metrics listener holds open; past it a new one
+    /// sheds the oldest that has not sent its request yet. One descriptor
+    /// each.
+    #[serde(default = "default_http_max_connections")]
+    pub max_connections: usize,
+    /// Seconds from accept to a complete request head, however slowly
+    /// the client sends it; then the connection is closed (408).
+    #[serde(default = "default_http_request_timeout")]
+    pub request_timeout_secs: u64,
+    /// Seconds from a complete request head until its answer has been
+    /// built and read by the client; then the connection is closed.
+    #[serde(default = "default_http_write_timeout")]
+    pub write_timeout_secs: u64,
 }
 
 impl MetricsConfig {
@@ -258,9 +271,33 @@ impl MetricsConfig {
             .flatten()
     }
 
+    /// The listener limits these keys set.
+    pub fn http(&self) -> ublk_metrics::HttpConfig {
+        ublk_metrics::HttpConfig::with_limits(
+            self.max_connections,
+            self.request_timeout_secs,
+            self.write_timeout_secs,
+        )
+    }
+
     /// Checks every `[metrics]` key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         listen_setting("metrics.listen", &self.listen, "127.0.0.1:9477")?;
+        if !(1..=65_536).contains(&self.max_connections) {
+            return Err(invalid(
+                "metrics.max_connections",
+                self.max_connections,
+                "must be between 1 and 65536",
+            ));
+        }
+        for (key, v) in [
+            ("metrics.request_timeout_secs", self.request_timeout_secs),
+            ("metrics.write_timeout_secs", self.write_timeout_secs),
+        ] {
+            if !(1..=300).contains(&v) {
+                return Err(invalid(key, v, "must be between 1 and 300"));
+            }
+        }
         if !(1..=300).contains(&self.scan_interval_secs) {
             return Err(invalid(
                 "metrics.scan_interval_secs",
@@ -362,6 +399,15 @@ fn default_connect_timeout() -> u64 {
 }
 fn default_request_timeout() -> u64 {
     30000
+}
+fn default_http_max_connections() -> usize {
+    ublk_metrics::http::DEFAULT_MAX_CONNECTIONS
+}
+fn default_http_request_timeout() -> u64 {
+    ublk_metrics::http::DEFAULT_REQUEST_TIMEOUT_SECS
+}
+fn default_http_write_timeout() -> u64 {
+    ublk_metrics::http::DEFAULT_WRITE_TIMEOUT_SECS
 }
 fn default_metrics_listen() -> String {
     "127.0.0.1:9477".into()
@@ -622,6 +668,14 @@ mod tests {
         assert_eq!(c.metrics.stall_threshold_secs, 30);
         assert_eq!(c.metrics.slow_threshold_ms, 5000);
         assert!(!c.metrics.openmetrics);
+        assert_eq!(
+            (
+                c.metrics.max_connections,
+                c.metrics.request_timeout_secs,
+                c.metrics.write_timeout_secs
+            ),
+            (256, 5, 10)
+        );
         assert!(!c.tracing.enabled);
         assert_eq!(c.tracing.sample_rate_ppm, 100);
     }
@@ -769,6 +823,14 @@ mod tests {
         assert_eq!(
             err("[metrics]\nlisten = \"localhost:9477\""),
             "invalid config: metrics.listen = \"localhost:9477\": must be IP:port (e.g. \"127.0.0.1:9477\"), or \"off\" to disable the listener"
+        );
+        assert_eq!(
+            err("[metrics]\nmax_connections = 0"),
+            "invalid config: metrics.max_connections = 0: must be between 1 and 65536"
+        );
+        assert_eq!(
+            err("[metrics]\nrequest_timeout_secs = 0"),
+            "invalid config: metrics.request_timeout_secs = 0: must be between 1 and 300"
         );
         assert_eq!(
             err("[metrics]\nscan_interval_secs = 0"),

@@ -2,13 +2,18 @@
 //! its own io_uring (libublk's thread-local ring) and local executor, one
 //! task per tag, and its own target (its own arena connection).
 //!
-//! The arena client completes requests on its reader thread, so the queue
-//! thread must be woken from outside: every request runs inside
+//! A TCP queue's arena connection is driven on the queue's own ring
+//! ([`QueueRing`]): a POLL_ADD on its socket ends the ring wait when answers
+//! arrive, the queue thread reads them and completes their requests itself,
+//! and a TIMEOUT every tick sweeps request deadlines; no reader thread and
+//! no cross-thread wake per request. Whatever still completes on another
+//! thread (the RDMA transport's completion thread) wakes the queue through
 //! [`CrossThread`], which writes the queue's eventfd, and a helper task
 //! keeps a POLL_ADD on that eventfd in the ring so the write becomes a CQE
 //! that ends the thread's wait in the kernel.
 
-use std::os::fd::AsRawFd;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -17,6 +22,8 @@ use libublk::io::UblkQueue;
 use libublk::uring_async::ublk_submit_sqe_async;
 use libublk::{BufDesc, UblkError, UblkUringData};
 use target_rdma::block::ArenaTarget;
+use target_rdma::client::tcp::ring::Ring;
+use target_rdma::client::tcp::TICK;
 
 use crate::io::{serve, IoDesc};
 use crate::observability::DeviceObs;
@@ -83,6 +90,32 @@ async fn wake_task(efd: Arc<EventFd>) {
     }
 }
 
+/// The queue's ring as a driven arena client's event loop.
+struct QueueRing;
+
+/// The deadline sweep's timeout; the kernel reads it when it is submitted.
+static TICK_TS: types::Timespec = types::Timespec::new()
+    .sec(TICK.as_secs())
+    .nsec(TICK.subsec_nanos());
+
+impl Ring for QueueRing {
+    async fn readable(&self, fd: RawFd) -> io::Result<()> {
+        let sqe = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32).build();
+        match ublk_submit_sqe_async(sqe, UblkUringData::Target as u64).await {
+            Ok(r) if r >= 0 => Ok(()),
+            Ok(r) => Err(io::Error::from_raw_os_error(-r)),
+            Err(e) => Err(io::Error::other(e.to_string())),
+        }
+    }
+
+    async fn tick(&self) {
+        // -ETIME is how a timeout completes; a failed submission (the ring
+        // is going down) ends the wait as well.
+        let sqe = opcode::Timeout::new(&TICK_TS).build();
+        let _ = ublk_submit_sqe_async(sqe, UblkUringData::Target as u64).await;
+    }
+}
+
 /// Runs queue `qid` of `dev` over its arena session `io` (a block device
 /// of `size` bytes) until the device stops.
 pub fn run(qid: u16, dev: &libublk::io::UblkDev, io: QueueIo, size: u64, obs: Arc<DeviceObs>) {
@@ -118,6 +151,14 @@ pub fn run(qid: u16, dev: &libublk::io::UblkDev, io: QueueIo, size: u64, obs: Ar
         }));
     }
     let waker = exe.spawn(wake_task(Arc::clone(&efd)));
+    // Its wakes come from this thread, but for a reconnect made by
+    // another (the device manager's), so it is woken like the tags are.
+    let driver = io.session().client().driver().map(|d| {
+        let efd = Arc::clone(&efd);
+        exe.spawn(async move {
+            CrossThread::new(d.run(&QueueRing), efd).await;
+        })
+    });
     let run_exe = Rc::clone(&exe);
     smol::block_on(exe.run(async move {
         let run_ops = || while run_exe.try_tick() {};
@@ -127,5 +168,6 @@ pub fn run(qid: u16, dev: &libublk::io::UblkDev, io: QueueIo, size: u64, obs: Ar
         }
     }));
     drop(waker);
+    drop(driver);
     tracing::info!(event = "queue.stopped", qid);
 }

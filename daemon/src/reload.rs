@@ -1,6 +1,6 @@
 //! SIGHUP: ublkd re-reads its config and applies what can change while
-//! devices run (the log filter, `on_shutdown`, the `[metrics]` listener,
-//! scan interval and thresholds); every other changed key is logged as
+//! devices run (the log filter, `on_shutdown`, the `[metrics]` listener
+//! and its limits, scan interval and thresholds); every other changed key is logged as
 //! needing a restart. A config that does not load or validate changes
 //! nothing: the running one stays, and the error is logged.
 
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use target_rdma::config_file::{changes, Change};
-use ublk_metrics::events::{effective_filter, FilterSource, LogControl};
+use ublk_metrics::events::LogControl;
 use ublk_metrics::{HttpConfig, MetricsServer, Telemetry};
 
 use crate::config::{ConfigError, OnShutdown, UblkdConfig};
@@ -20,6 +20,9 @@ pub const RELOADABLE: &[&str] = &[
     "log_level",
     "on_shutdown",
     "metrics.listen",
+    "metrics.max_connections",
+    "metrics.request_timeout_secs",
+    "metrics.write_timeout_secs",
     "metrics.scan_interval_secs",
     "metrics.stall_threshold_secs",
     "metrics.slow_threshold_ms",
@@ -58,7 +61,7 @@ impl Runtime {
         tel: Arc<Telemetry>,
         obs: Arc<Observability>,
     ) -> Self {
-        let metrics = listen(cfg.metrics.listen_addr(), &tel);
+        let metrics = listen(cfg.metrics.listen_addr(), &tel, cfg.metrics.http());
         Self {
             path,
             log,
@@ -95,30 +98,33 @@ impl Runtime {
         }
         let changed = |key: &str| done.applied.iter().any(|c| c.key == key);
         if changed("log_level") {
-            match effective_filter(&new.log_level) {
-                (_, FilterSource::Environment) => tracing::warn!(
-                    event = "config.log_level_ignored",
-                    log_level = %new.log_level,
-                    "RUST_LOG is set and overrides log_level"
-                ),
-                (filter, FilterSource::Config) => {
-                    if let Err(e) = self.log.set_filter(&filter) {
-                        // Validation parsed it, so this is the subscriber.
-                        tracing::error!(event = "config.log_level_failed", error = %e);
-                    }
-                }
-            }
+            self.log.apply_log_level(&new.log_level);
             running.log_level = new.log_level.clone();
         }
         running.on_shutdown = new.on_shutdown;
-        if changed("metrics.listen") {
+        let listener_keys = [
+            "metrics.listen",
+            "metrics.max_connections",
+            "metrics.request_timeout_secs",
+            "metrics.write_timeout_secs",
+        ];
+        if listener_keys.iter().any(|k| changed(k)) {
             let mut metrics = self.metrics.lock();
             // The old listener goes first: the new address may share its port.
             drop(metrics.take());
-            *metrics = listen(new.metrics.listen_addr(), &self.tel)
-                .or_else(|| listen(running.metrics.listen_addr(), &self.tel));
+            *metrics =
+                listen(new.metrics.listen_addr(), &self.tel, new.metrics.http()).or_else(|| {
+                    listen(
+                        running.metrics.listen_addr(),
+                        &self.tel,
+                        running.metrics.http(),
+                    )
+                });
             if metrics.is_some() || new.metrics.listen_addr().is_none() {
                 running.metrics.listen = new.metrics.listen.clone();
+                running.metrics.max_connections = new.metrics.max_connections;
+                running.metrics.request_timeout_secs = new.metrics.request_timeout_secs;
+                running.metrics.write_timeout_secs = new.metrics.write_timeout_secs;
             }
         }
         running.metrics.scan_interval_secs = new.metrics.scan_interval_secs;
@@ -142,9 +148,9 @@ impl Runtime {
 }
 
 /// Starts the metrics listener on `addr` (`None`: disabled).
-fn listen(addr: Option<&str>, tel: &Arc<Telemetry>) -> Option<MetricsServer> {
+fn listen(addr: Option<&str>, tel: &Arc<Telemetry>, http: HttpConfig) -> Option<MetricsServer> {
     let addr = addr?;
-    match MetricsServer::start(addr, Arc::clone(tel), HttpConfig::default()) {
+    match MetricsServer::start(addr, Arc::clone(tel), http) {
         Ok(m) => {
             tracing::info!(event = "metrics.listening", addr = %m.local_addr());
             Some(m)

@@ -2,7 +2,8 @@
 //!
 //! - the real `ublkd` binary with its control socket and metrics listener
 //!   and no devices: `/metrics` passes `promtool check metrics`, `/ready`
-//!   is 200, `ublkctl stats` answers;
+//!   is 200, `ublkctl stats` answers; `/health` keeps answering under a
+//!   slowloris and a trickler is closed at its request deadline;
 //! - the device side in process, against a real (in-process) arena server:
 //!   I/O through the queue's `serve` is counted and passes promtool, `/ready`
 //!   goes 503 `peer_disconnected` when the peer stops and back to 200 when
@@ -17,7 +18,9 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
-use ublk_metrics::testing::{capture_json_logs, http_get_typed, parse_openmetrics, sample};
+use ublk_metrics::testing::{
+    assert_survives_slowloris, capture_json_logs, http_get_typed, parse_openmetrics, sample,
+};
 
 use common::ublkd::Ublkd;
 use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
@@ -180,6 +183,14 @@ fn desc(op: u32, sector: u64, sectors: u32) -> IoDesc {
         start_sector: sector,
         nr_sectors: sectors,
     }
+}
+
+#[test]
+fn ublkd_health_answers_under_a_slowloris_and_a_trickler_meets_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "max_connections = 64\nrequest_timeout_secs = 2\n";
+    let daemon = Ublkd::start(dir.path(), extra);
+    assert_survives_slowloris(&daemon.metrics, daemon.pid(), "ublkd", 64);
 }
 
 #[test]

@@ -3,11 +3,12 @@
 //! applied while running, keys that need a restart named, a bad config
 //! kept out, no exit 129.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Child, Command};
-use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
 
+use common::log_lines::{has, until};
 use ublk_metrics::testing::{addr_after, http_get as get, spawn_with_log_lines};
 
 struct Ublkd(Child);
@@ -29,29 +30,6 @@ impl Drop for Ublkd {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn until(lines: &Receiver<String>, event: &str) -> Vec<String> {
-    let marker = format!("\"event\":\"{event}\"");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut seen = Vec::new();
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("no {event} (or ublkd exited) after:\n{seen:#?}"));
-        let done = line.contains(&marker);
-        seen.push(line);
-        if done {
-            return seen;
-        }
-    }
-}
-
-fn has(lines: &[String], event: &str, field: &str) -> bool {
-    lines
-        .iter()
-        .any(|l| l.contains(&format!("\"event\":\"{event}\"")) && l.contains(field))
 }
 
 fn config(dir: &Path, extra: &str, metrics: &str) -> String {

@@ -99,8 +99,6 @@ closed_enum! {
         MaxConnections => "max_connections",
         /// `max_unauthenticated` connections were in their handshake.
         MaxUnauthenticated => "max_unauthenticated",
-        /// No thread could be started for it (EAGAIN, ENOMEM).
-        SpawnFailed => "spawn_failed",
     }
 }
 
@@ -125,6 +123,10 @@ pub struct ArenaStats {
     pub leases_held: u64,
     /// Evictions since start.
     pub evictions: u64,
+    /// Leases asked back since start.
+    pub revocations: u64,
+    /// Revoked leases ended by force since start.
+    pub leases_force_ended: u64,
     /// Write-backs since start.
     pub writebacks: u64,
     /// Fault-ins since start.
@@ -152,6 +154,8 @@ pub struct ArenaMetrics {
     slots: [Gauge; SlotState::COUNT],
     leases: Gauge,
     evictions: Counter,
+    revocations: Counter,
+    force_ended: Counter,
     writebacks: Counter,
     fault_ins: Counter,
     swap_read: Counter,
@@ -208,6 +212,8 @@ impl ArenaMetrics {
             slots: SlotState::ALL.map(|s| t.gauge("arenad_slots", &[("state", s.as_str())])),
             leases: t.gauge("arenad_leases_held", &[]),
             evictions: c0("arenad_evictions_total"),
+            revocations: c0("arenad_lease_revocations_total"),
+            force_ended: c0("arenad_leases_force_ended_total"),
             writebacks: c0("arenad_writebacks_total"),
             fault_ins: c0("arenad_fault_ins_total"),
             swap_read: c0("arenad_swap_read_bytes_total"),
@@ -298,6 +304,8 @@ impl ArenaMetrics {
         }
         self.leases.set(s.leases_held as f64);
         self.evictions.absolute(s.evictions);
+        self.revocations.absolute(s.revocations);
+        self.force_ended.absolute(s.leases_force_ended);
         self.writebacks.absolute(s.writebacks);
         self.fault_ins.absolute(s.fault_ins);
         self.swap_read.absolute(s.swap_read_bytes);

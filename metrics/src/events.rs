@@ -323,6 +323,24 @@ impl LogControl {
         *current = filter.to_owned();
         Ok(true)
     }
+
+    /// A reload's `log_level`: put in force unless `RUST_LOG` overrides it
+    /// (said in a warning). The level was validated when the configuration
+    /// was read, so a failure here is the subscriber's, logged.
+    pub fn apply_log_level(&self, log_level: &str) {
+        match effective_filter(log_level) {
+            (_, FilterSource::Environment) => tracing::warn!(
+                event = "config.log_level_ignored",
+                log_level = %log_level,
+                "RUST_LOG is set and overrides log_level"
+            ),
+            (filter, FilterSource::Config) => {
+                if let Err(e) = self.set_filter(&filter) {
+                    tracing::error!(event = "config.log_level_failed", error = %e);
+                }
+            }
+        }
+    }
 }
 
 /// Installs the process's `tracing` subscriber writing to stderr, with an

@@ -299,6 +299,18 @@ pub const ARENA: &[Family] = &[
         "Leases currently held by clients.",
     ),
     f(
+        "arenad_lease_revocations_total",
+        Counter,
+        &[],
+        "Leases the arena asked back (REVOKE) because every slot was pinned.",
+    ),
+    f(
+        "arenad_leases_force_ended_total",
+        Counter,
+        &[],
+        "Revoked leases not given back within revoke_deadline_ms, ended by force.",
+    ),
+    f(
         "arenad_evictions_total",
         Counter,
         &[],
@@ -464,6 +476,12 @@ pub const SELF: &[Family] = &[
         Counter,
         &[],
         "Failures to bind or start the metrics HTTP listener.",
+    ),
+    f(
+        "_metrics_http_rejections_total",
+        Counter,
+        &["reason"],
+        "Metrics HTTP connections or requests ended without their answer, by reason.",
     ),
     f(
         "_metrics_serialization_attempts_total",

@@ -243,6 +243,30 @@ pub fn device_label(id: u32) -> String {
     format!("ublkb{id}")
 }
 
+closed_enum! {
+    /// Why the metrics HTTP listener ([`crate::http`]) ended a connection or
+    /// request without its answer.
+    HttpRejection {
+        /// No complete request head within `request_timeout` of accept.
+        RequestDeadline => "request_deadline",
+        /// The oldest connection still without a request head, closed to
+        /// make room for a new one at `max_connections`.
+        Shed => "shed",
+        /// A new connection at `max_connections` when every open one had
+        /// already delivered its request (nothing idle to shed).
+        Refused => "refused",
+        /// A request head larger than `max_request_bytes` (answered 400).
+        Oversized => "oversized",
+        /// The render queue was full (answered 503).
+        Busy => "busy",
+        /// The answer was not built and written within `write_timeout`.
+        WriteDeadline => "write_deadline",
+        /// `accept` failed (EMFILE, ENFILE, ENOMEM); accepting pauses
+        /// briefly and resumes.
+        AcceptError => "accept_error",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

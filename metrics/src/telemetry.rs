@@ -4,6 +4,7 @@ use crate::clock::unix_seconds;
 use crate::families::{self, Daemon, Kind};
 use crate::health::{NotReadyReason, NotReadySet, Probes};
 use crate::histogram::LatencyHistogram;
+use crate::labels::HttpRejection;
 use crate::shard::{ShardedCounter, ShardedGauge};
 use metrics::{Counter, Gauge, Label};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
@@ -65,6 +66,7 @@ struct SelfMetrics {
     not_ready: Vec<Gauge>,
     http_up: Gauge,
     http_start_failures: Counter,
+    http_rejections: [Counter; HttpRejection::COUNT],
     attempts: Counter,
     failures: Counter,
     last_success: Gauge,
@@ -178,6 +180,9 @@ impl Telemetry {
                 http_start_failures: metrics::counter!(format!(
                     "{p}_metrics_http_start_failures_total"
                 )),
+                http_rejections: HttpRejection::ALL.map(|r| {
+                    metrics::counter!(format!("{p}_metrics_http_rejections_total"), "reason" => r.as_str())
+                }),
                 attempts: metrics::counter!(format!("{p}_metrics_serialization_attempts_total")),
                 failures: metrics::counter!(format!("{p}_metrics_serialization_failures_total")),
                 last_success: metrics::gauge!(format!(
@@ -195,6 +200,9 @@ impl Telemetry {
         };
         // Touch the zero-valued counters so they render before first use.
         selfm.http_start_failures.increment(0);
+        for c in &selfm.http_rejections {
+            c.increment(0);
+        }
         selfm.failures.increment(0);
         selfm.scanner_runs.increment(0);
         Telemetry {
@@ -438,6 +446,10 @@ impl Telemetry {
 
     pub(crate) fn http_start_failed(&self) {
         self.selfm.http_start_failures.increment(1);
+    }
+
+    pub(crate) fn http_rejected(&self, why: HttpRejection) {
+        self.selfm.http_rejections[why.index()].increment(1);
     }
 
     pub(crate) fn scanner_ran(&self) {

@@ -241,3 +241,187 @@ pub fn capture_json_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<serde_json::Value>
         .collect();
     (r, records)
 }
+
+/// Sockets that hold a metrics listener's connections the way a slowloris
+/// attack does: `trickling` ones that send a request head one byte every
+/// 200 ms and never finish it, and `idle` ones that never send a byte.
+/// Like an attacker, it reconnects (up to 50 a round) the ones the server
+/// closes, so `idle + trickling` stay open from this side until dropped.
+pub struct SlowClients {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+const SLOW_HEAD: &[u8] = b"GET /health HTTP/1.1\r\nX-Pad: ";
+
+impl SlowClients {
+    /// Opens `trickling` then `idle` connections to `addr`, each trickler
+    /// sending its first byte at once.
+    pub fn open(addr: &str, idle: usize, trickling: usize) -> SlowClients {
+        raise_fd_limit((idle + trickling + 256) as u64);
+        let addr = addr.to_string();
+        let connect = |addr: &str, trickle: bool| {
+            let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
+            if trickle {
+                let _ = s.write(&SLOW_HEAD[..1]);
+            }
+            s.set_nonblocking(true).unwrap();
+            (s, trickle)
+        };
+        let mut socks: Vec<(TcpStream, bool)> = (0..trickling)
+            .map(|_| connect(&addr, true))
+            .chain((0..idle).map(|_| connect(&addr, false)))
+            .collect();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut at = 1usize;
+            while !flag.load(std::sync::atomic::Ordering::Acquire) {
+                let byte = SLOW_HEAD.get(at).copied().unwrap_or(b'a');
+                let mut reconnects = 0;
+                for (s, trickle) in &mut socks {
+                    let mut sink = [0u8; 512];
+                    let closed = if *trickle {
+                        s.write(&[byte]).is_err()
+                    } else {
+                        // Any answer, end of stream or error: the server
+                        // is done with it.
+                        !matches!(
+                            s.read(&mut sink),
+                            Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock
+                        )
+                    };
+                    if closed && reconnects < 50 {
+                        reconnects += 1;
+                        *s = connect(&addr, *trickle).0;
+                    }
+                }
+                at += 1;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        SlowClients {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for SlowClients {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Sends a request head to `addr` one byte every `every`, never finishing
+/// it, until the server closes the connection; returns what the server
+/// sent. Panics if the connection is still open after `guard` (a hang
+/// guard, not a timing assertion).
+pub fn trickle_until_closed(addr: impl ToSocketAddrs, every: Duration, guard: Duration) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics listener");
+    s.set_read_timeout(Some(every)).unwrap();
+    let started = std::time::Instant::now();
+    let mut got = Vec::new();
+    let mut sent = 0usize;
+    loop {
+        assert!(
+            started.elapsed() < guard,
+            "a trickling request ({sent} bytes sent) was still open after {guard:?}"
+        );
+        if s.write_all(b"a").is_err() {
+            break;
+        }
+        sent += 1;
+        let mut buf = [0u8; 512];
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Raises this process's soft descriptor limit to at least `want` (up to
+/// the hard limit), for tests that open many sockets.
+pub fn raise_fd_limit(want: u64) {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    let hard = l.maximum.unwrap_or(u64::MAX);
+    if l.current.is_some_and(|c| c < want) {
+        l.current = Some(want.min(hard));
+        let _ = setrlimit(Resource::Nofile, l);
+    }
+}
+
+/// Descriptors process `pid` has open.
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("read /proc/PID/fd")
+        .count()
+}
+
+/// Resident set size of process `pid`, bytes.
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/PID/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmRSS in /proc/PID/status")
+        * 1024
+}
+
+/// What the metrics listener at `addr` of daemon `pid` (metric prefix
+/// `prefix`, `max_connections` and a 2 s request deadline configured)
+/// must do under a slowloris: while 500 trickling and 500 idle connections
+/// are held against it, answer `/health` 200 every time, with the daemon's
+/// descriptors bounded by `max_connections` and its RSS growing by at most
+/// 16 MiB; and close a trickling request at its deadline however it
+/// trickles (a 60 s hang guard, no timing assertion); and count both.
+pub fn assert_survives_slowloris(addr: &str, pid: u32, prefix: &str, max_connections: usize) {
+    let (fds_before, rss_before) = (open_fds(pid), rss_bytes(pid));
+    let clients = SlowClients::open(addr, 500, 500);
+    for _ in 0..20 {
+        let (code, body) = http_get(addr, "/health");
+        assert_eq!(
+            (code, body.as_str()),
+            (200, "ok\n"),
+            "/health under slowloris"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (fds, rss) = (open_fds(pid), rss_bytes(pid));
+    assert!(
+        fds <= fds_before + max_connections,
+        "{fds} descriptors open (were {fds_before}, max_connections {max_connections})"
+    );
+    assert!(
+        rss <= rss_before + (16 << 20),
+        "RSS grew from {rss_before} to {rss} bytes"
+    );
+    drop(clients);
+
+    let sent_back = trickle_until_closed(addr, Duration::from_millis(100), Duration::from_secs(60));
+    assert!(
+        sent_back.is_empty() || sent_back.starts_with("HTTP/1.1 408"),
+        "{sent_back}"
+    );
+    let (_, text) = http_get(addr, "/metrics");
+    for reason in ["request_deadline", "shed"] {
+        let name = format!("{prefix}_metrics_http_rejections_total");
+        assert!(
+            sample(&text, &name, &[("reason", reason)]) >= 1.0,
+            "{reason}"
+        );
+    }
+}

@@ -172,7 +172,6 @@ pub struct TraceConfig {
 /// every device's.
 #[derive(Debug, Clone)]
 pub struct Tracer {
-    ppm: u32,
     /// [`process_prefix`], read once here rather than per request.
     prefix: u64,
     /// A request is head-sampled when its hash is below this: the rate as
@@ -203,7 +202,6 @@ impl Tracer {
     pub fn new(config: TraceConfig) -> Tracer {
         let ppm = config.sample_rate_ppm.min(MAX_SAMPLE_RATE_PPM);
         Tracer {
-            ppm,
             prefix: process_prefix(),
             sample_limit: sample_limit(ppm),
             slow_ns: Arc::new(AtomicU64::new(threshold_ns(config.slow_threshold))),

@@ -167,6 +167,8 @@ fn arenad_exposition() -> String {
         slots: [10, 5, 3, 2],
         leases_held: 2,
         evictions: 4,
+        revocations: 3,
+        leases_force_ended: 1,
         writebacks: 3,
         fault_ins: 1,
         swap_read_bytes: 4096,

@@ -157,3 +157,40 @@ fn bind_failure_is_reported_and_counted() {
         1.0
     );
 }
+
+/// A collector stuck the way one waiting on a lock of a wedged daemon
+/// would be, until the test lets it go.
+struct Stuck(std::sync::Mutex<std::sync::mpsc::Receiver<()>>);
+
+impl ublk_metrics::Collector for Stuck {
+    fn collect(&self) {
+        let _ = self.0.lock().unwrap().recv();
+    }
+}
+
+#[test]
+fn a_stuck_render_holds_up_neither_health_nor_the_listener() {
+    let t = Telemetry::isolated(Daemon::Arenad, "1");
+    let (release, stuck) = std::sync::mpsc::channel();
+    let collector = Arc::new(Stuck(std::sync::Mutex::new(stuck)));
+    t.register_collector(&collector);
+    let server = MetricsServer::start("127.0.0.1:0", t.clone(), HttpConfig::default()).unwrap();
+    let addr = server.local_addr();
+    // Two scrapes occupy both render workers, forever for all they know.
+    let scrapes: Vec<_> = (0..2)
+        .map(|_| std::thread::spawn(move || get(addr, "/metrics")))
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for _ in 0..10 {
+        assert_eq!(get(addr, "/health"), (200, "ok\n".to_string()));
+        let (code, body) = get(addr, "/live");
+        assert_eq!(code, 200, "{body}");
+    }
+    // Release both renders: the stuck scrapes get their answers.
+    for _ in 0..2 {
+        release.send(()).unwrap();
+    }
+    for s in scrapes {
+        assert_eq!(s.join().unwrap().0, 200);
+    }
+}

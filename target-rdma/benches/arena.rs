@@ -11,6 +11,11 @@
 //!   a 4 KiB request/response ping-pong), and `dd` O_DIRECT sequential write
 //!   and read bandwidth of the swap directory's disk.
 //!
+//! - the client's path alone: 4 KiB WRITEs and READs at QD 1 through the
+//!   client to a protocol-only peer (`testing::EchoPeer`: handshake and
+//!   tags, no store), against a raw socket ping-pong of the same frame
+//!   sizes (`BENCH_ONLY=rtt`);
+//!
 //! - cold reads: 4 KiB random reads of blobs that are all in swap (a store
 //!   reopened over 1 GiB of data), from 32 connections at QD 1 each and
 //!   from one connection at QD 32, against `fio` 4 KiB random reads at QD 32
@@ -23,6 +28,7 @@
 //! `BENCH_SECS` (default 2) sets the time per run; `BENCH_DIR` the swap dir
 //! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
 //! swap-bound cases, `BENCH_ONLY=cold` only the cold-read cases,
+//! `BENCH_ONLY=rtt` only the client-path round trips,
 //! `BENCH_ONLY=mac` only the cost of protocol version 2's frame tags, any other
 //! `BENCH_ONLY` only the resident cases whose name contains it
 //! (`BENCH_ONLY="read QD32"`).
@@ -30,15 +36,18 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
+use std::pin::pin;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
+use futures::future::select;
 use futures::stream::{FuturesUnordered, StreamExt};
-use target_rdma::client::ArenaClient;
+use target_rdma::client::{ArenaClient, ClientConfig};
+use target_rdma::proto::{self, Request, HEADER_LEN, TAG_LEN};
 use target_rdma::store::bench_hooks::extent_checksums;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
-use target_rdma::testing::{Peer, PeerOpts};
+use target_rdma::testing::{secret, EchoPeer, Peer, PeerOpts, UringLoop};
 
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
@@ -101,17 +110,19 @@ fn raw_tcp_stream(chunk: usize) -> Rate {
     }
 }
 
-/// Plain TCP request/response: `size` bytes out, a 24-byte answer back, at
-/// queue depth 1: the floor of any protocol round trip.
-fn raw_tcp_pingpong(size: usize) -> Rate {
+/// Plain TCP request/response: `size` bytes out, `answer` bytes back, at
+/// queue depth 1: the floor of any protocol round trip. `bytes` counts
+/// the larger side.
+fn raw_tcp_pingpong(size: usize, answer: usize) -> Rate {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
         s.set_nodelay(true).unwrap();
         let mut buf = vec![0; size];
+        let ans = vec![0; answer];
         while s.read_exact(&mut buf).is_ok() {
-            if s.write_all(&[0; 24]).is_err() {
+            if s.write_all(&ans).is_err() {
                 break;
             }
         }
@@ -119,7 +130,7 @@ fn raw_tcp_pingpong(size: usize) -> Rate {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_nodelay(true).unwrap();
     let buf = vec![7u8; size];
-    let mut ans = [0u8; 24];
+    let mut ans = vec![0u8; answer];
     let start = Instant::now();
     let mut ops = 0;
     while start.elapsed() < secs() {
@@ -129,7 +140,7 @@ fn raw_tcp_pingpong(size: usize) -> Rate {
     }
     Rate {
         ops,
-        bytes: ops * size as u64,
+        bytes: ops * size.max(answer) as u64,
         elapsed: start.elapsed(),
     }
 }
@@ -206,7 +217,23 @@ enum Dir {
 /// Sequential: offsets walk the first `span` bytes in order. Random: a
 /// xorshift picks `size`-aligned offsets in `span`.
 fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool) -> Rate {
-    let blob = b.blob as u64;
+    run_client(&b.client, None, b.blob, dir, size, qd, span, sequential)
+}
+
+/// [`run`] on any client of a volume with `blob`-byte blobs; a driven
+/// client runs with its driver on the loop `on`, on this thread.
+#[allow(clippy::too_many_arguments)]
+fn run_client(
+    c: &ArenaClient,
+    on: Option<&UringLoop>,
+    blob: usize,
+    dir: Dir,
+    size: usize,
+    qd: usize,
+    span: u64,
+    sequential: bool,
+) -> Rate {
+    let blob = blob as u64;
     let slots = span / size as u64;
     let mut x = 0x2545_f491_4f6c_dd1du64;
     let mut seq = 0u64;
@@ -223,7 +250,6 @@ fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool)
         let off = i * size as u64;
         (off / blob, (off % blob) as u32)
     };
-    let c = &b.client;
     let data = vec![0x5au8; size];
     let data = &data;
     // Read buffers are reused, as a ublk queue's are: allocating 1 MiB per
@@ -232,7 +258,7 @@ fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool)
     let pool = &pool;
     let start = Instant::now();
     let mut ops = 0u64;
-    block_on(async {
+    let work = async {
         let mut inflight = FuturesUnordered::new();
         loop {
             while inflight.len() < qd && start.elapsed() < secs() {
@@ -257,7 +283,16 @@ fn run(b: &Bench, dir: Dir, size: usize, qd: usize, span: u64, sequential: bool)
                 None => break,
             }
         }
-    });
+    };
+    match on {
+        None => block_on(work),
+        Some(lp) => {
+            let driver = c.driver().expect("a driven client");
+            lp.block_on(async {
+                let _ = select(pin!(work), pin!(driver.run(lp))).await;
+            });
+        }
+    }
     Rate {
         ops,
         bytes: ops * size as u64,
@@ -324,9 +359,11 @@ fn main() {
     match std::env::var("BENCH_ONLY").ok().as_deref() {
         None => {
             resident(&tmp, "");
+            client_path(&tmp);
             swap_bound(&tmp);
             cold_reads(&tmp);
         }
+        Some("rtt") => client_path(&tmp),
         Some("swap") => swap_bound(&tmp),
         Some("cold") => cold_reads(&tmp),
         Some("mac") => mac_cost(&tmp),
@@ -469,7 +506,7 @@ fn resident(tmp: &tempfile::TempDir, only: &str) {
                 let r = raw_tcp_stream(MIB);
                 (r.mib_s(), r.iops())
             } else {
-                let r = raw_tcp_pingpong(4096);
+                let r = raw_tcp_pingpong(4096, 24);
                 (r.mib_s(), r.iops())
             };
             let r = run(&b, dir, size, qd, span, seq);
@@ -488,6 +525,87 @@ fn resident(tmp: &tempfile::TempDir, only: &str) {
             "| {name} | {mib:.1} | {iops:.0} | {base} {:.1} MiB/s | {:.2}x |",
             median(bases),
             median(ratios)
+        );
+    }
+}
+
+/// The client's path alone at QD 1: 4 KiB WRITEs and READs through an
+/// `ArenaClient` to the protocol-only [`EchoPeer`] (handshake, tags, no
+/// store), against a raw socket ping-pong of the same frame sizes each
+/// way, and through the real arenad for comparison, in the same round;
+/// each with a reader thread and driven on the caller's ring.
+fn client_path(tmp: &tempfile::TempDir) {
+    let dir = tmp.path().join("rtt");
+    std::fs::create_dir_all(&dir).unwrap();
+    let b = start(&dir, 64 << 20, 128 << 20);
+    let span = 16 << 20;
+    run(&b, Dir::Write, MIB, 8, span, true); // reads find data
+    let echo = EchoPeer::start("bench", secret(SECRET), MIB as u32);
+    let mut cfg = ClientConfig::new(echo.addr.to_string(), "bench", secret(SECRET));
+    cfg.request_timeout = Duration::from_secs(30);
+    let c = ArenaClient::connect(cfg.clone()).unwrap();
+    // The same clients driven on this thread's ring, as ublkd's queues run
+    // them.
+    cfg.driven = true;
+    let dc = ArenaClient::connect(cfg).unwrap();
+    let mut acfg = b.peer.config("bench", SECRET);
+    acfg.request_timeout = Duration::from_secs(30);
+    acfg.driven = true;
+    let da = ArenaClient::connect(acfg).unwrap();
+    let lp = UringLoop::new().unwrap();
+    let size = 4096usize;
+    // Frame bytes each way, tags included.
+    let mut frame = Vec::new();
+    let data = vec![0u8; size];
+    let req = |r: &Request<'_>, frame: &mut Vec<u8>| {
+        frame.clear();
+        proto::encode_request(frame, 1, r);
+        frame.len() + TAG_LEN
+    };
+    let write_out = req(
+        &Request::Write {
+            key: 0,
+            offset: 0,
+            data: &data,
+        },
+        &mut frame,
+    );
+    let read_out = req(
+        &Request::Read {
+            key: 0,
+            offset: 0,
+            len: size as u32,
+        },
+        &mut frame,
+    );
+    let ok_back = HEADER_LEN + TAG_LEN;
+    println!(
+        "\n| client path, QD 1 | raw ping-pong | echo, reader thread | echo, driven | arenad, reader thread | arenad, driven | echo thread / raw | echo driven / raw | arenad driven / thread |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for (name, d, out, back) in [
+        ("4 KiB write", Dir::Write, write_out, ok_back),
+        ("4 KiB read", Dir::Read, read_out, ok_back + size),
+    ] {
+        // ops/s of raw, echo (thread, driven), arenad (thread, driven),
+        // and the three ratios.
+        let mut cols: Vec<Vec<f64>> = vec![Vec::new(); 8];
+        for _ in 0..rounds() {
+            let base = raw_tcp_pingpong(out, back).iops();
+            let et = run_client(&c, None, MIB, d, size, 1, span, false).iops();
+            let ed = run_client(&dc, Some(&lp), MIB, d, size, 1, span, false).iops();
+            let at = run(&b, d, size, 1, span, false).iops();
+            let ad = run_client(&da, Some(&lp), MIB, d, size, 1, span, false).iops();
+            for (i, v) in [base, et, ed, at, ad, et / base, ed / base, ad / at]
+                .into_iter()
+                .enumerate()
+            {
+                cols[i].push(v);
+            }
+        }
+        let m: Vec<f64> = cols.into_iter().map(median).collect();
+        println!(
+            "| {name} ({out} B out, {back} B back) | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {:.2}x |",
+            m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]
         );
     }
 }

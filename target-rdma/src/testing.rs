@@ -4,9 +4,13 @@
 //! where tests read what the server counted. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
+mod echo;
 mod raw;
+mod uring;
 
+pub use echo::EchoPeer;
 pub use raw::{RawSession, Refusal};
+pub use uring::UringLoop;
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
@@ -215,6 +219,15 @@ impl Peer {
         ArenaClient::connect(self.config(volume, secret_value)).expect("connect to the peer")
     }
 
+    /// A connected [`ClientConfig::driven`] client of `volume`, driven by
+    /// a thread of its own running a [`UringLoop`] (as a ublk queue
+    /// thread's ring would), which ends with the client.
+    pub fn driven_client(&self, volume: &str, secret_value: &str) -> ArenaClient {
+        let mut cfg = self.config(volume, secret_value);
+        cfg.driven = true;
+        driven(cfg)
+    }
+
     /// A client config for `volume` on this peer (10 s request timeout).
     pub fn config(&self, volume: &str, secret_value: &str) -> ClientConfig {
         let mut c = ClientConfig::new(self.addr.to_string(), volume, secret(secret_value));
@@ -358,4 +371,20 @@ pub fn replicated<S: MemberIo>(members: Vec<(String, MemberSessions<S>)>) -> Arc
         members,
     ))
     .expect("open the replicated volume")
+}
+
+/// Connects a [`ClientConfig::driven`] client and runs its driver on a
+/// [`UringLoop`] thread until the client is dropped.
+pub fn driven(cfg: ClientConfig) -> ArenaClient {
+    assert!(cfg.driven, "a driven config");
+    let client = ArenaClient::connect(cfg).expect("connect to the peer");
+    let driver = client.driver().expect("a driven client has a driver");
+    std::thread::Builder::new()
+        .name("test-uring".into())
+        .spawn(move || {
+            let lp = UringLoop::new().expect("an io_uring");
+            lp.block_on(driver.run(&lp));
+        })
+        .expect("spawn the driver thread");
+    client
 }

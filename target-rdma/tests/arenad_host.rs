@@ -21,6 +21,9 @@ const FDS_PER_RDMA_RAIL: usize = 1;
 /// Everything else an idle arenad holds: stdio, listeners, swap file,
 /// journal, lock, io_uring rings, signal pipe, and RDMA device handles.
 const FDS_FIXED: usize = 64;
+/// The metrics listener at its default `metrics_max_connections`, plus
+/// its epoll and eventfd.
+const FDS_METRICS_LISTENER: usize = ublk_metrics::http::DEFAULT_MAX_CONNECTIONS + 2;
 /// The largest `max_connections` the config accepts.
 const MAX_CONNECTIONS: usize = 65536;
 
@@ -154,6 +157,8 @@ fn file_descriptors_per_connection_fit_the_units_limit() {
         .expect("arenad.service sets LimitNOFILE=")
         .parse()
         .unwrap();
-    let need = MAX_CONNECTIONS * (FDS_PER_TCP_SESSION + FDS_PER_RDMA_RAIL) + FDS_FIXED;
+    let need = MAX_CONNECTIONS * (FDS_PER_TCP_SESSION + FDS_PER_RDMA_RAIL)
+        + FDS_FIXED
+        + FDS_METRICS_LISTENER;
     assert!(limit >= need, "LimitNOFILE={limit}, need {need}");
 }

@@ -1,12 +1,14 @@
 //! The real `arenad` binary's metrics listener: `/metrics` passes
 //! `promtool check metrics` and counts what clients did, `/ready` is 200
 //! once the store is open, and `/diagnostics` leaks no secret, volume name
-//! or address from the config.
+//! or address from the config; the listener keeps answering `/health`
+//! under a slowloris and closes a trickler at its request deadline.
 
 use std::process::{Child, Command};
 use std::time::Duration;
 use ublk_metrics::testing::{
-    addr_after, http_get as get, promtool_check_metrics as promtool_check, spawn_with_log_lines,
+    addr_after, assert_survives_slowloris, http_get as get,
+    promtool_check_metrics as promtool_check, spawn_with_log_lines,
 };
 
 use target_rdma::client::{ArenaClient, ClientConfig};
@@ -29,12 +31,17 @@ impl Drop for Arenad {
 }
 
 fn start_arenad(dir: &std::path::Path) -> Arenad {
+    start_arenad_with(dir, "")
+}
+
+/// [`start_arenad`] with extra top-level config `keys`.
+fn start_arenad_with(dir: &std::path::Path, keys: &str) -> Arenad {
     let key = secret_file(dir, "vol.key", SECRET);
     let cfg = dir.join("arenad.toml");
     std::fs::write(
         &cfg,
         format!(
-            "listen = \"127.0.0.1:0\"\narena_bytes = \"4M\"\nblob_bytes = \"64K\"\n\
+            "{keys}\nlisten = \"127.0.0.1:0\"\narena_bytes = \"4M\"\nblob_bytes = \"64K\"\n\
              swap_dir = \"{}\"\nswap_bytes = \"16M\"\nmetrics_listen = \"127.0.0.1:0\"\n\
              [[volume]]\nname = \"{VOLUME}\"\nsecret_file = \"{}\"\nquota = \"16M\"\n",
             dir.join("swap").display(),
@@ -123,4 +130,12 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
         );
     }
     drop(client);
+}
+
+#[test]
+fn arenad_health_answers_under_a_slowloris_and_a_trickler_meets_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_arenad_with(dir.path(), "metrics_request_timeout_secs = 2");
+    // Otherwise the defaults: 256 connections.
+    assert_survives_slowloris(&d.metrics, d.child.id(), "arenad", 256);
 }

@@ -10,6 +10,7 @@ use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use common::arenad::{Arenad, Proc};
+use common::log_lines::{has, until};
 use common::*;
 use futures::executor::block_on;
 use target_rdma::blob::{ArenaError, ErrorKind};
@@ -18,30 +19,6 @@ use target_rdma::client::{ArenaClient, ClientConfig};
 const NEW_B: &str = "rotated-secret-of-volume-b-5555";
 const SECRET_C: &str = "secret-of-volume-c-added-by-sighup";
 const BLOB: usize = 64 << 10;
-
-/// The log lines up to and including the first with `"event":"<event>"`.
-fn until(lines: &Receiver<String>, event: &str) -> Vec<String> {
-    let marker = format!("\"event\":\"{event}\"");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut seen = Vec::new();
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("no {event} (or arenad exited) after:\n{seen:#?}"));
-        let done = line.contains(&marker);
-        seen.push(line);
-        if done {
-            return seen;
-        }
-    }
-}
-
-fn has(lines: &[String], event: &str, field: &str) -> bool {
-    lines
-        .iter()
-        .any(|l| l.contains(&format!("\"event\":\"{event}\"")) && l.contains(field))
-}
 
 fn connect(p: &Arenad, volume: &str, secret_value: &str) -> Result<ArenaClient, ArenaError> {
     ArenaClient::connect(ClientConfig::new(

@@ -77,6 +77,19 @@ fn tcp() -> Fixture<target_rdma::client::ArenaClient> {
     }
 }
 
+/// TCP with the answers read on a ring loop's thread instead of a reader
+/// thread (`ClientConfig::driven`, as ublkd's queue threads run it).
+fn tcp_driven() -> Fixture<target_rdma::client::ArenaClient> {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = tcp_peer(&dir);
+    let io = peer.driven_client("a", SECRET_A);
+    Fixture {
+        io,
+        _dirs: vec![dir],
+        _peers: vec![peer],
+    }
+}
+
 /// A volume replicated on `n` in-process stores.
 fn replicated_in_process(n: usize) -> Fixture<ReplicatedIo<LocalMember>> {
     let dirs: Vec<_> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
@@ -283,6 +296,7 @@ macro_rules! conformance {
 conformance!(
     in_process => Transport::InProcess,
     tcp => Transport::Tcp,
+    tcp_driven => Transport::Tcp,
     rdma_loopback => Transport::Rdma,
     replicated_in_process_1 => Transport::InProcess,
     replicated_in_process_2 => Transport::InProcess,

@@ -70,7 +70,12 @@ impl Connector {
     /// Opens `spec`'s sessions to `peer` on its transport: one per entry of
     /// `bufs` (a queue's tag buffers), and a background one when
     /// `background`. `rdma` fails unless every session negotiated RDMA;
-    /// `auto` takes RDMA where it can and TCP otherwise.
+    /// `auto` takes RDMA where it can and TCP otherwise. With `driven`, a
+    /// TCP queue session's answers are read on its queue's ring (queue.rs)
+    /// instead of by a reader thread: only for a volume on one peer, whose
+    /// sessions all exist when the queues start (a replicated volume gains
+    /// members' sessions later, from the rebuild thread, with no ring to
+    /// drive them).
     pub fn connect(
         &self,
         spec: &DeviceSpec,
@@ -78,6 +83,7 @@ impl Connector {
         secret: &Secret,
         bufs: &[Arc<TagBuffers>],
         background: bool,
+        driven: bool,
     ) -> Result<PeerSessions, DeviceError> {
         let flush_domain = Arc::new(FlushDomain::default());
         let client_cfg = || {
@@ -99,8 +105,12 @@ impl Connector {
         };
         match mode {
             None => {
-                for _ in 0..count {
-                    sessions.push(Session::Tcp(ArenaClient::connect(client_cfg())?));
+                for i in 0..count {
+                    let cc = ClientConfig {
+                        driven: driven && i < bufs.len(),
+                        ..client_cfg()
+                    };
+                    sessions.push(Session::Tcp(ArenaClient::connect(cc)?));
                 }
             }
             Some(mode) => {

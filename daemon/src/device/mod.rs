@@ -515,7 +515,7 @@ impl Manager {
         let bufs: Vec<Arc<TagBuffers>> = (0..spec.queues)
             .map(|_| Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize)))
             .collect();
-        let sessions = connector.connect(spec, &spec.peer, secret, &bufs, false)?;
+        let sessions = connector.connect(spec, &spec.peer, secret, &bufs, false, true)?;
         Ok(sessions
             .queues
             .into_iter()

@@ -102,7 +102,7 @@ impl Replicated {
                 continue;
             }
             let opened = resolve(&m.peer)
-                .and_then(|addr| connector.connect(spec, &addr, secret, &bufs, true));
+                .and_then(|addr| connector.connect(spec, &addr, secret, &bufs, true, false));
             match opened {
                 Ok(s) => members.push((m.peer.clone(), s)),
                 Err(e) => {
@@ -224,7 +224,7 @@ impl Replicated {
             .map_err(DeviceError::from)
             .and_then(|secret| {
                 let addr = resolve(peer)?;
-                connector.connect(spec, &addr, &secret, &self.bufs, true)
+                connector.connect(spec, &addr, &secret, &self.bufs, true, false)
             });
         let sessions = match opened {
             Ok(s) => s,

@@ -52,6 +52,13 @@ impl Ublkd {
     }
 }
 
+impl Ublkd {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 impl Drop for Ublkd {
     fn drop(&mut self) {
         let _ = self.child.kill();

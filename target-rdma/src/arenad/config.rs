@@ -104,6 +104,35 @@ pub struct ArenadConfig {
     #[serde(default = "default_shutdown_timeout")]
     pub shutdown_timeout_secs: u64,
     // --- End of the serving core keys. ---
+    // --- Metrics listener limits (issue 9, HTTP endpoints). ---
+    /// Connections the metrics listener holds open; past it a new one
+    /// sheds the oldest that has not sent its request yet. One descriptor
+    /// each.
+    #[serde(default = "default_metrics_max_connections")]
+    pub metrics_max_connections: usize,
+    /// Seconds from accept to a complete request head on the metrics
+    /// listener, however slowly it is sent; then the connection is closed.
+    #[serde(default = "default_metrics_request_timeout")]
+    pub metrics_request_timeout_secs: u64,
+    /// Seconds from a complete request head until its answer has been
+    /// built and read; then the connection is closed.
+    #[serde(default = "default_metrics_write_timeout")]
+    pub metrics_write_timeout_secs: u64,
+    // --- End of the metrics listener limits. ---
+    // --- Tenant fairness (issue 9): how leases are shared. ---
+    /// Leases a volume holds before its further leases are the first asked
+    /// back for a volume under its own share. Unset: arena slots / served
+    /// volumes (at least 1).
+    #[serde(default)]
+    pub volume_lease_share: Option<usize>,
+    /// Most leases one connection holds at once. Unset: the arena's slots.
+    #[serde(default)]
+    pub connection_max_leases: Option<usize>,
+    /// Milliseconds a revoked lease may stay out before it is ended by
+    /// force (the holder's later COMMIT answers LEASE_LOST).
+    #[serde(default = "default_revoke_deadline")]
+    pub revoke_deadline_ms: u64,
+    // --- End of the tenant fairness keys. ---
     /// The volumes this peer serves (SIGHUP adds, removes and rotates them).
     #[serde(default, rename = "volume")]
     pub volumes: Vec<VolumeConfig>,
@@ -170,6 +199,18 @@ fn default_blocking_threads() -> u32 {
 fn default_shutdown_timeout() -> u64 {
     20
 }
+fn default_metrics_max_connections() -> usize {
+    ublk_metrics::http::DEFAULT_MAX_CONNECTIONS
+}
+fn default_metrics_request_timeout() -> u64 {
+    ublk_metrics::http::DEFAULT_REQUEST_TIMEOUT_SECS
+}
+fn default_metrics_write_timeout() -> u64 {
+    ublk_metrics::http::DEFAULT_WRITE_TIMEOUT_SECS
+}
+fn default_revoke_deadline() -> u64 {
+    crate::store::DEFAULT_REVOKE_DEADLINE_MS
+}
 fn default_metrics_listen() -> String {
     "127.0.0.1:9478".into()
 }
@@ -213,9 +254,67 @@ impl ArenadConfig {
             .flatten()
     }
 
+    /// The metrics listener limits the `metrics_*` keys set.
+    pub fn metrics_http(&self) -> ublk_metrics::HttpConfig {
+        ublk_metrics::HttpConfig::with_limits(
+            self.metrics_max_connections,
+            self.metrics_request_timeout_secs,
+            self.metrics_write_timeout_secs,
+        )
+    }
+
+    /// The lease sharing the fairness keys set.
+    pub fn lease_limits(&self) -> crate::store::LeaseLimits {
+        crate::store::LeaseLimits {
+            volume_share: self.volume_lease_share,
+            connection_max: self.connection_max_leases,
+            revoke_deadline: std::time::Duration::from_millis(self.revoke_deadline_ms),
+        }
+    }
+
     /// Checks every value; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        for (key, v) in [
+            ("volume_lease_share", self.volume_lease_share),
+            ("connection_max_leases", self.connection_max_leases),
+        ] {
+            if v == Some(0) {
+                return Err(invalid(
+                    key,
+                    0,
+                    "must be at least 1 (or unset for the default)",
+                ));
+            }
+        }
+        if !(10..=600_000).contains(&self.revoke_deadline_ms) {
+            return Err(invalid(
+                "revoke_deadline_ms",
+                self.revoke_deadline_ms,
+                "must be in 10..=600000",
+            ));
+        }
         listen_setting("metrics_listen", &self.metrics_listen, "127.0.0.1:9478")?;
+        if !(1..=65_536).contains(&self.metrics_max_connections) {
+            return Err(invalid(
+                "metrics_max_connections",
+                self.metrics_max_connections,
+                "must be in 1..=65536",
+            ));
+        }
+        for (key, v) in [
+            (
+                "metrics_request_timeout_secs",
+                self.metrics_request_timeout_secs,
+            ),
+            (
+                "metrics_write_timeout_secs",
+                self.metrics_write_timeout_secs,
+            ),
+        ] {
+            if !(1..=300).contains(&v) {
+                return Err(invalid(key, v, "must be in 1..=300"));
+            }
+        }
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(invalid(
                 "listen",
@@ -424,6 +523,21 @@ quota = "10G"
             e.starts_with("invalid config: volume[0].name = \"vm/1\": "),
             "{e}"
         );
+        let e = err(&format!("revoke_deadline_ms = 5\n{GOOD}"));
+        assert_eq!(
+            e,
+            "invalid config: revoke_deadline_ms = 5: must be in 10..=600000"
+        );
+        let e = err(&format!("volume_lease_share = 0\n{GOOD}"));
+        assert!(
+            e.starts_with("invalid config: volume_lease_share = 0: "),
+            "{e}"
+        );
+        let e = err(&format!("metrics_request_timeout_secs = 0\n{GOOD}"));
+        assert_eq!(
+            e,
+            "invalid config: metrics_request_timeout_secs = 0: must be in 1..=300"
+        );
         let e = err(&format!("max_inflight = 0\n{GOOD}"));
         assert!(
             e == "invalid config: max_inflight = 0: must be in 1..=4096",
@@ -445,6 +559,19 @@ quota = "10G"
             e,
             "invalid config: metrics_listen = \"metrics.local:80\": must be IP:port (e.g. \"127.0.0.1:9478\"), or \"off\" to disable the listener"
         );
+    }
+
+    #[test]
+    fn the_shipped_example_config_is_valid_and_sets_the_defaults() {
+        let text = include_str!("../../../systemd/arenad.toml");
+        let c = parse(text).unwrap();
+        let d = parse(GOOD).unwrap();
+        assert_eq!(
+            c.metrics_http().max_connections,
+            d.metrics_http().max_connections
+        );
+        assert_eq!(c.lease_limits(), d.lease_limits());
+        assert_eq!(d.lease_limits(), crate::store::LeaseLimits::default());
     }
 
     #[test]

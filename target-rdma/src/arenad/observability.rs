@@ -114,6 +114,8 @@ pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
         slots,
         leases_held: s.leases_held,
         evictions: s.evictions,
+        revocations: s.revocations,
+        leases_force_ended: s.leases_force_ended,
         writebacks: s.write_backs,
         fault_ins: s.fault_ins,
         swap_read_bytes: s.swap_bytes_read,
@@ -197,9 +199,10 @@ impl ArenadObservability {
         Ok(Self::new(Telemetry::install(Daemon::Arenad, version)?))
     }
 
-    /// Starts the metrics listener on `addr`; it serves until dropped.
-    pub fn listen(&self, addr: &str) -> Result<MetricsServer, HttpError> {
-        MetricsServer::start(addr, Arc::clone(&self.tel), HttpConfig::default())
+    /// Starts the metrics listener on `addr` with `limits`; it serves
+    /// until dropped.
+    pub fn listen(&self, addr: &str, limits: HttpConfig) -> Result<MetricsServer, HttpError> {
+        MetricsServer::start(addr, Arc::clone(&self.tel), limits)
     }
 
     /// The telemetry plane.

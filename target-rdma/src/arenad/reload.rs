@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use ublk_metrics::events::{effective_filter, FilterSource, LogControl};
+use ublk_metrics::events::LogControl;
 
 use crate::arenad::config::{ArenadConfig, VolumeConfig};
 use crate::arenad::observability::ArenadObservability;
@@ -184,18 +184,7 @@ impl Runtime {
         self.server.set_volumes(volumes);
         self.obs.set_volumes(count);
         if !done.applied.is_empty() {
-            match effective_filter(&new.log_level) {
-                (_, FilterSource::Environment) => tracing::warn!(
-                    event = "config.log_level_ignored",
-                    log_level = %new.log_level,
-                    "RUST_LOG is set and overrides log_level"
-                ),
-                (filter, FilterSource::Config) => {
-                    if let Err(e) = self.log.set_filter(&filter) {
-                        tracing::error!(event = "config.log_level_failed", error = %e);
-                    }
-                }
-            }
+            self.log.apply_log_level(&new.log_level);
         }
         *running = (in_force, secrets);
         drop(running);

@@ -145,18 +145,18 @@ fn start_observability(
     cfg: &ArenadConfig,
 ) -> Result<(Arc<ArenadObservability>, Option<MetricsServer>)> {
     let obs = ArenadObservability::install(env!("CARGO_PKG_VERSION"))?;
-    let listener = cfg
-        .metrics_listen_addr()
-        .and_then(|addr| match obs.listen(addr) {
-            Ok(l) => {
-                info!(event = "metrics.listening", addr = %l.local_addr());
-                Some(l)
-            }
-            Err(e) => {
-                error!(event = "metrics.listen_failed", error = %e);
-                None
-            }
-        });
+    let listener =
+        cfg.metrics_listen_addr()
+            .and_then(|addr| match obs.listen(addr, cfg.metrics_http()) {
+                Ok(l) => {
+                    info!(event = "metrics.listening", addr = %l.local_addr());
+                    Some(l)
+                }
+                Err(e) => {
+                    error!(event = "metrics.listen_failed", error = %e);
+                    None
+                }
+            });
     Ok((obs, listener))
 }
 
@@ -217,6 +217,7 @@ fn run(args: &Args) -> Result<ExitCode> {
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
+    store.set_lease_limits(cfg.lease_limits());
     let epochs = Epochs::open(&cfg.swap_dir).context("loading the volumes' epochs")?;
     obs.store_opened(&store, cfg.volumes.len());
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {

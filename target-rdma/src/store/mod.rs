@@ -72,6 +72,7 @@ use parking_lot::RwLock;
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
 use engine::{Core, Guard, ReadPlan, State};
+pub use engine::{LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 pub use in_process::InProcess;
 
 /// Where and how big the store is.
@@ -232,7 +233,18 @@ pub enum StoreError {
         /// Blob key.
         key: u64,
     },
-    /// Too many leases are outstanding.
+    /// Every slot is pinned and leases held past their volume's share were
+    /// asked back for a requester under its own: the store retries once a
+    /// lease ends or at `until` (the revoke deadline). Never returned by a
+    /// public [`Store`] method.
+    #[error("every arena slot is pinned; waiting until a revoked lease is given back or ended")]
+    Reclaiming {
+        /// When the first of them may be ended by force.
+        until: std::time::Instant,
+        /// Leases ended when this was decided.
+        ends: u64,
+    },
+    /// Too many leases are outstanding (in the arena, or of this connection).
     #[error("too many leases outstanding: the limit is {limit}")]
     LeaseLimit {
         /// The limit.
@@ -352,6 +364,9 @@ pub struct StoreStats {
     pub leases_held: u64,
     /// Leases asked back through the revoke hook.
     pub revocations: u64,
+    /// Revoked leases not given back within the revoke deadline, ended by
+    /// force.
+    pub leases_force_ended: u64,
     /// Blobs dropped from RAM to make room.
     pub evictions: u64,
     /// Slots written to swap.
@@ -678,7 +693,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         self.check_range(offset, data.len())?;
         let whole = data.len() == self.blob_bytes as usize;
-        let slot = self.locked(|c, g| c.pin_or_create(g, vol, key, whole))?;
+        let slot = self.fairly(|c, g| c.pin_or_create(g, vol, key, whole))?;
         {
             let mut bytes = self.core.arena.write(slot.slot());
             let o = offset as usize;
@@ -728,7 +743,7 @@ impl Store {
     ) -> Result<R, StoreError> {
         self.check_range(offset, len)?;
         loop {
-            match self.locked(|c, g| c.plan_read(g, vol, key, offset, len))? {
+            match self.fairly(|c, g| c.plan_read(g, vol, key, offset, len))? {
                 ReadPlan::Absent => return Ok(f(None)),
                 ReadPlan::Slot(slot) => {
                     let r = {
@@ -756,7 +771,7 @@ impl Store {
     /// (zeroed) if absent. The slot counts as dirty from now on, because the
     /// holder may change it at any moment.
     pub fn alloc(&self, vol: VolumeId, key: u64, holder: HolderId) -> Result<Lease, StoreError> {
-        self.locked(|c, g| c.alloc(g, vol, key, holder))
+        self.fairly(|c, g| c.alloc(g, vol, key, holder))
     }
 
     /// Leases blob `key`'s slot for reading; `None` when the key holds no blob.
@@ -766,7 +781,7 @@ impl Store {
         key: u64,
         holder: HolderId,
     ) -> Result<Option<Lease>, StoreError> {
-        self.locked(|c, g| c.get(g, vol, key, holder))
+        self.fairly(|c, g| c.get(g, vol, key, holder))
     }
 
     /// Ends an ALLOC lease, keeping what its holder wrote as the blob content.
@@ -777,13 +792,21 @@ impl Store {
         token: u64,
         holder: HolderId,
     ) -> Result<(), StoreError> {
-        self.locked(|_, g| g.commit(vol, key, token, holder))
+        self.locked(|c, g| {
+            let r = g.commit(vol, key, token, holder);
+            c.lease_ended();
+            r
+        })
     }
 
     /// Ends a lease. An uncommitted ALLOC slot stays dirty: its bytes may
     /// have changed in place.
     pub fn release(&self, token: u64, holder: HolderId) -> Result<(), StoreError> {
-        self.locked(|_, g| g.release(token, holder))
+        self.locked(|c, g| {
+            let r = g.release(token, holder);
+            c.lease_ended();
+            r
+        })
     }
 
     /// Hands the leased slot's bytes to `f`, the in-process stand-in for an
@@ -834,7 +857,10 @@ impl Store {
 
     /// Releases every lease of a dead connection.
     pub fn drop_holder(&self, holder: HolderId) {
-        self.locked(|_, g| g.drop_holder(holder))
+        self.locked(|c, g| {
+            g.drop_holder(holder);
+            c.lease_ended();
+        })
     }
 
     /// The arena mapping as `(base, len)`, for registering it with an RDMA

@@ -13,7 +13,7 @@ impl StoreError {
         match self {
             Self::NoSpace { .. } => Status::NoSpace,
             Self::QuotaExceeded { .. } => Status::QuotaExceeded,
-            Self::Busy { .. } | Self::LeaseLimit { .. } => Status::Busy,
+            Self::Busy { .. } | Self::LeaseLimit { .. } | Self::Reclaiming { .. } => Status::Busy,
             Self::LeaseLost { .. } => Status::LeaseLost,
             Self::UnknownLease { .. } | Self::LeaseMismatch { .. } | Self::OutOfRange { .. } => {
                 Status::Protocol

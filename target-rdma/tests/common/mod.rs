@@ -5,5 +5,6 @@
 #![allow(dead_code)]
 
 pub mod arenad;
+pub mod log_lines;
 
 pub use target_rdma::testing::*;

@@ -1,7 +1,9 @@
 //! One live control connection: the handshake that opens it, the table of
-//! requests in flight on it, and the reader thread that matches answers to
+//! requests in flight on it, and the receiver that matches answers to
 //! them, queues revocations, fails requests past their deadline and samples
-//! the socket's TCP_INFO.
+//! the socket's TCP_INFO (run by the client's reader thread, or by the
+//! owner's loop for a driven connection: the `Handoff` gives it each new
+//! receiver, and `NoWait` keeps a driven send from blocking that loop).
 //!
 //! Answers that do not fit their request are counted apart from frames
 //! that do not parse: an answer naming a request that is not in flight, or
@@ -10,13 +12,19 @@
 //! length than asked (`length_mismatches`: that request fails).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::{self, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::future::{poll_fn, Future};
+use std::io::{self, IoSlice, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
 use parking_lot::Mutex;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
 use tokio::sync::Semaphore;
 use tracing::debug;
 
@@ -49,6 +57,9 @@ pub(super) struct Writer {
     version: u8,
     key: Option<FrameKey>,
     seq: u64,
+    /// In a driven connection, where its answers are read while a send
+    /// waits for room (see [`NoWait`]).
+    pub(super) driven: Option<(Arc<Handoff>, Duration)>,
 }
 
 impl Writer {
@@ -73,7 +84,13 @@ impl Writer {
             _ => None,
         };
         let tag: &[u8] = tag.as_ref().map_or(&[], |t| &t[..]);
-        proto::write_vectored_all(&mut self.stream, &[head, payload, tag])
+        match &self.driven {
+            Some((answers, limit)) => {
+                let mut out = NoWait::new(&self.stream, answers, *limit);
+                proto::write_vectored_all(&mut out, &[head, payload, tag])
+            }
+            None => proto::write_vectored_all(&mut self.stream, &[head, payload, tag]),
+        }
     }
 }
 
@@ -87,15 +104,31 @@ pub(super) struct Pending {
     pub(super) tx: oneshot::Sender<Result<Reply, ArenaError>>,
 }
 
-#[derive(Default)]
 pub(super) struct PendingTable {
     pub(super) map: HashMap<u64, Pending>,
     /// Set once the connection is dead; no request may be added after.
     pub(super) dead: Option<String>,
+    /// Requests that timed out, whose answers may still come.
+    expired: Expired,
+}
+
+impl Default for PendingTable {
+    fn default() -> Self {
+        Self {
+            map: HashMap::new(),
+            dead: None,
+            expired: Expired::new(),
+        }
+    }
 }
 
 /// One live connection.
 pub(super) struct Conn {
+    /// The socket's descriptor, for shutting it down without the writer's
+    /// lock (a driven send holds it while it reads answers, which may end
+    /// the connection). Not a second handle: every descriptor a queue's
+    /// connection holds counts against ublkd's `LimitNOFILE`.
+    socket: RawFd,
     pub(super) writer: Mutex<Writer>,
     pub(super) pending: Mutex<PendingTable>,
     pub(super) slots: Semaphore,
@@ -114,6 +147,11 @@ impl Conn {
         self.pending.lock().dead.is_some()
     }
 
+    /// Requests waiting for their answers.
+    pub(super) fn in_flight(&self) -> usize {
+        self.pending.lock().map.len()
+    }
+
     /// Marks the connection dead and fails everything in flight.
     pub(super) fn kill(&self, peer: &str, detail: &str) {
         let drained: Vec<Pending> = {
@@ -130,14 +168,24 @@ impl Conn {
             }));
         }
         self.slots.close();
-        let _ = self.writer.lock().stream.shutdown(Shutdown::Both);
+        // SAFETY: `socket` is the descriptor of the writer's stream, which
+        // `self` owns and never replaces, so it is open for as long as
+        // `self` is borrowed here.
+        let fd = unsafe { BorrowedFd::borrow_raw(self.socket) };
+        let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
     }
 }
 
 /// Connects, authenticates both ways and returns the live connection. A
 /// reconnect insists on the blob size agreed the first time (`agreed`) and
-/// presents the writer's current `epoch`.
-pub(super) fn handshake(cfg: &ClientConfig, agreed: u32, epoch: u64) -> Result<Conn, ArenaError> {
+/// presents the writer's current `epoch`; a `driven` connection's sends
+/// never block its owner's loop (its answers are read there).
+pub(super) fn handshake(
+    cfg: &ClientConfig,
+    agreed: u32,
+    epoch: u64,
+    driven: Option<Arc<Handoff>>,
+) -> Result<Conn, ArenaError> {
     let peer = &cfg.peer;
     let io_err = |source: io::Error| ArenaError::Connect {
         peer: peer.clone(),
@@ -261,11 +309,13 @@ pub(super) fn handshake(cfg: &ClientConfig, agreed: u32, epoch: u64) -> Result<C
     );
     let version = version as u8;
     Ok(Conn {
+        socket: stream.as_raw_fd(),
         writer: Mutex::new(Writer {
             stream,
             version,
             key: client_key,
             seq: 0,
+            driven: driven.map(|h| (h, cfg.request_timeout)),
         }),
         pending: Mutex::new(PendingTable::default()),
         slots: Semaphore::new(ch.max_inflight as usize),
@@ -374,79 +424,179 @@ enum Broken {
     Mismatch(String),
 }
 
-/// The reader thread: dispatches answers, queues revocations, expires
-/// requests. It holds the client only weakly, between frames: once the last
-/// `ArenaClient` is dropped the connection is closed (a reader holding it
-/// would keep the session open on the peer forever).
-pub(super) fn read_loop(client: &Weak<Shared>, conn: &Conn, mut stream: TcpStream) {
-    let Some(shared) = client.upgrade() else {
-        return;
-    };
-    let peer = shared.cfg.peer.clone();
-    let peer = &peer;
-    let mut reader = FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some());
-    let mut tcp = Sampler::open(&shared.cfg.tcp_links, &stream);
-    drop(shared);
-    let mut seq = 0;
-    let mut last_sweep = Instant::now();
-    let mut expired = Expired::new();
-    let why = loop {
-        let Some(shared) = client.upgrade() else {
-            tcp.close(&stream);
-            conn.kill(peer, "client dropped");
-            return;
-        };
-        let shared = &*shared;
-        let land = |h: &Header| {
-            let t = conn.pending.lock();
-            let p = t.map.get(&h.request_id)?;
-            (h.is_response()
-                && h.status == Status::Ok
-                && h.opcode == Opcode::Read
-                && p.op == Opcode::Read)
-                .then(|| p.landing.clone())
-                .flatten()
-        };
-        match reader.next(&mut stream, land) {
-            Ok(Some((h, body, trailer))) => {
-                tcp.answered(&stream);
-                let checked = check_frame(conn, &h, trailer.as_ref(), seq).map_err(Broken::Frame);
-                seq += 1;
-                match checked.and_then(|()| dispatch(shared, conn, &h, body, &mut expired)) {
-                    Ok(()) => {}
-                    Err(Broken::Frame(e)) => {
-                        frame_error(shared, &e);
-                        break Some(format!("protocol error: {e}"));
-                    }
-                    Err(Broken::Mismatch(why)) => break Some(format!("protocol error: {why}")),
-                }
-            }
-            Ok(None) => break Some("peer closed the connection".to_owned()),
-            Err(FrameError::Io(e))
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => {
-                frame_error(shared, &e);
-                break Some(e.to_string());
-            }
+/// The receiving half of a connection: reads the answers, dispatches them,
+/// queues revocations and expires requests. The client's reader thread
+/// runs it ([`read_loop`]), or the owner's event loop does (a driven
+/// connection, see [`super::ring`]). It holds the client only weakly: once
+/// the last `ArenaClient` is dropped the connection is closed (a reader
+/// holding it would keep the session open on the peer forever).
+pub(super) struct Receiver {
+    client: Weak<Shared>,
+    conn: Arc<Conn>,
+    source: Source,
+    reader: FrameReader,
+    /// TCP_INFO of the socket, until the connection ends.
+    tcp: Option<Sampler>,
+    peer: String,
+    /// Frames received: the next one's place in the stream (its tag).
+    seq: u64,
+    last_sweep: Instant,
+    ended: bool,
+}
+
+/// What the receiver reads from: the socket, through its read timeout
+/// (reader thread) or never blocking (driven).
+struct Source {
+    stream: TcpStream,
+    nonblocking: bool,
+}
+
+impl io::Read for Source {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if !self.nonblocking {
+            return io::Read::read(&mut self.stream, buf);
         }
-        if conn.is_dead() {
-            break None;
-        }
-        if last_sweep.elapsed() >= TICK {
-            last_sweep = Instant::now();
-            for id in expire(shared, conn) {
-                expired.add(id);
-            }
-        }
-    };
-    tcp.close(&stream);
-    if let Some(why) = why {
-        debug!(event = "peer.disconnected", detail = %why);
-        conn.kill(peer, &why);
+        rustix::net::recv(&self.stream, buf, rustix::net::RecvFlags::DONTWAIT)
+            .map(|(n, _)| n)
+            .map_err(io::Error::from)
     }
+}
+
+impl Receiver {
+    /// The receiver of `conn`, reading `stream` (a clone of its socket);
+    /// `nonblocking` for a driven connection.
+    pub(super) fn new(
+        shared: &Arc<Shared>,
+        conn: &Arc<Conn>,
+        stream: TcpStream,
+        nonblocking: bool,
+    ) -> Self {
+        Self {
+            client: Arc::downgrade(shared),
+            reader: FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some()),
+            tcp: Some(Sampler::open(&shared.cfg.tcp_links, &stream)),
+            peer: shared.cfg.peer.clone(),
+            conn: Arc::clone(conn),
+            source: Source {
+                stream,
+                nonblocking,
+            },
+            seq: 0,
+            last_sweep: Instant::now(),
+            ended: false,
+        }
+    }
+
+    /// The socket, for the owner's loop to wait on.
+    pub(super) fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.source.stream.as_raw_fd()
+    }
+
+    /// Which connection this reads.
+    pub(super) fn conn(&self) -> &Arc<Conn> {
+        &self.conn
+    }
+
+    /// Reads and dispatches the frames that have arrived (a blocking
+    /// source waits up to its read timeout for the first), expiring
+    /// requests every [`TICK`]. Returns `false` once the connection has
+    /// ended; it is then dead and its requests failed.
+    pub(super) fn pump(&mut self) -> bool {
+        if self.ended {
+            return false;
+        }
+        loop {
+            let Some(shared) = self.client.upgrade() else {
+                return self.end(Some("client dropped".to_owned()));
+            };
+            let shared = &*shared;
+            let conn = &*self.conn;
+            let land = |h: &Header| {
+                let t = conn.pending.lock();
+                let p = t.map.get(&h.request_id)?;
+                (h.is_response()
+                    && h.status == Status::Ok
+                    && h.opcode == Opcode::Read
+                    && p.op == Opcode::Read)
+                    .then(|| p.landing.clone())
+                    .flatten()
+            };
+            let why = match self.reader.next(&mut self.source, land) {
+                Ok(Some((h, body, trailer))) => {
+                    if let Some(t) = &mut self.tcp {
+                        t.answered(&self.source.stream);
+                    }
+                    let checked =
+                        check_frame(conn, &h, trailer.as_ref(), self.seq).map_err(Broken::Frame);
+                    self.seq += 1;
+                    match checked.and_then(|()| dispatch(shared, conn, &h, body)) {
+                        Ok(()) => None,
+                        Err(Broken::Frame(e)) => {
+                            frame_error(shared, &e);
+                            Some(format!("protocol error: {e}"))
+                        }
+                        Err(Broken::Mismatch(why)) => Some(format!("protocol error: {why}")),
+                    }
+                }
+                Ok(None) => Some("peer closed the connection".to_owned()),
+                Err(FrameError::Io(e))
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    self.sweep(shared);
+                    return true;
+                }
+                Err(e) => {
+                    frame_error(shared, &e);
+                    Some(e.to_string())
+                }
+            };
+            if why.is_some() {
+                return self.end(why);
+            }
+            if conn.is_dead() {
+                return self.end(None);
+            }
+            self.sweep(shared);
+        }
+    }
+
+    /// Ends the connection because its owner's loop cannot read it.
+    pub(super) fn fail(&mut self, why: String) {
+        if !self.ended {
+            self.end(Some(why));
+        }
+    }
+
+    /// Expires overdue requests, at most once per [`TICK`].
+    fn sweep(&mut self, shared: &Shared) {
+        if self.last_sweep.elapsed() >= TICK {
+            self.last_sweep = Instant::now();
+            expire(shared, &self.conn);
+        }
+    }
+
+    /// Ends the connection (`why`: the reason to fail its requests with;
+    /// `None` when it was already killed); always `false`.
+    fn end(&mut self, why: Option<String>) -> bool {
+        self.ended = true;
+        if let Some(t) = self.tcp.take() {
+            t.close(&self.source.stream);
+        }
+        if let Some(why) = why {
+            debug!(event = "peer.disconnected", detail = %why);
+            self.conn.kill(&self.peer, &why);
+        }
+        false
+    }
+}
+
+/// The reader thread of a connection that is not driven.
+pub(super) fn read_loop(mut rx: Receiver) {
+    while rx.pump() {}
 }
 
 /// Counts and logs a frame that did not parse. A stream that failed or
@@ -459,10 +609,11 @@ fn frame_error(shared: &Shared, e: &FrameError) {
     ublk_metrics::events::protocol_frame_error(e.class(), e);
 }
 
-/// Fails every request whose deadline has passed; returns their ids.
-fn expire(shared: &Shared, conn: &Conn) -> Vec<u64> {
+/// Fails every request whose deadline has passed, remembering their ids
+/// so that their answers, if they come, count as late.
+pub(super) fn expire(shared: &Shared, conn: &Conn) {
     let now = Instant::now();
-    let expired: Vec<(u64, Pending)> = {
+    let expired: Vec<Pending> = {
         let mut t = conn.pending.lock();
         let ids: Vec<u64> = t
             .map
@@ -471,20 +622,21 @@ fn expire(shared: &Shared, conn: &Conn) -> Vec<u64> {
             .map(|(id, _)| *id)
             .collect();
         ids.iter()
-            .filter_map(|id| t.map.remove(id).map(|p| (*id, p)))
+            .filter_map(|id| {
+                let p = t.map.remove(id)?;
+                t.expired.add(*id);
+                Some(p)
+            })
             .collect()
     };
-    let mut ids = Vec::with_capacity(expired.len());
-    for (id, p) in expired {
+    for p in expired {
         shared.cfg.stats.count(|s| &s.request_timeouts);
         let _ = p.tx.send(Err(ArenaError::TimedOut {
             op: p.op,
             peer: shared.cfg.peer.clone(),
             after: shared.cfg.request_timeout,
         }));
-        ids.push(id);
     }
-    ids
 }
 
 /// Counts, logs and describes an answer that fits no request in flight.
@@ -504,13 +656,7 @@ fn mismatch(shared: &Shared, h: &Header, expected: Option<Opcode>) -> Broken {
     ))
 }
 
-fn dispatch(
-    shared: &Shared,
-    conn: &Conn,
-    h: &Header,
-    body: Body<'_>,
-    expired: &mut Expired,
-) -> Result<(), Broken> {
+fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<(), Broken> {
     if !h.is_response() {
         return Err(Broken::Frame(FrameError::Unexpected {
             op: h.opcode.name(),
@@ -528,12 +674,20 @@ fn dispatch(
         q.push_back(rv);
         return Ok(());
     }
-    let Some(p) = conn.pending.lock().map.remove(&h.request_id) else {
-        if expired.take(h.request_id) {
+    let found = {
+        let mut t = conn.pending.lock();
+        match t.map.remove(&h.request_id) {
+            Some(p) => Ok(p),
+            None => Err(t.expired.take(h.request_id)),
+        }
+    };
+    let p = match found {
+        Ok(p) => p,
+        Err(true) => {
             shared.cfg.stats.count(|s| &s.late_answers);
             return Ok(());
         }
-        return Err(mismatch(shared, h, None));
+        Err(false) => return Err(mismatch(shared, h, None)),
     };
     if p.op != h.opcode {
         let broken = mismatch(shared, h, Some(p.op));
@@ -595,4 +749,141 @@ fn dispatch(
     }
     let _ = p.tx.send(reply);
     Ok(())
+}
+
+/// Where a driven client's connections put their receivers for the driver.
+#[derive(Default)]
+pub(super) struct Handoff {
+    pub(super) rx: Mutex<Option<Receiver>>,
+    waker: Mutex<Option<Waker>>,
+    /// The sweep, parked while no request is in flight.
+    pub(super) sweeper: Mutex<Option<Waker>>,
+    /// The client is gone: the driver stops.
+    pub(super) closed: AtomicBool,
+}
+
+impl Handoff {
+    /// Gives the driver a new connection's receiver (the old one ended).
+    pub(super) fn install(&self, rx: Receiver) {
+        *self.rx.lock() = Some(rx);
+        self.wake();
+    }
+
+    /// The client is gone.
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.wake();
+        self.in_flight();
+    }
+
+    /// A request went in flight: the deadline sweep runs again.
+    pub(super) fn in_flight(&self) {
+        if let Some(w) = self.sweeper.lock().take() {
+            w.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self.waker.lock().take() {
+            w.wake();
+        }
+    }
+
+    /// Reads what has arrived; the socket to wait on next, `None` once the
+    /// connection ended (or none was installed).
+    pub(super) fn pump(&self) -> Option<RawFd> {
+        let mut rx = self.rx.lock();
+        let r = rx.as_mut()?;
+        r.pump().then(|| r.fd())
+    }
+
+    /// Ready with `true` once a live receiver is installed, `false` once
+    /// the client is gone.
+    pub(super) fn live(&self) -> impl Future<Output = bool> + '_ {
+        poll_fn(|cx| {
+            *self.waker.lock() = Some(cx.waker().clone());
+            if self.closed.load(Ordering::SeqCst) {
+                return Poll::Ready(false);
+            }
+            match &*self.rx.lock() {
+                Some(r) if !r.conn().is_dead() => Poll::Ready(true),
+                _ => Poll::Pending,
+            }
+        })
+    }
+}
+
+/// A driven connection's socket as a `Write` that never blocks the loop:
+/// when the socket is full it waits (at most `limit`) for room, reading
+/// the answers that arrive meanwhile.
+pub(super) struct NoWait<'a> {
+    stream: &'a TcpStream,
+    answers: &'a Handoff,
+    limit: Duration,
+}
+
+impl<'a> NoWait<'a> {
+    pub(super) fn new(stream: &'a TcpStream, answers: &'a Handoff, limit: Duration) -> Self {
+        Self {
+            stream,
+            answers,
+            limit,
+        }
+    }
+
+    /// Waits until the socket has room, pumping answers as they come.
+    fn wait(&self, until: Instant) -> io::Result<()> {
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no room to send for {:?}", self.limit),
+                ));
+            }
+            let fd = self.stream.as_fd();
+            let mut fds = [PollFd::new(&fd, PollFlags::OUT | PollFlags::IN)];
+            let timeout = Timespec::try_from(left).map_err(io::Error::other)?;
+            match poll(&mut fds, Some(&timeout)) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let ready = fds[0].revents();
+            if ready.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR) {
+                self.answers.pump();
+            }
+            if ready.intersects(PollFlags::OUT | PollFlags::HUP | PollFlags::ERR) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+impl Write for NoWait<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let until = Instant::now() + self.limit;
+        loop {
+            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+            match sendmsg(
+                self.stream,
+                bufs,
+                &mut SendAncillaryBuffer::default(),
+                flags,
+            ) {
+                Ok(n) => return Ok(n),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => self.wait(until)?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }

@@ -3,10 +3,13 @@
 //!
 //! The client is executor-agnostic on purpose: a ublk queue thread runs its
 //! own io_uring executor, not tokio. Requests are written by the caller
-//! under a short lock and answered by a reader thread through oneshot
-//! channels, so any executor can await them. The same reader thread wakes
-//! every [`TICK`] to fail requests past their deadline, which keeps per-request
-//! timeouts without a timer runtime.
+//! under a short lock and answered through oneshot channels, so any
+//! executor can await them. Answers are read by a reader thread, which
+//! wakes every [`TICK`] to fail requests past their deadline (timeouts
+//! without a timer runtime), or, for a client configured
+//! [`ClientConfig::driven`], by the owner's own event loop ([`ring`]): a
+//! ublk queue thread then completes its requests on its io_uring, with no
+//! thread hop per answer.
 //!
 //! After a disconnect the next call reconnects and idempotent requests
 //! (inline READ/WRITE, REMOVE) are retried once. FLUSH is never papered
@@ -17,6 +20,7 @@
 mod conn;
 mod durability;
 mod frames;
+pub mod ring;
 mod stats;
 pub mod tcp_info;
 
@@ -36,14 +40,16 @@ pub use durability::FlushDomain;
 pub use frames::{Body, BodyPool, FrameReader, Landing, OWNED_BODY_MIN};
 pub use stats::{ClientStats, REASON_CONFIGURED_TCP};
 
-use conn::{handshake, read_loop, Conn, Pending, Reply};
+use conn::{handshake, read_loop, Conn, Handoff, Pending, Receiver, Reply};
+use ring::Driver;
 
 use crate::auth::Secret;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::proto::{self, Endpoint, FrameError, Lease, Opcode, RailAccept, Request, Welcome};
 
-/// How often the reader thread checks request deadlines.
-const TICK: Duration = Duration::from_millis(50);
+/// How often request deadlines are checked (by the reader thread, or a
+/// driven client's [`Driver`]).
+pub const TICK: Duration = Duration::from_millis(50);
 /// Revocations kept for the lease owner to collect; older ones are dropped and counted.
 const MAX_QUEUED_REVOCATIONS: usize = 4096;
 
@@ -84,6 +90,9 @@ pub struct ClientConfig {
     /// tags cost), never as a default (a peer, or anyone on the path, could
     /// otherwise talk a client down to it).
     pub versions: std::ops::RangeInclusive<u8>,
+    /// Answers are read by the owner's loop, which must run the client's
+    /// [`ArenaClient::driver`], instead of a reader thread per connection.
+    pub driven: bool,
 }
 
 impl ClientConfig {
@@ -102,6 +111,7 @@ impl ClientConfig {
             tcp_links: Arc::default(),
             epoch: 0,
             versions: proto::VERSION..=proto::VERSION,
+            driven: false,
         }
     }
 }
@@ -118,6 +128,8 @@ struct Shared {
     /// [`ClientConfig::epoch`]).
     epoch: AtomicU64,
     revocations: Mutex<VecDeque<(u64, u64)>>,
+    /// A driven client's receivers, for its [`Driver`].
+    handoff: Option<Arc<Handoff>>,
 }
 
 /// A client of one volume on one `arenad`. Cheap to clone; clones share the
@@ -140,6 +152,7 @@ impl ArenaClient {
                 connects: AtomicU64::new(0),
                 epoch: AtomicU64::new(cfg.epoch),
                 revocations: Mutex::new(VecDeque::new()),
+                handoff: cfg.driven.then(Arc::default),
                 cfg,
             }),
         };
@@ -227,7 +240,7 @@ impl ArenaClient {
         }
         let agreed = self.shared.blob_bytes.load(Ordering::Relaxed);
         let epoch = self.shared.epoch.load(Ordering::Relaxed);
-        let mut conn = handshake(&self.shared.cfg, agreed, epoch)?;
+        let mut conn = handshake(&self.shared.cfg, agreed, epoch, self.shared.handoff.clone())?;
         conn.epoch = self.shared.connects.fetch_add(1, Ordering::Relaxed) + 1;
         if conn.epoch > 1 {
             self.stats().count(|s| &s.reconnects);
@@ -254,15 +267,20 @@ impl ArenaClient {
                     peer: self.shared.cfg.peer.clone(),
                     source,
                 })?;
-        let shared = Arc::downgrade(&self.shared);
-        let for_reader = Arc::clone(&conn);
-        thread::Builder::new()
-            .name("arena-client-rx".into())
-            .spawn(move || read_loop(&shared, &for_reader, reader_stream))
-            .map_err(|source| ArenaError::Connect {
-                peer: self.shared.cfg.peer.clone(),
-                source,
-            })?;
+        let driven = self.shared.handoff.as_ref();
+        let rx = Receiver::new(&self.shared, &conn, reader_stream, driven.is_some());
+        match driven {
+            Some(handoff) => handoff.install(rx),
+            None => {
+                thread::Builder::new()
+                    .name("arena-client-rx".into())
+                    .spawn(move || read_loop(rx))
+                    .map_err(|source| ArenaError::Connect {
+                        peer: self.shared.cfg.peer.clone(),
+                        source,
+                    })?;
+            }
+        }
         *slot = Some(Arc::clone(&conn));
         Ok(conn)
     }
@@ -343,6 +361,9 @@ impl ArenaClient {
                     tx,
                 },
             );
+        }
+        if let Some(h) = &self.shared.handoff {
+            h.in_flight();
         }
         let mut head = Vec::with_capacity(64);
         proto::encode_request_head(&mut head, id, req);
@@ -517,6 +538,16 @@ impl ArenaClient {
         }
     }
 
+    /// The receiving side of a [`ClientConfig::driven`] client, for its
+    /// owner's loop to run ([`Driver::run`]); `None` for a client with
+    /// reader threads.
+    pub fn driver(&self) -> Option<Driver> {
+        Some(Driver {
+            client: Arc::downgrade(&self.shared),
+            handoff: Arc::clone(self.shared.handoff.as_ref()?),
+        })
+    }
+
     /// Closes the connection; the next call reconnects.
     pub fn disconnect(&self) {
         if let Some(c) = self.shared.conn.lock().take() {
@@ -529,6 +560,9 @@ impl Drop for Shared {
     fn drop(&mut self) {
         if let Some(c) = self.conn.lock().take() {
             c.kill(&self.cfg.peer, "client dropped");
+        }
+        if let Some(h) = &self.handoff {
+            h.close();
         }
     }
 }

@@ -1,10 +1,55 @@
 //! Leases: a slot pinned for a connection to read (GET) or write (ALLOC)
-//! in place by RDMA until COMMIT or RELEASE, the bound on how many exist,
-//! and asking the oldest back when every slot is pinned.
+//! in place by RDMA until COMMIT or RELEASE, the bounds on how many exist,
+//! and who gives slots back when every slot is pinned.
+//!
+//! Fairness between tenants. Each served volume has a share of the arena,
+//! `⌊slots / served volumes⌋` leases unless configured. Past its share a
+//! volume may still lease free slots, but those leases are the first asked
+//! back (REVOKE) when a volume at or under its own share needs a slot and
+//! every slot is pinned: that request waits for them rather than being told
+//! BUSY. A revoked lease not given back within `revoke_deadline` is ended
+//! by force: its slot is unpinned, and the holder's later COMMIT answers
+//! LEASE_LOST (a RELEASE is accepted quietly). So a tenant that leases
+//! every slot and ignores REVOKE delays another by at most the deadline,
+//! and BUSY reaches a volume only when it is over its own share (or when
+//! no volume is over its share, i.e. the arena is full with fair use).
+//! Each connection may hold at most `connection_max` leases (force-ended
+//! ones count until it acknowledges them), which bounds the lease table
+//! per client.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
 
 use super::{Core, Guard, State};
 use crate::proto::Lease;
-use crate::store::{BlobKey, HolderId, StoreError, VolumeId};
+use crate::store::{BlobKey, HolderId, Store, StoreError, VolumeId};
+
+/// How leases are shared between tenants (see the `lease` engine module and
+/// `docs/PROTOCOL.md`, *Leases and fairness*).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseLimits {
+    /// Leases a volume holds before its further leases are the first asked
+    /// back for a volume under its own share; `None`: the arena's slots
+    /// divided evenly between the served volumes (at least 1).
+    pub volume_share: Option<usize>,
+    /// Most leases one connection holds at once; `None`: the arena's slots.
+    pub connection_max: Option<usize>,
+    /// How long a revoked lease may stay out before it is ended by force.
+    pub revoke_deadline: std::time::Duration,
+}
+
+/// Default [`LeaseLimits::revoke_deadline`], milliseconds.
+pub const DEFAULT_REVOKE_DEADLINE_MS: u64 = 2000;
+
+impl Default for LeaseLimits {
+    fn default() -> Self {
+        LeaseLimits {
+            volume_share: None,
+            connection_max: None,
+            revoke_deadline: std::time::Duration::from_millis(DEFAULT_REVOKE_DEADLINE_MS),
+        }
+    }
+}
 
 /// Most leases one `Busy` answer asks back.
 const REVOKE_BATCH: usize = 8;
@@ -17,17 +62,87 @@ enum LeaseKind {
     Get,
 }
 
-/// One outstanding lease, by token in [`State`]'s table.
-pub(super) struct LeaseInfo {
+/// One outstanding lease, by token in [`Leases`]' table.
+struct LeaseInfo {
     holder: HolderId,
     vol: VolumeId,
     key: u64,
     slot: u32,
     kind: LeaseKind,
-    revoked: bool,
+    /// When it was asked back.
+    revoked: Option<Instant>,
+    /// Ended by force: its slot is no longer pinned by it.
+    lost: bool,
+}
+
+/// The lease table and its accounting per volume and per connection.
+pub(super) struct Leases {
+    /// By token; tokens grow, so iteration order is age order.
+    table: BTreeMap<u64, LeaseInfo>,
+    next_token: u64,
+    limits: LeaseLimits,
+    /// Leases pinning a slot, per volume.
+    live: BTreeMap<VolumeId, usize>,
+    /// Leases in the table, per connection.
+    held: BTreeMap<HolderId, usize>,
+    /// Leases ended so far; a waiter that saw the same count knows none
+    /// ended since.
+    ends: u64,
+    /// Leases ended by force.
+    forced: u64,
+}
+
+impl Leases {
+    pub(super) fn new() -> Leases {
+        Leases {
+            table: BTreeMap::new(),
+            next_token: 1,
+            limits: LeaseLimits::default(),
+            live: BTreeMap::new(),
+            held: BTreeMap::new(),
+            ends: 0,
+            forced: 0,
+        }
+    }
+
+    /// Leases in the table.
+    pub(super) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Leases ended by force so far.
+    pub(super) fn forced(&self) -> u64 {
+        self.forced
+    }
+
+    fn live(&self, vol: VolumeId) -> usize {
+        self.live.get(&vol).copied().unwrap_or(0)
+    }
+}
+
+fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
+    if let Some(n) = map.get_mut(&k) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&k);
+        }
+    }
 }
 
 impl State {
+    pub(in crate::store) fn set_lease_limits(&mut self, limits: LeaseLimits) {
+        self.leases.limits = limits;
+    }
+
+    /// A volume's share: configured, or the arena split evenly between the
+    /// served volumes.
+    fn lease_share(&self) -> usize {
+        self.leases.limits.volume_share.unwrap_or_else(|| {
+            let served = self.volumes.iter().filter(|v| v.served).count().max(1);
+            (self.slots.len() / served).max(1)
+        })
+    }
+
     fn new_lease(&mut self, holder: HolderId, key: BlobKey, slot: u32, kind: LeaseKind) -> Lease {
         let m = &mut self.slots[slot as usize];
         m.pins += 1;
@@ -35,9 +150,10 @@ impl State {
             m.writers += 1;
             self.set_dirty(slot, true);
         }
-        let token = self.next_token;
-        self.next_token += 1;
-        self.leases.insert(
+        let l = &mut self.leases;
+        let token = l.next_token;
+        l.next_token += 1;
+        l.table.insert(
             token,
             LeaseInfo {
                 holder,
@@ -45,26 +161,51 @@ impl State {
                 key: key.1,
                 slot,
                 kind,
-                revoked: false,
+                revoked: None,
+                lost: false,
             },
         );
+        *l.live.entry(key.0).or_default() += 1;
+        *l.held.entry(holder).or_default() += 1;
         Lease {
             slot_offset: u64::from(slot) * u64::from(self.blob_bytes),
             token,
         }
     }
 
-    fn check_lease_limit(&self) -> Result<(), StoreError> {
+    /// A connection at its limit is refused, and asked back its oldest
+    /// lease: a client that caches leases learns to give one up.
+    fn check_lease_limit(&mut self, holder: HolderId) -> Result<(), StoreError> {
         let limit = self.slots.len() * LEASES_PER_SLOT;
         if self.leases.len() >= limit {
+            return Err(StoreError::LeaseLimit { limit });
+        }
+        let limit = self
+            .leases
+            .limits
+            .connection_max
+            .unwrap_or(self.slots.len());
+        if self.leases.held.get(&holder).copied().unwrap_or(0) >= limit {
+            let oldest = self
+                .leases
+                .table
+                .iter()
+                .find(|(_, l)| l.holder == holder && l.revoked.is_none() && !l.lost)
+                .map(|(&t, _)| t);
+            if let Some(t) = oldest {
+                self.revoke(t, Instant::now());
+            }
             return Err(StoreError::LeaseLimit { limit });
         }
         Ok(())
     }
 
-    fn find_lease(&self, token: u64, holder: HolderId) -> Result<&LeaseInfo, StoreError> {
+    /// The lease `token` of `holder`; one revoked and not given back within
+    /// the deadline is ended by force first.
+    fn find_lease(&mut self, token: u64, holder: HolderId) -> Result<&LeaseInfo, StoreError> {
         let l = self
             .leases
+            .table
             .get(&token)
             .ok_or(StoreError::UnknownLease { token })?;
         if l.holder != holder {
@@ -73,15 +214,56 @@ impl State {
                 detail: format!("belongs to connection {}, not {holder}", l.holder),
             });
         }
-        Ok(l)
+        if self.overdue(l, Instant::now()) {
+            self.force_end(token);
+        }
+        self.leases
+            .table
+            .get(&token)
+            .ok_or(StoreError::UnknownLease { token })
     }
 
-    fn end_lease(&mut self, l: &LeaseInfo) {
-        if l.kind == LeaseKind::Alloc {
-            self.slots[l.slot as usize].writers -= 1;
-            self.set_dirty(l.slot, true);
+    fn overdue(&self, l: &LeaseInfo, now: Instant) -> bool {
+        !l.lost
+            && l.revoked
+                .is_some_and(|at| now.duration_since(at) >= self.leases.limits.revoke_deadline)
+    }
+
+    /// Unpins a lease's slot.
+    fn unpin_lease(&mut self, slot: u32, kind: LeaseKind, vol: VolumeId) {
+        if kind == LeaseKind::Alloc {
+            self.slots[slot as usize].writers -= 1;
+            self.set_dirty(slot, true);
         }
-        self.unpin(l.slot, false);
+        self.unpin(slot, false);
+        decrement(&mut self.leases.live, vol);
+        self.leases.ends += 1;
+    }
+
+    /// Ends a revoked lease that was not given back: its slot is unpinned,
+    /// the entry stays until its holder commits or releases it.
+    fn force_end(&mut self, token: u64) {
+        let Some(l) = self.leases.table.get_mut(&token) else {
+            return;
+        };
+        if l.lost {
+            return;
+        }
+        l.lost = true;
+        let (slot, kind, vol) = (l.slot, l.kind, l.vol);
+        self.leases.forced += 1;
+        self.unpin_lease(slot, kind, vol);
+    }
+
+    /// Takes `token` out of the table, unpinning its slot unless it was
+    /// ended by force already.
+    fn take_lease(&mut self, token: u64) -> Option<LeaseInfo> {
+        let l = self.leases.table.remove(&token)?;
+        decrement(&mut self.leases.held, l.holder);
+        if !l.lost {
+            self.unpin_lease(l.slot, l.kind, l.vol);
+        }
+        Some(l)
     }
 
     pub(in crate::store) fn commit(
@@ -107,12 +289,10 @@ impl State {
                 ),
             });
         }
-        let Some(l) = self.leases.remove(&token) else {
+        let Some(l) = self.take_lease(token) else {
             return Err(StoreError::UnknownLease { token });
         };
-        let kept = self.slots[l.slot as usize].owner == Some((vol, key));
-        self.end_lease(&l);
-        if !kept {
+        if l.lost || self.slots[l.slot as usize].owner != Some((vol, key)) {
             return Err(StoreError::LeaseLost { token, vol, key });
         }
         Ok(())
@@ -124,9 +304,7 @@ impl State {
         holder: HolderId,
     ) -> Result<(), StoreError> {
         self.find_lease(token, holder)?;
-        if let Some(l) = self.leases.remove(&token) {
-            self.end_lease(&l);
-        }
+        self.take_lease(token);
         Ok(())
     }
 
@@ -135,7 +313,13 @@ impl State {
         token: u64,
         holder: HolderId,
     ) -> Result<u32, StoreError> {
-        let slot = self.find_lease(token, holder)?.slot;
+        let l = self.find_lease(token, holder)?;
+        if l.lost {
+            let (vol, key) = (l.vol, l.key);
+            self.take_lease(token);
+            return Err(StoreError::LeaseLost { token, vol, key });
+        }
+        let slot = l.slot;
         self.slots[slot as usize].pins += 1;
         Ok(slot)
     }
@@ -143,34 +327,101 @@ impl State {
     pub(in crate::store) fn drop_holder(&mut self, holder: HolderId) {
         let tokens: Vec<u64> = self
             .leases
+            .table
             .iter()
             .filter(|(_, l)| l.holder == holder)
             .map(|(&t, _)| t)
             .collect();
         for t in tokens {
-            if let Some(l) = self.leases.remove(&t) {
-                self.end_lease(&l);
-            }
+            self.take_lease(t);
         }
     }
 
-    /// Every slot is pinned: asks the oldest leases back.
-    pub(super) fn busy(&mut self) -> StoreError {
-        let mut revoked = 0;
-        for (&token, l) in self.leases.iter_mut() {
-            if revoked == REVOKE_BATCH {
-                break;
+    /// Asks lease `token` back.
+    fn revoke(&mut self, token: u64, now: Instant) {
+        if let Some(l) = self.leases.table.get_mut(&token) {
+            l.revoked = Some(now);
+            self.revocations.push((l.holder, l.vol, l.key, token));
+            self.counters.revocations += 1;
+        }
+    }
+
+    /// Every slot is pinned and `vol` needs one. Ends overdue leases by
+    /// force (then the caller looks again), asks back leases held past
+    /// their volume's share, oldest first, and tells a requester at or
+    /// under its share to wait for them ([`StoreError::Reclaiming`]); any
+    /// other requester is told `Busy`.
+    pub(super) fn pinned_full(&mut self, vol: VolumeId) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let overdue: Vec<u64> = self
+            .leases
+            .table
+            .iter()
+            .filter(|(_, l)| self.overdue(l, now))
+            .map(|(&t, _)| t)
+            .collect();
+        if !overdue.is_empty() {
+            for t in overdue {
+                self.force_end(t);
             }
-            if !l.revoked {
-                l.revoked = true;
-                self.revocations.push((l.holder, l.vol, l.key, token));
-                revoked += 1;
+            return Ok(());
+        }
+        let share = self.lease_share();
+        let mut excess: BTreeMap<VolumeId, usize> = self
+            .leases
+            .live
+            .iter()
+            .filter(|&(_, &n)| n > share)
+            .map(|(&v, &n)| (v, n - share))
+            .collect();
+        let mut ask = Vec::new();
+        let mut reclaim_by: Option<Instant> = None;
+        for (&token, l) in &self.leases.table {
+            let Some(left) = excess.get_mut(&l.vol).filter(|n| **n > 0) else {
+                continue;
+            };
+            if l.lost {
+                continue;
+            }
+            *left -= 1;
+            match l.revoked {
+                Some(at) => {
+                    let due = at + self.leases.limits.revoke_deadline;
+                    reclaim_by = Some(reclaim_by.map_or(due, |r| r.min(due)));
+                }
+                None if ask.len() < REVOKE_BATCH => ask.push(token),
+                None => {}
             }
         }
-        self.counters.revocations += revoked as u64;
-        StoreError::Busy {
-            slots: self.slots.len(),
-            revoked,
+        let under = self.leases.live(vol) <= share;
+        if !ask.is_empty() {
+            let due = now + self.leases.limits.revoke_deadline;
+            reclaim_by = Some(reclaim_by.map_or(due, |r| r.min(due)));
+        }
+        if reclaim_by.is_none() {
+            // Nobody is over their share: ask the oldest leases back.
+            ask = self
+                .leases
+                .table
+                .iter()
+                .filter(|(_, l)| l.revoked.is_none() && !l.lost)
+                .map(|(&t, _)| t)
+                .take(REVOKE_BATCH)
+                .collect();
+        }
+        let revoked = ask.len();
+        for t in ask {
+            self.revoke(t, now);
+        }
+        match reclaim_by {
+            Some(until) if under => Err(StoreError::Reclaiming {
+                until,
+                ends: self.leases.ends,
+            }),
+            _ => Err(StoreError::Busy {
+                slots: self.slots.len(),
+                revoked,
+            }),
         }
     }
 }
@@ -184,7 +435,7 @@ impl Core {
         holder: HolderId,
     ) -> Result<Lease, StoreError> {
         g.check_vol(vol)?;
-        g.check_lease_limit()?;
+        g.check_lease_limit(holder)?;
         let slot = loop {
             let s = self.resident_or_create(g, (vol, key), false)?.slot();
             if g.slots[s as usize].writing.is_none() {
@@ -205,9 +456,47 @@ impl Core {
         holder: HolderId,
     ) -> Result<Option<Lease>, StoreError> {
         g.check_vol(vol)?;
-        g.check_lease_limit()?;
+        g.check_lease_limit(holder)?;
         Ok(self
             .resident(g, (vol, key), false)?
             .map(|s| g.new_lease(holder, (vol, key), s.slot(), LeaseKind::Get)))
+    }
+
+    /// Wakes requests waiting for a lease to end ([`StoreError::Reclaiming`]).
+    pub(in crate::store) fn lease_ended(&self) {
+        self.settled.notify_all();
+    }
+
+    /// Waits, without the store lock, until a lease ends or `until`; returns
+    /// at once if one ended since the count `ends` was seen.
+    pub(in crate::store) fn await_lease_end(&self, until: Instant, ends: u64) {
+        let mut g = self.state.lock();
+        if g.leases.ends == ends && Instant::now() < until {
+            let _ = self.settled.wait_until(&mut g, until);
+        }
+    }
+}
+
+impl Store {
+    /// [`Self::locked`] for an operation that may need a slot: while
+    /// leases held past their volume's share are being reclaimed for it,
+    /// waits (without the lock, after their REVOKEs went out) and retries.
+    pub(in crate::store) fn fairly<R>(
+        &self,
+        mut f: impl FnMut(&Core, &mut Guard<'_>) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        loop {
+            match self.locked(&mut f) {
+                Err(StoreError::Reclaiming { until, ends }) => {
+                    self.core.await_lease_end(until, ends)
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Sets how leases are shared between tenants (arenad's config).
+    pub fn set_lease_limits(&self, limits: LeaseLimits) {
+        self.locked(|_, g| g.set_lease_limits(limits));
     }
 }

@@ -53,7 +53,8 @@ mod residency;
 mod volumes;
 mod write_back;
 
-use lease::LeaseInfo;
+use lease::Leases;
+pub use lease::{LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.
@@ -120,9 +121,7 @@ pub(super) struct State {
     slots: Vec<SlotMeta>,
     free_slots: Vec<u32>,
     clock: Clock,
-    /// By token; tokens grow, so iteration order is age order.
-    leases: BTreeMap<u64, LeaseInfo>,
-    next_token: u64,
+    leases: Leases,
     index: Index,
     /// Blobs whose `extent` holds a written-back image the index lacks.
     unjournaled: BTreeSet<BlobKey>,
@@ -452,6 +451,7 @@ impl State {
             slots_total: self.slots.len() as u64,
             leases_held: self.leases.len() as u64,
             revocations: self.counters.revocations,
+            leases_force_ended: self.leases.forced(),
             evictions: self.counters.evictions,
             write_backs: self.counters.write_backs,
             fault_ins: self.counters.fault_ins,
@@ -573,7 +573,7 @@ impl Core {
                 }
             }
             // May drop the lock, after which the blob may have changed.
-            let slot = self.take_slot(g)?;
+            let slot = self.take_slot(g, key.0)?;
             let st = &mut **g;
             let placed = match st.blobs.get_mut(&key) {
                 Some(b) if b.slot.is_none() && (stage || b.damaged.is_none()) => {
@@ -720,7 +720,7 @@ impl Core {
             if st.blobs.len() as u64 + 1 >= u64::from(st.extents.total()) {
                 return Err(st.no_space());
             }
-            let slot = self.take_slot(g)?;
+            let slot = self.take_slot(g, key.0)?;
             let st = &mut **g;
             if st.blobs.contains_key(&key) {
                 // Created by another thread while we evicted.

@@ -13,7 +13,7 @@ use crate::store::arena::SlotRead;
 use crate::store::eviction::SlotMeta;
 use crate::store::extent::{self, Ident};
 use crate::store::swap::{AlignedBuf, Swap};
-use crate::store::{BlobKey, StoreError};
+use crate::store::{BlobKey, StoreError, VolumeId};
 
 /// Most slots one eviction frees (their write-backs share a submission).
 const EVICT_BATCH: usize = 8;
@@ -188,13 +188,14 @@ impl State {
 }
 
 impl Core {
-    /// A free slot, evicting if there is none. May drop the lock.
-    pub(super) fn take_slot(&self, g: &mut Guard<'_>) -> Result<u32, StoreError> {
+    /// A free slot for volume `vol`, evicting if there is none. May drop
+    /// the lock.
+    pub(super) fn take_slot(&self, g: &mut Guard<'_>, vol: VolumeId) -> Result<u32, StoreError> {
         loop {
             if let Some(s) = g.free_slots.pop() {
                 return Ok(s);
             }
-            self.evict(g)?;
+            self.evict(g, vol)?;
         }
     }
 
@@ -203,7 +204,7 @@ impl Core {
     /// write them back itself, without the lock, and free those still clean
     /// after. `Ok` without a free slot means "look again": the lock was
     /// dropped and things changed.
-    fn evict(&self, g: &mut Guard<'_>) -> Result<(), StoreError> {
+    fn evict(&self, g: &mut Guard<'_>, vol: VolumeId) -> Result<(), StoreError> {
         if g.flush_waiting > 0 {
             self.settled.wait(g);
             return Ok(());
@@ -231,7 +232,7 @@ impl Core {
                 self.settled.wait(g);
                 return Ok(());
             }
-            return Err(st.busy());
+            return st.pinned_full(vol);
         }
         // No write-back is in flight, so every victim is dirty.
         let plan = st.plan_write_back(&self.swap, &victims, true)?;

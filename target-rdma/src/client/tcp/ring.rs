@@ -1,0 +1,99 @@
+//! A driven connection: its answers are read by the owner's event loop (a
+//! ublk queue thread's io_uring) instead of a reader thread, so an answer
+//! completes its request on the thread that waits for it: no thread hop
+//! and no cross-thread wake per request.
+//!
+//! The owner runs [`Driver::run`] on its loop, over a [`Ring`] that tells
+//! it when the socket is readable and ticks for the deadline sweeps. The
+//! frames, tags, dispatch and expiry are the reader thread's own code (the
+//! connection's `Receiver`): only who calls it changes. A reconnect (made
+//! by whichever call finds the connection dead) hands the new receiver to
+//! the driver through the connection's `Handoff`.
+//!
+//! Sends stay on the caller, as with a reader thread, but never block the
+//! loop: a send that finds the socket full waits for room while reading
+//! the answers that arrive meanwhile (`conn::NoWait`), so a peer blocked on
+//! sending answers cannot deadlock against a client blocked on sending
+//! requests.
+
+use std::future::{poll_fn, Future};
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::task::Poll;
+
+use tracing::warn;
+
+use super::conn::{expire, Handoff};
+use super::Shared;
+
+/// The owner's event loop, as a driven client needs it.
+pub trait Ring {
+    /// Ready once `fd` is readable, hung up or failed; it may also be
+    /// ready early (the driver then finds nothing to read and waits again).
+    fn readable(&self, fd: RawFd) -> impl Future<Output = io::Result<()>>;
+    /// Ready after about [`super::TICK`]: the driver's deadline sweeps.
+    fn tick(&self) -> impl Future<Output = ()>;
+}
+
+/// Runs a driven client's receiving side on its owner's loop; see
+/// [`super::ArenaClient::driver`].
+pub struct Driver {
+    pub(super) client: Weak<Shared>,
+    pub(super) handoff: Arc<Handoff>,
+}
+
+impl Driver {
+    /// Reads answers and expires requests until the client is dropped.
+    /// Without it running, a driven client's requests are never answered.
+    pub async fn run(&self, ring: &impl Ring) {
+        futures::future::join(self.receive(ring), self.sweep(ring)).await;
+    }
+
+    async fn receive(&self, ring: &impl Ring) {
+        while self.handoff.live().await {
+            while let Some(fd) = self.handoff.pump() {
+                if let Err(e) = ring.readable(fd).await {
+                    warn!(event = "peer.poll_failed", error = %e);
+                    if let Some(r) = self.handoff.rx.lock().as_mut() {
+                        r.fail(format!("poll failed: {e}"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Deadlines of requests on a quiet connection (a busy one is swept as
+    /// its answers are read). Parked while nothing is in flight, so an idle
+    /// queue's ring really idles.
+    async fn sweep(&self, ring: &impl Ring) {
+        loop {
+            let busy = poll_fn(|cx| {
+                *self.handoff.sweeper.lock() = Some(cx.waker().clone());
+                if self.handoff.closed.load(Ordering::SeqCst) {
+                    return Poll::Ready(false);
+                }
+                let Some(shared) = self.client.upgrade() else {
+                    return Poll::Ready(false);
+                };
+                let conn = shared.conn.lock().clone();
+                match conn {
+                    Some(c) if c.in_flight() > 0 => Poll::Ready(true),
+                    _ => Poll::Pending,
+                }
+            });
+            if !busy.await {
+                return;
+            }
+            ring.tick().await;
+            let Some(shared) = self.client.upgrade() else {
+                return;
+            };
+            let conn = shared.conn.lock().clone();
+            if let Some(c) = conn {
+                expire(&shared, &c);
+            }
+        }
+    }
+}
