@@ -15,12 +15,18 @@ use ublk_metrics::ConnectionRefusal;
 
 use crate::arenad::admission::{Counted, Throttled};
 use crate::arenad::shared::Shared;
+use crate::arenad::workers::Workers;
 use crate::proto::{self, Opcode, Status};
 
 impl Shared {
-    /// Accepts until shutdown, then waits (up to `shutdown_timeout`) for
-    /// every connection to end.
-    pub(super) async fn accept_loop(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {
+    /// Accepts until shutdown, each connection handed to one of `workers`
+    /// for its life, then waits (up to `shutdown_timeout`) for every
+    /// connection to end.
+    pub(super) async fn accept_loop(
+        self: Arc<Self>,
+        listener: TcpListener,
+        workers: &Workers,
+    ) -> io::Result<()> {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let (mut accept_errors, mut refusals) = (Throttled::default(), Throttled::default());
@@ -82,7 +88,21 @@ impl Shared {
             };
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             debug!(event = "connection.accepted", conn = id, peer = %peer);
-            tokio::spawn(Arc::clone(&self).run_conn(id, peer, stream, open, handshaking));
+            // Moved to its worker's reactor (deregistered from this one).
+            let stream = match stream.into_std() {
+                Ok(s) => s,
+                Err(e) => {
+                    debug!(event = "connection.lost", conn = id, error = %e);
+                    continue;
+                }
+            };
+            let shared = Arc::clone(&self);
+            workers.spawn(async move {
+                match tokio::net::TcpStream::from_std(stream) {
+                    Ok(s) => shared.run_conn(id, peer, s, open, handshaking).await,
+                    Err(e) => debug!(event = "connection.lost", conn = id, error = %e),
+                }
+            });
         }
         // New connections are refused from here on.
         drop(listener);

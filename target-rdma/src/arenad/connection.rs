@@ -79,6 +79,11 @@ impl Shared {
             Some(k) => (Some(k.client_to_server), Some(k.server_to_client)),
             None => (None, None),
         };
+        let (rd, wr) = stream.into_split();
+        let tagger = Tagger {
+            version: session.version,
+            key: server_key,
+        };
         let conn = Arc::new(Session {
             id,
             peer,
@@ -90,18 +95,16 @@ impl Shared {
                 granted: session.granted,
                 qp: None,
             }),
-            outbox: Outbox::new(QueueLimits {
-                frames: self.limits.max_queued_frames,
-                bytes: self.limits.max_queued_bytes,
-            }),
+            outbox: Outbox::new(
+                QueueLimits {
+                    frames: self.limits.max_queued_frames,
+                    bytes: self.limits.max_queued_bytes,
+                },
+                wr,
+                tagger,
+            ),
             barrier: WriteBarrier::default(),
         });
-        let (rd, wr) = stream.into_split();
-        let tagger = Tagger {
-            version: session.version,
-            key: server_key,
-            seq: 0,
-        };
         self.conns.lock().insert(id, Arc::clone(&conn));
         self.obs.session_opened();
         let budget_bytes = u32::try_from(self.limits.max_queued_bytes).unwrap_or(u32::MAX);
@@ -123,10 +126,13 @@ impl Shared {
         let reading = async {
             let result = self.read_requests(&conn, side).await;
             let last = result.err().map(|f| self.report_fatal(id, peer, f));
-            conn.outbox.finish(last.filter(|f| !f.is_empty()));
+            let last = last.filter(|f| !f.is_empty());
+            let refused = last.is_some();
+            conn.outbox.finish(last);
+            refused
         };
-        let writing = outbox::write(&conn.outbox, wr, tagger, self.limits.write_timeout);
-        let ((), end) = tokio::join!(reading, writing);
+        let writing = outbox::write(&conn.outbox, self.limits.write_timeout);
+        let (refused, end) = tokio::join!(reading, writing);
         match end {
             WriterEnd::Deadline => {
                 warn!(
@@ -136,7 +142,7 @@ impl Shared {
                     "disconnected: its answers were not read within the write deadline"
                 );
             }
-            WriterEnd::Io(e) => debug!(event = "peer.disconnected", conn = id, error = %e),
+            WriterEnd::Io(ref e) => debug!(event = "peer.disconnected", conn = id, error = %e),
             WriterEnd::Drained => {}
         }
         self.conns.lock().remove(&id);
@@ -145,6 +151,11 @@ impl Shared {
         // granted to it after this.
         let store = Arc::clone(&self.store);
         let _ = self.pool.run(move || store.drop_holder(id)).await;
+        if refused && matches!(end, WriterEnd::Drained) {
+            // Closing with requests unread would reset the stream and
+            // could destroy the error frame before the client reads it.
+            conn.outbox.linger(self.limits.write_timeout).await;
+        }
         drop(open);
     }
 

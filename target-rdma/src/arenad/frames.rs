@@ -26,19 +26,17 @@ pub(super) enum ReadError {
 pub(super) struct Tagger {
     pub(super) version: u8,
     pub(super) key: Option<FrameKey>,
-    pub(super) seq: u64,
 }
 
 impl Tagger {
-    /// Makes an encoded frame (header and body) the session's next: its
-    /// version byte set and, in version 2, its tag appended.
-    pub(super) fn seal(&mut self, frame: &mut Vec<u8>) {
+    /// Makes an encoded frame (header and body) the session's frame number
+    /// `seq`: its version byte set and, in version 2, its tag appended.
+    pub(super) fn seal(&self, seq: u64, frame: &mut Vec<u8>) {
         frame[4] = self.version;
         if let Some(key) = &self.key {
             let header: &[u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().expect("a header");
             let digest = auth::body_digest(&[&frame[HEADER_LEN..]]);
-            let tag = key.tag(self.seq, header, &digest);
-            self.seq += 1;
+            let tag = key.tag(seq, header, &digest);
             frame.extend_from_slice(&tag);
         }
     }

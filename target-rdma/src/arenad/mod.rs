@@ -22,3 +22,4 @@ mod served;
 pub mod server;
 mod session;
 mod shared;
+mod workers;

@@ -1,9 +1,17 @@
 //! A connection's outbound side: a queue bounded in frames and bytes, and
-//! the writer (a future of the connection's task) that alone writes the
-//! socket. Answers (from the reader or a blocking-pool job) and REVOKEs (from whichever thread the store
-//! revoked on) are pushed here; the writer seals them (version byte, tag
-//! and sequence number) in the order they reach the socket, so tags stay
-//! right however the producers interleave.
+//! the writer (a future of the connection's task) that writes the socket.
+//! Answers (from the reader or a blocking-pool job) and REVOKEs (from
+//! whichever thread the store revoked on) are pushed here; the writer seals
+//! them (version byte, tag and sequence number) in the order they reach
+//! the socket, so tags stay right however the producers interleave.
+//!
+//! An answer that finds nothing queued and nobody writing is sealed and
+//! written straight to the socket by the task that has it (one
+//! non-blocking write: the QD1 path wakes no other future); what the
+//! socket does not take goes to the front of the queue for the writer.
+//! Whoever writes holds the `writing` mark, taken under the queue's lock
+//! with the frame's sequence number, so only one writes at a time and in
+//! sequence order.
 //!
 //! A client that does not drain its answers within the write deadline is
 //! disconnected, and so is one whose queue a REVOKE finds full: the revoke
@@ -17,7 +25,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::io::AsyncWriteExt;
+use rustix::net::Shutdown;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::Notify;
 
@@ -34,6 +42,19 @@ struct Out {
     frame: Vec<u8>,
     /// An answer (counted in flight until written), not a REVOKE.
     answer: bool,
+    /// Sealed already, with this many bytes on the socket: the rest of a
+    /// direct write the socket did not take whole.
+    written: Option<usize>,
+}
+
+impl Out {
+    fn new(frame: Vec<u8>, answer: bool) -> Self {
+        Self {
+            frame,
+            answer,
+            written: None,
+        }
+    }
 }
 
 #[derive(PartialEq, Eq, Clone, Copy)]
@@ -50,6 +71,10 @@ struct Queue {
     frames: VecDeque<Out>,
     bytes: usize,
     state: State,
+    /// Someone (the writer, or a direct answer) is writing the socket.
+    writing: bool,
+    /// The sequence number the next frame sealed gets.
+    seq: u64,
 }
 
 /// The queue shared by the connection's producers and its writer.
@@ -65,6 +90,8 @@ pub(super) struct Outbox {
     room: Notify,
     /// Tasks waiting for the connection to end.
     ended: Notify,
+    socket: OwnedWriteHalf,
+    tagger: Tagger,
 }
 
 /// Why a REVOKE was not queued.
@@ -76,18 +103,24 @@ pub(super) enum NotQueued {
 }
 
 impl Outbox {
-    pub(super) fn new(limits: QueueLimits) -> Self {
+    /// The outbound side of the connection whose write half is `socket`,
+    /// its frames sealed by `tagger` from sequence number 0.
+    pub(super) fn new(limits: QueueLimits, socket: OwnedWriteHalf, tagger: Tagger) -> Self {
         Self {
             queue: Mutex::new(Queue {
                 frames: VecDeque::new(),
                 bytes: 0,
                 state: State::Open,
+                writing: false,
+                seq: 0,
             }),
             limits,
             inflight: AtomicU32::new(0),
             wake: Notify::new(),
             room: Notify::new(),
             ended: Notify::new(),
+            socket,
+            tagger,
         }
     }
 
@@ -101,9 +134,63 @@ impl Outbox {
             .is_ok()
     }
 
-    /// Queues a request's answer, waiting for room; `false` when the
+    /// Sends a request's answer: written now when nothing is queued and
+    /// nobody writes, else queued (waiting for room); `false` when the
     /// connection ended instead (the answer is dropped).
     pub(super) async fn answer(&self, frame: Vec<u8>) -> bool {
+        match self.write_direct(frame) {
+            Direct::Done(sent) => sent,
+            Direct::Busy(frame) => self.queue_answer(frame).await,
+        }
+    }
+
+    /// Seals and writes `frame` without waiting, if the socket is free.
+    fn write_direct(&self, mut frame: Vec<u8>) -> Direct {
+        let seq = {
+            let mut q = self.queue.lock();
+            if q.state != State::Open {
+                drop(q);
+                self.inflight.fetch_sub(1, Ordering::AcqRel);
+                return Direct::Done(false);
+            }
+            if q.writing || !q.frames.is_empty() {
+                return Direct::Busy(frame);
+            }
+            q.writing = true;
+            q.seq += 1;
+            q.seq - 1
+        };
+        self.tagger.seal(seq, &mut frame);
+        // A failed write is left to the writer, which meets it again and
+        // ends the connection.
+        let n = self.socket.try_write(&frame).unwrap_or(0);
+        let mut q = self.queue.lock();
+        q.writing = false;
+        if n == frame.len() {
+            let more = !q.frames.is_empty();
+            drop(q);
+            self.inflight.fetch_sub(1, Ordering::AcqRel);
+            if more {
+                self.wake.notify_one();
+            }
+            return Direct::Done(true);
+        }
+        if q.state == State::Closed {
+            return Direct::Done(false);
+        }
+        q.bytes += frame.len() - n;
+        q.frames.push_front(Out {
+            frame,
+            answer: true,
+            written: Some(n),
+        });
+        drop(q);
+        self.wake.notify_one();
+        Direct::Done(true)
+    }
+
+    /// Queues an answer, waiting for room.
+    async fn queue_answer(&self, frame: Vec<u8>) -> bool {
         let mut frame = Some(frame);
         loop {
             let mut room = pin!(self.room.notified());
@@ -123,10 +210,7 @@ impl Outbox {
                 if fits {
                     let frame = frame.take().expect("queued once");
                     q.bytes += frame.len();
-                    q.frames.push_back(Out {
-                        frame,
-                        answer: true,
-                    });
+                    q.frames.push_back(Out::new(frame, true));
                     drop(q);
                     self.wake.notify_one();
                     return true;
@@ -146,10 +230,7 @@ impl Outbox {
             return Err(NotQueued::Full);
         }
         q.bytes += frame.len();
-        q.frames.push_back(Out {
-            frame,
-            answer: false,
-        });
+        q.frames.push_back(Out::new(frame, false));
         drop(q);
         self.wake.notify_one();
         Ok(())
@@ -164,10 +245,7 @@ impl Outbox {
         }
         if let Some(frame) = last {
             q.bytes += frame.len();
-            q.frames.push_back(Out {
-                frame,
-                answer: false,
-            });
+            q.frames.push_back(Out::new(frame, false));
         }
         q.state = State::Finishing;
         drop(q);
@@ -207,21 +285,62 @@ impl Outbox {
         }
     }
 
-    /// Moves every queued frame into `batch`; `None` when the writer is
+    /// Moves every queued frame into `batch` and takes the `writing` mark
+    /// for them, returning the sequence number of the first to seal; an
+    /// empty batch while someone else writes; `None` when the writer is
     /// done (finished and drained, or closed).
-    fn take(&self, batch: &mut Vec<Out>) -> Option<()> {
+    fn take(&self, batch: &mut Vec<Out>) -> Option<u64> {
         let mut q = self.queue.lock();
         if q.state == State::Closed || (q.frames.is_empty() && q.state == State::Finishing) {
             return None;
         }
+        let first = q.seq;
+        if q.writing || q.frames.is_empty() {
+            return Some(first);
+        }
         batch.extend(q.frames.drain(..));
         q.bytes = 0;
+        q.seq += batch.iter().filter(|o| o.written.is_none()).count() as u64;
+        q.writing = true;
         drop(q);
-        if !batch.is_empty() {
-            self.room.notify_waiters();
-        }
-        Some(())
+        self.room.notify_waiters();
+        Some(first)
     }
+
+    /// Gives the `writing` mark back after a batch.
+    fn written(&self) {
+        self.queue.lock().writing = false;
+    }
+}
+
+impl Outbox {
+    /// After the writer shut the stream down: reads and drops what the
+    /// client still sends until it closes, for at most `deadline`.
+    pub(super) async fn linger(&self, deadline: Duration) {
+        let socket: &tokio::net::TcpStream = self.socket.as_ref();
+        let mut sink = vec![0u8; 64 << 10];
+        let _ = tokio::time::timeout(deadline, async {
+            loop {
+                if socket.readable().await.is_err() {
+                    return;
+                }
+                match socket.try_read(&mut sink) {
+                    Ok(0) => return,
+                    Err(e) if e.kind() != io::ErrorKind::WouldBlock => return,
+                    _ => {}
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// What a direct write did.
+enum Direct {
+    /// Written or queued (`true`), or dropped (the connection ended).
+    Done(bool),
+    /// The socket is someone else's now: the frame, to be queued.
+    Busy(Vec<u8>),
 }
 
 /// Why the writer stopped writing.
@@ -236,56 +355,61 @@ pub(super) enum WriterEnd {
 
 /// The connection's writer: takes the queued frames in order, seals them
 /// and writes them, each batch within `deadline`.
-pub(super) async fn write(
-    outbox: &Outbox,
-    mut socket: OwnedWriteHalf,
-    mut tagger: Tagger,
-    deadline: Duration,
-) -> WriterEnd {
+pub(super) async fn write(outbox: &Outbox, deadline: Duration) -> WriterEnd {
     let mut batch = Vec::new();
     let end = loop {
         let mut wake = pin!(outbox.wake.notified());
         wake.as_mut().enable();
-        if outbox.take(&mut batch).is_none() {
+        let Some(mut seq) = outbox.take(&mut batch) else {
             break WriterEnd::Drained;
-        }
+        };
         if batch.is_empty() {
             wake.await;
             continue;
         }
         let mut answers = 0;
         for out in &mut batch {
-            tagger.seal(&mut out.frame);
+            if out.written.is_none() {
+                outbox.tagger.seal(seq, &mut out.frame);
+                seq += 1;
+            }
             answers += u32::from(out.answer);
         }
-        match tokio::time::timeout(deadline, write_batch(&mut socket, &batch)).await {
+        match tokio::time::timeout(deadline, write_batch(&outbox.socket, &batch)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => break WriterEnd::Io(e),
             Err(_) => break WriterEnd::Deadline,
         }
         batch.clear();
+        outbox.written();
         outbox.inflight.fetch_sub(answers, Ordering::AcqRel);
     };
-    match end {
-        WriterEnd::Drained => {
-            // The peer reads the last frames before the end of the stream.
-            let _ = tokio::time::timeout(deadline, socket.shutdown()).await;
+    let how = match end {
+        // The peer reads the last frames before the end of the stream.
+        WriterEnd::Drained => Shutdown::Write,
+        _ => {
+            outbox.close();
+            Shutdown::Both
         }
-        _ => outbox.close(),
-    }
+    };
+    let _ = rustix::net::shutdown(outbox.socket.as_ref(), how);
     end
 }
 
 /// Writes the frames of `batch` with as few syscalls as the socket takes.
-async fn write_batch(socket: &mut OwnedWriteHalf, batch: &[Out]) -> io::Result<()> {
-    let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|o| IoSlice::new(&o.frame)).collect();
+async fn write_batch(socket: &OwnedWriteHalf, batch: &[Out]) -> io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = batch
+        .iter()
+        .map(|o| IoSlice::new(&o.frame[o.written.unwrap_or(0)..]))
+        .collect();
     let mut slices = &mut slices[..];
     while !slices.is_empty() {
-        let n = socket.write_vectored(slices).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+        match socket.try_write_vectored(slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => socket.writable().await?,
+            Err(e) => return Err(e),
         }
-        IoSlice::advance_slices(&mut slices, n);
     }
     Ok(())
 }

@@ -1,4 +1,6 @@
-//! The control-stream server: an event-driven core on a tokio runtime.
+//! The control-stream server: an event-driven core on tokio, an accept
+//! loop handing each connection to one of a fixed set of single-threaded
+//! worker runtimes ([`crate::arenad::workers`]).
 //! A connection costs a socket and a small task until its handshake is
 //! done; then it is a reader and a writer (two futures of its task) with a
 //! bounded outbound queue. Requests of one connection run concurrently (answers
@@ -17,12 +19,14 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
+use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 
 use crate::arenad::blocking::Blocking;
 use crate::arenad::epochs::Epochs;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::shared::Shared;
+use crate::arenad::workers::Workers;
 use crate::store::Store;
 
 pub use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
@@ -30,11 +34,14 @@ pub use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
 /// The server. Create with [`Server::new`], run with [`Server::serve`].
 pub struct Server {
     shared: Arc<Shared>,
+    /// The accept loop's runtime and the connections' worker threads,
+    /// started with the server and taken by [`Server::serve`].
+    cores: Mutex<Option<(Runtime, Workers)>>,
 }
 
 impl Server {
-    /// Builds a server over an open store, starts its blocking pool and
-    /// installs its revoke hook. Clients that ask for RDMA are granted it
+    /// Builds a server over an open store, starts its worker threads and
+    /// blocking pool and installs its revoke hook. Clients that ask for RDMA are granted it
     /// when `rdma` is set. The volumes' epochs are `epochs`. Every answer,
     /// refusal and session is reported to `obs`.
     pub fn new(
@@ -46,6 +53,12 @@ impl Server {
         obs: Arc<ArenadObservability>,
     ) -> io::Result<Arc<Self>> {
         let pool = Blocking::start(limits.blocking_threads)?;
+        let accept = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 16));
+        let workers = Workers::start(threads)?;
         let shared = Arc::new(Shared {
             rdma,
             store,
@@ -71,7 +84,10 @@ impl Server {
                     shared.revoke(holder, key, token);
                 }
             }));
-        Ok(Arc::new(Server { shared }))
+        Ok(Arc::new(Server {
+            shared,
+            cores: Mutex::new(Some((accept, workers))),
+        }))
     }
 
     /// Serves `volumes` to new sessions from now on: an added volume
@@ -91,18 +107,17 @@ impl Server {
 
     /// Accepts connections until [`Server::shutdown`], then gives the open
     /// ones up to `shutdown_timeout` to finish their requests and drain
-    /// their answers (each within the write deadline) before returning.
+    /// their answers (each within the write deadline) before returning;
+    /// those still open then are cut. Serves once.
     pub fn serve(self: &Arc<Self>, listener: TcpListener) -> io::Result<()> {
-        let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 16));
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .thread_name("arenad-io")
-            .enable_io()
-            .enable_time()
-            .build()?;
-        let served = rt.block_on(Arc::clone(&self.shared).accept_loop(listener));
-        // Connections past the shutdown deadline are cut here.
-        rt.shutdown_timeout(Duration::from_secs(1));
+        let (accept, workers) = self
+            .cores
+            .lock()
+            .take()
+            .ok_or_else(|| io::Error::other("the server already served"))?;
+        let served = accept.block_on(Arc::clone(&self.shared).accept_loop(listener, &workers));
+        workers.stop();
+        accept.shutdown_timeout(Duration::from_secs(1));
         served
     }
 }
