@@ -2,8 +2,9 @@
 //! baseline binary (`ARENAD_BASELINE`, e.g. main's, built in the same
 //! session), both as real processes on loopback, driven by the same client,
 //! alternating in each round so load on a shared machine shifts both
-//! sides. The result is the median ratio candidate / baseline per case
-//! (docs/BENCHMARKS.md records them):
+//! sides. The result is the median ratio candidate / baseline per case,
+//! with the lowest and highest ratio of a single round (docs/BENCHMARKS.md
+//! records them):
 //!
 //! - 4 KiB read and write round trips at QD 1 (one connection);
 //! - resident 4 KiB random reads at QD 32 per connection, over 1, 8 and
@@ -340,6 +341,11 @@ fn main() {
                 out.push(run(&d, *case));
             }
         }
+        // Each round's ratio (its two runs were back to back): the spread.
+        let ratios: Vec<f64> = cand.iter().zip(&base).map(|(c, b)| c / b).collect();
+        let (lo, hi) = ratios
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
         let (b, c) = (median(base), median(cand));
         let unit = if case.size == MIB {
             format!("{:>8.1} vs {:>8.1} MiB/s", c / MIB as f64, b / MIB as f64)
@@ -350,7 +356,11 @@ fn main() {
                 b / case.size as f64
             )
         };
-        println!("{:<18} {unit}   ratio {:.2}", case.name, c / b);
+        println!(
+            "{:<18} {unit}   ratio {:.2} (rounds {lo:.2}..{hi:.2})",
+            case.name,
+            c / b
+        );
     }
     if "idle rss".contains(only.as_str()) || only.is_empty() {
         let (bb, bw) = idle_rss(&baseline, root.path());
