@@ -191,8 +191,11 @@ impl Shared {
                         Ok(None) => break Ok(()),
                         Err(fatal) => break Err(fatal),
                     };
+                    // More requests already read: their answers are
+                    // written together by the writer once the reader waits.
+                    let more = !side.reader.buffer().is_empty();
                     read.set(side.next());
-                    if let Err(fatal) = self.start(conn, req, &mut jobs).await {
+                    if let Err(fatal) = self.start(conn, req, more, &mut jobs).await {
                         break Err(fatal);
                     }
                 }
@@ -211,11 +214,13 @@ impl Shared {
     }
 
     /// Starts one request: refused beyond `max_inflight`, answered inline
-    /// when cheap, else spawned onto the blocking pool.
+    /// when cheap (straight to the socket unless `more` requests are
+    /// already read), else spawned onto the blocking pool.
     async fn start(
         self: &Arc<Self>,
         conn: &Arc<Session>,
         req: Incoming,
+        more: bool,
         jobs: &mut JoinSet<Result<(), Fatal>>,
     ) -> Result<(), Fatal> {
         let h = req.header;
@@ -233,7 +238,7 @@ impl Shared {
         let placed = self.place(conn, &h, &req.body)?;
         if placed.inline {
             let answered = self.execute(conn, &h, &req.body);
-            return self.answer(conn, h, started, answered).await;
+            return self.answer(conn, h, started, answered, !more).await;
         }
         let ticket = placed.mutates.then(|| conn.barrier.begin());
         let covers = placed.flush.then(|| conn.barrier.last());
@@ -259,7 +264,7 @@ impl Shared {
             if let Some(t) = ticket {
                 conn.barrier.end(t);
             }
-            server.answer(&conn, h, started, answered).await
+            server.answer(&conn, h, started, answered, true).await
         });
         Ok(())
     }

@@ -64,19 +64,21 @@ impl Shared {
         })
     }
 
-    /// Queues a request's answer (waiting for room), counting it; a fatal
-    /// error is returned to end the session.
+    /// Sends a request's answer (straight to the socket if `direct` and it
+    /// is free, else queued, waiting for room), counting it; a fatal error
+    /// is returned to end the session.
     pub(super) async fn answer(
         &self,
         conn: &Session,
         h: Header,
         started: Instant,
         answered: Result<Answer, Fatal>,
+        direct: bool,
     ) -> Result<(), Fatal> {
         match answered {
             Ok(a) => {
                 self.obs.answered(h.opcode, a.status, started.elapsed());
-                conn.outbox.answer(a.frame).await;
+                conn.outbox.answer(a.frame, direct).await;
                 Ok(())
             }
             Err(fatal) => {

@@ -134,10 +134,14 @@ impl Outbox {
             .is_ok()
     }
 
-    /// Sends a request's answer: written now when nothing is queued and
-    /// nobody writes, else queued (waiting for room); `false` when the
-    /// connection ended instead (the answer is dropped).
-    pub(super) async fn answer(&self, frame: Vec<u8>) -> bool {
+    /// Sends a request's answer: when `direct`, written now if nothing is
+    /// queued and nobody writes; else queued (waiting for room), for the
+    /// writer's next batch. `false` when the connection ended instead (the
+    /// answer is dropped).
+    pub(super) async fn answer(&self, frame: Vec<u8>, direct: bool) -> bool {
+        if !direct {
+            return self.queue_answer(frame).await;
+        }
         match self.write_direct(frame) {
             Direct::Done(sent) => sent,
             Direct::Busy(frame) => self.queue_answer(frame).await,
