@@ -28,7 +28,7 @@ use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
 use crate::arenad::served::Rail;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
-use crate::proto::{FrameError, MAX_INLINE};
+use crate::proto::{FrameError, Header, HEADER_LEN, MAX_INLINE, TAG_LEN};
 use crate::store::HolderId;
 
 /// A request's reader state, moved into each read and back, so a read in
@@ -43,6 +43,21 @@ impl ReadSide {
     async fn next(mut self) -> (Self, Result<Option<Incoming>, Fatal>) {
         let r = self.check.read(&mut self.reader).await.map_err(Fatal::from);
         (self, r)
+    }
+
+    /// Whether the next request is already read whole (it starts without
+    /// waiting for the socket, so an answer held back for it is not
+    /// delayed by the client's sending).
+    fn next_is_read(&self) -> bool {
+        let b = self.reader.buffer();
+        let Some(head) = b
+            .get(..HEADER_LEN)
+            .and_then(|h| <&[u8; HEADER_LEN]>::try_from(h).ok())
+        else {
+            return false;
+        };
+        let tag = if self.check.key.is_some() { TAG_LEN } else { 0 };
+        Header::decode(head).is_ok_and(|h| b.len() >= HEADER_LEN + h.body_len as usize + tag)
     }
 }
 
@@ -191,9 +206,10 @@ impl Shared {
                         Ok(None) => break Ok(()),
                         Err(fatal) => break Err(fatal),
                     };
-                    // More requests already read: their answers are
-                    // written together by the writer once the reader waits.
-                    let more = !side.reader.buffer().is_empty();
+                    // The next request already read whole: the answers
+                    // are written together by the writer once the reader
+                    // waits.
+                    let more = side.next_is_read();
                     read.set(side.next());
                     if let Err(fatal) = self.start(conn, req, more, &mut jobs).await {
                         break Err(fatal);

@@ -14,6 +14,10 @@ use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Opcode, Request, Status, TAG_LEN, VERSION_2};
 use crate::store::Residency;
 
+/// Answers this large are written straight to the socket (when it is
+/// free) even when more requests wait to be answered.
+const DIRECT_ALWAYS: usize = 64 << 10;
+
 /// Where a request runs, and what a FLUSH must wait for.
 pub(super) struct Placed {
     /// On the connection's task (resident blob, or no blob at all).
@@ -78,6 +82,9 @@ impl Shared {
         match answered {
             Ok(a) => {
                 self.obs.answered(h.opcode, a.status, started.elapsed());
+                // A large answer goes now whatever follows: its own
+                // syscall is nothing beside its bytes.
+                let direct = direct || a.frame.len() >= DIRECT_ALWAYS;
                 conn.outbox.answer(a.frame, direct).await;
                 Ok(())
             }
