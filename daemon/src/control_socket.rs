@@ -104,6 +104,9 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
         Request::Recover { id } => manager.recover(id).map(|device| Reply::Device {
             device: Box::new(device),
         }),
+        Request::Resize { id, size } => manager.resize(id, size).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
         Request::Features => {
             features::from_driver().map(|(mask, names)| Reply::Features { mask, names })
         }
@@ -235,6 +238,22 @@ mod tests {
                 ..
             }
         ));
+        let r = ctl::call(
+            &sock,
+            Request::Resize {
+                id: 3,
+                size: 1 << 30,
+            },
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            Response::Error {
+                kind: ErrorKind::UnknownDevice,
+                message: "no device 3 (see `ublkctl list`)".into()
+            }
+        );
         assert!(matches!(bind(&sock, None), Err(SocketError::InUse(_))));
         assert_eq!(
             bind(&dir.path().join("x.sock"), Some("no-such-group-here"))

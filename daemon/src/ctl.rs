@@ -63,6 +63,13 @@ pub enum Request {
     },
     /// What the running kernel's ublk driver supports.
     Features,
+    /// Grow a live device (UPDATE_SIZE).
+    Resize {
+        /// Device id.
+        id: u32,
+        /// The new size in bytes.
+        size: u64,
+    },
     // --- replication (issue 11): the placement pool in etcd ---
     /// Register an arena peer for placement.
     PeerAdd {
@@ -188,13 +195,16 @@ pub enum ErrorKind {
     /// The coordination service (etcd) failed, is not configured, or
     /// another ublkd serves the volume.
     Coordination,
+    /// The device or the kernel's ublk driver cannot do it (e.g. resize
+    /// without UPDATE_SIZE).
+    Unsupported,
 }
 
 /// A successful reply.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Reply {
-    /// `add`, `show` and `recover`.
+    /// `add`, `show`, `recover` and `resize`.
     Device {
         /// The device.
         device: Box<DeviceInfo>,
@@ -454,6 +464,13 @@ mod tests {
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(s, r#"{"version":1,"op":"del","id":3,"force":true}"#);
         assert_eq!(parse_request(&s).unwrap(), r.request);
+        assert_eq!(
+            parse_request(r#"{"version":1,"op":"resize","id":0,"size":134217728}"#).unwrap(),
+            Request::Resize {
+                id: 0,
+                size: 128 << 20
+            }
+        );
         let s = r#"{"version":1,"op":"add","peer":"h:1","volume":"v","secret_file":"/s","size":4096,"queues":null,"depth":2,"blob_size":null,"transport":"tcp","io_buf":null}"#;
         match parse_request(s).unwrap() {
             Request::Add(a) => {

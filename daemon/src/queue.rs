@@ -21,7 +21,7 @@ use io_uring::{opcode, types};
 use libublk::io::UblkQueue;
 use libublk::uring_async::ublk_submit_sqe_async;
 use libublk::{BufDesc, UblkError, UblkUringData};
-use target_rdma::block::ArenaTarget;
+use target_rdma::block::{ArenaTarget, DeviceSize};
 use target_rdma::client::tcp::ring::Ring;
 use target_rdma::client::tcp::TICK;
 
@@ -38,7 +38,7 @@ async fn io_task(
     q: &UblkQueue<'_>,
     tag: u16,
     io: &QueueIo,
-    size: u64,
+    size: &DeviceSize,
     efd: &Arc<EventFd>,
     dev: &DeviceObs,
 ) -> Result<(), UblkError> {
@@ -52,7 +52,7 @@ async fn io_task(
     };
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(buf))
         .await?;
-    let target = ArenaTarget::new(io, size);
+    let target = ArenaTarget::new(io, size.clone());
     loop {
         let desc = IoDesc::from(q.get_iod(tag));
         // SAFETY: this task alone serves tag `tag`, so nothing else touches
@@ -117,8 +117,14 @@ impl Ring for QueueRing {
 }
 
 /// Runs queue `qid` of `dev` over its arena session `io` (a block device
-/// of `size` bytes) until the device stops.
-pub fn run(qid: u16, dev: &libublk::io::UblkDev, io: QueueIo, size: u64, obs: Arc<DeviceObs>) {
+/// of `size` bytes, which `ublkctl resize` may grow) until the device stops.
+pub fn run(
+    qid: u16,
+    dev: &libublk::io::UblkDev,
+    io: QueueIo,
+    size: DeviceSize,
+    obs: Arc<DeviceObs>,
+) {
     let efd = match EventFd::new() {
         Ok(e) => Arc::new(e),
         Err(e) => {
@@ -137,14 +143,15 @@ pub fn run(qid: u16, dev: &libublk::io::UblkDev, io: QueueIo, size: u64, obs: Ar
     let exe = Rc::new(smol::LocalExecutor::new());
     let mut tasks = Vec::new();
     for tag in q.tags() {
-        let (q, io, efd, obs) = (
+        let (q, io, size, efd, obs) = (
             Rc::clone(&q),
             Rc::clone(&io),
+            size.clone(),
             Arc::clone(&efd),
             Arc::clone(&obs),
         );
         tasks.push(exe.spawn(async move {
-            match io_task(&q, tag, &io, size, &efd, &obs).await {
+            match io_task(&q, tag, &io, &size, &efd, &obs).await {
                 Err(UblkError::QueueIsDown) | Ok(()) => {}
                 Err(e) => tracing::error!(event = "queue.tag_failed", qid, tag, error = %e),
             }

@@ -53,6 +53,9 @@ enum Cmd {
     Stats(Stats),
     /// Re-attach a device whose queues stopped.
     Recover(Id),
+    /// Grow a live device; prints its node and new size. Needs a ublk
+    /// driver with UPDATE_SIZE (Linux 6.16 or later); shrinking is refused.
+    Resize(Resize),
     /// What the running kernel's ublk driver supports (asks the driver;
     /// ublkd need not run).
     Features(List),
@@ -193,6 +196,16 @@ struct Del {
     /// Delete even if mounted or open (its users get I/O errors).
     #[arg(long)]
     force: bool,
+}
+
+#[derive(ClapArgs, Debug)]
+struct Resize {
+    /// Device id (N of /dev/ublkbN).
+    id: u32,
+    /// The new size, e.g. 128G: a multiple of the logical block size, at
+    /// least the current size and within the volume's quota.
+    #[arg(long, value_parser = parse_size)]
+    size: u64,
 }
 
 #[derive(ClapArgs, Debug)]
@@ -389,6 +402,10 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::Show(i) => Request::Show { id: i.id },
         Cmd::Stats(s) => Request::Stats { id: s.id },
         Cmd::Recover(i) => Request::Recover { id: i.id },
+        Cmd::Resize(r) => Request::Resize {
+            id: r.id,
+            size: r.size,
+        },
         Cmd::Peer(p) => peer_request(p),
         // Answered here, without ublkd.
         Cmd::Features(_) => {
@@ -615,6 +632,12 @@ fn print_data_path(driver: &[DeviceDriverReport]) {
 fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
     match (cmd, reply) {
         (Cmd::Add(_), Reply::Device { device }) => println!("{}", device.node),
+        (Cmd::Resize(_), Reply::Device { device }) => println!(
+            "{}  {} ({} bytes)",
+            device.node,
+            HumanSize(device.size),
+            device.size
+        ),
         (_, Reply::Device { device }) => print_device(device),
         (_, Reply::Deleted { id }) => println!("deleted /dev/ublkb{id}"),
         (_, Reply::Devices { devices }) => {
@@ -732,6 +755,20 @@ mod tests {
         assert_eq!((a.peer.len(), a.replicas), (0, Some(3)));
         assert!(add(&["--replicas", "6"]).is_err(), "1..=5");
         assert!(add(&[]).is_err(), "a peer or a replica count");
+    }
+
+    #[test]
+    fn resize_takes_an_id_and_a_size_like_add() {
+        let cli = Cli::try_parse_from(["ublkctl", "resize", "3", "--size", "128G"]).unwrap();
+        let Cmd::Resize(r) = cli.cmd else {
+            panic!("a resize")
+        };
+        assert_eq!((r.id, r.size), (3, 128 << 30));
+        let e = Cli::try_parse_from(["ublkctl", "resize", "3", "--size", "1X"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("invalid size \"1X\": unknown unit"), "{e}");
+        assert!(Cli::try_parse_from(["ublkctl", "resize", "3"]).is_err());
     }
 
     #[test]

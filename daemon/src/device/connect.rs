@@ -86,16 +86,7 @@ impl Connector {
         driven: bool,
     ) -> Result<PeerSessions, DeviceError> {
         let flush_domain = Arc::new(FlushDomain::default());
-        let client_cfg = || {
-            let mut cc = ClientConfig::new(peer.to_owned(), spec.volume.clone(), secret.clone());
-            cc.flush_domain = Arc::clone(&flush_domain);
-            cc.stats = Arc::clone(&self.client_stats);
-            cc.tcp_links = Arc::clone(&self.tcp_links);
-            cc.blob_bytes = spec.blob_size as u32;
-            cc.connect_timeout = self.connect_timeout;
-            cc.request_timeout = self.request_timeout;
-            cc
-        };
+        let client_cfg = || self.client_config(spec, peer, secret, &flush_domain);
         let count = bufs.len() + usize::from(background);
         let mut sessions = Vec::with_capacity(count);
         let mode = match spec.transport {
@@ -148,6 +139,35 @@ impl Connector {
             queues: sessions,
             background,
         })
+    }
+
+    fn client_config(
+        &self,
+        spec: &DeviceSpec,
+        peer: &str,
+        secret: &Secret,
+        flush_domain: &Arc<FlushDomain>,
+    ) -> ClientConfig {
+        let mut cc = ClientConfig::new(peer.to_owned(), spec.volume.clone(), secret.clone());
+        cc.flush_domain = Arc::clone(flush_domain);
+        cc.stats = Arc::clone(&self.client_stats);
+        cc.tcp_links = Arc::clone(&self.tcp_links);
+        cc.blob_bytes = spec.blob_size as u32;
+        cc.connect_timeout = self.connect_timeout;
+        cc.request_timeout = self.request_timeout;
+        cc
+    }
+
+    /// The peer's answer to a fresh HELLO for `spec`'s volume (over TCP,
+    /// closed at once): its quota as the peer holds it now, which the
+    /// sessions' own answers, given when they connected, may predate.
+    pub fn hello(
+        &self,
+        spec: &DeviceSpec,
+        secret: &Secret,
+    ) -> Result<target_rdma::proto::Welcome, DeviceError> {
+        let cc = self.client_config(spec, &spec.peer, secret, &Arc::default());
+        Ok(ArenaClient::connect(cc)?.welcome()?)
     }
 }
 

@@ -16,6 +16,7 @@
 
 mod connect;
 mod replicas;
+mod resize;
 mod spec;
 mod thread;
 
@@ -32,7 +33,9 @@ use parking_lot::Mutex;
 use target_rdma::auth::{Secret, SecretError};
 use target_rdma::blob::BlobIo;
 use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
+use target_rdma::block::DeviceSize;
 use target_rdma::client::ClientStats;
+use target_rdma::proto::Welcome;
 use target_rdma::size::{ApproxSize, HumanSize};
 
 use crate::busy;
@@ -45,6 +48,7 @@ use crate::queue_io::{QueueIo, TagBuffers};
 use connect::driver_stats;
 pub use connect::Connector;
 pub use replicas::{Replicated, Resolve};
+use resize::{KernelSize, UblkDriver};
 #[cfg(test)]
 use spec::params;
 use spec::shape;
@@ -103,6 +107,14 @@ pub enum DeviceError {
     /// The arena refused or could not be reached.
     #[error("{0}")]
     Arena(#[from] ArenaError),
+    /// The device cannot be resized (the message says why).
+    #[error("device {id} cannot be resized: {why}")]
+    NotResizable {
+        /// Device id.
+        id: u32,
+        /// Why not.
+        why: String,
+    },
     /// `ublk_drv` is not loaded.
     #[error("the ublk driver is not loaded: {UBLK_CONTROL} is missing (run `modprobe ublk_drv`)")]
     UblkMissing,
@@ -145,6 +157,7 @@ impl DeviceError {
                 _ => ErrorKind::Peer,
             },
             Self::UblkMissing => ErrorKind::UblkMissing,
+            Self::NotResizable { .. } => ErrorKind::Unsupported,
             Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
             Self::Coordination(e) => match e.kind() {
                 CoordErrorKind::Invalid => ErrorKind::BadRequest,
@@ -187,6 +200,10 @@ struct Device {
     state: Arc<Mutex<State>>,
     /// The queues' ways to the volume (shared), for FLUSH at shutdown.
     ios: Vec<QueueIo>,
+    /// The size its queues check requests against (`spec.size`, shared).
+    size: DeviceSize,
+    /// The kernel device has `UBLK_F_UPDATE_SIZE` (`ublkctl resize`).
+    resizable: bool,
     blob_bytes: u32,
     thread: Option<JoinHandle<()>>,
     /// A replicated volume's shared state and its rebuild thread.
@@ -209,12 +226,18 @@ fn fits_quota(spec: &DeviceSpec, ios: &[QueueIo]) -> Result<(), DeviceError> {
     let Some(Ok(w)) = ios.first().map(|io| io.session().client().welcome()) else {
         return Ok(());
     };
+    within_quota(spec, spec.size, &w)
+}
+
+/// Refuses `size` for `spec`'s volume when it is above the quota `w` (a
+/// HELLO answer) names: `add` and `resize` say it alike.
+fn within_quota(spec: &DeviceSpec, size: u64, w: &Welcome) -> Result<(), DeviceError> {
     let quota = w.quota_blobs.saturating_mul(u64::from(w.blob_bytes));
-    if spec.size > quota {
+    if size > quota {
         return Err(DeviceError::BadRequest(format!(
             "--size {} is above the quota of volume {:?} on {}: {} ({} blobs of {}); \
              raise its quota in arenad.toml (`systemctl reload arenad`) or ask for less",
-            HumanSize(spec.size),
+            HumanSize(size),
             spec.volume,
             spec.peer,
             ApproxSize(quota),
@@ -267,6 +290,8 @@ pub struct Manager {
     obs: Arc<Observability>,
     /// etcd, when `[etcd]` is configured (issue 11).
     coordination: Option<Arc<CoordinationSlot>>,
+    /// The kernel's side of resizing (a fake in tests).
+    kernel: Arc<dyn KernelSize>,
 }
 
 impl Manager {
@@ -292,6 +317,7 @@ impl Manager {
             ops: Mutex::new(()),
             obs,
             coordination,
+            kernel: Arc::new(UblkDriver),
         })
     }
 
@@ -310,6 +336,7 @@ impl Manager {
     /// configured, so readiness reports it as not running).
     fn insert_failed(&self, spec: DeviceSpec, e: &DeviceError) {
         let id = spec.id;
+        let spec_size = spec.size;
         if let Err(oe) = self.obs.register(
             shape(&spec),
             DevState::Failed,
@@ -326,6 +353,8 @@ impl Manager {
                 stats: Arc::default(),
                 state: Arc::new(Mutex::new(State::Failed(e.to_string()))),
                 ios: Vec::new(),
+                size: DeviceSize::new(spec_size),
+                resizable: false,
                 blob_bytes: 0,
                 thread: None,
                 replicated: None,
@@ -412,6 +441,7 @@ impl Manager {
             return Err(DeviceError::UblkMissing);
         }
         let stats = Arc::new(DeviceStats::default());
+        let size = DeviceSize::new(spec.size);
         let state = Arc::new(Mutex::new(match mode {
             Mode::Add(_) => State::Starting,
             Mode::Recover(_) => State::Recovering,
@@ -420,6 +450,8 @@ impl Manager {
         let thread = {
             let start = DeviceStart {
                 spec: spec.clone(),
+                size: size.clone(),
+                update_size: self.kernel.supported(),
                 mode,
                 ios: ios.clone(),
                 stats: Arc::clone(&stats),
@@ -447,8 +479,8 @@ impl Manager {
                 detail,
             }
         };
-        let id = match rx.recv_timeout(START_TIMEOUT) {
-            Ok(Event::Built(id)) => id,
+        let (id, resizable) = match rx.recv_timeout(START_TIMEOUT) {
+            Ok(Event::Built(id, resizable)) => (id, resizable),
             Ok(Event::Failed(detail)) => return Err(failed(thread, detail)),
             Ok(Event::Started) | Err(_) => {
                 return Err(failed(thread, "device thread gave no answer".into()))
@@ -465,7 +497,7 @@ impl Manager {
                 self.obs.unregister(id);
                 return Err(failed(thread, detail));
             }
-            Ok(Event::Built(_)) | Err(_) => {
+            Ok(Event::Built(..)) | Err(_) => {
                 tracing::error!(event = "device.start_timeout", id);
                 let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.kill_dev());
                 let _ = self.store.remove(id);
@@ -495,6 +527,8 @@ impl Manager {
                 stats,
                 state,
                 ios,
+                size,
+                resizable,
                 blob_bytes,
                 thread: Some(thread),
                 replicated,

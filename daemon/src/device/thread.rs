@@ -10,6 +10,7 @@ use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::UblkDev;
 use libublk::{sys, UblkFlags};
 use parking_lot::Mutex;
+use target_rdma::block::DeviceSize;
 use ublk_metrics::DriverStats;
 
 use super::spec::{params, shape, DeviceSpec};
@@ -28,7 +29,9 @@ pub(super) enum Mode {
 }
 
 pub(super) enum Event {
-    Built(u32),
+    /// The kernel device exists: its id, and whether it has
+    /// `UBLK_F_UPDATE_SIZE` (asked for at ADD, or found at recovery).
+    Built(u32, bool),
     Started,
     Failed(String),
 }
@@ -54,6 +57,10 @@ pub(super) fn kernel_state(id: u32) -> Option<u32> {
 /// What a device thread is started with.
 pub(super) struct DeviceStart {
     pub(super) spec: DeviceSpec,
+    /// The size the queues check requests against, grown by resize.
+    pub(super) size: DeviceSize,
+    /// Ask for `UBLK_F_UPDATE_SIZE` at ADD (the driver has it).
+    pub(super) update_size: bool,
     pub(super) mode: Mode,
     pub(super) ios: Vec<QueueIo>,
     pub(super) stats: Arc<DeviceStats>,
@@ -67,6 +74,8 @@ pub(super) struct DeviceStart {
 pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
     let DeviceStart {
         spec,
+        size,
+        update_size,
         mode,
         ios,
         stats,
@@ -95,7 +104,7 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
         .nr_queues(spec.queues as u16)
         .depth(spec.depth as u16)
         .io_buf_bytes(spec.io_buf as u32)
-        .ctrl_flags((sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64)
+        .ctrl_flags(ctrl_flags(update_size))
         .dev_flags(dev_flags)
         .build()
     {
@@ -120,16 +129,17 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
             return fail(&tx, DeviceError::BadRequest(e.to_string()));
         }
     };
-    let _ = tx.send(Event::Built(dev_id));
+    let resizable = ctrl.dev_info().flags & u64::from(sys::UBLK_F_UPDATE_SIZE) != 0;
+    let _ = tx.send(Event::Built(dev_id, resizable));
 
     let queue_ios: Arc<Mutex<Vec<Option<QueueIo>>>> =
         Arc::new(Mutex::new(ios.into_iter().map(Some).collect()));
-    let size = spec.size;
     let qobs = Arc::clone(&dobs);
     // Each queue thread's id, for pinning once the device runs.
     let tids: Arc<Mutex<Vec<Option<rustix::thread::Pid>>>> =
         Arc::new(Mutex::new(vec![None; spec.queues as usize]));
     let q_tids = Arc::clone(&tids);
+    let q_size = size.clone();
     let q_fn = move |qid: u16, dev: &UblkDev| {
         if let Some(slot) = q_tids.lock().get_mut(qid as usize) {
             *slot = Some(rustix::thread::gettid());
@@ -142,11 +152,11 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
             tracing::error!(event = "queue.no_client", qid);
             return;
         };
-        crate::queue::run(qid, dev, io, size, Arc::clone(&qobs));
+        crate::queue::run(qid, dev, io, q_size.clone(), Arc::clone(&qobs));
     };
     let ublk_params = params(&spec);
     let tgt_init = move |dev: &mut UblkDev| {
-        dev.tgt.dev_size = size;
+        dev.tgt.dev_size = size.get();
         dev.tgt.params = ublk_params;
         Ok(())
     };
@@ -179,6 +189,18 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
             fail(&tx, e);
         }
     }
+}
+
+/// The flags a device is created with: user recovery always, and
+/// `UBLK_F_UPDATE_SIZE` when the driver has it (`ublkctl resize`). The
+/// driver ignores the flag when it handles UPDATE_SIZE, but it is the
+/// device's declared capability, so a device is resized only with it.
+pub(super) fn ctrl_flags(update_size: bool) -> u64 {
+    let mut flags = sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE;
+    if update_size {
+        flags |= sys::UBLK_F_UPDATE_SIZE;
+    }
+    u64::from(flags)
 }
 
 /// Pins queue q's thread to `cpus[q % len]` (`add --cpus`); nothing when

@@ -141,6 +141,18 @@ else fail udev-rule "udevadm missing (scripts/vm/deps installs udev)"; fi
 ctl list | tee "$R/list.txt" | grep -q "tcp" && pass ctl-list-says-tcp || fail ctl-list-says-tcp
 ctl --json show "$ID" >"$R/show.json" && grep -q '"state": "live"' "$R/show.json" && pass ctl-show-live || fail ctl-show-live
 
+# resize: a 6.12 driver has no UPDATE_SIZE, so it is refused naming that,
+# and the device keeps its size (a driver with it must grow the disk).
+size0=$(blockdev --getsize64 "$DEV")
+out=$(ctl resize "$ID" --size 128M 2>&1); rc=$?
+if grep -q UPDATE_SIZE "$R/features.txt"; then
+    [[ $rc -eq 0 && "$(blockdev --getsize64 "$DEV")" == $((128 << 20)) ]] && pass resize-grows ||
+        fail resize-grows "$out"
+elif [[ $rc -ne 0 && "$out" == *"cannot be resized: the kernel's ublk driver has no UPDATE_SIZE"* &&
+    "$(blockdev --getsize64 "$DEV")" == "$size0" ]] && ctl show "$ID" | grep -q "($size0 bytes)"; then
+    pass resize-refused-without-update-size
+else fail resize-refused-without-update-size "$out (size $size0 -> $(blockdev --getsize64 "$DEV"))"; fi
+
 # ---- 1: fio verify, sequential + random, 4k..1M, several jobs ----------
 log "fio"
 if timeout 900 fio --output="$R/fio-verify.txt" --filename="$DEV" --direct=1 --ioengine=libaio \

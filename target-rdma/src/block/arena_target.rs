@@ -12,13 +12,14 @@ use futures::future::try_join_all;
 
 use ublk_metrics::IoOp;
 
-use super::{check_range, BlockTarget, TargetError};
+use super::{check_range, BlockTarget, DeviceSize, TargetError};
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 
 /// A block device of `size` bytes over one arena session.
 pub struct ArenaTarget<T> {
     io: T,
-    size: u64,
+    /// Shared with the device's other queues and its resize.
+    size: DeviceSize,
     blob: u64,
 }
 
@@ -52,10 +53,15 @@ fn segments(blob: u64, offset: u64, len: u64) -> impl Iterator<Item = Segment> {
 }
 
 impl<T: BlobIo> ArenaTarget<T> {
-    /// A device of `size` bytes over `io`.
-    pub fn new(io: T, size: u64) -> Self {
+    /// A device of `size` bytes over `io`: a fixed `u64`, or a
+    /// [`DeviceSize`] the device's resize grows.
+    pub fn new(io: T, size: impl Into<DeviceSize>) -> Self {
         let blob = u64::from(io.blob_bytes());
-        Self { io, size, blob }
+        Self {
+            io,
+            size: size.into(),
+            blob,
+        }
     }
 
     fn arena(op: IoOp) -> impl Fn(ArenaError) -> TargetError {
@@ -63,7 +69,7 @@ impl<T: BlobIo> ArenaTarget<T> {
     }
 
     async fn zero_range(&self, op: IoOp, offset: u64, len: u64) -> Result<Via, TargetError> {
-        check_range(op, offset, len, self.size)?;
+        check_range(op, offset, len, self.size.get())?;
         let first_whole = offset.div_ceil(self.blob);
         let end_whole = (offset + len) / self.blob;
         if first_whole < end_whole {
@@ -93,11 +99,11 @@ impl<T: BlobIo> BlockTarget for ArenaTarget<T> {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.size.get()
     }
 
     async fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Via, TargetError> {
-        check_range(IoOp::Read, offset, buf.len() as u64, self.size)?;
+        check_range(IoOp::Read, offset, buf.len() as u64, self.size.get())?;
         let mut rest = buf;
         let mut reads = Vec::new();
         for s in segments(self.blob, offset, rest.len() as u64) {
@@ -110,7 +116,7 @@ impl<T: BlobIo> BlockTarget for ArenaTarget<T> {
     }
 
     async fn write(&self, offset: u64, buf: &[u8], fua: bool) -> Result<Via, TargetError> {
-        check_range(IoOp::Write, offset, buf.len() as u64, self.size)?;
+        check_range(IoOp::Write, offset, buf.len() as u64, self.size.get())?;
         let writes = segments(self.blob, offset, buf.len() as u64)
             .map(|s| self.io.write(s.key, s.offset, &buf[s.buf]));
         let vias = try_join_all(writes)

@@ -9,11 +9,13 @@
 //! all the request accounting needs to count a failover.
 
 mod arena_target;
+mod device_size;
 mod mem_target;
 
 use std::future::Future;
 
 pub use arena_target::ArenaTarget;
+pub use device_size::DeviceSize;
 pub use mem_target::MemTarget;
 
 use ublk_metrics::IoOp;
@@ -69,14 +71,14 @@ impl TargetError {
 }
 
 /// Serves block requests for one queue. Byte offsets and lengths; the
-/// device size is fixed at creation. Each success returns which path
-/// carried the request's payloads.
+/// device size may grow while it serves ([`DeviceSize`]), never shrink.
+/// Each success returns which path carried the request's payloads.
 ///
 /// Futures need not be `Send`: each ublk queue thread owns its target.
 pub trait BlockTarget {
     /// The transport a request's first attempt goes on.
     fn transport(&self) -> Transport;
-    /// Device size in bytes.
+    /// Device size in bytes, now.
     fn size(&self) -> u64;
     /// Fills `buf` from byte `offset`; unwritten ranges read as zeros.
     fn read(&self, offset: u64, buf: &mut [u8]) -> impl Future<Output = Result<Via, TargetError>>;
