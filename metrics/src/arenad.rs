@@ -99,8 +99,6 @@ closed_enum! {
         MaxConnections => "max_connections",
         /// `max_unauthenticated` connections were in their handshake.
         MaxUnauthenticated => "max_unauthenticated",
-        /// No thread could be started for it (EAGAIN, ENOMEM).
-        SpawnFailed => "spawn_failed",
     }
 }
 

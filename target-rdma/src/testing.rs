@@ -179,10 +179,15 @@ impl Peer {
                 allow_v1: self.opts.allow_v1,
                 max_unauthenticated: self.opts.max_connections,
                 write_timeout: Duration::from_secs(5),
+                max_queued_frames: 4096,
+                max_queued_bytes: 16 << 20,
+                blocking_threads: 4,
+                shutdown_timeout: Duration::from_secs(10),
             },
             rdma,
             Arc::clone(&self.obs),
-        );
+        )
+        .expect("start the server's blocking pool");
         let s = Arc::clone(&server);
         self.obs.serving();
         let thread = std::thread::spawn(move || s.serve(listener).expect("serve"));

@@ -13,14 +13,16 @@ use target_rdma::client::ArenaClient;
 mod common;
 use common::arenad::{terminate, Arenad, Proc};
 
-/// Descriptors one authenticated TCP session holds in arenad (the accepted
-/// stream and its clones for the reader, the writer and shutdown).
-const FDS_PER_TCP_SESSION: usize = 4;
+/// Descriptors one authenticated TCP session holds in arenad: the accepted
+/// stream (its reader and writer share it).
+const FDS_PER_TCP_SESSION: usize = 1;
 /// An RDMA rail adds its completion channel.
 const FDS_PER_RDMA_RAIL: usize = 1;
 /// Everything else an idle arenad holds: stdio, listeners, swap file,
-/// journal, lock, io_uring rings, signal pipe, and RDMA device handles.
-const FDS_FIXED: usize = 64;
+/// journal, lock, io_uring rings, signal pipe, RDMA device handles, and
+/// the epoll and eventfd of each serving runtime (the accept loop's and up
+/// to 16 workers').
+const FDS_FIXED: usize = 96;
 /// The metrics listener at its default `metrics_max_connections`, plus
 /// its epoll and eventfd.
 const FDS_METRICS_LISTENER: usize = ublk_metrics::http::DEFAULT_MAX_CONNECTIONS + 2;

@@ -83,6 +83,27 @@ pub struct ArenadConfig {
     #[serde(default = "default_write_timeout")]
     pub write_timeout_secs: u64,
     // --- End of the multi-tenant serving keys. ---
+    // --- Serving core (issue 9 items 1, 4, 7): the event-driven server's bounds. ---
+    /// Most frames (answers and REVOKEs) waiting in one connection's
+    /// outbound queue. A REVOKE that finds it full disconnects the client
+    /// (it is not reading); an answer waits for room.
+    #[serde(default = "default_max_queued_frames")]
+    pub max_queued_frames: u32,
+    /// Most bytes waiting in one connection's outbound queue, and most
+    /// bytes of request bodies one connection may have in flight: past it
+    /// the connection's answers wait for room and its requests are not read.
+    #[serde(default = "default_max_queued_bytes", with = "serde_size")]
+    pub max_queued_bytes: u64,
+    /// Threads that run the store calls that may block (a fault-in from
+    /// swap, FLUSH, EPOCH, REMOVE, RAIL_CONNECT, a write that needs a slot);
+    /// started with the server, so a thread limit cannot stop it later.
+    #[serde(default = "default_blocking_threads")]
+    pub blocking_threads: u32,
+    /// Seconds SIGTERM gives the connections to finish their requests and
+    /// drain their answers before they are cut; the final flush follows.
+    #[serde(default = "default_shutdown_timeout")]
+    pub shutdown_timeout_secs: u64,
+    // --- End of the serving core keys. ---
     // --- Metrics listener limits (issue 9, HTTP endpoints). ---
     /// Connections the metrics listener holds open; past it a new one
     /// sheds the oldest that has not sent its request yet. One descriptor
@@ -165,6 +186,18 @@ fn default_log_level() -> String {
 }
 fn default_write_timeout() -> u64 {
     5
+}
+fn default_max_queued_frames() -> u32 {
+    4096
+}
+fn default_max_queued_bytes() -> u64 {
+    16 << 20
+}
+fn default_blocking_threads() -> u32 {
+    16
+}
+fn default_shutdown_timeout() -> u64 {
+    20
 }
 fn default_metrics_max_connections() -> usize {
     ublk_metrics::http::DEFAULT_MAX_CONNECTIONS
@@ -356,6 +389,7 @@ impl ArenadConfig {
                 "must be in 1..=600",
             ));
         }
+        self.validate_serving_core()?;
         if self.volumes.is_empty() {
             return Err(invalid(
                 "volume",
@@ -386,6 +420,43 @@ impl ArenadConfig {
                     format!("must be at least one blob ({})", HumanSize(b)),
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl ArenadConfig {
+    /// The serving core's keys (see their block above).
+    fn validate_serving_core(&self) -> Result<(), ConfigError> {
+        if !(16..=1 << 20).contains(&self.max_queued_frames) {
+            return Err(invalid(
+                "max_queued_frames",
+                self.max_queued_frames,
+                "must be in 16..=1048576",
+            ));
+        }
+        if !(64 << 10..=1 << 30).contains(&self.max_queued_bytes) {
+            return Err(invalid(
+                "max_queued_bytes",
+                HumanSize(self.max_queued_bytes),
+                "must be from 64K to 1G",
+            ));
+        }
+        if !(1..=1024).contains(&self.blocking_threads) {
+            return Err(invalid(
+                "blocking_threads",
+                self.blocking_threads,
+                "must be in 1..=1024",
+            ));
+        }
+        // systemd/arenad.service stops the process after TimeoutStopSec=60s:
+        // the drain must leave the final flush time below that.
+        if !(1..=50).contains(&self.shutdown_timeout_secs) {
+            return Err(invalid(
+                "shutdown_timeout_secs",
+                self.shutdown_timeout_secs,
+                "must be in 1..=50 (below the unit's TimeoutStopSec=60s, leaving time for the final flush)",
+            ));
         }
         Ok(())
     }

@@ -2,12 +2,24 @@
 //! connection server, reloads (SIGHUP) and its observability. The storage
 //! engine it serves lives in [`crate::store`].
 
+mod accept;
 mod admission;
+mod barrier;
+mod blocking;
 pub mod check;
 pub mod config;
+mod connection;
+mod dispatch;
 pub mod epochs;
+mod fatal;
 mod frames;
+mod handshake;
 pub mod listener;
 pub mod observability;
+mod outbox;
 pub mod reload;
+mod served;
 pub mod server;
+mod session;
+mod shared;
+mod workers;

@@ -243,10 +243,15 @@ fn run(args: &Args) -> Result<ExitCode> {
             allow_v1: cfg.allow_protocol_v1,
             max_unauthenticated: cfg.max_unauthenticated(),
             write_timeout: Duration::from_secs(cfg.write_timeout_secs),
+            max_queued_frames: cfg.max_queued_frames as usize,
+            max_queued_bytes: cfg.max_queued_bytes as usize,
+            blocking_threads: cfg.blocking_threads as usize,
+            shutdown_timeout: Duration::from_secs(cfg.shutdown_timeout_secs),
         },
         rdma,
         Arc::clone(&obs),
-    );
+    )
+    .context("starting the server")?;
     let runtime = Runtime::new(
         cfg,
         secrets,

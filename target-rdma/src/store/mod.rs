@@ -119,6 +119,16 @@ pub struct VolumeSpec {
 pub type VolumeId = u32;
 /// A connection; owns leases.
 pub type HolderId = u64;
+/// Where a blob is ([`Store::residency`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residency {
+    /// No blob under the key.
+    Absent,
+    /// In its slot: served without a disk read.
+    Resident,
+    /// In swap only, or being loaded: serving it may read the disk.
+    Cold,
+}
 /// Which durable index write a timing belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IndexWrite {
@@ -827,6 +837,12 @@ impl Store {
             ));
         }
         self.locked(|_, g| g.configure_volume(&spec.name, spec.quota_blobs))
+    }
+
+    /// Where blob `key` is now: a hint (it may change as soon as the lock
+    /// is dropped) for serving a request inline or off the reactor.
+    pub fn residency(&self, vol: VolumeId, key: u64) -> Residency {
+        self.locked(|_, g| g.residency((vol, key)))
     }
 
     /// Drops keys `start..end` of `vol`; returns how many blobs existed.

@@ -156,7 +156,7 @@ impl Arenad {
     }
 
     /// Runs `cmd` (arenad, or what execs it) with this config, output muted.
-    fn spawn_by(&self, mut cmd: Command) -> Proc {
+    pub fn spawn_by(&self, mut cmd: Command) -> Proc {
         Proc(Some(
             cmd.arg("--config")
                 .arg(&self.cfg)

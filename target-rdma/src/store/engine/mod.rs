@@ -49,6 +49,7 @@ use super::{BlobKey, HolderId, IntegrityKind, StoreError, StoreStats, VolumeId};
 mod flush;
 mod lease;
 mod open;
+mod residency;
 mod volumes;
 mod write_back;
 

@@ -1,0 +1,293 @@
+//! What a request does: where it runs (inline on the connection's task
+//! when it only takes short locks on resident state, else on the blocking
+//! pool) and its store call, which encodes the answer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::warn;
+
+use crate::arenad::fatal::Fatal;
+use crate::arenad::session::Session;
+use crate::arenad::shared::Shared;
+use crate::proto::{self, FrameError, Header, Opcode, Request, Status, TAG_LEN, VERSION_2};
+use crate::store::Residency;
+
+/// Answers this large are written straight to the socket (when it is
+/// free) even when more requests wait to be answered.
+const DIRECT_ALWAYS: usize = 64 << 10;
+
+/// Where a request runs, and what a FLUSH must wait for.
+pub(super) struct Placed {
+    /// On the connection's task (resident blob, or no blob at all).
+    pub(super) inline: bool,
+    /// Changes what a later FLUSH must cover.
+    pub(super) mutates: bool,
+    /// A FLUSH.
+    pub(super) flush: bool,
+}
+
+/// A request's answer, encoded, and its status.
+pub(super) struct Answer {
+    status: Status,
+    frame: Vec<u8>,
+}
+
+impl Shared {
+    /// Decides where a request runs: inline only when its store call cannot
+    /// read the disk or wait for a write-back (a blob in its slot; a READ
+    /// or GET of no blob; COMMIT and RELEASE, which only end leases).
+    pub(super) fn place(&self, conn: &Session, h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
+        let req = proto::decode_request(h, body)
+            .map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
+        let vol = conn.vol.id;
+        let resident = |key| self.store.residency(vol, key);
+        let inline = match req {
+            Request::Read { key, .. } | Request::Get { key } => resident(key) != Residency::Cold,
+            Request::Write { key, .. } | Request::Alloc { key } => {
+                resident(key) == Residency::Resident
+            }
+            Request::Commit { .. } | Request::Release { .. } => true,
+            Request::Remove { .. }
+            | Request::Flush
+            | Request::Epoch { .. }
+            | Request::RailConnect(_) => false,
+        };
+        Ok(Placed {
+            inline,
+            mutates: matches!(
+                req,
+                Request::Write { .. }
+                    | Request::Alloc { .. }
+                    | Request::Commit { .. }
+                    | Request::Release { .. }
+                    | Request::Remove { .. }
+            ),
+            flush: matches!(req, Request::Flush),
+        })
+    }
+
+    /// Sends a request's answer (straight to the socket if `direct` and it
+    /// is free, else queued, waiting for room), counting it; a fatal error
+    /// is returned to end the session.
+    pub(super) async fn answer(
+        &self,
+        conn: &Session,
+        h: Header,
+        started: Instant,
+        answered: Result<Answer, Fatal>,
+        direct: bool,
+    ) -> Result<(), Fatal> {
+        match answered {
+            Ok(a) => {
+                self.obs.answered(h.opcode, a.status, started.elapsed());
+                // A large answer goes now whatever follows: its own
+                // syscall is nothing beside its bytes.
+                let direct = direct || a.frame.len() >= DIRECT_ALWAYS;
+                conn.outbox.answer(a.frame, direct).await;
+                Ok(())
+            }
+            Err(fatal) => {
+                if let Fatal::Store(op, ..) = &fatal {
+                    self.obs.refused(*op, started.elapsed());
+                }
+                Err(fatal)
+            }
+        }
+    }
+
+    /// Executes one request and encodes its answer (room left for its tag).
+    pub(super) fn execute(
+        self: &Arc<Self>,
+        conn: &Session,
+        h: &Header,
+        body: &[u8],
+    ) -> Result<Answer, Fatal> {
+        let op = h.opcode;
+        let rid = h.request_id;
+        let vol = conn.vol.id;
+        let mut out = Vec::new();
+        let req = proto::decode_request(h, body).map_err(|e| Fatal::Request(op, rid, e))?;
+        let answer = |out: Vec<u8>, status| Answer { status, frame: out };
+        if let Request::Epoch { epoch } = req {
+            if conn.version < VERSION_2 {
+                return Err(Fatal::Request(
+                    op,
+                    rid,
+                    FrameError::Unexpected {
+                        op: op.name(),
+                        detail: "EPOCH needs protocol version 2",
+                    },
+                ));
+            }
+            let session = conn.epoch.fetch_max(epoch, Ordering::AcqRel).max(epoch);
+            let status = match self.epochs.raise(&conn.fence, session) {
+                Ok(now) if now > session => {
+                    proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
+                    Status::StaleEpoch
+                }
+                Ok(now) => {
+                    proto::encode_epoch(&mut out, rid, now);
+                    Status::Ok
+                }
+                Err(e) => {
+                    warn!(event = "epoch.persist_failed", conn = conn.id, error = %e);
+                    proto::encode_error(&mut out, op, rid, Status::Internal, &e.to_string());
+                    Status::Internal
+                }
+            };
+            return Ok(answer(out, status));
+        }
+        // Every data operation runs admitted under the volume's epoch, so a
+        // raise waits for it and a stale session gets none.
+        let _admitted = match req {
+            Request::Release { .. } | Request::RailConnect(_) => None,
+            _ => match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
+                Ok(a) => Some(a),
+                Err(now) if conn.version < VERSION_2 => {
+                    return Err(Fatal::Hello(
+                        Status::VersionMismatch,
+                        format!(
+                        "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
+                        conn.vol.name
+                    ),
+                    ))
+                }
+                Err(now) => {
+                    proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
+                    return Ok(answer(out, Status::StaleEpoch));
+                }
+            },
+        };
+        let holder = conn.id;
+        let ok = |()| Status::Ok;
+        let result = match req {
+            Request::Epoch { .. } => unreachable!("answered above"),
+            Request::Read { key, offset, len } => {
+                self.store
+                    .read_with(vol, key, offset, len as usize, |bytes| match bytes {
+                        Some(b) => {
+                            out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
+                            proto::encode_read_head(&mut out, rid, len);
+                            out.extend_from_slice(b);
+                            Status::Ok
+                        }
+                        None => {
+                            proto::encode_error(&mut out, op, rid, Status::NotFound, "");
+                            Status::NotFound
+                        }
+                    })
+            }
+            Request::Alloc { key } => self
+                .store
+                .alloc(vol, key, holder)
+                .map(|lease| proto::encode_lease(&mut out, op, rid, lease))
+                .map(ok),
+            Request::Get { key } => self.store.get(vol, key, holder).map(|lease| match lease {
+                Some(lease) => {
+                    proto::encode_lease(&mut out, op, rid, lease);
+                    Status::Ok
+                }
+                None => {
+                    proto::encode_error(&mut out, op, rid, Status::NotFound, "");
+                    Status::NotFound
+                }
+            }),
+            Request::Commit { key, token } => self
+                .store
+                .commit(vol, key, token, holder)
+                .map(|()| proto::encode_ok(&mut out, op, rid))
+                .map(ok),
+            Request::Release { tokens } => tokens
+                .iter()
+                .try_for_each(|t| self.store.release(*t, holder))
+                .map(|()| proto::encode_ok(&mut out, op, rid))
+                .map(ok),
+            Request::Remove { start, end } => self
+                .store
+                .remove(vol, start, end)
+                .map(|n| proto::encode_count(&mut out, op, rid, n))
+                .map(ok),
+            Request::Flush => self
+                .store
+                .flush()
+                .map(|()| proto::encode_ok(&mut out, op, rid))
+                .map(ok),
+            Request::Write { key, offset, data } => self
+                .store
+                .write(vol, key, offset, data)
+                .map(|()| proto::encode_ok(&mut out, op, rid))
+                .map(ok),
+            Request::RailConnect(client) => {
+                return self
+                    .rail_connect(conn, op, rid, &client)
+                    .map(|(s, f)| answer(f, s))
+            }
+        };
+        let status = match result {
+            Ok(status) => status,
+            Err(e) => {
+                let status = e.status();
+                if status == Status::Protocol {
+                    return Err(Fatal::Store(op, rid, e));
+                }
+                if status == Status::Internal {
+                    warn!(event = "store.error", conn = holder, op = op.name(), error = %e);
+                }
+                proto::encode_error(&mut out, op, rid, status, &e.to_string());
+                status
+            }
+        };
+        Ok(answer(out, status))
+    }
+
+    /// RAIL_CONNECT: one QP per connection, a new one replacing the old.
+    fn rail_connect(
+        &self,
+        conn: &Session,
+        op: Opcode,
+        rid: u64,
+        client: &proto::Endpoint,
+    ) -> Result<(Status, Vec<u8>), Fatal> {
+        let mut out = Vec::new();
+        let mut rail = conn.rail.lock();
+        let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
+            return Err(Fatal::Request(
+                op,
+                rid,
+                FrameError::Unexpected {
+                    op: op.name(),
+                    detail: "RAIL_CONNECT on a session that was not granted CAP_RDMA",
+                },
+            ));
+        };
+        rail.qp = None;
+        match rdma.accept(client) {
+            Ok((qp, acc)) => {
+                rail.qp = Some(qp);
+                acc.encode(&mut out, rid);
+                Ok((Status::Ok, out))
+            }
+            Err(e) => {
+                warn!(event = "rdma.declined", conn = conn.id, error = %e);
+                proto::encode_error(
+                    &mut out,
+                    op,
+                    rid,
+                    Status::Internal,
+                    &format!("RDMA rail refused: {e}"),
+                );
+                Ok((Status::Internal, out))
+            }
+        }
+    }
+}
+
+fn stale(conn: &Session, now: u64) -> String {
+    format!(
+        "stale epoch: this session is at epoch {}, volume {:?} at {now}: a newer writer owns it",
+        conn.epoch.load(Ordering::Acquire),
+        conn.vol.name
+    )
+}

@@ -1,0 +1,115 @@
+//! Why a connection ends early, and how each reason is counted, logged and
+//! answered with an error frame before the close.
+
+use std::io;
+use std::net::SocketAddr;
+
+use tracing::{debug, warn};
+
+use crate::arenad::epochs::EpochError;
+use crate::arenad::frames::ReadError;
+use crate::arenad::shared::Shared;
+use crate::proto::{self, FrameError, Opcode, Status};
+use crate::store::{HolderId, StoreError};
+
+/// Why a connection ended early; each becomes an error frame before close.
+pub(super) enum Fatal {
+    Frame(FrameError),
+    /// A protocol error in a request whose header named this opcode and id.
+    Request(Opcode, u64, FrameError),
+    Store(Opcode, u64, StoreError),
+    Auth(&'static str),
+    Hello(Status, String),
+    /// Closed before sending a byte.
+    Probe,
+    Epoch(EpochError),
+    Io(io::Error),
+}
+
+impl From<FrameError> for Fatal {
+    fn from(e: FrameError) -> Self {
+        Fatal::Frame(e)
+    }
+}
+impl From<ReadError> for Fatal {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Io(e) => Fatal::Io(e),
+            ReadError::Frame(e) => Fatal::Frame(e),
+            ReadError::Request(op, id, e) => Fatal::Request(op, id, e),
+        }
+    }
+}
+impl From<io::Error> for Fatal {
+    fn from(e: io::Error) -> Self {
+        Fatal::Io(e)
+    }
+}
+
+impl Shared {
+    /// Counts and logs the error that ends a connection; returns the error
+    /// frame that answers it (empty when the peer just went away). Logs
+    /// name the peer's address where an operator needs it (refused
+    /// handshakes); metrics never do.
+    pub(super) fn report_fatal(&self, id: HolderId, peer: SocketAddr, fatal: Fatal) -> Vec<u8> {
+        let mut frame = Vec::new();
+        match fatal {
+            Fatal::Io(e)
+            | Fatal::Frame(FrameError::Io(e))
+            | Fatal::Request(_, _, FrameError::Io(e)) => {
+                debug!(event = "peer.disconnected", conn = id, error = %e);
+            }
+            Fatal::Probe => {
+                self.obs.probe();
+                debug!(event = "connection.probe", conn = id);
+            }
+            Fatal::Frame(e) => {
+                self.obs.frame_error(&e);
+                warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Hello,
+                    0,
+                    Status::Protocol,
+                    &e.to_string(),
+                );
+            }
+            Fatal::Request(op, request_id, e) => {
+                self.obs.frame_error(&e);
+                warn!(event = "protocol.error", conn = id, class = e.class(), op = op.name(), request_id, error = %e);
+                proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
+            }
+            Fatal::Store(op, request_id, e) => {
+                warn!(event = "protocol.error", conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
+                proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
+            }
+            Fatal::Auth(why) => {
+                self.obs.auth_failed();
+                warn!(event = "auth.failed", conn = id, peer = %peer, reason = why);
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Hello,
+                    0,
+                    Status::AuthFailed,
+                    "authentication failed",
+                );
+            }
+            Fatal::Hello(status, msg) => {
+                self.obs.hello_refused(status);
+                warn!(event = "hello.refused", conn = id, peer = %peer, status = status.name(), detail = %msg);
+                proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
+            }
+            Fatal::Epoch(e) => {
+                warn!(event = "epoch.persist_failed", conn = id, error = %e);
+                proto::encode_error(
+                    &mut frame,
+                    Opcode::Hello,
+                    0,
+                    Status::Internal,
+                    &e.to_string(),
+                );
+            }
+        }
+        frame
+    }
+}
