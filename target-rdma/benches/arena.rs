@@ -42,12 +42,14 @@ use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
 use futures::future::select;
-use futures::stream::{FuturesUnordered, StreamExt};
 use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::proto::{self, Request, HEADER_LEN, TAG_LEN};
 use target_rdma::store::bench_hooks::extent_checksums;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::{secret, EchoPeer, Peer, PeerOpts, UringLoop};
+
+mod common;
+use common::{closed_loop, Dir};
 
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
@@ -207,12 +209,6 @@ impl Bench {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Dir {
-    Read,
-    Write,
-}
-
 /// Runs `size`-byte requests at queue depth `qd` for the case duration.
 /// Sequential: offsets walk the first `span` bytes in order. Random: a
 /// xorshift picks `size`-aligned offsets in `span`.
@@ -237,7 +233,7 @@ fn run_client(
     let slots = span / size as u64;
     let mut x = 0x2545_f491_4f6c_dd1du64;
     let mut seq = 0u64;
-    let mut next = move || {
+    let next = move || {
         let i = if sequential {
             seq += 1;
             (seq - 1) % slots
@@ -251,38 +247,11 @@ fn run_client(
         (off / blob, (off % blob) as u32)
     };
     let data = vec![0x5au8; size];
-    let data = &data;
-    // Read buffers are reused, as a ublk queue's are: allocating 1 MiB per
-    // request would measure the allocator.
     let pool = std::cell::RefCell::new(vec![vec![0u8; size]; qd]);
-    let pool = &pool;
     let start = Instant::now();
-    let mut ops = 0u64;
+    let mut ops = 0;
     let work = async {
-        let mut inflight = FuturesUnordered::new();
-        loop {
-            while inflight.len() < qd && start.elapsed() < secs() {
-                let (key, off) = next();
-                inflight.push(async move {
-                    match dir {
-                        Dir::Write => c.write(key, off, data).await,
-                        Dir::Read => {
-                            let mut out = pool.borrow_mut().pop().expect("one buffer per slot");
-                            let r = c.read(key, off, &mut out).await.map(|_| ());
-                            pool.borrow_mut().push(out);
-                            r
-                        }
-                    }
-                });
-            }
-            match inflight.next().await {
-                Some(r) => {
-                    r.expect("bench request");
-                    ops += 1;
-                }
-                None => break,
-            }
-        }
+        ops = closed_loop(c, dir, qd, &data, &pool, next, || start.elapsed() < secs()).await;
     };
     match on {
         None => block_on(work),

@@ -23,9 +23,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
-use futures::stream::{FuturesUnordered, StreamExt};
 use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::testing::{secret, secret_file};
+
+mod common;
+use common::{closed_loop, Dir};
 
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
@@ -120,12 +122,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-#[derive(Clone, Copy)]
-enum Dir {
-    Read,
-    Write,
 }
 
 /// A case: request size and direction, queue depth per connection, connections.
@@ -237,7 +233,7 @@ fn run(d: &Daemon, case: Case) -> f64 {
 fn one_connection(c: &ArenaClient, case: Case, t: u64, start: Instant) -> u64 {
     let per_blob = (MIB / case.size) as u64;
     let mut x = 0x2545_f491_4f6c_dd1du64 ^ (t + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let mut next = move || {
+    let next = move || {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -245,37 +241,16 @@ fn one_connection(c: &ArenaClient, case: Case, t: u64, start: Instant) -> u64 {
         (i / per_blob, ((i % per_blob) as usize * case.size) as u32)
     };
     let data = vec![0x5au8; case.size];
-    let data = &data;
     let pool = std::cell::RefCell::new(vec![vec![0u8; case.size]; case.qd]);
-    let pool = &pool;
-    let mut ops = 0;
-    block_on(async {
-        let mut inflight = FuturesUnordered::new();
-        loop {
-            while inflight.len() < case.qd && start.elapsed() < secs() {
-                let (key, off) = next();
-                inflight.push(async move {
-                    match case.dir {
-                        Dir::Write => c.write(key, off, data).await,
-                        Dir::Read => {
-                            let mut out = pool.borrow_mut().pop().expect("a buffer per slot");
-                            let r = c.read(key, off, &mut out).await.map(|_| ());
-                            pool.borrow_mut().push(out);
-                            r
-                        }
-                    }
-                });
-            }
-            match inflight.next().await {
-                Some(r) => {
-                    r.expect("bench request");
-                    ops += 1;
-                }
-                None => break,
-            }
-        }
-    });
-    ops
+    block_on(closed_loop(
+        c,
+        case.dir,
+        case.qd,
+        &data,
+        &pool,
+        next,
+        || start.elapsed() < secs(),
+    ))
 }
 
 /// VmRSS of `d` in KiB before and with 2000 idle unauthenticated sockets.
