@@ -21,6 +21,7 @@ mod conn;
 mod durability;
 mod frames;
 pub mod ring;
+mod source;
 mod stats;
 pub mod tcp_info;
 
