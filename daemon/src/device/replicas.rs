@@ -203,7 +203,7 @@ impl Replicated {
                         rebuild_failures: b.map_or(0, |b| b.failures),
                         retry_in_ms: b.and_then(|b| {
                             let left = b.retry_at.saturating_duration_since(now);
-                            (!left.is_zero()).then(|| left.as_millis() as u64)
+                            (!left.is_zero()).then_some(left.as_millis() as u64)
                         }),
                     }
                 })
