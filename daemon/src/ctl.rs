@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
+use target_rdma::size::HumanSize;
 use ublk_metrics::DeviceDriverReport;
 
 /// The protocol version this build speaks.
@@ -310,6 +311,51 @@ pub struct ReplicaInfo {
     pub peer: String,
     /// `healthy`, `syncing`, `failed` or `removed`.
     pub state: String,
+    /// Rebuilds of this peer that failed in a row (0: none, or the last
+    /// one succeeded).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rebuild_failures: u32,
+    /// Milliseconds until the next rebuild of this peer may start: it is
+    /// backed off after `rebuild_failures` failures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_in_ms: Option<u64>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl ReplicasInfo {
+    /// `show`'s lines for the replicas: the summary, then one per member
+    /// (state, peer, and its rebuild's progress or backoff).
+    pub fn show_lines(&self) -> Vec<String> {
+        let mut out = vec![format!(
+            "  replicas   {} healthy of {} active, epoch {}",
+            self.healthy, self.active, self.epoch
+        )];
+        for m in &self.members {
+            let mut note = match &self.rebuild {
+                Some(b) if b.peer == m.peer => {
+                    let total = b.bytes_done + b.bytes_remaining;
+                    let pct = (b.bytes_done * 100).checked_div(total).unwrap_or(100);
+                    format!(
+                        "  rebuild {pct}% ({} of {})",
+                        HumanSize(b.bytes_done),
+                        HumanSize(total)
+                    )
+                }
+                _ => String::new(),
+            };
+            if m.rebuild_failures > 0 {
+                note.push_str(&format!("  rebuild failed {}x", m.rebuild_failures));
+                if let Some(ms) = m.retry_in_ms {
+                    note.push_str(&format!(", next try in {:.1} s", ms as f64 / 1e3));
+                }
+            }
+            out.push(format!("    {:<8} {}{note}", m.state, m.peer));
+        }
+        out
+    }
 }
 
 /// A rebuild's progress.

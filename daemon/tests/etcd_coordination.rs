@@ -310,7 +310,7 @@ fn placement_spreads_over_failure_domains_and_counts_what_is_placed() {
     assert!(c.place(g, 3).is_err(), "b1 is full now");
     let vol = membership(1, &["a1", "c1"]);
     assert!(
-        c.spare(&vol).is_err(),
+        c.spare(&vol, "").is_err(),
         "only b1 is outside their domains, and it is full"
     );
     Etcd::wait(c.swap_membership(
@@ -320,7 +320,7 @@ fn placement_spreads_over_failure_domains_and_counts_what_is_placed() {
         1,
     ))
     .unwrap();
-    assert_eq!(c.spare(&vol).unwrap().id, "b1");
+    assert_eq!(c.spare(&vol, "").unwrap().id, "b1");
     // A peer holding replicas cannot be unregistered.
     let e = c.remove_peer("a2").unwrap_err().to_string();
     assert!(

@@ -27,6 +27,9 @@ closed_enum! {
         MemberRebuilt => "member_rebuilt",
         /// A new writer took the volume (same members, a new epoch).
         WriterChanged => "writer_changed",
+        /// A spare caught up and took the place of a member that stayed
+        /// failed (recorded removed in the same change).
+        MemberReplaced => "member_replaced",
     }
 }
 

@@ -275,6 +275,18 @@ pub const COORDINATION: &[Family] = &[
         &[],
         "Writers fenced because a peer had seen a newer membership epoch (another writer took over).",
     ),
+    f(
+        "ublk_replica_hedged_reads_total",
+        Counter,
+        &["outcome"],
+        "Reads of replicated devices also sent to a second member because the first was slow, by which answered first.",
+    ),
+    f(
+        "ublk_rebuilds_total",
+        Counter,
+        &["outcome"],
+        "Rebuilds of replicated devices' members (a returning peer or a spare), by how they ended.",
+    ),
 ];
 
 /// arenad families.

@@ -1,18 +1,43 @@
 //! ublkd's replica-health families (replicated volumes, issue 11): how
 //! many members of its replicated devices hold every acknowledged write,
 //! how many devices run with fewer than they were created with, rebuild
-//! progress, and writers fenced by a peer's newer epoch. No device or peer
+//! progress and outcomes, hedged reads, and writers fenced by a peer's
+//! newer epoch. No device or peer
 //! label: the sums are what an alert needs, and `ublkctl show` names the
 //! device and the member.
 //!
 //! This crate cannot depend on the daemon, so the collector samples plain
 //! numbers ([`ReplicaStats`]) from a source the daemon sets.
 
+use crate::labels::{closed_enum, count_variants};
 use crate::telemetry::{Collector, Telemetry};
 use metrics::{Counter, Gauge};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+
+closed_enum! {
+    /// Which member answered a hedged read first.
+    HedgeOutcome {
+        /// The second member, the read was hedged to.
+        Won => "won",
+        /// The first member, despite its delay.
+        Lost => "lost",
+    }
+}
+
+closed_enum! {
+    /// How a rebuild (of a returning peer or a spare) ended.
+    RebuildOutcome {
+        /// The member caught up and was recorded healthy.
+        Done => "done",
+        /// A copy or a membership change failed: the member is out again
+        /// and its peer is backed off.
+        Failed => "failed",
+        /// The device stopped while it ran.
+        Abandoned => "abandoned",
+    }
+}
 
 /// Replicated devices' state, summed over the devices, sampled at each
 /// scrape. Totals are since ublkd started.
@@ -30,6 +55,41 @@ pub struct ReplicaStats {
     pub rebuild_remaining: u64,
     /// Writers fenced because a peer had seen a newer epoch.
     pub stale_epoch_fences: u64,
+    /// Reads sent to a second member, by [`HedgeOutcome::index`].
+    pub hedged_reads: [u64; HedgeOutcome::COUNT],
+    /// Rebuilds ended, by [`RebuildOutcome::index`].
+    pub rebuilds: [u64; RebuildOutcome::COUNT],
+}
+
+impl ReplicaStats {
+    /// Adds the totals of `other` (a device's, or those of devices gone),
+    /// gauges included.
+    pub fn add(&mut self, other: &ReplicaStats) {
+        self.replicas += other.replicas;
+        self.healthy += other.healthy;
+        self.degraded += other.degraded;
+        self.rebuild_bytes += other.rebuild_bytes;
+        self.rebuild_remaining += other.rebuild_remaining;
+        self.stale_epoch_fences += other.stale_epoch_fences;
+        for (a, b) in self.hedged_reads.iter_mut().zip(other.hedged_reads) {
+            *a += b;
+        }
+        for (a, b) in self.rebuilds.iter_mut().zip(other.rebuilds) {
+            *a += b;
+        }
+    }
+
+    /// Only the totals (counters): what a device leaves behind when it
+    /// goes, so that the counters summed over devices never go back.
+    pub fn totals(&self) -> ReplicaStats {
+        ReplicaStats {
+            rebuild_bytes: self.rebuild_bytes,
+            stale_epoch_fences: self.stale_epoch_fences,
+            hedged_reads: self.hedged_reads,
+            rebuilds: self.rebuilds,
+            ..ReplicaStats::default()
+        }
+    }
 }
 
 type Source = Box<dyn Fn() -> ReplicaStats + Send + Sync>;
@@ -42,6 +102,8 @@ pub struct ReplicaMetrics {
     rebuild_bytes: Counter,
     rebuild_remaining: Gauge,
     fences: Counter,
+    hedged_reads: [Counter; HedgeOutcome::COUNT],
+    rebuilds: [Counter; RebuildOutcome::COUNT],
     source: Mutex<Option<Source>>,
 }
 
@@ -63,6 +125,14 @@ impl ReplicaMetrics {
             rebuild_bytes: t.counter("ublk_rebuild_bytes_total", &[]),
             rebuild_remaining: t.gauge("ublk_rebuild_remaining_bytes", &[]),
             fences: t.counter("ublk_writer_stale_epoch_fences_total", &[]),
+            hedged_reads: HedgeOutcome::ALL.map(|o| {
+                t.counter(
+                    "ublk_replica_hedged_reads_total",
+                    &[("outcome", o.as_str())],
+                )
+            }),
+            rebuilds: RebuildOutcome::ALL
+                .map(|o| t.counter("ublk_rebuilds_total", &[("outcome", o.as_str())])),
             source: Mutex::new(None),
         });
         m.update_from(&ReplicaStats::default());
@@ -78,6 +148,12 @@ impl ReplicaMetrics {
         self.rebuild_bytes.absolute(s.rebuild_bytes);
         self.rebuild_remaining.set(s.rebuild_remaining as f64);
         self.fences.absolute(s.stale_epoch_fences);
+        for (c, v) in self.hedged_reads.iter().zip(s.hedged_reads) {
+            c.absolute(v);
+        }
+        for (c, v) in self.rebuilds.iter().zip(s.rebuilds) {
+            c.absolute(v);
+        }
     }
 
     /// Sets what the scrape samples.
@@ -113,6 +189,8 @@ mod tests {
             rebuild_bytes: 1 << 20,
             rebuild_remaining: 4096,
             stale_epoch_fences: 1,
+            hedged_reads: [2, 5],
+            rebuilds: [1, 3, 0],
         });
         for s in [
             "ublk_replicas 5",
@@ -121,6 +199,9 @@ mod tests {
             "ublk_rebuild_bytes_total 1048576",
             "ublk_rebuild_remaining_bytes 4096",
             "ublk_writer_stale_epoch_fences_total 1",
+            "ublk_replica_hedged_reads_total{outcome=\"won\"} 2",
+            "ublk_replica_hedged_reads_total{outcome=\"lost\"} 5",
+            "ublk_rebuilds_total{outcome=\"failed\"} 3",
         ] {
             assert!(has(s), "{s}");
         }

@@ -127,7 +127,7 @@ fn ublkd_expositions() -> Expositions {
         .fail(Phase::Commit, Reason::Timeout);
     let coord = ublk_metrics::CoordinationMetrics::new(&t);
     coord.update_from(&ublk_metrics::CoordinationStats {
-        epoch_changes: [1, 2, 0, 1, 1, 0],
+        epoch_changes: [1, 2, 0, 1, 1, 0, 1],
         leases_lost: 1,
         lease_valid: true,
     });
@@ -138,6 +138,8 @@ fn ublkd_expositions() -> Expositions {
         rebuild_bytes: 1 << 20,
         rebuild_remaining: 65536,
         stale_epoch_fences: 0,
+        hedged_reads: [3, 1],
+        rebuilds: [1, 2, 0],
     });
     t.enable_openmetrics();
     Expositions {

@@ -230,6 +230,9 @@ impl Run {
                     keys: 0..KEYS,
                     bytes_per_sec: rate,
                     change_deadline: Duration::from_millis(200),
+                    // The model rebuilds members in their own place; a
+                    // spare's replacement is replica::tests'.
+                    replaces: None,
                 };
                 let stats = RebuildStats::default();
                 let sessions = peer.sessions(QUEUES);

@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use target_rdma::client::{RdmaDriverStats, RdmaStats, TcpReason};
 use ublk_metrics::{
-    families, ArenaOp, ArenaOutcome, DriverSnapshot, DriverStats as _, ErrnoClass, IoOp,
-    NotReadyReason, Outcome, Phase, ProtocolErrorClass, Reason, SlotState, Transport,
+    families, ArenaOp, ArenaOutcome, DriverSnapshot, DriverStats as _, EpochReason, ErrnoClass,
+    HedgeOutcome, IoOp, NotReadyReason, Outcome, Phase, ProtocolErrorClass, Reason, RebuildOutcome,
+    SlotState, Transport,
 };
 
 fn repo() -> PathBuf {
@@ -42,12 +43,15 @@ fn closed_labels() -> BTreeMap<&'static str, BTreeSet<String>> {
         .collect();
     add("reason", &driver_reasons);
     add("reason", &NotReadyReason::ALL.map(NotReadyReason::as_str));
+    add("reason", &EpochReason::ALL.map(EpochReason::as_str));
     add("phase", &Phase::ALL.map(Phase::as_str));
     add("errno", &ErrnoClass::ALL.map(ErrnoClass::as_str));
     add("op", &IoOp::ALL.map(IoOp::as_str));
     add("op", &ArenaOp::ALL.map(ArenaOp::as_str));
     add("outcome", &Outcome::ALL.map(Outcome::as_str));
     add("outcome", &ArenaOutcome::ALL.map(ArenaOutcome::as_str));
+    add("outcome", &RebuildOutcome::ALL.map(RebuildOutcome::as_str));
+    add("outcome", &HedgeOutcome::ALL.map(HedgeOutcome::as_str));
     add(
         "class",
         &ProtocolErrorClass::ALL.map(ProtocolErrorClass::as_str),

@@ -482,24 +482,8 @@ fn print_device(d: &DeviceInfo) {
 
 // --- replication (issue 11) ---
 fn print_replicas(r: &ReplicasInfo) {
-    println!(
-        "  replicas   {} healthy of {} active, epoch {}",
-        r.healthy, r.active, r.epoch
-    );
-    for m in &r.members {
-        let progress = match &r.rebuild {
-            Some(b) if b.peer == m.peer => {
-                let total = b.bytes_done + b.bytes_remaining;
-                let pct = (b.bytes_done * 100).checked_div(total).unwrap_or(100);
-                format!(
-                    "  rebuild {pct}% ({} of {})",
-                    HumanSize(b.bytes_done),
-                    HumanSize(total)
-                )
-            }
-            _ => String::new(),
-        };
-        println!("    {:<8} {}{progress}", m.state, m.peer);
+    for line in r.show_lines() {
+        println!("{line}");
     }
 }
 

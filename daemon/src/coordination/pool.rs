@@ -273,9 +273,15 @@ impl Coordination {
             .map_err(CoordError::Placement)
     }
 
-    /// A spare for `membership`: a registered peer that is not a member,
-    /// outside the domains of the members still holding data, with room.
-    pub fn spare(&self, membership: &MembershipRecord) -> Result<PeerRecord, CoordError> {
+    /// A spare to replace member `replacing` of `membership`: a registered
+    /// peer that is not (and was not) a member, outside the failure
+    /// domains of the members still holding data other than `replacing`
+    /// (its domain is the one being given up), with room for the volume.
+    pub fn spare(
+        &self,
+        membership: &MembershipRecord,
+        replacing: &str,
+    ) -> Result<PeerRecord, CoordError> {
         let pool = self.peers()?;
         let placed = self.memberships()?;
         let used = placement::used_bytes(placed.iter().map(|(_, m)| &m.record));
@@ -287,11 +293,33 @@ impl Coordination {
             .collect();
         let domains: BTreeSet<String> = membership
             .placed()
+            .filter(|m| m.peer != replacing)
             .filter_map(|m| pool.iter().find(|p| p.id == m.peer))
             .map(|p| p.domain().to_owned())
             .collect();
         placement::choose(&pool, &used, membership.size, 1, &members, &domains)
             .map_err(CoordError::Placement)
             .map(|mut v| v.remove(0))
+    }
+
+    /// A spare for `volume`'s member `replacing`, chosen over the record
+    /// as etcd holds it now; `None` when the pool has no peer that fits
+    /// (the member then waits for its own peer).
+    pub fn spare_for(
+        &self,
+        volume: &str,
+        replacing: &str,
+    ) -> Result<Option<PeerRecord>, CoordError> {
+        let Some(record) = Etcd::wait(self.membership(volume))? else {
+            return Ok(None);
+        };
+        match self.spare(&record.record, replacing) {
+            Ok(p) => Ok(Some(p)),
+            Err(CoordError::Placement(why)) => {
+                tracing::debug!(event = "rebuild.no_spare", volume, replacing, reason = %why);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 }

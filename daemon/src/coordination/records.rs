@@ -203,6 +203,8 @@ pub fn reason_of_change(old: &Membership, new: &Membership) -> EpochReason {
     };
     if moved(MemberState::Failed) {
         EpochReason::MemberFailed
+    } else if moved(MemberState::Removed) && moved(MemberState::Healthy) {
+        EpochReason::MemberReplaced
     } else if moved(MemberState::Removed) {
         EpochReason::MemberRemoved
     } else if moved(MemberState::Syncing) {
@@ -287,6 +289,14 @@ mod tests {
         assert_eq!(
             reason_of_change(&syncing, &rebuilt),
             EpochReason::MemberRebuilt
+        );
+        // A spare joining healthy while the member it replaces is removed.
+        let mut replaced = spare.clone();
+        replaced.members[1].state = MemberState::Removed;
+        replaced.members[2].state = MemberState::Healthy;
+        assert_eq!(
+            reason_of_change(&spare, &replaced),
+            EpochReason::MemberReplaced
         );
         assert_eq!(of(&with(&|_| {})), EpochReason::WriterChanged);
     }

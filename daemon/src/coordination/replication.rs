@@ -30,6 +30,16 @@ pub struct ReplicationConfig {
     /// again (and rebuilds it), in ms.
     #[serde(default = "default_rebuild_check")]
     pub rebuild_check_ms: u64,
+    /// A member failed for longer than this is replaced by a spare from
+    /// the placement pool (etcd only), in ms; until then only its own
+    /// peer, once back, is rebuilt.
+    #[serde(default = "default_replace_after")]
+    pub replace_after_ms: u64,
+    /// Longest pause before another rebuild of a peer whose rebuilds keep
+    /// failing, in ms: the pause doubles from `rebuild_check_ms` with each
+    /// failure in a row, up to this.
+    #[serde(default = "default_rebuild_backoff_max")]
+    pub rebuild_backoff_max_ms: u64,
 }
 
 fn default_hedge_after() -> u64 {
@@ -47,6 +57,12 @@ fn default_rebuild_rate() -> u64 {
 fn default_rebuild_check() -> u64 {
     2000
 }
+fn default_replace_after() -> u64 {
+    300_000
+}
+fn default_rebuild_backoff_max() -> u64 {
+    300_000
+}
 
 impl Default for ReplicationConfig {
     fn default() -> Self {
@@ -56,6 +72,8 @@ impl Default for ReplicationConfig {
             coord_timeout_ms: default_coord_timeout(),
             rebuild_bytes_per_sec: default_rebuild_rate(),
             rebuild_check_ms: default_rebuild_check(),
+            replace_after_ms: default_replace_after(),
+            rebuild_backoff_max_ms: default_rebuild_backoff_max(),
         }
     }
 }
@@ -76,6 +94,23 @@ impl ReplicationConfig {
         Duration::from_millis(self.rebuild_check_ms)
     }
 
+    /// How long a member stays failed before a spare replaces it.
+    pub fn replace_after(&self) -> Duration {
+        Duration::from_millis(self.replace_after_ms)
+    }
+
+    /// The pause before the next rebuild of a peer whose last `failures`
+    /// rebuilds in a row failed: `rebuild_check` doubled per failure, at
+    /// most `rebuild_backoff_max_ms`.
+    pub fn rebuild_backoff(&self, failures: u32) -> Duration {
+        let max = self.rebuild_backoff_max_ms.max(self.rebuild_check_ms);
+        let ms = self
+            .rebuild_check_ms
+            .saturating_mul(1u64 << failures.min(32))
+            .min(max);
+        Duration::from_millis(ms)
+    }
+
     /// Checks every `[replication]` key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(10..=10_000_000).contains(&self.hedge_after_us) {
@@ -92,6 +127,17 @@ impl ReplicationConfig {
         ] {
             if !(100..=600_000).contains(&v) {
                 return Err(invalid(key, v, "must be between 100 and 600000"));
+            }
+        }
+        for (key, v) in [
+            ("replication.replace_after_ms", self.replace_after_ms),
+            (
+                "replication.rebuild_backoff_max_ms",
+                self.rebuild_backoff_max_ms,
+            ),
+        ] {
+            if !(100..=86_400_000).contains(&v) {
+                return Err(invalid(key, v, "must be between 100 and 86400000"));
             }
         }
         if self.coord_timeout_ms > self.change_deadline_ms {
@@ -122,5 +168,19 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("replication.coord_timeout_ms"), "{e}");
+    }
+
+    #[test]
+    fn the_rebuild_backoff_doubles_up_to_its_bound() {
+        let c = ReplicationConfig {
+            rebuild_check_ms: 1000,
+            rebuild_backoff_max_ms: 5000,
+            ..ReplicationConfig::default()
+        };
+        let ms = |n| c.rebuild_backoff(n).as_millis();
+        assert_eq!(
+            [ms(0), ms(1), ms(2), ms(3), ms(40)],
+            [1000, 2000, 4000, 5000, 5000]
+        );
     }
 }

@@ -47,7 +47,7 @@ use crate::observability::{DevState, DeviceObs, Observability};
 use crate::queue_io::{QueueIo, TagBuffers};
 use connect::driver_stats;
 pub use connect::Connector;
-pub use replicas::{Replicated, Resolve};
+pub use replicas::{FindSpare, Replicated, Resolve};
 use resize::{KernelSize, UblkDriver};
 #[cfg(test)]
 use spec::params;
@@ -267,19 +267,6 @@ fn check_cpus(cpus: &[u32]) -> Result<Vec<u32>, DeviceError> {
     Ok(cpus.to_vec())
 }
 
-/// Waits for a stopped device's thread, and ends its rebuild thread.
-fn finish(dev: &mut Device) {
-    if let Some(t) = dev.thread.take() {
-        let _ = t.join();
-    }
-    if let Some((rep, rebuilder)) = dev.replicated.take() {
-        rep.stop();
-        if let Some(t) = rebuilder {
-            let _ = t.join();
-        }
-    }
-}
-
 /// Owns every device's lifecycle.
 pub struct Manager {
     cfg: UblkdConfig,
@@ -292,6 +279,9 @@ pub struct Manager {
     coordination: Option<Arc<CoordinationSlot>>,
     /// The kernel's side of resizing (a fake in tests).
     kernel: Arc<dyn KernelSize>,
+    /// The replica totals of devices gone (deleted, or opened anew by a
+    /// recover), so the counters summed over devices never go back.
+    retired: Mutex<ublk_metrics::ReplicaStats>,
 }
 
 impl Manager {
@@ -318,6 +308,7 @@ impl Manager {
             obs,
             coordination,
             kernel: Arc::new(UblkDriver),
+            retired: Mutex::default(),
         })
     }
 
@@ -512,6 +503,7 @@ impl Manager {
                         connector,
                         spec.clone(),
                         self.resolver(),
+                        self.spare_finder(),
                         self.cfg.replication.clone(),
                     )
                     .map_err(|e| tracing::error!(event = "rebuild.spawn_failed", id, error = %e))
@@ -691,7 +683,22 @@ impl Manager {
                 tracing::warn!(event = "device.stop_failed", id, error = %e);
             }
         }
-        finish(dev);
+        self.finish(dev);
+    }
+
+    /// Waits for a stopped device's thread, and ends its rebuild thread
+    /// (its replica totals retired).
+    fn finish(&self, dev: &mut Device) {
+        if let Some(t) = dev.thread.take() {
+            let _ = t.join();
+        }
+        if let Some((rep, rebuilder)) = dev.replicated.take() {
+            rep.stop();
+            if let Some(t) = rebuilder {
+                let _ = t.join();
+            }
+            self.retire(&dev.spec, &rep);
+        }
     }
 
     /// `recover`: brings a stopped or failed device back.
@@ -709,7 +716,7 @@ impl Manager {
             dev.spec.clone()
         };
         if let Some(mut dev) = self.devices.lock().remove(&id) {
-            finish(&mut dev);
+            self.finish(&mut dev);
         }
         if let Err(e) = self.bring_back(spec.clone()) {
             self.insert_failed(spec, &e);

@@ -2,14 +2,18 @@
 //! [`ReplicaSet`] over one [`Connector`] session per queue and member (plus
 //! a background one each), coordinated by etcd or, without it, by the
 //! state dir; and the device's rebuild thread, which brings a failed member
-//! back once its peer answers again. The rules the core keeps are in
-//! docs/REPLICATION.md; this file only wires them to a device.
+//! back once its peer answers again, or, once it has stayed failed for
+//! `[replication] replace_after_ms`, replaces it by a spare from the
+//! placement pool (etcd only), and backs off a peer whose rebuilds keep
+//! failing. The rules the core keeps are in docs/REPLICATION.md; this file
+//! only wires them to a device.
 
+use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
 use futures::future::{select, Either};
@@ -28,12 +32,26 @@ use super::{DeviceError, DeviceSpec, ReplicaSpec};
 use crate::coordination::{CoordError, ReplicationConfig};
 use crate::ctl::{AddArgs, RebuildInfo, ReplicaInfo, ReplicasInfo};
 use crate::queue_io::{QueueIo, TagBuffers};
-use ublk_metrics::ReplicaStats;
+use ublk_metrics::{HedgeOutcome, RebuildOutcome, ReplicaStats};
 
 /// Maps a peer as the membership record names it to the address to
 /// connect to (a placement-pool id to its registered address; `host:port`
 /// to itself).
 pub type Resolve = Arc<dyn Fn(&str) -> Result<String, DeviceError> + Send + Sync>;
+
+/// Finds a spare to replace member `replacing` (second argument) of
+/// `volume` (first): a peer as the membership record will name it, or
+/// `None` when the pool has none that fits. Only etcd's placement pool
+/// has spares; without `[etcd]` a device gets none.
+pub type FindSpare = Arc<dyn Fn(&str, &str) -> Result<Option<String>, DeviceError> + Send + Sync>;
+
+/// A peer whose last rebuilds failed: not tried again before `retry_at`.
+#[derive(Clone, Copy, Debug)]
+struct Backoff {
+    /// Failed rebuilds in a row.
+    failures: u32,
+    retry_at: Instant,
+}
 
 /// One replicated device's volume, shared by its queues, the manager
 /// (`show`, `del`) and its rebuild thread.
@@ -45,6 +63,10 @@ pub struct Replicated {
     rebuilding: Mutex<Option<String>>,
     /// Blob bytes copied by this device's finished rebuilds.
     rebuilt: AtomicU64,
+    /// Peers whose rebuilds failed, until one succeeds.
+    backoff: Mutex<HashMap<String, Backoff>>,
+    /// Rebuilds ended, by [`RebuildOutcome::index`].
+    rebuilds: [AtomicU64; RebuildOutcome::COUNT],
     /// Cleared when the device stops: its rebuild thread ends.
     running: AtomicBool,
     /// The queues' tag buffers, registered with every member's queue
@@ -133,6 +155,8 @@ impl Replicated {
             rebuild: RebuildStats::default(),
             rebuilding: Mutex::new(None),
             rebuilt: AtomicU64::new(0),
+            backoff: Mutex::default(),
+            rebuilds: Default::default(),
             running: AtomicBool::new(true),
             bufs,
         });
@@ -162,6 +186,8 @@ impl Replicated {
     pub fn info(&self) -> ReplicasInfo {
         let m = self.set.membership();
         let count = |s: MemberState| m.members.iter().filter(|r| r.state == s).count();
+        let backoff = self.backoff.lock().clone();
+        let now = Instant::now();
         ReplicasInfo {
             epoch: m.epoch,
             active: m.active().count(),
@@ -169,9 +195,17 @@ impl Replicated {
             members: m
                 .members
                 .iter()
-                .map(|r| ReplicaInfo {
-                    peer: r.peer.clone(),
-                    state: r.state.name().into(),
+                .map(|r| {
+                    let b = backoff.get(&r.peer);
+                    ReplicaInfo {
+                        peer: r.peer.clone(),
+                        state: r.state.name().into(),
+                        rebuild_failures: b.map_or(0, |b| b.failures),
+                        retry_in_ms: b.and_then(|b| {
+                            let left = b.retry_at.saturating_duration_since(now);
+                            (!left.is_zero()).then_some(left.as_millis() as u64)
+                        }),
+                    }
                 })
                 .collect(),
             rebuild: self.rebuilding.lock().clone().map(|peer| RebuildInfo {
@@ -189,36 +223,58 @@ impl Replicated {
         self.running.store(false, Ordering::Release);
     }
 
-    /// Starts the device's rebuild thread: every `cfg.rebuild_check()` it
-    /// looks for a failed member whose peer accepts sessions again, and
+    /// Starts the device's rebuild thread: every `cfg.rebuild_check()`,
+    /// while fewer members are active than the device has replicas, it
+    /// looks for a failed member whose peer accepts sessions again and
     /// rebuilds it (fresh sessions, so a loss its peer suffered does not
-    /// follow it), one at a time, at `cfg.rebuild_bytes_per_sec`.
+    /// follow it); a member failed for `cfg.replace_after()` is replaced
+    /// by a spare `spares` finds instead, when its own peer does not
+    /// answer. One rebuild at a time, at `cfg.rebuild_bytes_per_sec`; a
+    /// peer whose rebuild failed waits `cfg.rebuild_backoff`.
     pub fn spawn_rebuilder(
         self: &Arc<Self>,
         connector: Connector,
         spec: DeviceSpec,
         resolve: Resolve,
+        spares: Option<FindSpare>,
         cfg: ReplicationConfig,
     ) -> io::Result<JoinHandle<()>> {
         let weak = Arc::downgrade(self);
+        let ctx = Rebuilder {
+            connector,
+            spec,
+            resolve,
+            spares,
+            cfg,
+        };
         std::thread::Builder::new()
             .name("ublk-rebuild".into())
-            .spawn(move || rebuild_loop(&weak, &connector, &spec, &resolve, &cfg))
+            .spawn(move || rebuild_loop(&weak, &ctx))
     }
 
     fn is_running(&self) -> bool {
         self.running.load(Ordering::Acquire)
     }
 
-    /// Rebuilds `peer` if it accepts sessions; `false` when it does not.
+    /// Rebuilds `peer` (in place of the failed member `replaces`, when
+    /// given) if it accepts sessions and is not backed off; `None` when it
+    /// was not tried.
     fn try_rebuild(
         &self,
         peer: &str,
-        connector: &Connector,
-        spec: &DeviceSpec,
-        resolve: &Resolve,
-        cfg: &ReplicationConfig,
-    ) -> bool {
+        replaces: Option<&str>,
+        ctx: &Rebuilder,
+    ) -> Option<RebuildOutcome> {
+        let Rebuilder {
+            connector,
+            spec,
+            resolve,
+            cfg,
+            ..
+        } = ctx;
+        if self.backed_off(peer) {
+            return None;
+        }
         let volume = spec.volume.as_str();
         let opened = Secret::from_file(&spec.secret_file)
             .map_err(DeviceError::from)
@@ -230,7 +286,7 @@ impl Replicated {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(event = "rebuild.peer_unreachable", volume, peer, error = %e);
-                return false;
+                return None;
             }
         };
         let blob = u64::from(sessions.queues[0].blob_bytes().max(1));
@@ -238,9 +294,10 @@ impl Replicated {
             keys: 0..spec.size.div_ceil(blob),
             bytes_per_sec: cfg.rebuild_bytes_per_sec,
             change_deadline: cfg.core().change_deadline,
+            replaces: replaces.map(str::to_owned),
         };
         *self.rebuilding.lock() = Some(peer.to_owned());
-        tracing::info!(event = "rebuild.started", volume, peer);
+        tracing::info!(event = "rebuild.started", volume, peer, replaces);
         let rebuild =
             std::pin::pin!(self
                 .set
@@ -251,22 +308,71 @@ impl Replicated {
                 clock.sleep(Duration::from_millis(100)).await;
             }
         });
-        match block_on(select(rebuild, stopped)) {
+        let outcome = match block_on(select(rebuild, stopped)) {
             Either::Left((Ok(()), _)) => {
-                tracing::info!(event = "rebuild.done", volume, peer,
+                tracing::info!(event = "rebuild.done", volume, peer, replaces,
                     membership = %self.set.membership());
+                self.backoff.lock().remove(peer);
+                RebuildOutcome::Done
             }
             Either::Left((Err(e), _)) => {
-                tracing::warn!(event = "rebuild.failed", volume, peer, error = %e);
+                let mut backoff = self.backoff.lock();
+                let failures = backoff.get(peer).map_or(0, |b| b.failures) + 1;
+                let pause = cfg.rebuild_backoff(failures);
+                backoff.insert(
+                    peer.to_owned(),
+                    Backoff {
+                        failures,
+                        retry_at: Instant::now() + pause,
+                    },
+                );
+                tracing::warn!(event = "rebuild.failed", volume, peer, error = %e, failures,
+                    retry_in_ms = pause.as_millis() as u64);
+                RebuildOutcome::Failed
             }
-            Either::Right(_) => tracing::info!(event = "rebuild.abandoned", volume, peer),
-        }
+            Either::Right(_) => {
+                tracing::info!(event = "rebuild.abandoned", volume, peer);
+                RebuildOutcome::Abandoned
+            }
+        };
+        self.rebuilds[outcome.index()].fetch_add(1, Ordering::Relaxed);
         let mut rebuilding = self.rebuilding.lock();
         let copied = self.rebuild.bytes_copied.swap(0, Ordering::Relaxed);
         self.rebuilt.fetch_add(copied, Ordering::Relaxed);
         self.rebuild.bytes_remaining.store(0, Ordering::Relaxed);
         *rebuilding = None;
-        true
+        Some(outcome)
+    }
+
+    /// Whether `peer`'s last rebuild failed and its pause runs still.
+    fn backed_off(&self, peer: &str) -> bool {
+        self.backoff
+            .lock()
+            .get(peer)
+            .is_some_and(|b| b.retry_at > Instant::now())
+    }
+
+    /// This device's part of the replica families; `wanted` is its
+    /// replica count.
+    pub fn replica_stats(&self, wanted: u64) -> ReplicaStats {
+        let healthy = self.info().healthy as u64;
+        let (rebuild_bytes, rebuild_remaining) = self.rebuild_bytes();
+        let core = self.set.stats();
+        let hedged = core.hedged_reads.load(Ordering::Relaxed);
+        let won = core.hedge_wins.load(Ordering::Relaxed);
+        let mut hedged_reads = [0; HedgeOutcome::COUNT];
+        hedged_reads[HedgeOutcome::Won.index()] = won;
+        hedged_reads[HedgeOutcome::Lost.index()] = hedged.saturating_sub(won);
+        ReplicaStats {
+            replicas: wanted,
+            healthy,
+            degraded: u64::from(healthy < wanted),
+            rebuild_bytes,
+            rebuild_remaining,
+            stale_epoch_fences: core.stale_epoch_fences.load(Ordering::Relaxed),
+            hedged_reads,
+            rebuilds: std::array::from_fn(|i| self.rebuilds[i].load(Ordering::Relaxed)),
+        }
     }
 
     /// Blob bytes copied by this device's rebuilds (finished and running),
@@ -334,15 +440,24 @@ fn record_out(
     }
 }
 
-fn rebuild_loop(
-    weak: &Weak<Replicated>,
-    connector: &Connector,
-    spec: &DeviceSpec,
-    resolve: &Resolve,
-    cfg: &ReplicationConfig,
-) {
+/// What a device's rebuild thread works with.
+struct Rebuilder {
+    connector: Connector,
+    spec: DeviceSpec,
+    resolve: Resolve,
+    spares: Option<FindSpare>,
+    cfg: ReplicationConfig,
+}
+
+fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
+    let cfg = &ctx.cfg;
+    let volume = ctx.spec.volume.as_str();
+    let wanted = ctx.spec.replicas.as_ref().map_or(1, |r| r.peers.len());
     let step = Duration::from_millis(100).min(cfg.rebuild_check());
     let mut waited = Duration::ZERO;
+    // Since when each failed member has been seen failed (by this thread:
+    // a restarted ublkd starts its grace again).
+    let mut failed_since: HashMap<String, Instant> = HashMap::new();
     loop {
         std::thread::sleep(step);
         waited += step;
@@ -353,42 +468,82 @@ fn rebuild_loop(
             continue;
         }
         waited = Duration::ZERO;
-        let failed: Vec<String> = rep
-            .set
-            .membership()
+        let membership = rep.set.membership();
+        let failed: Vec<String> = membership
             .members
             .iter()
             .filter(|r| r.state == MemberState::Failed)
             .map(|r| r.peer.clone())
             .collect();
+        failed_since.retain(|p, _| failed.contains(p));
+        let now = Instant::now();
+        for p in &failed {
+            failed_since.entry(p.clone()).or_insert(now);
+        }
+        // A full set has no room: a member failed meanwhile stays failed
+        // (superseded by the spare that replaced it, or a peer rebuilt
+        // since), never read and never written.
+        if membership.active().count() >= wanted {
+            continue;
+        }
         for peer in failed {
-            if rep.try_rebuild(&peer, connector, spec, resolve, cfg) || !rep.is_running() {
+            if rep.try_rebuild(&peer, None, ctx).is_some() || !rep.is_running() {
                 break;
+            }
+            let grace_over = failed_since
+                .get(&peer)
+                .is_some_and(|t| t.elapsed() >= cfg.replace_after());
+            let Some(find) = ctx.spares.as_ref().filter(|_| grace_over) else {
+                continue;
+            };
+            match find(volume, &peer) {
+                Ok(Some(spare)) => {
+                    if rep.try_rebuild(&spare, Some(&peer), ctx).is_some() {
+                        break;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(event = "rebuild.spare_lookup_failed", volume, peer, error = %e);
+                }
             }
         }
     }
 }
 
 impl super::Manager {
-    /// Replica health summed over the replicated devices, for the
-    /// metrics (metrics/src/replicas.rs).
+    /// Replica health summed over the replicated devices, and the totals
+    /// of the devices gone, for the metrics (metrics/src/replicas.rs).
     pub fn replica_stats(&self) -> ReplicaStats {
-        let mut s = ReplicaStats::default();
+        let mut s = *self.retired.lock();
         for d in self.devices.lock().values() {
             let (Some(spec), Some((rep, _))) = (&d.spec.replicas, &d.replicated) else {
                 continue;
             };
-            let healthy = rep.info().healthy as u64;
-            let wanted = spec.peers.len() as u64;
-            s.replicas += wanted;
-            s.healthy += healthy;
-            s.degraded += u64::from(healthy < wanted);
-            let (done, remaining) = rep.rebuild_bytes();
-            s.rebuild_bytes += done;
-            s.rebuild_remaining += remaining;
-            s.stale_epoch_fences += rep.set().stats().stale_epoch_fences.load(Ordering::Relaxed);
+            s.add(&rep.replica_stats(spec.peers.len() as u64));
         }
         s
+    }
+
+    /// Keeps the totals of a device's volume that goes (`del`, or a
+    /// recover that opens it anew), so that the counters summed over the
+    /// devices never go back.
+    pub(super) fn retire(&self, spec: &DeviceSpec, rep: &Replicated) {
+        let wanted = spec.replicas.as_ref().map_or(1, |r| r.peers.len() as u64);
+        self.retired.lock().add(&rep.replica_stats(wanted).totals());
+    }
+
+    /// How this ublkd finds a spare: placement in etcd; none without
+    /// `[etcd]`.
+    pub(super) fn spare_finder(&self) -> Option<FindSpare> {
+        let slot = self.coordination.clone()?;
+        Some(Arc::new(move |volume: &str, replacing: &str| {
+            let c = slot.get().map_err(DeviceError::Coordination)?;
+            let spare = c
+                .spare_for(volume, replacing)
+                .map_err(DeviceError::Coordination)?;
+            Ok(spare.map(|p| p.id))
+        }))
     }
 
     /// `add` without `--peer`: placement in etcd chooses the peers (`1` when

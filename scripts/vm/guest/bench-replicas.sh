@@ -157,9 +157,13 @@ timeout 300 fio --name=failover --filename="${DEVS[2]}" --direct=1 --ioengine=li
     --bs=4k --iodepth=1 --time_based --runtime=$((RUNTIME + 8)) --size="$SIZE" \
     --write_lat_log="$W/failover" --log_avg_msec=0 --log_unix_epoch=1 --output="$R/failover.txt" &
 FIO=$!
-# fio under TCG takes seconds to start: kill once it has completed 50 writes.
+# fio under TCG takes seconds to start: kill once the device has completed
+# 50 writes (its /sys stat; fio's lat log is written in chunks, at a low
+# write rate only when fio exits, which let the last run kill too late).
+writes() { awk '{print $5}' "/sys/block/${DEVS[2]#/dev/}/stat"; }
+base=$(writes)
 for _ in $(seq 600); do
-    (($(cat "$W"/failover_lat.1.log 2>/dev/null | wc -l) >= 50)) && break
+    (($(writes) - base >= 50)) && break
     kill -0 "$FIO" 2>/dev/null || break
     sleep 0.1
 done

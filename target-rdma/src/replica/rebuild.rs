@@ -1,7 +1,8 @@
 //! Rebuild: a replacement member (a spare, or a peer back after failing)
 //! joins as `syncing`, receives every new write like the others, and is
 //! brought up to date by a rate-limited copy of every blob from a healthy
-//! member; then it is recorded `healthy`.
+//! member; then it is recorded `healthy`, and a spare's failed predecessor
+//! `removed`, in the same change.
 //!
 //! The copy of a key holds the key's lock (keys.rs) from the read on the
 //! healthy member to the write on the new one, so it never overwrites a
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use super::coordinator::{MemberRecord, MemberState};
 use super::member::{Lane, Member, MemberIo, MemberSessions};
-use super::set::ReplicaSet;
+use super::set::{ReplicaSet, View};
 use crate::blob::{ArenaError, ReplicaFailure, Via};
 use crate::proto::Status;
 
@@ -28,6 +29,11 @@ pub struct RebuildConfig {
     pub bytes_per_sec: u64,
     /// How long each membership change of the rebuild may take.
     pub change_deadline: Duration,
+    /// The failed member a spare replaces: recorded `removed` when the
+    /// spare is recorded `healthy` (at the same epoch), and earlier
+    /// `removed` records are dropped then, so the record stays bounded.
+    /// `None` for a peer rebuilt in its own place.
+    pub replaces: Option<String>,
 }
 
 /// Rebuild progress; the daemon exports it.
@@ -111,8 +117,18 @@ impl<S: MemberIo> ReplicaSet<S> {
                 Some(MemberState::Syncing) => {
                     let mut next = view.membership.clone();
                     next.epoch += 1;
-                    for r in next.members.iter_mut().filter(|r| r.peer == peer) {
-                        r.state = MemberState::Healthy;
+                    let old = cfg.replaces.as_deref();
+                    let replaced =
+                        old.is_some_and(|old| next.state(old).is_some_and(|s| !s.is_active()));
+                    if replaced {
+                        next.members.retain(|r| r.state != MemberState::Removed);
+                    }
+                    for r in next.members.iter_mut() {
+                        if r.peer == peer {
+                            r.state = MemberState::Healthy;
+                        } else if replaced && Some(r.peer.as_str()) == old {
+                            r.state = MemberState::Removed;
+                        }
                     }
                     Ok(Some((next, 0)))
                 }
@@ -148,30 +164,49 @@ impl<S: MemberIo> ReplicaSet<S> {
 
     /// Copies blob `key` from a healthy member to `to`, under the key's
     /// lock. A failure of `to` removes it.
+    ///
+    /// A `STALE_EPOCH` answer to a copy made under an older epoch than the
+    /// view's now is this writer's own newer epoch, presented on another
+    /// session of the member first (a queue's write under the new view,
+    /// as io.rs describes for writes): the copy is made again under the
+    /// new view, until the change deadline. At the current epoch it is a
+    /// newer writer's, and fences.
     async fn copy(&self, to: &Arc<Member<S>>, key: u64, buf: &mut [u8]) -> Result<(), ArenaError> {
         let keys = key..key + 1;
-        let result = {
-            let _guard = self.keys.lock(&keys).await;
-            let view = self.view();
-            if !view.active_ids().any(|id| id == to.id) {
-                return Err(self.refusal(
-                    ReplicaFailure::NoMember,
-                    format!("{} left the membership during its rebuild", to.peer),
-                ));
-            }
-            let found = self.read_healthy(key, buf).await?;
-            let epoch = view.membership.epoch;
-            let s = to.session(Lane::Background);
-            async {
-                to.raise(Lane::Background, epoch).await?;
-                match found {
-                    Via::Nothing => s.remove(key, key + 1).await.map(|_| ()),
-                    _ => s.write(key, 0, buf).await.map(|_| ()),
+        let deadline = self.clock.now() + self.config.change_deadline;
+        loop {
+            let (epoch, result) = {
+                let _guard = self.keys.lock(&keys).await;
+                let view = self.view();
+                if !view.active_ids().any(|id| id == to.id) {
+                    return Err(self.refusal(
+                        ReplicaFailure::NoMember,
+                        format!("{} left the membership during its rebuild", to.peer),
+                    ));
                 }
+                let epoch = view.membership.epoch;
+                let found = match self.read_healthy(&view, key, buf).await {
+                    Ok(found) => found,
+                    Err(e) if self.overtaken(&e, epoch, deadline) => continue,
+                    Err(e) => return Err(e),
+                };
+                let s = to.session(Lane::Background);
+                let result = async {
+                    to.raise(Lane::Background, epoch).await?;
+                    match found {
+                        Via::Nothing => s.remove(key, key + 1).await.map(|_| ()),
+                        _ => s.write(key, 0, buf).await.map(|_| ()),
+                    }
+                }
+                .await;
+                (epoch, result)
+            };
+            let Err(e) = result else {
+                return Ok(());
+            };
+            if self.overtaken(&e, epoch, deadline) {
+                continue;
             }
-            .await
-        };
-        if let Err(e) = result {
             if e.status() == Some(Status::StaleEpoch) {
                 self.fence_stale(&e);
                 self.may_acknowledge()?;
@@ -182,20 +217,46 @@ impl<S: MemberIo> ReplicaSet<S> {
                 .await?;
             return Err(e);
         }
-        Ok(())
     }
 
-    /// Reads whole blob `key` from a healthy, non-stale member.
-    async fn read_healthy(&self, key: u64, buf: &mut [u8]) -> Result<Via, ArenaError> {
-        let view = self.view();
+    /// Whether `e`, the answer to a request made under `epoch`, is a
+    /// `STALE_EPOCH` caused by this writer's own newer view (and there is
+    /// time left to make the request again under it).
+    fn overtaken(&self, e: &ArenaError, epoch: u64, deadline: std::time::Instant) -> bool {
+        e.status() == Some(Status::StaleEpoch)
+            && self.view().membership.epoch > epoch
+            && self.clock.now() < deadline
+    }
+
+    /// Reads whole blob `key` from a healthy, non-stale member of `view`,
+    /// on its background session raised to the view's epoch. A
+    /// `STALE_EPOCH` answer under a view that has moved on is returned as
+    /// is (the caller reads again under the new one).
+    async fn read_healthy(
+        &self,
+        view: &View<S>,
+        key: u64,
+        buf: &mut [u8],
+    ) -> Result<Via, ArenaError> {
+        let epoch = view.membership.epoch;
         let mut last = None;
         for (m, st) in &view.active {
             if *st != MemberState::Healthy || m.stale() {
                 continue;
             }
-            match m.session(Lane::Background).read(key, 0, buf).await {
+            let read = async {
+                m.raise(Lane::Background, epoch).await?;
+                m.session(Lane::Background).read(key, 0, buf).await
+            };
+            match read.await {
                 Ok(_) if m.stale() => {}
                 Ok(via) => return Ok(via),
+                Err(e)
+                    if e.status() == Some(Status::StaleEpoch)
+                        && self.view().membership.epoch > epoch =>
+                {
+                    return Err(e)
+                }
                 Err(e) => last = Some(format!("{}: {e}", m.peer)),
             }
         }

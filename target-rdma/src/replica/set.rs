@@ -379,12 +379,19 @@ impl<S: MemberIo> ReplicaSet<S> {
             )));
         };
         let mut last_error = String::from("no attempt finished in time");
+        let mut tried = false;
         loop {
             self.may_acknowledge()?;
             let view = self.view();
             let Some((next, removals)) = plan(&view)? else {
                 return Ok(());
             };
+            // Checked only with work left: a change recorded and
+            // installed just past the deadline is done, not failed.
+            if tried && self.clock.now() >= deadline {
+                break;
+            }
+            tried = true;
             let expected = view.membership.epoch;
             let cas = self.coord.compare_and_swap(expected, next.clone());
             let timeout = deadline.min(self.clock.now() + self.config.coord_timeout);
@@ -436,9 +443,6 @@ impl<S: MemberIo> ReplicaSet<S> {
                     self.stats.removals.fetch_add(removals, Ordering::Relaxed);
                 }
                 self.install(v).await;
-            }
-            if self.clock.now() >= deadline {
-                break;
             }
         }
         Err(unrecorded(format!(

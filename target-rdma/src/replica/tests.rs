@@ -395,6 +395,7 @@ fn rebuild_cfg(keys: u64, bytes_per_sec: u64) -> RebuildConfig {
         keys: 0..keys,
         bytes_per_sec,
         change_deadline: Duration::from_millis(300),
+        replaces: None,
     }
 }
 
@@ -520,4 +521,105 @@ fn a_replacement_that_fails_its_copy_is_removed() {
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     assert_eq!(v.coord.record().state("spare"), Some(MemberState::Failed));
     block_on(v.io().write(1, 0, b"12345678")).unwrap();
+}
+
+/// The rebuild's form of the race io.rs answers (7e1159a): a copy read
+/// under epoch E while the removal of another member records E+1, whose
+/// queue writes present E+1 to the new member before the copy's write
+/// (still at E, on the background session) arrives. The copy is made
+/// again under E+1; the writer is not fenced and the rebuild completes.
+#[test]
+fn a_copy_overtaken_by_the_writer_s_own_newer_epoch_is_made_again() {
+    let v = volume(3);
+    for p in &v.peers {
+        p.update_fault(|f| f.fence_epochs = true);
+    }
+    let q0 = v.io();
+    for k in 0..12u64 {
+        block_on(q0.write(k, 0, &k.to_le_bytes())).unwrap();
+    }
+    let spare = FakePeer::new("spare", BLOB, system());
+    spare.update_fault(|f| f.fence_epochs = true);
+    // Every copy reads p0 (the first healthy member) for 60 ms.
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(60));
+    let stats = RebuildStats::default();
+    let cfg = rebuild_cfg(12, 0);
+    let rebuild = v.set.rebuild("spare", spare.sessions(2), &cfg, &stats);
+    let set = Arc::clone(&v.set);
+    let p1 = Arc::clone(&v.peers[1]);
+    let q1 = v.set.queue(1).unwrap();
+    let others = async {
+        while set.membership().state("spare") != Some(MemberState::Syncing) {
+            system().sleep(Duration::from_millis(1)).await;
+        }
+        let epoch = set.membership().epoch;
+        // p1 lost: its removal records epoch + 1 (q1's write waits for it).
+        p1.set_fault(down());
+        let removal = q1.write(40, 0, b"removal.");
+        // As soon as the view moves, q0 writes under it: the spare sees
+        // epoch + 1 on q0's session while a copy is out at epoch.
+        let under_new = async {
+            while set.membership().epoch == epoch {
+                system().sleep(Duration::from_millis(1)).await;
+            }
+            q0.write(41, 0, b"newview.").await
+        };
+        let (a, b) = futures::future::join(removal, under_new).await;
+        a.unwrap();
+        b.unwrap();
+    };
+    let (r, ()) = block_on(futures::future::join(rebuild, others));
+    r.unwrap();
+    assert_eq!(v.set.stats().stale_epoch_fences.load(Ordering::Relaxed), 0);
+    assert_eq!(v.coord.record().state("spare"), Some(MemberState::Healthy));
+    for k in 0..12u64 {
+        assert_eq!(spare.blob(k), v.peers[0].blob(k), "key {k}");
+    }
+    assert_eq!(&spare.blob(41).unwrap()[..8], b"newview.");
+}
+
+/// A spare in place of a member that stays dead: it joins syncing at one
+/// epoch, and at the next it is healthy and the dead member removed, so
+/// the record names the N members that hold the volume. A later
+/// replacement drops the earlier removed record (the record stays bounded).
+#[test]
+fn a_spare_replaces_a_dead_member_in_the_record() {
+    let v = volume(2);
+    let io = v.io();
+    block_on(io.write(1, 0, b"before..")).unwrap();
+    v.peers[1].set_fault(down());
+    block_on(io.write(2, 0, b"during..")).unwrap();
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+    let epoch = v.coord.record().epoch;
+    let replace = |name: &str, old: &str| {
+        let spare = FakePeer::new(name, BLOB, system());
+        let cfg = RebuildConfig {
+            replaces: Some(old.into()),
+            ..rebuild_cfg(4, 0)
+        };
+        block_on(
+            v.set
+                .rebuild(name, spare.sessions(2), &cfg, &RebuildStats::default()),
+        )
+        .unwrap();
+        spare
+    };
+    let s1 = replace("s1", "p1");
+    let record = v.coord.record();
+    assert_eq!(record.epoch, epoch + 2, "syncing, then healthy: {record}");
+    assert_eq!(
+        record.to_string(),
+        format!("epoch {} [p0 healthy, p1 removed, s1 healthy]", epoch + 2)
+    );
+    v.peers[0].set_fault(down());
+    assert_eq!(read(&io, 1), b"before..");
+    assert_eq!(read(&io, 2), b"during..");
+    block_on(io.write(3, 0, b"after...")).unwrap();
+    assert_eq!(&s1.blob(3).unwrap()[..8], b"after...");
+    // p0 is failed now; a second spare replaces it, and p1's record goes.
+    let _s2 = replace("s2", "p0");
+    assert_eq!(
+        v.coord.record().to_string(),
+        format!("epoch {} [p0 removed, s1 healthy, s2 healthy]", epoch + 5)
+    );
 }
