@@ -30,6 +30,7 @@ mod format;
 mod in_process;
 mod index;
 mod journal;
+mod reads;
 mod repair;
 mod space;
 mod status;
@@ -764,6 +765,35 @@ impl Store {
                     return Ok(r);
                 }
             }
+        }
+    }
+
+    /// [`Store::read_with`] for part of a cold blob, its disk read awaited
+    /// on the swap's shared ring (many in flight, no thread held per read)
+    /// and verified the same way. `Ok(None)` when the read is not one
+    /// (the blob is absent or resident, or the read covers all of it): the
+    /// caller reads it with [`Store::read_with`]. Never blocks the caller's
+    /// thread on the disk or on another request.
+    pub async fn read_cold_with<R>(
+        &self,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<Option<R>, StoreError> {
+        self.check_range(offset, len)?;
+        loop {
+            let Some(d) = self.locked(|c, g| c.plan_cold(g, vol, key, offset, len))? else {
+                return Ok(None);
+            };
+            let Some(buf) = self.core.read_direct_async(&d).await? else {
+                continue;
+            };
+            let o = (offset - d.offset()) as usize;
+            let r = f(&buf[o..o + len]);
+            self.core.swap.give_buffer(buf);
+            return Ok(Some(r));
         }
     }
 

@@ -10,8 +10,9 @@
 //! that connection threads and the cleaner move extents in parallel; the
 //! extent free list ([`Extents`]) is bookkeeping and lives under the lock.
 //! Besides whole extents it reads aligned ranges of one (a 4 KiB read of a
-//! cold blob reads 4 KiB, not the blob) into buffers of its own, each
-//! caller on its own ring, so many such reads are in flight at once.
+//! cold blob reads 4 KiB, not the blob) into buffers of its own: a blocking
+//! caller on its own ring, an async one on the shared ring of [`Reads`],
+//! so many such reads are in flight at once without a thread each.
 //!
 //! The file's space is reserved when the store is created ([`space`]), and
 //! an existing store's file must be as long as its index says: a missing or
@@ -32,6 +33,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
 use super::extent::{MetaFile, BLOCK};
+use super::reads::Reads;
 use super::space;
 use super::StoreError;
 
@@ -41,12 +43,16 @@ const RING_ENTRIES: u32 = 64;
 /// in flight are allocated and freed, so idle memory stays bounded.
 const POOLED_BUFFERS: usize = 32;
 const POOLED_BYTES: usize = 32 << 20;
+/// Most range reads in flight on the shared ring; more wait for room.
+const READS_IN_FLIGHT: u32 = 128;
 /// The swap file's name in the store directory.
 pub(super) const SWAP_FILE: &str = "swap.dat";
 
 /// The swap file and its rings. `Sync`: every transfer borrows a ring of
 /// its own.
 pub(super) struct Swap {
+    /// First, so that it drops (waiting for its reads) before the file.
+    reads: Reads,
     file: File,
     path: PathBuf,
     /// The extent headers, synced with the file.
@@ -264,7 +270,10 @@ impl Swap {
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
         };
+        let reads = Reads::start(file.as_raw_fd(), READS_IN_FLIGHT)
+            .map_err(|source| StoreError::Uring { source })?;
         let mut swap = Swap {
+            reads,
             file,
             path: path.to_path_buf(),
             meta: Arc::new(meta),
@@ -287,6 +296,8 @@ impl Swap {
                     swap.file =
                         open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
+                    swap.reads = Reads::start(swap.file.as_raw_fd(), READS_IN_FLIGHT)
+                        .map_err(|source| StoreError::Uring { source })?;
                 }
                 Err(e) => return Err(e),
             }
@@ -357,6 +368,22 @@ impl Swap {
         }
     }
 
+    /// [`Swap::read_range`], awaited on the shared ring.
+    pub(super) async fn read_range_async(
+        &self,
+        extent: u32,
+        offset: u32,
+        len: u32,
+    ) -> Result<AlignedBuf, StoreError> {
+        debug_assert!(offset.is_multiple_of(BLOCK as u32) && len.is_multiple_of(BLOCK as u32));
+        debug_assert!(offset + len <= self.extent_bytes);
+        let buf = self.take_buffer(len as usize)?;
+        self.reads
+            .read(self.offset_of(extent, offset as usize), buf)
+            .await
+            .map_err(io_err("reading swap extent from", &self.path))
+    }
+
     fn take_buffer(&self, len: usize) -> Result<AlignedBuf, StoreError> {
         let pooled = {
             let mut pool = self.buffers.lock();
@@ -382,7 +409,7 @@ impl Swap {
     }
 
     pub(super) fn bytes_read(&self) -> u64 {
-        self.bytes_read.load(Ordering::Relaxed)
+        self.bytes_read.load(Ordering::Relaxed) + self.reads.bytes_read()
     }
 
     pub(super) fn bytes_written(&self) -> u64 {

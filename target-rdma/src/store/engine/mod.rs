@@ -629,35 +629,51 @@ impl Core {
         offset: u32,
         len: usize,
     ) -> Result<ReadPlan, StoreError> {
+        if let Some(d) = self.plan_cold(g, vol, key, offset, len)? {
+            return Ok(ReadPlan::Swap(d));
+        }
+        Ok(match self.pin(g, vol, key)? {
+            Some(s) => ReadPlan::Slot(s),
+            None => ReadPlan::Absent,
+        })
+    }
+
+    /// The range read from swap of `len` bytes at `offset` of blob `key`,
+    /// if the blob is cold and the read is part of it; `None` otherwise
+    /// (absent, resident, or a whole-blob read, which faults it in). Never
+    /// waits: an error only for a damaged image.
+    pub(super) fn plan_cold(
+        &self,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        len: usize,
+    ) -> Result<Option<Direct>, StoreError> {
         g.check_vol(vol)?;
         let key = (vol, key);
         let whole = offset == 0 && len == g.blob_bytes as usize;
         let st = &mut **g;
-        let cold = match st.blobs.get(&key) {
-            None => return Ok(ReadPlan::Absent),
-            Some(b) => b.slot.is_none().then_some(b.extent).flatten(),
+        let cold = st
+            .blobs
+            .get(&key)
+            .and_then(|b| b.slot.is_none().then_some(b.extent).flatten());
+        let Some(placed) = cold.filter(|_| !whole && len > 0) else {
+            return Ok(None);
         };
-        match cold {
-            Some(placed) if !whole && len > 0 => {
-                if let Some(e) = st.damaged_error(key) {
-                    return Err(e);
-                }
-                let first = offset as usize / BLOCK;
-                let end = (offset as usize + len).div_ceil(BLOCK).max(first + 1);
-                st.note_read(key);
-                Ok(ReadPlan::Swap(Direct {
-                    key,
-                    placed,
-                    ident: st.ident(key, placed.version),
-                    first: first as u32,
-                    crcs: st.block_crcs(placed.extent, first, end),
-                }))
-            }
-            _ => Ok(match self.pin(g, vol, key.1)? {
-                Some(s) => ReadPlan::Slot(s),
-                None => ReadPlan::Absent,
-            }),
+        if let Some(e) = st.damaged_error(key) {
+            return Err(e);
         }
+        let first = offset as usize / BLOCK;
+        let end = (offset as usize + len).div_ceil(BLOCK).max(first + 1);
+        st.note_read(key);
+        Ok(Some(Direct {
+            key,
+            placed,
+            ident: st.ident(key, placed.version),
+            first: first as u32,
+            crcs: st.block_crcs(placed.extent, first, end),
+        }))
     }
 
     /// Runs a planned range read without the lock. `None` when the blob
@@ -667,6 +683,26 @@ impl Core {
     pub(super) fn read_direct(&self, d: &Direct) -> Result<Option<AlignedBuf>, StoreError> {
         let len = (d.crcs.len() * BLOCK) as u32;
         let buf = self.swap.read_range(d.placed.extent, d.offset(), len)?;
+        self.verified(d, buf)
+    }
+
+    /// [`Core::read_direct`], its disk read awaited on the swap's shared
+    /// ring rather than run on the calling thread.
+    pub(super) async fn read_direct_async(
+        &self,
+        d: &Direct,
+    ) -> Result<Option<AlignedBuf>, StoreError> {
+        let len = (d.crcs.len() * BLOCK) as u32;
+        let buf = self
+            .swap
+            .read_range_async(d.placed.extent, d.offset(), len)
+            .await?;
+        self.verified(d, buf)
+    }
+
+    /// A range read's bytes if they verify against the plan's header and
+    /// checksums; see [`Core::read_direct`].
+    fn verified(&self, d: &Direct, buf: AlignedBuf) -> Result<Option<AlignedBuf>, StoreError> {
         let Some(bad) = extent::first_bad_block(&d.ident, d.first, &buf, &d.crcs) else {
             return Ok(Some(buf));
         };
