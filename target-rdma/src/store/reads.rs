@@ -25,7 +25,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
-use super::swap::AlignedBuf;
+use super::aligned::AlignedBuf;
 
 /// The completion marking a close: the completion thread exits once every
 /// read in flight has completed.
