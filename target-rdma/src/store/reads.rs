@@ -31,6 +31,11 @@ use super::aligned::AlignedBuf;
 /// read in flight has completed.
 const CLOSE: u64 = u64::MAX;
 
+/// How long the completion thread waits before submitting again: a read
+/// whose own submission failed (a transient EAGAIN/EBUSY) is carried by
+/// that pass even when no other read comes to carry it.
+const RESUBMIT: Duration = Duration::from_millis(100);
+
 /// A read's outcome: its buffer, filled, or why not.
 type Done = Result<AlignedBuf, io::Error>;
 
@@ -109,7 +114,7 @@ impl Reads {
         let (tx, rx) = oneshot::channel();
         self.push(offset, buf, tx, room)?;
         // A failed enter leaves the entry queued: the next submission (any
-        // caller's, or the completion thread's) carries it.
+        // caller's, or the completion thread's within `RESUBMIT`) carries it.
         if let Err(e) = submit(&self.shared.ring) {
             tracing::warn!(event = "swap.read_submit_failed", error = %e);
         }
@@ -199,9 +204,13 @@ fn submit(ring: &IoUring) -> io::Result<usize> {
 /// to its waiting task, until closed with nothing in flight.
 fn reap(shared: &Shared) {
     let mut done = Vec::new();
+    let wait = types::Timespec::from(RESUBMIT);
+    let args = types::SubmitArgs::new().timespec(&wait);
     loop {
-        if let Err(e) = shared.ring.submitter().submit_and_wait(1) {
-            if e.kind() != io::ErrorKind::Interrupted {
+        if let Err(e) = shared.ring.submitter().submit_with_args(1, &args) {
+            // ETIME: `RESUBMIT` passed with nothing completed.
+            let timed_out = e.raw_os_error() == Some(rustix::io::Errno::TIME.raw_os_error());
+            if !timed_out && e.kind() != io::ErrorKind::Interrupted {
                 // Transient (EBUSY, EAGAIN): completions still land in the
                 // queue, reaped below.
                 tracing::warn!(event = "swap.read_wait_failed", error = %e);
