@@ -773,7 +773,7 @@ fn cold_reads(tmp: &tempfile::TempDir) {
         "\n| cold 4 KiB random reads (arena 64 MiB, data 1 GiB, all in swap) | IOPS | fio QD32 IOPS | median ratio |\n|---|---:|---:|---:|"
     );
     println!(
-        "| 32 connections x QD1 (the store with 32 reads in flight) | {:.0} | {:.0} | {:.2}x |",
+        "| 32 connections x QD1 | {:.0} | {:.0} | {:.2}x |",
         median(many),
         median(fio32.clone()),
         median(r_many)
@@ -785,7 +785,7 @@ fn cold_reads(tmp: &tempfile::TempDir) {
         median(r_direct)
     );
     println!(
-        "| 1 connection x QD32 (one connection's requests run in order: issue 9) | {:.0} | {:.0} | {:.2}x |",
+        "| 1 connection x QD32 | {:.0} | {:.0} | {:.2}x |",
         median(one),
         median(fio32),
         median(r_one)

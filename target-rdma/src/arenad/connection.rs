@@ -1,7 +1,8 @@
 //! One connection's life: its handshake, then a reader that reads requests
 //! and starts each (answered inline when it touches only resident blobs,
-//! else on the blocking pool, so a cold fault-in never delays the next
-//! request), and a writer that alone writes the socket
+//! else off the task: a range read of a cold blob awaited on the swap's
+//! ring, the rest on the blocking pool, so a cold fault-in never delays
+//! the next request), and a writer that alone writes the socket
 //! ([`crate::arenad::outbox`]), two futures of the connection's task. It
 //! ends on the client's close, a protocol error, the write deadline or
 //! shutdown; its leases end after its last request finished.
@@ -231,7 +232,8 @@ impl Shared {
 
     /// Starts one request: refused beyond `max_inflight`, answered inline
     /// when cheap (straight to the socket unless `more` requests are
-    /// already read), else spawned onto the blocking pool.
+    /// already read), else spawned off the task
+    /// ([`Shared::execute_off_task`]).
     async fn start(
         self: &Arc<Self>,
         conn: &Arc<Session>,
@@ -263,20 +265,9 @@ impl Shared {
             if let Some(upto) = covers {
                 conn.barrier.wait_through(upto).await;
             }
-            let (s, c) = (Arc::clone(&server), Arc::clone(&conn));
             let answered = server
-                .pool
-                .run(move || {
-                    let r = s.execute(&c, &h, &req.body);
-                    drop(req);
-                    r
-                })
-                .await
-                .unwrap_or_else(|_| {
-                    Err(Fatal::Io(std::io::Error::other(
-                        "a request's store call panicked",
-                    )))
-                });
+                .execute_off_task(&conn, h, req, placed.cold_range)
+                .await;
             if let Some(t) = ticket {
                 conn.barrier.end(t);
             }

@@ -1,6 +1,8 @@
 //! What a request does: where it runs (inline on the connection's task
-//! when it only takes short locks on resident state, else on the blocking
-//! pool) and its store call, which encodes the answer.
+//! when it only takes short locks on resident state; a range read of a
+//! cold blob awaited on the swap's shared ring, so a connection keeps many
+//! in flight without a thread each; else on the blocking pool) and its
+//! store call, which encodes the answer.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -8,11 +10,13 @@ use std::time::Instant;
 
 use tracing::warn;
 
+use crate::arenad::epochs::Admitted;
 use crate::arenad::fatal::Fatal;
+use crate::arenad::frames::Incoming;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Opcode, Request, Status, TAG_LEN, VERSION_2};
-use crate::store::Residency;
+use crate::store::{Residency, StoreError};
 
 /// Answers this large are written straight to the socket (when it is
 /// free) even when more requests wait to be answered.
@@ -26,6 +30,9 @@ pub(super) struct Placed {
     pub(super) mutates: bool,
     /// A FLUSH.
     pub(super) flush: bool,
+    /// A READ of part of a cold blob: its disk read is awaited, not run on
+    /// a pool thread.
+    pub(super) cold_range: bool,
 }
 
 /// A request's answer, encoded, and its status.
@@ -43,8 +50,14 @@ impl Shared {
             .map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
         let vol = conn.vol.id;
         let resident = |key| self.store.residency(vol, key);
+        let mut cold_range = false;
         let inline = match req {
-            Request::Read { key, .. } | Request::Get { key } => resident(key) != Residency::Cold,
+            Request::Read { key, offset, len } => {
+                let cold = resident(key) == Residency::Cold;
+                cold_range = cold && !(offset == 0 && len == self.store.blob_bytes());
+                !cold
+            }
+            Request::Get { key } => resident(key) != Residency::Cold,
             Request::Write { key, .. } | Request::Alloc { key } => {
                 resident(key) == Residency::Resident
             }
@@ -65,7 +78,77 @@ impl Shared {
                     | Request::Remove { .. }
             ),
             flush: matches!(req, Request::Flush),
+            cold_range,
         })
+    }
+
+    /// Runs a request that is not answered inline: a range read of a cold
+    /// blob on the swap's shared ring (on the blocking pool after all if
+    /// the blob became resident meanwhile), anything else on the pool.
+    pub(super) async fn execute_off_task(
+        self: &Arc<Self>,
+        conn: &Arc<Session>,
+        h: Header,
+        req: Incoming,
+        cold_range: bool,
+    ) -> Result<Answer, Fatal> {
+        if cold_range {
+            if let Some(answered) = self.read_cold(conn, &h, &req.body).await {
+                return answered;
+            }
+        }
+        let (s, c) = (Arc::clone(self), Arc::clone(conn));
+        self.pool
+            .run(move || {
+                let r = s.execute(&c, &h, &req.body);
+                drop(req);
+                r
+            })
+            .await
+            .unwrap_or_else(|_| {
+                Err(Fatal::Io(std::io::Error::other(
+                    "a request's store call panicked",
+                )))
+            })
+    }
+
+    /// A READ of part of a cold blob, awaited; `None` when it is not one
+    /// (any more).
+    async fn read_cold(
+        &self,
+        conn: &Session,
+        h: &Header,
+        body: &[u8],
+    ) -> Option<Result<Answer, Fatal>> {
+        let (op, rid) = (h.opcode, h.request_id);
+        let req = match proto::decode_request(h, body) {
+            Ok(r) => r,
+            Err(e) => return Some(Err(Fatal::Request(op, rid, e))),
+        };
+        let Request::Read { key, offset, len } = req else {
+            return None;
+        };
+        let _admitted = match self.admit(conn, &req, op, rid) {
+            Ok(Ok(a)) => a,
+            Ok(Err(refused)) => return Some(Ok(refused)),
+            Err(fatal) => return Some(Err(fatal)),
+        };
+        let mut out = Vec::new();
+        let read = self
+            .store
+            .read_cold_with(conn.vol.id, key, offset, len as usize, |b| {
+                out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
+                proto::encode_read_head(&mut out, rid, len);
+                out.extend_from_slice(b);
+                Status::Ok
+            })
+            .await;
+        let result = match read {
+            Ok(None) => return None,
+            Ok(Some(status)) => Ok(status),
+            Err(e) => Err(e),
+        };
+        Some(self.finish(conn, op, rid, result, out))
     }
 
     /// Sends a request's answer (straight to the socket if `direct` and it
@@ -139,26 +222,9 @@ impl Shared {
             };
             return Ok(answer(out, status));
         }
-        // Every data operation runs admitted under the volume's epoch, so a
-        // raise waits for it and a stale session gets none.
-        let _admitted = match req {
-            Request::Release { .. } | Request::RailConnect(_) => None,
-            _ => match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
-                Ok(a) => Some(a),
-                Err(now) if conn.version < VERSION_2 => {
-                    return Err(Fatal::Hello(
-                        Status::VersionMismatch,
-                        format!(
-                        "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
-                        conn.vol.name
-                    ),
-                    ))
-                }
-                Err(now) => {
-                    proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
-                    return Ok(answer(out, Status::StaleEpoch));
-                }
-            },
+        let _admitted = match self.admit(conn, &req, op, rid)? {
+            Ok(a) => a,
+            Err(refused) => return Ok(refused),
         };
         let holder = conn.id;
         let ok = |()| Status::Ok;
@@ -225,6 +291,52 @@ impl Shared {
                     .map(|(s, f)| answer(f, s))
             }
         };
+        self.finish(conn, op, rid, result, out)
+    }
+
+    /// Every data operation runs admitted under the volume's epoch, so a
+    /// raise waits for it and a stale session gets none: the admission, or
+    /// the answer refusing it.
+    fn admit<'a>(
+        &self,
+        conn: &'a Session,
+        req: &Request,
+        op: Opcode,
+        rid: u64,
+    ) -> Result<Result<Option<Admitted<'a>>, Answer>, Fatal> {
+        if matches!(req, Request::Release { .. } | Request::RailConnect(_)) {
+            return Ok(Ok(None));
+        }
+        match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
+            Ok(a) => Ok(Ok(Some(a))),
+            Err(now) if conn.version < VERSION_2 => Err(Fatal::Hello(
+                Status::VersionMismatch,
+                format!(
+                    "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
+                    conn.vol.name
+                ),
+            )),
+            Err(now) => {
+                let mut out = Vec::new();
+                proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
+                Ok(Err(Answer {
+                    status: Status::StaleEpoch,
+                    frame: out,
+                }))
+            }
+        }
+    }
+
+    /// The answer to a store call: its own frame in `out`, or an error
+    /// frame (a protocol error ends the session).
+    fn finish(
+        &self,
+        conn: &Session,
+        op: Opcode,
+        rid: u64,
+        result: Result<Status, StoreError>,
+        mut out: Vec<u8>,
+    ) -> Result<Answer, Fatal> {
         let status = match result {
             Ok(status) => status,
             Err(e) => {
@@ -233,13 +345,13 @@ impl Shared {
                     return Err(Fatal::Store(op, rid, e));
                 }
                 if status == Status::Internal {
-                    warn!(event = "store.error", conn = holder, op = op.name(), error = %e);
+                    warn!(event = "store.error", conn = conn.id, op = op.name(), error = %e);
                 }
                 proto::encode_error(&mut out, op, rid, status, &e.to_string());
                 status
             }
         };
-        Ok(answer(out, status))
+        Ok(Answer { status, frame: out })
     }
 
     /// RAIL_CONNECT: one QP per connection, a new one replacing the old.

@@ -21,6 +21,7 @@
 //! headers. Every file's space is reserved up front ([`space`]), so a full
 //! filesystem never stops a FLUSH or a restart.
 
+mod aligned;
 mod arena;
 mod checkpoint;
 mod engine;
@@ -30,6 +31,8 @@ mod format;
 mod in_process;
 mod index;
 mod journal;
+mod read;
+mod reads;
 mod repair;
 mod space;
 mod status;
@@ -71,7 +74,7 @@ use parking_lot::RwLock;
 
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
-use engine::{Core, Guard, ReadPlan, State};
+use engine::{Core, Guard, State};
 pub use engine::{LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 pub use in_process::InProcess;
 
@@ -701,70 +704,6 @@ impl Store {
         }
         self.locked(|c, g| c.unpin_written(g, slot));
         Ok(())
-    }
-
-    /// Reads from blob `key` at `offset`; `Ok(false)` (and zeros) when the
-    /// key holds no blob.
-    pub fn read(
-        &self,
-        vol: VolumeId,
-        key: u64,
-        offset: u32,
-        out: &mut [u8],
-    ) -> Result<bool, StoreError> {
-        self.read_with(vol, key, offset, out.len(), |bytes| match bytes {
-            Some(b) => {
-                out.copy_from_slice(b);
-                true
-            }
-            None => {
-                out.fill(0);
-                false
-            }
-        })
-    }
-
-    /// Hands `len` bytes at `offset` of blob `key` to `f` (`None` when the
-    /// key holds no blob), so the server can send them without staging a
-    /// copy: straight from its slot when resident, else from a buffer that
-    /// read just the aligned blocks covering the range from swap (a 4 KiB
-    /// read of a cold blob reads 4 KiB, and does not fault the blob in; a
-    /// read of the whole blob does). Bytes from swap are verified first.
-    /// A slot stays pinned and read-locked while `f` runs: `f` must not
-    /// call back into the store. Concurrent callers do not wait for each
-    /// other's disk reads.
-    pub fn read_with<R>(
-        &self,
-        vol: VolumeId,
-        key: u64,
-        offset: u32,
-        len: usize,
-        f: impl FnOnce(Option<&[u8]>) -> R,
-    ) -> Result<R, StoreError> {
-        self.check_range(offset, len)?;
-        loop {
-            match self.fairly(|c, g| c.plan_read(g, vol, key, offset, len))? {
-                ReadPlan::Absent => return Ok(f(None)),
-                ReadPlan::Slot(slot) => {
-                    let r = {
-                        let bytes = self.core.arena.read(slot);
-                        let o = offset as usize;
-                        f(Some(&bytes[o..o + len]))
-                    };
-                    self.locked(|_, g| g.unpin(slot, false));
-                    return Ok(r);
-                }
-                ReadPlan::Swap(d) => {
-                    let Some(buf) = self.core.read_direct(&d)? else {
-                        continue;
-                    };
-                    let o = (offset - d.offset()) as usize;
-                    let r = f(Some(&buf[o..o + len]));
-                    self.core.swap.give_buffer(buf);
-                    return Ok(r);
-                }
-            }
-        }
     }
 
     /// Leases blob `key`'s own slot for writing in place; the blob is created

@@ -10,28 +10,28 @@
 //! that connection threads and the cleaner move extents in parallel; the
 //! extent free list ([`Extents`]) is bookkeeping and lives under the lock.
 //! Besides whole extents it reads aligned ranges of one (a 4 KiB read of a
-//! cold blob reads 4 KiB, not the blob) into buffers of its own, each
-//! caller on its own ring, so many such reads are in flight at once.
+//! cold blob reads 4 KiB, not the blob) into buffers of its own: a blocking
+//! caller on its own ring, an async one on the shared ring of [`Reads`],
+//! so many such reads are in flight at once without a thread each.
 //!
 //! The file's space is reserved when the store is created ([`space`]), and
 //! an existing store's file must be as long as its index says: a missing or
 //! truncated swap file is refused, never silently recreated as zeros.
 
-use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::ops::{Deref, DerefMut};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
+use super::aligned::AlignedBuf;
 use super::extent::{MetaFile, BLOCK};
+use super::reads::Reads;
 use super::space;
 use super::StoreError;
 
@@ -41,12 +41,16 @@ const RING_ENTRIES: u32 = 64;
 /// in flight are allocated and freed, so idle memory stays bounded.
 const POOLED_BUFFERS: usize = 32;
 const POOLED_BYTES: usize = 32 << 20;
+/// Most range reads in flight on the shared ring; more wait for room.
+const READS_IN_FLIGHT: u32 = 128;
 /// The swap file's name in the store directory.
 pub(super) const SWAP_FILE: &str = "swap.dat";
 
 /// The swap file and its rings. `Sync`: every transfer borrows a ring of
 /// its own.
 pub(super) struct Swap {
+    /// First, so that it drops (waiting for its reads) before the file.
+    reads: Reads,
     file: File,
     path: PathBuf,
     /// The extent headers, synced with the file.
@@ -116,66 +120,6 @@ enum Op {
         len: u32,
         buf: *const u8,
     },
-}
-
-/// Page-aligned memory for O_DIRECT range reads.
-pub(super) struct AlignedBuf {
-    ptr: NonNull<u8>,
-    cap: usize,
-    len: usize,
-}
-
-// SAFETY: the buffer owns its allocation outright; nothing else points to it.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: shared access only hands out `&[u8]`.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    fn new(cap: usize) -> Result<AlignedBuf, StoreError> {
-        let layout =
-            Layout::from_size_align(cap.max(BLOCK), BLOCK).map_err(|_| StoreError::Uring {
-                source: io::Error::from(io::ErrorKind::InvalidInput),
-            })?;
-        // SAFETY: the layout has a non-zero size; zeroed memory is a valid
-        // `[u8]`, so the buffer never exposes uninitialised bytes.
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or_else(|| StoreError::Uring {
-            source: io::Error::from(io::ErrorKind::OutOfMemory),
-        })?;
-        Ok(AlignedBuf {
-            ptr,
-            cap: layout.size(),
-            len: 0,
-        })
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with exactly this size and alignment.
-        unsafe {
-            std::alloc::dealloc(
-                self.ptr.as_ptr(),
-                Layout::from_size_align_unchecked(self.cap, BLOCK),
-            )
-        }
-    }
-}
-
-impl Deref for AlignedBuf {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `len <= cap` bytes of the allocation, initialised (zeroed
-        // at allocation, then only written through `&mut`).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl DerefMut for AlignedBuf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
@@ -264,7 +208,10 @@ impl Swap {
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
         };
+        let reads = Reads::start(file.as_raw_fd(), READS_IN_FLIGHT)
+            .map_err(|source| StoreError::Uring { source })?;
         let mut swap = Swap {
+            reads,
             file,
             path: path.to_path_buf(),
             meta: Arc::new(meta),
@@ -287,6 +234,8 @@ impl Swap {
                     swap.file =
                         open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
+                    swap.reads = Reads::start(swap.file.as_raw_fd(), READS_IN_FLIGHT)
+                        .map_err(|source| StoreError::Uring { source })?;
                 }
                 Err(e) => return Err(e),
             }
@@ -357,6 +306,22 @@ impl Swap {
         }
     }
 
+    /// [`Swap::read_range`], awaited on the shared ring.
+    pub(super) async fn read_range_async(
+        &self,
+        extent: u32,
+        offset: u32,
+        len: u32,
+    ) -> Result<AlignedBuf, StoreError> {
+        debug_assert!(offset.is_multiple_of(BLOCK as u32) && len.is_multiple_of(BLOCK as u32));
+        debug_assert!(offset + len <= self.extent_bytes);
+        let buf = self.take_buffer(len as usize)?;
+        self.reads
+            .read(self.offset_of(extent, offset as usize), buf)
+            .await
+            .map_err(io_err("reading swap extent from", &self.path))
+    }
+
     fn take_buffer(&self, len: usize) -> Result<AlignedBuf, StoreError> {
         let pooled = {
             let mut pool = self.buffers.lock();
@@ -382,7 +347,7 @@ impl Swap {
     }
 
     pub(super) fn bytes_read(&self) -> u64 {
-        self.bytes_read.load(Ordering::Relaxed)
+        self.bytes_read.load(Ordering::Relaxed) + self.reads.bytes_read()
     }
 
     pub(super) fn bytes_written(&self) -> u64 {

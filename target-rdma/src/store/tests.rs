@@ -1017,6 +1017,69 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
 }
 
 #[test]
+fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
+    const BLOB: u32 = 64 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+    for k in 0..16 {
+        s.write(0, k, 0, &big_pattern(k, BLOB as usize)).unwrap();
+    }
+    s.flush().unwrap();
+    // Keys 0..12 are cold (4 slots); 48 reads of them awaited at once, no
+    // key right after the one before (which would start read-ahead).
+    let before = s.stats();
+    let keys = [0u64, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11];
+    let reads = keys
+        .into_iter()
+        .flat_map(|k| (0..4u32).map(move |i| (k, i * 12288 + 4096)));
+    let got = futures::executor::block_on(futures::future::join_all(reads.map(|(k, at)| {
+        let s = &s;
+        async move {
+            let r = s.read_cold_with(0, k, at, 4096, <[u8]>::to_vec).await;
+            (k, at, r)
+        }
+    })));
+    for (k, at, r) in got {
+        let want = &big_pattern(k, BLOB as usize)[at as usize..at as usize + 4096];
+        assert_eq!(r.unwrap().as_deref(), Some(want), "key {k} at {at}");
+    }
+    let after = s.stats();
+    assert_eq!(after.fault_ins, before.fault_ins, "no fault-in");
+    assert_eq!(after.swap_bytes_read - before.swap_bytes_read, 48 * 4096);
+    // Not cold range reads: a resident blob, no blob, the whole blob.
+    let none =
+        |k, at, len| futures::executor::block_on(s.read_cold_with(0, k, at, len, |_| ())).unwrap();
+    assert_eq!(none(15, 0, 4096), None, "resident");
+    assert_eq!(none(99, 0, 4096), None, "absent");
+    assert_eq!(none(3, 0, BLOB as usize), None, "whole blob");
+    // A damaged block fails the read that covers it, as the blocking path.
+    let e7 = s.core.durable_extent((0, 7)).unwrap();
+    drop(s);
+    flip(
+        &dir.path().join(swap::SWAP_FILE),
+        u64::from(e7) * u64::from(BLOB) + 5 * 4096 + 1,
+    );
+    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+    let bad = futures::executor::block_on(s.read_cold_with(0, 7, 5 * 4096 + 10, 100, |_| ()));
+    assert!(
+        matches!(
+            bad,
+            Err(StoreError::Integrity {
+                kind: IntegrityKind::Checksum,
+                ..
+            })
+        ),
+        "{bad:?}"
+    );
+    assert_eq!(s.stats().integrity_errors, [1, 0]);
+    let good = futures::executor::block_on(s.read_cold_with(0, 7, 6 * 4096, 4096, <[u8]>::to_vec));
+    assert_eq!(
+        good.unwrap().as_deref(),
+        Some(&big_pattern(7, BLOB as usize)[6 * 4096..7 * 4096])
+    );
+}
+
+#[test]
 fn cold_range_reads_race_rewrites_without_false_errors_or_mixed_versions() {
     const BLOB: u32 = 16 << 10;
     let dir = tempfile::tempdir().unwrap();

@@ -43,12 +43,13 @@ use super::eviction::{Clock, SlotMeta};
 use super::extent::{self, Ident, MetaFile, BLOCK};
 use super::format::Version;
 use super::index::Index;
-use super::swap::{AlignedBuf, Extents, Swap};
+use super::swap::{Extents, Swap};
 use super::{BlobKey, HolderId, IntegrityKind, StoreError, StoreStats, VolumeId};
 
 mod flush;
 mod lease;
 mod open;
+mod range_read;
 mod residency;
 mod volumes;
 mod write_back;
@@ -629,68 +630,13 @@ impl Core {
         offset: u32,
         len: usize,
     ) -> Result<ReadPlan, StoreError> {
-        g.check_vol(vol)?;
-        let key = (vol, key);
-        let whole = offset == 0 && len == g.blob_bytes as usize;
-        let st = &mut **g;
-        let cold = match st.blobs.get(&key) {
-            None => return Ok(ReadPlan::Absent),
-            Some(b) => b.slot.is_none().then_some(b.extent).flatten(),
-        };
-        match cold {
-            Some(placed) if !whole && len > 0 => {
-                if let Some(e) = st.damaged_error(key) {
-                    return Err(e);
-                }
-                let first = offset as usize / BLOCK;
-                let end = (offset as usize + len).div_ceil(BLOCK).max(first + 1);
-                st.note_read(key);
-                Ok(ReadPlan::Swap(Direct {
-                    key,
-                    placed,
-                    ident: st.ident(key, placed.version),
-                    first: first as u32,
-                    crcs: st.block_crcs(placed.extent, first, end),
-                }))
-            }
-            _ => Ok(match self.pin(g, vol, key.1)? {
-                Some(s) => ReadPlan::Slot(s),
-                None => ReadPlan::Absent,
-            }),
+        if let Some(d) = self.plan_cold(g, vol, key, offset, len)? {
+            return Ok(ReadPlan::Swap(d));
         }
-    }
-
-    /// Runs a planned range read without the lock. `None` when the blob
-    /// moved meanwhile (the caller plans again); an integrity error only
-    /// when the blob still has that image and no write-back is rewriting
-    /// its extent, so a race never passes for damage.
-    pub(super) fn read_direct(&self, d: &Direct) -> Result<Option<AlignedBuf>, StoreError> {
-        let len = (d.crcs.len() * BLOCK) as u32;
-        let buf = self.swap.read_range(d.placed.extent, d.offset(), len)?;
-        let Some(bad) = extent::first_bad_block(&d.ident, d.first, &buf, &d.crcs) else {
-            return Ok(Some(buf));
-        };
-        self.swap.give_buffer(buf);
-        let mut g = self.state.lock();
-        let st = &mut *g;
-        let unchanged = st.blobs.get(&d.key).is_some_and(|b| {
-            b.extent == Some(d.placed)
-                && b.slot
-                    .is_none_or(|s| st.slots[s as usize].writing != Some(d.placed.extent))
-        });
-        if !unchanged {
-            return Ok(None);
-        }
-        let block = d.first as usize + bad;
-        let offset = self.swap.offset_of(d.placed.extent, block * BLOCK);
-        Err(st.integrity_error(
-            IntegrityKind::Checksum,
-            d.key,
-            self.swap.path(),
-            d.placed.extent,
-            offset,
-            format!("block {block} fails its checksum"),
-        ))
+        Ok(match self.pin(g, vol, key)? {
+            Some(s) => ReadPlan::Slot(s),
+            None => ReadPlan::Absent,
+        })
     }
 
     /// The blob's slot; a new blob gets a zeroed one, within the quota, or

@@ -9,10 +9,11 @@ use parking_lot::MutexGuard;
 use std::time::Duration;
 
 use super::{Core, Guard, Placed, State};
+use crate::store::aligned::AlignedBuf;
 use crate::store::arena::SlotRead;
 use crate::store::eviction::SlotMeta;
 use crate::store::extent::{self, Ident};
-use crate::store::swap::{AlignedBuf, Swap};
+use crate::store::swap::Swap;
 use crate::store::{BlobKey, StoreError, VolumeId};
 
 /// Most slots one eviction frees (their write-backs share a submission).
