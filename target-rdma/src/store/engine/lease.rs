@@ -90,6 +90,8 @@ pub(super) struct Leases {
     ends: u64,
     /// Leases ended by force.
     forced: u64,
+    /// Told of each lease ended by force before its slot is unpinned.
+    on_force_end: Option<crate::store::ForceEndHook>,
 }
 
 impl Leases {
@@ -102,6 +104,7 @@ impl Leases {
             held: BTreeMap::new(),
             ends: 0,
             forced: 0,
+            on_force_end: None,
         }
     }
 
@@ -132,6 +135,10 @@ fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
 impl State {
     pub(in crate::store) fn set_lease_limits(&mut self, limits: LeaseLimits) {
         self.leases.limits = limits;
+    }
+
+    pub(in crate::store) fn set_force_end_hook(&mut self, hook: crate::store::ForceEndHook) {
+        self.leases.on_force_end = Some(hook);
     }
 
     /// A volume's share: configured, or the arena split evenly between the
@@ -170,6 +177,7 @@ impl State {
         Lease {
             slot_offset: u64::from(slot) * u64::from(self.blob_bytes),
             token,
+            rkey: None,
         }
     }
 
@@ -250,8 +258,11 @@ impl State {
             return;
         }
         l.lost = true;
-        let (slot, kind, vol) = (l.slot, l.kind, l.vol);
+        let (slot, kind, vol, holder) = (l.slot, l.kind, l.vol, l.holder);
         self.leases.forced += 1;
+        if let Some(hook) = &self.leases.on_force_end {
+            hook(holder, token);
+        }
         self.unpin_lease(slot, kind, vol);
     }
 
