@@ -72,7 +72,7 @@ use parking_lot::RwLock;
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
 use engine::{Core, Guard, ReadPlan, State};
-pub use engine::{LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
+pub use engine::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 pub use in_process::InProcess;
 
 /// Where and how big the store is.
@@ -141,12 +141,6 @@ pub enum IndexWrite {
 /// Told the duration of each index write; runs under the store lock, so it
 /// must only record (e.g. into a histogram).
 pub type TimingHook = Box<dyn Fn(IndexWrite, std::time::Duration) + Send + Sync>;
-
-/// Called once per lease ended by force (holder, token), under the store
-/// lock and before the lease's slot is unpinned, so the holder's remote
-/// access to the slot (an RDMA window) can be revoked before the slot can
-/// go to anyone else. It must not call into the store.
-pub type ForceEndHook = Box<dyn Fn(HolderId, u64) + Send + Sync>;
 
 /// Called once per lease the store wants back: (holder, volume, key, token).
 pub type RevokeHook = Box<dyn Fn(HolderId, VolumeId, u64, u64) + Send + Sync>;
@@ -651,12 +645,6 @@ impl Store {
     /// not replace the hook from inside it).
     pub fn set_revoke_hook(&self, hook: RevokeHook) {
         *self.hook.write() = Some(hook);
-    }
-
-    /// Installs the callback told of each lease ended by force (see
-    /// [`ForceEndHook`]).
-    pub fn set_force_end_hook(&self, hook: ForceEndHook) {
-        self.locked(|_, g| g.set_force_end_hook(hook));
     }
 
     /// Installs the callback told how long journal appends and checkpoints

@@ -38,6 +38,12 @@ pub struct LeaseLimits {
     pub revoke_deadline: std::time::Duration,
 }
 
+/// Called once per lease ended by force (holder, token), under the store
+/// lock and before the lease's slot is unpinned, so the holder's remote
+/// access to the slot (an RDMA window) can be revoked before the slot can
+/// go to anyone else. It must not call into the store.
+pub type ForceEndHook = Box<dyn Fn(HolderId, u64) + Send + Sync>;
+
 /// Default [`LeaseLimits::revoke_deadline`], milliseconds.
 pub const DEFAULT_REVOKE_DEADLINE_MS: u64 = 2000;
 
@@ -91,7 +97,7 @@ pub(super) struct Leases {
     /// Leases ended by force.
     forced: u64,
     /// Told of each lease ended by force before its slot is unpinned.
-    on_force_end: Option<crate::store::ForceEndHook>,
+    on_force_end: Option<ForceEndHook>,
 }
 
 impl Leases {
@@ -137,7 +143,7 @@ impl State {
         self.leases.limits = limits;
     }
 
-    pub(in crate::store) fn set_force_end_hook(&mut self, hook: crate::store::ForceEndHook) {
+    fn set_force_end_hook(&mut self, hook: ForceEndHook) {
         self.leases.on_force_end = Some(hook);
     }
 
@@ -509,5 +515,11 @@ impl Store {
     /// Sets how leases are shared between tenants (arenad's config).
     pub fn set_lease_limits(&self, limits: LeaseLimits) {
         self.locked(|_, g| g.set_lease_limits(limits));
+    }
+
+    /// Installs the callback told of each lease ended by force (see
+    /// [`ForceEndHook`]).
+    pub fn set_force_end_hook(&self, hook: ForceEndHook) {
+        self.locked(|_, g| g.set_force_end_hook(hook));
     }
 }
