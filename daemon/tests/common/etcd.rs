@@ -8,12 +8,15 @@ use std::time::{Duration, Instant};
 
 use ublkd::coordination::EtcdConfig;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Two distinct ports the kernel had free a moment ago. Another process
+/// may still take one before etcd binds it: [`EtcdServer::start`] retries.
+fn free_ports() -> (u16, u16) {
+    let a = TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = TcpListener::bind("127.0.0.1:0").unwrap();
+    (
+        a.local_addr().unwrap().port(),
+        b.local_addr().unwrap().port(),
+    )
 }
 
 /// A running single-member etcd.
@@ -25,15 +28,29 @@ pub struct EtcdServer {
 }
 
 impl EtcdServer {
-    /// Starts etcd and waits until it answers `etcdctl endpoint health`.
+    /// Starts etcd and waits until it answers as itself: a member named
+    /// for this instance, so a port lost to another test's etcd is seen
+    /// and retried on new ports, not shared.
     pub fn start() -> Self {
+        static INSTANCE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..5 {
+            let n = INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!("test-{}-{n}", std::process::id());
+            if let Some(s) = Self::try_start(&name) {
+                return s;
+            }
+        }
+        panic!("etcd did not come up on 5 pairs of ports");
+    }
+
+    fn try_start(name: &str) -> Option<Self> {
         let dir = tempfile::tempdir().unwrap();
-        let (client_port, peer_port) = (free_port(), free_port());
+        let (client_port, peer_port) = free_ports();
         let log = dir.path().join("etcd.log");
         let client = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");
         let child = Command::new("etcd")
-            .args(["--name", "test", "--data-dir"])
+            .args(["--name", name, "--data-dir"])
             .arg(dir.path().join("data"))
             .args([
                 "--listen-client-urls",
@@ -47,23 +64,39 @@ impl EtcdServer {
                 "--initial-advertise-peer-urls",
                 &peer,
             ])
-            .args(["--initial-cluster", &format!("test={peer}")])
+            .args(["--initial-cluster", &format!("{name}={peer}")])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("etcd (Debian package etcd-server) must be installed");
-        let s = Self {
+        let mut s = Self {
             child: Some(child),
             client_port,
             _dir: dir,
             log,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !s.etcdctl(&["endpoint", "health"]).0 {
+        loop {
+            let (ok, members) = s.etcdctl(&["member", "list"]);
+            if ok && members.contains(name) {
+                return Some(s);
+            }
+            // Exited: a port was taken (the log says which). Dropping `s`
+            // reaps it.
+            if s.child.as_mut().unwrap().try_wait().unwrap().is_some() {
+                eprintln!(
+                    "etcd {name} exited at start, retrying on new ports: {}",
+                    std::fs::read_to_string(&s.log)
+                        .unwrap_or_default()
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                );
+                return None;
+            }
             assert!(Instant::now() < deadline, "etcd did not come up");
             std::thread::sleep(Duration::from_millis(100));
         }
-        s
     }
 
     /// The client endpoint.
