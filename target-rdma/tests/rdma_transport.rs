@@ -8,11 +8,16 @@ use std::sync::Arc;
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, Via};
 use target_rdma::client::{
-    RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TcpReason, TransportGroup,
+    ArenaClient, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TcpReason, TransportGroup,
 };
+use target_rdma::proto::{RailAccept, CAP_RDMA_WINDOWS};
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{wc_status, DeviceSelector, RdmaProvider};
+use target_rdma::rdma::{
+    wc_status, Access, DeviceSelector, Isolation, MemoryRegion, QueuePair, RdmaOp, RdmaProvider,
+    WcCategory, WorkRequest,
+};
+use target_rdma::store::LeaseLimits;
 use target_rdma::testing::*;
 use ublk_metrics::driver::names;
 use ublk_metrics::{DriverSnapshot, DriverStats as _, IoOp};
@@ -600,4 +605,370 @@ fn writes_on_one_queue_survive_removes_and_flushes_on_another() {
         assert!(out == pattern(k, 99, 4096), "key {k}");
     }
     assert_eq!(peer.protocol_errors(), 0);
+}
+
+/// A session's own rail, set up by hand as a hostile client would: its QP,
+/// the server's RAIL_CONNECT answer and a registered local buffer.
+struct RawRail {
+    qp: Box<dyn QueuePair>,
+    accept: RailAccept,
+    mr: MemoryRegion,
+    _buf: Vec<u8>,
+}
+
+impl RawRail {
+    fn up(p: &Arc<dyn RdmaProvider>, c: &ArenaClient) -> RawRail {
+        let qp = p.create_qp(16).unwrap();
+        let accept = block_on(c.rail_connect(qp.endpoint())).unwrap();
+        qp.connect(&accept.endpoint).unwrap();
+        let mut buf = vec![0u8; BLOB as usize];
+        // SAFETY: `_buf` lives as long as the region (declared after it, so
+        // dropped later) and is only touched by the device while a request
+        // this test waits for is in flight.
+        let mr = unsafe { p.register(buf.as_mut_ptr(), buf.len(), Access::Local) }.unwrap();
+        RawRail {
+            qp,
+            accept,
+            mr,
+            _buf: buf,
+        }
+    }
+
+    /// One signaled READ or WRITE of `len` bytes at arena offset `offset`
+    /// with `rkey`; returns its completion status.
+    fn one_sided(&self, op: RdmaOp, offset: u64, rkey: u32, len: u32) -> u32 {
+        self.qp
+            .post(&WorkRequest {
+                wr_id: 7,
+                op,
+                local_addr: self.mr.addr as u64,
+                lkey: self.mr.lkey,
+                len,
+                remote_addr: self.accept.arena_base + offset,
+                rkey,
+            })
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let mut done = Vec::new();
+            self.qp.poll(&mut done).unwrap();
+            if let Some(c) = done.iter().find(|c| c.wr_id == 7) {
+                return c.status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no completion within 20 s"
+            );
+            self.qp.wait(std::time::Duration::from_millis(100)).unwrap();
+        }
+    }
+
+    fn local(&self) -> &[u8] {
+        &self._buf
+    }
+}
+
+fn refused(status: u32) -> bool {
+    WcCategory::from_status(status) == Some(WcCategory::RemoteAccess)
+}
+
+fn isolated_peer(p: Arc<dyn RdmaProvider>, slots: u64) -> (Peer, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            arena_bytes: slots * u64::from(BLOB),
+            blob_bytes: BLOB,
+            rdma: Some(p),
+            ..PeerOpts::default()
+        },
+    );
+    (peer, dir)
+}
+
+fn rdma_client(peer: &Peer, vol: &str, secret: &str) -> ArenaClient {
+    let mut c = peer.config(vol, secret);
+    c.offer_rdma = true;
+    c.blob_bytes = BLOB;
+    ArenaClient::connect(c).unwrap()
+}
+
+/// Volume b's blob 7, written inline; returns its slot's arena offset.
+fn victim_blob(victim: &ArenaClient) -> u64 {
+    block_on(victim.write(7, 0, &pattern(7, 1, BLOB as usize))).unwrap();
+    let l = block_on(victim.alloc(7)).unwrap();
+    block_on(victim.commit(7, l.token)).unwrap();
+    l.slot_offset
+}
+
+fn victim_intact(victim: &ArenaClient) {
+    let mut out = vec![0u8; BLOB as usize];
+    assert!(block_on(victim.read(7, 0, &mut out)).unwrap());
+    assert!(
+        out == pattern(7, 1, BLOB as usize),
+        "volume b's blob changed"
+    );
+}
+
+/// A client of volume a with a valid lease (and window) on its own slot
+/// reaches that slot, and nothing else: a READ or WRITE of volume b's slot
+/// with its key, or with the RAIL_CONNECT key, completes with a remote
+/// access error and b's bytes are unchanged; a GET lease's key does not
+/// write; a lease's key dies with the lease (COMMIT, RELEASE).
+fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 16);
+    let victim = rdma_client(&peer, "b", SECRET_B);
+    let theirs = victim_blob(&victim);
+    let attacker = rdma_client(&peer, "a", SECRET_A);
+    assert_eq!(
+        attacker.welcome().unwrap().caps & CAP_RDMA_WINDOWS,
+        CAP_RDMA_WINDOWS
+    );
+    let len = 4096;
+
+    // Its own slot, with its own key: the path works.
+    let rail = RawRail::up(&p, &attacker);
+    assert_eq!(rail.accept.rkey, 0, "no key to the whole arena");
+    let own = block_on(attacker.alloc(1)).unwrap();
+    let key = own
+        .rkey
+        .expect("an ALLOC answer on a rail carries its window's key");
+    assert_ne!(own.slot_offset, theirs);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, own.slot_offset, key, len),
+        wc_status::SUCCESS
+    );
+    // Volume b's slot with the same key: refused.
+    let s = rail.one_sided(RdmaOp::Read, theirs, key, len);
+    assert!(
+        refused(s),
+        "READ of another volume's slot completed with {s}"
+    );
+    assert!(
+        rail.local().iter().all(|&b| b == 0),
+        "no byte of b was read"
+    );
+
+    // A fresh rail (a remote access error fails the QP): a WRITE over b's slot.
+    let rail = RawRail::up(&p, &attacker);
+    let own = block_on(attacker.alloc(2)).unwrap();
+    let s = rail.one_sided(RdmaOp::Write, theirs, own.rkey.unwrap(), len);
+    assert!(
+        refused(s),
+        "WRITE of another volume's slot completed with {s}"
+    );
+    victim_intact(&victim);
+    // ... or with the key RAIL_CONNECT named.
+    let rail = RawRail::up(&p, &attacker);
+    let s = rail.one_sided(RdmaOp::Write, theirs, rail.accept.rkey, len);
+    assert!(refused(s), "WRITE with the rail's key completed with {s}");
+    victim_intact(&victim);
+
+    // A GET lease's key reads, and does not write.
+    let rail = RawRail::up(&p, &attacker);
+    let got = block_on(attacker.get(7))
+        .unwrap()
+        .map(|l| l.rkey)
+        .unwrap_or(None);
+    assert_eq!(got, None, "volume a has no key 7");
+    block_on(attacker.write(5, 0, &[5; 4096])).unwrap();
+    let ro = block_on(attacker.get(5)).unwrap().unwrap();
+    assert_eq!(
+        rail.one_sided(RdmaOp::Read, ro.slot_offset, ro.rkey.unwrap(), len),
+        wc_status::SUCCESS
+    );
+    assert!(rail.local()[..4096].iter().all(|&b| b == 5));
+    let s = rail.one_sided(RdmaOp::Write, ro.slot_offset, ro.rkey.unwrap(), len);
+    assert!(refused(s), "WRITE through a GET lease completed with {s}");
+
+    // After COMMIT the lease's key is dead.
+    let rail = RawRail::up(&p, &attacker);
+    let l = block_on(attacker.alloc(3)).unwrap();
+    let k = l.rkey.unwrap();
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, l.slot_offset, k, len),
+        wc_status::SUCCESS
+    );
+    block_on(attacker.commit(3, l.token)).unwrap();
+    let s = rail.one_sided(RdmaOp::Write, l.slot_offset, k, len);
+    assert!(refused(s), "WRITE after COMMIT completed with {s}");
+    // After a REMOVE the lease is lost at COMMIT, and its key with it.
+    let rail = RawRail::up(&p, &attacker);
+    let l = block_on(attacker.alloc(4)).unwrap();
+    block_on(attacker.remove(4, 5)).unwrap();
+    assert!(block_on(attacker.commit(4, l.token)).is_err());
+    let s = rail.one_sided(RdmaOp::Read, l.slot_offset, l.rkey.unwrap(), len);
+    assert!(refused(s), "READ after a lost COMMIT completed with {s}");
+    victim_intact(&victim);
+}
+
+#[test]
+fn loopback_a_session_key_reaches_only_its_leased_slots() {
+    a_session_key_reaches_only_its_leased_slots(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_a_session_key_reaches_only_its_leased_slots() {
+    a_session_key_reaches_only_its_leased_slots(Arc::new(
+        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
+    ));
+}
+
+/// A lease that is revoked and not given back is ended by force when
+/// another volume needs its slot: the slot is handed over only after the
+/// holder's key to it was invalidated, so its later WRITE does not land in
+/// the other volume's blob.
+fn a_force_ended_lease_key_no_longer_reaches_the_slot(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 2);
+    peer.store.set_lease_limits(LeaseLimits {
+        revoke_deadline: std::time::Duration::from_millis(200),
+        ..LeaseLimits::default()
+    });
+    let hoarder = rdma_client(&peer, "a", SECRET_A);
+    let rail = RawRail::up(&p, &hoarder);
+    let l1 = block_on(hoarder.alloc(1)).unwrap();
+    let _l2 = block_on(hoarder.alloc(2)).unwrap();
+    // Volume b needs a slot: a's leases past its share are revoked, ignored,
+    // and ended by force at the deadline; b's WRITE then gets a slot.
+    let victim = rdma_client(&peer, "b", SECRET_B);
+    let mut wrote = false;
+    for _ in 0..100 {
+        if block_on(victim.write(7, 0, &pattern(7, 1, BLOB as usize))).is_ok() {
+            wrote = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(wrote, "volume b never got a slot");
+    assert!(peer.store.stats().leases_force_ended >= 1);
+    // The oldest lease past a's share was the one revoked and ended.
+    let s = rail.one_sided(RdmaOp::Write, l1.slot_offset, l1.rkey.unwrap(), 4096);
+    assert_ne!(
+        s,
+        wc_status::SUCCESS,
+        "a force-ended lease's key still wrote"
+    );
+    victim_intact(&victim);
+}
+
+#[test]
+fn loopback_a_force_ended_lease_key_no_longer_reaches_the_slot() {
+    a_force_ended_lease_key_no_longer_reaches_the_slot(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_a_force_ended_lease_key_no_longer_reaches_the_slot() {
+    a_force_ended_lease_key_no_longer_reaches_the_slot(Arc::new(
+        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
+    ));
+}
+
+/// `rdma_isolation = "shared"`: the old scheme, one key to the whole arena
+/// named by RAIL_CONNECT, lease answers without keys; the transport works.
+#[test]
+fn the_shared_region_is_an_explicit_choice_and_still_serves() {
+    let p = LoopbackProvider::new();
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            arena_bytes: 4 << 20,
+            blob_bytes: BLOB,
+            rdma: Some(p.clone()),
+            rdma_isolation: Isolation::Shared,
+            ..PeerOpts::default()
+        },
+    );
+    let raw = rdma_client(&peer, "a", SECRET_A);
+    assert_eq!(raw.welcome().unwrap().caps & CAP_RDMA_WINDOWS, 0);
+    let dynp: Arc<dyn RdmaProvider> = p.clone();
+    let rail = RawRail::up(&dynp, &raw);
+    assert_ne!(rail.accept.rkey, 0);
+    assert_eq!(block_on(raw.alloc(1)).unwrap().rkey, None);
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    payloads_go_by_rdma_and_a_forced_fallback_is_counted(&t);
+}
+
+/// Prints what the device advertises for memory windows (type 2, `max_mw`):
+/// per-lease isolation needs them, and the server refuses to start without.
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_device_binds_type2_windows() {
+    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
+    let n = p.window_support().unwrap();
+    println!(
+        "device {} binds type-2 memory windows, max_mw {n}",
+        p.device_name()
+    );
+    assert!(n > 0);
+}
+
+/// The cost of isolation per lease, same run, same device (not a timed
+/// assertion: it prints figures for docs/BENCHMARKS.md): a window bind plus
+/// its invalidation on a connected QP, and the ALLOC + COMMIT round trip of
+/// a session isolated per lease against one on a shared region.
+fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
+    use std::time::Instant;
+    let mut arena = vec![0u8; 16 * BLOB as usize];
+    // SAFETY: `arena` outlives `mr` (dropped at the end of this function,
+    // after it) and no Rust reference touches it while windows exist.
+    let mr = unsafe { p.register(arena.as_mut_ptr(), arena.len(), Access::Windows) }.unwrap();
+    let server = p.create_qp(16).unwrap();
+    let client = p.create_qp(16).unwrap();
+    server.connect(&client.endpoint()).unwrap();
+    client.connect(&server.endpoint()).unwrap();
+    let t = Instant::now();
+    for i in 0..n {
+        let addr = mr.addr + (i as usize % 16) * BLOB as usize;
+        drop(server.bind_window(&mr, addr, BLOB as usize, true).unwrap());
+    }
+    let bind = t.elapsed() / n;
+    drop(mr);
+    drop(arena);
+    let mut round_trip = Vec::new();
+    for isolation in [Isolation::Shared, Isolation::Lease] {
+        let dir = tempfile::tempdir().unwrap();
+        let peer = Peer::start(
+            dir.path(),
+            PeerOpts {
+                arena_bytes: 16 * u64::from(BLOB),
+                blob_bytes: BLOB,
+                rdma: Some(p.clone()),
+                rdma_isolation: isolation,
+                ..PeerOpts::default()
+            },
+        );
+        let c = rdma_client(&peer, "a", SECRET_A);
+        let _rail = RawRail::up(&p, &c);
+        let t = Instant::now();
+        for i in 0..n {
+            let key = u64::from(i % 16);
+            let l = block_on(c.alloc(key)).unwrap();
+            assert_eq!(l.rkey.is_some(), isolation == Isolation::Lease);
+            block_on(c.commit(key, l.token)).unwrap();
+        }
+        round_trip.push(t.elapsed() / n);
+    }
+    println!(
+        "BENCH isolation n={n} bind+invalidate={bind:?} alloc+commit shared={:?} lease={:?} ratio={:.2}",
+        round_trip[0],
+        round_trip[1],
+        round_trip[1].as_secs_f64() / round_trip[0].as_secs_f64()
+    );
+}
+
+#[test]
+fn loopback_isolation_cost_runs() {
+    isolation_cost(LoopbackProvider::new(), 20);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_cost_per_lease() {
+    isolation_cost(
+        Arc::new(SidewayProvider::open(&DeviceSelector::default()).unwrap()),
+        500,
+    );
 }

@@ -22,4 +22,5 @@ mod served;
 pub mod server;
 mod session;
 mod shared;
+mod windows;
 mod workers;
