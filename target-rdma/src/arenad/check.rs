@@ -10,7 +10,7 @@
 use crate::arenad::config::ArenadConfig;
 use crate::auth::Secret;
 use crate::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
-use crate::rdma::{open_provider, Isolation, RdmaMode};
+use crate::rdma::{open_provider, RdmaMode};
 use crate::store::{footprint, StoreConfig};
 
 /// Runs the checks of a start of `cfg`.
@@ -27,23 +27,7 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
         }
     }
     match (cfg.rdma, open_provider(cfg.rdma, &cfg.rdma_selector())) {
-        (_, Ok(Ok(p))) => {
-            f.ok(format!("RDMA device {} usable", p.device_name()));
-            match (cfg.rdma_isolation, p.window_support()) {
-                (Isolation::Lease, Ok(n)) => f.ok(format!(
-                    "rdma_isolation = \"lease\": a memory window per lease (device max_mw {n}); \
-                     an RDMA key reaches only the slot its session leases"
-                )),
-                (Isolation::Lease, Err(e)) => f.problem(format!(
-                    "rdma_isolation = \"lease\": {e} (rdma_isolation = \"shared\" would trust \
-                     every RDMA client with every volume)"
-                )),
-                (Isolation::Shared, _) => f.warn(
-                    "rdma_isolation = \"shared\": one key to the whole arena for every RDMA \
-                     session: any authenticated RDMA client can read and write every volume's slots",
-                ),
-            }
-        }
+        (_, Ok(Ok(p))) => f.ok(format!("RDMA device {} usable", p.device_name())),
         (RdmaMode::Off, _) => f.ok("RDMA off (rdma = \"off\")"),
         (_, Ok(Err(why))) => f.warn(format!(
             "no usable RDMA device ({why}): rdma = \"auto\" serves TCP only"

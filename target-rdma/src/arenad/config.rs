@@ -56,12 +56,6 @@ pub struct ArenadConfig {
     /// GID index: 1 is the IPv4-mapped RoCEv2 GID on soft-RoCE.
     #[serde(default = "default_gid_index")]
     pub rdma_gid_index: u8,
-    /// What an RDMA session's keys reach: `"lease"` (a memory window per
-    /// lease, bound on the session's QP) or `"shared"` (one key to the whole
-    /// arena for every session: faster, and every RDMA client is trusted
-    /// with every volume). See OPERATIONS.md, *RDMA isolation*.
-    #[serde(default)]
-    pub rdma_isolation: crate::rdma::Isolation,
     /// `IP:port` of the metrics listener (`/metrics`, `/health`, `/live`,
     /// `/ready`, `/diagnostics`); `""` or `"off"` disables it.
     #[serde(default = "default_metrics_listen")]

@@ -107,7 +107,10 @@ impl Shared {
             fence: session.fence,
             version: session.version,
             epoch: AtomicU64::new(session.epoch),
-            rail: Mutex::new(Rail::new(session.granted, session.windows)),
+            rail: Mutex::new(Rail {
+                granted: session.granted,
+                qp: None,
+            }),
             outbox: Outbox::new(
                 QueueLimits {
                     frames: self.limits.max_queued_frames,
@@ -158,8 +161,6 @@ impl Shared {
             WriterEnd::Io(ref e) => debug!(event = "peer.disconnected", conn = id, error = %e),
             WriterEnd::Drained => {}
         }
-        // Its RDMA windows are invalidated before its leases are released.
-        conn.rail.lock().close();
         self.conns.lock().remove(&id);
         self.obs.session_closed();
         // Every request of the connection has finished: no lease can be

@@ -15,8 +15,7 @@ use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::Incoming;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
-use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
-use crate::rdma::Isolation;
+use crate::proto::{self, FrameError, Header, Opcode, Request, Status, TAG_LEN, VERSION_2};
 use crate::store::{Residency, StoreError};
 
 /// Answers this large are written straight to the socket (when it is
@@ -249,29 +248,28 @@ impl Shared {
             Request::Alloc { key } => self
                 .store
                 .alloc(vol, key, holder)
-                .map(|lease| self.grant(conn, op, rid, lease, true, &mut out)),
+                .map(|lease| proto::encode_lease(&mut out, op, rid, lease))
+                .map(ok),
             Request::Get { key } => self.store.get(vol, key, holder).map(|lease| match lease {
-                Some(lease) => self.grant(conn, op, rid, lease, false, &mut out),
+                Some(lease) => {
+                    proto::encode_lease(&mut out, op, rid, lease);
+                    Status::Ok
+                }
                 None => {
                     proto::encode_error(&mut out, op, rid, Status::NotFound, "");
                     Status::NotFound
                 }
             }),
-            Request::Commit { key, token } => {
-                self.unbind(conn, &[token]);
-                self.store
-                    .commit(vol, key, token, holder)
-                    .map(|()| proto::encode_ok(&mut out, op, rid))
-                    .map(ok)
-            }
-            Request::Release { tokens } => {
-                self.unbind(conn, &tokens);
-                tokens
-                    .iter()
-                    .try_for_each(|t| self.store.release(*t, holder))
-                    .map(|()| proto::encode_ok(&mut out, op, rid))
-                    .map(ok)
-            }
+            Request::Commit { key, token } => self
+                .store
+                .commit(vol, key, token, holder)
+                .map(|()| proto::encode_ok(&mut out, op, rid))
+                .map(ok),
+            Request::Release { tokens } => tokens
+                .iter()
+                .try_for_each(|t| self.store.release(*t, holder))
+                .map(|()| proto::encode_ok(&mut out, op, rid))
+                .map(ok),
             Request::Remove { start, end } => self
                 .store
                 .remove(vol, start, end)
@@ -376,21 +374,7 @@ impl Shared {
                 },
             ));
         };
-        if rdma.isolation() == Isolation::Lease && !rail.windows_offered {
-            proto::encode_error(
-                &mut out,
-                op,
-                rid,
-                Status::Internal,
-                "RDMA rail refused: this arenad isolates RDMA per lease (rdma_isolation = \"lease\") \
-                 and the client did not offer CAP_RDMA_WINDOWS: upgrade the client (or, trusting \
-                 every RDMA client with every volume, set rdma_isolation = \"shared\")",
-            );
-            return Ok((Status::Internal, out));
-        }
-        // The windows are bound to the QP that goes: its leases' keys die
-        // with it (the client drops leases cached from an older rail).
-        rail.close();
+        rail.qp = None;
         match rdma.accept(client) {
             Ok((qp, acc)) => {
                 rail.qp = Some(qp);
@@ -408,98 +392,6 @@ impl Shared {
                 );
                 Ok((Status::Internal, out))
             }
-        }
-    }
-}
-
-impl Shared {
-    /// Encodes a granted lease's answer; isolated per lease, on a session
-    /// with a rail, a window over the slot is bound first and its rkey
-    /// travels in the answer. A bind that fails gives the lease back and
-    /// answers `INTERNAL`.
-    fn grant(
-        &self,
-        conn: &Session,
-        op: Opcode,
-        rid: u64,
-        lease: Lease,
-        write: bool,
-        out: &mut Vec<u8>,
-    ) -> Status {
-        match self.bind_window(conn, lease, write) {
-            Ok(lease) => {
-                proto::encode_lease(out, op, rid, lease);
-                Status::Ok
-            }
-            Err(why) => {
-                let _ = self.store.release(lease.token, conn.id);
-                warn!(event = "rdma.bind_failed", conn = conn.id, error = %why);
-                proto::encode_error(out, op, rid, Status::Internal, &why);
-                Status::Internal
-            }
-        }
-    }
-
-    fn bind_window(&self, conn: &Session, mut lease: Lease, write: bool) -> Result<Lease, String> {
-        let Some(rdma) = self
-            .rdma
-            .as_ref()
-            .filter(|r| r.isolation() == Isolation::Lease)
-        else {
-            return Ok(lease);
-        };
-        let mut rail = conn.rail.lock();
-        let rail = &mut *rail;
-        let Some(qp) = rail.qp.as_deref() else {
-            // No rail: the lease serves inline transfers only.
-            return Ok(lease);
-        };
-        match rail
-            .windows
-            .bind(lease.token, || rdma.bind(qp, lease.slot_offset, write))
-        {
-            Ok(Some(rkey)) => {
-                lease.rkey = Some(rkey);
-                Ok(lease)
-            }
-            Ok(None) => Err(format!(
-                "lease token {} was ended by force before its memory window was bound",
-                lease.token
-            )),
-            Err(e) => Err(format!("binding the lease's memory window failed: {e}")),
-        }
-    }
-
-    /// The holder ends these leases: their windows are invalidated before
-    /// the store can give the slots to anyone else.
-    fn unbind(&self, conn: &Session, tokens: &[u64]) {
-        if self.rdma.is_some() {
-            let mut rail = conn.rail.lock();
-            for &t in tokens {
-                rail.windows.end(t);
-            }
-        }
-    }
-
-    /// The store ended `holder`'s lease `token` by force (called under the
-    /// store lock, before the slot is unpinned): its window is invalidated,
-    /// and the QP failed, so that no transfer still arriving on it lands
-    /// in the slot once it belongs to someone else.
-    pub(super) fn force_ended(&self, holder: crate::store::HolderId, token: u64) {
-        let Some(conn) = self.conns.lock().get(&holder).cloned() else {
-            return;
-        };
-        let mut rail = conn.rail.lock();
-        if rail.windows.force_ended(token) {
-            if let Some(qp) = rail.qp.as_deref() {
-                qp.fail();
-            }
-            warn!(
-                event = "rdma.window_force_ended",
-                conn = holder,
-                token,
-                "a revoked lease was not given back in time: its window is invalidated and the rail failed"
-            );
         }
     }
 }

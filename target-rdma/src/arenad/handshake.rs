@@ -19,11 +19,10 @@ use crate::arenad::served::ServedVolume;
 use crate::arenad::shared::Shared;
 use crate::auth::{self, SessionKeys};
 use crate::proto::{
-    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_RDMA, CAP_RDMA_WINDOWS,
-    CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY, MAX_INLINE, VERSION,
-    VERSION_1, VERSION_2,
+    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_RDMA, CAP_TCP_DATA,
+    HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY, MAX_INLINE, VERSION, VERSION_1,
+    VERSION_2,
 };
-use crate::rdma::Isolation;
 use crate::store::HolderId;
 
 /// What a session is bound to once its HELLO is accepted.
@@ -32,8 +31,6 @@ pub(super) struct Session {
     /// The volume's epoch.
     pub(super) fence: Arc<VolumeEpoch>,
     pub(super) granted: bool,
-    /// Granted `CAP_RDMA` and offered `CAP_RDMA_WINDOWS`.
-    pub(super) windows: bool,
     pub(super) version: u8,
     pub(super) keys: Option<SessionKeys>,
     /// The writer's membership epoch.
@@ -168,18 +165,12 @@ impl Shared {
             );
         }
         let granted = rdma && self.rdma.is_some();
-        let isolated = self
-            .rdma
-            .as_ref()
-            .is_some_and(|r| r.isolation() == Isolation::Lease);
         let mut welcome = Welcome {
             session_id: id,
             generation: self.store.generation(),
             blob_bytes: blob,
             caps: hello.caps
-                & if granted && isolated {
-                    CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_WINDOWS
-                } else if granted {
+                & if granted {
                     CAP_TCP_DATA | CAP_RDMA
                 } else {
                     CAP_TCP_DATA
@@ -196,7 +187,6 @@ impl Shared {
             vol: Arc::clone(vol),
             fence,
             granted,
-            windows: granted && hello.caps & CAP_RDMA_WINDOWS != 0,
             version,
             keys: (version >= VERSION_2).then(|| vol.secret.session_keys(&ch, &hello)),
             epoch: hello.epoch,

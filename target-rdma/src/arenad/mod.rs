@@ -22,5 +22,4 @@ mod served;
 pub mod server;
 mod session;
 mod shared;
-mod windows;
 mod workers;

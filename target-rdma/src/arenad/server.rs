@@ -84,15 +84,6 @@ impl Server {
                     shared.revoke(holder, key, token);
                 }
             }));
-        // Runs under the store lock: it only drops a window and fails a QP.
-        let weak: Weak<Shared> = Arc::downgrade(&shared);
-        shared
-            .store
-            .set_force_end_hook(Box::new(move |holder, token| {
-                if let Some(shared) = weak.upgrade() {
-                    shared.force_ended(holder, token);
-                }
-            }));
         Ok(Arc::new(Server {
             shared,
             cores: Mutex::new(Some((accept, workers))),

@@ -1,9 +1,7 @@
 //! A verbs backend without hardware: one-sided operations between memory
 //! regions registered in this process, checked like a device would check
 //! them (key, bounds, remote access, a connected peer QP), with completion
-//! statuses that tests can inject. Type-2 memory windows are modelled too:
-//! a window has a key, bounds, an access, the QP it is bound to (only that
-//! QP's peer may use it), and is refused once dropped (invalidated).
+//! statuses that tests can inject.
 //!
 //! It lets the transport, the server's rail setup and the conformance suite
 //! run on hosts without an RDMA device; the VM suite runs the same code over
@@ -17,8 +15,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::{
-    wc_status, Access, Completion, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
-    Window, WorkRequest,
+    wc_status, Completion, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider, WorkRequest,
 };
 use crate::proto::Endpoint;
 
@@ -26,23 +23,12 @@ use crate::proto::Endpoint;
 struct Region {
     addr: usize,
     len: usize,
-    access: Access,
-}
-
-/// A bound window: its range, whether it grants writes, and the QP it is
-/// bound to.
-#[derive(Clone, Copy)]
-struct Bound {
-    addr: usize,
-    len: usize,
-    write: bool,
-    qpn: u32,
+    remote: bool,
 }
 
 #[derive(Default)]
 struct World {
     regions: HashMap<u32, Region>,
-    windows: HashMap<u32, Bound>,
     /// QPs that exist, and the peer each connected one talks to.
     qps: HashMap<u32, Option<u32>>,
 }
@@ -58,13 +44,6 @@ struct Deregister(u32);
 impl Drop for Deregister {
     fn drop(&mut self) {
         WORLD.lock().regions.remove(&self.0);
-    }
-}
-
-struct Invalidate(u32);
-impl Drop for Invalidate {
-    fn drop(&mut self) {
-        WORLD.lock().windows.remove(&self.0);
     }
 }
 
@@ -116,7 +95,7 @@ impl RdmaProvider for LoopbackProvider {
         &self,
         addr: *mut u8,
         len: usize,
-        access: Access,
+        remote: bool,
     ) -> Result<MemoryRegion, RdmaError> {
         if self.refuse_registration.lock().contains(&len) {
             return Err(RdmaError::Register {
@@ -131,7 +110,7 @@ impl RdmaProvider for LoopbackProvider {
             Region {
                 addr: addr as usize,
                 len,
-                access,
+                remote,
             },
         );
         Ok(MemoryRegion::new(
@@ -141,10 +120,6 @@ impl RdmaProvider for LoopbackProvider {
             key,
             Box::new(Deregister(key)),
         ))
-    }
-
-    fn window_support(&self) -> Result<u32, String> {
-        Ok(u32::MAX)
     }
 
     fn create_qp(&self, _depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
@@ -188,24 +163,13 @@ impl LoopbackQp {
             Some(r) if fits(r, wr.local_addr) => {}
             _ => return wc_status::LOC_PROT_ERR,
         }
-        let peer = match w.qps.get(&self.qpn).copied().flatten() {
-            Some(peer) if w.qps.contains_key(&peer) => peer,
+        match w.qps.get(&self.qpn).copied().flatten() {
+            Some(peer) if w.qps.contains_key(&peer) => {}
             _ => return wc_status::RETRY_EXC_ERR,
-        };
-        let granted = match (w.windows.get(&wr.rkey), w.regions.get(&wr.rkey)) {
-            (Some(b), _) => {
-                let r = Region {
-                    addr: b.addr,
-                    len: b.len,
-                    access: Access::Remote,
-                };
-                b.qpn == peer && (b.write || wr.op == RdmaOp::Read) && fits(&r, wr.remote_addr)
-            }
-            (None, Some(r)) => r.access == Access::Remote && fits(r, wr.remote_addr),
-            (None, None) => false,
-        };
-        if !granted {
-            return wc_status::REM_ACCESS_ERR;
+        }
+        match w.regions.get(&wr.rkey) {
+            Some(r) if r.remote && fits(r, wr.remote_addr) => {}
+            _ => return wc_status::REM_ACCESS_ERR,
         }
         let (src, dst) = match wr.op {
             RdmaOp::Read => (wr.remote_addr, wr.local_addr),
@@ -241,48 +205,6 @@ impl QueuePair for LoopbackQp {
         }
         w.qps.insert(self.qpn, Some(remote.qpn));
         Ok(())
-    }
-
-    fn bind_window(
-        &self,
-        region: &MemoryRegion,
-        addr: usize,
-        len: usize,
-        write: bool,
-    ) -> Result<Window, RdmaError> {
-        let mut w = WORLD.lock();
-        let ok = w.regions.get(&region.lkey).is_some_and(|r| {
-            r.access == Access::Windows
-                && addr >= r.addr
-                && addr.saturating_add(len) <= r.addr + r.len
-                && len > 0
-        });
-        if !ok || *self.failed.lock() {
-            return Err(RdmaError::Verbs {
-                step: "bind_mw",
-                detail: format!(
-                    "{len} bytes at {addr:#x}: not inside a region registered for windows, \
-                     or the QP is in the error state"
-                ),
-            });
-        }
-        let rkey = next_key();
-        w.windows.insert(
-            rkey,
-            Bound {
-                addr,
-                len,
-                write,
-                qpn: self.qpn,
-            },
-        );
-        Ok(Window::new(
-            rkey,
-            addr,
-            len,
-            write,
-            Box::new(Invalidate(rkey)),
-        ))
     }
 
     fn post(&self, wr: &WorkRequest) -> Result<(), RdmaError> {

@@ -37,30 +37,6 @@ pub enum RdmaMode {
     On,
 }
 
-/// What the keys a server hands an RDMA session reach: a config value
-/// (`rdma_isolation = "lease"|"shared"`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Isolation {
-    /// One memory window per lease, bound on the session's own QP: a key
-    /// reaches only the slot that lease is on, and dies with the lease.
-    #[default]
-    Lease,
-    /// One key to the whole arena for every session (no per-lease bind):
-    /// every RDMA client can read and write every volume's slots.
-    Shared,
-}
-
-impl Isolation {
-    /// The config spelling.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Lease => "lease",
-            Self::Shared => "shared",
-        }
-    }
-}
-
 /// Which device, port and GID a provider uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSelector {
@@ -126,64 +102,6 @@ pub enum RdmaError {
     },
 }
 
-/// What a registration lets peers do with the memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Access {
-    /// Only local access (our buffers, which a READ lands in).
-    Local,
-    /// Remote read and write through the region's own rkey: every peer
-    /// with the key reaches all of it (the shared-arena trust model).
-    Remote,
-    /// No remote access through the region's rkey; peers reach only what a
-    /// [`Window`] bound over part of it grants, on the one QP it is bound to.
-    Windows,
-}
-
-/// A type-2 memory window: remote access to `[addr, addr + len)` of one
-/// region, for the peer of one queue pair only. Dropping it invalidates it
-/// and returns only once the device refuses the key, so memory it covered
-/// can be handed to someone else right after.
-pub struct Window {
-    /// Key the peer names in one-sided operations.
-    pub rkey: u32,
-    /// First byte.
-    pub addr: usize,
-    /// Length in bytes.
-    pub len: usize,
-    /// Whether the peer may write (else read only).
-    pub write: bool,
-    _owner: Box<dyn Any + Send + Sync>,
-}
-
-impl Window {
-    /// Wraps a backend's bound window; dropping `owner` invalidates it.
-    pub fn new(
-        rkey: u32,
-        addr: usize,
-        len: usize,
-        write: bool,
-        owner: Box<dyn Any + Send + Sync>,
-    ) -> Self {
-        Self {
-            rkey,
-            addr,
-            len,
-            write,
-            _owner: owner,
-        }
-    }
-}
-
-impl fmt::Debug for Window {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Window")
-            .field("rkey", &self.rkey)
-            .field("len", &self.len)
-            .field("write", &self.write)
-            .finish_non_exhaustive()
-    }
-}
-
 /// A registered memory region. Dropping it deregisters.
 pub struct MemoryRegion {
     /// First byte.
@@ -213,11 +131,6 @@ impl MemoryRegion {
             rkey,
             _owner: owner,
         }
-    }
-
-    /// The backend's own handle, for binding windows over the region.
-    pub(crate) fn backend<T: 'static>(&self) -> Option<&T> {
-        self._owner.downcast_ref::<T>()
     }
 
     /// Whether `[addr, addr + len)` lies inside this region.
@@ -366,7 +279,9 @@ pub trait RdmaProvider: Send + Sync {
     /// Device name, for logs.
     fn device_name(&self) -> String;
 
-    /// Registers `[addr, addr + len)` for local write and `access`.
+    /// Registers `[addr, addr + len)`. `remote` grants remote read and
+    /// write (the arena); otherwise only local write (our buffers, which a
+    /// READ lands in).
     ///
     /// # Safety
     ///
@@ -377,12 +292,8 @@ pub trait RdmaProvider: Send + Sync {
         &self,
         addr: *mut u8,
         len: usize,
-        access: Access,
+        remote: bool,
     ) -> Result<MemoryRegion, RdmaError>;
-
-    /// Whether the device binds type-2 memory windows, and how many it can
-    /// hold (`Err` says what it lacks): per-lease isolation needs them.
-    fn window_support(&self) -> Result<u32, String>;
 
     /// Creates an RC queue pair with `depth` send slots and its own
     /// completion queue and channel, in INIT.
@@ -396,18 +307,6 @@ pub trait QueuePair: Send + Sync {
     /// Brings the QP through RTR to RTS against `remote`. `max_rd_atomic`
     /// must be at least 1 on both sides or READs never complete.
     fn connect(&self, remote: &Endpoint) -> Result<(), RdmaError>;
-    /// Binds a type-2 window over `[addr, addr + len)` of `region` (which
-    /// must be registered with [`Access::Windows`]) for this QP's peer:
-    /// remote read, and remote write if `write`. Returns once the bind
-    /// completed. Only for a QP nobody else posts on or polls (the server's
-    /// side of a rail, where peers move data by one-sided operations).
-    fn bind_window(
-        &self,
-        region: &MemoryRegion,
-        addr: usize,
-        len: usize,
-        write: bool,
-    ) -> Result<Window, RdmaError>;
     /// Posts one signaled work request.
     fn post(&self, wr: &WorkRequest) -> Result<(), RdmaError>;
     /// Sleeps until a completion event arrives or `timeout` passes (the

@@ -10,11 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rdma_mummy_sys::{
-    bind_mw_t, bind_mw_tso_union_t, ibv_ack_cq_events, ibv_alloc_mw, ibv_cq, ibv_dealloc_mw,
-    ibv_get_cq_event, ibv_inc_rkey, ibv_mw, ibv_mw_bind_info, ibv_mw_type, ibv_post_send,
-    ibv_req_notify_cq, ibv_send_flags, ibv_send_wr, ibv_wr_opcode,
-};
+use rdma_mummy_sys::{ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_req_notify_cq};
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{
@@ -22,31 +18,22 @@ use sideway::ibverbs::completion::{
     PollCompletionQueueError,
 };
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
-use sideway::ibverbs::device_context::{DeviceCapabilityFlags, DeviceContext, Mtu, PortState};
-use sideway::ibverbs::memory_region::MemoryRegion as SidewayMr;
+use sideway::ibverbs::device_context::{DeviceContext, Mtu, PortState};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
     BasicQueuePair, PostSendGuard, QueuePair as _, QueuePairAttribute, QueuePairState,
     SetScatterGatherEntry, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
-use std::ptr::NonNull;
-use std::time::Instant;
 
 use super::{
-    wc_status, Access, Completion, DeviceSelector, MemoryRegion, QueuePair, RdmaError, RdmaOp,
-    RdmaProvider, Window, WorkRequest,
+    Completion, DeviceSelector, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
+    WorkRequest,
 };
 use crate::proto::Endpoint;
 
 /// Largest path MTU we ask for (IBV_MTU_1024): measured to work on rxe.
 const MAX_MTU: u8 = 3;
-/// Longest a memory-window bind may take to complete before the QP is
-/// failed (a bind is a local operation: microseconds on hardware).
-const BIND_TIMEOUT: Duration = Duration::from_secs(5);
-/// The wr id of bind work requests (nothing else is posted on a QP that
-/// binds windows).
-const BIND_WR_ID: u64 = u64::MAX;
 
 fn verbs_err(step: &'static str, e: impl std::fmt::Display) -> RdmaError {
     RdmaError::Verbs {
@@ -158,15 +145,12 @@ impl RdmaProvider for SidewayProvider {
         &self,
         addr: *mut u8,
         len: usize,
-        access: Access,
+        remote: bool,
     ) -> Result<MemoryRegion, RdmaError> {
-        let access = match access {
-            Access::Local => AccessFlags::LocalWrite,
-            Access::Remote => {
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
-            }
-            Access::Windows => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
-        };
+        let mut access = AccessFlags::LocalWrite;
+        if remote {
+            access = access | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        }
         // SAFETY: the caller guarantees the range stays valid for the
         // region's life (this function's contract); the MR is dropped with it.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
@@ -183,24 +167,6 @@ impl RdmaProvider for SidewayProvider {
             mr.rkey(),
             Box::new(mr),
         ))
-    }
-
-    fn window_support(&self) -> Result<u32, String> {
-        let attr = self
-            .ctx
-            .query_device()
-            .map_err(|e| format!("query_device: {e}"))?;
-        let flags = attr.device_cap_flags();
-        let type2 = flags.contains(DeviceCapabilityFlags::MemoryWindowType2A)
-            || flags.contains(DeviceCapabilityFlags::MemoryWindowType2B);
-        let max = attr.max_mw();
-        match (type2, max) {
-            (true, n) if n > 0 => Ok(n as u32),
-            (t, n) => Err(format!(
-                "device {} does not bind type-2 memory windows (type 2 advertised: {t}, max_mw {n})",
-                self.name
-            )),
-        }
     }
 
     fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
@@ -235,7 +201,6 @@ impl RdmaProvider for SidewayProvider {
                 gid: self.gid,
             },
             qp: Mutex::new(qp),
-            pd: Arc::clone(&self.pd),
             cq,
             channel,
             port: self.port,
@@ -259,7 +224,6 @@ impl RdmaProvider for SidewayProvider {
 struct SidewayQp {
     // Field order is drop order: the QP goes before its CQ and channel.
     qp: Mutex<BasicQueuePair>,
-    pd: Arc<ProtectionDomain>,
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
     endpoint: Endpoint,
@@ -288,134 +252,7 @@ impl SidewayQp {
     }
 }
 
-/// A bound type-2 window; dropping it deallocates it, which invalidates it
-/// synchronously (the device refuses its rkey once `ibv_dealloc_mw`
-/// returned).
-struct SidewayWindow {
-    mw: NonNull<ibv_mw>,
-    // Field order is drop order: the MW goes before the PD it was made in.
-    _pd: Arc<ProtectionDomain>,
-}
-
-// SAFETY: an `ibv_mw` handle may be used and deallocated from any thread
-// (libibverbs objects are thread-safe); this owner is its only user.
-unsafe impl Send for SidewayWindow {}
-// SAFETY: as above; no method reads it through a shared reference.
-unsafe impl Sync for SidewayWindow {}
-
-impl Drop for SidewayWindow {
-    fn drop(&mut self) {
-        // SAFETY: `mw` came from `ibv_alloc_mw`, is deallocated only here,
-        // and its PD is still alive (held by `_pd`).
-        let rc = unsafe { ibv_dealloc_mw(self.mw.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(event = "rdma.dealloc_mw_failed", errno = rc);
-        }
-    }
-}
-
-impl SidewayQp {
-    /// Posts a signaled BIND_MW for `mw` and waits for its completion.
-    fn post_bind(&self, mw: &SidewayWindow, info: ibv_mw_bind_info) -> Result<u32, RdmaError> {
-        // SAFETY: `mw` is a live MW; reading its rkey is a plain field read.
-        let rkey = unsafe { ibv_inc_rkey((*mw.mw.as_ptr()).rkey) };
-        // SAFETY: all-zero is a valid `ibv_send_wr` (null pointers, no SGEs).
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = BIND_WR_ID;
-        wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        wr.bind_mw_tso_union = bind_mw_tso_union_t {
-            bind_mw: bind_mw_t {
-                mw: mw.mw.as_ptr(),
-                rkey,
-                bind_info: info,
-            },
-        };
-        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        let rc = {
-            let qp = self.qp.lock();
-            // SAFETY: the QP is alive (the lock guard borrows it); `wr` and
-            // the MW and MR it names outlive the call (the provider copies
-            // the request into its queue before returning).
-            unsafe { ibv_post_send(qp.qp().as_ptr(), &mut wr, &mut bad) }
-        };
-        if rc != 0 {
-            return Err(verbs_err(
-                "post_send(BIND_MW)",
-                std::io::Error::from_raw_os_error(rc),
-            ));
-        }
-        let deadline = Instant::now() + BIND_TIMEOUT;
-        let mut done = Vec::new();
-        loop {
-            self.poll(&mut done)?;
-            if let Some(c) = done.iter().find(|c| c.wr_id == BIND_WR_ID) {
-                if c.status == wc_status::SUCCESS {
-                    return Ok(rkey);
-                }
-                self.fail();
-                return Err(verbs_err(
-                    "bind_mw",
-                    format!("completion status {}", c.status),
-                ));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                self.fail();
-                return Err(verbs_err(
-                    "bind_mw",
-                    format!("no completion within {BIND_TIMEOUT:?}"),
-                ));
-            }
-            self.wait(left)?;
-        }
-    }
-}
-
 impl QueuePair for SidewayQp {
-    fn bind_window(
-        &self,
-        region: &MemoryRegion,
-        addr: usize,
-        len: usize,
-        write: bool,
-    ) -> Result<Window, RdmaError> {
-        let mr = region
-            .backend::<Arc<SidewayMr>>()
-            .ok_or_else(|| verbs_err("bind_mw", "the region was not registered by this backend"))?;
-        if !region.contains(addr, len) || len == 0 {
-            return Err(verbs_err(
-                "bind_mw",
-                format!("{len} bytes at {addr:#x} lie outside the region"),
-            ));
-        }
-        // SAFETY: the PD is alive (held by self); the MW is freed by
-        // `SidewayWindow`'s drop, before the PD it keeps alive.
-        let mw = unsafe { ibv_alloc_mw(self.pd.pd().as_ptr(), ibv_mw_type::IBV_MW_TYPE_2) };
-        let Some(mw) = NonNull::new(mw) else {
-            return Err(verbs_err("alloc_mw", std::io::Error::last_os_error()));
-        };
-        let win = SidewayWindow {
-            mw,
-            _pd: Arc::clone(&self.pd),
-        };
-        let mut access = AccessFlags::RemoteRead;
-        if write {
-            access |= AccessFlags::RemoteWrite;
-        }
-        let info = ibv_mw_bind_info {
-            // SAFETY: the MR is alive while `region` is borrowed, and the
-            // caller keeps the region alive longer than the window (the
-            // server drops windows before its arena registration).
-            mr: unsafe { mr.mr() }.as_ptr(),
-            addr: addr as u64,
-            length: len as u64,
-            mw_access_flags: access.bits() as _,
-        };
-        let rkey = self.post_bind(&win, info)?;
-        Ok(Window::new(rkey, addr, len, write, Box::new(win)))
-    }
-
     fn endpoint(&self) -> Endpoint {
         self.endpoint
     }

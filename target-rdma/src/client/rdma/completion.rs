@@ -259,7 +259,7 @@ impl CompletionEngine {
 mod tests {
     use super::*;
     use crate::proto::Endpoint;
-    use crate::rdma::{wc_status, MemoryRegion, RdmaOp, Window};
+    use crate::rdma::{wc_status, RdmaOp};
     use futures::executor::block_on;
 
     /// A QP that records posts and completes only what the test says.
@@ -283,18 +283,6 @@ mod tests {
         }
         fn connect(&self, _: &Endpoint) -> Result<(), RdmaError> {
             Ok(())
-        }
-        fn bind_window(
-            &self,
-            _: &MemoryRegion,
-            _: usize,
-            _: usize,
-            _: bool,
-        ) -> Result<Window, RdmaError> {
-            Err(RdmaError::Verbs {
-                step: "bind_mw",
-                detail: "not scripted".into(),
-            })
         }
         fn post(&self, wr: &WorkRequest) -> Result<(), RdmaError> {
             if self.refuse_post.load(Ordering::Relaxed) {

@@ -430,7 +430,7 @@ impl RdmaTransport {
         }
     }
 
-    pub(super) async fn end_cached(&self, key: u64, e: CachedLease) -> Result<(), ArenaError> {
+    async fn end_cached(&self, key: u64, e: CachedLease) -> Result<(), ArenaError> {
         if self.client.connection_epoch() != Some(e.epoch) {
             // The connection that held it is gone; the peer released it and
             // kept what was written.
@@ -574,16 +574,6 @@ impl RdmaTransport {
         ended
     }
 
-    /// Gives back a lease whose window key died with the rail it was bound
-    /// on (ended once idle, not cached again) and leases the key anew on the
-    /// current rail; `None` when that fails.
-    pub(super) async fn relet(&self, held: HeldLease, write: bool) -> Option<HeldLease> {
-        let key = held.key;
-        self.leases.lock().revoke(key, held.lease.token);
-        let _ = self.unlease(held, false).await;
-        self.lease(key, write).await.ok().flatten()
-    }
-
     /// Ends a request's use of its lease; `wrote` after a successful write.
     pub(super) async fn unlease(&self, held: HeldLease, wrote: bool) -> Result<(), ArenaError> {
         let r = self.unlease_inner(held, wrote).await;
@@ -659,7 +649,6 @@ mod tests {
         Lease {
             slot_offset: token * 4096,
             token,
-            rkey: None,
         }
     }
 

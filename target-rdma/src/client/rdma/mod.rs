@@ -285,18 +285,6 @@ impl RdmaTransport {
                 lease.slot_offset, rail.remote.arena_len
             )));
         }
-        // Isolated per lease, the lease's own window key; otherwise the
-        // arena's (a shared-region server names it in RAIL_CONNECT).
-        let rkey = match (lease.rkey, rail.remote.rkey) {
-            (Some(k), _) => k,
-            (None, k) if k != 0 => k,
-            (None, _) => {
-                return Err(OpError::QpDown(format!(
-                    "lease token {} carries no memory-window key (granted before this rail)",
-                    lease.token
-                )))
-            }
-        };
         let (lkey, addr) = local.lkey_addr();
         let _permit = self
             .slots
@@ -310,7 +298,7 @@ impl RdmaTransport {
             lkey,
             len: len as u32,
             remote_addr: rail.remote.arena_base + remote,
-            rkey,
+            rkey: rail.remote.rkey,
         };
         let rx = rail
             .engine
@@ -360,7 +348,7 @@ impl RdmaTransport {
             reason,
             failover: false,
         })?;
-        let mut held = match self.lease(key, op == RdmaOp::Write).await {
+        let held = match self.lease(key, op == RdmaOp::Write).await {
             Ok(Some(h)) => h,
             Ok(None) => return Ok(None),
             Err(e) if e.status() == Some(Status::Busy) => {
@@ -395,19 +383,6 @@ impl RdmaTransport {
                     match self.route(len).await {
                         Ok(r) if self.client.connection_epoch() == Some(rail.epoch) => rail = r,
                         _ => break Err(TcpReason::QpError),
-                    }
-                    if held.lease.rkey.is_some() {
-                        // Its window died with the QP the new rail replaced.
-                        held = match self.relet(held, op == RdmaOp::Write).await {
-                            Some(h) => h,
-                            None => {
-                                self.stats.inc_op(op, |s| &s.rdma_declined, |o| &o.declined);
-                                return Err(Carry::Tcp {
-                                    reason: TcpReason::QpError,
-                                    failover: true,
-                                });
-                            }
-                        };
                     }
                 }
             }

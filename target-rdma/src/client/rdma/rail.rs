@@ -150,12 +150,6 @@ impl RdmaTransport {
             Arc::clone(&self.stats),
         );
         engine.spawn().map_err(|e| e.to_string())?;
-        // Leases cached from an older rail carry window keys bound to the
-        // QP it replaced: they are given back rather than tried.
-        let stale = self.leases.lock().take_idle();
-        for (key, e) in stale {
-            let _ = self.end_cached(key, e).await;
-        }
         info!(event = "rdma.rail_up", peer = %self.peer, device = %provider.device_name());
         Ok(Arc::new(Rail {
             engine,
