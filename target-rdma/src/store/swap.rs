@@ -293,7 +293,7 @@ impl Swap {
         debug_assert!(offset + len <= self.extent_bytes);
         let mut buf = self.take_buffer(len as usize)?;
         let op = Op::Read {
-            offset: u64::from(extent) * u64::from(self.extent_bytes) + u64::from(offset),
+            offset: self.offset_of(extent, offset as usize),
             len,
             buf: buf.as_mut_ptr(),
         };

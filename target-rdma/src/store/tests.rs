@@ -962,24 +962,34 @@ fn big_pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-#[test]
-fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
-    const BLOB: u32 = 64 << 10;
-    let dir = tempfile::tempdir().unwrap();
-    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+/// Blob size of [`sixteen_blobs_twelve_cold`]'s store.
+const COLD_BLOB: u32 = 64 << 10;
+
+/// A store of 4 slots holding 16 written and flushed 64 KiB blobs
+/// (`big_pattern(k)` for key k of volume 0): keys 0..12 are in swap only.
+fn sixteen_blobs_twelve_cold(dir: &std::path::Path) -> Store {
+    let s = Store::open(cfg_blob(dir, COLD_BLOB, 4, 64), &vols(1000)).unwrap();
     for k in 0..16 {
-        s.write(0, k, 0, &big_pattern(k, BLOB as usize)).unwrap();
+        s.write(0, k, 0, &big_pattern(k, COLD_BLOB as usize))
+            .unwrap();
     }
     s.flush().unwrap();
+    s
+}
+
+#[test]
+fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sixteen_blobs_twelve_cold(dir.path());
     // Keys 0..12 are cold now (4 slots).
     let before = s.stats();
     let mut out = vec![0u8; 4096];
     assert!(s.read(0, 2, 8192, &mut out).unwrap());
-    assert_eq!(out[..], big_pattern(2, BLOB as usize)[8192..12288]);
+    assert_eq!(out[..], big_pattern(2, COLD_BLOB as usize)[8192..12288]);
     // Unaligned, across a block boundary: two blocks read.
     let mut odd = vec![0u8; 100];
     assert!(s.read(0, 5, 4050, &mut odd).unwrap());
-    assert_eq!(odd[..], big_pattern(5, BLOB as usize)[4050..4150]);
+    assert_eq!(odd[..], big_pattern(5, COLD_BLOB as usize)[4050..4150]);
     let after = s.stats();
     assert_eq!(after.fault_ins, before.fault_ins, "no fault-in");
     assert_eq!(after.swap_bytes_read - before.swap_bytes_read, 3 * 4096);
@@ -992,9 +1002,9 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
     drop(s);
     flip(
         &dir.path().join(swap::SWAP_FILE),
-        u64::from(e7) * u64::from(BLOB) + 5 * 4096 + 1,
+        u64::from(e7) * u64::from(COLD_BLOB) + 5 * 4096 + 1,
     );
-    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+    let s = Store::open(cfg_blob(dir.path(), COLD_BLOB, 4, 64), &vols(1000)).unwrap();
     assert!(s.read(0, 7, 0, &mut out).unwrap());
     assert_eq!(
         integrity_kind(s.read(0, 7, 5 * 4096 + 4000, &mut out[..200])),
@@ -1004,11 +1014,11 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
     assert!(
         e.contains(&format!(
             "at byte {}",
-            u64::from(e7) * u64::from(BLOB) + 5 * 4096
+            u64::from(e7) * u64::from(COLD_BLOB) + 5 * 4096
         )),
         "{e}"
     );
-    let mut whole = vec![0u8; BLOB as usize];
+    let mut whole = vec![0u8; COLD_BLOB as usize];
     assert_eq!(
         integrity_kind(s.read(0, 7, 0, &mut whole)),
         Some(IntegrityKind::Checksum)
@@ -1018,13 +1028,8 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
 
 #[test]
 fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
-    const BLOB: u32 = 64 << 10;
     let dir = tempfile::tempdir().unwrap();
-    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
-    for k in 0..16 {
-        s.write(0, k, 0, &big_pattern(k, BLOB as usize)).unwrap();
-    }
-    s.flush().unwrap();
+    let s = sixteen_blobs_twelve_cold(dir.path());
     // Keys 0..12 are cold (4 slots); 48 reads of them awaited at once, no
     // key right after the one before (which would start read-ahead).
     let before = s.stats();
@@ -1040,7 +1045,7 @@ fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
         }
     })));
     for (k, at, r) in got {
-        let want = &big_pattern(k, BLOB as usize)[at as usize..at as usize + 4096];
+        let want = &big_pattern(k, COLD_BLOB as usize)[at as usize..at as usize + 4096];
         assert_eq!(r.unwrap().as_deref(), Some(want), "key {k} at {at}");
     }
     let after = s.stats();
@@ -1051,15 +1056,15 @@ fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
         |k, at, len| futures::executor::block_on(s.read_cold_with(0, k, at, len, |_| ())).unwrap();
     assert_eq!(none(15, 0, 4096), None, "resident");
     assert_eq!(none(99, 0, 4096), None, "absent");
-    assert_eq!(none(3, 0, BLOB as usize), None, "whole blob");
+    assert_eq!(none(3, 0, COLD_BLOB as usize), None, "whole blob");
     // A damaged block fails the read that covers it, as the blocking path.
     let e7 = s.core.durable_extent((0, 7)).unwrap();
     drop(s);
     flip(
         &dir.path().join(swap::SWAP_FILE),
-        u64::from(e7) * u64::from(BLOB) + 5 * 4096 + 1,
+        u64::from(e7) * u64::from(COLD_BLOB) + 5 * 4096 + 1,
     );
-    let s = Store::open(cfg_blob(dir.path(), BLOB, 4, 64), &vols(1000)).unwrap();
+    let s = Store::open(cfg_blob(dir.path(), COLD_BLOB, 4, 64), &vols(1000)).unwrap();
     let bad = futures::executor::block_on(s.read_cold_with(0, 7, 5 * 4096 + 10, 100, |_| ()));
     assert!(
         matches!(
@@ -1075,7 +1080,7 @@ fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
     let good = futures::executor::block_on(s.read_cold_with(0, 7, 6 * 4096, 4096, <[u8]>::to_vec));
     assert_eq!(
         good.unwrap().as_deref(),
-        Some(&big_pattern(7, BLOB as usize)[6 * 4096..7 * 4096])
+        Some(&big_pattern(7, COLD_BLOB as usize)[6 * 4096..7 * 4096])
     );
 }
 
