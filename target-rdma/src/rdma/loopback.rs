@@ -8,7 +8,8 @@
 //! [`SidewayProvider`](super::verbs::SidewayProvider).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -59,6 +60,8 @@ pub struct LoopbackProvider {
     injected: Injected,
     before_post: Hook,
     refuse_registration: Arc<Mutex<HashSet<usize>>>,
+    /// How long after its post a work request completes (zero: at once).
+    completion_delay: Arc<Mutex<Duration>>,
 }
 
 impl LoopbackProvider {
@@ -78,6 +81,13 @@ impl LoopbackProvider {
     /// its transfer.
     pub fn before_next_post(&self, f: impl FnOnce() + Send + 'static) {
         *self.before_post.lock() = Some(Box::new(f));
+    }
+
+    /// Work requests posted from now on complete `delay` after their post
+    /// (their data still moves at the post), as a real device's do a
+    /// moment later: the owner then waits on the completion channel.
+    pub fn delay_completions(&self, delay: Duration) {
+        *self.completion_delay.lock() = delay;
     }
 
     /// Registrations of exactly `len` bytes fail from now on.
@@ -123,14 +133,27 @@ impl RdmaProvider for LoopbackProvider {
     }
 
     fn create_qp(&self, _depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
+        let events = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC,
+        )
+        .map_err(|e| RdmaError::Verbs {
+            step: "create_comp_channel",
+            detail: e.to_string(),
+        })?;
         let qpn = next_key();
         WORLD.lock().qps.insert(qpn, None);
         Ok(Box::new(LoopbackQp {
             qpn,
             injected: Arc::clone(&self.injected),
             before_post: Arc::clone(&self.before_post),
-            ready: Mutex::new(VecDeque::new()),
-            cv: Condvar::new(),
+            delay: Arc::clone(&self.completion_delay),
+            cq: Arc::new(Cq {
+                ready: Mutex::new(VecDeque::new()),
+                cv: Condvar::new(),
+                events,
+                armed: AtomicBool::new(false),
+            }),
             failed: Mutex::new(false),
         }))
     }
@@ -140,9 +163,30 @@ struct LoopbackQp {
     qpn: u32,
     injected: Injected,
     before_post: Hook,
+    delay: Arc<Mutex<Duration>>,
+    cq: Arc<Cq>,
+    failed: Mutex<bool>,
+}
+
+/// A QP's completion queue and its channel.
+struct Cq {
     ready: Mutex<VecDeque<Completion>>,
     cv: Condvar,
-    failed: Mutex<bool>,
+    /// The completion channel: an eventfd written for the first completion
+    /// after `arm`, as a device raises one event per arming.
+    events: OwnedFd,
+    armed: AtomicBool,
+}
+
+impl Cq {
+    fn push(&self, c: Completion) {
+        self.ready.lock().push_back(c);
+        self.cv.notify_all();
+        if self.armed.swap(false, Ordering::AcqRel) {
+            // EAGAIN (counter saturated) still leaves the fd readable.
+            let _ = rustix::io::write(&self.events, &1u64.to_ne_bytes());
+        }
+    }
 }
 
 impl Drop for LoopbackQp {
@@ -222,29 +266,52 @@ impl QueuePair for LoopbackQp {
         if status != wc_status::SUCCESS {
             *self.failed.lock() = true;
         }
-        self.ready.lock().push_back(Completion {
+        let c = Completion {
             wr_id: wr.wr_id,
             status,
-        });
-        self.cv.notify_all();
-        Ok(())
-    }
-
-    fn wait(&self, timeout: Duration) -> Result<(), RdmaError> {
-        let mut r = self.ready.lock();
-        if r.is_empty() {
-            self.cv.wait_for(&mut r, timeout);
+        };
+        let delay = *self.delay.lock();
+        if delay.is_zero() {
+            self.cq.push(c);
+        } else {
+            let cq = Arc::clone(&self.cq);
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                cq.push(c);
+            });
         }
         Ok(())
     }
 
+    fn wait(&self, timeout: Duration) -> Result<(), RdmaError> {
+        let mut r = self.cq.ready.lock();
+        if r.is_empty() {
+            self.cq.cv.wait_for(&mut r, timeout);
+        }
+        Ok(())
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.cq.events.as_raw_fd()
+    }
+
+    fn arm(&self) -> Result<(), RdmaError> {
+        self.cq.armed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn take_event(&self) -> Result<bool, RdmaError> {
+        let mut buf = [0u8; 8];
+        Ok(matches!(rustix::io::read(&self.cq.events, &mut buf), Ok(8)))
+    }
+
     fn poll(&self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
-        out.extend(self.ready.lock().drain(..));
+        out.extend(self.cq.ready.lock().drain(..));
         Ok(())
     }
 
     fn fail(&self) {
         *self.failed.lock() = true;
-        self.cv.notify_all();
+        self.cq.cv.notify_all();
     }
 }

@@ -17,6 +17,7 @@ pub mod verbs;
 
 use std::any::Any;
 use std::fmt;
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -312,6 +313,16 @@ pub trait QueuePair: Send + Sync {
     /// Sleeps until a completion event arrives or `timeout` passes (the
     /// event is acknowledged and the CQ re-armed before returning).
     fn wait(&self, timeout: Duration) -> Result<(), RdmaError>;
+    /// The completion channel's descriptor, for an owner that waits on its
+    /// own event loop instead of [`wait`](Self::wait): readable once a
+    /// completion arrived after [`arm`](Self::arm).
+    fn event_fd(&self) -> RawFd;
+    /// Asks for one event on the next completion. A completion that arrived
+    /// before the call may not make one: poll after arming, before waiting.
+    fn arm(&self) -> Result<(), RdmaError>;
+    /// Consumes (and acknowledges) a pending event without blocking; `true`
+    /// if there was one. Never sleeps.
+    fn take_event(&self) -> Result<bool, RdmaError>;
     /// Moves completions that are ready into `out`.
     fn poll(&self, out: &mut Vec<Completion>) -> Result<(), RdmaError>;
     /// Moves the QP to the error state, so the device stops touching the

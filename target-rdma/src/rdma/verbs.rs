@@ -5,7 +5,7 @@
 //! extended poll loop. Each QP gets its own CQ and completion channel, so one
 //! connection's completions never wake another connection's thread.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -236,20 +236,6 @@ impl SidewayQp {
         // SAFETY: the pointer is only used while `self.cq` keeps the CQ alive.
         unsafe { self.cq.cq() }.as_ptr()
     }
-
-    /// Requests an event for the next completion.
-    fn arm(&self) -> Result<(), RdmaError> {
-        // SAFETY: the CQ is alive (owned by self) and was created with a
-        // completion channel.
-        let rc = unsafe { ibv_req_notify_cq(self.cq_ptr(), 0) };
-        if rc != 0 {
-            return Err(verbs_err(
-                "req_notify_cq",
-                std::io::Error::from_raw_os_error(rc),
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl QueuePair for SidewayQp {
@@ -321,19 +307,44 @@ impl QueuePair for SidewayQp {
             Ok(_) | Err(rustix::io::Errno::INTR) => return Ok(()),
             Err(e) => return Err(verbs_err("poll(comp_channel)", e)),
         }
-        let mut cq: *mut ibv_cq = std::ptr::null_mut();
-        let mut ctx: *mut libc::c_void = std::ptr::null_mut();
-        // SAFETY: the channel is alive; the fd is non-blocking, so a spurious
-        // wakeup returns -1 (EAGAIN) instead of blocking.
-        let got =
-            unsafe { ibv_get_cq_event(self.channel.comp_channel().as_ptr(), &mut cq, &mut ctx) };
-        if got == 0 {
-            // SAFETY: `cq` is the CQ the event was for (ours); every event is
-            // acknowledged, so destroying the CQ never blocks.
-            unsafe { ibv_ack_cq_events(cq, 1) };
+        if self.take_event()? {
             self.arm()?;
         }
         Ok(())
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.channel.as_raw_fd()
+    }
+
+    fn arm(&self) -> Result<(), RdmaError> {
+        // SAFETY: the CQ is alive (owned by self) and was created with a
+        // completion channel.
+        let rc = unsafe { ibv_req_notify_cq(self.cq_ptr(), 0) };
+        if rc != 0 {
+            return Err(verbs_err(
+                "req_notify_cq",
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        Ok(())
+    }
+
+    fn take_event(&self) -> Result<bool, RdmaError> {
+        let mut cq: *mut ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: the channel is alive; its fd is non-blocking (set at
+        // creation), so with no event pending this returns -1 (EAGAIN)
+        // instead of blocking.
+        let got =
+            unsafe { ibv_get_cq_event(self.channel.comp_channel().as_ptr(), &mut cq, &mut ctx) };
+        if got != 0 {
+            return Ok(false);
+        }
+        // SAFETY: `cq` is the CQ the event was for (ours); every event is
+        // acknowledged, so destroying the CQ never blocks.
+        unsafe { ibv_ack_cq_events(cq, 1) };
+        Ok(true)
     }
 
     fn poll(&self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
