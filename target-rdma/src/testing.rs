@@ -259,6 +259,43 @@ impl Peer {
         .expect("an RDMA session")
     }
 
+    /// [`rdma_session`](Self::rdma_session), driven: its completions are
+    /// reaped by its [`CqDriver`](crate::client::CqDriver) on a
+    /// [`UringLoop`] thread (as a ublk queue's ring would) until the
+    /// transport is dropped, polling for `busy_poll` before it sleeps.
+    pub fn driven_rdma_session(
+        &self,
+        provider: Arc<dyn RdmaProvider>,
+        blob: u32,
+        lease_cache: usize,
+        busy_poll: Duration,
+    ) -> RdmaTransport {
+        let t = RdmaTransport::connect(
+            self.config("a", SECRET_A),
+            Ok(provider),
+            RdmaTransportConfig {
+                min_rdma_bytes: 1,
+                buffer_bytes: blob,
+                pool_buffers: 8,
+                lease_cache,
+                require_rdma: true,
+                driven: true,
+                busy_poll,
+                ..RdmaTransportConfig::default()
+            },
+        )
+        .expect("an RDMA session");
+        let driver = t.cq_driver().expect("a driven transport has a driver");
+        std::thread::Builder::new()
+            .name("test-uring".into())
+            .spawn(move || {
+                let lp = UringLoop::new().expect("an io_uring");
+                lp.block_on(driver.run(&lp));
+            })
+            .expect("spawn the driver thread");
+        t
+    }
+
     /// TCP sessions of volume "a" as one replica member: `queues` queue
     /// sessions and a background one, sharing one flush domain.
     pub fn member_sessions(&self, queues: usize) -> MemberSessions<ArenaClient> {

@@ -141,7 +141,7 @@ fn replicated_tcp_3() -> Fixture<ReplicatedIo<target_rdma::client::ArenaClient>>
 
 /// RDMA over `provider` on both sides, every payload by RDMA (threshold 1
 /// byte), a lease cache small enough to leave the 16-slot arena room to evict.
-fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
+fn rdma_over(provider: Arc<dyn RdmaProvider>, driven: bool) -> Fixture<RdmaTransport> {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(
         dir.path(),
@@ -153,7 +153,11 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
             ..PeerOpts::default()
         },
     );
-    let io = peer.rdma_session(provider, BLOB, 4);
+    let io = if driven {
+        peer.driven_rdma_session(provider, BLOB, 4, std::time::Duration::ZERO)
+    } else {
+        peer.rdma_session(provider, BLOB, 4)
+    };
     Fixture {
         io,
         _dirs: vec![dir],
@@ -162,14 +166,30 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>) -> Fixture<RdmaTransport> {
 }
 
 fn rdma_loopback() -> Fixture<RdmaTransport> {
-    rdma_over(LoopbackProvider::new())
+    rdma_over(LoopbackProvider::new(), false)
+}
+
+/// Completions reaped on a ring loop's thread instead of a completion
+/// thread (`RdmaTransportConfig::driven`, as ublkd's queue threads run
+/// it), arriving a moment after each post so the loop waits on the
+/// completion channel.
+fn rdma_loopback_driven() -> Fixture<RdmaTransport> {
+    let p = LoopbackProvider::new();
+    p.delay_completions(std::time::Duration::from_millis(1));
+    rdma_over(p, true)
 }
 
 /// Real verbs: needs an RDMA device (soft-RoCE in the VM suite,
 /// `scripts/vm/guest/rdma.sh`), hence ignored elsewhere.
 fn rdma_verbs() -> Fixture<RdmaTransport> {
     let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
-    rdma_over(Arc::new(p))
+    rdma_over(Arc::new(p), false)
+}
+
+/// Real verbs, driven (VM suite).
+fn rdma_verbs_driven() -> Fixture<RdmaTransport> {
+    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
+    rdma_over(Arc::new(p), true)
 }
 
 /// The path a transport's payloads take (every fixture moves every payload
@@ -298,6 +318,7 @@ conformance!(
     tcp => Transport::Tcp,
     tcp_driven => Transport::Tcp,
     rdma_loopback => Transport::Rdma,
+    rdma_loopback_driven => Transport::Rdma,
     replicated_in_process_1 => Transport::InProcess,
     replicated_in_process_2 => Transport::InProcess,
     replicated_in_process_3 => Transport::InProcess,
@@ -305,5 +326,7 @@ conformance!(
     replicated_tcp_2 => Transport::Tcp,
     replicated_tcp_3 => Transport::Tcp,
     #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
-    rdma_verbs => Transport::Rdma
+    rdma_verbs => Transport::Rdma,
+    #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+    rdma_verbs_driven => Transport::Rdma
 );

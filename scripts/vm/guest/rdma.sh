@@ -4,7 +4,7 @@
 #
 # Guest scenario: the RDMA transport over real verbs on soft-RoCE (rxe on
 # lo, GID index 1). Runs the transport conformance suite against the RDMA
-# transport, then the counters test that asserts payloads went by RDMA
+# transport (with a completion thread, and driven on a ring loop), then the counters test that asserts payloads went by RDMA
 # (transferred > 0, TCP payload requests = 0) and that a request above the
 # registered buffer size is counted as `too_large`. Prints "PASS name" /
 # "FAIL name" per test and exits non-zero if any failed.
@@ -43,8 +43,10 @@ echo "PASS rxe0-up"
 conf=$(newest 'transport_conformance-*')
 rt=$(newest 'rdma_transport-*')
 # Every case of the suite's rdma_verbs module: the same cases every
-# transport passes, over real verbs.
+# transport passes, over real verbs; then the same with the completions
+# reaped on a ring loop (driven, as ublkd's queue threads run it).
 run_tests "$conf" conformance rdma_verbs::
+run_tests "$conf" conformance-driven rdma_verbs_driven::
 run_tests "$rt" counters --exact verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted
 
 if ((failed)); then echo "rdma: FAILED"; else echo "rdma: all checks passed"; fi

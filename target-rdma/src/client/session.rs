@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::rdma::{RdmaStats, RdmaTransport, TransportGroup};
+use super::rdma::{CqDriver, RdmaStats, RdmaTransport, TransportGroup};
 use super::ArenaClient;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 
@@ -41,6 +41,15 @@ impl Session {
         match self {
             Self::Tcp(_) => None,
             Self::Rdma(t) => t.rdma_status().err(),
+        }
+    }
+
+    /// The completion driver of a driven RDMA session, which its owner
+    /// runs on its event loop; `None` on TCP or when not driven.
+    pub fn rdma_cq_driver(&self) -> Option<CqDriver> {
+        match self {
+            Self::Tcp(_) => None,
+            Self::Rdma(t) => t.cq_driver(),
         }
     }
 

@@ -1,11 +1,11 @@
 //! Completion bookkeeping for one QP: wr id → waiter, per-operation
-//! deadlines, and the thread that sleeps on the completion channel.
+//! deadlines, and who reaps the completion queue: a thread that sleeps on
+//! the completion channel, or (driven, `driver.rs`) the owner's event loop.
 //!
 //! Many operations are in flight at once (bounded by the send queue depth);
-//! each posts under a short table lock and awaits a oneshot that the
-//! completion thread fires, so any executor (a ublk queue's io_uring loop
-//! included) can await it. The thread sleeps on the channel fd when idle:
-//! no busy polling.
+//! each posts under a short table lock and awaits a oneshot that the reaper
+//! fires, so any executor (a ublk queue's io_uring loop included) can await
+//! it. The thread sleeps on the channel fd when idle: no busy polling.
 //!
 //! A failed completion leaves an RC QP in the error state, so the first
 //! failure marks the engine broken: nothing more is posted, and the
@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Waker;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -68,6 +69,9 @@ pub struct CompletionEngine {
     stats: Arc<RdmaStats>,
     stop: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// A driven engine's reaper, parked while nothing was in flight: the
+    /// next submit (or the shutdown) wakes it.
+    parked: Mutex<Option<Waker>>,
 }
 
 impl CompletionEngine {
@@ -89,6 +93,7 @@ impl CompletionEngine {
             stats,
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            parked: Mutex::new(None),
         })
     }
 
@@ -125,14 +130,44 @@ impl CompletionEngine {
 
     /// Dispatches every ready completion and expires overdue requests.
     pub fn pump(&self, buf: &mut Vec<Completion>) {
+        self.deliver(buf);
+        self.expire(Instant::now());
+    }
+
+    /// Dispatches every ready completion; how many there were.
+    pub(super) fn deliver(&self, buf: &mut Vec<Completion>) -> usize {
         buf.clear();
         if let Err(e) = self.qp.poll(buf) {
             self.fail(&e.to_string());
         }
+        let n = buf.len();
         for c in buf.drain(..) {
             self.complete(c);
         }
-        self.expire(Instant::now());
+        n
+    }
+
+    /// The QP, for a driven reaper's channel.
+    pub(super) fn qp(&self) -> &dyn QueuePair {
+        self.qp.as_ref()
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) ran.
+    pub(super) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// A driven reaper with nothing to reap: `waker` runs at the next
+    /// submit or at shutdown.
+    pub(super) fn park(&self, waker: &Waker) {
+        *self.parked.lock() = Some(waker.clone());
+    }
+
+    fn unpark(&self) {
+        let w = self.parked.lock().take();
+        if let Some(w) = w {
+            w.wake();
+        }
     }
 
     /// Whether a failure has put the QP out of service.
@@ -141,8 +176,7 @@ impl CompletionEngine {
     }
 
     /// Requests in flight.
-    #[cfg(test)]
-    pub fn in_flight(&self) -> usize {
+    pub(super) fn in_flight(&self) -> usize {
         self.table.lock().waiting.len()
     }
 
@@ -195,8 +229,10 @@ impl CompletionEngine {
             self.fail(&why);
             return Err(OpError::QpDown(why));
         }
+        drop(t);
         self.stats
             .inc_op(wr.op, |s| &s.rdma_requests, |o| &o.requests);
+        self.unpark();
         Ok(rx)
     }
 
@@ -244,6 +280,7 @@ impl CompletionEngine {
     /// Stops the thread, errors the QP and fails whatever is still waiting.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
+        self.unpark();
         self.fail("rail shut down");
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
@@ -293,6 +330,15 @@ mod tests {
         }
         fn wait(&self, _: Duration) -> Result<(), RdmaError> {
             Ok(())
+        }
+        fn event_fd(&self) -> std::os::fd::RawFd {
+            -1
+        }
+        fn arm(&self) -> Result<(), RdmaError> {
+            Ok(())
+        }
+        fn take_event(&self) -> Result<bool, RdmaError> {
+            Ok(false)
         }
         fn poll(&self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
             out.append(&mut self.ready.lock());

@@ -25,10 +25,12 @@
 //! `leases` (the lease cache, the group, waiting out BUSY), `pool` (local
 //! memory: registered regions, the bounce pool, per-transfer
 //! registrations), `completion` (wr ids, deadlines, the completion thread),
+//! `driver` (the completions reaped on the owner's event loop instead),
 //! `stats` (counters and their driver report); this file is the data path
 //! that uses them.
 
 mod completion;
+mod driver;
 mod leases;
 mod pool;
 mod rail;
@@ -43,6 +45,7 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
+pub use driver::CqDriver;
 pub use leases::TransportGroup;
 pub use stats::{RdmaDriverStats, RdmaStats, TcpReason};
 
@@ -74,6 +77,13 @@ pub struct RdmaTransportConfig {
     pub lease_cache: usize,
     /// `transport = rdma`: fail at connect unless RDMA is negotiated.
     pub require_rdma: bool,
+    /// Completions are reaped by the owner's event loop running
+    /// [`RdmaTransport::cq_driver`] (a ublk queue's ring), not by a
+    /// completion thread of the rail's own.
+    pub driven: bool,
+    /// Driven: how long the driver polls the completion queue for a
+    /// transfer in flight before it sleeps on the completion channel.
+    pub busy_poll: Duration,
 }
 
 impl Default for RdmaTransportConfig {
@@ -86,6 +96,8 @@ impl Default for RdmaTransportConfig {
             op_timeout: Duration::from_secs(5),
             lease_cache: 64,
             require_rdma: false,
+            driven: false,
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -137,6 +149,8 @@ pub struct RdmaTransport {
     pinned: Mutex<OwnLeases>,
     peer: String,
     group: OnceLock<Arc<TransportGroup>>,
+    /// Driven: where each new rail's completion engine goes to the driver.
+    cq: Option<Arc<driver::CqHandoff>>,
 }
 
 /// Times a write is done again because a racing REMOVE took its blob
@@ -192,6 +206,7 @@ impl RdmaTransport {
             }
             _ => None,
         };
+        let cfg_driven = cfg.driven;
         let t = Self {
             client,
             memory: Memory::new(provider.clone(), pool),
@@ -204,6 +219,7 @@ impl RdmaTransport {
             pinned: Mutex::new(OwnLeases::default()),
             peer,
             group: OnceLock::new(),
+            cq: cfg_driven.then(Arc::default),
         };
         if matches!(*t.rail.lock(), RailState::Down(_)) {
             if let Err(e) = futures::executor::block_on(t.establish()) {
@@ -260,6 +276,15 @@ impl RdmaTransport {
     /// no allocation, one short lock.
     pub fn uses_rdma(&self) -> bool {
         !matches!(*self.rail.lock(), RailState::Off(..))
+    }
+
+    /// The completion driver of a driven transport (`RdmaTransportConfig::driven`),
+    /// which its owner must run on its event loop; `None` otherwise.
+    pub fn cq_driver(&self) -> Option<CqDriver> {
+        self.cq.as_ref().map(|handoff| CqDriver {
+            handoff: Arc::clone(handoff),
+            busy_poll: self.cfg.busy_poll,
+        })
     }
 
     /// The control-stream client (leases, inline fallback).
@@ -618,5 +643,8 @@ impl Drop for RdmaTransport {
     fn drop(&mut self) {
         // Tear the QP down before the pool and regions it may touch.
         *self.rail.lock() = RailState::Down(Instant::now());
+        if let Some(cq) = &self.cq {
+            cq.close();
+        }
     }
 }

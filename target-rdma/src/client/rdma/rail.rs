@@ -149,7 +149,10 @@ impl RdmaTransport {
             self.cfg.op_timeout,
             Arc::clone(&self.stats),
         );
-        engine.spawn().map_err(|e| e.to_string())?;
+        match &self.cq {
+            Some(handoff) => handoff.install(&engine),
+            None => engine.spawn().map_err(|e| e.to_string())?,
+        }
         info!(event = "rdma.rail_up", peer = %self.peer, device = %provider.device_name());
         Ok(Arc::new(Rail {
             engine,

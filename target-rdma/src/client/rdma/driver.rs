@@ -1,0 +1,199 @@
+//! A driven rail: the QP's completions are reaped by the owner's event loop
+//! (a ublk queue thread's io_uring) instead of a completion thread, so a
+//! completion wakes its request on the thread that waits for it: no thread
+//! hop and no cross-thread wake per transfer.
+//!
+//! While requests are in flight the driver polls the completion queue for
+//! up to `busy_poll` (ibv_poll_cq reads the queue in user memory on rxe and
+//! on hardware alike: no syscall), then arms the channel and waits for it on
+//! the ring; with nothing in flight it parks until the next submit. A second
+//! future sweeps request deadlines on the ring's tick while requests are in
+//! flight, as the completion thread did.
+//!
+//! A rail replaced by a new one (a reconnect, a broken QP) hands its engine
+//! over through [`CqHandoff`]; the driver finishes what the old engine
+//! still has in flight (bounded by the request deadline, which it sweeps),
+//! then moves on.
+
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tracing::warn;
+
+use super::completion::CompletionEngine;
+use crate::client::tcp::ring::Ring;
+
+/// Where a driven transport's rails hand their engines to the driver.
+#[derive(Default)]
+pub(super) struct CqHandoff {
+    state: Mutex<HandoffState>,
+}
+
+#[derive(Default)]
+struct HandoffState {
+    /// The engine served now.
+    engine: Option<Arc<CompletionEngine>>,
+    /// A newer rail's, served once `engine` has nothing left in flight.
+    next: Option<Arc<CompletionEngine>>,
+    waker: Option<Waker>,
+    /// The transport is gone: the driver ends.
+    closed: bool,
+}
+
+impl CqHandoff {
+    /// A new rail's engine: the driver serves it once the previous one has
+    /// nothing left in flight.
+    pub(super) fn install(&self, engine: &Arc<CompletionEngine>) {
+        let w = {
+            let mut s = self.state.lock();
+            s.next = Some(Arc::clone(engine));
+            s.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// The transport is dropped: the driver ends.
+    pub(super) fn close(&self) {
+        let w = {
+            let mut s = self.state.lock();
+            s.closed = true;
+            s.engine = None;
+            s.next = None;
+            s.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// The engine to serve; `Err(())` once closed. Registers `waker` for
+    /// the next install or close.
+    fn current(&self, waker: &Waker) -> Result<Option<Arc<CompletionEngine>>, ()> {
+        let mut s = self.state.lock();
+        if s.closed {
+            return Err(());
+        }
+        s.waker = Some(waker.clone());
+        if s.next.is_some()
+            && s.engine
+                .as_ref()
+                .is_none_or(|e| e.in_flight() == 0 || e.stopped())
+        {
+            s.engine = s.next.take();
+        }
+        Ok(s.engine.clone())
+    }
+}
+
+/// What a driven engine needs from its driver now.
+enum Work {
+    /// Requests in flight: reap them.
+    Reap(Arc<CompletionEngine>),
+    /// The transport is gone.
+    End,
+}
+
+/// Runs a driven RDMA transport's completions on its owner's loop; see
+/// [`RdmaTransport::cq_driver`](super::RdmaTransport::cq_driver).
+pub struct CqDriver {
+    pub(super) handoff: Arc<CqHandoff>,
+    pub(super) busy_poll: Duration,
+}
+
+impl CqDriver {
+    /// Reaps completions and expires requests until the transport is
+    /// dropped. Without it running, a driven transport's RDMA transfers
+    /// never complete (their deadlines are the sweep's, so they would not
+    /// even time out).
+    pub async fn run(&self, ring: &impl Ring) {
+        futures::future::join(self.reap(ring), self.sweep(ring)).await;
+    }
+
+    /// Ready when the engine being served has requests in flight; parked
+    /// (woken by a submit, an install or the end) otherwise.
+    async fn work(&self) -> Work {
+        poll_fn(|cx| {
+            let Ok(engine) = self.handoff.current(cx.waker()) else {
+                return Poll::Ready(Work::End);
+            };
+            let Some(engine) = engine else {
+                return Poll::Pending;
+            };
+            engine.park(cx.waker());
+            if engine.in_flight() > 0 && !engine.stopped() {
+                Poll::Ready(Work::Reap(engine))
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
+    async fn reap(&self, ring: &impl Ring) {
+        let mut buf = Vec::new();
+        loop {
+            let engine = match self.work().await {
+                Work::Reap(e) => e,
+                Work::End => return,
+            };
+            if self.spin(&engine, &mut buf) {
+                continue;
+            }
+            // Arm, then look once more: a completion that landed before the
+            // arm raises no event.
+            if let Err(e) = engine.qp().arm() {
+                engine.fail(&e.to_string());
+            }
+            if engine.deliver(&mut buf) > 0 {
+                continue;
+            }
+            // Requests in flight always complete (a failed or expired QP
+            // flushes them), so this wait ends.
+            if let Err(e) = ring.readable(engine.qp().event_fd()).await {
+                warn!(event = "rdma.poll_failed", error = %e);
+                engine.fail(&format!("waiting on the completion channel failed: {e}"));
+            }
+            if let Err(e) = engine.qp().take_event() {
+                engine.fail(&e.to_string());
+            }
+            engine.deliver(&mut buf);
+        }
+    }
+
+    /// Polls the completion queue until something completes or `busy_poll`
+    /// passes; whether something completed.
+    fn spin(&self, engine: &CompletionEngine, buf: &mut Vec<crate::rdma::Completion>) -> bool {
+        if engine.deliver(buf) > 0 {
+            return true;
+        }
+        if self.busy_poll.is_zero() {
+            return false;
+        }
+        let until = Instant::now() + self.busy_poll;
+        while Instant::now() < until {
+            if engine.deliver(buf) > 0 {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        false
+    }
+
+    /// Deadlines of the requests in flight, swept every tick while there
+    /// are any.
+    async fn sweep(&self, ring: &impl Ring) {
+        loop {
+            let engine = match self.work().await {
+                Work::Reap(e) => e,
+                Work::End => return,
+            };
+            ring.tick().await;
+            engine.expire(Instant::now());
+        }
+    }
+}
