@@ -94,6 +94,10 @@ pub struct ClientConfig {
     /// Answers are read by the owner's loop, which must run the client's
     /// [`ArenaClient::driver`], instead of a reader thread per connection.
     pub driven: bool,
+    /// Driven: how long the driver keeps reading the socket for the answer
+    /// to a request in flight before it waits for the socket on the ring
+    /// (zero: waits at once).
+    pub busy_poll: Duration,
 }
 
 impl ClientConfig {
@@ -113,6 +117,7 @@ impl ClientConfig {
             epoch: 0,
             versions: proto::VERSION..=proto::VERSION,
             driven: false,
+            busy_poll: Duration::ZERO,
         }
     }
 }

@@ -10,6 +10,9 @@
 //! by whichever call finds the connection dead) hands the new receiver to
 //! the driver through the connection's `Handoff`.
 //!
+//! With `ClientConfig::busy_poll`, a driver whose requests wait for answers
+//! reads the socket again for that long before it waits on the ring.
+//!
 //! Sends stay on the caller, as with a reader thread, but never block the
 //! loop: a send that finds the socket full waits for room while reading
 //! the answers that arrive meanwhile (`conn::NoWait`), so a peer blocked on
@@ -22,6 +25,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::task::Poll;
+use std::time::Instant;
 
 use tracing::warn;
 
@@ -54,6 +58,7 @@ impl Driver {
     async fn receive(&self, ring: &impl Ring) {
         while self.handoff.live().await {
             while let Some(fd) = self.handoff.pump() {
+                self.spin();
                 if let Err(e) = ring.readable(fd).await {
                     warn!(event = "peer.poll_failed", error = %e);
                     if let Some(r) = self.handoff.rx.lock().as_mut() {
@@ -61,6 +66,36 @@ impl Driver {
                     }
                 }
             }
+        }
+    }
+
+    /// With requests waiting for answers, reads the socket again (one
+    /// non-blocking `recv` a round) for up to the config's `busy_poll`,
+    /// until an answer completes one: an answer that arrives within it
+    /// costs the loop no sleep and no wake-up. What it read is dispatched
+    /// as [`Handoff::pump`] always does; the poll armed next reports what
+    /// comes later.
+    fn spin(&self) {
+        let Some(shared) = self.client.upgrade() else {
+            return;
+        };
+        let budget = shared.cfg.busy_poll;
+        if budget.is_zero() {
+            return;
+        }
+        let Some(conn) = shared.conn.lock().clone() else {
+            return;
+        };
+        let waiting = conn.in_flight();
+        if waiting == 0 {
+            return;
+        }
+        let until = Instant::now() + budget;
+        while Instant::now() < until {
+            if self.handoff.pump().is_none() || conn.in_flight() < waiting {
+                return;
+            }
+            std::hint::spin_loop();
         }
     }
 
