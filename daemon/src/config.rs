@@ -114,6 +114,13 @@ pub struct UblkdConfig {
     /// Limit for each arena request, in ms; a request past it fails with ETIMEDOUT.
     #[serde(default = "default_request_timeout")]
     pub request_timeout_ms: u64,
+    /// How long a queue thread keeps looking for the answer (TCP) or the
+    /// completion (RDMA) of a request in flight before it sleeps until one
+    /// arrives, in µs (0: sleep at once). Spinning trades a core's time
+    /// for latency: an answer that arrives within it costs no sleep and no
+    /// wake-up.
+    #[serde(default)]
+    pub busy_poll_us: u64,
     /// Defaults for new devices.
     #[serde(default)]
     pub device: DeviceDefaults,
@@ -190,7 +197,20 @@ pub struct RdmaConfig {
     /// soft-RoCE; index 0, link-local, fails at connect).
     #[serde(default)]
     pub gid_index: Option<u8>,
+    /// Leases each queue keeps across requests: a READ or WRITE of a blob
+    /// whose lease is cached moves its payload with no control round trip.
+    /// Each pins an arena slot at the peer (which revokes them under
+    /// pressure); unset: 256.
+    #[serde(default)]
+    pub lease_cache: Option<usize>,
 }
+
+/// Longest `busy_poll_us`: a spin past it costs more than it saves.
+pub const MAX_BUSY_POLL_US: u64 = 10_000;
+/// `[rdma] lease_cache` when unset.
+pub const DEFAULT_LEASE_CACHE: usize = 256;
+/// Largest `[rdma] lease_cache` (per queue).
+pub const MAX_LEASE_CACHE: usize = 65_536;
 
 impl RdmaConfig {
     /// The device selection these keys describe.
@@ -217,7 +237,21 @@ impl RdmaConfig {
         if self.port == Some(0) {
             return Err(invalid("rdma.port", 0, "must be between 1 and 255"));
         }
+        if let Some(n) = self.lease_cache {
+            if n > MAX_LEASE_CACHE {
+                return Err(invalid(
+                    "rdma.lease_cache",
+                    n,
+                    format!("must be at most {MAX_LEASE_CACHE}"),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// `lease_cache`, or its default.
+    pub fn lease_cache(&self) -> usize {
+        self.lease_cache.unwrap_or(DEFAULT_LEASE_CACHE)
     }
 }
 
@@ -457,6 +491,11 @@ impl Default for DeviceDefaults {
 }
 
 impl UblkdConfig {
+    /// `busy_poll_us` as a duration.
+    pub fn busy_poll(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.busy_poll_us)
+    }
+
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let cfg: Self = target_rdma::config_file::load_toml(path)?;
@@ -509,6 +548,13 @@ impl UblkdConfig {
                 "connect_timeout_ms",
                 self.connect_timeout_ms,
                 "must be between 100 and 600000",
+            ));
+        }
+        if self.busy_poll_us > MAX_BUSY_POLL_US {
+            return Err(invalid(
+                "busy_poll_us",
+                self.busy_poll_us,
+                format!("must be at most {MAX_BUSY_POLL_US}"),
             ));
         }
         if !(100..=600_000).contains(&self.request_timeout_ms) {
@@ -718,6 +764,28 @@ mod tests {
         );
         assert!(err("[rdma]\ndevice = \"\"\n").starts_with("invalid config: rdma.device = : "));
         assert!(err("[rdma]\nspeed = 1\n").contains("speed"));
+    }
+
+    #[test]
+    fn the_queue_polling_keys_default_and_are_bounded() {
+        let c = UblkdConfig::parse("", Path::new("x")).unwrap();
+        assert_eq!(c.busy_poll(), std::time::Duration::ZERO);
+        assert_eq!(c.rdma.lease_cache(), DEFAULT_LEASE_CACHE);
+        let c = UblkdConfig::parse(
+            "busy_poll_us = 50\n[rdma]\nlease_cache = 0\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(c.busy_poll(), std::time::Duration::from_micros(50));
+        assert_eq!(c.rdma.lease_cache(), 0, "0 caches no lease");
+        assert_eq!(
+            err("busy_poll_us = 10001\n"),
+            "invalid config: busy_poll_us = 10001: must be at most 10000"
+        );
+        assert_eq!(
+            err("[rdma]\nlease_cache = 65537\n"),
+            "invalid config: rdma.lease_cache = 65537: must be at most 65536"
+        );
     }
 
     #[test]

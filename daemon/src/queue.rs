@@ -6,8 +6,11 @@
 //! ([`QueueRing`]): a POLL_ADD on its socket ends the ring wait when answers
 //! arrive, the queue thread reads them and completes their requests itself,
 //! and a TIMEOUT every tick sweeps request deadlines; no reader thread and
-//! no cross-thread wake per request. Whatever still completes on another
-//! thread (the RDMA transport's completion thread) wakes the queue through
+//! no cross-thread wake per request. An RDMA queue's completion queue is
+//! reaped the same way: polled (for up to `busy_poll_us`) while
+//! transfers are in flight, then a POLL_ADD on its completion channel.
+//! Whatever still completes on another thread (an RDMA session's control
+//! stream, answered by its reader thread) wakes the queue through
 //! [`CrossThread`], which writes the queue's eventfd, and a helper task
 //! keeps a POLL_ADD on that eventfd in the ring so the write becomes a CQE
 //! that ends the thread's wait in the kernel.
@@ -166,6 +169,13 @@ pub fn run(
             CrossThread::new(d.run(&QueueRing), efd).await;
         })
     });
+    // An RDMA session's completions are reaped here too.
+    let cq_driver = io.session().rdma_cq_driver().map(|d| {
+        let efd = Arc::clone(&efd);
+        exe.spawn(async move {
+            CrossThread::new(d.run(&QueueRing), efd).await;
+        })
+    });
     let run_exe = Rc::clone(&exe);
     smol::block_on(exe.run(async move {
         let run_ops = || while run_exe.try_tick() {};
@@ -176,5 +186,6 @@ pub fn run(
     }));
     drop(waker);
     drop(driver);
+    drop(cq_driver);
     tracing::info!(event = "queue.stopped", qid);
 }

@@ -29,6 +29,7 @@ use crate::queue_io::{register_buffers, QueueIo, TagBuffers};
 pub struct Connector {
     connect_timeout: Duration,
     request_timeout: Duration,
+    busy_poll: Duration,
     rdma: RdmaConfig,
     tcp_links: Arc<TcpLinks>,
     /// Counts every session of the device, whichever peer it goes to.
@@ -60,6 +61,7 @@ impl Connector {
         Self {
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
             request_timeout: Duration::from_millis(cfg.request_timeout_ms),
+            busy_poll: cfg.busy_poll(),
             rdma: cfg.rdma.clone(),
             tcp_links,
             client_stats: Arc::new(ClientStats::default()),
@@ -71,8 +73,11 @@ impl Connector {
     /// `bufs` (a queue's tag buffers), and a background one when
     /// `background`. `rdma` fails unless every session negotiated RDMA;
     /// `auto` takes RDMA where it can and TCP otherwise. With `driven`, a
-    /// TCP queue session's answers are read on its queue's ring (queue.rs)
-    /// instead of by a reader thread: only for a volume on one peer, whose
+    /// TCP queue session's answers, or an RDMA queue session's completions,
+    /// are reaped on its queue's ring (queue.rs) instead of by a thread of
+    /// their own (an RDMA session's control stream keeps its reader
+    /// thread: its rail is set up at connect, before the queue's ring
+    /// runs): only for a volume on one peer, whose
     /// sessions all exist when the queues start (a replicated volume gains
     /// members' sessions later, from the rebuild thread, with no ring to
     /// drive them).
@@ -99,6 +104,7 @@ impl Connector {
                 for i in 0..count {
                     let cc = ClientConfig {
                         driven: driven && i < bufs.len(),
+                        busy_poll: self.busy_poll,
                         ..client_cfg()
                     };
                     sessions.push(Session::Tcp(ArenaClient::connect(cc)?));
@@ -117,16 +123,23 @@ impl Connector {
                     sq_depth: (spec.depth * 2).clamp(16, 256),
                     op_timeout: self.request_timeout.min(Duration::from_secs(5)),
                     require_rdma: spec.transport == TransportChoice::Rdma,
+                    lease_cache: self.rdma.lease_cache(),
+                    busy_poll: self.busy_poll,
                     ..RdmaTransportConfig::default()
                 };
                 for i in 0..count {
-                    let t = RdmaTransport::connect(client_cfg(), provider.clone(), cfg.clone())
-                        .map_err(|e| match e {
+                    let cfg = RdmaTransportConfig {
+                        driven: driven && i < bufs.len(),
+                        ..cfg.clone()
+                    };
+                    let t = RdmaTransport::connect(client_cfg(), provider.clone(), cfg).map_err(
+                        |e| match e {
                             RdmaConnectError::Arena(e) => DeviceError::Arena(e),
                             e @ RdmaConnectError::Unavailable { .. } => {
                                 DeviceError::RdmaUnavailable(e.to_string())
                             }
-                        })?;
+                        },
+                    )?;
                     if let Some(b) = bufs.get(i) {
                         register_buffers(&t, b);
                     }
