@@ -4,7 +4,12 @@
 # NBD -> nbdkit memory, and ublkd over TCP and RDMA, interleaved per job in
 # one boot; prints a table and the ublkd/NBD and ublkd/loop ratios.
 # Env: BENCH_RUNTIME (s per job, default 10), BENCH_SIZE (default 128M),
-# BENCH_DEVICES (subset of "null loop nbd tcp rdma"), BENCH_PERF=1.
+# BENCH_DEVICES (subset of "null loop nbd tcp rdma"), BENCH_PERF=1,
+# BENCH_BUSY_POLL_US / BENCH_LEASE_CACHE (busy_poll_us, [rdma] lease_cache of
+# this build's ublkd),
+# BENCH_BASELINE_BIN (a directory with another build's ublkd and ublkctl:
+# a second ublkd serves devices tcp-base and rdma-base in the same boot,
+# against the same arenad, so the two builds' ratios share every condition).
 set -u
 
 BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
@@ -31,6 +36,7 @@ cleanup() {
     [[ -n "${DEVS[nbd]:-}" ]] && nbd-client -d "${DEVS[nbd]}" >/dev/null 2>&1
     [[ -n "${DEVS[loop]:-}" ]] && losetup -d "${DEVS[loop]}"
     [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" && sleep 1
+    [[ -n "${BASE_PID:-}" ]] && kill "$BASE_PID" && sleep 1
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
     wait 2>/dev/null
     rm -f /dev/shm/bench-loop.img
@@ -81,31 +87,30 @@ if want rdma; then
         fi
     fi
 fi
+BASE=${BENCH_BASELINE_BIN:-}
+VOLUMES=(tcp rdma)
+[[ -n "$BASE" ]] && VOLUMES+=(tcp-base rdma-base)
 if want tcp || [[ -n "$RDMA_DEV" ]]; then
     rdma_mode=off
     [[ -n "$RDMA_DEV" ]] && rdma_mode=on
     printf 'bench-volume-secret-0123456789abcdef\n' >"$W/vol.key"
     chmod 600 "$W/vol.key"
-    # Arena large enough for both devices: every job runs resident.
+    # Arena large enough for every device: every job runs resident.
     cat >"$W/arenad.toml" <<TOML
 listen = "127.0.0.1:7070"
-arena_bytes = "$((size_mib * 2 + 64))M"
+arena_bytes = "$((size_mib * ${#VOLUMES[@]} + 64))M"
 blob_bytes = "1M"
 swap_dir = "$W/arena"
-swap_bytes = "$((size_mib * 4 + 128))M"
+swap_bytes = "$((size_mib * ${#VOLUMES[@]} * 2 + 128))M"
 metrics_listen = "off"
 rdma = "$rdma_mode"
 ${RDMA_DEV:+rdma_device = \"$RDMA_DEV\"}
 ${RDMA_DEV:+rdma_gid_index = $GID}
-[[volume]]
-name = "rdma"
-secret_file = "$W/vol.key"
-quota = "$SIZE"
-[[volume]]
-name = "tcp"
-secret_file = "$W/vol.key"
-quota = "$SIZE"
 TOML
+    for v in "${VOLUMES[@]}"; do
+        printf '[[volume]]\nname = "%s"\nsecret_file = "%s"\nquota = "%s"\n' \
+            "$v" "$W/vol.key" "$SIZE" >>"$W/arenad.toml"
+    done
     cat >"$W/ublkd.toml" <<TOML
 state_dir = "$W/state"
 socket = "$SOCK"
@@ -120,6 +125,14 @@ ${RDMA_DEV:+[rdma]}
 ${RDMA_DEV:+device = \"$RDMA_DEV\"}
 ${RDMA_DEV:+gid_index = $GID}
 TOML
+    # The baseline build's ublkd: the same keys, its own state and socket
+    # (this build's extra [rdma] keys only go to this build's ublkd).
+    mkdir -p "$W/base/state" "$W/base/run"
+    sed -e "s|$W/state|$W/base/state|; s|$SOCK|$W/base/run/ublkd.sock|" "$W/ublkd.toml" >"$W/base/ublkd.toml"
+    [[ -n "${BENCH_BUSY_POLL_US:-}" ]] && sed -i "1i busy_poll_us = $BENCH_BUSY_POLL_US" "$W/ublkd.toml"
+    if [[ -n "$RDMA_DEV" && -n "${BENCH_LEASE_CACHE:-}" ]]; then
+        echo "lease_cache = $BENCH_LEASE_CACHE" >>"$W/ublkd.toml"
+    fi
     "$BIN/arenad" --config "$W/arenad.toml" >"$R/arenad.log" 2>&1 &
     ARENAD=$!
     PIDS+=("$ARENAD")
@@ -140,10 +153,27 @@ TOML
         fi
     done
     ctl list
+    if [[ -n "$BASE" ]]; then
+        bctl() { timeout 180 "$BASE/ublkctl" --socket "$W/base/run/ublkd.sock" "$@"; }
+        RUST_LOG=${RUST_LOG:-info} "$BASE/ublkd" --config "$W/base/ublkd.toml" >>"$R/ublkd-base.log" 2>&1 &
+        BASE_PID=$!
+        for _ in $(seq 900); do bctl list >/dev/null 2>&1 && break; sleep 0.1; done
+        for t in tcp rdma; do
+            want "$t" || continue
+            [[ $t = rdma && -z "$RDMA_DEV" ]] && continue
+            if d=$(bctl add --peer 127.0.0.1:7070 --volume "$t-base" --secret-file "$W/vol.key" --size "$SIZE" --transport "$t") &&
+                wait_node "$d"; then
+                DEVS[$t-base]=$d
+            else
+                log "baseline ublkd $t device failed; see $R/ublkd-base.log"
+            fi
+        done
+        bctl list
+    fi
 fi
 
 ORDER=()
-for d in null loop nbd tcp rdma; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
+for d in null loop nbd tcp rdma tcp-base rdma-base; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
 log "devices: $(for d in "${ORDER[@]}"; do printf '%s=%s ' "$d" "${DEVS[$d]}"; done)"
 for d in "${ORDER[@]}"; do
     # Prefill, so reads move real payloads (an unwritten blob reads as zeros without one).
@@ -199,9 +229,9 @@ def load(name, d):
     return dict(iops=side["iops"], mib=side["bw_bytes"] / 2**20,
                 p50=pct.get("50.000000", 0) / 1000, p99=pct.get("99.000000", 0) / 1000)
 res = {(n, d): load(n, d) for n in jobs for d in order}
-print(f"{'job':<18} " + " ".join(f"{d + ' IOPS':>11}" for d in order))
+print(f"{'job':<18} " + " ".join(f"{d + ' IOPS':>15}" for d in order))
 for n in jobs:
-    print(f"{n:<18} " + " ".join(f"{res[n, d]['iops']:>11.0f}" if res[n, d] else f"{'-':>11}" for d in order))
+    print(f"{n:<18} " + " ".join(f"{res[n, d]['iops']:>15.0f}" if res[n, d] else f"{'-':>15}" for d in order))
 print()
 print(f"{'job':<18} " + " ".join(f"{d + ' p50/p99 us':>18}" for d in order))
 for n in jobs:
@@ -211,7 +241,8 @@ for n in jobs:
         cells.append(f"{r['p50']:>8.0f}/{r['p99']:<9.0f}" if r else f"{'-':>18}")
     print(f"{n:<18} " + " ".join(cells))
 print()
-pairs = [(u, b) for u in ("tcp", "rdma") for b in ("nbd", "loop") if u in order and b in order]
+pairs = [(u, b) for u in ("tcp", "rdma", "tcp-base", "rdma-base") for b in ("nbd", "loop") if u in order and b in order]
+pairs += [(u, u + "-base") for u in ("tcp", "rdma") if u in order and u + "-base" in order]
 print(f"{'ratio (IOPS)':<18} " + " ".join(f"{u + '/' + b:>10}" for u, b in pairs))
 for n in jobs:
     cells = []
