@@ -58,6 +58,8 @@ impl Shared {
                 !cold
             }
             Request::Get { key } => resident(key) != Residency::Cold,
+            // A slot being written back is locked for the disk write's
+            // length: writing it would hold the reactor thread that long.
             Request::Write { key, .. } | Request::Alloc { key } => {
                 resident(key) == Residency::Resident
             }

@@ -129,6 +129,10 @@ pub enum Residency {
     Absent,
     /// In its slot: served without a disk read.
     Resident,
+    /// In its slot, which a write-back is writing to swap (its bytes
+    /// locked for reading until the disk write ends): a READ or GET is
+    /// served at once, a WRITE or ALLOC waits for the disk.
+    WritingBack,
     /// In swap only, or being loaded: serving it may read the disk.
     Cold,
 }

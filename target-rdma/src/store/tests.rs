@@ -1526,6 +1526,48 @@ fn cleaner_writes_back_without_a_flush_and_a_crash_keeps_flushed_data() {
     }
 }
 
+/// A blob whose slot the cleaner is writing to swap reports
+/// `WritingBack` for as long as the disk write holds its slot locked, so
+/// arenad sends a WRITE or ALLOC of it to the blocking pool instead of
+/// blocking its reactor on the slot lock; reads and the data are unaffected.
+#[test]
+fn a_slot_under_write_back_is_reported_so_writes_wait_off_the_reactor() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 8, 64);
+    for k in 0..7 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    assert_eq!(s.residency(0, 0), Residency::Resident);
+    // Hold the bytes of every slot but the last free one, as a slow disk
+    // would hold a write-back's: the cleaner's write-back, woken by the
+    // write that dirties the last slot, stops at the first of them.
+    let held: Vec<_> = (0..7)
+        .map(|k| s.core.arena.write(s.core.slot_of((0, k)).unwrap()))
+        .collect();
+    s.write(0, 7, 0, &pattern(7)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let writing_back = loop {
+        let states: Vec<Residency> = (0..7).map(|k| s.residency(0, k)).collect();
+        if states.contains(&Residency::WritingBack) || std::time::Instant::now() > deadline {
+            break states;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    assert!(
+        writing_back.contains(&Residency::WritingBack),
+        "{writing_back:?}"
+    );
+    drop(held);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while (0..8).any(|k| s.residency(0, k) != Residency::Resident) {
+        assert!(std::time::Instant::now() < deadline, "the write-back ended");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    for k in 0..8 {
+        assert_eq!(blob(&s, 0, k).unwrap(), pattern(k), "key {k}");
+    }
+}
+
 /// Two consecutive reads from swap start a read-ahead: with no further
 /// request, the background workers fault the next blobs in, with the
 /// right contents.

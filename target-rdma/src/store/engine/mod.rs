@@ -826,6 +826,11 @@ impl Core {
 
 #[cfg(test)]
 impl Core {
+    /// The slot blob `key` is in, if any.
+    pub(super) fn slot_of(&self, key: BlobKey) -> Option<u32> {
+        self.state.lock().blobs.get(&key).and_then(|b| b.slot)
+    }
+
     /// The extent the durable index names for `key` (tests damage it).
     pub(super) fn durable_extent(&self, key: BlobKey) -> Option<u32> {
         self.state
