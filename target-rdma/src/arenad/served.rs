@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::auth::Secret;
 use crate::proto::{Endpoint, RailAccept};
-use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
+use crate::rdma::{Access, MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{Store, VolumeId};
 
 /// A volume as the server knows it: its store id and its secret.
@@ -72,7 +72,7 @@ impl ServerRdma {
         // SAFETY: the arena mapping lives as long as the store, and the
         // server holds the store (declared after `rdma`, so dropped later);
         // remote access only touches slots leased to the accessing client.
-        let arena = unsafe { provider.register(base, len, true)? };
+        let arena = unsafe { provider.register(base, len, Access::RemoteReadWrite)? };
         Ok(Self {
             arena,
             provider,
