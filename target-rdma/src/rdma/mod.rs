@@ -38,6 +38,33 @@ pub enum RdmaMode {
     On,
 }
 
+/// What the keys a server hands an RDMA session reach: a config value
+/// (`rdma_isolation = "lease"|"shared"`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// A protection domain per session and a memory region per lease,
+    /// registered in it over exactly that slot: a key reaches only the slot
+    /// its lease is on, only through that session's QP, and dies with the
+    /// lease.
+    #[default]
+    Lease,
+    /// One key to the whole arena for every session (no per-lease
+    /// registration): every RDMA client can read and write every volume's
+    /// slots.
+    Shared,
+}
+
+impl Isolation {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Lease => "lease",
+            Self::Shared => "shared",
+        }
+    }
+}
+
 /// Which device, port and GID a provider uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSelector {
