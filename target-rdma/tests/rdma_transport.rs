@@ -1174,14 +1174,18 @@ fn verbs_isolation_device_limits() {
 /// a 1 MiB slot: (1) registering it in a session's domain and
 /// deregistering it, what arenad adds per lease; (2) the ALLOC + COMMIT
 /// round trip of a session with a rail against a peer with `"shared"` and
-/// one with `"lease"`, in alternating rounds, and their ratio.
+/// one with `"lease"` (and, to split the keys' cost from the rest, one
+/// with `"lease"` but no rail), in ten rotating rounds after a warm-up
+/// round, the lease/shared ratio and the median of the rounds' ratios.
 fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
     use std::time::{Duration, Instant};
-    const ROUNDS: u32 = 3;
+    const ROUNDS: u32 = 10;
     for blob in [64u32 << 10, 1 << 20] {
         let slots = 16usize;
         let mut arena = vec![0u8; slots * blob as usize];
         let domain = p.new_domain().unwrap();
+        // The arena's pages exist before they are timed (arenad's do).
+        arena.iter_mut().step_by(4096).for_each(|b| *b = 1);
         let t = Instant::now();
         for i in 0..n {
             let addr = arena
@@ -1196,57 +1200,90 @@ fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
         let reg = t.elapsed() / n;
         drop(domain);
         drop(arena);
-        let mut spent = [Duration::ZERO; 2];
-        let peers: Vec<_> = [Isolation::Shared, Isolation::Lease]
-            .into_iter()
-            .map(|isolation| {
-                let dir = tempfile::tempdir().unwrap();
-                let peer = Peer::start(
-                    dir.path(),
-                    PeerOpts {
-                        arena_bytes: slots as u64 * u64::from(blob),
-                        blob_bytes: blob,
-                        rdma: Some(p.clone()),
-                        rdma_isolation: isolation,
-                        ..PeerOpts::default()
-                    },
-                );
-                let mut cc = peer.config("a", SECRET_A);
-                cc.offer_rdma = true;
-                cc.blob_bytes = blob;
-                let c = ArenaClient::connect(cc).unwrap();
-                let rail = RawRail::up(&p, &c);
-                (isolation, c, rail, peer, dir)
-            })
-            .collect();
-        for _ in 0..ROUNDS {
-            for (i, (isolation, c, _rail, _, _)) in peers.iter().enumerate() {
+        // Shared, lease with a rail (a key registered at ALLOC and
+        // deregistered at COMMIT), and lease without a rail (the same
+        // server path but no registration): what the keys themselves cost.
+        let peers: Vec<_> = [
+            (Isolation::Shared, true),
+            (Isolation::Lease, true),
+            (Isolation::Lease, false),
+        ]
+        .into_iter()
+        .map(|(isolation, with_rail)| {
+            let dir = tempfile::tempdir().unwrap();
+            let peer = Peer::start(
+                dir.path(),
+                PeerOpts {
+                    arena_bytes: slots as u64 * u64::from(blob),
+                    blob_bytes: blob,
+                    rdma: Some(p.clone()),
+                    rdma_isolation: isolation,
+                    ..PeerOpts::default()
+                },
+            );
+            let mut cc = peer.config("a", SECRET_A);
+            cc.offer_rdma = true;
+            cc.blob_bytes = blob;
+            let c = ArenaClient::connect(cc).unwrap();
+            let rail = with_rail.then(|| RawRail::up(&p, &c));
+            let keyed = isolation == Isolation::Lease && with_rail;
+            (keyed, c, rail, peer, dir)
+        })
+        .collect();
+        // Per round, the mean ALLOC + COMMIT of each peer, after an untimed
+        // round that faults in and warms up all; which peer goes first
+        // rotates, so drift hits them alike.
+        let mut rounds = Vec::new();
+        for r in 0..=ROUNDS {
+            let mut round = [Duration::ZERO; 3];
+            for k in 0..3 {
+                let i = (k + r as usize) % 3;
+                let (keyed, c, _rail, _, _) = &peers[i];
                 let t = Instant::now();
                 for j in 0..n {
                     let key = u64::from(j) % slots as u64;
                     let l = block_on(c.alloc(key)).unwrap();
-                    assert_eq!(l.rkey.is_some(), *isolation == Isolation::Lease);
+                    assert_eq!(l.rkey.is_some(), *keyed);
                     block_on(c.commit(key, l.token)).unwrap();
                 }
-                spent[i] += t.elapsed();
+                round[i] = t.elapsed() / n;
+            }
+            if r > 0 {
+                rounds.push(round);
             }
         }
-        let per = |d: Duration| d / (n * ROUNDS);
+        let mean = |i: usize| rounds.iter().map(|r| r[i]).sum::<Duration>() / ROUNDS;
+        let mut ratios: Vec<f64> = rounds
+            .iter()
+            .map(|r| r[1].as_secs_f64() / r[0].as_secs_f64())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let each: Vec<String> = rounds
+            .iter()
+            .map(|r| {
+                let us: Vec<String> = r.iter().map(|d| d.as_micros().to_string()).collect();
+                us.join("/")
+            })
+            .collect();
         println!(
-            "BENCH isolation blob={}KiB n={} register+deregister={:?} alloc+commit shared={:?} lease={:?} ratio={:.2}",
+            "BENCH isolation blob={}KiB n={}x{} register+deregister={:?} alloc+commit shared={:?} lease={:?} lease_without_rail={:?} ratio={:.2} median_round_ratio={:.2} rounds(us shared/lease/lease_without_rail)={}",
             blob >> 10,
-            n * ROUNDS,
+            ROUNDS,
+            n,
             reg,
-            per(spent[0]),
-            per(spent[1]),
-            spent[1].as_secs_f64() / spent[0].as_secs_f64()
+            mean(0),
+            mean(1),
+            mean(2),
+            mean(1).as_secs_f64() / mean(0).as_secs_f64(),
+            ratios[ratios.len() / 2],
+            each.join(",")
         );
     }
 }
 
 #[test]
 fn loopback_isolation_cost_runs() {
-    isolation_cost(LoopbackProvider::new(), 20);
+    isolation_cost(LoopbackProvider::new(), 10);
 }
 
 #[test]
@@ -1254,6 +1291,6 @@ fn loopback_isolation_cost_runs() {
 fn verbs_isolation_cost_per_lease() {
     isolation_cost(
         Arc::new(SidewayProvider::open(&DeviceSelector::default()).unwrap()),
-        500,
+        150,
     );
 }
