@@ -224,8 +224,9 @@ impl Rail {
     }
 
     /// Ends the rail: every lease key deregistered, then the QP failed and
-    /// destroyed (its domain goes with the last of them). Called before the
-    /// session's leases are released, and by a RAIL_CONNECT replacing it.
+    /// destroyed (its domain goes with the last of them). Called when the
+    /// session ends, before its leases are released (a RAIL_CONNECT does
+    /// the same to the rail it replaces).
     pub(super) fn close(&self) {
         LeaseKeys::clear(&self.keys);
         if let Some(qp) = self.qp.lock().take() {
