@@ -50,6 +50,12 @@ const KNOWN_FLAGS: u16 = FLAG_RESPONSE;
 pub const CAP_TCP_DATA: u32 = 1;
 /// Capability bit: the client can move payloads by one-sided RDMA.
 pub const CAP_RDMA: u32 = 1 << 1;
+/// Capability bit (with [`CAP_RDMA`]): the client uses the per-lease rkey
+/// that ALLOC and GET answers carry (a memory region over that slot only,
+/// in the session's own protection domain), not one key to the whole
+/// arena. A server isolating RDMA per lease grants it and refuses
+/// RAIL_CONNECT to a client that did not offer it.
+pub const CAP_RDMA_LEASE_KEYS: u32 = 1 << 2;
 
 /// Operation carried by a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -625,6 +631,10 @@ pub struct Lease {
     pub slot_offset: u64,
     /// Token that COMMIT and RELEASE name.
     pub token: u64,
+    /// The rkey of the memory region registered over exactly this slot in
+    /// the session's protection domain (`CAP_RDMA_LEASE_KEYS` sessions with
+    /// a rail); it dies with the lease.
+    pub rkey: Option<u32>,
 }
 
 /// A request a client sends after the handshake. A WRITE borrows its
@@ -1154,18 +1164,28 @@ pub fn encode_lease(out: &mut Vec<u8>, opcode: Opcode, request_id: u64, lease: L
     encode_frame(out, opcode, FLAG_RESPONSE, request_id, Status::Ok, |b| {
         put_u64(b, lease.slot_offset);
         put_u64(b, lease.token);
+        if let Some(rkey) = lease.rkey {
+            put_u32(b, rkey);
+        }
     });
 }
 
-/// Decodes a lease body.
+/// Decodes a lease body: 16 bytes, or 20 with a per-lease rkey.
 pub fn decode_lease(h: &Header, body: &[u8]) -> Result<Lease, FrameError> {
     let mut c = Cursor::new(h.opcode, body);
-    let l = Lease {
-        slot_offset: c.u64()?,
-        token: c.u64()?,
+    let slot_offset = c.u64()?;
+    let token = c.u64()?;
+    let rkey = if body.len() > 16 {
+        Some(c.u32()?)
+    } else {
+        None
     };
     c.finish()?;
-    Ok(l)
+    Ok(Lease {
+        slot_offset,
+        token,
+        rkey,
+    })
 }
 
 /// Encodes a successful response with a single `u64` (REMOVE: blobs removed).
@@ -1401,11 +1421,22 @@ mod tests {
         let lease = Lease {
             slot_offset: 1 << 30,
             token: 77,
+            rkey: None,
         };
         encode_lease(&mut buf, Opcode::Get, 9, lease);
         let (h, b) = decode_one(&buf);
         assert!(h.is_response());
         assert_eq!((h.request_id, decode_lease(&h, &b).unwrap()), (9, lease));
+        // A keyed lease carries its rkey (20 bytes); other lengths are refused.
+        let keyed = Lease {
+            rkey: Some(0xabcd_ef01),
+            ..lease
+        };
+        encode_lease(&mut buf, Opcode::Alloc, 8, keyed);
+        let (h, b) = decode_one(&buf);
+        assert_eq!((b.len(), decode_lease(&h, &b).unwrap()), (20, keyed));
+        assert!(decode_lease(&h, &b[..18]).is_err());
+        assert!(decode_lease(&h, &[b.as_slice(), &[0]].concat()).is_err());
 
         encode_count(&mut buf, Opcode::Remove, 10, 12);
         let (h, b) = decode_one(&buf);

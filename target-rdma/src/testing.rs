@@ -28,7 +28,7 @@ use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
 use crate::auth::Secret;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::client::{ArenaClient, ClientConfig, FlushDomain, RdmaTransport, RdmaTransportConfig};
-use crate::rdma::RdmaProvider;
+use crate::rdma::{Isolation, RdmaProvider};
 use crate::replica::clock::system;
 use crate::replica::{
     Coordinator, MemberIo, MemberSessions, Membership, MemoryCoordinator, ReplicaConfig, ReplicaSet,
@@ -69,6 +69,8 @@ pub struct PeerOpts {
     pub max_inflight: u32,
     /// Register the arena on this device and grant RDMA to clients.
     pub rdma: Option<Arc<dyn RdmaProvider>>,
+    /// What the RDMA keys handed to sessions reach.
+    pub rdma_isolation: Isolation,
     /// Volumes served, as (name, secret); by default "a" and "b".
     pub volumes: Vec<(String, String)>,
     /// Accept protocol version 1 sessions.
@@ -86,6 +88,7 @@ impl Default for PeerOpts {
             quota_blobs: 1 << 20,
             max_inflight: 64,
             rdma: None,
+            rdma_isolation: Isolation::default(),
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
             allow_v1: false,
             max_connections: 64,
@@ -165,7 +168,8 @@ impl Peer {
             })
             .collect();
         let rdma = self.opts.rdma.clone().map(|p| {
-            ServerRdma::register(p, &self.store, 64).expect("register the arena for RDMA")
+            ServerRdma::register(p, &self.store, 64, self.opts.rdma_isolation)
+                .expect("register the arena for RDMA")
         });
         let epochs = Epochs::open(&self.dir).expect("load the volumes' epochs");
         let server = Server::new(

@@ -8,11 +8,19 @@ use std::sync::Arc;
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, Via};
 use target_rdma::client::{
-    RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TcpReason, TransportGroup,
+    ArenaClient, RdmaDriverStats, RdmaTransport, RdmaTransportConfig, TcpReason, TransportGroup,
+};
+use target_rdma::proto::{
+    self, Lease, Opcode, RailAccept, Request, Status, CAP_RDMA, CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA,
+    VERSION_2,
 };
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{wc_status, DeviceSelector, RdmaProvider};
+use target_rdma::rdma::{
+    wc_status, Access, DeviceSelector, Isolation, MemoryRegion, QueuePair, RdmaOp, RdmaProvider,
+    WorkRequest,
+};
+use target_rdma::store::LeaseLimits;
 use target_rdma::testing::*;
 use ublk_metrics::driver::names;
 use ublk_metrics::{DriverSnapshot, DriverStats as _, IoOp};
@@ -600,4 +608,689 @@ fn writes_on_one_queue_survive_removes_and_flushes_on_another() {
         assert!(out == pattern(k, 99, 4096), "key {k}");
     }
     assert_eq!(peer.protocol_errors(), 0);
+}
+
+/// A session's own rail, set up by hand as a hostile client would: its QP,
+/// the server's RAIL_CONNECT answer and a registered local buffer. Bringing
+/// one up replaces the session's previous rail at the server (and, isolated
+/// per lease, deregisters every key the session had).
+struct RawRail {
+    qp: Box<dyn QueuePair>,
+    accept: RailAccept,
+    mr: MemoryRegion,
+    buf: Vec<u8>,
+}
+
+impl RawRail {
+    fn up(p: &Arc<dyn RdmaProvider>, c: &ArenaClient) -> RawRail {
+        let qp = p.create_qp(16).unwrap();
+        let accept = block_on(c.rail_connect(qp.endpoint())).unwrap();
+        qp.connect(&accept.endpoint).unwrap();
+        let mut buf = vec![0u8; BLOB as usize];
+        // SAFETY: `buf` lives as long as the region (declared after it, so
+        // dropped later; its heap block never moves) and is only touched by
+        // the device while a request this test waits for is in flight.
+        let mr = unsafe { p.register(buf.as_mut_ptr(), buf.len(), Access::Local) }.unwrap();
+        RawRail {
+            qp,
+            accept,
+            mr,
+            buf,
+        }
+    }
+
+    /// One signaled READ or WRITE of `len` bytes at arena offset `offset`
+    /// with `rkey`; returns its completion status. A completion must come
+    /// within 20 s (a refused key is NAKed at once; a responder that drops
+    /// requests makes the requester's retries run out well before).
+    fn one_sided(&self, op: RdmaOp, offset: u64, rkey: u32, len: u32) -> u32 {
+        self.qp
+            .post(&WorkRequest {
+                wr_id: 7,
+                op,
+                local_addr: self.mr.addr as u64,
+                lkey: self.mr.lkey,
+                len,
+                remote_addr: self.accept.arena_base + offset,
+                rkey,
+            })
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let mut done = Vec::new();
+            self.qp.poll(&mut done).unwrap();
+            if let Some(c) = done.iter().find(|c| c.wr_id == 7) {
+                return c.status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no completion within 20 s"
+            );
+            self.qp.wait(std::time::Duration::from_millis(100)).unwrap();
+        }
+    }
+
+    /// The local buffer (what a READ brought, or what a WRITE sends).
+    fn local(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+/// The completion status of an access the peer refused (`IBV_WC_REM_ACCESS_ERR`):
+/// a NAK, not a timeout.
+fn refused(status: u32) -> bool {
+    status == wc_status::REM_ACCESS_ERR
+}
+
+fn peer_with(
+    p: Arc<dyn RdmaProvider>,
+    slots: u64,
+    isolation: Isolation,
+) -> (Peer, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            arena_bytes: slots * u64::from(BLOB),
+            blob_bytes: BLOB,
+            rdma: Some(p),
+            rdma_isolation: isolation,
+            ..PeerOpts::default()
+        },
+    );
+    (peer, dir)
+}
+
+fn isolated_peer(p: Arc<dyn RdmaProvider>, slots: u64) -> (Peer, tempfile::TempDir) {
+    peer_with(p, slots, Isolation::Lease)
+}
+
+fn rdma_client(peer: &Peer, vol: &str, secret: &str) -> ArenaClient {
+    let mut c = peer.config(vol, secret);
+    c.offer_rdma = true;
+    c.blob_bytes = BLOB;
+    ArenaClient::connect(c).unwrap()
+}
+
+/// Volume b's blob 7, written inline; returns its slot's arena offset.
+fn victim_blob(victim: &ArenaClient) -> u64 {
+    block_on(victim.write(7, 0, &pattern(7, 1, BLOB as usize))).unwrap();
+    let l = block_on(victim.alloc(7)).unwrap();
+    block_on(victim.commit(7, l.token)).unwrap();
+    l.slot_offset
+}
+
+fn victim_intact(victim: &ArenaClient) {
+    let mut out = vec![0u8; BLOB as usize];
+    assert!(block_on(victim.read(7, 0, &mut out)).unwrap());
+    assert!(
+        out == pattern(7, 1, BLOB as usize),
+        "volume b's blob changed"
+    );
+}
+
+/// An ALLOC lease of `key`, with its key (isolated per lease, on a rail).
+fn keyed_alloc(c: &ArenaClient, key: u64) -> (Lease, u32) {
+    let l = block_on(c.alloc(key)).unwrap();
+    let k = l.rkey.expect("an ALLOC answer on a rail carries its key");
+    (l, k)
+}
+
+/// A client of volume a with a valid lease (and key) on its own slot
+/// reaches that slot, and nothing else: a READ or WRITE of volume b's slot
+/// with its key, or past its own slot's end, or with the key RAIL_CONNECT
+/// named (0), completes with a remote access error and b's bytes are
+/// unchanged; b's own live key to that very slot does not work over a's
+/// rail (another session's domain); a GET lease's key does not write.
+fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 16);
+    let victim = rdma_client(&peer, "b", SECRET_B);
+    let theirs = victim_blob(&victim);
+    let attacker = rdma_client(&peer, "a", SECRET_A);
+    assert_eq!(
+        attacker.welcome().unwrap().caps & CAP_RDMA_LEASE_KEYS,
+        CAP_RDMA_LEASE_KEYS
+    );
+    let len = 4096;
+
+    // Its own slot, with its own key: the path works, both ways.
+    let mut rail = RawRail::up(&p, &attacker);
+    assert_eq!(rail.accept.rkey, 0, "no key to the whole arena");
+    let (own, key) = keyed_alloc(&attacker, 1);
+    assert_ne!(own.slot_offset, theirs);
+    rail.local().fill(0x5a);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, own.slot_offset, key, BLOB),
+        wc_status::SUCCESS
+    );
+    rail.local().fill(0);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Read, own.slot_offset, key, BLOB),
+        wc_status::SUCCESS
+    );
+    assert!(rail.local().iter().all(|&b| b == 0x5a), "its own bytes");
+    // Volume b's slot with the same key: refused, nothing read.
+    rail.local().fill(0);
+    let s = rail.one_sided(RdmaOp::Read, theirs, key, len);
+    assert!(
+        refused(s),
+        "READ of another volume's slot completed with {s}"
+    );
+    assert!(
+        rail.local().iter().all(|&b| b == 0),
+        "no byte of b was read"
+    );
+
+    // A remote access error fails the QPs: each case on a fresh rail (and
+    // a fresh lease: the new rail's domain has none of the old keys).
+    let rail = RawRail::up(&p, &attacker);
+    let (_, key) = keyed_alloc(&attacker, 2);
+    let s = rail.one_sided(RdmaOp::Write, theirs, key, len);
+    assert!(
+        refused(s),
+        "WRITE of another volume's slot completed with {s}"
+    );
+    victim_intact(&victim);
+    // Past the end of its own slot (into the next one) with its own key.
+    let rail = RawRail::up(&p, &attacker);
+    let (own, key) = keyed_alloc(&attacker, 3);
+    let s = rail.one_sided(
+        RdmaOp::Read,
+        own.slot_offset + u64::from(BLOB) - 2048,
+        key,
+        len,
+    );
+    assert!(refused(s), "READ across its slot's end completed with {s}");
+    // With the key RAIL_CONNECT named.
+    let rail = RawRail::up(&p, &attacker);
+    let s = rail.one_sided(RdmaOp::Write, theirs, rail.accept.rkey, len);
+    assert!(refused(s), "WRITE with the rail's key completed with {s}");
+    victim_intact(&victim);
+
+    // b's own live key to its slot, guessed or stolen, over a's rail:
+    // refused (b's domain is not a's), while it works over b's own rail.
+    let mut b_rail = RawRail::up(&p, &victim);
+    let (b_lease, b_key) = keyed_alloc(&victim, 7);
+    assert_eq!(b_lease.slot_offset, theirs);
+    let rail = RawRail::up(&p, &attacker);
+    let s = rail.one_sided(RdmaOp::Write, theirs, b_key, len);
+    assert!(
+        refused(s),
+        "WRITE with another session's key completed with {s}"
+    );
+    assert_eq!(
+        b_rail.one_sided(RdmaOp::Read, theirs, b_key, BLOB),
+        wc_status::SUCCESS
+    );
+    assert!(
+        b_rail.local() == pattern(7, 1, BLOB as usize),
+        "b reads its own blob"
+    );
+    block_on(victim.commit(7, b_lease.token)).unwrap();
+    victim_intact(&victim);
+
+    // A GET lease's key reads, and does not write.
+    let mut rail = RawRail::up(&p, &attacker);
+    assert!(
+        block_on(attacker.get(7)).unwrap().is_none(),
+        "volume a has no key 7"
+    );
+    block_on(attacker.write(5, 0, &[5; 4096])).unwrap();
+    let ro = block_on(attacker.get(5)).unwrap().unwrap();
+    let ro_key = ro.rkey.expect("a GET answer on a rail carries its key");
+    assert_eq!(
+        rail.one_sided(RdmaOp::Read, ro.slot_offset, ro_key, len),
+        wc_status::SUCCESS
+    );
+    assert!(rail.local()[..4096].iter().all(|&b| b == 5));
+    let s = rail.one_sided(RdmaOp::Write, ro.slot_offset, ro_key, len);
+    assert!(refused(s), "WRITE through a GET lease completed with {s}");
+    let mut out = [0u8; 4096];
+    assert!(block_on(attacker.read(5, 0, &mut out)).unwrap());
+    assert_eq!(out, [5; 4096], "the GET lease's blob is unchanged");
+    assert_eq!(peer.protocol_errors(), 0);
+}
+
+#[test]
+fn loopback_a_session_key_reaches_only_its_leased_slots() {
+    a_session_key_reaches_only_its_leased_slots(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_a_session_key_reaches_only_its_leased_slots() {
+    a_session_key_reaches_only_its_leased_slots(Arc::new(
+        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
+    ));
+}
+
+/// A lease's key dies with the lease: after COMMIT, after RELEASE, after a
+/// REMOVE made its COMMIT lost, and when a new rail replaces the one it
+/// was registered for; the refused transfer leaves the slot's bytes as
+/// they were.
+fn keys_die_with_their_leases(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 16);
+    let c = rdma_client(&peer, "a", SECRET_A);
+    let len = 4096;
+    let read_back = |key: u64| {
+        let mut out = vec![0u8; 4096];
+        block_on(c.read(key, 0, &mut out)).unwrap();
+        out
+    };
+
+    // COMMIT.
+    let mut rail = RawRail::up(&p, &c);
+    let (l, k) = keyed_alloc(&c, 3);
+    rail.local().fill(3);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, l.slot_offset, k, len),
+        wc_status::SUCCESS
+    );
+    block_on(c.commit(3, l.token)).unwrap();
+    rail.local().fill(4);
+    let s = rail.one_sided(RdmaOp::Write, l.slot_offset, k, len);
+    assert!(refused(s), "WRITE after COMMIT completed with {s}");
+    assert_eq!(read_back(3), vec![3; 4096], "the committed bytes stay");
+
+    // RELEASE (of a GET lease).
+    let mut rail = RawRail::up(&p, &c);
+    let ro = block_on(c.get(3)).unwrap().unwrap();
+    let k = ro.rkey.unwrap();
+    assert_eq!(
+        rail.one_sided(RdmaOp::Read, ro.slot_offset, k, len),
+        wc_status::SUCCESS
+    );
+    assert!(rail.local()[..4096].iter().all(|&b| b == 3));
+    block_on(c.release(&[ro.token])).unwrap();
+    let s = rail.one_sided(RdmaOp::Read, ro.slot_offset, k, len);
+    assert!(refused(s), "READ after RELEASE completed with {s}");
+
+    // A REMOVE makes the lease's COMMIT lost, and its key dies with it.
+    let rail = RawRail::up(&p, &c);
+    let (l, k) = keyed_alloc(&c, 4);
+    block_on(c.remove(4, 5)).unwrap();
+    let e = block_on(c.commit(4, l.token)).unwrap_err();
+    assert_eq!(e.status(), Some(Status::LeaseLost), "{e}");
+    let s = rail.one_sided(RdmaOp::Read, l.slot_offset, k, len);
+    assert!(refused(s), "READ after a lost COMMIT completed with {s}");
+
+    // A new rail: the keys of the old one are dead over it.
+    let _old = RawRail::up(&p, &c);
+    let (l, k) = keyed_alloc(&c, 6);
+    let mut rail = RawRail::up(&p, &c);
+    rail.local().fill(6);
+    let s = rail.one_sided(RdmaOp::Write, l.slot_offset, k, len);
+    assert!(
+        refused(s),
+        "WRITE with an old rail's key completed with {s}"
+    );
+    block_on(c.commit(6, l.token)).unwrap();
+    assert_eq!(read_back(6), vec![0; 4096], "nothing landed");
+    assert_eq!(peer.protocol_errors(), 0);
+}
+
+#[test]
+fn loopback_keys_die_with_their_leases() {
+    keys_die_with_their_leases(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_keys_die_with_their_leases() {
+    keys_die_with_their_leases(Arc::new(
+        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
+    ));
+}
+
+/// A lease that is revoked and not given back is ended by force when
+/// another volume needs its slot: its key is deregistered before the slot
+/// is handed over, and the holder's QP stays up (its other lease still
+/// works). The holder's later WRITE with the dead key is refused at once
+/// with a remote access error (a NAK, not a hang) and does not land in the
+/// other volume's blob, which now lives in that slot.
+fn a_force_ended_lease_key_no_longer_reaches_the_slot(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 2);
+    peer.store.set_lease_limits(LeaseLimits {
+        revoke_deadline: std::time::Duration::from_millis(200),
+        ..LeaseLimits::default()
+    });
+    let hoarder = rdma_client(&peer, "a", SECRET_A);
+    let mut rail = RawRail::up(&p, &hoarder);
+    let (l1, k1) = keyed_alloc(&hoarder, 1);
+    let (l2, k2) = keyed_alloc(&hoarder, 2);
+    // Volume b needs a slot: a's leases past its share are revoked, ignored,
+    // and ended by force at the deadline; b's WRITE then gets a slot.
+    let victim = rdma_client(&peer, "b", SECRET_B);
+    let mut wrote = false;
+    for _ in 0..100 {
+        if block_on(victim.write(7, 0, &pattern(7, 1, BLOB as usize))).is_ok() {
+            wrote = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(wrote, "volume b never got a slot");
+    assert_eq!(peer.store.stats().leases_force_ended, 1);
+    // The oldest lease past a's share was the one ended: b's blob is in
+    // its slot now.
+    let b = block_on(victim.get(7)).unwrap().unwrap();
+    assert_eq!(b.slot_offset, l1.slot_offset);
+    block_on(victim.release(&[b.token])).unwrap();
+    // The holder's rail is up: its live lease still works.
+    rail.local().fill(2);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, l2.slot_offset, k2, 4096),
+        wc_status::SUCCESS
+    );
+    // The ended one's key is refused at once.
+    rail.local().fill(0xee);
+    let s = rail.one_sided(RdmaOp::Write, l1.slot_offset, k1, 4096);
+    assert!(refused(s), "a force-ended lease's key completed with {s}");
+    victim_intact(&victim);
+    let e = block_on(hoarder.commit(1, l1.token)).unwrap_err();
+    assert_eq!(e.status(), Some(Status::LeaseLost), "{e}");
+    block_on(hoarder.commit(2, l2.token)).unwrap();
+    assert_eq!(peer.protocol_errors(), 0);
+}
+
+#[test]
+fn loopback_a_force_ended_lease_key_no_longer_reaches_the_slot() {
+    a_force_ended_lease_key_no_longer_reaches_the_slot(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_a_force_ended_lease_key_no_longer_reaches_the_slot() {
+    a_force_ended_lease_key_no_longer_reaches_the_slot(Arc::new(
+        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
+    ));
+}
+
+/// A client that did not offer `CAP_RDMA_LEASE_KEYS` (an older build) is
+/// granted `CAP_RDMA` but refused at RAIL_CONNECT by a server isolating
+/// RDMA per lease, with a message naming the config key; a server with
+/// `rdma_isolation = "shared"` brings its rail up.
+#[test]
+fn an_old_client_is_refused_a_rail_when_keys_are_per_lease() {
+    let p = LoopbackProvider::new();
+    let dynp: Arc<dyn RdmaProvider> = p.clone();
+    for isolation in [Isolation::Lease, Isolation::Shared] {
+        let (peer, _dir) = peer_with(dynp.clone(), 4, isolation);
+        let mut s = RawSession::try_open_offering(
+            peer.addr,
+            "a",
+            &secret(SECRET_A),
+            VERSION_2,
+            0,
+            CAP_TCP_DATA | CAP_RDMA,
+        )
+        .unwrap();
+        assert_eq!(s.welcome.caps, CAP_TCP_DATA | CAP_RDMA);
+        let qp = p.create_qp(4).unwrap();
+        let mut f = Vec::new();
+        proto::encode_request(&mut f, 1, &Request::RailConnect(qp.endpoint()));
+        s.send(&f).unwrap();
+        let (h, body) = s.recv().expect("an answer");
+        assert_eq!(h.opcode, Opcode::RailConnect);
+        match isolation {
+            Isolation::Lease => {
+                assert_eq!(h.status, Status::Internal);
+                let msg = proto::decode_error(&body);
+                assert!(
+                    msg.contains("rdma_isolation") && msg.contains("CAP_RDMA_LEASE_KEYS"),
+                    "{msg}"
+                );
+            }
+            Isolation::Shared => {
+                assert_eq!(h.status, Status::Ok);
+                assert_ne!(RailAccept::decode(&h, &body).unwrap().rkey, 0);
+            }
+        }
+        assert_eq!(peer.protocol_errors(), 0);
+    }
+}
+
+/// A session's keys and its protection domain are gone once the session
+/// ended, and a rail replacement frees the old domain.
+#[test]
+fn a_closed_session_leaves_no_key_and_no_domain() {
+    let p = LoopbackProvider::new();
+    let dynp: Arc<dyn RdmaProvider> = p.clone();
+    let (peer, _dir) = isolated_peer(dynp.clone(), 16);
+    let (regions, domains) = (p.live_regions(), p.live_domains());
+    let c = rdma_client(&peer, "a", SECRET_A);
+    let rail = RawRail::up(&dynp, &c);
+    for k in 0..4 {
+        keyed_alloc(&c, k);
+    }
+    // The rail's local buffer, the four keys; the session's domain.
+    assert_eq!(p.live_regions(), regions + 5);
+    assert_eq!(p.live_domains(), domains + 1);
+    let again = RawRail::up(&dynp, &c);
+    assert_eq!(p.live_regions(), regions + 2, "two local buffers, no key");
+    assert_eq!(p.live_domains(), domains + 1, "the old domain is freed");
+    keyed_alloc(&c, 9);
+    drop(c);
+    let want = (regions + 2, domains, 0);
+    let mut left = (usize::MAX, usize::MAX, u64::MAX);
+    for _ in 0..1000 {
+        left = (
+            p.live_regions(),
+            p.live_domains(),
+            peer.store.stats().leases_held,
+        );
+        if left == want {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(left, want, "the session's keys, domain and leases are gone");
+    drop((rail, again));
+    assert_eq!(p.live_regions(), regions);
+}
+
+/// A lease the server could not key (here: registrations of a slot's size
+/// fail) is answered without a key; the transport gives it back and moves
+/// that payload over TCP, counted as declined by the peer, and the data is
+/// right.
+#[test]
+fn a_lease_the_peer_cannot_key_goes_over_tcp_counted() {
+    let p = LoopbackProvider::new();
+    let s = setup(Some(p.clone()), Ok(p.clone()), cfg());
+    p.refuse_registrations_of(BLOB as usize);
+    let data = pattern(1, 1, 4096);
+    assert_eq!(block_on(s.t.write(1, 0, &data)).unwrap(), Via::Tcp);
+    let mut out = vec![0; 4096];
+    assert_eq!(block_on(s.t.read(1, 0, &mut out)).unwrap(), Via::Tcp);
+    assert!(out == data);
+    assert_eq!(tcp(&s.t, TcpReason::Declined), 2);
+    assert_eq!(count(&s.t, "rdma_transferred"), 0);
+    block_on(s.t.flush()).unwrap();
+    assert_eq!(
+        s._peer.store.stats().leases_held,
+        0,
+        "the keyless leases were given back"
+    );
+}
+
+/// `rdma_isolation = "shared"`: the old scheme, an explicit choice. One key
+/// to the whole arena, named by RAIL_CONNECT, lease answers without keys,
+/// and the trust model it states: that key reaches every volume's slots.
+/// The transport works over it.
+fn the_shared_region_is_an_explicit_choice_and_still_serves(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = peer_with(p.clone(), 64, Isolation::Shared);
+    let victim = rdma_client(&peer, "b", SECRET_B);
+    let theirs = victim_blob(&victim);
+    let raw = rdma_client(&peer, "a", SECRET_A);
+    assert_eq!(raw.welcome().unwrap().caps & CAP_RDMA_LEASE_KEYS, 0);
+    let mut rail = RawRail::up(&p, &raw);
+    assert_ne!(rail.accept.rkey, 0);
+    let l = block_on(raw.alloc(1)).unwrap();
+    assert_eq!(l.rkey, None);
+    block_on(raw.commit(1, l.token)).unwrap();
+    assert_eq!(
+        rail.one_sided(RdmaOp::Read, theirs, rail.accept.rkey, BLOB),
+        wc_status::SUCCESS,
+        "shared: the arena key reaches another volume's slot"
+    );
+    assert!(rail.local() == pattern(7, 1, BLOB as usize));
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    payloads_go_by_rdma_and_a_forced_fallback_is_counted(&t);
+}
+
+#[test]
+fn loopback_the_shared_region_is_an_explicit_choice_and_still_serves() {
+    the_shared_region_is_an_explicit_choice_and_still_serves(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_the_shared_region_is_an_explicit_choice_and_still_serves() {
+    the_shared_region_is_an_explicit_choice_and_still_serves(Arc::new(
+        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
+    ));
+}
+
+/// What the device holds for per-lease isolation (a protection domain per
+/// session, a region per lease), printed for the log; it must make a
+/// domain, and hold more than one domain and region.
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_device_limits() {
+    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
+    let l = p.limits().unwrap();
+    println!(
+        "device {} max_pd {} max_mr {}",
+        p.device_name(),
+        l.max_pd,
+        l.max_mr
+    );
+    assert!(l.max_pd > 1 && l.max_mr > 1, "{l:?}");
+    p.new_domain().unwrap();
+}
+
+/// The cost of isolation per lease, same run, same device (not a timed
+/// assertion: it prints figures for docs/BENCHMARKS.md). For a 64 KiB and
+/// a 1 MiB slot: (1) registering it in a session's domain and
+/// deregistering it, what arenad adds per lease; (2) the ALLOC + COMMIT
+/// round trip of a session with a rail against a peer with `"shared"` and
+/// one with `"lease"` (and, to split the keys' cost from the rest, one
+/// with `"lease"` but no rail), in ten rotating rounds after a warm-up
+/// round, the lease/shared ratio and the median of the rounds' ratios.
+fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
+    use std::time::{Duration, Instant};
+    const ROUNDS: u32 = 10;
+    for blob in [64u32 << 10, 1 << 20] {
+        let slots = 16usize;
+        let mut arena = vec![0u8; slots * blob as usize];
+        let domain = p.new_domain().unwrap();
+        // The arena's pages exist before they are timed (arenad's do).
+        arena.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let t = Instant::now();
+        for i in 0..n {
+            let addr = arena
+                .as_mut_ptr()
+                .wrapping_add((i as usize % slots) * blob as usize);
+            // SAFETY: `addr` is one slot inside `arena`, which outlives the
+            // region (dropped right away) and no device touches it.
+            let mr =
+                unsafe { domain.register(addr, blob as usize, Access::RemoteReadWrite) }.unwrap();
+            drop(mr);
+        }
+        let reg = t.elapsed() / n;
+        drop(domain);
+        drop(arena);
+        // Shared, lease with a rail (a key registered at ALLOC and
+        // deregistered at COMMIT), and lease without a rail (the same
+        // server path but no registration): what the keys themselves cost.
+        let peers: Vec<_> = [
+            (Isolation::Shared, true),
+            (Isolation::Lease, true),
+            (Isolation::Lease, false),
+        ]
+        .into_iter()
+        .map(|(isolation, with_rail)| {
+            let dir = tempfile::tempdir().unwrap();
+            let peer = Peer::start(
+                dir.path(),
+                PeerOpts {
+                    arena_bytes: slots as u64 * u64::from(blob),
+                    blob_bytes: blob,
+                    rdma: Some(p.clone()),
+                    rdma_isolation: isolation,
+                    ..PeerOpts::default()
+                },
+            );
+            let mut cc = peer.config("a", SECRET_A);
+            cc.offer_rdma = true;
+            cc.blob_bytes = blob;
+            let c = ArenaClient::connect(cc).unwrap();
+            let rail = with_rail.then(|| RawRail::up(&p, &c));
+            let keyed = isolation == Isolation::Lease && with_rail;
+            (keyed, c, rail, peer, dir)
+        })
+        .collect();
+        // Per round, the mean ALLOC + COMMIT of each peer, after an untimed
+        // round that faults in and warms up all; which peer goes first
+        // rotates, so drift hits them alike.
+        let mut rounds = Vec::new();
+        for r in 0..=ROUNDS {
+            let mut round = [Duration::ZERO; 3];
+            for k in 0..3 {
+                let i = (k + r as usize) % 3;
+                let (keyed, c, _rail, _, _) = &peers[i];
+                let t = Instant::now();
+                for j in 0..n {
+                    let key = u64::from(j) % slots as u64;
+                    let l = block_on(c.alloc(key)).unwrap();
+                    assert_eq!(l.rkey.is_some(), *keyed);
+                    block_on(c.commit(key, l.token)).unwrap();
+                }
+                round[i] = t.elapsed() / n;
+            }
+            if r > 0 {
+                rounds.push(round);
+            }
+        }
+        let mean = |i: usize| rounds.iter().map(|r| r[i]).sum::<Duration>() / ROUNDS;
+        let mut ratios: Vec<f64> = rounds
+            .iter()
+            .map(|r| r[1].as_secs_f64() / r[0].as_secs_f64())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let each: Vec<String> = rounds
+            .iter()
+            .map(|r| {
+                let us: Vec<String> = r.iter().map(|d| d.as_micros().to_string()).collect();
+                us.join("/")
+            })
+            .collect();
+        println!(
+            "BENCH isolation blob={}KiB n={}x{} register+deregister={:?} alloc+commit shared={:?} lease={:?} lease_without_rail={:?} ratio={:.2} median_round_ratio={:.2} rounds(us shared/lease/lease_without_rail)={}",
+            blob >> 10,
+            ROUNDS,
+            n,
+            reg,
+            mean(0),
+            mean(1),
+            mean(2),
+            mean(1).as_secs_f64() / mean(0).as_secs_f64(),
+            ratios[ratios.len() / 2],
+            each.join(",")
+        );
+    }
+}
+
+#[test]
+fn loopback_isolation_cost_runs() {
+    isolation_cost(LoopbackProvider::new(), 10);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_cost_per_lease() {
+    isolation_cost(
+        Arc::new(SidewayProvider::open(&DeviceSelector::default()).unwrap()),
+        150,
+    );
 }

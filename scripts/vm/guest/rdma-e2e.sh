@@ -2,7 +2,8 @@
 # Real-kernel scenarios for ublkd devices on the RDMA data path over
 # soft-RoCE (rxe on lo, GID index 1), run inside the VM by scripts/vm/rdma
 # (which builds the release binaries on the host first):
-#   - transport = rdma device: fio verify (crc32c, seq + random, 4k..1M),
+#   - `arenad --check` states the RDMA isolation (rdma_isolation = "lease");
+#   - transport = rdma device (keys per lease): fio verify (crc32c, seq + random, 4k..1M),
 #     ext4 mkfs/copy/e2fsck/remount checksums; /metrics and `ublkctl stats`
 #     prove the payloads went by RDMA (transferred > 0, TCP payloads = 0);
 #   - transport = rdma towards a peer with rdma = "off" is refused naming the
@@ -130,6 +131,14 @@ reads_back() {
 field() { # field ID KEY : a field of `ublkctl --json show`
     ctl --json show "$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['device']['$2'])"
 }
+
+# `arenad --check` states what an RDMA key reaches (the default: per lease).
+if timeout 60 "$BIN/arenad" --config "$W/arenad-a.toml" --check >"$R/check-a.log" 2>&1 &&
+    grep -q 'rdma_isolation = "lease": a protection domain per RDMA session' "$R/check-a.log"; then
+    pass arenad-check-states-rdma-isolation
+else
+    fail arenad-check-states-rdma-isolation "$(tail -3 "$R/check-a.log" | tr '\n' ' ')"
+fi
 
 start_arenad a 7070 || { echo "FAIL setup (arenad rdma=on did not start; see arenad-a.log)"; exit 1; }
 start_arenad b 7071 || { echo "FAIL setup (arenad rdma=off did not start)"; exit 1; }

@@ -6,8 +6,9 @@
 # lo, GID index 1). Runs the transport conformance suite against the RDMA
 # transport (with a completion thread, and driven on a ring loop), then the counters test that asserts payloads went by RDMA
 # (transferred > 0, TCP payload requests = 0) and that a request above the
-# registered buffer size is counted as `too_large`. Prints "PASS name" /
-# "FAIL name" per test and exits non-zero if any failed.
+# registered buffer size is counted as `too_large`, then the per-lease RDMA
+# isolation checks (verbs_isolation_*) and their cost (BENCH lines). Prints
+# "PASS name" / "FAIL name" per test and exits non-zero if any failed.
 set -uo pipefail
 
 [[ "${UBLK_VM:-}" == 1 ]] || { echo "run me via scripts/vm/run" >&2; exit 2; }
@@ -48,6 +49,15 @@ rt=$(newest 'rdma_transport-*')
 run_tests "$conf" conformance rdma_verbs::
 run_tests "$conf" conformance-driven rdma_verbs_driven::
 run_tests "$rt" counters --exact verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted
+# Per-lease isolation over soft-RoCE (a protection domain per session, a
+# region per lease): a client with a valid lease on its own slot cannot READ
+# or WRITE another volume's slot, past its own slot's end, with another
+# session's key, through a GET lease's key, or with a key whose lease ended
+# (COMMIT, RELEASE, a lost COMMIT, a new rail, ended by force: a remote
+# access error at once, bytes unchanged); "shared" still serves; the cost
+# per lease (BENCH lines, kept in the log).
+run_tests "$rt" isolation verbs_isolation_ --show-output
+grep -h '^BENCH\|max_pd' "$UBLK_VM_RESULTS"/rdma_transport-*-isolation.log || true
 
 if ((failed)); then echo "rdma: FAILED"; else echo "rdma: all checks passed"; fi
 exit "$failed"

@@ -1,16 +1,17 @@
 //! `arenad --check`: every check a start makes before it opens the store,
 //! without starting. A start refuses an invalid config (checked before
 //! this runs), an unusable secret file, `rdma = "on"` without a usable RDMA
-//! device, a `swap_dir` it cannot create or write or that lacks room for
-//! its files, a `swap_dir` another arenad holds, and a control address it
-//! cannot bind; it tolerates a metrics address it cannot bind and `auto`
+//! device (or, with `rdma_isolation = "lease"`, one that cannot make a
+//! protection domain per session), a `swap_dir` it cannot create or write
+//! or that lacks room for its files, a `swap_dir` another arenad holds,
+//! and a control address it cannot bind; it tolerates a metrics address it cannot bind and `auto`
 //! finding no RDMA device, which are warnings here. (The store's own
 //! files are verified when it opens; `--repair` is for those.)
 
 use crate::arenad::config::ArenadConfig;
 use crate::auth::Secret;
 use crate::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
-use crate::rdma::{open_provider, RdmaMode};
+use crate::rdma::{open_provider, Isolation, RdmaMode};
 use crate::store::{footprint, StoreConfig};
 
 /// Runs the checks of a start of `cfg`.
@@ -27,7 +28,28 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
         }
     }
     match (cfg.rdma, open_provider(cfg.rdma, &cfg.rdma_selector())) {
-        (_, Ok(Ok(p))) => f.ok(format!("RDMA device {} usable", p.device_name())),
+        (_, Ok(Ok(p))) => {
+            f.ok(format!("RDMA device {} usable", p.device_name()));
+            match (cfg.rdma_isolation, p.limits(), p.new_domain()) {
+                (Isolation::Lease, Ok(l), Ok(_)) => f.ok(format!(
+                    "rdma_isolation = \"lease\": a protection domain per RDMA session and a \
+                     memory region per lease (device max_pd {}, max_mr {}): an RDMA key reaches \
+                     only the slot its session leases",
+                    l.max_pd, l.max_mr
+                )),
+                (Isolation::Lease, Err(e), _) | (Isolation::Lease, _, Err(e)) => {
+                    f.problem(format!(
+                        "rdma_isolation = \"lease\": {e} (rdma_isolation = \"shared\" would \
+                         trust every RDMA client with every volume)"
+                    ))
+                }
+                (Isolation::Shared, _, _) => f.warn(
+                    "rdma_isolation = \"shared\": one key to the whole arena for every RDMA \
+                     session: any authenticated RDMA client can read and write every volume's \
+                     slots (see OPERATIONS.md, RDMA isolation)",
+                ),
+            }
+        }
         (RdmaMode::Off, _) => f.ok("RDMA off (rdma = \"off\")"),
         (_, Ok(Err(why))) => f.warn(format!(
             "no usable RDMA device ({why}): rdma = \"auto\" serves TCP only"

@@ -56,6 +56,13 @@ pub struct ArenadConfig {
     /// GID index: 1 is the IPv4-mapped RoCEv2 GID on soft-RoCE.
     #[serde(default = "default_gid_index")]
     pub rdma_gid_index: u8,
+    /// What an RDMA session's keys reach: `"lease"` (a protection domain
+    /// per session, a memory region per lease over exactly its slot) or
+    /// `"shared"` (one key to the whole arena for every session: no
+    /// registration per lease, and every RDMA client is trusted with every
+    /// volume). See OPERATIONS.md, *RDMA isolation*.
+    #[serde(default)]
+    pub rdma_isolation: crate::rdma::Isolation,
     /// `IP:port` of the metrics listener (`/metrics`, `/health`, `/live`,
     /// `/ready`, `/diagnostics`); `""` or `"off"` disables it.
     #[serde(default = "default_metrics_listen")]
@@ -584,6 +591,21 @@ quota = "10G"
             let c = parse(&format!("metrics_listen = \"{off}\"\n{GOOD}")).unwrap();
             assert_eq!(c.metrics_listen_addr(), None);
         }
+    }
+
+    #[test]
+    fn rdma_isolation_defaults_to_lease_and_names_its_values() {
+        use crate::rdma::Isolation;
+        assert_eq!(parse(GOOD).unwrap().rdma_isolation, Isolation::Lease);
+        for (v, want) in [("lease", Isolation::Lease), ("shared", Isolation::Shared)] {
+            let c = parse(&format!("rdma_isolation = \"{v}\"\n{GOOD}")).unwrap();
+            assert_eq!((c.rdma_isolation, c.rdma_isolation.name()), (want, v));
+        }
+        let e = err(&format!("rdma_isolation = \"none\"\n{GOOD}"));
+        assert!(
+            e.contains("rdma_isolation") && e.contains("lease") && e.contains("shared"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -13,7 +13,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
@@ -107,10 +106,7 @@ impl Shared {
             fence: session.fence,
             version: session.version,
             epoch: AtomicU64::new(session.epoch),
-            rail: Mutex::new(Rail {
-                granted: session.granted,
-                qp: None,
-            }),
+            rail: Rail::new(session.granted, session.lease_keys),
             outbox: Outbox::new(
                 QueueLimits {
                     frames: self.limits.max_queued_frames,
@@ -161,6 +157,8 @@ impl Shared {
             WriterEnd::Io(ref e) => debug!(event = "peer.disconnected", conn = id, error = %e),
             WriterEnd::Drained => {}
         }
+        // Its RDMA lease keys are deregistered before its leases are released.
+        conn.rail.close();
         self.conns.lock().remove(&id);
         self.obs.session_closed();
         // Every request of the connection has finished: no lease can be

@@ -8,14 +8,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::arenad::epochs::Admitted;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::Incoming;
+use crate::arenad::lease_keys::{Grant, Keyed, LeaseKeys};
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
-use crate::proto::{self, FrameError, Header, Opcode, Request, Status, TAG_LEN, VERSION_2};
+use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
+use crate::rdma::Isolation;
 use crate::store::{Residency, StoreError};
 
 /// Answers this large are written straight to the socket (when it is
@@ -247,31 +249,43 @@ impl Shared {
                         }
                     })
             }
-            Request::Alloc { key } => self
-                .store
-                .alloc(vol, key, holder)
-                .map(|lease| proto::encode_lease(&mut out, op, rid, lease))
-                .map(ok),
-            Request::Get { key } => self.store.get(vol, key, holder).map(|lease| match lease {
-                Some(lease) => {
+            Request::Alloc { key } => {
+                let grant = self.start_grant(conn);
+                self.store.alloc(vol, key, holder).map(|lease| {
+                    let lease = self.key_lease(conn, grant, lease, true);
                     proto::encode_lease(&mut out, op, rid, lease);
                     Status::Ok
-                }
-                None => {
-                    proto::encode_error(&mut out, op, rid, Status::NotFound, "");
-                    Status::NotFound
-                }
-            }),
-            Request::Commit { key, token } => self
-                .store
-                .commit(vol, key, token, holder)
-                .map(|()| proto::encode_ok(&mut out, op, rid))
-                .map(ok),
-            Request::Release { tokens } => tokens
-                .iter()
-                .try_for_each(|t| self.store.release(*t, holder))
-                .map(|()| proto::encode_ok(&mut out, op, rid))
-                .map(ok),
+                })
+            }
+            Request::Get { key } => {
+                let grant = self.start_grant(conn);
+                self.store.get(vol, key, holder).map(|lease| match lease {
+                    Some(lease) => {
+                        let lease = self.key_lease(conn, grant, lease, false);
+                        proto::encode_lease(&mut out, op, rid, lease);
+                        Status::Ok
+                    }
+                    None => {
+                        proto::encode_error(&mut out, op, rid, Status::NotFound, "");
+                        Status::NotFound
+                    }
+                })
+            }
+            Request::Commit { key, token } => {
+                self.unkey(conn, &[token]);
+                self.store
+                    .commit(vol, key, token, holder)
+                    .map(|()| proto::encode_ok(&mut out, op, rid))
+                    .map(ok)
+            }
+            Request::Release { tokens } => {
+                self.unkey(conn, &tokens);
+                tokens
+                    .iter()
+                    .try_for_each(|t| self.store.release(*t, holder))
+                    .map(|()| proto::encode_ok(&mut out, op, rid))
+                    .map(ok)
+            }
             Request::Remove { start, end } => self
                 .store
                 .remove(vol, start, end)
@@ -356,7 +370,9 @@ impl Shared {
         Ok(Answer { status, frame: out })
     }
 
-    /// RAIL_CONNECT: one QP per connection, a new one replacing the old.
+    /// RAIL_CONNECT: one QP per connection, a new one replacing the old
+    /// (isolated per lease, in a new protection domain: the old rail's
+    /// lease keys are deregistered first).
     fn rail_connect(
         &self,
         conn: &Session,
@@ -365,7 +381,7 @@ impl Shared {
         client: &proto::Endpoint,
     ) -> Result<(Status, Vec<u8>), Fatal> {
         let mut out = Vec::new();
-        let mut rail = conn.rail.lock();
+        let rail = &conn.rail;
         let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
             return Err(Fatal::Request(
                 op,
@@ -376,11 +392,31 @@ impl Shared {
                 },
             ));
         };
-        rail.qp = None;
+        if rdma.isolation() == Isolation::Lease && !rail.lease_keys {
+            proto::encode_error(
+                &mut out,
+                op,
+                rid,
+                Status::Internal,
+                "RDMA rail refused: this arenad isolates RDMA per lease (rdma_isolation = \"lease\") \
+                 and the client did not offer CAP_RDMA_LEASE_KEYS: upgrade the client (or, trusting \
+                 every RDMA client with every volume, set rdma_isolation = \"shared\")",
+            );
+            return Ok((Status::Internal, out));
+        }
+        // One RAIL_CONNECT of the session at a time; the old rail goes
+        // first, keys before QP (the client gives back leases cached from
+        // it).
+        let mut qp = rail.qp.lock();
+        LeaseKeys::clear(&rail.keys);
+        if let Some(old) = qp.take() {
+            old.fail();
+        }
         match rdma.accept(client) {
-            Ok((qp, acc)) => {
-                rail.qp = Some(qp);
-                acc.encode(&mut out, rid);
+            Ok(acc) => {
+                rail.keys.lock().set_domain(acc.domain);
+                *qp = Some(acc.qp);
+                acc.answer.encode(&mut out, rid);
                 Ok((Status::Ok, out))
             }
             Err(e) => {
@@ -394,6 +430,79 @@ impl Shared {
                 );
                 Ok((Status::Internal, out))
             }
+        }
+    }
+}
+
+impl Shared {
+    /// A session whose RDMA keys are per lease: the ticket of a grant about
+    /// to ask the store (see [`LeaseKeys::start`]).
+    fn start_grant<'a>(&self, conn: &'a Session) -> Option<Grant<'a>> {
+        conn.rail
+            .lease_keys
+            .then(|| LeaseKeys::start(&conn.rail.keys))
+    }
+
+    /// A granted lease as answered: with a `grant` ticket its key is
+    /// registered (over exactly its slot, in the session's domain) and its
+    /// rkey goes with it. A lease that cannot be keyed (no rail, a failed
+    /// registration, ended meanwhile) goes without a key: over a rail
+    /// isolated per lease the client then moves that payload inline.
+    fn key_lease(
+        &self,
+        conn: &Session,
+        grant: Option<Grant<'_>>,
+        mut lease: Lease,
+        write: bool,
+    ) -> Lease {
+        if let (Some(g), Some(rdma)) = (grant, self.rdma.as_ref()) {
+            match g.key(lease.token, |d| rdma.key_slot(d, lease.slot_offset, write)) {
+                Ok(Keyed::Key(rkey)) => lease.rkey = Some(rkey),
+                Ok(Keyed::NoRail) => {}
+                Ok(Keyed::Ended) => debug!(
+                    event = "rdma.lease_ended_unkeyed",
+                    conn = conn.id,
+                    token = lease.token,
+                    "the lease ended before its key was registered: answered without one"
+                ),
+                Err(e) => warn!(
+                    event = "rdma.lease_key_failed",
+                    conn = conn.id,
+                    token = lease.token,
+                    error = %e,
+                    "registering the lease's key failed: answered without one (the client moves its payload over TCP)"
+                ),
+            }
+        }
+        lease
+    }
+
+    /// The holder ends these leases (COMMIT, RELEASE): their keys are
+    /// deregistered before the store can give the slots to anyone else.
+    /// One lock per key, so the force-end hook waits for one at most.
+    fn unkey(&self, conn: &Session, tokens: &[u64]) {
+        if conn.rail.lease_keys {
+            for &t in tokens {
+                conn.rail.keys.lock().end(t);
+            }
+        }
+    }
+
+    /// The store ended `holder`'s lease `token` by force (called under the
+    /// store lock, before the slot is unpinned): its key is deregistered.
+    /// The holder's QP stays up: a transfer with the dead key is refused
+    /// with a remote access error, which the client sees at once.
+    pub(super) fn force_ended(&self, holder: crate::store::HolderId, token: u64) {
+        let Some(conn) = self.conns.lock().get(&holder).cloned() else {
+            return;
+        };
+        if conn.rail.lease_keys && conn.rail.keys.lock().end(token) {
+            warn!(
+                event = "rdma.lease_key_force_ended",
+                conn = holder,
+                token,
+                "a revoked lease was not given back in time: its RDMA key is deregistered"
+            );
         }
     }
 }

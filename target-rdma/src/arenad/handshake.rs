@@ -19,10 +19,11 @@ use crate::arenad::served::ServedVolume;
 use crate::arenad::shared::Shared;
 use crate::auth::{self, SessionKeys};
 use crate::proto::{
-    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_RDMA, CAP_TCP_DATA,
-    HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY, MAX_INLINE, VERSION, VERSION_1,
-    VERSION_2,
+    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_RDMA, CAP_RDMA_LEASE_KEYS,
+    CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY, MAX_INLINE, VERSION,
+    VERSION_1, VERSION_2,
 };
+use crate::rdma::Isolation;
 use crate::store::HolderId;
 
 /// What a session is bound to once its HELLO is accepted.
@@ -31,6 +32,9 @@ pub(super) struct Session {
     /// The volume's epoch.
     pub(super) fence: Arc<VolumeEpoch>,
     pub(super) granted: bool,
+    /// Granted `CAP_RDMA` by a server isolating RDMA per lease, and
+    /// offered `CAP_RDMA_LEASE_KEYS`.
+    pub(super) lease_keys: bool,
     pub(super) version: u8,
     pub(super) keys: Option<SessionKeys>,
     /// The writer's membership epoch.
@@ -165,12 +169,18 @@ impl Shared {
             );
         }
         let granted = rdma && self.rdma.is_some();
+        let isolated = self
+            .rdma
+            .as_ref()
+            .is_some_and(|r| r.isolation() == Isolation::Lease);
         let mut welcome = Welcome {
             session_id: id,
             generation: self.store.generation(),
             blob_bytes: blob,
             caps: hello.caps
-                & if granted {
+                & if granted && isolated {
+                    CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
+                } else if granted {
                     CAP_TCP_DATA | CAP_RDMA
                 } else {
                     CAP_TCP_DATA
@@ -187,6 +197,7 @@ impl Shared {
             vol: Arc::clone(vol),
             fence,
             granted,
+            lease_keys: granted && isolated && hello.caps & CAP_RDMA_LEASE_KEYS != 0,
             version,
             keys: (version >= VERSION_2).then(|| vol.secret.session_keys(&ch, &hello)),
             epoch: hello.epoch,

@@ -14,6 +14,7 @@ pub mod epochs;
 mod fatal;
 mod frames;
 mod handshake;
+mod lease_keys;
 pub mod listener;
 pub mod observability;
 mod outbox;

@@ -5,9 +5,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
+
+use crate::arenad::lease_keys::{LeaseKey, LeaseKeys};
 use crate::auth::Secret;
 use crate::proto::{Endpoint, RailAccept};
-use crate::rdma::{MemoryRegion, QueuePair, RdmaError, RdmaProvider};
+use crate::rdma::{Access, Domain, Isolation, MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{Store, VolumeId};
 
 /// A volume as the server knows it: its store id and its secret.
@@ -52,58 +55,182 @@ pub struct ServerLimits {
     pub shutdown_timeout: Duration,
 }
 
-/// The arena registered with an RDMA device: what RAIL_CONNECT hands out.
+/// The arena served over an RDMA device: what RAIL_CONNECT hands out, and
+/// (isolated per lease) how each lease's key is registered.
 pub struct ServerRdma {
-    // Field order is drop order: the region is deregistered before the
-    // provider (and its protection domain) goes.
-    arena: MemoryRegion,
+    // Field order is drop order: the shared region is deregistered before
+    // the provider (and its protection domain) goes, and before the store
+    // (the arena's mapping) can.
+    shared: Option<MemoryRegion>,
     provider: Arc<dyn RdmaProvider>,
+    store: Arc<Store>,
+    /// The arena: first byte and length.
+    base: usize,
+    len: usize,
     qp_depth: u32,
+    isolation: Isolation,
+    blob_bytes: usize,
 }
 
 impl ServerRdma {
-    /// Registers `store`'s arena for remote read and write on `provider`.
+    /// Serves `store`'s arena on `provider`. `Isolation::Lease` registers
+    /// nothing yet (each session gets a protection domain of its own at
+    /// RAIL_CONNECT, each lease a region in it; one domain is made now, so
+    /// a device that cannot is a start error naming the alternative);
+    /// `Isolation::Shared` registers the whole arena for remote read and
+    /// write by everyone with its key.
     pub fn register(
         provider: Arc<dyn RdmaProvider>,
-        store: &Store,
+        store: &Arc<Store>,
         qp_depth: u32,
+        isolation: Isolation,
     ) -> Result<Self, RdmaError> {
         let (base, len) = store.arena_region();
-        // SAFETY: the arena mapping lives as long as the store, and the
-        // server holds the store (declared after `rdma`, so dropped later);
-        // remote access only touches slots leased to the accessing client.
-        let arena = unsafe { provider.register(base, len, true)? };
+        let shared = match isolation {
+            Isolation::Lease => {
+                provider.new_domain().map_err(|e| RdmaError::Device {
+                    device: provider.device_name(),
+                    detail: format!(
+                        "{e}: rdma_isolation = \"lease\" needs a protection domain per RDMA \
+                         session (rdma_isolation = \"shared\" trusts every RDMA client with \
+                         every volume)"
+                    ),
+                })?;
+                None
+            }
+            Isolation::Shared => {
+                // SAFETY: the arena mapping lives as long as the store,
+                // which this holds (declared after the region, so dropped
+                // later); remote access only touches slots leased to the
+                // accessing client, which the store does not touch
+                // meanwhile (a write-back copies a leased slot first):
+                // clients are trusted with every volume in this mode
+                // (OPERATIONS.md).
+                let r = unsafe { provider.register(base, len, Access::RemoteReadWrite)? };
+                Some(r)
+            }
+        };
         Ok(Self {
-            arena,
+            shared,
             provider,
+            store: Arc::clone(store),
+            base: base as usize,
+            len,
             qp_depth,
+            isolation,
+            blob_bytes: store.blob_bytes() as usize,
         })
     }
 
-    /// The device the arena is registered on.
+    /// What the keys handed to sessions reach.
+    pub fn isolation(&self) -> Isolation {
+        self.isolation
+    }
+
+    /// Registers the key of a lease on the slot at `slot_offset` in a
+    /// session's `domain`: exactly the slot, remote read, and remote write
+    /// if `write` (an ALLOC lease).
+    pub(super) fn key_slot(
+        &self,
+        domain: &dyn Domain,
+        slot_offset: u64,
+        write: bool,
+    ) -> Result<LeaseKey, RdmaError> {
+        let Some(off) = usize::try_from(slot_offset).ok().filter(|o| {
+            o.checked_add(self.blob_bytes)
+                .is_some_and(|e| e <= self.len)
+        }) else {
+            return Err(RdmaError::Register {
+                addr: self.base,
+                len: self.len,
+                detail: format!("slot offset {slot_offset} lies outside the arena"),
+            });
+        };
+        let access = if write {
+            Access::RemoteReadWrite
+        } else {
+            Access::RemoteRead
+        };
+        // SAFETY: the range is one slot inside the arena mapping (checked
+        // above), which lives as long as the store; the key holds the
+        // store and drops it after the region. Remote access through the
+        // key reaches only this slot, which the lease pins (the store does
+        // not hand it to anyone else or evict it until the key is
+        // deregistered, and copies it before writing it back).
+        let mr = unsafe { domain.register((self.base + off) as *mut u8, self.blob_bytes, access)? };
+        Ok(LeaseKey::new(mr, Arc::clone(&self.store) as _))
+    }
+
+    /// The device the arena is served on.
     pub fn device_name(&self) -> String {
         self.provider.device_name()
     }
 
-    pub(super) fn accept(
-        &self,
-        client: &Endpoint,
-    ) -> Result<(Box<dyn QueuePair>, RailAccept), RdmaError> {
-        let qp = self.provider.create_qp(self.qp_depth)?;
-        qp.connect(client)?;
-        let acc = RailAccept {
-            endpoint: qp.endpoint(),
-            arena_base: self.arena.addr as u64,
-            arena_len: self.arena.len as u64,
-            rkey: self.arena.rkey,
+    /// A rail for a client at `client`: a QP connected to it (isolated per
+    /// lease, in a new protection domain of its own, returned for the
+    /// session's keys) and the answer that names the arena.
+    pub(super) fn accept(&self, client: &Endpoint) -> Result<Accepted, RdmaError> {
+        let (domain, qp) = match self.isolation {
+            Isolation::Lease => {
+                let d = self.provider.new_domain()?;
+                let qp = d.create_qp(self.qp_depth)?;
+                (Some(d), qp)
+            }
+            Isolation::Shared => (None, self.provider.create_qp(self.qp_depth)?),
         };
-        Ok((qp, acc))
+        qp.connect(client)?;
+        let answer = RailAccept {
+            endpoint: qp.endpoint(),
+            arena_base: self.base as u64,
+            arena_len: self.len as u64,
+            // Isolated per lease there is no key to the whole arena: each
+            // lease answer carries its own.
+            rkey: self.shared.as_ref().map_or(0, |r| r.rkey),
+        };
+        Ok(Accepted { domain, qp, answer })
     }
 }
 
-/// A connection's RDMA state: whether its HELLO was granted `CAP_RDMA`,
-/// and its one QP (replaced when the client re-establishes the rail).
+/// A rail set up by [`ServerRdma::accept`].
+pub(super) struct Accepted {
+    pub(super) domain: Option<Arc<dyn Domain>>,
+    pub(super) qp: Box<dyn QueuePair>,
+    pub(super) answer: RailAccept,
+}
+
+/// A connection's RDMA state: whether its HELLO was granted `CAP_RDMA`
+/// (and whether its keys are per lease), its one QP (replaced when the
+/// client re-establishes the rail) and its lease keys with the rail's
+/// protection domain. Each has its own lock: the store's force-end hook
+/// takes `keys` (under the store lock), never `qp`.
 pub(super) struct Rail {
     pub(super) granted: bool,
-    pub(super) qp: Option<Box<dyn QueuePair>>,
+    /// Isolated per lease, and the client offered `CAP_RDMA_LEASE_KEYS`:
+    /// each lease granted while the rail is up gets a key of its own.
+    pub(super) lease_keys: bool,
+    pub(super) keys: Mutex<LeaseKeys>,
+    pub(super) qp: Mutex<Option<Box<dyn QueuePair>>>,
+}
+
+impl Rail {
+    /// A session's rail before RAIL_CONNECT.
+    pub(super) fn new(granted: bool, lease_keys: bool) -> Self {
+        Self {
+            granted,
+            lease_keys,
+            keys: Mutex::default(),
+            qp: Mutex::new(None),
+        }
+    }
+
+    /// Ends the rail: every lease key deregistered, then the QP failed and
+    /// destroyed (its domain goes with the last of them). Called when the
+    /// session ends, before its leases are released (a RAIL_CONNECT does
+    /// the same to the rail it replaces).
+    pub(super) fn close(&self) {
+        LeaseKeys::clear(&self.keys);
+        if let Some(qp) = self.qp.lock().take() {
+            qp.fail();
+        }
+    }
 }

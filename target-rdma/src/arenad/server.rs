@@ -84,6 +84,16 @@ impl Server {
                     shared.revoke(holder, key, token);
                 }
             }));
+        // Runs under the store lock: it only deregisters the lease's RDMA key
+        // (the session's key lock, a syscall; no completion waited for).
+        let weak: Weak<Shared> = Arc::downgrade(&shared);
+        shared
+            .store
+            .set_force_end_hook(Box::new(move |holder, token| {
+                if let Some(shared) = weak.upgrade() {
+                    shared.force_ended(holder, token);
+                }
+            }));
         Ok(Arc::new(Server {
             shared,
             cores: Mutex::new(Some((accept, workers))),

@@ -1,13 +1,12 @@
 //! An authenticated connection's shared state: what it is bound to (its
 //! volume, its epoch fence and the writer epoch it presented), its RDMA
 //! rail, its outbound queue and its FLUSH barrier. Each lock here is the
-//! connection's own.
+//! connection's own (the rail's lease keys are also taken by the store's
+//! force-end hook).
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 
 use crate::arenad::barrier::WriteBarrier;
 use crate::arenad::epochs::VolumeEpoch;
@@ -25,7 +24,7 @@ pub(super) struct Session {
     pub(super) version: u8,
     /// The writer's membership epoch (raised by EPOCH requests).
     pub(super) epoch: AtomicU64,
-    pub(super) rail: Mutex<Rail>,
+    pub(super) rail: Rail,
     pub(super) outbox: Outbox,
     pub(super) barrier: WriteBarrier,
 }

@@ -222,9 +222,14 @@ fn run(args: &Args) -> Result<ExitCode> {
     obs.store_opened(&store, cfg.volumes.len());
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
         Ok(provider) => {
-            let r = ServerRdma::register(provider, &store, cfg.max_inflight.max(16))
-                .context("registering the arena for RDMA")?;
-            info!(event = "rdma.enabled", device = %r.device_name());
+            let r = ServerRdma::register(
+                provider,
+                &store,
+                cfg.max_inflight.max(16),
+                cfg.rdma_isolation,
+            )
+            .context("registering the arena for RDMA")?;
+            info!(event = "rdma.enabled", device = %r.device_name(), isolation = r.isolation().name());
             Some(r)
         }
         Err(why) => {

@@ -2,7 +2,8 @@
 //! accepts rails with it, the client transport (`client::rdma`) moves
 //! payloads with it.
 //!
-//! The verbs are reached through [`RdmaProvider`] / [`QueuePair`] so that
+//! The verbs are reached through [`RdmaProvider`] / [`Domain`] /
+//! [`QueuePair`] so that
 //! everything above them (wr id bookkeeping, error taxonomy, fallback
 //! decisions, lease caching, recovery) is tested on hosts without an RDMA
 //! device against `loopback::LoopbackProvider` (test support, feature
@@ -36,6 +37,33 @@ pub enum RdmaMode {
     Off,
     /// RDMA or a clear startup error.
     On,
+}
+
+/// What the keys a server hands an RDMA session reach: a config value
+/// (`rdma_isolation = "lease"|"shared"`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// A protection domain per session and a memory region per lease,
+    /// registered in it over exactly that slot: a key reaches only the slot
+    /// its lease is on, only through that session's QP, and dies with the
+    /// lease.
+    #[default]
+    Lease,
+    /// One key to the whole arena for every session (no per-lease
+    /// registration): every RDMA client can read and write every volume's
+    /// slots.
+    Shared,
+}
+
+impl Isolation {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Lease => "lease",
+            Self::Shared => "shared",
+        }
+    }
 }
 
 /// Which device, port and GID a provider uses.
@@ -101,6 +129,41 @@ pub enum RdmaError {
         /// The queue depth.
         depth: u32,
     },
+}
+
+/// What a registration lets peers do with the memory. Remote access is
+/// always only through a QP of the region's protection domain ([`Domain`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Only local access (our buffers, which a READ lands in).
+    Local,
+    /// Remote read (a GET lease's slot).
+    RemoteRead,
+    /// Remote read and write (an ALLOC lease's slot, or the whole arena
+    /// with `rdma_isolation = "shared"`).
+    RemoteReadWrite,
+}
+
+impl Access {
+    /// Whether a one-sided `op` arriving from a peer is allowed.
+    pub fn allows(self, op: RdmaOp) -> bool {
+        match (self, op) {
+            (Self::Local, _) => false,
+            (Self::RemoteRead, RdmaOp::Read) => true,
+            (Self::RemoteRead, RdmaOp::Write) => false,
+            (Self::RemoteReadWrite, _) => true,
+        }
+    }
+}
+
+/// What a device can hold, for `arenad --check` (per-lease isolation
+/// needs a protection domain per RDMA session and a region per lease).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Protection domains (`max_pd`).
+    pub max_pd: u64,
+    /// Memory regions (`max_mr`).
+    pub max_mr: u64,
 }
 
 /// A registered memory region. Dropping it deregisters.
@@ -275,14 +338,14 @@ impl WcCategory {
     }
 }
 
-/// A device session: registers memory and creates queue pairs.
+/// A device session: registers memory and creates queue pairs in its own
+/// protection domain, and makes further protection domains.
 pub trait RdmaProvider: Send + Sync {
     /// Device name, for logs.
     fn device_name(&self) -> String;
 
-    /// Registers `[addr, addr + len)`. `remote` grants remote read and
-    /// write (the arena); otherwise only local write (our buffers, which a
-    /// READ lands in).
+    /// Registers `[addr, addr + len)` for local write and `access`, in the
+    /// provider's own protection domain.
     ///
     /// # Safety
     ///
@@ -293,11 +356,43 @@ pub trait RdmaProvider: Send + Sync {
         &self,
         addr: *mut u8,
         len: usize,
-        remote: bool,
+        access: Access,
     ) -> Result<MemoryRegion, RdmaError>;
 
     /// Creates an RC queue pair with `depth` send slots and its own
-    /// completion queue and channel, in INIT.
+    /// completion queue and channel, in INIT, in the provider's own
+    /// protection domain.
+    fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError>;
+
+    /// A new protection domain: what is registered in it is reachable only
+    /// through queue pairs created in it (arenad makes one per RDMA
+    /// session with `rdma_isolation = "lease"`).
+    fn new_domain(&self) -> Result<Arc<dyn Domain>, RdmaError>;
+
+    /// What the device can hold.
+    fn limits(&self) -> Result<DeviceLimits, RdmaError>;
+}
+
+/// A protection domain. The device checks every remote key against the
+/// domain of the QP the access arrives on: a key registered in another
+/// domain is refused (remote access error) even if guessed. It is freed
+/// once its regions and queue pairs are gone (they keep it alive).
+pub trait Domain: Send + Sync {
+    /// Registers `[addr, addr + len)` for local write and `access`, in this
+    /// domain. Dropping the region deregisters it: once the drop returned
+    /// the device refuses its keys.
+    ///
+    /// # Safety
+    ///
+    /// As [`RdmaProvider::register`].
+    unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion, RdmaError>;
+
+    /// Creates a queue pair in this domain, as [`RdmaProvider::create_qp`].
     fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError>;
 }
 

@@ -4,6 +4,12 @@
 //! A basic CQ, not an extended one: rdma-core 44's rxe provider corrupts the
 //! extended poll loop. Each QP gets its own CQ and completion channel, so one
 //! connection's completions never wake another connection's thread.
+//!
+//! The provider has a protection domain of its own (the client's QP and
+//! buffers, a shared arena); [`RdmaProvider::new_domain`] makes more (arenad
+//! gives each RDMA session one with `rdma_isolation = "lease"`). A region
+//! and a QP each keep their domain alive (sideway holds an `Arc` of it), so
+//! a domain is deallocated after the last of them.
 
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
@@ -27,8 +33,8 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags;
 
 use super::{
-    Completion, DeviceSelector, MemoryRegion, QueuePair, RdmaError, RdmaOp, RdmaProvider,
-    WorkRequest,
+    Access, Completion, DeviceLimits, DeviceSelector, Domain, MemoryRegion, QueuePair, RdmaError,
+    RdmaOp, RdmaProvider, WorkRequest,
 };
 use crate::proto::Endpoint;
 
@@ -44,14 +50,24 @@ fn verbs_err(step: &'static str, e: impl std::fmt::Display) -> RdmaError {
 
 /// An opened device: context and protection domain, on the selected port/GID.
 pub struct SidewayProvider {
+    own: SidewayDomain,
+}
+
+/// The device and port every domain of a provider uses.
+struct Port {
     ctx: Arc<DeviceContext>,
-    pd: Arc<ProtectionDomain>,
     name: String,
     port: u8,
     gid_index: u8,
     gid: [u8; 16],
     lid: u16,
     mtu: u8,
+}
+
+/// A protection domain on a provider's port.
+struct SidewayDomain {
+    pd: Arc<ProtectionDomain>,
+    port: Arc<Port>,
 }
 
 impl SidewayProvider {
@@ -123,36 +139,84 @@ impl SidewayProvider {
             )));
         }
         let pd = ctx.alloc_pd().map_err(|e| verbs_err("alloc_pd", e))?;
-        Ok(Self {
+        let port = Arc::new(Port {
             mtu: (attr.active_mtu() as u8).min(MAX_MTU),
             lid: attr.lid(),
             gid: gid.raw,
             port,
             gid_index: sel.gid_index,
             name,
-            pd,
             ctx,
+        });
+        Ok(Self {
+            own: SidewayDomain { pd, port },
         })
     }
 }
 
 impl RdmaProvider for SidewayProvider {
     fn device_name(&self) -> String {
-        format!("{}:{}/gid{}", self.name, self.port, self.gid_index)
+        let p = &self.own.port;
+        format!("{}:{}/gid{}", p.name, p.port, p.gid_index)
     }
 
     unsafe fn register(
         &self,
         addr: *mut u8,
         len: usize,
-        remote: bool,
+        access: Access,
     ) -> Result<MemoryRegion, RdmaError> {
-        let mut access = AccessFlags::LocalWrite;
-        if remote {
-            access = access | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
-        }
+        // SAFETY: forwarded contract.
+        unsafe { self.own.register(addr, len, access) }
+    }
+
+    fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
+        self.own.create_qp(depth)
+    }
+
+    fn new_domain(&self) -> Result<Arc<dyn Domain>, RdmaError> {
+        let port = &self.own.port;
+        let pd = port.ctx.alloc_pd().map_err(|e| verbs_err("alloc_pd", e))?;
+        Ok(Arc::new(SidewayDomain {
+            pd,
+            port: Arc::clone(port),
+        }))
+    }
+
+    fn limits(&self) -> Result<DeviceLimits, RdmaError> {
+        let attr = self
+            .own
+            .port
+            .ctx
+            .query_device()
+            .map_err(|e| verbs_err("query_device", e))?;
+        Ok(DeviceLimits {
+            max_pd: attr.max_pd().max(0) as u64,
+            max_mr: attr.max_mr().max(0) as u64,
+        })
+    }
+}
+
+impl Domain for SidewayDomain {
+    unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion, RdmaError> {
+        // Local write with every remote access: the pages are pinned
+        // writable, so a registration never pins a copy-on-write page that
+        // a later store to the arena would replace.
+        let access = match access {
+            Access::Local => AccessFlags::LocalWrite,
+            Access::RemoteRead => AccessFlags::LocalWrite | AccessFlags::RemoteRead,
+            Access::RemoteReadWrite => {
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
+            }
+        };
         // SAFETY: the caller guarantees the range stays valid for the
-        // region's life (this function's contract); the MR is dropped with it.
+        // region's life (this function's contract); the MR is dropped with
+        // it (`ibv_dereg_mr`, after which the device refuses its keys).
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
             RdmaError::Register {
                 addr: addr as usize,
@@ -170,12 +234,13 @@ impl RdmaProvider for SidewayProvider {
     }
 
     fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
+        let port = &self.port;
         let channel =
-            CompletionChannel::new(&self.ctx).map_err(|e| verbs_err("create_comp_channel", e))?;
+            CompletionChannel::new(&port.ctx).map_err(|e| verbs_err("create_comp_channel", e))?;
         channel
             .set_nonblocking(true)
             .map_err(|e| verbs_err("set_nonblocking(comp_channel)", e))?;
-        let cq = self
+        let cq = port
             .ctx
             .create_cq_builder()
             .setup_cqe(depth)
@@ -196,20 +261,20 @@ impl RdmaProvider for SidewayProvider {
             endpoint: Endpoint {
                 qpn: qp.qp_number(),
                 psn,
-                lid: self.lid,
-                mtu: self.mtu,
-                gid: self.gid,
+                lid: port.lid,
+                mtu: port.mtu,
+                gid: port.gid,
             },
             qp: Mutex::new(qp),
             cq,
             channel,
-            port: self.port,
-            gid_index: self.gid_index,
+            port: port.port,
+            gid_index: port.gid_index,
         };
         let mut init = QueuePairAttribute::new();
         init.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
-            .setup_port(self.port)
+            .setup_port(port.port)
             .setup_access_flags(
                 AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
             );

@@ -50,6 +50,19 @@ impl RawSession {
         version: u8,
         epoch: u64,
     ) -> Result<Self, Refusal> {
+        Self::try_open_offering(addr, volume, secret, version, epoch, CAP_TCP_DATA)
+    }
+
+    /// Like [`RawSession::try_open`], offering capabilities `caps` in the
+    /// HELLO (an older client's set, say).
+    pub fn try_open_offering(
+        addr: SocketAddr,
+        volume: &str,
+        secret: &Secret,
+        version: u8,
+        epoch: u64,
+        caps: u32,
+    ) -> Result<Self, Refusal> {
         let mut stream = TcpStream::connect(addr).expect("connect");
         stream
             .set_read_timeout(Some(Duration::from_secs(20)))
@@ -61,7 +74,7 @@ impl RawSession {
         let ch = Challenge::decode(&h, &body).expect("a valid CHALLENGE");
         let mut hello = Hello {
             version: u16::from(version),
-            caps: CAP_TCP_DATA,
+            caps,
             blob_bytes: 0,
             epoch,
             client_nonce: auth::nonce(),

@@ -212,6 +212,17 @@ impl LeaseCache {
         self.map.extract_if(|_, e| e.users == 0).collect()
     }
 
+    /// Every cached lease is of no use any more (their per-lease RDMA keys
+    /// died with the rail a new one replaced): the idle ones are taken out
+    /// to be ended now, the ones in use take no new users and their last
+    /// user ends them.
+    pub(super) fn retire_all(&mut self) -> Vec<(u64, CachedLease)> {
+        for e in self.map.values_mut() {
+            e.revoked = true;
+        }
+        self.take_idle()
+    }
+
     /// Takes out the idle entries `pick` selects, up to the first one in
     /// use: that one takes no new users, and the receiver fires when it goes
     /// idle (call again then).
@@ -430,7 +441,7 @@ impl RdmaTransport {
         }
     }
 
-    async fn end_cached(&self, key: u64, e: CachedLease) -> Result<(), ArenaError> {
+    pub(super) async fn end_cached(&self, key: u64, e: CachedLease) -> Result<(), ArenaError> {
         if self.client.connection_epoch() != Some(e.epoch) {
             // The connection that held it is gone; the peer released it and
             // kept what was written.
@@ -574,6 +585,22 @@ impl RdmaTransport {
         ended
     }
 
+    /// Gives back a lease that is of no use for RDMA (its per-lease key
+    /// died with the rail it was registered for, or it has none): it takes
+    /// no new users and is ended once idle, not cached again.
+    pub(super) async fn give_back(&self, held: HeldLease) {
+        self.leases.lock().revoke(held.key, held.lease.token);
+        let _ = self.unlease(held, false).await;
+    }
+
+    /// [`Self::give_back`], then leases the key anew (its key is of the
+    /// current rail); `None` when that fails.
+    pub(super) async fn relet(&self, held: HeldLease, write: bool) -> Option<HeldLease> {
+        let key = held.key;
+        self.give_back(held).await;
+        self.lease(key, write).await.ok().flatten()
+    }
+
     /// Ends a request's use of its lease; `wrote` after a successful write.
     pub(super) async fn unlease(&self, held: HeldLease, wrote: bool) -> Result<(), ArenaError> {
         let r = self.unlease_inner(held, wrote).await;
@@ -649,6 +676,7 @@ mod tests {
         Lease {
             slot_offset: token * 4096,
             token,
+            rkey: None,
         }
     }
 
@@ -801,6 +829,25 @@ mod tests {
         keys.sort_unstable();
         assert_eq!(keys, [1, 2], "the written ones");
         assert!(c.map.contains_key(&3), "clean key 3 stays cached");
+    }
+
+    #[test]
+    fn retiring_all_ends_the_idle_now_and_the_rest_with_their_last_user() {
+        let mut c = LeaseCache::new(8);
+        let a = granted(&mut c, 1, 10, true);
+        let b = granted(&mut c, 2, 20, false);
+        c.checkin(&b, false);
+        let idle: Vec<u64> = c.retire_all().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(idle, [2]);
+        assert!(
+            matches!(c.checkout(1, false, 1), Checkout::Miss { .. }),
+            "a retired lease takes no new user"
+        );
+        let (found, end) = c.checkin(&a, true);
+        assert!(found);
+        let end = end.expect("its last user ends it");
+        assert!(end.write && end.dirty, "and commits what was written");
+        assert!(c.map.is_empty());
     }
 
     #[test]

@@ -310,6 +310,19 @@ impl RdmaTransport {
                 lease.slot_offset, rail.remote.arena_len
             )));
         }
+        // Isolated per lease, the lease's own key (`keyed` saw to it);
+        // otherwise the arena's (a shared-region server names it in
+        // RAIL_CONNECT).
+        let rkey = match (lease.rkey, rail.remote.rkey) {
+            (Some(k), _) => k,
+            (None, k) if k != 0 => k,
+            (None, _) => {
+                return Err(OpError::QpDown(format!(
+                    "lease token {} carries no RDMA key and the peer names none for its arena",
+                    lease.token
+                )))
+            }
+        };
         let (lkey, addr) = local.lkey_addr();
         let _permit = self
             .slots
@@ -323,7 +336,7 @@ impl RdmaTransport {
             lkey,
             len: len as u32,
             remote_addr: rail.remote.arena_base + remote,
-            rkey: rail.remote.rkey,
+            rkey,
         };
         let rx = rail
             .engine
@@ -373,7 +386,8 @@ impl RdmaTransport {
             reason,
             failover: false,
         })?;
-        let held = match self.lease(key, op == RdmaOp::Write).await {
+        let write = op == RdmaOp::Write;
+        let held = match self.lease(key, write).await {
             Ok(Some(h)) => h,
             Ok(None) => return Ok(None),
             Err(e) if e.status() == Some(Status::Busy) => {
@@ -384,6 +398,13 @@ impl RdmaTransport {
             }
             Err(e) => return Err(Carry::Failed(e)),
         };
+        let mut held = self
+            .keyed(held, &rail, write, false)
+            .await
+            .map_err(|reason| Carry::Tcp {
+                reason,
+                failover: false,
+            })?;
         let mut attempted = false;
         let result = loop {
             let local = match self.memory.local(addr, len, &self.stats) {
@@ -409,6 +430,16 @@ impl RdmaTransport {
                         Ok(r) if self.client.connection_epoch() == Some(rail.epoch) => rail = r,
                         _ => break Err(TcpReason::QpError),
                     }
+                    held = match self.keyed(held, &rail, write, true).await {
+                        Ok(h) => h,
+                        Err(reason) => {
+                            self.stats.inc_op(op, |s| &s.rdma_declined, |o| &o.declined);
+                            return Err(Carry::Tcp {
+                                reason,
+                                failover: true,
+                            });
+                        }
+                    };
                 }
             }
         };
@@ -426,6 +457,37 @@ impl RdmaTransport {
                 })
             }
         }
+    }
+}
+
+impl RdmaTransport {
+    /// Over a rail isolated per lease (its RAIL_CONNECT named no arena
+    /// key), the lease's own key must reach the slot through `rail`: after
+    /// a failed attempt (`retry`; the rail may be new, and the key died
+    /// with the old one, or was ended by force) the lease is given back
+    /// and leased anew, and a lease the peer answered without a key
+    /// (it could not register one) is given back and its payload goes
+    /// inline on TCP. Over a shared-region rail, `held` as is.
+    async fn keyed(
+        &self,
+        held: HeldLease,
+        rail: &Rail,
+        write: bool,
+        retry: bool,
+    ) -> Result<HeldLease, TcpReason> {
+        if rail.remote.rkey != 0 {
+            return Ok(held);
+        }
+        let held = if retry {
+            self.relet(held, write).await.ok_or(TcpReason::QpError)?
+        } else {
+            held
+        };
+        if held.lease.rkey.is_none() {
+            self.give_back(held).await;
+            return Err(TcpReason::Declined);
+        }
+        Ok(held)
     }
 }
 

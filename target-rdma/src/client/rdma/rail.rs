@@ -153,6 +153,15 @@ impl RdmaTransport {
             Some(handoff) => handoff.install(&engine),
             None => engine.spawn().map_err(|e| e.to_string())?,
         }
+        // Isolated per lease (no key to the whole arena), the keys of the
+        // leases cached so far died with the peer's old rail: those leases
+        // are given back rather than tried.
+        if acc.rkey == 0 {
+            let stale = self.leases.lock().retire_all();
+            for (key, e) in stale {
+                let _ = self.end_cached(key, e).await;
+            }
+        }
         info!(event = "rdma.rail_up", peer = %self.peer, device = %provider.device_name());
         Ok(Arc::new(Rail {
             engine,

@@ -36,7 +36,8 @@ use crate::auth::{self, FrameKey, SessionKeys};
 use crate::blob::ArenaError;
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Status, Welcome,
-    CAP_RDMA, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, VERSION, VERSION_2,
+    CAP_RDMA, CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, VERSION,
+    VERSION_2,
 };
 
 /// A successful answer.
@@ -260,7 +261,7 @@ pub(super) fn handshake(
     let mut hello = Hello {
         version,
         caps: if cfg.offer_rdma {
-            CAP_TCP_DATA | CAP_RDMA
+            CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
         } else {
             CAP_TCP_DATA
         },

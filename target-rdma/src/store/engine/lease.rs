@@ -38,6 +38,12 @@ pub struct LeaseLimits {
     pub revoke_deadline: std::time::Duration,
 }
 
+/// Called once per lease ended by force (holder, token), under the store
+/// lock and before the lease's slot is unpinned, so the holder's remote
+/// access to the slot (an RDMA key) can be revoked before the slot can
+/// go to anyone else. It must not call into the store.
+pub type ForceEndHook = Box<dyn Fn(HolderId, u64) + Send + Sync>;
+
 /// Default [`LeaseLimits::revoke_deadline`], milliseconds.
 pub const DEFAULT_REVOKE_DEADLINE_MS: u64 = 2000;
 
@@ -90,6 +96,8 @@ pub(super) struct Leases {
     ends: u64,
     /// Leases ended by force.
     forced: u64,
+    /// Told of each lease ended by force before its slot is unpinned.
+    on_force_end: Option<ForceEndHook>,
 }
 
 impl Leases {
@@ -102,6 +110,7 @@ impl Leases {
             held: BTreeMap::new(),
             ends: 0,
             forced: 0,
+            on_force_end: None,
         }
     }
 
@@ -132,6 +141,10 @@ fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
 impl State {
     pub(in crate::store) fn set_lease_limits(&mut self, limits: LeaseLimits) {
         self.leases.limits = limits;
+    }
+
+    fn set_force_end_hook(&mut self, hook: ForceEndHook) {
+        self.leases.on_force_end = Some(hook);
     }
 
     /// A volume's share: configured, or the arena split evenly between the
@@ -170,6 +183,7 @@ impl State {
         Lease {
             slot_offset: u64::from(slot) * u64::from(self.blob_bytes),
             token,
+            rkey: None,
         }
     }
 
@@ -250,8 +264,11 @@ impl State {
             return;
         }
         l.lost = true;
-        let (slot, kind, vol) = (l.slot, l.kind, l.vol);
+        let (slot, kind, vol, holder) = (l.slot, l.kind, l.vol, l.holder);
         self.leases.forced += 1;
+        if let Some(hook) = &self.leases.on_force_end {
+            hook(holder, token);
+        }
         self.unpin_lease(slot, kind, vol);
     }
 
@@ -498,5 +515,11 @@ impl Store {
     /// Sets how leases are shared between tenants (arenad's config).
     pub fn set_lease_limits(&self, limits: LeaseLimits) {
         self.locked(|_, g| g.set_lease_limits(limits));
+    }
+
+    /// Installs the callback told of each lease ended by force (see
+    /// [`ForceEndHook`]).
+    pub fn set_force_end_hook(&self, hook: ForceEndHook) {
+        self.locked(|_, g| g.set_force_end_hook(hook));
     }
 }

@@ -55,7 +55,7 @@ mod volumes;
 mod write_back;
 
 use lease::Leases;
-pub use lease::{LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
+pub use lease::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.
