@@ -1026,6 +1026,40 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
     assert!(s.read(0, 7, 6 * 4096, &mut out).unwrap());
 }
 
+/// Random range reads that land on consecutive blobs start no read-ahead
+/// (each would fault whole blobs in for one block); a stream of range
+/// reads crossing into the next blob, from its first byte, does.
+#[test]
+fn only_range_reads_from_a_blobs_first_byte_count_toward_read_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sixteen_blobs_twelve_cold(dir.path());
+    let before = s.stats().fault_ins;
+    let mut out = vec![0u8; 4096];
+    for k in 0..6u64 {
+        assert!(s.read(0, k, 4096 * (k as u32 + 1), &mut out).unwrap());
+        let got = futures::executor::block_on(s.read_cold_with(0, k, 4096, 4096, <[u8]>::to_vec));
+        assert_eq!(
+            got.unwrap().as_deref(),
+            Some(&big_pattern(k, COLD_BLOB as usize)[4096..8192])
+        );
+    }
+    assert_eq!(s.core.last_read(), None, "no read noted");
+    assert_eq!(s.stats().fault_ins, before, "no fault-in");
+    assert!(s.read(0, 6, 0, &mut out).unwrap());
+    assert_eq!(s.core.last_read(), Some((0, 6)));
+    assert!(s.read(0, 7, 0, &mut out).unwrap());
+    // Keys 8..12 are cold: read-ahead faults them in.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while s.stats().fault_ins < before + engine::READ_AHEAD {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "read-ahead did not fault keys 8..12 in: {:?}",
+            s.stats()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
     let dir = tempfile::tempdir().unwrap();
