@@ -11,8 +11,9 @@
 //! extent free list ([`Extents`]) is bookkeeping and lives under the lock.
 //! Besides whole extents it reads aligned ranges of one (a 4 KiB read of a
 //! cold blob reads 4 KiB, not the blob) into buffers of its own: a blocking
-//! caller on its own ring, an async one on the shared ring of [`Reads`],
-//! so many such reads are in flight at once without a thread each.
+//! caller on its own ring, an async one on a ring of [`Reads`] (its
+//! thread's, or the shared one), so many such reads are in flight at once
+//! without a thread each.
 //!
 //! The file's space is reserved when the store is created ([`space`]), and
 //! an existing store's file must be as long as its index says: a missing or
@@ -41,8 +42,6 @@ const RING_ENTRIES: u32 = 64;
 /// in flight are allocated and freed, so idle memory stays bounded.
 const POOLED_BUFFERS: usize = 32;
 const POOLED_BYTES: usize = 32 << 20;
-/// Most range reads in flight on the shared ring; more wait for room.
-const READS_IN_FLIGHT: u32 = 128;
 /// The swap file's name in the store directory.
 pub(super) const SWAP_FILE: &str = "swap.dat";
 
@@ -135,6 +134,7 @@ impl Swap {
         dir: &Path,
         extent_bytes: u32,
         total: u32,
+        reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let meta = MetaFile::create(dir, extent_bytes, total)?;
@@ -143,7 +143,7 @@ impl Swap {
         file.sync_all()
             .map_err(io_err("syncing swap file", &path))?;
         drop(file);
-        Swap::start(&path, meta, extent_bytes, probe)
+        Swap::start(&path, meta, extent_bytes, reads_in_flight, probe)
     }
 
     /// Opens an existing store's swap file, which must hold at least the
@@ -155,6 +155,7 @@ impl Swap {
         extent_bytes: u32,
         expect: u32,
         total: u32,
+        reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let path = dir.join(SWAP_FILE);
@@ -190,13 +191,14 @@ impl Swap {
         }
         drop(file);
         let meta = MetaFile::open(dir, extent_bytes, expect, total)?;
-        Swap::start(&path, meta, extent_bytes, probe)
+        Swap::start(&path, meta, extent_bytes, reads_in_flight, probe)
     }
 
     fn start(
         path: &Path,
         meta: MetaFile,
         extent_bytes: u32,
+        reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let ring = IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?;
@@ -208,8 +210,8 @@ impl Swap {
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
         };
-        let reads = Reads::start(file.as_raw_fd(), READS_IN_FLIGHT)
-            .map_err(|source| StoreError::Uring { source })?;
+        let reads =
+            Reads::start(&file, reads_in_flight).map_err(|source| StoreError::Uring { source })?;
         let mut swap = Swap {
             reads,
             file,
@@ -234,7 +236,7 @@ impl Swap {
                     swap.file =
                         open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
-                    swap.reads = Reads::start(swap.file.as_raw_fd(), READS_IN_FLIGHT)
+                    swap.reads = Reads::start(&swap.file, reads_in_flight)
                         .map_err(|source| StoreError::Uring { source })?;
                 }
                 Err(e) => return Err(e),
@@ -306,7 +308,8 @@ impl Swap {
         }
     }
 
-    /// [`Swap::read_range`], awaited on the shared ring.
+    /// [`Swap::read_range`], awaited on this thread's ring (see
+    /// [`Swap::serve_reads_here`]) or the shared one.
     pub(super) async fn read_range_async(
         &self,
         extent: u32,
@@ -320,6 +323,20 @@ impl Swap {
             .read(self.offset_of(extent, offset as usize), buf)
             .await
             .map_err(io_err("reading swap extent from", &self.path))
+    }
+
+    /// Submits and reaps this thread's range reads on this thread, driven
+    /// by its current-thread tokio runtime (see [`Reads::serve_here`]).
+    pub(super) fn serve_reads_here(&self) -> Result<(), StoreError> {
+        self.reads
+            .serve_here()
+            .map_err(|source| StoreError::Uring { source })
+    }
+
+    /// Whether the calling thread has a swap-read ring of its own.
+    #[cfg(test)]
+    pub(super) fn reads_served_here(&self) -> bool {
+        self.reads.served_here()
     }
 
     fn take_buffer(&self, len: usize) -> Result<AlignedBuf, StoreError> {

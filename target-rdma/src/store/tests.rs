@@ -14,6 +14,7 @@ fn cfg(dir: &Path, slots: u64, extents: u64) -> StoreConfig {
         arena_bytes: slots * B,
         blob_bytes: B as u32,
         swap_bytes: extents * B,
+        swap_reads_in_flight: super::DEFAULT_SWAP_READS_IN_FLIGHT,
     }
 }
 
@@ -953,6 +954,7 @@ fn cfg_blob(dir: &Path, blob: u32, slots: u64, extents: u64) -> StoreConfig {
         arena_bytes: slots * u64::from(blob),
         blob_bytes: blob,
         swap_bytes: extents * u64::from(blob),
+        swap_reads_in_flight: super::DEFAULT_SWAP_READS_IN_FLIGHT,
     }
 }
 
@@ -1058,6 +1060,74 @@ fn only_range_reads_from_a_blobs_first_byte_count_toward_read_ahead() {
         );
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+}
+
+/// A thread serving swap reads on its own ring (as arenad's workers do):
+/// reads awaited together by its tasks return their blocks; a task dropped
+/// with its read in flight, and the runtime ending with reads in flight,
+/// leave the buffers to the ring until the kernel is done; then the
+/// thread's reads go to the shared ring again. Refused off a
+/// current-thread runtime.
+#[test]
+fn cold_range_reads_on_a_threads_own_ring_return_their_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(sixteen_blobs_twelve_cold(dir.path()));
+    assert!(s.serve_swap_reads_here().is_err(), "no runtime");
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    assert!(multi.block_on(async { s.serve_swap_reads_here() }).is_err());
+    drop(multi);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let before = s.stats();
+    let pattern =
+        |k: u64, at: u32| big_pattern(k, COLD_BLOB as usize)[at as usize..][..4096].to_vec();
+    rt.block_on(async {
+        s.serve_swap_reads_here().unwrap();
+        assert!(s.core.swap.reads_served_here());
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in [0u64, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11] {
+            for at in (0..4u32).map(|i| i * 12288 + 4096) {
+                let s = Arc::clone(&s);
+                tasks.spawn(async move {
+                    (
+                        k,
+                        at,
+                        s.read_cold_with(0, k, at, 4096, <[u8]>::to_vec).await,
+                    )
+                });
+            }
+        }
+        while let Some(done) = tasks.join_next().await {
+            let (k, at, r) = done.unwrap();
+            assert_eq!(r.unwrap(), Some(pattern(k, at)), "key {k} at {at}");
+        }
+        // Pushed, then the task goes away before its read completes.
+        let gone = {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.read_cold_with(0, 3, 8192, 4096, <[u8]>::to_vec).await })
+        };
+        tokio::task::yield_now().await;
+        gone.abort();
+        // And one still in flight when the runtime ends.
+        let s2 = Arc::clone(&s);
+        drop(tokio::spawn(async move {
+            s2.read_cold_with(0, 5, 8192, 4096, <[u8]>::to_vec).await
+        }));
+        tokio::task::yield_now().await;
+    });
+    drop(rt);
+    assert!(!s.core.swap.reads_served_here());
+    let got = futures::executor::block_on(s.read_cold_with(0, 2, 8192, 4096, <[u8]>::to_vec));
+    assert_eq!(got.unwrap(), Some(pattern(2, 8192)));
+    let after = s.stats();
+    assert_eq!(after.fault_ins, before.fault_ins, "no fault-in");
+    assert!(after.swap_bytes_read - before.swap_bytes_read >= 49 * 4096);
 }
 
 #[test]
