@@ -127,7 +127,7 @@ impl Reads {
             bytes_read: AtomicU64::new(0),
         });
         // One submission entry to spare for the close marker.
-        let shared = Arc::new(Lane::new(Arc::clone(&common), capacity + 1)?);
+        let shared = Arc::new(Lane::new(Arc::clone(&common), capacity + 1, false)?);
         let reaper = Arc::clone(&shared);
         let thread = thread::Builder::new()
             .name("arenad-swap-rd".into())
@@ -152,7 +152,11 @@ impl Reads {
         if local_lane(self.common.id).is_some() {
             return Ok(());
         }
-        let lane = Arc::new(Lane::new(Arc::clone(&self.common), self.common.capacity)?);
+        let lane = Arc::new(Lane::new(
+            Arc::clone(&self.common),
+            self.common.capacity,
+            true,
+        )?);
         // SAFETY: `RingFd` owns (a handle on) the lane, so the ring's
         // descriptor stays open and the same while the `AsyncFd` exists.
         let ready = unsafe {
@@ -237,11 +241,25 @@ fn local_lane(id: u64) -> Option<Arc<Lane>> {
 }
 
 impl Lane {
-    fn new(common: Arc<Common>, entries: u32) -> io::Result<Lane> {
+    /// A lane of `entries` submission entries; `own` for a thread's own,
+    /// whose completions need not interrupt the thread.
+    fn new(common: Arc<Common>, entries: u32, own: bool) -> io::Result<Lane> {
         let slots = common.capacity as usize;
         // Completions (twice the entries) never outnumber the reads in
         // flight.
-        let ring = IoUring::new(entries.next_power_of_two())?;
+        let entries = entries.next_power_of_two();
+        // A thread's own ring: a completion is posted at the thread's next
+        // system call (it makes one every turn: a socket read or write, the
+        // reactor's poll), or wakes it if it sleeps, rather than sending a
+        // running thread an interrupt (a costly exit to the hypervisor in a
+        // VM). Kernels before 5.19 refuse the flag: a ring without it.
+        let ring = match own {
+            true => IoUring::builder()
+                .setup_coop_taskrun()
+                .build(entries)
+                .or_else(|_| IoUring::new(entries))?,
+            false => IoUring::new(entries)?,
+        };
         Ok(Lane {
             common,
             ring,
@@ -432,11 +450,10 @@ async fn drive(ready: AsyncFd<RingFd>) {
                     break;
                 }
             },
-            () = lane.pushed.notified() => {
-                // Let the tasks already woken this turn push theirs first.
-                tokio::task::yield_now().await;
-                retry = !lane.submit_pushed();
-            }
+            // Woken by the first read pushed this turn, this task runs
+            // after the tasks already queued (the reader's new requests,
+            // the reads woken with it), which push theirs first.
+            () = lane.pushed.notified() => retry = !lane.submit_pushed(),
             () = tokio::time::sleep(RESUBMIT), if retry => {
                 retry = !lane.submit_pushed();
             }
