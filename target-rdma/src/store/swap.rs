@@ -38,9 +38,9 @@ use super::StoreError;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;
-/// Range-read and copy buffers kept for reuse, by count and by bytes; more
-/// in flight are allocated and freed, so idle memory stays bounded.
-const POOLED_BUFFERS: usize = 32;
+/// Range-read and copy buffers kept for reuse, by bytes; by count, as many
+/// as reads may be in flight (`swap_reads_in_flight`). More in flight are
+/// allocated and freed, so idle memory stays bounded.
 const POOLED_BYTES: usize = 32 << 20;
 /// The swap file's name in the store directory.
 pub(super) const SWAP_FILE: &str = "swap.dat";
@@ -56,8 +56,9 @@ pub(super) struct Swap {
     meta: Arc<MetaFile>,
     direct: bool,
     extent_bytes: u32,
-    /// Idle range-read buffers.
+    /// Idle range-read buffers, at most `pooled` of them.
     buffers: Mutex<Vec<AlignedBuf>>,
+    pooled: usize,
     /// Idle rings. A transfer takes one (making one when none is idle) so
     /// that concurrent transfers never share a queue; there are never more
     /// than the threads that ran transfers at once.
@@ -220,6 +221,7 @@ impl Swap {
             direct,
             extent_bytes,
             buffers: Mutex::new(Vec::new()),
+            pooled: reads_in_flight as usize,
             rings: Mutex::new(vec![ring]),
             broken: AtomicBool::new(false),
             wrecks: Mutex::new(Vec::new()),
@@ -358,7 +360,7 @@ impl Swap {
     pub(super) fn give_buffer(&self, buf: AlignedBuf) {
         let mut pool = self.buffers.lock();
         let pooled: usize = pool.iter().map(|b| b.cap).sum();
-        if pool.len() < POOLED_BUFFERS && pooled + buf.cap <= POOLED_BYTES {
+        if pool.len() < self.pooled && pooled + buf.cap <= POOLED_BYTES {
             pool.push(buf);
         }
     }
@@ -565,4 +567,30 @@ fn open_file(path: &Path, direct: bool) -> io::Result<File> {
         o.custom_flags(libc::O_DIRECT);
     }
     o.open(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Buffers given back are kept for reuse up to the reads that may be
+    /// in flight (`swap_reads_in_flight`); the rest are freed.
+    #[test]
+    fn buffers_kept_for_reuse_are_bounded_by_the_reads_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let extent = 64 << 10;
+        let mut probe = AlignedBuf::new(extent).unwrap();
+        probe.len = extent;
+        let swap = Swap::create(dir.path(), extent as u32, 4, 3, &mut probe).unwrap();
+        let taken: Vec<AlignedBuf> = (0..8).map(|_| swap.take_buffer(4096).unwrap()).collect();
+        for b in taken {
+            swap.give_buffer(b);
+        }
+        assert_eq!(swap.buffers.lock().len(), 3);
+        // Reused, not allocated: the pool shrinks as they are taken.
+        let again = swap.take_buffer(4096).unwrap();
+        assert_eq!(swap.buffers.lock().len(), 2);
+        swap.give_buffer(again);
+        assert_eq!(swap.buffers.lock().len(), 3);
+    }
 }
