@@ -162,6 +162,7 @@ fn open_store(dir: &Path, arena: u64, swap: u64) -> Store {
             arena_bytes: arena,
             blob_bytes: blob,
             swap_bytes: swap,
+            swap_reads_in_flight: target_rdma::store::DEFAULT_SWAP_READS_IN_FLIGHT,
         },
         &[VolumeSpec {
             name: "bench".into(),

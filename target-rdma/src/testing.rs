@@ -127,6 +127,7 @@ impl Peer {
                     arena_bytes: opts.arena_bytes,
                     blob_bytes: opts.blob_bytes,
                     swap_bytes: opts.swap_bytes,
+                    swap_reads_in_flight: crate::store::DEFAULT_SWAP_READS_IN_FLIGHT,
                 },
                 &opts
                     .volumes

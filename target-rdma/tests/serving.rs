@@ -1,7 +1,8 @@
 //! The serving core against the real `arenad` process, as hostile or slow
 //! peers would use it: floods of unauthenticated sockets under a thread
 //! and a file limit, a tenant that does not read its answers, a cold
-//! fault-in next to a resident read on one connection, SIGTERM with a
+//! fault-in next to a resident read on one connection, range reads of
+//! cold blobs in flight past the swap's bound, SIGTERM with a
 //! client that reads a trickle, and a client past `max_inflight`. Each
 //! asserts an ordering or a bound; the deadlines are hang guards only.
 
@@ -347,6 +348,56 @@ fn a_cold_fault_in_does_not_delay_a_resident_read_on_the_same_connection() {
         .collect();
     assert_eq!(order[0], 4, "the resident answer comes first: {order:?}");
     assert!(a.metric("arenad_fault_ins_total", &[]) >= cold_before + 3.0);
+    drop((c, s));
+    terminate(proc);
+}
+
+#[test]
+fn range_reads_of_cold_blobs_in_flight_together_return_their_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 slots of 1 MiB: of 12 blobs written, the first ones are in swap;
+    // at most 4 reads of them at the disk at once.
+    let a = Arenad::new(dir.path(), "4M", "1M", "64M", None);
+    a.set("swap_reads_in_flight = 4");
+    let proc = a.start();
+    let c = a.connect("a");
+    for key in 0..12 {
+        block_on(c.write(key, 0, &pattern(key, 1, 1 << 20))).unwrap();
+    }
+    block_on(c.flush()).unwrap();
+    let cold_before = a.metric("arenad_fault_ins_total", &[]);
+
+    let mut s = raw(&a, "a");
+    // 64 reads of 4 KiB blocks (never a blob's first byte, which would
+    // count toward read-ahead) of the 6 blobs surely in swap, all sent
+    // before any answer is read.
+    let at = |id: u64| (id % 6, ((id * 37) % 255 + 1) as u32 * 4096);
+    for id in 0..64 {
+        let (key, offset) = at(id);
+        send(
+            &mut s,
+            id,
+            &Request::Read {
+                key,
+                offset,
+                len: 4096,
+            },
+        );
+    }
+    let mut seen = [false; 64];
+    for _ in 0..64 {
+        let (h, body) = s.recv().expect("an answer");
+        assert_eq!(h.status, Status::Ok, "{}", proto::decode_error(&body));
+        let id = h.request_id;
+        assert!(
+            !std::mem::replace(&mut seen[id as usize], true),
+            "{id} twice"
+        );
+        let (key, offset) = at(id);
+        let want = &pattern(key, 1, 1 << 20)[offset as usize..][..4096];
+        assert!(body == want, "request {id}: key {key} at {offset}");
+    }
+    assert_eq!(a.metric("arenad_fault_ins_total", &[]), cold_before);
     drop((c, s));
     terminate(proc);
 }

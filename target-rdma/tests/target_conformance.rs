@@ -40,6 +40,7 @@ fn store(dir: &std::path::Path) -> Arc<Store> {
             arena_bytes: 8 * u64::from(BLOB),
             blob_bytes: BLOB,
             swap_bytes: 64 << 20,
+            swap_reads_in_flight: target_rdma::store::DEFAULT_SWAP_READS_IN_FLIGHT,
         },
         &[VolumeSpec {
             name: "a".into(),

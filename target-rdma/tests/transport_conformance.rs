@@ -35,6 +35,7 @@ fn store(dir: &tempfile::TempDir) -> Arc<Store> {
             arena_bytes: 1 << 20,
             blob_bytes: BLOB,
             swap_bytes: 64 << 20,
+            swap_reads_in_flight: target_rdma::store::DEFAULT_SWAP_READS_IN_FLIGHT,
         },
         &[VolumeSpec {
             name: "a".into(),

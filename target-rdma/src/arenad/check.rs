@@ -65,6 +65,7 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
                 arena_bytes: cfg.arena_bytes,
                 blob_bytes: cfg.blob_bytes as u32,
                 swap_bytes: cfg.swap_bytes,
+                swap_reads_in_flight: cfg.swap_reads_in_flight,
             };
             f.check(room_for("swap_dir", dir, &footprint(&store)));
         }

@@ -34,6 +34,11 @@ pub struct ArenadConfig {
     /// Swap file capacity in bytes.
     #[serde(default = "default_swap", with = "serde_size")]
     pub swap_bytes: u64,
+    /// Most reads of parts of cold blobs in flight on the swap's io_uring
+    /// rings at once (over all worker threads); more wait for room. Each
+    /// holds a buffer of the read's size while in flight.
+    #[serde(default = "default_swap_reads_in_flight")]
+    pub swap_reads_in_flight: u32,
     /// Most concurrent client connections; more are refused.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
@@ -172,6 +177,9 @@ fn default_swap_dir() -> PathBuf {
 }
 fn default_swap() -> u64 {
     16 << 30
+}
+fn default_swap_reads_in_flight() -> u32 {
+    crate::store::DEFAULT_SWAP_READS_IN_FLIGHT
 }
 fn default_max_connections() -> u32 {
     256
@@ -358,6 +366,14 @@ impl ArenadConfig {
                 ),
             ));
         }
+        let reads = self.swap_reads_in_flight;
+        if !(1..=crate::store::MAX_SWAP_READS_IN_FLIGHT).contains(&reads) {
+            return Err(invalid(
+                "swap_reads_in_flight",
+                reads,
+                format!("must be in 1..={}", crate::store::MAX_SWAP_READS_IN_FLIGHT),
+            ));
+        }
         if !(1..=65536).contains(&self.max_connections) {
             return Err(invalid(
                 "max_connections",
@@ -500,6 +516,9 @@ quota = "10G"
         );
         assert_eq!(c.volumes[0].quota, 10 << 30);
         assert_eq!(c.max_inflight, 128);
+        assert_eq!(c.swap_reads_in_flight, 128);
+        let c = parse(&format!("swap_reads_in_flight = 512\n{GOOD}")).unwrap();
+        assert_eq!(c.swap_reads_in_flight, 512);
     }
 
     fn err(text: &str) -> String {
@@ -545,6 +564,11 @@ quota = "10G"
             e,
             "invalid config: metrics_request_timeout_secs = 0: must be in 1..=300"
         );
+        let e = err(&format!("swap_reads_in_flight = 0\n{GOOD}"));
+        assert_eq!(
+            e,
+            "invalid config: swap_reads_in_flight = 0: must be in 1..=4096"
+        );
         let e = err(&format!("max_inflight = 0\n{GOOD}"));
         assert!(
             e == "invalid config: max_inflight = 0: must be in 1..=4096",
@@ -579,6 +603,7 @@ quota = "10G"
         );
         assert_eq!(c.lease_limits(), d.lease_limits());
         assert_eq!(d.lease_limits(), crate::store::LeaseLimits::default());
+        assert_eq!(c.swap_reads_in_flight, d.swap_reads_in_flight);
     }
 
     #[test]

@@ -258,6 +258,10 @@ impl Shared {
         }
         let ticket = placed.mutates.then(|| conn.barrier.begin());
         let covers = placed.flush.then(|| conn.barrier.last());
+        // A cold range read's answer is queued, not written by its job:
+        // the reads whose completions were reaped together are answered
+        // together, in one write by the writer.
+        let direct = !placed.cold_range;
         let (server, conn) = (Arc::clone(self), Arc::clone(conn));
         jobs.spawn(async move {
             if let Some(upto) = covers {
@@ -269,7 +273,7 @@ impl Shared {
             if let Some(t) = ticket {
                 conn.barrier.end(t);
             }
-            server.answer(&conn, h, started, answered, true).await
+            server.answer(&conn, h, started, answered, direct).await
         });
         Ok(())
     }

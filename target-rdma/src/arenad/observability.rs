@@ -370,6 +370,7 @@ mod tests {
                     arena_bytes: 1 << 20,
                     blob_bytes: 64 << 10,
                     swap_bytes: 4 << 20,
+                    swap_reads_in_flight: crate::store::DEFAULT_SWAP_READS_IN_FLIGHT,
                 },
                 &[crate::store::VolumeSpec {
                     name: "v".into(),

@@ -58,7 +58,15 @@ impl Server {
             .enable_time()
             .build()?;
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 16));
-        let workers = Workers::start(threads)?;
+        // Each worker submits and reaps its connections' cold range reads
+        // on a ring of its own (no completion thread between the disk and
+        // the connection).
+        let reads = Arc::clone(&store);
+        let workers = Workers::start(threads, move || {
+            if let Err(e) = reads.serve_swap_reads_here() {
+                tracing::warn!(event = "swap.read_ring_unavailable", error = %e, "this worker's cold reads use the swap's shared ring");
+            }
+        })?;
         let shared = Arc::new(Shared {
             rdma,
             store,

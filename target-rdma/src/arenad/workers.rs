@@ -30,8 +30,12 @@ pub(super) struct Workers {
 }
 
 impl Workers {
-    /// Starts `threads` worker threads, each running its own runtime.
-    pub(super) fn start(threads: usize) -> io::Result<Self> {
+    /// Starts `threads` worker threads, each running its own runtime and
+    /// first running `init` there (within the runtime).
+    pub(super) fn start(
+        threads: usize,
+        init: impl FnOnce() + Clone + Send + 'static,
+    ) -> io::Result<Self> {
         let mut workers = Vec::with_capacity(threads);
         for i in 0..threads.max(1) {
             let rt = Builder::new_current_thread()
@@ -40,10 +44,14 @@ impl Workers {
                 .build()?;
             let handle = rt.handle().clone();
             let (stop, stopped) = oneshot::channel::<()>();
+            let init = init.clone();
             let thread = thread::Builder::new()
                 .name(format!("arenad-io-{i}"))
                 .spawn(move || {
-                    let _ = rt.block_on(stopped);
+                    rt.block_on(async {
+                        init();
+                        let _ = stopped.await;
+                    });
                     // Connections still open past the shutdown deadline
                     // are cut here.
                     rt.shutdown_timeout(Duration::from_secs(1));

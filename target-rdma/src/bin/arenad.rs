@@ -195,6 +195,7 @@ fn run(args: &Args) -> Result<ExitCode> {
         arena_bytes: cfg.arena_bytes,
         blob_bytes: blob as u32,
         swap_bytes: cfg.swap_bytes,
+        swap_reads_in_flight: cfg.swap_reads_in_flight,
     };
     if args.repair {
         let report = Store::repair(&store_cfg, &specs).context("repairing the arena store")?;

@@ -89,7 +89,15 @@ pub struct StoreConfig {
     pub blob_bytes: u32,
     /// Swap file size; a multiple of `blob_bytes`, at least `arena_bytes`.
     pub swap_bytes: u64,
+    /// Most range reads of cold blobs in flight at once, over all the
+    /// swap's rings; more wait for room. 1 to [`MAX_SWAP_READS_IN_FLIGHT`].
+    pub swap_reads_in_flight: u32,
 }
+
+/// The default of [`StoreConfig::swap_reads_in_flight`].
+pub const DEFAULT_SWAP_READS_IN_FLIGHT: u32 = 128;
+/// The most [`StoreConfig::swap_reads_in_flight`] allows.
+pub const MAX_SWAP_READS_IN_FLIGHT: u32 = 4096;
 
 /// The files of a store with `cfg`, and the bytes each takes on disk once
 /// allocated: what `arenad --check` needs free (beyond what they already
@@ -424,6 +432,13 @@ fn invalid(key: &'static str, detail: String) -> StoreError {
 fn validate(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<(u32, u32), StoreError> {
     if cfg.dir.as_os_str().is_empty() {
         return Err(invalid("dir", "must not be empty".into()));
+    }
+    let r = cfg.swap_reads_in_flight;
+    if !(1..=MAX_SWAP_READS_IN_FLIGHT).contains(&r) {
+        return Err(invalid(
+            "swap_reads_in_flight",
+            format!("must be from 1 to {MAX_SWAP_READS_IN_FLIGHT}, got {r}"),
+        ));
     }
     let b = cfg.blob_bytes;
     if !b.is_power_of_two() || !(4096..=16 << 20).contains(&b) {

@@ -6,6 +6,17 @@ use super::engine::ReadPlan;
 use super::{Store, StoreError, VolumeId};
 
 impl Store {
+    /// Gives the calling thread a swap-read ring of its own, driven by a
+    /// task spawned on the thread's current-thread tokio runtime (call it
+    /// from within that runtime): [`Store::read_cold_with`] awaited on this
+    /// thread submits the reads pushed in one turn of the runtime together
+    /// and reaps their completions here, waking no other thread. Without
+    /// it a thread's reads use the swap's shared ring and its completion
+    /// thread.
+    pub fn serve_swap_reads_here(&self) -> Result<(), StoreError> {
+        self.core.swap.serve_reads_here()
+    }
+
     /// Reads from blob `key` at `offset`; `Ok(false)` (and zeros) when the
     /// key holds no blob.
     pub fn read(
@@ -71,7 +82,7 @@ impl Store {
     }
 
     /// [`Store::read_with`] for part of a cold blob, its disk read awaited
-    /// on the swap's shared ring (many in flight, no thread held per read)
+    /// on one of the swap's rings (many in flight, no thread held per read)
     /// and verified the same way. `Ok(None)` when the read is not one
     /// (the blob is absent or resident, or the read covers all of it): the
     /// caller reads it with [`Store::read_with`]. Never blocks the caller's

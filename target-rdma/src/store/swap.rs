@@ -11,8 +11,9 @@
 //! extent free list ([`Extents`]) is bookkeeping and lives under the lock.
 //! Besides whole extents it reads aligned ranges of one (a 4 KiB read of a
 //! cold blob reads 4 KiB, not the blob) into buffers of its own: a blocking
-//! caller on its own ring, an async one on the shared ring of [`Reads`],
-//! so many such reads are in flight at once without a thread each.
+//! caller on its own ring, an async one on a ring of [`Reads`] (its
+//! thread's, or the shared one), so many such reads are in flight at once
+//! without a thread each.
 //!
 //! The file's space is reserved when the store is created ([`space`]), and
 //! an existing store's file must be as long as its index says: a missing or
@@ -37,12 +38,10 @@ use super::StoreError;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;
-/// Range-read and copy buffers kept for reuse, by count and by bytes; more
-/// in flight are allocated and freed, so idle memory stays bounded.
-const POOLED_BUFFERS: usize = 32;
+/// Range-read and copy buffers kept for reuse, by bytes; by count, as many
+/// as reads may be in flight (`swap_reads_in_flight`). More in flight are
+/// allocated and freed, so idle memory stays bounded.
 const POOLED_BYTES: usize = 32 << 20;
-/// Most range reads in flight on the shared ring; more wait for room.
-const READS_IN_FLIGHT: u32 = 128;
 /// The swap file's name in the store directory.
 pub(super) const SWAP_FILE: &str = "swap.dat";
 
@@ -57,8 +56,9 @@ pub(super) struct Swap {
     meta: Arc<MetaFile>,
     direct: bool,
     extent_bytes: u32,
-    /// Idle range-read buffers.
+    /// Idle range-read buffers, at most `pooled` of them.
     buffers: Mutex<Vec<AlignedBuf>>,
+    pooled: usize,
     /// Idle rings. A transfer takes one (making one when none is idle) so
     /// that concurrent transfers never share a queue; there are never more
     /// than the threads that ran transfers at once.
@@ -135,6 +135,7 @@ impl Swap {
         dir: &Path,
         extent_bytes: u32,
         total: u32,
+        reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let meta = MetaFile::create(dir, extent_bytes, total)?;
@@ -143,7 +144,7 @@ impl Swap {
         file.sync_all()
             .map_err(io_err("syncing swap file", &path))?;
         drop(file);
-        Swap::start(&path, meta, extent_bytes, probe)
+        Swap::start(&path, meta, extent_bytes, reads_in_flight, probe)
     }
 
     /// Opens an existing store's swap file, which must hold at least the
@@ -155,6 +156,7 @@ impl Swap {
         extent_bytes: u32,
         expect: u32,
         total: u32,
+        reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let path = dir.join(SWAP_FILE);
@@ -190,13 +192,14 @@ impl Swap {
         }
         drop(file);
         let meta = MetaFile::open(dir, extent_bytes, expect, total)?;
-        Swap::start(&path, meta, extent_bytes, probe)
+        Swap::start(&path, meta, extent_bytes, reads_in_flight, probe)
     }
 
     fn start(
         path: &Path,
         meta: MetaFile,
         extent_bytes: u32,
+        reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let ring = IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?;
@@ -208,8 +211,8 @@ impl Swap {
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
         };
-        let reads = Reads::start(file.as_raw_fd(), READS_IN_FLIGHT)
-            .map_err(|source| StoreError::Uring { source })?;
+        let reads =
+            Reads::start(&file, reads_in_flight).map_err(|source| StoreError::Uring { source })?;
         let mut swap = Swap {
             reads,
             file,
@@ -218,6 +221,7 @@ impl Swap {
             direct,
             extent_bytes,
             buffers: Mutex::new(Vec::new()),
+            pooled: reads_in_flight as usize,
             rings: Mutex::new(vec![ring]),
             broken: AtomicBool::new(false),
             wrecks: Mutex::new(Vec::new()),
@@ -234,7 +238,7 @@ impl Swap {
                     swap.file =
                         open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
-                    swap.reads = Reads::start(swap.file.as_raw_fd(), READS_IN_FLIGHT)
+                    swap.reads = Reads::start(&swap.file, reads_in_flight)
                         .map_err(|source| StoreError::Uring { source })?;
                 }
                 Err(e) => return Err(e),
@@ -306,7 +310,8 @@ impl Swap {
         }
     }
 
-    /// [`Swap::read_range`], awaited on the shared ring.
+    /// [`Swap::read_range`], awaited on this thread's ring (see
+    /// [`Swap::serve_reads_here`]) or the shared one.
     pub(super) async fn read_range_async(
         &self,
         extent: u32,
@@ -320,6 +325,20 @@ impl Swap {
             .read(self.offset_of(extent, offset as usize), buf)
             .await
             .map_err(io_err("reading swap extent from", &self.path))
+    }
+
+    /// Submits and reaps this thread's range reads on this thread, driven
+    /// by its current-thread tokio runtime (see [`Reads::serve_here`]).
+    pub(super) fn serve_reads_here(&self) -> Result<(), StoreError> {
+        self.reads
+            .serve_here()
+            .map_err(|source| StoreError::Uring { source })
+    }
+
+    /// Whether the calling thread has a swap-read ring of its own.
+    #[cfg(test)]
+    pub(super) fn reads_served_here(&self) -> bool {
+        self.reads.served_here()
     }
 
     fn take_buffer(&self, len: usize) -> Result<AlignedBuf, StoreError> {
@@ -341,7 +360,7 @@ impl Swap {
     pub(super) fn give_buffer(&self, buf: AlignedBuf) {
         let mut pool = self.buffers.lock();
         let pooled: usize = pool.iter().map(|b| b.cap).sum();
-        if pool.len() < POOLED_BUFFERS && pooled + buf.cap <= POOLED_BYTES {
+        if pool.len() < self.pooled && pooled + buf.cap <= POOLED_BYTES {
             pool.push(buf);
         }
     }
@@ -548,4 +567,30 @@ fn open_file(path: &Path, direct: bool) -> io::Result<File> {
         o.custom_flags(libc::O_DIRECT);
     }
     o.open(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Buffers given back are kept for reuse up to the reads that may be
+    /// in flight (`swap_reads_in_flight`); the rest are freed.
+    #[test]
+    fn buffers_kept_for_reuse_are_bounded_by_the_reads_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let extent = 64 << 10;
+        let mut probe = AlignedBuf::new(extent).unwrap();
+        probe.len = extent;
+        let swap = Swap::create(dir.path(), extent as u32, 4, 3, &mut probe).unwrap();
+        let taken: Vec<AlignedBuf> = (0..8).map(|_| swap.take_buffer(4096).unwrap()).collect();
+        for b in taken {
+            swap.give_buffer(b);
+        }
+        assert_eq!(swap.buffers.lock().len(), 3);
+        // Reused, not allocated: the pool shrinks as they are taken.
+        let again = swap.take_buffer(4096).unwrap();
+        assert_eq!(swap.buffers.lock().len(), 2);
+        swap.give_buffer(again);
+        assert_eq!(swap.buffers.lock().len(), 3);
+    }
 }

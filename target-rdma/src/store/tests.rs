@@ -14,6 +14,7 @@ fn cfg(dir: &Path, slots: u64, extents: u64) -> StoreConfig {
         arena_bytes: slots * B,
         blob_bytes: B as u32,
         swap_bytes: extents * B,
+        swap_reads_in_flight: super::DEFAULT_SWAP_READS_IN_FLIGHT,
     }
 }
 
@@ -953,6 +954,7 @@ fn cfg_blob(dir: &Path, blob: u32, slots: u64, extents: u64) -> StoreConfig {
         arena_bytes: slots * u64::from(blob),
         blob_bytes: blob,
         swap_bytes: extents * u64::from(blob),
+        swap_reads_in_flight: super::DEFAULT_SWAP_READS_IN_FLIGHT,
     }
 }
 
@@ -1024,6 +1026,108 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
         Some(IntegrityKind::Checksum)
     );
     assert!(s.read(0, 7, 6 * 4096, &mut out).unwrap());
+}
+
+/// Random range reads that land on consecutive blobs start no read-ahead
+/// (each would fault whole blobs in for one block); a stream of range
+/// reads crossing into the next blob, from its first byte, does.
+#[test]
+fn only_range_reads_from_a_blobs_first_byte_count_toward_read_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sixteen_blobs_twelve_cold(dir.path());
+    let before = s.stats().fault_ins;
+    let mut out = vec![0u8; 4096];
+    for k in 0..6u64 {
+        assert!(s.read(0, k, 4096 * (k as u32 + 1), &mut out).unwrap());
+        let got = futures::executor::block_on(s.read_cold_with(0, k, 4096, 4096, <[u8]>::to_vec));
+        assert_eq!(
+            got.unwrap().as_deref(),
+            Some(&big_pattern(k, COLD_BLOB as usize)[4096..8192])
+        );
+    }
+    assert_eq!(s.core.last_read(), None, "no read noted");
+    assert_eq!(s.stats().fault_ins, before, "no fault-in");
+    assert!(s.read(0, 6, 0, &mut out).unwrap());
+    assert_eq!(s.core.last_read(), Some((0, 6)));
+    assert!(s.read(0, 7, 0, &mut out).unwrap());
+    // Keys 8..12 are cold: read-ahead faults them in.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while s.stats().fault_ins < before + engine::READ_AHEAD {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "read-ahead did not fault keys 8..12 in: {:?}",
+            s.stats()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A thread serving swap reads on its own ring (as arenad's workers do):
+/// reads awaited together by its tasks return their blocks; a task dropped
+/// with its read in flight, and the runtime ending with reads in flight,
+/// leave the buffers to the ring until the kernel is done; then the
+/// thread's reads go to the shared ring again. Refused off a
+/// current-thread runtime.
+#[test]
+fn cold_range_reads_on_a_threads_own_ring_return_their_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(sixteen_blobs_twelve_cold(dir.path()));
+    assert!(s.serve_swap_reads_here().is_err(), "no runtime");
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    assert!(multi.block_on(async { s.serve_swap_reads_here() }).is_err());
+    drop(multi);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let before = s.stats();
+    let pattern =
+        |k: u64, at: u32| big_pattern(k, COLD_BLOB as usize)[at as usize..][..4096].to_vec();
+    rt.block_on(async {
+        s.serve_swap_reads_here().unwrap();
+        assert!(s.core.swap.reads_served_here());
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in [0u64, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11] {
+            for at in (0..4u32).map(|i| i * 12288 + 4096) {
+                let s = Arc::clone(&s);
+                tasks.spawn(async move {
+                    (
+                        k,
+                        at,
+                        s.read_cold_with(0, k, at, 4096, <[u8]>::to_vec).await,
+                    )
+                });
+            }
+        }
+        while let Some(done) = tasks.join_next().await {
+            let (k, at, r) = done.unwrap();
+            assert_eq!(r.unwrap(), Some(pattern(k, at)), "key {k} at {at}");
+        }
+        // Pushed, then the task goes away before its read completes.
+        let gone = {
+            let s = Arc::clone(&s);
+            tokio::spawn(async move { s.read_cold_with(0, 3, 8192, 4096, <[u8]>::to_vec).await })
+        };
+        tokio::task::yield_now().await;
+        gone.abort();
+        // And one still in flight when the runtime ends.
+        let s2 = Arc::clone(&s);
+        drop(tokio::spawn(async move {
+            s2.read_cold_with(0, 5, 8192, 4096, <[u8]>::to_vec).await
+        }));
+        tokio::task::yield_now().await;
+    });
+    drop(rt);
+    assert!(!s.core.swap.reads_served_here());
+    let got = futures::executor::block_on(s.read_cold_with(0, 2, 8192, 4096, <[u8]>::to_vec));
+    assert_eq!(got.unwrap(), Some(pattern(2, 8192)));
+    let after = s.stats();
+    assert_eq!(after.fault_ins, before.fault_ins, "no fault-in");
+    assert!(after.swap_bytes_read - before.swap_bytes_read >= 49 * 4096);
 }
 
 #[test]

@@ -46,7 +46,13 @@ impl State {
         let (generation, swap) = match &found {
             None => (
                 1,
-                Swap::create(&cfg.dir, cfg.blob_bytes, extents, &mut arena.write(0))?,
+                Swap::create(
+                    &cfg.dir,
+                    cfg.blob_bytes,
+                    extents,
+                    cfg.swap_reads_in_flight,
+                    &mut arena.write(0),
+                )?,
             ),
             Some(f) => {
                 let img = &f.image;
@@ -86,6 +92,7 @@ impl State {
                     cfg.blob_bytes,
                     img.extents,
                     extents,
+                    cfg.swap_reads_in_flight,
                     &mut arena.write(0),
                 )?;
                 (img.generation + 1, swap)

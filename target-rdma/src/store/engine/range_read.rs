@@ -37,7 +37,13 @@ impl Core {
         }
         let first = offset as usize / BLOCK;
         let end = (offset as usize + len).div_ceil(BLOCK).max(first + 1);
-        st.note_read(key);
+        // Only a read from the blob's first byte counts toward read-ahead:
+        // a stream crossing into this blob does, while random reads that
+        // happen to land on consecutive blobs (one in a thousand over a
+        // thousand blobs) would each fault whole blobs in for nothing.
+        if offset == 0 {
+            st.note_read(key);
+        }
         Ok(Some(Direct {
             key,
             placed,
@@ -45,6 +51,12 @@ impl Core {
             first: first as u32,
             crcs: st.block_crcs(placed.extent, first, end),
         }))
+    }
+
+    /// The last read noted toward read-ahead.
+    #[cfg(test)]
+    pub(in crate::store) fn last_read(&self) -> Option<crate::store::BlobKey> {
+        self.state.lock().last_read
     }
 
     /// Runs a planned range read without the lock. `None` when the blob
