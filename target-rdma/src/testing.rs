@@ -249,19 +249,7 @@ impl Peer {
         blob: u32,
         lease_cache: usize,
     ) -> RdmaTransport {
-        RdmaTransport::connect(
-            self.config("a", SECRET_A),
-            Ok(provider),
-            RdmaTransportConfig {
-                min_rdma_bytes: 1,
-                buffer_bytes: blob,
-                pool_buffers: 8,
-                lease_cache,
-                require_rdma: true,
-                ..RdmaTransportConfig::default()
-            },
-        )
-        .expect("an RDMA session")
+        self.rdma_transport(provider, blob, lease_cache, None)
     }
 
     /// [`rdma_session`](Self::rdma_session), driven: its completions are
@@ -275,7 +263,22 @@ impl Peer {
         lease_cache: usize,
         busy_poll: Duration,
     ) -> RdmaTransport {
-        let t = RdmaTransport::connect(
+        let t = self.rdma_transport(provider, blob, lease_cache, Some(busy_poll));
+        let driver = t.cq_driver().expect("a driven transport has a driver");
+        on_loop_thread(move |lp| lp.block_on(driver.run(lp)));
+        t
+    }
+
+    /// The transport of [`rdma_session`](Self::rdma_session); driven with
+    /// that busy poll when `driven` is set.
+    fn rdma_transport(
+        &self,
+        provider: Arc<dyn RdmaProvider>,
+        blob: u32,
+        lease_cache: usize,
+        driven: Option<Duration>,
+    ) -> RdmaTransport {
+        RdmaTransport::connect(
             self.config("a", SECRET_A),
             Ok(provider),
             RdmaTransportConfig {
@@ -284,21 +287,12 @@ impl Peer {
                 pool_buffers: 8,
                 lease_cache,
                 require_rdma: true,
-                driven: true,
-                busy_poll,
+                driven: driven.is_some(),
+                busy_poll: driven.unwrap_or_default(),
                 ..RdmaTransportConfig::default()
             },
         )
-        .expect("an RDMA session");
-        let driver = t.cq_driver().expect("a driven transport has a driver");
-        std::thread::Builder::new()
-            .name("test-uring".into())
-            .spawn(move || {
-                let lp = UringLoop::new().expect("an io_uring");
-                lp.block_on(driver.run(&lp));
-            })
-            .expect("spawn the driver thread");
-        t
+        .expect("an RDMA session")
     }
 
     /// TCP sessions of volume "a" as one replica member: `queues` queue
@@ -421,12 +415,15 @@ pub fn driven(cfg: ClientConfig) -> ArenaClient {
     assert!(cfg.driven, "a driven config");
     let client = ArenaClient::connect(cfg).expect("connect to the peer");
     let driver = client.driver().expect("a driven client has a driver");
+    on_loop_thread(move |lp| lp.block_on(driver.run(lp)));
+    client
+}
+
+/// Runs `drive` on a [`UringLoop`] of a thread of its own, as a ublk
+/// queue thread runs its ring.
+fn on_loop_thread(drive: impl FnOnce(&UringLoop) + Send + 'static) {
     std::thread::Builder::new()
         .name("test-uring".into())
-        .spawn(move || {
-            let lp = UringLoop::new().expect("an io_uring");
-            lp.block_on(driver.run(&lp));
-        })
+        .spawn(move || drive(&UringLoop::new().expect("an io_uring")))
         .expect("spawn the driver thread");
-    client
 }

@@ -121,19 +121,25 @@ async fn workload(t: &RdmaTransport) {
     }
 }
 
+/// Runs the workload on a driven transport whose transfers complete
+/// `delay` after their post, reaped with `busy_poll`: every one by RDMA,
+/// none timed out.
+fn reaped(busy_poll: Duration, delay: Duration) -> Setup {
+    let s = driven_with(busy_poll, delay);
+    let lp = UringLoop::new().unwrap();
+    on_loop(&lp, &s.t, workload(&s.t));
+    let why = format!("busy_poll {busy_poll:?}, delay {delay:?}");
+    assert_eq!(count(&s.t, "rdma_transferred"), 64, "{why}");
+    assert_eq!(count(&s.t, "rdma_requests"), 64, "{why}");
+    assert_eq!(count(&s.t, "rdma_timed_out"), 0, "{why}");
+    assert_eq!(count(&s.t, "tcp_payload_requests"), 0, "{why}");
+    s
+}
+
 #[test]
 fn completions_are_reaped_on_the_callers_loop_with_or_without_busy_polling() {
     for busy_poll in [Duration::ZERO, Duration::from_micros(200)] {
-        let s = driven(busy_poll);
-        let lp = UringLoop::new().unwrap();
-        on_loop(&lp, &s.t, workload(&s.t));
-        assert_eq!(
-            count(&s.t, "rdma_transferred"),
-            64,
-            "busy_poll {busy_poll:?}"
-        );
-        assert_eq!(count(&s.t, "rdma_requests"), 64);
-        assert_eq!(count(&s.t, "tcp_payload_requests"), 0);
+        reaped(busy_poll, Duration::ZERO);
         // Every transport of this test binary is driven: none starts one.
         assert_eq!(
             threads_named("rdma-cq"),
@@ -154,15 +160,7 @@ fn late_completions_are_reaped_through_the_channel_or_the_busy_poll() {
         Duration::from_micros(50),
         Duration::from_millis(20),
     ] {
-        let s = driven_with(busy_poll, Duration::from_millis(2));
-        let lp = UringLoop::new().unwrap();
-        on_loop(&lp, &s.t, workload(&s.t));
-        assert_eq!(
-            count(&s.t, "rdma_transferred"),
-            64,
-            "busy_poll {busy_poll:?}"
-        );
-        assert_eq!(count(&s.t, "rdma_timed_out"), 0);
+        reaped(busy_poll, Duration::from_millis(2));
     }
 }
 
