@@ -183,7 +183,7 @@ impl TracingConfig {
 }
 
 /// `[rdma]`: the local RDMA device of `transport = rdma|auto` devices.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RdmaConfig {
     /// Device name (`rxe0`, `mlx5_0`); unset takes the first device with an
@@ -200,9 +200,24 @@ pub struct RdmaConfig {
     /// Leases each queue keeps across requests: a READ or WRITE of a blob
     /// whose lease is cached moves its payload with no control round trip.
     /// Each pins an arena slot at the peer (which revokes them under
-    /// pressure); unset: 256.
-    #[serde(default)]
-    pub lease_cache: Option<usize>,
+    /// pressure).
+    #[serde(default = "default_lease_cache")]
+    pub lease_cache: usize,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        Self {
+            device: None,
+            port: None,
+            gid_index: None,
+            lease_cache: DEFAULT_LEASE_CACHE,
+        }
+    }
+}
+
+fn default_lease_cache() -> usize {
+    DEFAULT_LEASE_CACHE
 }
 
 /// Longest `busy_poll_us`: a spin past it costs more than it saves.
@@ -237,21 +252,19 @@ impl RdmaConfig {
         if self.port == Some(0) {
             return Err(invalid("rdma.port", 0, "must be between 1 and 255"));
         }
-        if let Some(n) = self.lease_cache {
-            if n > MAX_LEASE_CACHE {
-                return Err(invalid(
-                    "rdma.lease_cache",
-                    n,
-                    format!("must be at most {MAX_LEASE_CACHE}"),
-                ));
-            }
+        if self.lease_cache > MAX_LEASE_CACHE {
+            return Err(invalid(
+                "rdma.lease_cache",
+                self.lease_cache,
+                format!("must be at most {MAX_LEASE_CACHE}"),
+            ));
         }
         Ok(())
     }
 
-    /// `lease_cache`, or its default.
+    /// Leases each queue caches.
     pub fn lease_cache(&self) -> usize {
-        self.lease_cache.unwrap_or(DEFAULT_LEASE_CACHE)
+        self.lease_cache
     }
 }
 
