@@ -623,14 +623,18 @@ struct RawRail {
 
 impl RawRail {
     fn up(p: &Arc<dyn RdmaProvider>, c: &ArenaClient) -> RawRail {
-        let qp = p.create_qp(16).unwrap();
+        let qp = p.domain().create_qp(16).unwrap();
         let accept = block_on(c.rail_connect(qp.endpoint())).unwrap();
         qp.connect(&accept.endpoint).unwrap();
         let mut buf = vec![0u8; BLOB as usize];
         // SAFETY: `buf` lives as long as the region (declared after it, so
         // dropped later; its heap block never moves) and is only touched by
         // the device while a request this test waits for is in flight.
-        let mr = unsafe { p.register(buf.as_mut_ptr(), buf.len(), Access::Local) }.unwrap();
+        let mr = unsafe {
+            p.domain()
+                .register(buf.as_mut_ptr(), buf.len(), Access::Local)
+        }
+        .unwrap();
         RawRail {
             qp,
             accept,
@@ -1026,7 +1030,7 @@ fn an_old_client_is_refused_a_rail_when_keys_are_per_lease() {
         )
         .unwrap();
         assert_eq!(s.welcome.caps, CAP_TCP_DATA | CAP_RDMA);
-        let qp = p.create_qp(4).unwrap();
+        let qp = p.domain().create_qp(4).unwrap();
         let mut f = Vec::new();
         proto::encode_request(&mut f, 1, &Request::RailConnect(qp.endpoint()));
         s.send(&f).unwrap();

@@ -106,7 +106,11 @@ impl ServerRdma {
                 // meanwhile (a write-back copies a leased slot first):
                 // clients are trusted with every volume in this mode
                 // (OPERATIONS.md).
-                let r = unsafe { provider.register(base, len, Access::RemoteReadWrite)? };
+                let r = unsafe {
+                    provider
+                        .domain()
+                        .register(base, len, Access::RemoteReadWrite)?
+                };
                 Some(r)
             }
         };
@@ -176,7 +180,7 @@ impl ServerRdma {
                 let qp = d.create_qp(self.qp_depth)?;
                 (Some(d), qp)
             }
-            Isolation::Shared => (None, self.provider.create_qp(self.qp_depth)?),
+            Isolation::Shared => (None, self.provider.domain().create_qp(self.qp_depth)?),
         };
         qp.connect(client)?;
         let answer = RailAccept {

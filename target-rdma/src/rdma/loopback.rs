@@ -186,7 +186,7 @@ impl Drop for Deregister {
 
 /// The loopback "device", with its own protection domain.
 pub struct LoopbackProvider {
-    own: Arc<Pd>,
+    own: LoopbackDomain,
 }
 
 impl Default for LoopbackProvider {
@@ -198,7 +198,9 @@ impl Default for LoopbackProvider {
             refuse_registration: Mutex::default(),
             completion_delay: Mutex::default(),
         });
-        Self { own: Pd::new(dev) }
+        Self {
+            own: LoopbackDomain(Pd::new(dev)),
+        }
     }
 }
 
@@ -209,7 +211,7 @@ impl LoopbackProvider {
     }
 
     fn dev(&self) -> &Dev {
-        &self.own.dev
+        &self.own.0.dev
     }
 
     /// The next post on any QP of this provider completes with `status`
@@ -261,21 +263,14 @@ impl RdmaProvider for LoopbackProvider {
         "loopback".into()
     }
 
-    unsafe fn register(
-        &self,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion, RdmaError> {
-        self.own.register(addr, len, access)
-    }
-
-    fn create_qp(&self, _depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
-        self.own.create_qp()
+    fn domain(&self) -> &dyn Domain {
+        &self.own
     }
 
     fn new_domain(&self) -> Result<Arc<dyn Domain>, RdmaError> {
-        Ok(Arc::new(LoopbackDomain(Pd::new(Arc::clone(&self.own.dev)))))
+        Ok(Arc::new(LoopbackDomain(Pd::new(Arc::clone(
+            &self.own.0.dev,
+        )))))
     }
 
     fn limits(&self) -> Result<DeviceLimits, RdmaError> {
@@ -495,7 +490,7 @@ mod tests {
     /// A QP pair: `server` in `domain`, `client` in the provider's own.
     fn pair(p: &LoopbackProvider, domain: &dyn Domain) -> (Box<dyn QueuePair>, Box<dyn QueuePair>) {
         let server = domain.create_qp(4).unwrap();
-        let client = p.create_qp(4).unwrap();
+        let client = p.domain().create_qp(4).unwrap();
         server.connect(&client.endpoint()).unwrap();
         client.connect(&server.endpoint()).unwrap();
         (server, client)
@@ -532,7 +527,11 @@ mod tests {
         let base = arena.as_mut_ptr();
         // SAFETY: `buf` and `arena` outlive every region (dropped at the
         // end of the test, after them) and are only touched by posts here.
-        let local = unsafe { p.register(buf.as_mut_ptr(), buf.len(), Access::Local) }.unwrap();
+        let local = unsafe {
+            p.domain()
+                .register(buf.as_mut_ptr(), buf.len(), Access::Local)
+        }
+        .unwrap();
         let (a, b) = (p.new_domain().unwrap(), p.new_domain().unwrap());
         assert_eq!(p.live_domains(), 3);
         // SAFETY: as above.
@@ -569,7 +568,7 @@ mod tests {
                 wc_status::WR_FLUSH_ERR
             );
             // The responder is in error too: it answers nobody any more.
-            let again = p.create_qp(4).unwrap();
+            let again = p.domain().create_qp(4).unwrap();
             again.connect(&server.endpoint()).unwrap();
             assert_eq!(
                 one(&*again, RdmaOp::Read, &local, at(0), ro.rkey, 16),

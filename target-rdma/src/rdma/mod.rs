@@ -338,31 +338,15 @@ impl WcCategory {
     }
 }
 
-/// A device session: registers memory and creates queue pairs in its own
-/// protection domain, and makes further protection domains.
+/// A device session: a protection domain of its own (where the client
+/// registers its buffers and creates its QP), and further protection
+/// domains on demand.
 pub trait RdmaProvider: Send + Sync {
     /// Device name, for logs.
     fn device_name(&self) -> String;
 
-    /// Registers `[addr, addr + len)` for local write and `access`, in the
-    /// provider's own protection domain.
-    ///
-    /// # Safety
-    ///
-    /// The memory must stay mapped and valid for the lifetime of the returned
-    /// region, and every RDMA access through it must not race Rust
-    /// references to the same bytes.
-    unsafe fn register(
-        &self,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion, RdmaError>;
-
-    /// Creates an RC queue pair with `depth` send slots and its own
-    /// completion queue and channel, in INIT, in the provider's own
-    /// protection domain.
-    fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError>;
+    /// The provider's own protection domain.
+    fn domain(&self) -> &dyn Domain;
 
     /// A new protection domain: what is registered in it is reachable only
     /// through queue pairs created in it (arenad makes one per RDMA
@@ -384,7 +368,9 @@ pub trait Domain: Send + Sync {
     ///
     /// # Safety
     ///
-    /// As [`RdmaProvider::register`].
+    /// The memory must stay mapped and valid for the lifetime of the returned
+    /// region, and every RDMA access through it must not race Rust
+    /// references to the same bytes.
     unsafe fn register(
         &self,
         addr: *mut u8,
@@ -392,7 +378,8 @@ pub trait Domain: Send + Sync {
         access: Access,
     ) -> Result<MemoryRegion, RdmaError>;
 
-    /// Creates a queue pair in this domain, as [`RdmaProvider::create_qp`].
+    /// Creates an RC queue pair in this domain with `depth` send slots and
+    /// its own completion queue and channel, in INIT.
     fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError>;
 }
 

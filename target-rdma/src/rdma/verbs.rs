@@ -160,18 +160,8 @@ impl RdmaProvider for SidewayProvider {
         format!("{}:{}/gid{}", p.name, p.port, p.gid_index)
     }
 
-    unsafe fn register(
-        &self,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion, RdmaError> {
-        // SAFETY: forwarded contract.
-        unsafe { self.own.register(addr, len, access) }
-    }
-
-    fn create_qp(&self, depth: u32) -> Result<Box<dyn QueuePair>, RdmaError> {
-        self.own.create_qp(depth)
+    fn domain(&self) -> &dyn Domain {
+        &self.own
     }
 
     fn new_domain(&self) -> Result<Arc<dyn Domain>, RdmaError> {

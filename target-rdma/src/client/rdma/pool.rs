@@ -38,7 +38,11 @@ impl Pool {
         let mem = Box::into_raw(vec![0u8; len].into_boxed_slice());
         // SAFETY: `mem` is a live allocation of `len` bytes, freed in Drop
         // only after the region (declared first) is deregistered.
-        let mr = match unsafe { provider.register(mem.cast::<u8>(), len, Access::Local) } {
+        let mr = match unsafe {
+            provider
+                .domain()
+                .register(mem.cast::<u8>(), len, Access::Local)
+        } {
             Ok(mr) => mr,
             Err(e) => {
                 // SAFETY: `mem` came from Box::into_raw above and was not shared.
@@ -184,7 +188,7 @@ impl Memory {
             });
         };
         // SAFETY: forwarded contract; the region lives in `self`.
-        let mr = unsafe { p.register(addr, len, Access::Local) }
+        let mr = unsafe { p.domain().register(addr, len, Access::Local) }
             .inspect_err(|_| stats.inc(|s| &s.registration_failures))?;
         self.regions.lock().insert(mr);
         Ok(())
@@ -213,7 +217,7 @@ impl Memory {
         // SAFETY: the caller's buffer outlives the request, whose future
         // borrows it; an abandoned request fails the QP (InFlight) before
         // the borrow ends, and the region is dropped when the request ends.
-        match unsafe { p.register(addr as *mut u8, len, Access::Local) } {
+        match unsafe { p.domain().register(addr as *mut u8, len, Access::Local) } {
             Ok(mr) => {
                 stats.inc(|s| &s.registrations_per_op);
                 Ok(Local::PerOp(mr))

@@ -121,6 +121,7 @@ impl RdmaTransport {
     async fn try_establish(&self) -> Result<Arc<Rail>, String> {
         let provider = self.provider.as_ref().ok_or("no local RDMA device")?;
         let qp: Arc<dyn QueuePair> = provider
+            .domain()
             .create_qp(self.cfg.sq_depth)
             .map_err(|e| e.to_string())?
             .into();
@@ -204,7 +205,11 @@ mod tests {
     };
 
     fn rail(epoch: u64) -> Arc<Rail> {
-        let qp: Arc<dyn QueuePair> = LoopbackProvider::new().create_qp(4).unwrap().into();
+        let qp: Arc<dyn QueuePair> = LoopbackProvider::new()
+            .domain()
+            .create_qp(4)
+            .unwrap()
+            .into();
         let endpoint = qp.endpoint();
         Arc::new(Rail {
             engine: CompletionEngine::new(qp, 4, Duration::from_secs(5), Arc::default()),
