@@ -409,6 +409,15 @@ pub fn replicated<S: MemberIo>(members: Vec<(String, MemberSessions<S>)>) -> Arc
     .expect("open the replicated volume")
 }
 
+/// The host's RDMA device (soft-RoCE in the VM suite): the tests that
+/// need one are ignored elsewhere, so a missing device is a panic.
+pub fn rdma_device() -> Arc<dyn RdmaProvider> {
+    Arc::new(
+        crate::rdma::verbs::SidewayProvider::open(&crate::rdma::DeviceSelector::default())
+            .expect("an RDMA device (soft-RoCE: scripts/vm/guest/rdma.sh)"),
+    )
+}
+
 /// Connects a [`ClientConfig::driven`] client and runs its driver on a
 /// [`UringLoop`] thread until the client is dropped.
 pub fn driven(cfg: ClientConfig) -> ArenaClient {

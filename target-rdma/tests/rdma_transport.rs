@@ -15,10 +15,8 @@ use target_rdma::proto::{
     VERSION_2,
 };
 use target_rdma::rdma::loopback::LoopbackProvider;
-use target_rdma::rdma::verbs::SidewayProvider;
 use target_rdma::rdma::{
-    wc_status, Access, DeviceSelector, Isolation, MemoryRegion, QueuePair, RdmaOp, RdmaProvider,
-    WorkRequest,
+    wc_status, Access, Isolation, MemoryRegion, QueuePair, RdmaOp, RdmaProvider, WorkRequest,
 };
 use target_rdma::store::LeaseLimits;
 use target_rdma::testing::*;
@@ -166,8 +164,7 @@ fn loopback_payloads_go_by_rdma_and_a_forced_fallback_is_counted() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_payloads_go_by_rdma_and_a_forced_fallback_is_counted() {
-    let p: Arc<dyn RdmaProvider> =
-        Arc::new(SidewayProvider::open(&DeviceSelector::default()).unwrap());
+    let p = rdma_device();
     let s = setup(Some(p.clone()), Ok(p), cfg());
     assert!(s.t.rdma_status().is_ok());
     payloads_go_by_rdma_and_a_forced_fallback_is_counted(&s.t);
@@ -863,9 +860,7 @@ fn loopback_a_session_key_reaches_only_its_leased_slots() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_isolation_a_session_key_reaches_only_its_leased_slots() {
-    a_session_key_reaches_only_its_leased_slots(Arc::new(
-        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
-    ));
+    a_session_key_reaches_only_its_leased_slots(rdma_device());
 }
 
 /// A lease's key dies with the lease: after COMMIT, after RELEASE, after a
@@ -941,9 +936,7 @@ fn loopback_keys_die_with_their_leases() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_isolation_keys_die_with_their_leases() {
-    keys_die_with_their_leases(Arc::new(
-        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
-    ));
+    keys_die_with_their_leases(rdma_device());
 }
 
 /// A lease that is revoked and not given back is ended by force when
@@ -1005,9 +998,7 @@ fn loopback_a_force_ended_lease_key_no_longer_reaches_the_slot() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_isolation_a_force_ended_lease_key_no_longer_reaches_the_slot() {
-    a_force_ended_lease_key_no_longer_reaches_the_slot(Arc::new(
-        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
-    ));
+    a_force_ended_lease_key_no_longer_reaches_the_slot(rdma_device());
 }
 
 /// A client that did not offer `CAP_RDMA_LEASE_KEYS` (an older build) is
@@ -1150,9 +1141,7 @@ fn loopback_the_shared_region_is_an_explicit_choice_and_still_serves() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_isolation_the_shared_region_is_an_explicit_choice_and_still_serves() {
-    the_shared_region_is_an_explicit_choice_and_still_serves(Arc::new(
-        SidewayProvider::open(&DeviceSelector::default()).unwrap(),
-    ));
+    the_shared_region_is_an_explicit_choice_and_still_serves(rdma_device());
 }
 
 /// What the device holds for per-lease isolation (a protection domain per
@@ -1161,7 +1150,7 @@ fn verbs_isolation_the_shared_region_is_an_explicit_choice_and_still_serves() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_isolation_device_limits() {
-    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
+    let p = rdma_device();
     let l = p.limits().unwrap();
     println!(
         "device {} max_pd {} max_mr {}",
@@ -1293,8 +1282,5 @@ fn loopback_isolation_cost_runs() {
 #[test]
 #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
 fn verbs_isolation_cost_per_lease() {
-    isolation_cost(
-        Arc::new(SidewayProvider::open(&DeviceSelector::default()).unwrap()),
-        150,
-    );
+    isolation_cost(rdma_device(), 150);
 }

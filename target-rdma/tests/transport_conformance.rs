@@ -11,8 +11,7 @@ use target_rdma::blob::{BlobIo, ErrorKind, Transport, Via};
 use target_rdma::client::RdmaTransport;
 use target_rdma::proto::Status;
 use target_rdma::rdma::loopback::LoopbackProvider;
-use target_rdma::rdma::verbs::SidewayProvider;
-use target_rdma::rdma::{DeviceSelector, RdmaProvider};
+use target_rdma::rdma::RdmaProvider;
 use target_rdma::replica::ReplicatedIo;
 use target_rdma::store::{InProcess, Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::*;
@@ -183,14 +182,12 @@ fn rdma_loopback_driven() -> Fixture<RdmaTransport> {
 /// Real verbs: needs an RDMA device (soft-RoCE in the VM suite,
 /// `scripts/vm/guest/rdma.sh`), hence ignored elsewhere.
 fn rdma_verbs() -> Fixture<RdmaTransport> {
-    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
-    rdma_over(Arc::new(p), false)
+    rdma_over(rdma_device(), false)
 }
 
 /// Real verbs, driven (VM suite).
 fn rdma_verbs_driven() -> Fixture<RdmaTransport> {
-    let p = SidewayProvider::open(&DeviceSelector::default()).unwrap();
-    rdma_over(Arc::new(p), true)
+    rdma_over(rdma_device(), true)
 }
 
 /// The path a transport's payloads take (every fixture moves every payload
