@@ -161,20 +161,21 @@ pub fn run(
         }));
     }
     let waker = exe.spawn(wake_task(Arc::clone(&efd)));
-    // Its wakes come from this thread, but for a reconnect made by
-    // another (the device manager's), so it is woken like the tags are.
+    // A TCP session's answers and an RDMA session's completions are
+    // reaped on this ring. The drivers' wakes come from this thread, but
+    // for a reconnect or a new rail made by another (the device
+    // manager's), so they are woken like the tags are.
     let driver = io.session().client().driver().map(|d| {
-        let efd = Arc::clone(&efd);
-        exe.spawn(async move {
-            CrossThread::new(d.run(&QueueRing), efd).await;
-        })
+        exe.spawn(CrossThread::new(
+            async move { d.run(&QueueRing).await },
+            Arc::clone(&efd),
+        ))
     });
-    // An RDMA session's completions are reaped here too.
     let cq_driver = io.session().rdma_cq_driver().map(|d| {
-        let efd = Arc::clone(&efd);
-        exe.spawn(async move {
-            CrossThread::new(d.run(&QueueRing), efd).await;
-        })
+        exe.spawn(CrossThread::new(
+            async move { d.run(&QueueRing).await },
+            Arc::clone(&efd),
+        ))
     });
     let run_exe = Rc::clone(&exe);
     smol::block_on(exe.run(async move {

@@ -90,14 +90,6 @@ impl CqHandoff {
     }
 }
 
-/// What a driven engine needs from its driver now.
-enum Work {
-    /// Requests in flight: reap them.
-    Reap(Arc<CompletionEngine>),
-    /// The transport is gone.
-    End,
-}
-
 /// Runs a driven RDMA transport's completions on its owner's loop; see
 /// [`RdmaTransport::cq_driver`](super::RdmaTransport::cq_driver).
 pub struct CqDriver {
@@ -114,19 +106,20 @@ impl CqDriver {
         futures::future::join(self.reap(ring), self.sweep(ring)).await;
     }
 
-    /// Ready when the engine being served has requests in flight; parked
-    /// (woken by a submit, an install or the end) otherwise.
-    async fn work(&self) -> Work {
+    /// The engine being served, once it has requests in flight; parked
+    /// (woken by a submit, an install or the end) until then. `None` once
+    /// the transport is gone.
+    async fn work(&self) -> Option<Arc<CompletionEngine>> {
         poll_fn(|cx| {
             let Ok(engine) = self.handoff.current(cx.waker()) else {
-                return Poll::Ready(Work::End);
+                return Poll::Ready(None);
             };
             let Some(engine) = engine else {
                 return Poll::Pending;
             };
             engine.park(cx.waker());
             if engine.in_flight() > 0 && !engine.stopped() {
-                Poll::Ready(Work::Reap(engine))
+                Poll::Ready(Some(engine))
             } else {
                 Poll::Pending
             }
@@ -136,11 +129,7 @@ impl CqDriver {
 
     async fn reap(&self, ring: &impl Ring) {
         let mut buf = Vec::new();
-        loop {
-            let engine = match self.work().await {
-                Work::Reap(e) => e,
-                Work::End => return,
-            };
+        while let Some(engine) = self.work().await {
             if self.spin(&engine, &mut buf) {
                 continue;
             }
@@ -168,30 +157,22 @@ impl CqDriver {
     /// Polls the completion queue until something completes or `busy_poll`
     /// passes; whether something completed.
     fn spin(&self, engine: &CompletionEngine, buf: &mut Vec<crate::rdma::Completion>) -> bool {
-        if engine.deliver(buf) > 0 {
-            return true;
-        }
-        if self.busy_poll.is_zero() {
-            return false;
-        }
         let until = Instant::now() + self.busy_poll;
-        while Instant::now() < until {
+        loop {
             if engine.deliver(buf) > 0 {
                 return true;
             }
+            if Instant::now() >= until {
+                return false;
+            }
             std::hint::spin_loop();
         }
-        false
     }
 
     /// Deadlines of the requests in flight, swept every tick while there
     /// are any.
     async fn sweep(&self, ring: &impl Ring) {
-        loop {
-            let engine = match self.work().await {
-                Work::Reap(e) => e,
-                Work::End => return,
-            };
+        while let Some(engine) = self.work().await {
             ring.tick().await;
             engine.expire(Instant::now());
         }
