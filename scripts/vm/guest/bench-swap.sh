@@ -5,13 +5,16 @@
 #
 # arenad's swap_dir is an ext4 on the NVMe disk; the device is 4x the arena
 # and written full, then arenad is restarted so that every blob starts in
-# swap. With BENCH_BASELINE_ARENAD set (an arenad binary of another build),
-# the same run is repeated with it on a fresh swap_dir, for a before/after
-# in one boot. With BENCH_ARENA_BIN (the arena benchmark's executable), its
-# cold-read case runs too, swap dir on the same disk: the store with 32
-# reads in flight, against fio in the same boot. Env: BENCH_RUNTIME (s per
-# job, default 20), BENCH_SIZE (device size, default 128M; the arena is a
-# quarter of it), BENCH_SECS / BENCH_ROUNDS for the arena benchmark.
+# swap. The same device is then read with its blobs resident (a range that
+# fits the arena, faulted in first): the ceiling the ublk path itself sets,
+# so cold / resident is what swap costs. With BENCH_BASELINE_ARENAD set (an
+# arenad binary of another build), the same run is repeated with it on a
+# fresh swap_dir, for a before/after in one boot. With BENCH_ARENA_BIN (the
+# arena benchmark's executable), its cold-read case runs too, swap dir on
+# the same disk: the store with 32 reads in flight, against fio in the same
+# boot. Env: BENCH_RUNTIME (s per job, default 20), BENCH_SIZE (device
+# size, default 128M; the arena is a quarter of it), BENCH_SECS /
+# BENCH_ROUNDS for the arena benchmark.
 set -u
 
 BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
@@ -76,7 +79,7 @@ arena_bytes = "$((SIZE_MIB / 4))M"
 blob_bytes = "1M"
 swap_dir = "$2"
 swap_bytes = "$((SIZE_MIB * 2))M"
-metrics_listen = "off"
+metrics_listen = "127.0.0.1:9470"
 rdma = "off"
 [[volume]]
 name = "swap"
@@ -87,6 +90,19 @@ TOML
     ARENAD_PID=$!
     for _ in $(seq 300); do (exec 3<>/dev/tcp/127.0.0.1/7070) 2>/dev/null && return 0; sleep 0.1; done
     return 1
+}
+
+# arenad's swap bytes read so far (its metrics endpoint).
+swap_read_bytes() {
+    python3 - <<'PY'
+import urllib.request
+for line in urllib.request.urlopen("http://127.0.0.1:9470/metrics", timeout=30).read().decode().splitlines():
+    if line.startswith("arenad_swap_read_bytes_total"):
+        print(int(float(line.split()[-1])))
+        break
+else:
+    print(0)
+PY
 }
 
 start_ublkd "$R/ublkd.log" || { echo "bench: ublkd did not start; see $R/ublkd.log"; exit 1; }
@@ -103,6 +119,16 @@ run_arenad() { # run_arenad NAME BINARY
     # The queue reconnects on its next request.
     timeout 300 dd if="$dev" of=/dev/null bs=4k count=1 iflag=direct status=none
     randread "ublk-$1" "$dev"
+    # The same device, ublkd and arenad with the blobs resident: the first
+    # eighth of the device (half the arena) read whole once, 1 MiB reads
+    # that fault each blob in, then random 4 KiB reads over just that
+    # range. What the ublk path itself delivers here, with no disk read.
+    timeout 900 dd if="$dev" of=/dev/null bs=1M count=$((SIZE_MIB / 8)) iflag=direct status=none
+    local before
+    before=$(swap_read_bytes)
+    randread "ublk-$1-resident" "$dev" "$((SIZE_MIB / 8))M"
+    # Proof that the range stayed resident: swap bytes read during the job.
+    echo $(($(swap_read_bytes) - before)) >"$R/ublk-$1-resident.swap"
     ctl del "${dev#/dev/ublkb}" >/dev/null
     kill "$ARENAD_PID"; wait "$ARENAD_PID" 2>/dev/null; ARENAD_PID=
 }
@@ -117,6 +143,11 @@ for name in this baseline; do
     [[ -f "$R/ublk-$name.json" ]] || continue
     read -r iops p99 <<<"$(summary "$R/ublk-$name.json")"
     printf '%-34s %8s %10s %8s\n' "ublk, arenad ($name build)" "$iops" "$p99" "$(python3 -c "print(f'{$iops / $disk:.2f}')")"
+    [[ -f "$R/ublk-$name-resident.json" ]] || continue
+    read -r res res_p99 <<<"$(summary "$R/ublk-$name-resident.json")"
+    printf '%-34s %8s %10s %8s\n' "  same device, blobs resident" "$res" "$res_p99" "$(python3 -c "print(f'{$res / $disk:.2f}')")"
+    echo "  cold / resident, $name build: $(python3 -c "print(f'{$iops / $res:.2f}')")" \
+        "(swap bytes read during the resident job: $(cat "$R/ublk-$name-resident.swap" 2>/dev/null))"
 done
 
 # The store itself, many reads in flight: the arena benchmark's cold-read
