@@ -401,8 +401,10 @@ pub fn assert_survives_slowloris(addr: &str, pid: u32, prefix: &str, max_connect
         std::thread::sleep(Duration::from_millis(100));
     }
     let (fds, rss) = (open_fds(pid), rss_bytes(pid));
+    // At the limit, a newly accepted connection is open for a moment
+    // before the oldest is shed for it: one above `max_connections`.
     assert!(
-        fds <= fds_before + max_connections,
+        fds <= fds_before + max_connections + 1,
         "{fds} descriptors open (were {fds_before}, max_connections {max_connections})"
     );
     assert!(
