@@ -170,6 +170,7 @@ pub struct ArenaMetrics {
     refusals: [Counter; ConnectionRefusal::COUNT],
     accept_errors: Counter,
     probes: Counter,
+    lease_key_failures: Counter,
     integrity_errors: [Counter; IntegrityCheck::COUNT],
     source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
 }
@@ -236,6 +237,7 @@ impl ArenaMetrics {
             }),
             accept_errors: c0("arenad_accept_errors_total"),
             probes: c0("arenad_probes_total"),
+            lease_key_failures: c0("arenad_rdma_lease_key_failures_total"),
             integrity_errors: IntegrityCheck::ALL.map(|c| {
                 let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
                 counter.increment(0);
@@ -293,6 +295,12 @@ impl ArenaMetrics {
     /// Counts a connection closed before it sent a byte.
     pub fn probe(&self) {
         self.probes.increment(1);
+    }
+
+    /// Counts a lease answered without its RDMA key because registering
+    /// the key failed.
+    pub fn lease_key_failure(&self) {
+        self.lease_key_failures.increment(1);
     }
 
     /// Publishes store state. Cumulative fields are applied as absolute

@@ -395,6 +395,12 @@ pub const ARENA: &[Family] = &[
         "Connections refused at authentication.",
     ),
     f(
+        "arenad_rdma_lease_key_failures_total",
+        Counter,
+        &[],
+        "Leases answered without their RDMA key: registering it failed.",
+    ),
+    f(
         "arenad_connections_refused_total",
         Counter,
         &["reason"],

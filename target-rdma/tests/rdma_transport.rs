@@ -1085,9 +1085,9 @@ fn a_closed_session_leaves_no_key_and_no_domain() {
 }
 
 /// A lease the server could not key (here: registrations of a slot's size
-/// fail) is answered without a key; the transport gives it back and moves
-/// that payload over TCP, counted as declined by the peer, and the data is
-/// right.
+/// fail) is answered without a key, counted by arenad; the transport gives
+/// it back and moves that payload over TCP, counted as declined by the
+/// peer, and the data is right.
 #[test]
 fn a_lease_the_peer_cannot_key_goes_over_tcp_counted() {
     let p = LoopbackProvider::new();
@@ -1100,6 +1100,11 @@ fn a_lease_the_peer_cannot_key_goes_over_tcp_counted() {
     assert!(out == data);
     assert_eq!(tcp(&s.t, TcpReason::Declined), 2);
     assert_eq!(count(&s.t, "rdma_transferred"), 0);
+    assert_eq!(
+        s._peer.metric("arenad_rdma_lease_key_failures_total", &[]),
+        2,
+        "arenad counts each lease it could not key"
+    );
     block_on(s.t.flush()).unwrap();
     assert_eq!(
         s._peer.store.stats().leases_held,

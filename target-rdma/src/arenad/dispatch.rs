@@ -465,13 +465,16 @@ impl Shared {
                     token = lease.token,
                     "the lease ended before its key was registered: answered without one"
                 ),
-                Err(e) => warn!(
-                    event = "rdma.lease_key_failed",
-                    conn = conn.id,
-                    token = lease.token,
-                    error = %e,
-                    "registering the lease's key failed: answered without one (the client moves its payload over TCP)"
-                ),
+                Err(e) => {
+                    self.obs.lease_key_failed();
+                    warn!(
+                        event = "rdma.lease_key_failed",
+                        conn = conn.id,
+                        token = lease.token,
+                        error = %e,
+                        "registering the lease's key failed: answered without one (the client moves its payload over TCP)"
+                    );
+                }
             }
         }
         lease

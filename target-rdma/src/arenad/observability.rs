@@ -321,6 +321,12 @@ impl ArenadObservability {
     pub fn probe(&self) {
         self.metrics.probe();
     }
+
+    /// A lease's RDMA key could not be registered: the lease went without
+    /// one, and its holder moves that payload over TCP.
+    pub fn lease_key_failed(&self) {
+        self.metrics.lease_key_failure();
+    }
 }
 
 #[cfg(test)]
