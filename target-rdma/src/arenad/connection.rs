@@ -22,6 +22,7 @@ use tracing::{debug, warn};
 
 use crate::arenad::admission::Counted;
 use crate::arenad::barrier::WriteBarrier;
+use crate::arenad::dispatch::Wait;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
@@ -253,8 +254,11 @@ impl Shared {
         let started = Instant::now();
         let placed = self.place(conn, &h, &req.body)?;
         if placed.inline {
-            let answered = self.execute(conn, &h, &req.body);
-            return self.answer(conn, h, started, answered, !more).await;
+            if let Some(answered) = self.execute(conn, &h, &req.body, Wait::No).transpose() {
+                return self.answer(conn, h, started, answered, !more).await;
+            }
+            // Its blob was evicted, or its slot began a write-back, since
+            // `place`: the pool waits for the disk instead of this thread.
         }
         let ticket = placed.mutates.then(|| conn.barrier.begin());
         let covers = placed.flush.then(|| conn.barrier.last());

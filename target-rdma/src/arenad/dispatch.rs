@@ -18,7 +18,7 @@ use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
 use crate::rdma::Isolation;
-use crate::store::{Residency, StoreError};
+use crate::store::{Immediate, Residency, StoreError};
 
 /// Answers this large are written straight to the socket (when it is
 /// free) even when more requests wait to be answered.
@@ -35,6 +35,15 @@ pub(super) struct Placed {
     /// A READ of part of a cold blob: its disk read is awaited, not run on
     /// a pool thread.
     pub(super) cold_range: bool,
+}
+
+/// Whether a store call may wait for the disk: on the blocking pool it
+/// may; inline on a reactor thread it must not (a WRITE or ALLOC of a
+/// blob evicted or under write-back since [`Shared::place`] chose inline).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Wait {
+    Yes,
+    No,
 }
 
 /// A request's answer, encoded, and its status.
@@ -104,7 +113,7 @@ impl Shared {
         let (s, c) = (Arc::clone(self), Arc::clone(conn));
         self.pool
             .run(move || {
-                let r = s.execute(&c, &h, &req.body);
+                let r = s.execute(&c, &h, &req.body, Wait::Yes);
                 drop(req);
                 r
             })
@@ -113,6 +122,13 @@ impl Shared {
                 Err(Fatal::Io(std::io::Error::other(
                     "a request's store call panicked",
                 )))
+            })
+            .and_then(|answered| {
+                answered.ok_or_else(|| {
+                    Fatal::Io(std::io::Error::other(
+                        "a store call on the blocking pool declined to wait",
+                    ))
+                })
             })
     }
 
@@ -184,13 +200,17 @@ impl Shared {
         }
     }
 
-    /// Executes one request and encodes its answer (room left for its tag).
+    /// Executes one request and encodes its answer (room left for its tag);
+    /// `None` when, with [`Wait::No`], a WRITE or ALLOC found its blob cold
+    /// or its slot under write-back after all: nothing was done, the
+    /// request goes to the pool.
     pub(super) fn execute(
         self: &Arc<Self>,
         conn: &Session,
         h: &Header,
         body: &[u8],
-    ) -> Result<Answer, Fatal> {
+        wait: Wait,
+    ) -> Result<Option<Answer>, Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
         let vol = conn.vol.id;
@@ -224,11 +244,11 @@ impl Shared {
                     Status::Internal
                 }
             };
-            return Ok(answer(out, status));
+            return Ok(Some(answer(out, status)));
         }
         let _admitted = match self.admit(conn, &req, op, rid)? {
             Ok(a) => a,
-            Err(refused) => return Ok(refused),
+            Err(refused) => return Ok(Some(refused)),
         };
         let holder = conn.id;
         let ok = |()| Status::Ok;
@@ -251,11 +271,19 @@ impl Shared {
             }
             Request::Alloc { key } => {
                 let grant = self.start_grant(conn);
-                self.store.alloc(vol, key, holder).map(|lease| {
-                    let lease = self.key_lease(conn, grant, lease, true);
-                    proto::encode_lease(&mut out, op, rid, lease);
-                    Status::Ok
-                })
+                let leased = match wait {
+                    Wait::Yes => self.store.alloc(vol, key, holder).map(Immediate::Done),
+                    Wait::No => self.store.alloc_now(vol, key, holder),
+                };
+                match leased {
+                    Ok(Immediate::WouldWait) => return Ok(None),
+                    Ok(Immediate::Done(lease)) => {
+                        let lease = self.key_lease(conn, grant, lease, true);
+                        proto::encode_lease(&mut out, op, rid, lease);
+                        Ok(Status::Ok)
+                    }
+                    Err(e) => Err(e),
+                }
             }
             Request::Get { key } => {
                 let grant = self.start_grant(conn);
@@ -296,18 +324,26 @@ impl Shared {
                 .flush()
                 .map(|()| proto::encode_ok(&mut out, op, rid))
                 .map(ok),
-            Request::Write { key, offset, data } => self
-                .store
-                .write(vol, key, offset, data)
-                .map(|()| proto::encode_ok(&mut out, op, rid))
-                .map(ok),
+            Request::Write { key, offset, data } => {
+                let written = match wait {
+                    Wait::Yes => self
+                        .store
+                        .write(vol, key, offset, data)
+                        .map(Immediate::Done),
+                    Wait::No => self.store.write_now(vol, key, offset, data),
+                };
+                match written {
+                    Ok(Immediate::WouldWait) => return Ok(None),
+                    r => r.map(|_| proto::encode_ok(&mut out, op, rid)).map(ok),
+                }
+            }
             Request::RailConnect(client) => {
                 return self
                     .rail_connect(conn, op, rid, &client)
-                    .map(|(s, f)| answer(f, s))
+                    .map(|(s, f)| Some(answer(f, s)))
             }
         };
-        self.finish(conn, op, rid, result, out)
+        self.finish(conn, op, rid, result, out).map(Some)
     }
 
     /// Every data operation runs admitted under the volume's epoch, so a

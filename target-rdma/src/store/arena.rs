@@ -85,10 +85,20 @@ impl Arena {
 
     /// Exclusive access to a slot's bytes.
     pub(super) fn write(&self, slot: u32) -> SlotWrite<'_> {
-        let guard = self.locks[slot as usize].write();
+        self.exclusive(slot, self.locks[slot as usize].write())
+    }
+
+    /// Exclusive access to a slot's bytes if nobody holds them now (a
+    /// write-back holds them for its disk write).
+    pub(super) fn try_write(&self, slot: u32) -> Option<SlotWrite<'_>> {
+        let guard = self.locks[slot as usize].try_write()?;
+        Some(self.exclusive(slot, guard))
+    }
+
+    fn exclusive<'a>(&'a self, slot: u32, guard: RwLockWriteGuard<'a, ()>) -> SlotWrite<'a> {
         // SAFETY: the slot lies inside the live mapping, slots do not
-        // overlap, and the write lock held in the guard excludes every other
-        // access to this slot while the slice lives.
+        // overlap, and `guard` is this slot's write lock, held while the
+        // slice lives, which excludes every other access to it.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot), self.slot_bytes) };
         SlotWrite {
             _guard: guard,

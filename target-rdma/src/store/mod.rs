@@ -75,7 +75,7 @@ use parking_lot::RwLock;
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 use arena::Arena;
 use engine::{Core, Guard, State};
-pub use engine::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
+pub use engine::{ForceEndHook, Immediate, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 pub use in_process::InProcess;
 
 /// Where and how big the store is.

@@ -1633,7 +1633,10 @@ fn cleaner_writes_back_without_a_flush_and_a_crash_keeps_flushed_data() {
 /// A blob whose slot the cleaner is writing to swap reports
 /// `WritingBack` for as long as the disk write holds its slot locked, so
 /// arenad sends a WRITE or ALLOC of it to the blocking pool instead of
-/// blocking its reactor on the slot lock; reads and the data are unaffected.
+/// blocking its reactor on the slot lock; and if the write-back begins
+/// after that check, `write_now` and `alloc_now` decline rather than wait
+/// (here they would wait for as long as the test holds the slots, for
+/// ever). Reads and the data are unaffected.
 #[test]
 fn a_slot_under_write_back_is_reported_so_writes_wait_off_the_reactor() {
     let dir = tempfile::tempdir().unwrap();
@@ -1661,15 +1664,76 @@ fn a_slot_under_write_back_is_reported_so_writes_wait_off_the_reactor() {
         writing_back.contains(&Residency::WritingBack),
         "{writing_back:?}"
     );
+    let busy = writing_back
+        .iter()
+        .position(|r| *r == Residency::WritingBack)
+        .unwrap() as u64;
+    assert_eq!(
+        s.write_now(0, busy, 0, &pattern(100 + busy)).unwrap(),
+        Immediate::WouldWait
+    );
+    assert_eq!(s.alloc_now(0, busy, 1).unwrap(), Immediate::WouldWait);
+    assert_eq!(s.stats().leases_held, 0, "a declined ALLOC leases nothing");
     drop(held);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while (0..8).any(|k| s.residency(0, k) != Residency::Resident) {
         assert!(std::time::Instant::now() < deadline, "the write-back ended");
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
+    // A write-back that begins between arenad's residency check and the
+    // write: the blob still resident, its bytes held for reading.
+    let reading = s.core.arena.read(s.core.slot_of((0, busy)).unwrap());
+    assert_eq!(
+        s.write_now(0, busy, 0, &pattern(100 + busy)).unwrap(),
+        Immediate::WouldWait
+    );
+    drop(reading);
+    assert_eq!(
+        s.write_now(0, busy, 0, &pattern(100 + busy)).unwrap(),
+        Immediate::Done(()),
+        "the write-back ended: written at once"
+    );
     for k in 0..8 {
-        assert_eq!(blob(&s, 0, k).unwrap(), pattern(k), "key {k}");
+        let want = if k == busy { 100 + k } else { k };
+        assert_eq!(blob(&s, 0, k).unwrap(), pattern(want), "key {k}");
     }
+}
+
+/// `write_now` and `alloc_now` of a blob that is in swap only, or of no
+/// blob, decline: serving them would read the disk (or take a slot) on
+/// the caller's thread. Nothing is faulted in or created.
+#[test]
+fn calls_that_must_not_wait_decline_cold_and_absent_blobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 8, 64);
+    for k in 0..24 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.flush().unwrap();
+    assert_eq!(s.residency(0, 0), Residency::Cold);
+    let before = s.stats();
+    for k in [0, 1000] {
+        assert_eq!(
+            s.write_now(0, k, 0, &[1; 4096]).unwrap(),
+            Immediate::WouldWait,
+            "key {k}"
+        );
+        assert_eq!(s.alloc_now(0, k, 1).unwrap(), Immediate::WouldWait);
+    }
+    let after = s.stats();
+    assert_eq!(after.fault_ins, before.fault_ins);
+    assert_eq!(after.swap_bytes_read, before.swap_bytes_read);
+    assert_eq!(after.leases_held, 0);
+    assert_eq!(s.residency(0, 0), Residency::Cold);
+    assert_eq!(s.residency(0, 1000), Residency::Absent);
+    assert_eq!(blob(&s, 0, 0).unwrap(), pattern(0));
+    // A resident blob is written at once, and so is its lease.
+    assert_eq!(
+        s.write_now(0, 23, 0, &pattern(123)).unwrap(),
+        Immediate::Done(())
+    );
+    assert_eq!(blob(&s, 0, 23).unwrap(), pattern(123));
+    assert!(matches!(s.alloc_now(0, 23, 1).unwrap(), Immediate::Done(_)));
 }
 
 /// Two consecutive reads from swap start a read-ahead: with no further

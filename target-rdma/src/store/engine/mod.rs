@@ -56,6 +56,7 @@ mod write_back;
 
 use lease::Leases;
 pub use lease::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
+pub use residency::Immediate;
 
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.

@@ -1,10 +1,13 @@
 //! Whether a blob is in its slot now: arenad answers a request for a
 //! resident blob from the connection's task and sends any other to its
 //! blocking pool, so neither a fault-in from swap nor a write-back's disk
-//! write (which holds its slot locked for reading) stalls the reactor.
+//! write (which holds its slot locked for reading) stalls the reactor. The
+//! `_now` calls close the gap between that choice and the store call: they
+//! do nothing rather than wait.
 
 use super::State;
-use crate::store::{BlobKey, Residency};
+use crate::proto::Lease;
+use crate::store::{BlobKey, HolderId, Residency, Store, StoreError, VolumeId};
 
 impl State {
     pub(in crate::store) fn residency(&self, key: BlobKey) -> Residency {
@@ -17,5 +20,67 @@ impl State {
                 None => Residency::Cold,
             },
         }
+    }
+}
+
+/// The outcome of a store call made where it must not wait for the disk.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Immediate<T> {
+    Done(T),
+    /// Nothing was done: the blob is not in its slot (serving it would read
+    /// swap) or a write-back holds its slot for a disk write.
+    WouldWait,
+}
+
+impl Store {
+    /// [`Store::write`] of a resident blob, for a caller that must not wait
+    /// for the disk (arenad's reactor). [`Store::residency`] is only a hint
+    /// by the time the write comes: the blob may have been evicted, or the
+    /// cleaner may have begun writing its slot back, since. Both are checked
+    /// here, under the lock that pins the slot and on the slot itself.
+    pub fn write_now(
+        &self,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        data: &[u8],
+    ) -> Result<Immediate<()>, StoreError> {
+        self.check_range(offset, data.len())?;
+        let pinned = self.locked(|c, g| match g.residency((vol, key)) {
+            Residency::Resident => c.pin_or_create(g, vol, key, false).map(|s| Some(s.slot())),
+            _ => Ok(None),
+        })?;
+        let Some(slot) = pinned else {
+            return Ok(Immediate::WouldWait);
+        };
+        // The cleaner writes pinned slots back too, holding their bytes
+        // for reading across the disk write.
+        let wrote = match self.core.arena.try_write(slot) {
+            Some(mut bytes) => {
+                let o = offset as usize;
+                bytes[o..o + data.len()].copy_from_slice(data);
+                true
+            }
+            None => false,
+        };
+        self.locked(|_, g| g.unpin(slot, wrote));
+        Ok(match wrote {
+            true => Immediate::Done(()),
+            false => Immediate::WouldWait,
+        })
+    }
+
+    /// [`Store::alloc`] of a resident blob whose slot no write-back is
+    /// writing, for a caller that must not wait for the disk.
+    pub fn alloc_now(
+        &self,
+        vol: VolumeId,
+        key: u64,
+        holder: HolderId,
+    ) -> Result<Immediate<Lease>, StoreError> {
+        self.locked(|c, g| match g.residency((vol, key)) {
+            Residency::Resident => c.alloc(g, vol, key, holder).map(Immediate::Done),
+            _ => Ok(Immediate::WouldWait),
+        })
     }
 }
