@@ -38,8 +38,8 @@ pub(super) struct Placed {
 }
 
 /// Whether a store call may wait for the disk: on the blocking pool it
-/// may; inline on a reactor thread it must not (a WRITE or ALLOC of a
-/// blob evicted or under write-back since [`Shared::place`] chose inline).
+/// may; inline on a reactor thread it must not (a request whose blob was
+/// evicted, or went under write-back, since [`Shared::place`] chose inline).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Wait {
     Yes,
@@ -201,9 +201,9 @@ impl Shared {
     }
 
     /// Executes one request and encodes its answer (room left for its tag);
-    /// `None` when, with [`Wait::No`], a WRITE or ALLOC found its blob cold
-    /// or its slot under write-back after all: nothing was done, the
-    /// request goes to the pool.
+    /// `None` when, with [`Wait::No`], a READ, GET, WRITE or ALLOC found
+    /// its blob evicted, or (WRITE, ALLOC) its slot under write-back, after
+    /// all: nothing was done, the request goes to the pool.
     pub(super) fn execute(
         self: &Arc<Self>,
         conn: &Session,
@@ -255,19 +255,31 @@ impl Shared {
         let result = match req {
             Request::Epoch { .. } => unreachable!("answered above"),
             Request::Read { key, offset, len } => {
-                self.store
-                    .read_with(vol, key, offset, len as usize, |bytes| match bytes {
-                        Some(b) => {
-                            out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
-                            proto::encode_read_head(&mut out, rid, len);
-                            out.extend_from_slice(b);
-                            Status::Ok
-                        }
-                        None => {
-                            proto::encode_error(&mut out, op, rid, Status::NotFound, "");
-                            Status::NotFound
-                        }
-                    })
+                let encode = |bytes: Option<&[u8]>| match bytes {
+                    Some(b) => {
+                        out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
+                        proto::encode_read_head(&mut out, rid, len);
+                        out.extend_from_slice(b);
+                        Status::Ok
+                    }
+                    None => {
+                        proto::encode_error(&mut out, op, rid, Status::NotFound, "");
+                        Status::NotFound
+                    }
+                };
+                let n = len as usize;
+                let read = match wait {
+                    Wait::Yes => self
+                        .store
+                        .read_with(vol, key, offset, n, encode)
+                        .map(Immediate::Done),
+                    Wait::No => self.store.read_now(vol, key, offset, n, encode),
+                };
+                match read {
+                    Ok(Immediate::WouldWait) => return Ok(None),
+                    Ok(Immediate::Done(status)) => Ok(status),
+                    Err(e) => Err(e),
+                }
             }
             Request::Alloc { key } => {
                 let grant = self.start_grant(conn);
@@ -287,17 +299,23 @@ impl Shared {
             }
             Request::Get { key } => {
                 let grant = self.start_grant(conn);
-                self.store.get(vol, key, holder).map(|lease| match lease {
-                    Some(lease) => {
+                let leased = match wait {
+                    Wait::Yes => self.store.get(vol, key, holder).map(Immediate::Done),
+                    Wait::No => self.store.get_now(vol, key, holder),
+                };
+                match leased {
+                    Ok(Immediate::WouldWait) => return Ok(None),
+                    Ok(Immediate::Done(Some(lease))) => {
                         let lease = self.key_lease(conn, grant, lease, false);
                         proto::encode_lease(&mut out, op, rid, lease);
-                        Status::Ok
+                        Ok(Status::Ok)
                     }
-                    None => {
+                    Ok(Immediate::Done(None)) => {
                         proto::encode_error(&mut out, op, rid, Status::NotFound, "");
-                        Status::NotFound
+                        Ok(Status::NotFound)
                     }
-                })
+                    Err(e) => Err(e),
+                }
             }
             Request::Commit { key, token } => {
                 self.unkey(conn, &[token]);

@@ -59,15 +59,7 @@ impl Store {
         loop {
             match self.fairly(|c, g| c.plan_read(g, vol, key, offset, len))? {
                 ReadPlan::Absent => return Ok(f(None)),
-                ReadPlan::Slot(slot) => {
-                    let r = {
-                        let bytes = self.core.arena.read(slot);
-                        let o = offset as usize;
-                        f(Some(&bytes[o..o + len]))
-                    };
-                    self.locked(|_, g| g.unpin(slot, false));
-                    return Ok(r);
-                }
+                ReadPlan::Slot(slot) => return Ok(self.read_pinned(slot, offset, len, f)),
                 ReadPlan::Swap(d) => {
                     let Some(buf) = self.core.read_direct(&d)? else {
                         continue;
@@ -79,6 +71,23 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// Hands `len` bytes at `offset` of pinned `slot` to `f`, then unpins it.
+    pub(super) fn read_pinned<R>(
+        &self,
+        slot: u32,
+        offset: u32,
+        len: usize,
+        f: impl FnOnce(Option<&[u8]>) -> R,
+    ) -> R {
+        let r = {
+            let bytes = self.core.arena.read(slot);
+            let o = offset as usize;
+            f(Some(&bytes[o..o + len]))
+        };
+        self.locked(|_, g| g.unpin(slot, false));
+        r
     }
 
     /// [`Store::read_with`] for part of a cold blob, its disk read awaited

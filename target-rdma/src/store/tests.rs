@@ -1675,6 +1675,13 @@ fn a_slot_under_write_back_is_reported_so_writes_wait_off_the_reactor() {
     assert_eq!(s.alloc_now(0, busy, 1).unwrap(), Immediate::WouldWait);
     assert_eq!(s.stats().leases_held, 0, "a declined ALLOC leases nothing");
     drop(held);
+    // Reading shares the write-back's lock: served, once the test's
+    // stand-in for the slow disk lets go of the bytes.
+    assert_eq!(
+        s.read_now(0, busy, 0, B as usize, |b| b.unwrap().to_vec())
+            .unwrap(),
+        Immediate::Done(pattern(busy))
+    );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while (0..8).any(|k| s.residency(0, k) != Residency::Resident) {
         assert!(std::time::Instant::now() < deadline, "the write-back ended");
@@ -1699,9 +1706,11 @@ fn a_slot_under_write_back_is_reported_so_writes_wait_off_the_reactor() {
     }
 }
 
-/// `write_now` and `alloc_now` of a blob that is in swap only, or of no
-/// blob, decline: serving them would read the disk (or take a slot) on
-/// the caller's thread. Nothing is faulted in or created.
+/// The `_now` calls of a blob that is in swap only decline: serving them
+/// would read the disk on the caller's thread. Nothing is faulted in.
+/// `write_now` and `alloc_now` of no blob decline too (they would take a
+/// slot, maybe by a write-back); `read_now` and `get_now` of no blob answer
+/// that there is none.
 #[test]
 fn calls_that_must_not_wait_decline_cold_and_absent_blobs() {
     let dir = tempfile::tempdir().unwrap();
@@ -1720,6 +1729,16 @@ fn calls_that_must_not_wait_decline_cold_and_absent_blobs() {
         );
         assert_eq!(s.alloc_now(0, k, 1).unwrap(), Immediate::WouldWait);
     }
+    assert_eq!(
+        s.read_now(0, 0, 0, 1024, |b| b.is_some()).unwrap(),
+        Immediate::WouldWait
+    );
+    assert_eq!(s.get_now(0, 0, 1).unwrap(), Immediate::WouldWait);
+    assert_eq!(
+        s.read_now(0, 1000, 0, 1024, |b| b.is_some()).unwrap(),
+        Immediate::Done(false)
+    );
+    assert_eq!(s.get_now(0, 1000, 1).unwrap(), Immediate::Done(None));
     let after = s.stats();
     assert_eq!(after.fault_ins, before.fault_ins);
     assert_eq!(after.swap_bytes_read, before.swap_bytes_read);
@@ -1733,6 +1752,15 @@ fn calls_that_must_not_wait_decline_cold_and_absent_blobs() {
         Immediate::Done(())
     );
     assert_eq!(blob(&s, 0, 23).unwrap(), pattern(123));
+    assert_eq!(
+        s.read_now(0, 23, 1024, 1024, |b| b.unwrap().to_vec())
+            .unwrap(),
+        Immediate::Done(pattern(123)[1024..2048].to_vec())
+    );
+    assert!(matches!(
+        s.get_now(0, 23, 1).unwrap(),
+        Immediate::Done(Some(_))
+    ));
     assert!(matches!(s.alloc_now(0, 23, 1).unwrap(), Immediate::Done(_)));
 }
 

@@ -2,8 +2,9 @@
 //! resident blob from the connection's task and sends any other to its
 //! blocking pool, so neither a fault-in from swap nor a write-back's disk
 //! write (which holds its slot locked for reading) stalls the reactor. The
-//! `_now` calls close the gap between that choice and the store call: they
-//! do nothing rather than wait.
+//! `_now` calls close the gap between that choice and the store call (an
+//! eviction, a write-back begun in between): they do nothing rather than
+//! wait.
 
 use super::State;
 use crate::proto::Lease;
@@ -67,6 +68,42 @@ impl Store {
         Ok(match wrote {
             true => Immediate::Done(()),
             false => Immediate::WouldWait,
+        })
+    }
+
+    /// [`Store::read_with`] of a blob in its slot (a write-back shares its
+    /// bytes) or of no blob, for a caller that must not wait for the disk:
+    /// a blob evicted since the caller's check is not faulted in here.
+    pub fn read_now<R>(
+        &self,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        len: usize,
+        f: impl FnOnce(Option<&[u8]>) -> R,
+    ) -> Result<Immediate<R>, StoreError> {
+        self.check_range(offset, len)?;
+        let pinned = self.locked(|c, g| match g.residency((vol, key)) {
+            Residency::Cold => Ok(None),
+            _ => c.pin(g, vol, key).map(Some),
+        })?;
+        Ok(match pinned {
+            None => Immediate::WouldWait,
+            Some(None) => Immediate::Done(f(None)),
+            Some(Some(slot)) => Immediate::Done(self.read_pinned(slot, offset, len, f)),
+        })
+    }
+
+    /// [`Store::get`] for a caller that must not wait for the disk.
+    pub fn get_now(
+        &self,
+        vol: VolumeId,
+        key: u64,
+        holder: HolderId,
+    ) -> Result<Immediate<Option<Lease>>, StoreError> {
+        self.locked(|c, g| match g.residency((vol, key)) {
+            Residency::Cold => Ok(Immediate::WouldWait),
+            _ => c.get(g, vol, key, holder).map(Immediate::Done),
         })
     }
 
