@@ -22,7 +22,7 @@ use tracing::{debug, warn};
 
 use crate::arenad::admission::Counted;
 use crate::arenad::barrier::WriteBarrier;
-use crate::arenad::dispatch::Wait;
+use crate::arenad::dispatch::{place, Wait};
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
@@ -252,28 +252,22 @@ impl Shared {
             ));
         }
         let started = Instant::now();
-        let placed = self.place(conn, &h, &req.body)?;
+        let placed = place(&h, &req.body)?;
         if placed.inline {
             if let Some(answered) = self.execute(conn, &h, &req.body, Wait::No).transpose() {
                 return self.answer(conn, h, started, answered, !more).await;
             }
-            // Its blob was evicted, or its slot began a write-back, since
-            // `place`: the pool waits for the disk instead of this thread.
+            // Its blob needs the disk: off the task, so this thread does
+            // not wait for it.
         }
         let ticket = placed.mutates.then(|| conn.barrier.begin());
         let covers = placed.flush.then(|| conn.barrier.last());
-        // A cold range read's answer is queued, not written by its job:
-        // the reads whose completions were reaped together are answered
-        // together, in one write by the writer.
-        let direct = !placed.cold_range;
         let (server, conn) = (Arc::clone(self), Arc::clone(conn));
         jobs.spawn(async move {
             if let Some(upto) = covers {
                 conn.barrier.wait_through(upto).await;
             }
-            let answered = server
-                .execute_off_task(&conn, h, req, placed.cold_range)
-                .await;
+            let (answered, direct) = server.execute_off_task(&conn, h, req).await;
             if let Some(t) = ticket {
                 conn.barrier.end(t);
             }

@@ -1,5 +1,5 @@
 //! What a request does: where it runs (inline on the connection's task
-//! when it only takes short locks on resident state; a range read of a
+//! when its store call finds the blob needs no disk; a range read of a
 //! cold blob awaited on the swap's shared ring, so a connection keeps many
 //! in flight without a thread each; else on the blocking pool) and its
 //! store call, which encodes the answer.
@@ -18,28 +18,26 @@ use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
 use crate::rdma::Isolation;
-use crate::store::{Immediate, Residency, StoreError};
+use crate::store::{Immediate, StoreError};
 
 /// Answers this large are written straight to the socket (when it is
 /// free) even when more requests wait to be answered.
 const DIRECT_ALWAYS: usize = 64 << 10;
 
-/// Where a request runs, and what a FLUSH must wait for.
+/// Where a request starts, and what a FLUSH must wait for.
 pub(super) struct Placed {
-    /// On the connection's task (resident blob, or no blob at all).
+    /// On the connection's task, through the store's calls that decline
+    /// rather than wait ([`Wait::No`]).
     pub(super) inline: bool,
     /// Changes what a later FLUSH must cover.
     pub(super) mutates: bool,
     /// A FLUSH.
     pub(super) flush: bool,
-    /// A READ of part of a cold blob: its disk read is awaited, not run on
-    /// a pool thread.
-    pub(super) cold_range: bool,
 }
 
 /// Whether a store call may wait for the disk: on the blocking pool it
-/// may; inline on a reactor thread it must not (a request whose blob was
-/// evicted, or went under write-back, since [`Shared::place`] chose inline).
+/// may; inline on a reactor thread it must not, and the store's `_now`
+/// calls decline a blob that would need it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Wait {
     Yes,
@@ -52,66 +50,57 @@ pub(super) struct Answer {
     frame: Vec<u8>,
 }
 
-impl Shared {
-    /// Decides where a request runs: inline only when its store call cannot
-    /// read the disk or wait for a write-back (a blob in its slot; a READ
-    /// or GET of no blob; COMMIT and RELEASE, which only end leases).
-    pub(super) fn place(&self, conn: &Session, h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
-        let req = proto::decode_request(h, body)
-            .map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
-        let vol = conn.vol.id;
-        let resident = |key| self.store.residency(vol, key);
-        let mut cold_range = false;
-        let inline = match req {
-            Request::Read { key, offset, len } => {
-                let cold = resident(key) == Residency::Cold;
-                cold_range = cold && !(offset == 0 && len == self.store.blob_bytes());
-                !cold
-            }
-            Request::Get { key } => resident(key) != Residency::Cold,
-            // A slot being written back is locked for the disk write's
-            // length: writing it would hold the reactor thread that long.
-            Request::Write { key, .. } | Request::Alloc { key } => {
-                resident(key) == Residency::Resident
-            }
-            Request::Commit { .. } | Request::Release { .. } => true,
-            Request::Remove { .. }
-            | Request::Flush
-            | Request::Epoch { .. }
-            | Request::RailConnect(_) => false,
-        };
-        Ok(Placed {
-            inline,
-            mutates: matches!(
-                req,
-                Request::Write { .. }
-                    | Request::Alloc { .. }
-                    | Request::Commit { .. }
-                    | Request::Release { .. }
-                    | Request::Remove { .. }
-            ),
-            flush: matches!(req, Request::Flush),
-            cold_range,
-        })
-    }
+/// Decides where a request starts: a READ, GET, WRITE or ALLOC inline,
+/// where the store decides under the lock that pins the slot whether it
+/// can be served without the disk (residency checked any earlier could
+/// change before the call); COMMIT and RELEASE inline too, as they only end
+/// leases; the rest off the task.
+pub(super) fn place(h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
+    let req =
+        proto::decode_request(h, body).map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
+    Ok(Placed {
+        inline: matches!(
+            req,
+            Request::Read { .. }
+                | Request::Get { .. }
+                | Request::Write { .. }
+                | Request::Alloc { .. }
+                | Request::Commit { .. }
+                | Request::Release { .. }
+        ),
+        mutates: matches!(
+            req,
+            Request::Write { .. }
+                | Request::Alloc { .. }
+                | Request::Commit { .. }
+                | Request::Release { .. }
+                | Request::Remove { .. }
+        ),
+        flush: matches!(req, Request::Flush),
+    })
+}
 
-    /// Runs a request that is not answered inline: a range read of a cold
-    /// blob on the swap's shared ring (on the blocking pool after all if
-    /// the blob became resident meanwhile), anything else on the pool.
+impl Shared {
+    /// Runs a request that is not answered inline, and says whether its
+    /// answer goes straight to the socket: a READ of part of a cold blob
+    /// awaited on the swap's ring, its answer queued (not direct) so that
+    /// the reads whose completions were reaped together are answered in one
+    /// write; anything else (a READ that is not one after all too) on the
+    /// pool, answered directly.
     pub(super) async fn execute_off_task(
         self: &Arc<Self>,
         conn: &Arc<Session>,
         h: Header,
         req: Incoming,
-        cold_range: bool,
-    ) -> Result<Answer, Fatal> {
-        if cold_range {
+    ) -> (Result<Answer, Fatal>, bool) {
+        if h.opcode == Opcode::Read {
             if let Some(answered) = self.read_cold(conn, &h, &req.body).await {
-                return answered;
+                return (answered, false);
             }
         }
         let (s, c) = (Arc::clone(self), Arc::clone(conn));
-        self.pool
+        let answered = self
+            .pool
             .run(move || {
                 let r = s.execute(&c, &h, &req.body, Wait::Yes);
                 drop(req);
@@ -129,7 +118,8 @@ impl Shared {
                         "a store call on the blocking pool declined to wait",
                     ))
                 })
-            })
+            });
+        (answered, true)
     }
 
     /// A READ of part of a cold blob, awaited; `None` when it is not one
@@ -201,9 +191,9 @@ impl Shared {
     }
 
     /// Executes one request and encodes its answer (room left for its tag);
-    /// `None` when, with [`Wait::No`], a READ, GET, WRITE or ALLOC found
-    /// its blob evicted, or (WRITE, ALLOC) its slot under write-back, after
-    /// all: nothing was done, the request goes to the pool.
+    /// `None` when, with [`Wait::No`], a READ, GET, WRITE or ALLOC would
+    /// wait for the disk (its blob in swap only; for WRITE and ALLOC also
+    /// no blob yet, or its slot under write-back): nothing was done.
     pub(super) fn execute(
         self: &Arc<Self>,
         conn: &Session,

@@ -130,7 +130,8 @@ pub struct VolumeSpec {
 pub type VolumeId = u32;
 /// A connection; owns leases.
 pub type HolderId = u64;
-/// Where a blob is ([`Store::residency`]).
+/// Where a blob is: what the `_now` calls (`Store::write_now` and its
+/// kin) decide by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Residency {
     /// No blob under the key.
@@ -797,8 +798,9 @@ impl Store {
         self.locked(|_, g| g.configure_volume(&spec.name, spec.quota_blobs))
     }
 
-    /// Where blob `key` is now: a hint (it may change as soon as the lock
-    /// is dropped) for serving a request inline or off the reactor.
+    /// Where blob `key` is now (it may change as soon as the lock is
+    /// dropped, which is why the `_now` calls decide under their own).
+    #[cfg(test)]
     pub fn residency(&self, vol: VolumeId, key: u64) -> Residency {
         self.locked(|_, g| g.residency((vol, key)))
     }

@@ -1,10 +1,10 @@
-//! Whether a blob is in its slot now: arenad answers a request for a
-//! resident blob from the connection's task and sends any other to its
-//! blocking pool, so neither a fault-in from swap nor a write-back's disk
-//! write (which holds its slot locked for reading) stalls the reactor. The
-//! `_now` calls close the gap between that choice and the store call (an
-//! eviction, a write-back begun in between): they do nothing rather than
-//! wait.
+//! Whether a blob is in its slot now, decided where its slot is pinned:
+//! arenad makes a READ, GET, WRITE or ALLOC on the connection's task
+//! through the `_now` calls here, which do nothing rather than wait when
+//! the blob would need the disk (a fault-in from swap, or a write-back's
+//! disk write, which holds its slot locked for reading), and the request
+//! then goes to the blocking pool: the reactor never waits for the disk. A
+//! check made before the call could change before it.
 
 use super::State;
 use crate::proto::Lease;
@@ -35,10 +35,9 @@ pub enum Immediate<T> {
 
 impl Store {
     /// [`Store::write`] of a resident blob, for a caller that must not wait
-    /// for the disk (arenad's reactor). [`Store::residency`] is only a hint
-    /// by the time the write comes: the blob may have been evicted, or the
-    /// cleaner may have begun writing its slot back, since. Both are checked
-    /// here, under the lock that pins the slot and on the slot itself.
+    /// for the disk (arenad's reactor). Residency is checked here, under
+    /// the lock that pins the slot, and then on the slot itself: the
+    /// cleaner may begin writing a pinned slot back.
     pub fn write_now(
         &self,
         vol: VolumeId,
