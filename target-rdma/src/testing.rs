@@ -379,8 +379,9 @@ impl MemberIo for LocalMember {
     fn lost_writes(&self) -> bool {
         false
     }
-    async fn raise_epoch(&self, _epoch: u64) -> Result<(), ArenaError> {
-        Ok(())
+    /// The in-process store has no epochs: like a protocol-1 peer.
+    async fn raise_epoch(&self, _epoch: u64) -> Result<bool, ArenaError> {
+        Ok(false)
     }
 }
 

@@ -30,7 +30,7 @@ use target_rdma::blob::BlobIo;
 use target_rdma::replica::clock::{Clock, ManualClock};
 use target_rdma::replica::fake::{FakeFault, FakePeer, FakeSession};
 use target_rdma::replica::{
-    CoordFault, Coordinator, MemberState, Membership, MemoryCoordinator, RebuildConfig,
+    CoordFault, Coordinator, Lease, MemberState, Membership, MemoryCoordinator, RebuildConfig,
     RebuildStats, ReplicaConfig, ReplicaSet, ReplicatedIo,
 };
 
@@ -131,6 +131,7 @@ impl Run {
             change_deadline: Duration::from_millis(200),
             coord_timeout: Duration::from_millis(40),
             coord_retry: Duration::from_millis(5),
+            ..ReplicaConfig::default()
         };
         let opened = Rc::new(RefCell::new(None));
         let o = Rc::clone(&opened);
@@ -421,4 +422,247 @@ fn acknowledged_writes_survive_every_injected_fault() {
     // The faults did happen: a model test that injects nothing proves nothing.
     assert!(acked > seeds() * 20, "the runs acknowledged writes");
     assert!(removals > 0 && unrecorded > 0 && hedges > 0 && rebuilt > 0);
+}
+
+/// One writer of the takeover model: its store handle, its set, its queues.
+struct Writer {
+    coord: Arc<MemoryCoordinator>,
+    set: Arc<ReplicaSet<FakeSession>>,
+    queues: Vec<Rc<ReplicatedIo<FakeSession>>>,
+}
+
+fn takeover_config() -> ReplicaConfig {
+    ReplicaConfig {
+        hedge_after: Duration::from_millis(1),
+        change_deadline: Duration::from_millis(200),
+        coord_timeout: Duration::from_millis(40),
+        coord_retry: Duration::from_millis(5),
+        ..ReplicaConfig::default()
+    }
+}
+
+/// Opens `coord`'s writer on fresh sessions of every peer, as a task of
+/// `pool` (so it may run concurrently with the other writer's requests).
+fn open_writer(
+    pool: &mut LocalPool,
+    clock: &Arc<ManualClock>,
+    peers: &[Arc<FakePeer>],
+    coord: Arc<MemoryCoordinator>,
+) -> Rc<RefCell<Option<Writer>>> {
+    let sessions = peers
+        .iter()
+        .map(|p| (p.name().to_string(), p.sessions(QUEUES)))
+        .collect();
+    let slot = Rc::new(RefCell::new(None));
+    let s = Rc::clone(&slot);
+    let dyn_clock: Arc<dyn Clock> = Arc::clone(clock) as Arc<dyn Clock>;
+    pool.spawner()
+        .spawn_local(async move {
+            let c = Arc::clone(&coord) as Arc<dyn Coordinator>;
+            let set = ReplicaSet::open("vol", c, dyn_clock, takeover_config(), sessions)
+                .await
+                .expect("open the volume");
+            let queues = (0..QUEUES)
+                .map(|q| Rc::new(set.queue(q).unwrap()))
+                .collect();
+            *s.borrow_mut() = Some(Writer { coord, set, queues });
+        })
+        .unwrap();
+    slot
+}
+
+/// The coordinator-outage rule (docs/REPLICATION.md, "Through a
+/// coordinator outage"): a writer cut off from the store keeps
+/// acknowledging writes while every member fences by epoch; a successor
+/// takes the volume (concurrently with the old writer's requests, and
+/// sometimes partitioned from one member, which it then removes); requests
+/// of both writers interleave. No read of either writer returns data older
+/// than the last write either of them acknowledged, and at the end every
+/// acknowledged write reads back through the successor.
+#[test]
+fn a_writer_cut_off_from_its_store_is_fenced_by_its_successor_and_loses_nothing() {
+    let (mut unconfirmed_acks, mut fenced_old) = (0u64, 0u64);
+    for seed in 0..seeds() {
+        let mut pool = LocalPool::new();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let clock = ManualClock::new();
+        let dyn_clock: Arc<dyn Clock> = Arc::clone(&clock) as Arc<dyn Clock>;
+        let n = 2 + (seed % 2) as usize;
+        let peers: Vec<_> = (0..n)
+            .map(|i| FakePeer::new(&format!("p{i}"), BLOB, Arc::clone(&dyn_clock)))
+            .collect();
+        for p in &peers {
+            p.update_fault(|f| f.fence_epochs = true);
+        }
+        let names: Vec<_> = peers.iter().map(|p| p.name().to_string()).collect();
+        let coord = MemoryCoordinator::new(dyn_clock, Membership::new_volume(&names).unwrap());
+        let first = open_writer(&mut pool, &clock, &peers, Arc::clone(&coord));
+        run(&mut pool, &clock, || first.borrow().is_some());
+        let old = first.borrow_mut().take().unwrap();
+        let mut model = vec![KeyModel::default(); KEYS as usize];
+        let mut seq = 0u64;
+        let mut new: Option<Writer> = None;
+        let mut opening = None;
+        let mut cut = Vec::new();
+        for round in 0..40 {
+            // The old writer loses the store: the lease lapses, or the
+            // store dropped it.
+            if round == 5 {
+                old.coord.update_fault(|f| f.unavailable = true);
+                if rng.gen_bool(0.5) {
+                    old.coord.set_lease(Lease::Lost);
+                } else {
+                    old.coord.set_lease_until(clock.now());
+                }
+            }
+            // A successor opens during this round, sometimes cut off from
+            // every member but one (its sessions are each peer's second).
+            if round == 12 {
+                if rng.gen_bool(0.5) {
+                    let kept = rng.gen_range(0..n);
+                    cut = (0..n).filter(|i| *i != kept).collect();
+                    for c in &cut {
+                        peers[*c].cut_sessions(1, true);
+                    }
+                }
+                opening = Some(open_writer(&mut pool, &clock, &peers, coord.writer()));
+            }
+            // The members the successor cannot reach answer the old writer
+            // fastest: a read one of them served alone would be stale.
+            for (i, p) in peers.iter().enumerate() {
+                let ms = if cut.contains(&i) {
+                    0
+                } else {
+                    rng.gen_range(1..3)
+                };
+                p.update_fault(|f| f.delay = Duration::from_millis(ms));
+            }
+            let pending = Rc::new(RefCell::new(0usize));
+            let results = Rc::new(RefCell::new(Vec::new()));
+            let mut written = Vec::new();
+            for _ in 0..rng.gen_range(1..8) {
+                let key = rng.gen_range(0..KEYS);
+                let w = match &new {
+                    Some(nw) if rng.gen_bool(0.6) => nw,
+                    _ => &old,
+                };
+                let from_old = std::ptr::eq(w, &old);
+                let io = Rc::clone(&w.queues[rng.gen_range(0..QUEUES)]);
+                let (pending, results) = (Rc::clone(&pending), Rc::clone(&results));
+                *pending.borrow_mut() += 1;
+                // Once succeeded, the old writer only reads: its writes
+                // would show it the fence at once.
+                let op = if from_old && round >= 12 && rng.gen_bool(0.95) {
+                    5
+                } else {
+                    rng.gen_range(0..10)
+                };
+                if op < 5 && !written.contains(&key) {
+                    written.push(key);
+                    seq += 1;
+                    let s = seq;
+                    model[key as usize].maybe.push(s);
+                    pool.spawner()
+                        .spawn_local(async move {
+                            let r = io.write(key, 0, &payload(key, s)).await;
+                            results
+                                .borrow_mut()
+                                .push((from_old, Done::Write(key, s, r.is_ok())));
+                            *pending.borrow_mut() -= 1;
+                        })
+                        .unwrap();
+                } else if op < 9 {
+                    let allowed = model[key as usize].allowed();
+                    pool.spawner()
+                        .spawn_local(async move {
+                            let mut out = vec![0u8; BLOB as usize];
+                            if io.read(key, 0, &mut out).await.is_ok() {
+                                let s = decode(key, &out);
+                                results
+                                    .borrow_mut()
+                                    .push((from_old, Done::Read(key, s, allowed)));
+                            }
+                            *pending.borrow_mut() -= 1;
+                        })
+                        .unwrap();
+                } else {
+                    pool.spawner()
+                        .spawn_local(async move {
+                            let _ = io.flush().await;
+                            *pending.borrow_mut() -= 1;
+                        })
+                        .unwrap();
+                }
+            }
+            let o = opening.clone();
+            run(&mut pool, &clock, || {
+                *pending.borrow() == 0 && o.as_ref().is_none_or(|s| s.borrow().is_some())
+            });
+            if let Some(s) = opening.take() {
+                new = s.borrow_mut().take();
+            }
+            let mut results = results.borrow_mut();
+            for (_, d) in results.iter() {
+                if let Done::Read(key, s, allowed) = d {
+                    let concurrent = results
+                        .iter()
+                        .any(|(_, w)| matches!(w, Done::Write(k, x, _) if k == key && x == s));
+                    assert!(
+                        allowed.contains(s) || concurrent,
+                        "seed {seed}: key {key} read write {s}, allowed {allowed:?}"
+                    );
+                }
+            }
+            for (from_old, d) in results.drain(..) {
+                if let Done::Write(key, s, true) = d {
+                    if from_old && round >= 5 {
+                        unconfirmed_acks += 1;
+                    }
+                    let m = &mut model[key as usize];
+                    m.floor = s;
+                    m.maybe.clear();
+                }
+            }
+        }
+        // Every acknowledged write reads back through the successor.
+        let new = new.expect("the successor opened");
+        for p in &peers {
+            p.cut_sessions(1, false);
+            p.update_fault(|f| f.delay = Duration::ZERO);
+        }
+        for key in 0..KEYS {
+            let (io, m) = (Rc::clone(&new.queues[0]), model[key as usize].clone());
+            let done = Rc::new(RefCell::new(false));
+            let d = Rc::clone(&done);
+            pool.spawner()
+                .spawn_local(async move {
+                    let mut out = vec![0u8; BLOB as usize];
+                    io.read(key, 0, &mut out)
+                        .await
+                        .expect("the successor reads");
+                    let s = decode(key, &out);
+                    assert!(m.allowed().contains(&s), "seed {seed}: key {key}: read {s}");
+                    *d.borrow_mut() = true;
+                })
+                .unwrap();
+            run(&mut pool, &clock, || *done.borrow());
+        }
+        if old.set.standing().name() == "fenced" {
+            fenced_old += 1;
+        }
+        assert_ne!(new.set.standing().name(), "fenced", "seed {seed}");
+    }
+    eprintln!(
+        "{} seeds: {unconfirmed_acks} writes acknowledged by a writer cut off from its store, \
+         {fenced_old} old writers fenced by their successor",
+        seeds()
+    );
+    assert!(
+        unconfirmed_acks > seeds(),
+        "the cut-off writer acknowledged writes"
+    );
+    assert!(
+        fenced_old > seeds() / 2,
+        "successors fenced the old writers"
+    );
 }

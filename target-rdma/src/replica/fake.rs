@@ -91,6 +91,15 @@ impl FakePeer {
         }
     }
 
+    /// Cuts the `nth` set of sessions made by [`sessions`](Self::sessions)
+    /// off from it, or heals the cut: a partition between one writer and
+    /// the peer that other writers do not see.
+    pub fn cut_sessions(&self, nth: usize, cut: bool) {
+        if let Some(d) = self.state.lock().domains.get(nth) {
+            d.cut.store(cut, Ordering::Release);
+        }
+    }
+
     /// Replaces its faults.
     pub fn set_fault(&self, f: FakeFault) {
         self.state.lock().fault = f;
@@ -195,6 +204,17 @@ pub struct FakeSession {
 }
 
 impl FakeSession {
+    /// A broken connection while its sessions are cut off from the peer.
+    fn check_cut(&self) -> Result<(), ArenaError> {
+        if self.domain.cut.load(Ordering::Acquire) {
+            return Err(ArenaError::Disconnected {
+                peer: self.peer.name.clone(),
+                detail: "this writer is partitioned from the peer (injected)".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// `STALE_EPOCH` when the peer fences epochs and has seen a newer one
     /// than this session presented.
     fn check_epoch(&self, s: &PeerState, op: Opcode) -> Result<(), ArenaError> {
@@ -213,6 +233,8 @@ impl FakeSession {
 struct Domain {
     /// A crash lost writes acknowledged to them (for good).
     lost: AtomicBool,
+    /// They are partitioned from the peer (other sessions are not).
+    cut: AtomicBool,
     /// Their next FLUSH reports that loss.
     report: AtomicBool,
 }
@@ -231,6 +253,7 @@ impl BlobIo for FakeSession {
         p.check_range(Opcode::Read, offset, out.len())?;
         let found = p
             .request(Opcode::Read, |s| {
+                self.check_cut()?;
                 self.check_epoch(s, Opcode::Read)?;
                 Ok(s.blobs.get(&key).cloned())
             })
@@ -253,6 +276,7 @@ impl BlobIo for FakeSession {
         p.check_range(Opcode::Write, offset, data.len())?;
         let bytes = p.blob_bytes as usize;
         p.request(Opcode::Write, |s| {
+            self.check_cut()?;
             self.check_epoch(s, Opcode::Write)?;
             let full = s.fault.quota_blobs.is_some_and(|q| s.blobs.len() >= q);
             if full && !s.blobs.contains_key(&key) {
@@ -269,6 +293,8 @@ impl BlobIo for FakeSession {
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         self.peer
             .request(Opcode::Remove, |s| {
+                self.check_cut()?;
+                self.check_epoch(s, Opcode::Remove)?;
                 let before = s.blobs.len();
                 s.blobs.retain(|k, _| !(start..end).contains(k));
                 s.unflushed = true;
@@ -281,6 +307,8 @@ impl BlobIo for FakeSession {
         let p = &self.peer;
         let report = &self.domain.report;
         p.request(Opcode::Flush, |s| {
+            self.check_cut()?;
+            self.check_epoch(s, Opcode::Flush)?;
             if report.swap(false, Ordering::AcqRel) {
                 return Err(ArenaError::UnflushedDataLost {
                     peer: p.name.clone(),
@@ -301,12 +329,21 @@ impl MemberIo for FakeSession {
         self.domain.lost.load(Ordering::Acquire)
     }
 
-    async fn raise_epoch(&self, epoch: u64) -> Result<(), ArenaError> {
+    /// As a protocol-1 peer when it does not fence epochs.
+    async fn raise_epoch(&self, epoch: u64) -> Result<bool, ArenaError> {
         self.peer
             .request(Opcode::Hello, |s| {
+                self.check_cut()?;
+                if s.fault.fence_epochs && epoch < s.epoch {
+                    return Err(self.peer.status(
+                        Opcode::Epoch,
+                        Status::StaleEpoch,
+                        "stale epoch (fake)",
+                    ));
+                }
                 s.epoch = s.epoch.max(epoch);
                 self.epoch.fetch_max(epoch, Ordering::AcqRel);
-                Ok(())
+                Ok(s.fault.fence_epochs)
             })
             .await
     }

@@ -6,14 +6,16 @@
 use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::{join_all, select, Either};
+use futures::stream::{FuturesUnordered, StreamExt};
 
 use super::coordinator::MemberState;
 use super::member::{Lane, Member, MemberIo};
 use super::set::{ReplicaSet, View};
 use crate::blob::{ArenaError, BlobIo, ErrorKind, ReplicaFailure, Transport, Via};
-use crate::proto::Status;
+use crate::proto::{Opcode, Status};
 
 /// What a member's error says about whom.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,12 +71,16 @@ impl<S: MemberIo> ReplicatedIo<S> {
     /// earlier request failed) gets it too: what it missed was not
     /// acknowledged, or it would be out of the membership, so it may
     /// acknowledge this one.
-    async fn round<T, F>(&self, view: &View<S>, op: F) -> Result<Round<T>, ArenaError>
+    async fn round<T, F>(
+        &self,
+        view: &View<S>,
+        opcode: Opcode,
+        op: F,
+    ) -> Result<Round<T>, ArenaError>
     where
         F: AsyncFn(&S) -> Result<T, ArenaError>,
     {
         let epoch = view.membership.epoch;
-        let lane = self.lane;
         let mut round = Round {
             epoch,
             acked: HashSet::new(),
@@ -89,14 +95,7 @@ impl<S: MemberIo> ReplicatedIo<S> {
                 sent.push(Arc::clone(m));
             }
         }
-        let results = join_all(sent.iter().map(|m| {
-            let op = &op;
-            async move {
-                m.raise(lane, epoch).await?;
-                op(m.session(lane)).await
-            }
-        }))
-        .await;
+        let results = self.gather(&sent, epoch, opcode, &op).await;
         let mut fault = None;
         let mut fenced = None;
         for (m, r) in sent.iter().zip(results) {
@@ -133,12 +132,92 @@ impl<S: MemberIo> ReplicatedIo<S> {
             // Not a member failure: the member is fine, this writer is
             // not. Nothing is acknowledged from here on.
             self.set.fence_stale(&e);
-            self.set.may_acknowledge()?;
+            self.set.not_fenced()?;
         }
         match fault {
             Some(e) => Err(e),
             None => Ok(round),
         }
+    }
+
+    /// Sends `op` to each of `sent` and collects the answers in order. Once
+    /// one member answered, the others get the straggler bound
+    /// ([`ReplicaConfig::straggler_after`](super::ReplicaConfig)) to
+    /// answer too; one that has not by then is failed like a dead member
+    /// (its request is dropped: a late answer is discarded, and the member
+    /// is rebuilt before it serves again), so a stopped or stuck peer costs
+    /// a write that bound, not the request timeout.
+    async fn gather<T, F>(
+        &self,
+        sent: &[Arc<Member<S>>],
+        epoch: u64,
+        opcode: Opcode,
+        op: &F,
+    ) -> Vec<Result<T, ArenaError>>
+    where
+        F: AsyncFn(&S) -> Result<T, ArenaError>,
+    {
+        let lane = self.lane;
+        let clock = &self.set.clock;
+        let started = clock.now();
+        let mut pending: FuturesUnordered<_> = sent
+            .iter()
+            .enumerate()
+            .map(|(i, m)| async move {
+                let start = clock.now();
+                let r = async {
+                    m.raise(lane, epoch).await?;
+                    op(m.session(lane)).await
+                }
+                .await;
+                if r.is_ok() {
+                    m.observe_write(clock.now().saturating_duration_since(start));
+                }
+                (i, r)
+            })
+            .collect();
+        let mut results: Vec<Option<Result<T, ArenaError>>> = sent.iter().map(|_| None).collect();
+        let mut late_at = None;
+        while !pending.is_empty() {
+            let next = pending.next();
+            let answer = match late_at {
+                None => next.await,
+                Some(at) => {
+                    let timer = std::pin::pin!(clock.sleep_until(at));
+                    match select(next, timer).await {
+                        Either::Left((a, _)) => a,
+                        Either::Right(_) => break,
+                    }
+                }
+            };
+            let Some((i, r)) = answer else { break };
+            if r.is_ok() && late_at.is_none() && !pending.is_empty() {
+                let answered = results
+                    .iter()
+                    .zip(sent)
+                    .filter(|(r, _)| matches!(r, Some(Ok(_))))
+                    .map(|(_, m)| &**m)
+                    .chain(std::iter::once(&*sent[i]));
+                late_at = Some(clock.now() + self.set.config.straggler_bound(answered));
+            }
+            results[i] = Some(r);
+        }
+        drop(pending);
+        results
+            .into_iter()
+            .zip(sent)
+            .map(|(r, m)| {
+                r.unwrap_or_else(|| {
+                    self.set.count_straggler();
+                    Err(ArenaError::TimedOut {
+                        op: opcode,
+                        peer: m.peer.clone(),
+                        after: late_at
+                            .map_or(Duration::ZERO, |at| at.saturating_duration_since(started)),
+                    })
+                })
+            })
+            .collect()
     }
 
     /// Runs the mutation `op` until every member of the membership current
@@ -149,14 +228,19 @@ impl<S: MemberIo> ReplicatedIo<S> {
     /// `keys` are the blobs it changes (none for a flush): while a member
     /// is syncing, their locks are held while the members are sent to, so
     /// no rebuild copy of those keys interleaves.
-    async fn mutate<T, F>(&self, keys: Option<Range<u64>>, op: F) -> Result<Vec<T>, ArenaError>
+    async fn mutate<T, F>(
+        &self,
+        keys: Option<Range<u64>>,
+        opcode: Opcode,
+        op: F,
+    ) -> Result<Vec<T>, ArenaError>
     where
         F: AsyncFn(&S) -> Result<T, ArenaError>,
     {
         let set = &self.set;
         let deadline = set.clock.now() + set.config.change_deadline;
         loop {
-            set.may_acknowledge()?;
+            set.not_fenced()?;
             let view = set.view();
             let syncing = view
                 .active
@@ -165,9 +249,9 @@ impl<S: MemberIo> ReplicatedIo<S> {
             let round = match &keys {
                 Some(keys) if syncing => {
                     let _guard = set.keys.lock(keys).await;
-                    self.round(&view, &op).await?
+                    self.round(&view, opcode, &op).await?
                 }
-                _ => self.round(&view, &op).await?,
+                _ => self.round(&view, opcode, &op).await?,
             };
             if !round.failed.is_empty() {
                 set.exclude(&round.failed, deadline).await?;
@@ -175,7 +259,7 @@ impl<S: MemberIo> ReplicatedIo<S> {
             let now = set.view();
             let covered = now.active_ids().all(|id| round.acked.contains(&id));
             if covered && !round.acked.is_empty() {
-                set.may_acknowledge()?;
+                set.may_acknowledge(&now)?;
                 return Ok(round.answers);
             }
             if set.clock.now() >= deadline {
@@ -277,6 +361,78 @@ impl<S: MemberIo> ReplicatedIo<S> {
     }
 }
 
+impl<S: MemberIo> ReplicatedIo<S> {
+    /// A read while the store does not confirm the writer role: served
+    /// from one healthy member, and confirmed by a one-byte read on every
+    /// other active member of the view, each at this writer's epoch. A
+    /// writer that took the volume over raised its epoch on at least one
+    /// member of this view before it acknowledged anything, so a read all
+    /// of them accept is not older than any write the other acknowledged
+    /// (docs/REPLICATION.md). A member that does not answer leaves the
+    /// read unconfirmed: it fails (the membership cannot change without the
+    /// store).
+    async fn confirmed_read(
+        &self,
+        key: u64,
+        offset: u32,
+        out: &mut [u8],
+    ) -> Result<Via, ArenaError> {
+        let view = self.set.view();
+        let epoch = view.membership.epoch;
+        let readers = self.readers(&view);
+        let Some(first) = readers.first() else {
+            return Err(self.set.refusal(
+                ReplicaFailure::NoMember,
+                "no healthy member to read from".into(),
+            ));
+        };
+        let others: Vec<_> = view
+            .active
+            .iter()
+            .filter(|(m, _)| m.id != first.id)
+            .map(|(m, _)| Arc::clone(m))
+            .collect();
+        let probe = out.len().min(1);
+        let lane = self.lane;
+        let checks = join_all(others.iter().map(|m| async move {
+            let mut byte = [0u8; 1];
+            m.raise(lane, epoch).await?;
+            m.session(lane).read(key, offset, &mut byte[..probe]).await
+        }));
+        let (primary, checks) =
+            futures::future::join(self.read_from(first, key, offset, out), checks).await;
+        let via = match primary {
+            Ok(via) => via,
+            Err(e) => return Err(self.unconfirmed(first, e, epoch)),
+        };
+        for (m, r) in others.iter().zip(checks) {
+            if let Err(e) = r {
+                return Err(self.unconfirmed(m, e, epoch));
+            }
+        }
+        Ok(via)
+    }
+
+    /// The error of a read that `m` could not confirm with `e`.
+    fn unconfirmed(&self, m: &Member<S>, e: ArenaError, epoch: u64) -> ArenaError {
+        match verdict(&e) {
+            Verdict::Request => e,
+            Verdict::Fenced if self.set.view().membership.epoch == epoch => {
+                self.set.fence_stale(&e);
+                self.set
+                    .refusal(ReplicaFailure::Fenced, format!("a newer writer owns the volume: {e}"))
+            }
+            _ => self.set.refusal(
+                ReplicaFailure::Unrecorded,
+                format!(
+                    "the writer role is not confirmed and member {} could not confirm the read: {e}",
+                    m.peer
+                ),
+            ),
+        }
+    }
+}
+
 impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
     fn transport(&self) -> Transport {
         self.set.view().active[0].0.session(self.lane).transport()
@@ -287,6 +443,9 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
     }
 
     async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        if self.set.reads_need_confirmation()? {
+            return self.confirmed_read(key, offset, out).await;
+        }
         let mut tried = HashSet::new();
         let mut last = None;
         loop {
@@ -322,7 +481,7 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
                     }
                     Err(e) if verdict(&e) == Verdict::Fenced => {
                         self.set.fence_stale(&e);
-                        self.set.may_acknowledge()?;
+                        self.set.not_fenced()?;
                     }
                     Err(e) => {
                         if let Some(m) = readers.iter().find(|m| m.id == id) {
@@ -339,7 +498,7 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
 
     async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
         let vias = self
-            .mutate(Some(key..key + 1), async |s: &S| {
+            .mutate(Some(key..key + 1), Opcode::Write, async |s: &S| {
                 s.write(key, offset, data).await
             })
             .await?;
@@ -348,13 +507,16 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
 
     async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
         let counts = self
-            .mutate(Some(start..end), async |s: &S| s.remove(start, end).await)
+            .mutate(Some(start..end), Opcode::Remove, async |s: &S| {
+                s.remove(start, end).await
+            })
             .await?;
         Ok(counts.into_iter().max().unwrap_or(0))
     }
 
     async fn flush(&self) -> Result<(), ArenaError> {
-        self.mutate(None, async |s: &S| s.flush().await).await?;
+        self.mutate(None, Opcode::Flush, async |s: &S| s.flush().await)
+            .await?;
         Ok(())
     }
 }

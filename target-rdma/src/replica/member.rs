@@ -27,8 +27,10 @@ pub trait MemberIo: BlobIo + Send + Sync {
 
     /// Presents membership epoch `epoch` to the peer, which from then on
     /// refuses sessions of older epochs (`STALE_EPOCH`); later requests,
-    /// reconnects included, carry it.
-    fn raise_epoch(&self, epoch: u64) -> impl Future<Output = Result<(), ArenaError>>;
+    /// reconnects included, carry it. `Ok(false)` when the session has no
+    /// epochs (protocol version 1): the peer cannot fence an older writer,
+    /// so only the writer lease keeps two writers apart.
+    fn raise_epoch(&self, epoch: u64) -> impl Future<Output = Result<bool, ArenaError>>;
 }
 
 impl MemberIo for ArenaClient {
@@ -36,13 +38,13 @@ impl MemberIo for ArenaClient {
         ArenaClient::lost_writes(self)
     }
 
-    async fn raise_epoch(&self, epoch: u64) -> Result<(), ArenaError> {
+    async fn raise_epoch(&self, epoch: u64) -> Result<bool, ArenaError> {
         match ArenaClient::raise_epoch(self, epoch).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
             // A protocol-1 session has no epochs: against such a peer
             // (allowed only with allow_protocol_v1) fencing rests on the
             // writer lease alone. docs/REPLICATION.md says so.
-            Err(e) if e.status() == Some(Status::VersionMismatch) => Ok(()),
+            Err(e) if e.status() == Some(Status::VersionMismatch) => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -53,7 +55,7 @@ impl MemberIo for RdmaTransport {
         self.client().lost_writes()
     }
 
-    fn raise_epoch(&self, epoch: u64) -> impl Future<Output = Result<(), ArenaError>> {
+    fn raise_epoch(&self, epoch: u64) -> impl Future<Output = Result<bool, ArenaError>> {
         MemberIo::raise_epoch(self.client(), epoch)
     }
 }
@@ -63,7 +65,7 @@ impl MemberIo for Session {
         self.client().lost_writes()
     }
 
-    fn raise_epoch(&self, epoch: u64) -> impl Future<Output = Result<(), ArenaError>> {
+    fn raise_epoch(&self, epoch: u64) -> impl Future<Output = Result<bool, ArenaError>> {
         MemberIo::raise_epoch(self.client(), epoch)
     }
 }
@@ -106,6 +108,14 @@ pub(super) struct Member<S> {
     /// Recent read latency (EWMA, 1/8 weight per answer), in nanoseconds:
     /// reads go to the fastest healthy member first.
     latency: AtomicU64,
+    /// Recent write and flush latency and its mean deviation (EWMAs, in
+    /// nanoseconds): how long the others wait for a member that has not
+    /// answered yet.
+    write_latency: AtomicU64,
+    write_deviation: AtomicU64,
+    /// The last epoch a session presented is one the peer cannot fence by
+    /// (protocol version 1).
+    unfenced: AtomicBool,
 }
 
 impl<S: MemberIo> Member<S> {
@@ -121,6 +131,9 @@ impl<S: MemberIo> Member<S> {
             suspect: AtomicBool::new(false),
             why: Mutex::new(None),
             latency: AtomicU64::new(0),
+            write_latency: AtomicU64::new(0),
+            write_deviation: AtomicU64::new(0),
+            unfenced: AtomicBool::new(false),
         }
     }
 
@@ -148,9 +161,16 @@ impl<S: MemberIo> Member<S> {
         if self.session_epoch(lane) >= epoch {
             return Ok(());
         }
-        self.session(lane).raise_epoch(epoch).await?;
+        let fences = self.session(lane).raise_epoch(epoch).await?;
+        self.unfenced.store(!fences, Ordering::Release);
         self.epoch_slot(lane).fetch_max(epoch, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// Whether its peer refuses an older writer by epoch: false while its
+    /// sessions have no epochs.
+    pub(super) fn fences(&self) -> bool {
+        !self.unfenced.load(Ordering::Acquire)
     }
 
     /// Whether its peer restarted and lost acknowledged writes (all its
@@ -204,6 +224,29 @@ impl<S: MemberIo> Member<S> {
             old - old / 8 + sample / 8
         };
         self.latency.store(new, Ordering::Relaxed);
+    }
+
+    /// Folds one write's (or flush's) latency into its averages.
+    pub(super) fn observe_write(&self, d: Duration) {
+        let sample = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let mean = self.write_latency.load(Ordering::Relaxed);
+        if mean == 0 {
+            self.write_latency.store(sample, Ordering::Relaxed);
+            return;
+        }
+        let dev = self.write_deviation.load(Ordering::Relaxed);
+        let new_dev = dev - dev / 8 + sample.abs_diff(mean) / 8;
+        self.write_deviation.store(new_dev, Ordering::Relaxed);
+        self.write_latency
+            .store(mean - mean / 8 + sample / 8, Ordering::Relaxed);
+    }
+
+    /// A high percentile of its recent write latency (mean plus four mean
+    /// deviations): a member this much slower than usual is late.
+    pub(super) fn write_p99(&self) -> Duration {
+        let mean = self.write_latency.load(Ordering::Relaxed);
+        let dev = self.write_deviation.load(Ordering::Relaxed);
+        Duration::from_nanos(mean.saturating_add(dev.saturating_mul(4)))
     }
 
     /// The number of queue sessions.

@@ -29,7 +29,7 @@ mod rebuild;
 mod set;
 
 pub use coordinator::{
-    CoordError, CoordErrorKind, CoordFuture, Coordinator, FileCoordinator, MemberRecord,
+    CoordError, CoordErrorKind, CoordFuture, Coordinator, FileCoordinator, Lease, MemberRecord,
     MemberState, Membership, Swap, MAX_REPLICAS,
 };
 #[cfg(any(test, feature = "test-utils"))]
@@ -37,7 +37,7 @@ pub use coordinator::{CoordFault, MemoryCoordinator};
 pub use io::ReplicatedIo;
 pub use member::{MemberIo, MemberSessions};
 pub use rebuild::{RebuildConfig, RebuildStats};
-pub use set::{ReplicaConfig, ReplicaSet, ReplicaStats};
+pub use set::{ReplicaConfig, ReplicaSet, ReplicaStats, Standing};
 
 #[cfg(test)]
 mod tests;

@@ -209,7 +209,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             }
             if e.status() == Some(Status::StaleEpoch) {
                 self.fence_stale(&e);
-                self.may_acknowledge()?;
+                self.not_fenced()?;
             }
             to.suspect(e.to_string());
             let deadline = self.clock.now() + self.config.change_deadline;

@@ -13,7 +13,9 @@ use futures::lock::Mutex as AsyncMutex;
 use parking_lot::{Mutex, RwLock};
 
 use super::clock::Clock;
-use super::coordinator::{CoordError, CoordErrorKind, Coordinator, MemberState, Membership, Swap};
+use super::coordinator::{
+    CoordError, CoordErrorKind, Coordinator, Lease, MemberState, Membership, Swap,
+};
 use super::keys::KeyLocks;
 use super::member::{Lane, Member, MemberIo, MemberSessions};
 use super::ReplicatedIo;
@@ -33,6 +35,16 @@ pub struct ReplicaConfig {
     pub coord_timeout: Duration,
     /// Pause between attempts to reach the coordination store.
     pub coord_retry: Duration,
+    /// How long a write or flush waits for a member once another member
+    /// answered it: `Some` fixes it; `None` derives it from the members'
+    /// recent latency (`straggler_factor` times the slowest answering
+    /// member's p99, at least `straggler_floor`). A member that has not
+    /// answered by then is failed like a dead one.
+    pub straggler_after: Option<Duration>,
+    /// The least a derived straggler bound waits.
+    pub straggler_floor: Duration,
+    /// How many of its p99 latencies a member may take beyond the others.
+    pub straggler_factor: u32,
 }
 
 impl Default for ReplicaConfig {
@@ -42,6 +54,50 @@ impl Default for ReplicaConfig {
             change_deadline: Duration::from_secs(5),
             coord_timeout: Duration::from_secs(1),
             coord_retry: Duration::from_millis(50),
+            straggler_after: None,
+            straggler_floor: Duration::from_millis(300),
+            straggler_factor: 4,
+        }
+    }
+}
+
+impl ReplicaConfig {
+    /// How long to wait for the members that have not answered, once
+    /// `answered` did.
+    pub(super) fn straggler_bound<'a, S: MemberIo + 'a>(
+        &self,
+        answered: impl Iterator<Item = &'a Member<S>>,
+    ) -> Duration {
+        if let Some(fixed) = self.straggler_after {
+            return fixed;
+        }
+        let slowest = answered.map(|m| m.write_p99()).max().unwrap_or_default();
+        (slowest * self.straggler_factor).max(self.straggler_floor)
+    }
+}
+
+/// Where this writer stands for one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// The coordination store confirms the role: requests run as usual.
+    Confirmed,
+    /// The store has not confirmed the role lately (it is unreachable, or
+    /// the lease was lost and is being taken back): writes are still
+    /// acknowledged where every member fences an older writer by epoch,
+    /// reads are confirmed by every member, and nothing can change the
+    /// membership. Says why.
+    Unconfirmed(String),
+    /// This writer may no longer serve; says why.
+    Fenced(String),
+}
+
+impl Standing {
+    /// Stable lower-case name (`ublkctl`, metrics).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Confirmed => "writer",
+            Self::Unconfirmed(_) => "unconfirmed",
+            Self::Fenced(_) => "fenced",
         }
     }
 }
@@ -63,6 +119,10 @@ pub struct ReplicaStats {
     pub fenced: AtomicU64,
     /// Requests refused because a removal could not be recorded in time.
     pub unrecorded: AtomicU64,
+    /// Members failed because they answered too late after the others.
+    pub stragglers: AtomicU64,
+    /// Times the writer role was confirmed again after its lease was lost.
+    pub roles_regained: AtomicU64,
     /// Times a peer's `STALE_EPOCH` showed this writer it was fenced (at
     /// most once per writer: it stays fenced).
     pub stale_epoch_fences: AtomicU64,
@@ -106,9 +166,16 @@ pub struct ReplicaSet<S> {
     /// Serializes this writer's membership changes: each is conditioned
     /// on the epoch the previous one stored.
     change: AsyncMutex<()>,
-    /// Set once this writer learns it may no longer write; never cleared.
+    /// Set once this writer learns it may no longer write; cleared only
+    /// by [`take_over`](Self::take_over).
     fenced: AtomicBool,
     fence_reason: Mutex<Option<String>>,
+    /// The tenure of the writer role the record was last checked under
+    /// ([`Lease::Held`]'s `term`).
+    term: AtomicU64,
+    /// A role check's swap whose answer was lost: if the record holds it,
+    /// the check is done.
+    checking: Mutex<Option<Membership>>,
     stats: ReplicaStats,
 }
 
@@ -154,6 +221,21 @@ impl<S: MemberIo> ReplicaSet<S> {
             failure: ReplicaFailure::Unrecorded,
             detail: format!("cannot open the volume: {e}"),
         };
+        let term = match coord.lease() {
+            Lease::Held { term, .. } => term,
+            Lease::Lost => {
+                return Err(unavailable(CoordError::new(
+                    CoordErrorKind::Unavailable,
+                    "the writer lease is being taken back",
+                )))
+            }
+            Lease::Taken { holder } => {
+                return Err(unavailable(CoordError::new(
+                    CoordErrorKind::LeaseHeld,
+                    format!("the volume is held by {holder}"),
+                )))
+            }
+        };
         let record = coord.load().await.map_err(unavailable)?;
         let mut next = record.clone();
         next.epoch = record.epoch + 1;
@@ -171,6 +253,8 @@ impl<S: MemberIo> ReplicaSet<S> {
             change: AsyncMutex::new(()),
             fenced: AtomicBool::new(false),
             fence_reason: Mutex::new(None),
+            term: AtomicU64::new(term),
+            checking: Mutex::new(None),
             stats: ReplicaStats::default(),
         });
         let view = set.view_of(&next).map_err(refuse)?;
@@ -274,8 +358,8 @@ impl<S: MemberIo> ReplicaSet<S> {
     }
 
     /// A peer answered `STALE_EPOCH`: it has seen a newer membership epoch
-    /// than this writer's, so a newer writer owns the volume. The same
-    /// path as a lapsed writer lease: fenced for good, counted once.
+    /// than this writer's, so a newer writer owns the volume: fenced for
+    /// good, counted once.
     pub(super) fn fence_stale(&self, e: &ArenaError) {
         if !self.fenced.load(Ordering::Acquire) {
             ReplicaStats::count(&self.stats.stale_epoch_fences);
@@ -283,18 +367,248 @@ impl<S: MemberIo> ReplicaSet<S> {
         self.fence(format!("a newer writer owns the volume: {e}"));
     }
 
-    /// Whether this writer may still acknowledge writes: not fenced, and
-    /// its lease runs past now.
-    pub(super) fn may_acknowledge(&self) -> Result<(), ArenaError> {
-        if !self.fenced.load(Ordering::Acquire) && self.coord.lease_until() > self.clock.now() {
+    /// Where this writer stands now. A role found taken by another writer
+    /// fences it for good.
+    pub fn standing(&self) -> Standing {
+        if self.fenced.load(Ordering::Acquire) {
+            return Standing::Fenced(self.fence_reason.lock().clone().unwrap_or_default());
+        }
+        match self.coord.lease() {
+            Lease::Held { term, .. } if term != self.term.load(Ordering::Acquire) => {
+                Standing::Unconfirmed(
+                    "the writer role was taken again and the record is not checked yet".into(),
+                )
+            }
+            Lease::Held { until, .. } if until > self.clock.now() => Standing::Confirmed,
+            Lease::Held { .. } => Standing::Unconfirmed(
+                "the coordination store has not confirmed the writer lease in time".into(),
+            ),
+            Lease::Lost => Standing::Unconfirmed(
+                "the coordination store lost the writer lease; taking it back".into(),
+            ),
+            Lease::Taken { holder } => {
+                let why = format!("another writer holds the volume: {holder}");
+                self.fence(why.clone());
+                Standing::Fenced(why)
+            }
+        }
+    }
+
+    /// Whether this writer may acknowledge a mutation that every active
+    /// member of `view` applied at its epoch: when the role is confirmed,
+    /// or when every such member fences an older writer by epoch (no other
+    /// writer can take the volume without raising the epoch in the store
+    /// and at the members, after which they refuse this one).
+    pub(super) fn may_acknowledge(&self, view: &View<S>) -> Result<(), ArenaError> {
+        match self.standing() {
+            Standing::Confirmed => Ok(()),
+            Standing::Unconfirmed(why) => match view.active.iter().find(|(m, _)| !m.fences()) {
+                None => Ok(()),
+                Some((m, _)) => Err(self.refusal(
+                    ReplicaFailure::Unrecorded,
+                    format!(
+                        "{why}, and member {} cannot fence an older writer by epoch \
+                         (protocol version 1): nothing is acknowledged without the lease",
+                        m.peer
+                    ),
+                )),
+            },
+            Standing::Fenced(why) => Err(self.refusal(ReplicaFailure::Fenced, why)),
+        }
+    }
+
+    /// Refuses once this writer is fenced.
+    pub(super) fn not_fenced(&self) -> Result<(), ArenaError> {
+        match self.standing() {
+            Standing::Fenced(why) => Err(self.refusal(ReplicaFailure::Fenced, why)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a read must be confirmed by every active member: while the
+    /// store does not confirm the role, another writer may have taken the
+    /// volume and moved on without a member this writer would read from,
+    /// but not without raising the epoch on one of the members of this
+    /// writer's view.
+    pub(super) fn reads_need_confirmation(&self) -> Result<bool, ArenaError> {
+        match self.standing() {
+            Standing::Confirmed => Ok(false),
+            Standing::Unconfirmed(_) => Ok(true),
+            Standing::Fenced(why) => Err(self.refusal(ReplicaFailure::Fenced, why)),
+        }
+    }
+
+    /// Checks the record once the role was taken again under a new lease
+    /// (the coordinator re-took the writer key after the store had lost the
+    /// lease): if nobody moved the record on meanwhile, this writer raises
+    /// the epoch under the new tenure and is confirmed again; if somebody
+    /// did, another writer served the volume, and this one is fenced for
+    /// good. The device's supervisor calls it periodically; a failure to
+    /// reach the store leaves the writer unconfirmed for the next call.
+    pub async fn check_role(&self) -> Result<(), ArenaError> {
+        self.not_fenced()?;
+        let Lease::Held { term, .. } = self.coord.lease() else {
+            return Ok(());
+        };
+        if term == self.term.load(Ordering::Acquire) {
             return Ok(());
         }
-        let why = match self.fence_reason.lock().clone() {
-            Some(why) => why,
-            None => "the writer lease expired".into(),
+        let deadline = self.clock.now() + self.config.change_deadline;
+        let unrecorded = |detail: String| self.refusal(ReplicaFailure::Unrecorded, detail);
+        let Some(_guard) = self.within(deadline, self.change.lock()).await else {
+            return Err(unrecorded(
+                "checking the role: another change is running".into(),
+            ));
         };
-        self.fence(why.clone());
-        Err(self.refusal(ReplicaFailure::Fenced, why))
+        let timeout = self.clock.now() + self.config.coord_timeout;
+        let record = match self.within(timeout, self.coord.load()).await {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => return Err(unrecorded(format!("checking the role: {e}"))),
+            None => {
+                return Err(unrecorded(
+                    "checking the role: the store did not answer".into(),
+                ))
+            }
+        };
+        let view = self.view();
+        let ours = self.checking.lock().take();
+        if ours.as_ref() == Some(&record) {
+            return self.confirmed_as(term, record).await;
+        }
+        if record.epoch != view.membership.epoch {
+            let why = format!(
+                "the writer lease was lost, and when it was taken back the volume's record had \
+                 moved on (epoch {} -> {}): another writer served the volume meanwhile; \
+                 `ublkctl recover` takes it over",
+                view.membership.epoch, record.epoch
+            );
+            self.fence(why.clone());
+            return Err(self.refusal(ReplicaFailure::Fenced, why));
+        }
+        let mut next = record.clone();
+        next.epoch += 1;
+        let timeout = self.clock.now() + self.config.coord_timeout;
+        *self.checking.lock() = Some(next.clone());
+        match self
+            .within(
+                timeout,
+                self.coord.compare_and_swap(record.epoch, next.clone()),
+            )
+            .await
+        {
+            Some(Ok(Swap::Done)) => {
+                self.checking.lock().take();
+                self.confirmed_as(term, next).await
+            }
+            Some(Ok(Swap::Lost(now))) => {
+                self.checking.lock().take();
+                let why = format!(
+                    "the volume's record moved on while the writer role was taken back (to {now})"
+                );
+                self.fence(why.clone());
+                Err(self.refusal(ReplicaFailure::Fenced, why))
+            }
+            Some(Err(e)) if e.kind == CoordErrorKind::LeaseHeld => {
+                self.fence(e.to_string());
+                Err(self.refusal(ReplicaFailure::Fenced, e.to_string()))
+            }
+            Some(Err(e)) => Err(unrecorded(format!("checking the role: {e}"))),
+            None => Err(unrecorded("checking the role: the swap timed out".into())),
+        }
+    }
+
+    /// The record `now` (stored under tenure `term`) is this writer's:
+    /// installed, and the role confirmed.
+    async fn confirmed_as(&self, term: u64, now: Membership) -> Result<(), ArenaError> {
+        let v = self.view_of(&now).map_err(|why| {
+            self.refusal(
+                ReplicaFailure::Unrecorded,
+                format!("checking the role: {why}"),
+            )
+        })?;
+        ReplicaStats::count(&self.stats.epoch_changes);
+        ReplicaStats::count(&self.stats.roles_regained);
+        self.term.store(term, Ordering::Release);
+        tracing::info!(event = "replica.role_regained", volume = %self.volume, membership = %now);
+        self.install(v).await;
+        Ok(())
+    }
+
+    /// Takes the volume over again after this writer was fenced (what
+    /// `ublkctl recover` of a fenced device means): with the role held in
+    /// the store again, reads the record, raises its epoch (fencing
+    /// whoever served the volume meanwhile) and serves under it. Refused
+    /// while the role is not held, or when the record names a peer this
+    /// writer has no sessions for.
+    pub async fn take_over(&self) -> Result<(), ArenaError> {
+        let unrecorded = |detail: String| self.refusal(ReplicaFailure::Unrecorded, detail);
+        let term = match self.coord.lease() {
+            Lease::Held { term, .. } => term,
+            Lease::Lost => return Err(unrecorded("the writer lease is not taken back yet".into())),
+            Lease::Taken { holder } => {
+                return Err(self.refusal(
+                    ReplicaFailure::Fenced,
+                    format!("another writer holds the volume: {holder}"),
+                ))
+            }
+        };
+        let deadline = self.clock.now() + self.config.change_deadline;
+        let Some(_guard) = self.within(deadline, self.change.lock()).await else {
+            return Err(unrecorded("taking over: another change is running".into()));
+        };
+        let record = match self.within(deadline, self.coord.load()).await {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => return Err(unrecorded(format!("taking over: {e}"))),
+            None => return Err(unrecorded("taking over: the store did not answer".into())),
+        };
+        let mut next = record.clone();
+        next.epoch += 1;
+        let v = self
+            .view_of(&next)
+            .map_err(|why| unrecorded(format!("taking over: {why}")))?;
+        match self
+            .within(
+                deadline,
+                self.coord.compare_and_swap(record.epoch, next.clone()),
+            )
+            .await
+        {
+            Some(Ok(Swap::Done)) => {}
+            Some(Ok(Swap::Lost(now))) => {
+                return Err(unrecorded(format!(
+                    "taking over: the record moved to {now}"
+                )))
+            }
+            Some(Err(e)) => return Err(unrecorded(format!("taking over: {e}"))),
+            None => return Err(unrecorded("taking over: the swap timed out".into())),
+        }
+        self.term.store(term, Ordering::Release);
+        *self.fence_reason.lock() = None;
+        self.fenced.store(false, Ordering::Release);
+        ReplicaStats::count(&self.stats.epoch_changes);
+        tracing::warn!(event = "replica.taken_over", volume = %self.volume, membership = %next);
+        self.install(v).await;
+        Ok(())
+    }
+
+    /// Why each member this writer knows failed, by peer (the newest
+    /// member of each peer), for `ublkctl show`.
+    pub fn member_failures(&self) -> Vec<(String, String)> {
+        let members = self.members.read();
+        let mut out: Vec<(String, String)> = Vec::new();
+        for m in members.iter().rev() {
+            if out.iter().any(|(p, _)| *p == m.peer) {
+                continue;
+            }
+            if m.is_suspect() || m.stale() {
+                out.push((m.peer.clone(), m.failure()));
+            }
+        }
+        out
+    }
+
+    pub(super) fn count_straggler(&self) {
+        ReplicaStats::count(&self.stats.stragglers);
     }
 
     pub(super) fn count_stale_answer(&self) {
@@ -381,7 +695,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         let mut last_error = String::from("no attempt finished in time");
         let mut tried = false;
         loop {
-            self.may_acknowledge()?;
+            self.not_fenced()?;
             let view = self.view();
             let Some((next, removals)) = plan(&view)? else {
                 return Ok(());
@@ -392,6 +706,17 @@ impl<S: MemberIo> ReplicaSet<S> {
                 break;
             }
             tried = true;
+            // Only a confirmed writer may change the record: one whose
+            // role lapsed could otherwise follow another writer's record.
+            if let Standing::Unconfirmed(why) = self.standing() {
+                last_error = why;
+                let pause = self.clock.now() + self.config.coord_retry;
+                if pause >= deadline {
+                    break;
+                }
+                self.clock.sleep_until(pause).await;
+                continue;
+            }
             let expected = view.membership.epoch;
             let cas = self.coord.compare_and_swap(expected, next.clone());
             let timeout = deadline.min(self.clock.now() + self.config.coord_timeout);
@@ -400,7 +725,7 @@ impl<S: MemberIo> ReplicaSet<S> {
                 Some(Ok(Swap::Lost(now))) => Some(now),
                 Some(Err(e)) if e.kind == CoordErrorKind::LeaseHeld => {
                     self.fence(format!("{e}"));
-                    return self.may_acknowledge();
+                    return self.not_fenced();
                 }
                 Some(Err(e)) => {
                     last_error = e.to_string();

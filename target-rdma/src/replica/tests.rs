@@ -40,6 +40,31 @@ fn config() -> ReplicaConfig {
         change_deadline: Duration::from_millis(300),
         coord_timeout: Duration::from_millis(100),
         coord_retry: Duration::from_millis(10),
+        straggler_after: None,
+        straggler_floor: Duration::from_millis(100),
+        straggler_factor: 4,
+    }
+}
+
+/// Runs `f` to completion on virtual time; returns its output and the
+/// virtual time it took.
+fn on_virtual_time<T>(clock: &ManualClock, f: impl Future<Output = T>) -> (T, Duration) {
+    let mut f = std::pin::pin!(f);
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let start = clock.elapsed();
+    loop {
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(r) => return (r, clock.elapsed() - start),
+            std::task::Poll::Pending => clock.advance_to(clock.next_deadline().unwrap()),
+        }
+    }
+}
+
+/// Peers that fence older epochs, as arenad does.
+fn fencing(v: &Volume) {
+    for p in &v.peers {
+        p.update_fault(|f| f.fence_epochs = true);
     }
 }
 
@@ -48,6 +73,10 @@ fn volume(n: usize) -> Volume {
 }
 
 fn volume_on(clock: Arc<dyn Clock>, n: usize) -> Volume {
+    volume_with(clock, n, config())
+}
+
+fn volume_with(clock: Arc<dyn Clock>, n: usize, config: ReplicaConfig) -> Volume {
     let peers: Vec<_> = (0..n)
         .map(|i| FakePeer::new(&format!("p{i}"), BLOB, Arc::clone(&clock)))
         .collect();
@@ -61,7 +90,7 @@ fn volume_on(clock: Arc<dyn Clock>, n: usize) -> Volume {
         "vol",
         Arc::clone(&coord) as Arc<dyn Coordinator>,
         clock,
-        config(),
+        config,
         sessions,
     ))
     .unwrap();
@@ -203,18 +232,239 @@ fn a_record_naming_peers_without_sessions_cannot_be_followed() {
     assert!(e.to_string().contains("elsewhere"), "{e}");
 }
 
+/// Members without epochs (protocol version 1) cannot fence an older
+/// writer: without a confirmed lease nothing is acknowledged, and once the
+/// store confirms the lease again the writer serves on.
 #[test]
-fn an_expired_lease_fences_the_writer_for_good() {
+fn without_epoch_fencing_an_unconfirmed_lease_withholds_acknowledgements() {
     let v = volume(2);
     v.coord
         .set_lease_until(Instant::now() - Duration::from_millis(1));
+    assert_eq!(v.set.standing().name(), "unconfirmed");
     let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
-    assert_eq!(v.peers[0].blob(1), None, "refused before sending");
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+    assert!(e.to_string().contains("cannot fence"), "{e}");
     v.coord
         .set_lease_until(Instant::now() + Duration::from_secs(60));
-    let e = block_on(v.io().flush()).unwrap_err();
+    block_on(v.io().write(1, 0, b"12345678")).unwrap();
+    block_on(v.io().flush()).unwrap();
+    assert_eq!(v.set.standing(), Standing::Confirmed);
+}
+
+/// The store unreachable and the lease lapsed, the membership unchanged:
+/// every member fences by epoch, so writes, flushes and (confirmed) reads
+/// go on; a change of membership waits for the store and then fails.
+#[test]
+fn with_epoch_fencing_the_writer_serves_through_a_store_outage() {
+    let v = volume(2);
+    fencing(&v);
+    let io = v.io();
+    block_on(io.write(1, 0, b"before..")).unwrap();
+    v.coord.update_fault(|f| f.unavailable = true);
+    v.coord
+        .set_lease_until(Instant::now() - Duration::from_millis(1));
+    for i in 0..20u64 {
+        block_on(io.write(i, 0, &i.to_le_bytes())).unwrap();
+        block_on(io.flush()).unwrap();
+        assert_eq!(read(&io, i), i.to_le_bytes());
+    }
+    // The lease lost in the store is the same: fenced members keep it safe.
+    v.coord.set_lease(Lease::Lost);
+    block_on(io.write(3, 0, b"lostrole")).unwrap();
+    assert_eq!(read(&io, 3), *b"lostrole");
+    let epoch = v.coord.record().epoch;
+    // A member lost during the outage cannot be removed: the write fails
+    // unacknowledged, and so does a read the member cannot confirm.
+    v.peers[1].set_fault(FakeFault {
+        down: true,
+        fence_epochs: true,
+        ..FakeFault::default()
+    });
+    let e = block_on(io.write(4, 0, b"12345678")).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+    let mut out = [0; 8];
+    let e = block_on(io.read(3, 0, &mut out)).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+    assert_eq!(v.coord.record().epoch, epoch, "nothing recorded");
+    assert_eq!(v.set.stats().fenced.load(Ordering::Relaxed), 0);
+}
+
+/// A writer whose role lapsed, cut off from the store; a successor takes
+/// the volume, cannot reach one member and removes it. The old writer
+/// still reaches both, and would read from the removed one: its read must
+/// not return the data the successor overwrote.
+#[test]
+fn a_successor_fences_an_unconfirmed_writer_through_a_member_it_removed() {
+    let no_hedge = ReplicaConfig {
+        hedge_after: Duration::from_secs(5),
+        ..config()
+    };
+    let v = volume_with(system(), 2, no_hedge);
+    fencing(&v);
+    let old = v.io();
+    block_on(old.write(7, 0, b"old-data")).unwrap();
+    // p1 becomes the old writer's fastest reader.
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(20));
+    read(&old, 7);
+    read(&old, 7);
+    v.peers[0].update_fault(|f| f.delay = Duration::ZERO);
+    // The old writer's role lapses (it is cut off from the store).
+    v.coord.update_fault(|f| f.unavailable = true);
+    v.coord.set_lease(Lease::Lost);
+    // A successor, cut off from p1 (its sessions are each peer's second).
+    let successor = v.coord.writer();
+    let sessions = v
+        .peers
+        .iter()
+        .map(|p| (p.name().to_string(), p.sessions(2)))
+        .collect();
+    v.peers[1].cut_sessions(1, true);
+    let new = block_on(ReplicaSet::open(
+        "vol",
+        Arc::clone(&successor) as Arc<dyn Coordinator>,
+        system(),
+        config(),
+        sessions,
+    ))
+    .unwrap();
+    block_on(new.queue(0).unwrap().write(7, 0, b"new-data")).unwrap();
+    assert_eq!(
+        successor.record().state("p1"),
+        Some(MemberState::Failed),
+        "the successor removed the member it cannot reach"
+    );
+    assert_eq!(v.peers[1].blob(7).unwrap()[..8], *b"old-data");
+    // A plain read would go to p1 alone, and return "old-data".
+    let mut out = [0; 8];
+    let e = block_on(old.read(7, 0, &mut out)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+    let e = block_on(old.write(7, 0, b"too-late")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+    assert_eq!(v.peers[0].blob(7).unwrap()[..8], *b"new-data");
+    assert_eq!(v.set.standing().name(), "fenced");
+}
+
+/// The store lost the lease and the role was taken again under a new
+/// lease, nobody else having moved the record: the writer checks the
+/// record, raises the epoch under its new tenure and is confirmed again.
+#[test]
+fn a_role_taken_back_with_the_record_unchanged_is_confirmed_again() {
+    let v = volume(2);
+    fencing(&v);
+    let io = v.io();
+    v.coord.set_lease(Lease::Lost);
+    block_on(io.write(1, 0, b"12345678")).unwrap();
+    block_on(v.set.check_role()).unwrap();
+    assert_eq!(v.set.standing().name(), "unconfirmed", "not taken back yet");
+    let epoch = v.coord.record().epoch;
+    v.coord.set_lease(Lease::Held {
+        until: Instant::now() + Duration::from_secs(60),
+        term: 1,
+    });
+    assert_eq!(
+        v.set.standing().name(),
+        "unconfirmed",
+        "the record is not checked"
+    );
+    block_on(v.set.check_role()).unwrap();
+    assert_eq!(v.set.standing(), Standing::Confirmed);
+    assert_eq!(v.coord.record().epoch, epoch + 1);
+    assert_eq!(v.set.stats().roles_regained.load(Ordering::Relaxed), 1);
+    for p in &v.peers {
+        assert_eq!(p.epoch(), epoch + 1, "{}", p.name());
+    }
+    block_on(io.write(1, 0, b"87654321")).unwrap();
+    assert_eq!(read(&io, 1), *b"87654321");
+}
+
+/// Taken back after another writer served the volume: the record moved
+/// on, so this writer is fenced for good, until `take_over` (the
+/// operator's recover) raises the epoch past the other one's.
+#[test]
+fn a_role_taken_back_after_another_writer_served_is_fenced_until_taken_over() {
+    let v = volume(2);
+    fencing(&v);
+    let io = v.io();
+    v.coord.set_lease(Lease::Lost);
+    let other = v.coord.writer();
+    let sessions = v
+        .peers
+        .iter()
+        .map(|p| (p.name().to_string(), p.sessions(2)))
+        .collect();
+    let second = block_on(ReplicaSet::open(
+        "vol",
+        Arc::clone(&other) as Arc<dyn Coordinator>,
+        system(),
+        config(),
+        sessions,
+    ))
+    .unwrap();
+    block_on(second.queue(0).unwrap().write(2, 0, b"second..")).unwrap();
+    drop(second);
+    v.coord.set_lease(Lease::Held {
+        until: Instant::now() + Duration::from_secs(60),
+        term: 1,
+    });
+    let e = block_on(v.set.check_role()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+    assert!(e.to_string().contains("another writer served"), "{e}");
+    let e = block_on(io.write(2, 0, b"first...")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+    block_on(v.set.take_over()).unwrap();
+    assert_eq!(v.set.standing(), Standing::Confirmed);
+    assert_eq!(
+        read(&io, 2),
+        *b"second..",
+        "the other writer's data is served"
+    );
+    block_on(io.write(2, 0, b"first...")).unwrap();
+    assert_eq!(read(&io, 2), *b"first...");
+}
+
+/// A member that stops answering without dying costs a write the
+/// straggler bound after the other member answered, not the request
+/// timeout: it is failed and recorded like a dead one.
+#[test]
+fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
+    let clock = ManualClock::new();
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 2);
+    let io = v.io();
+    on_virtual_time(&clock, io.write(1, 0, b"warm-up."))
+        .0
+        .unwrap();
+    v.peers[1].update_fault(|f| f.delay = Duration::from_secs(600));
+    let (r, took) = on_virtual_time(&clock, io.write(1, 0, b"12345678"));
+    r.unwrap();
+    assert_eq!(took, Duration::from_millis(100), "the floor of the bound");
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+    assert_eq!(v.set.stats().stragglers.load(Ordering::Relaxed), 1);
+    let failures = v.set.member_failures();
+    assert!(
+        failures
+            .iter()
+            .any(|(p, why)| p == "p1" && why.contains("timed out")),
+        "{failures:?}"
+    );
+    // A flush is held to the same bound.
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 3);
+    v.peers[2].update_fault(|f| f.delay = Duration::from_secs(600));
+    let (r, took) = on_virtual_time(&clock, v.io().flush());
+    r.unwrap();
+    assert_eq!(took, Duration::from_millis(100));
+    assert_eq!(v.state(2), Some(MemberState::Failed));
 }
 
 /// A write out under epoch E reaches a peer that has meanwhile seen E+1:
@@ -223,7 +473,12 @@ fn an_expired_lease_fences_the_writer_for_good() {
 /// is not fenced.
 #[test]
 fn the_writer_s_own_newer_epoch_on_another_session_does_not_fence_it() {
-    let v = volume(2);
+    // The slow member must not be ejected as a straggler here.
+    let slow_ok = ReplicaConfig {
+        straggler_after: Some(Duration::from_secs(5)),
+        ..config()
+    };
+    let v = volume_with(system(), 2, slow_ok);
     for p in &v.peers {
         p.update_fault(|f| f.fence_epochs = true);
     }
@@ -251,14 +506,30 @@ fn the_writer_s_own_newer_epoch_on_another_session_does_not_fence_it() {
 }
 
 #[test]
-fn a_lease_lost_during_the_write_withholds_the_acknowledgement() {
+fn a_lease_that_lapses_during_the_write_withholds_the_acknowledgement() {
     let v = volume(2);
     v.peers[0].update_fault(|f| f.delay = Duration::from_millis(50));
     let io = v.io();
     let lease = Instant::now() + Duration::from_millis(20);
     v.coord.set_lease_until(lease);
     let e = block_on(io.write(1, 0, b"12345678")).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Replica(ReplicaFailure::Unrecorded),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_role_held_by_another_writer_fences_for_good() {
+    let v = volume(2);
+    fencing(&v);
+    v.coord.set_lease(Lease::Taken {
+        holder: "ublkd on elsewhere".into(),
+    });
+    let e = block_on(v.io().write(1, 0, b"12345678")).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+    assert!(e.to_string().contains("elsewhere"), "{e}");
 }
 
 #[test]

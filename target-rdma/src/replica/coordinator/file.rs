@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
 
-use super::{CoordError, CoordErrorKind, CoordFuture, Coordinator, Membership, Swap};
+use super::{CoordError, CoordErrorKind, CoordFuture, Coordinator, Lease, Membership, Swap};
 
 /// How long the lease is reported valid from any call: the `flock` is held
 /// for the coordinator's whole life, so it never expires on its own.
@@ -189,8 +189,11 @@ impl Coordinator for FileCoordinator {
         })
     }
 
-    fn lease_until(&self) -> Instant {
-        Instant::now() + HELD
+    fn lease(&self) -> Lease {
+        Lease::Held {
+            until: Instant::now() + HELD,
+            term: 0,
+        }
     }
 }
 
@@ -241,7 +244,7 @@ mod tests {
             .unwrap();
         assert_eq!(e.kind, CoordErrorKind::LeaseHeld);
         assert!(e.to_string().contains("already served"), "{e}");
-        assert!(first.lease_until() > Instant::now());
+        assert!(matches!(first.lease(), Lease::Held { until, .. } if until > Instant::now()));
         drop(first);
         FileCoordinator::open(dir.path(), "vol", &peers()).unwrap();
     }

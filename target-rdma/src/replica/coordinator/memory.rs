@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{CoordError, CoordErrorKind, CoordFuture, Coordinator, Membership, Swap};
+use super::{CoordError, CoordErrorKind, CoordFuture, Coordinator, Lease, Membership, Swap};
 use crate::replica::clock::Clock;
 
 /// Faults a [`MemoryCoordinator`] handle injects.
@@ -36,12 +36,13 @@ pub struct MemoryCoordinator {
     record: Arc<Mutex<Record>>,
     clock: Arc<dyn Clock>,
     fault: Mutex<CoordFault>,
-    lease: Mutex<Instant>,
+    lease: Mutex<Lease>,
 }
 
 impl MemoryCoordinator {
     /// A record holding `membership`; the handle's lease never expires
-    /// until [`set_lease_until`](Self::set_lease_until) says otherwise.
+    /// until [`set_lease_until`](Self::set_lease_until) or
+    /// [`set_lease`](Self::set_lease) says otherwise.
     pub fn new(clock: Arc<dyn Clock>, membership: Membership) -> Arc<Self> {
         let record = Arc::new(Mutex::new(Record {
             membership,
@@ -56,7 +57,10 @@ impl MemoryCoordinator {
             record,
             clock,
             fault: Mutex::default(),
-            lease: Mutex::new(forever),
+            lease: Mutex::new(Lease::Held {
+                until: forever,
+                term: 0,
+            }),
         })
     }
 
@@ -85,9 +89,19 @@ impl MemoryCoordinator {
         f(&mut self.fault.lock());
     }
 
-    /// The lease expires (or expired) at `at`.
+    /// The lease is confirmed until `at` (the same term).
     pub fn set_lease_until(&self, at: Instant) {
-        *self.lease.lock() = at;
+        let mut l = self.lease.lock();
+        let term = match *l {
+            Lease::Held { term, .. } => term,
+            _ => 0,
+        };
+        *l = Lease::Held { until: at, term };
+    }
+
+    /// The role stands as `lease` says.
+    pub fn set_lease(&self, lease: Lease) {
+        *self.lease.lock() = lease;
     }
 
     /// Waits the injected delay, then fails if the store is unreachable.
@@ -104,6 +118,21 @@ impl MemoryCoordinator {
         }
         Ok(())
     }
+
+    /// What a swap finds of the role: only its holder may store.
+    fn holder_check(&self) -> Result<(), CoordError> {
+        match &*self.lease.lock() {
+            Lease::Held { .. } => Ok(()),
+            Lease::Lost => Err(CoordError::new(
+                CoordErrorKind::Unavailable,
+                "the writer lease is lost and not taken back yet (injected)",
+            )),
+            Lease::Taken { holder } => Err(CoordError::new(
+                CoordErrorKind::LeaseHeld,
+                format!("the volume is held by {holder} (injected)"),
+            )),
+        }
+    }
 }
 
 impl Coordinator for MemoryCoordinator {
@@ -117,6 +146,7 @@ impl Coordinator for MemoryCoordinator {
     fn compare_and_swap(&self, expected: u64, next: Membership) -> CoordFuture<'_, Swap> {
         Box::pin(async move {
             self.reach().await?;
+            self.holder_check()?;
             if let Err(why) = next.validate() {
                 return Err(CoordError::new(
                     CoordErrorKind::Corrupt,
@@ -150,8 +180,8 @@ impl Coordinator for MemoryCoordinator {
         })
     }
 
-    fn lease_until(&self) -> Instant {
-        *self.lease.lock()
+    fn lease(&self) -> Lease {
+        self.lease.lock().clone()
     }
 }
 
@@ -215,10 +245,23 @@ mod tests {
         assert_eq!(block_on(second.load()).unwrap(), without_b(3));
         let past = Instant::now() - Duration::from_secs(1);
         second.set_lease_until(past);
-        assert_eq!(second.lease_until(), past);
+        assert_eq!(
+            second.lease(),
+            Lease::Held {
+                until: past,
+                term: 0
+            }
+        );
         assert!(
-            c.lease_until() > Instant::now(),
+            matches!(c.lease(), Lease::Held { until, .. } if until > Instant::now()),
             "each writer has its own lease"
+        );
+        second.set_lease(Lease::Lost);
+        let e = block_on(second.compare_and_swap(3, without_b(4))).unwrap_err();
+        assert_eq!(
+            e.kind,
+            CoordErrorKind::Unavailable,
+            "a lost role stores nothing"
         );
     }
 }

@@ -4,12 +4,12 @@
 //!
 //! The core needs exactly three things, and [`Coordinator`] is exactly
 //! them: read the volume's [`Membership`], replace it by compare-and-swap
-//! on the epoch read, and the instant until which this process's writer
-//! lease is valid. Everything else (placement, registering peers, taking
-//! the lease) belongs to whoever builds the coordinator.
+//! on the epoch read, and where this process's writer role stands
+//! ([`Lease`]). Everything else (placement, registering peers, taking the
+//! lease) belongs to whoever builds the coordinator.
 //!
-//! Implementations: etcd (ublkd, issue 11 part B), [`FileCoordinator`]
-//! (single host, no etcd: the record in a file of the state directory) and
+//! Implementations: etcd (ublkd), [`FileCoordinator`] (single host, no
+//! etcd: the record in a file of the state directory) and
 //! [`MemoryCoordinator`] (tests, with injected faults).
 //!
 //! # Contract
@@ -26,12 +26,16 @@
 //!   (a channel from a tokio runtime, a helper thread) and must be pollable
 //!   from any executor: the core awaits them on a ublk queue thread, which
 //!   runs no tokio runtime.
-//! - `lease_until` is called on every acknowledgement, so it must be cheap
-//!   (an atomic load) and never block. It must err early, not late: the
-//!   instant it returns must lie before the moment another writer could be
-//!   granted the volume. A lease that was lost may not be reported valid
-//!   again: a new lease is a new writer, which opens a new
-//!   [`ReplicaSet`](super::ReplicaSet) (and so takes a new epoch).
+//! - `lease` is called on every request, so it must be cheap (atomic
+//!   loads) and never block. Its `until` must err early, not late: it must
+//!   lie before the moment another writer could be granted the volume.
+//!   Each time the role is taken anew (a lost lease replaced and the
+//!   volume's writer key taken again) the `term` changes, so the core
+//!   checks the record before it trusts the role again.
+//! - While the role is not [`Lease::Held`] (lost and being taken back),
+//!   `compare_and_swap` answers [`CoordErrorKind::Unavailable`], never
+//!   [`Swap::Lost`]: only the holder of the role may follow a record that
+//!   moved on.
 
 mod file;
 #[cfg(any(test, feature = "test-utils"))]
@@ -216,6 +220,30 @@ impl CoordError {
     }
 }
 
+/// Where this process's writer role of a volume stands, as the store last
+/// said.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lease {
+    /// The role is this process's. The store confirmed it until `until`
+    /// (past while the store does not answer); `term` names this tenure
+    /// of the role and changes when the role is taken again after a loss.
+    Held {
+        /// The instant before which no other writer can be granted the
+        /// volume.
+        until: Instant,
+        /// This tenure of the role.
+        term: u64,
+    },
+    /// The store dropped this process's lease (it expired, or was revoked);
+    /// the role is being taken back and may be found taken by another.
+    Lost,
+    /// Another writer holds the volume.
+    Taken {
+        /// Who, in words.
+        holder: String,
+    },
+}
+
 /// A coordination request in flight.
 pub type CoordFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, CoordError>> + Send + 'a>>;
 
@@ -229,8 +257,8 @@ pub trait Coordinator: Send + Sync {
     /// is greater than `expected` and `next` is valid.
     fn compare_and_swap(&self, expected: u64, next: Membership) -> CoordFuture<'_, Swap>;
 
-    /// Until when this process may acknowledge writes of the volume.
-    fn lease_until(&self) -> Instant;
+    /// Where this process's writer role stands.
+    fn lease(&self) -> Lease;
 }
 
 #[cfg(test)]
