@@ -291,6 +291,15 @@ pub struct DeviceInfo {
 /// A replicated volume as `show` and `list` describe it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicasInfo {
+    /// The writer's standing: `writer` (confirmed by the coordinator),
+    /// `unconfirmed` (serving on the peers' epoch fence while the
+    /// coordinator does not confirm the role) or `fenced` (every request
+    /// fails until `recover`).
+    #[serde(default = "writer_role")]
+    pub role: String,
+    /// Why the role is not `writer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role_reason: Option<String>,
     /// The membership epoch requests are served under.
     pub epoch: u64,
     /// Members that receive writes (healthy and syncing).
@@ -311,6 +320,9 @@ pub struct ReplicaInfo {
     pub peer: String,
     /// `healthy`, `syncing`, `failed` or `removed`.
     pub state: String,
+    /// Why a failed member failed, when this writer saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
     /// Rebuilds of this peer that failed in a row (0: none, or the last
     /// one succeeded).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -325,6 +337,10 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
+fn writer_role() -> String {
+    "writer".into()
+}
+
 impl ReplicasInfo {
     /// `show`'s lines for the replicas: the summary, then one per member
     /// (state, peer, and its rebuild's progress or backoff).
@@ -333,6 +349,10 @@ impl ReplicasInfo {
             "  replicas   {} healthy of {} active, epoch {}",
             self.healthy, self.active, self.epoch
         )];
+        out.push(match &self.role_reason {
+            None => format!("  role       {}", self.role),
+            Some(why) => format!("  role       {}: {why}", self.role),
+        });
         for m in &self.members {
             let mut note = match &self.rebuild {
                 Some(b) if b.peer == m.peer => {
@@ -351,6 +371,9 @@ impl ReplicasInfo {
                 if let Some(ms) = m.retry_in_ms {
                     note.push_str(&format!(", next try in {:.1} s", ms as f64 / 1e3));
                 }
+            }
+            if let Some(why) = &m.failure {
+                note.push_str(&format!("  ({why})"));
             }
             out.push(format!("    {:<8} {}{note}", m.state, m.peer));
         }

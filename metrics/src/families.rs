@@ -276,6 +276,30 @@ pub const COORDINATION: &[Family] = &[
         "Writers fenced because a peer had seen a newer membership epoch (another writer took over).",
     ),
     f(
+        "ublk_replica_writers_unconfirmed",
+        Gauge,
+        &[],
+        "Replicated devices whose writer role etcd does not confirm now (serving on the peers' epoch fence).",
+    ),
+    f(
+        "ublk_replica_writers_fenced",
+        Gauge,
+        &[],
+        "Replicated devices whose writer is fenced: every write fails until `ublkctl recover`.",
+    ),
+    f(
+        "ublk_replica_stragglers_total",
+        Counter,
+        &[],
+        "Members failed because they answered a write or flush too late after the other members.",
+    ),
+    f(
+        "ublk_replica_roles_regained_total",
+        Counter,
+        &[],
+        "Writer roles confirmed again after etcd lost the writer lease and the key was taken back.",
+    ),
+    f(
         "ublk_replica_hedged_reads_total",
         Counter,
         &["outcome"],

@@ -55,6 +55,14 @@ pub struct ReplicaStats {
     pub rebuild_remaining: u64,
     /// Writers fenced because a peer had seen a newer epoch.
     pub stale_epoch_fences: u64,
+    /// Devices whose writer role the coordinator does not confirm now.
+    pub unconfirmed: u64,
+    /// Devices whose writer is fenced.
+    pub fenced: u64,
+    /// Members failed for answering too late after the others.
+    pub stragglers: u64,
+    /// Writer roles confirmed again after a lost lease.
+    pub roles_regained: u64,
     /// Reads sent to a second member, by [`HedgeOutcome::index`].
     pub hedged_reads: [u64; HedgeOutcome::COUNT],
     /// Rebuilds ended, by [`RebuildOutcome::index`].
@@ -71,6 +79,10 @@ impl ReplicaStats {
         self.rebuild_bytes += other.rebuild_bytes;
         self.rebuild_remaining += other.rebuild_remaining;
         self.stale_epoch_fences += other.stale_epoch_fences;
+        self.unconfirmed += other.unconfirmed;
+        self.fenced += other.fenced;
+        self.stragglers += other.stragglers;
+        self.roles_regained += other.roles_regained;
         for (a, b) in self.hedged_reads.iter_mut().zip(other.hedged_reads) {
             *a += b;
         }
@@ -85,6 +97,8 @@ impl ReplicaStats {
         ReplicaStats {
             rebuild_bytes: self.rebuild_bytes,
             stale_epoch_fences: self.stale_epoch_fences,
+            stragglers: self.stragglers,
+            roles_regained: self.roles_regained,
             hedged_reads: self.hedged_reads,
             rebuilds: self.rebuilds,
             ..ReplicaStats::default()
@@ -102,6 +116,10 @@ pub struct ReplicaMetrics {
     rebuild_bytes: Counter,
     rebuild_remaining: Gauge,
     fences: Counter,
+    unconfirmed: Gauge,
+    fenced: Gauge,
+    stragglers: Counter,
+    roles_regained: Counter,
     hedged_reads: [Counter; HedgeOutcome::COUNT],
     rebuilds: [Counter; RebuildOutcome::COUNT],
     source: Mutex<Option<Source>>,
@@ -125,6 +143,10 @@ impl ReplicaMetrics {
             rebuild_bytes: t.counter("ublk_rebuild_bytes_total", &[]),
             rebuild_remaining: t.gauge("ublk_rebuild_remaining_bytes", &[]),
             fences: t.counter("ublk_writer_stale_epoch_fences_total", &[]),
+            unconfirmed: t.gauge("ublk_replica_writers_unconfirmed", &[]),
+            fenced: t.gauge("ublk_replica_writers_fenced", &[]),
+            stragglers: t.counter("ublk_replica_stragglers_total", &[]),
+            roles_regained: t.counter("ublk_replica_roles_regained_total", &[]),
             hedged_reads: HedgeOutcome::ALL.map(|o| {
                 t.counter(
                     "ublk_replica_hedged_reads_total",
@@ -148,6 +170,10 @@ impl ReplicaMetrics {
         self.rebuild_bytes.absolute(s.rebuild_bytes);
         self.rebuild_remaining.set(s.rebuild_remaining as f64);
         self.fences.absolute(s.stale_epoch_fences);
+        self.unconfirmed.set(s.unconfirmed as f64);
+        self.fenced.set(s.fenced as f64);
+        self.stragglers.absolute(s.stragglers);
+        self.roles_regained.absolute(s.roles_regained);
         for (c, v) in self.hedged_reads.iter().zip(s.hedged_reads) {
             c.absolute(v);
         }

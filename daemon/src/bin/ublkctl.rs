@@ -491,7 +491,14 @@ fn print_replicas(r: &ReplicasInfo) {
 fn peer_column(d: &DeviceInfo) -> String {
     match &d.replicas {
         None => d.peer.clone(),
-        Some(r) => format!("{}/{} replicas e{}", r.healthy, r.members.len(), r.epoch),
+        Some(r) => {
+            let active = r.active;
+            let role = match r.role.as_str() {
+                "writer" => String::new(),
+                other => format!(" {}", other.to_uppercase()),
+            };
+            format!("{}/{active} replicas e{}{role}", r.healthy, r.epoch)
+        }
     }
 }
 // --- end replication ---

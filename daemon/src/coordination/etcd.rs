@@ -311,7 +311,7 @@ impl Etcd {
 }
 
 /// The conditional put's transaction.
-async fn put_if(
+pub(super) async fn put_if(
     c: &mut Client,
     key: String,
     conditions: Vec<(String, Expect)>,
@@ -327,7 +327,7 @@ async fn put_if(
     swap_outcome(c.txn(txn).await?)
 }
 
-fn swap_outcome(r: etcd_client::TxnResponse) -> Result<Swap, etcd_client::Error> {
+pub(super) fn swap_outcome(r: etcd_client::TxnResponse) -> Result<Swap, etcd_client::Error> {
     if r.succeeded() {
         return Ok(Swap::Done(r.header().map_or(0, |h| h.revision())));
     }

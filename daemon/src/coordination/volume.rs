@@ -1,5 +1,5 @@
 //! One volume's [`Coordinator`] on etcd: what the replication core reads
-//! and swaps, and until when it may acknowledge writes.
+//! and swaps, and where its writer role stands.
 //!
 //! A swap is one etcd transaction conditioned on two keys: the membership
 //! key still at the `mod_revision` read (so of two writers racing from the
@@ -11,11 +11,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use target_rdma::replica::{
-    CoordError as CoreError, CoordErrorKind as CoreKind, CoordFuture, Coordinator, Membership,
-    Swap as CoreSwap,
+    CoordError as CoreError, CoordErrorKind as CoreKind, CoordFuture, Coordinator, Lease,
+    Membership, Swap as CoreSwap,
 };
 
 use super::etcd::{Etcd, Expect, Swap, Versioned};
@@ -68,9 +67,6 @@ pub struct EtcdVolume {
     writer_key: String,
     writer: Arc<VolumeWriter>,
     changes: Arc<EpochChanges>,
-    /// An instant already past: the deadline of a writer that holds
-    /// nothing.
-    opened: Instant,
 }
 
 fn parse(key: &str, v: &Versioned) -> Result<MembershipRecord, CoreError> {
@@ -96,7 +92,6 @@ impl EtcdVolume {
             writer_key,
             writer,
             changes,
-            opened: Instant::now(),
         }
     }
 
@@ -127,11 +122,18 @@ impl EtcdVolume {
         }
         next.validate()
             .map_err(|e| CoreError::new(CoreKind::Corrupt, format!("refused membership: {e}")))?;
+        // Only the role's holder may learn that the record moved on (and
+        // follow it): a writer whose lease was lost waits until its key is
+        // taken again.
+        let lease = match self.writer.lease() {
+            Lease::Held { .. } => self.writer.lease_id().ok_or_else(|| self.regaining())?,
+            Lease::Lost => return Err(self.regaining()),
+            Lease::Taken { .. } => return Err(self.fenced()),
+        };
         let (current, revision) = self.read().await?;
         if current.membership.epoch != expected {
             return Ok(CoreSwap::Lost(current.membership));
         }
-        let lease = self.writer.lease_id().ok_or_else(|| self.fenced())?;
         let reason = reason_of_change(&current.membership, &next);
         let record = MembershipRecord {
             membership: next,
@@ -165,6 +167,16 @@ impl EtcdVolume {
         }
     }
 
+    fn regaining(&self) -> CoreError {
+        CoreError::new(
+            CoreKind::Unavailable,
+            format!(
+                "volume {:?}: etcd lost this ublkd's writer lease; the writer key is being taken again",
+                self.volume
+            ),
+        )
+    }
+
     fn fenced(&self) -> CoreError {
         CoreError::new(
             CoreKind::LeaseHeld,
@@ -185,7 +197,7 @@ impl Coordinator for EtcdVolume {
         Box::pin(self.swap(expected, next))
     }
 
-    fn lease_until(&self) -> Instant {
-        self.writer.valid_until().unwrap_or(self.opened)
+    fn lease(&self) -> Lease {
+        self.writer.lease()
     }
 }

@@ -6,19 +6,20 @@
 //! partition, etcd down), etcd deletes its keys when the TTL runs out and
 //! another ublkd may take the volumes.
 //!
-//! The replication core must not acknowledge a write after the lease may
-//! have expired, so each keepalive that etcd answers moves a deadline,
+//! Each keepalive that etcd answers moves a deadline,
 //! [`VolumeWriter::valid_until`]: the instant the keepalive was *sent* plus
 //! the TTL (etcd counts from when it received it, later) minus
-//! `etcd.lease_margin_ms` for clock drift. A lease etcd no longer knows
-//! (expired, or revoked with `etcdctl lease revoke`) ends that deadline at
-//! once and fences every [`VolumeWriter`] of it for good: a write the old
-//! lease did not cover may have been refused by peers that a new writer
-//! already moved to a new epoch, so a writer cannot silently become valid
-//! again (the replication core's contract). The keepalive task grants a
-//! new lease for what is acquired next; the device manager re-acquires
-//! the volume, which is a new writer with a new replica set and epoch, or
-//! is refused if another ublkd took it meanwhile.
+//! `etcd.lease_margin_ms` for clock drift. Before it, no other ublkd can
+//! be granted the volume; after it, the replication core keeps serving on
+//! the peers' epoch fence (docs/REPLICATION.md).
+//!
+//! A lease etcd no longer knows (expired, or revoked with `etcdctl lease
+//! revoke`) does not end the volumes' writers: the keepalive task grants a
+//! new lease and takes each volume's writer key again under it. A key
+//! still absent is this ublkd's again (a new *term*: the core checks that
+//! nobody moved the volume's record meanwhile before it trusts the role);
+//! a key another ublkd created means that one holds the volume now, and
+//! the writer is fenced for good.
 //!
 //! The lease id is kept in `<state_dir>/writer-lease`, which this process
 //! holds locked: a ublkd restarted after a crash adopts its predecessor's
@@ -30,16 +31,17 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
 use parking_lot::Mutex;
 use rustix::fs::{flock, FlockOperation};
+use target_rdma::replica::Lease;
 
 use super::config::EtcdConfig;
-use super::etcd::{Etcd, Expect, Swap};
+use super::etcd::{self, Etcd, Expect, Swap};
 use super::records::{unix_now, Keys, WriterRecord};
 use super::CoordError;
 
@@ -99,31 +101,55 @@ impl Shared {
 /// This ublkd's hold on one volume.
 pub struct VolumeWriter {
     volume: String,
-    /// The etcd lease the writer key was created under.
-    lease: i64,
-    held: AtomicBool,
+    /// The etcd lease the writer key is bound to; 0 while the key is not
+    /// ours (the lease was lost and the key not taken again yet, or it is
+    /// another ublkd's).
+    lease: AtomicI64,
+    /// Bumped each time the key is taken again under a new lease.
+    term: AtomicU64,
+    /// Who holds the key, once another ublkd does: fenced for good.
+    taken_by: Mutex<Option<String>>,
     shared: Arc<Shared>,
 }
 
 impl VolumeWriter {
-    /// Until when writes to the volume may be acknowledged; `None` when
-    /// the volume's writer key is not (or no longer) ours, or no lease is
+    /// Until when no other ublkd can be granted the volume; `None` when the
+    /// volume's writer key is not (or no longer) ours, or no lease is
     /// alive. Two atomic loads: cheap enough for every write.
     pub fn valid_until(&self) -> Option<Instant> {
-        if !self.held.load(Ordering::Acquire) {
+        if !self.held() {
             return None;
         }
         self.shared.valid_until()
     }
 
-    /// The etcd lease the writer key is bound to, `None` once fenced.
+    /// The etcd lease the writer key is bound to, `None` while it is not
+    /// ours.
     pub fn lease_id(&self) -> Option<i64> {
-        self.held().then_some(self.lease)
+        match self.lease.load(Ordering::Acquire) {
+            0 => None,
+            id => Some(id),
+        }
     }
 
     /// Whether the writer key is ours (the lease may still have lapsed).
     pub fn held(&self) -> bool {
-        self.held.load(Ordering::Acquire)
+        self.lease_id().is_some()
+    }
+
+    /// The role as the replication core sees it.
+    pub fn lease(&self) -> Lease {
+        if let Some(holder) = self.taken_by.lock().clone() {
+            return Lease::Taken { holder };
+        }
+        if !self.held() {
+            return Lease::Lost;
+        }
+        Lease::Held {
+            // An instant already past while no keepalive was answered.
+            until: self.shared.valid_until().unwrap_or(self.shared.base),
+            term: self.term.load(Ordering::Acquire),
+        }
     }
 
     /// The volume.
@@ -280,6 +306,8 @@ impl WriterLease {
                 return Ok(Arc::clone(v));
             }
         }
+        // A volume given up (or taken by another ublkd) starts afresh.
+        self.shared.volumes.lock().remove(volume);
         let key = self.shared.keys.writer(volume);
         let me = serde_json::to_vec(&self.shared.me).unwrap_or_default();
         let give_up = Instant::now() + self.shared.ttl + PREDECESSOR_GRACE;
@@ -298,7 +326,20 @@ impl WriterLease {
                 )?;
             let holder = match swap {
                 Swap::Done(_) => None,
-                Swap::Conflict(Some(cur)) if cur.lease == lease => None,
+                Swap::Conflict(Some(cur)) if cur.lease == lease => {
+                    // An adopted lease: the key still names the dead
+                    // process; it names this one from now on.
+                    let renamed = self.etcd.put_if(
+                        key.clone(),
+                        me.clone(),
+                        Expect::Lease(lease),
+                        Some(lease),
+                    );
+                    if let Err(e) = Etcd::wait(renamed) {
+                        tracing::warn!(event = "writer.rename_failed", volume, error = %e);
+                    }
+                    None
+                }
                 Swap::Conflict(Some(cur)) => Some(
                     serde_json::from_slice::<WriterRecord>(&cur.value).map_err(|e| {
                         CoordError::Corrupt {
@@ -313,8 +354,9 @@ impl WriterLease {
                 None => {
                     let v = Arc::new(VolumeWriter {
                         volume: volume.to_owned(),
-                        lease,
-                        held: AtomicBool::new(true),
+                        lease: AtomicI64::new(lease),
+                        term: AtomicU64::new(0),
+                        taken_by: Mutex::new(None),
                         shared: Arc::clone(&self.shared),
                     });
                     self.shared
@@ -344,8 +386,10 @@ impl WriterLease {
         let Some(v) = self.shared.volumes.lock().remove(volume) else {
             return Ok(());
         };
-        v.held.store(false, Ordering::Release);
-        let lease = self.lease_id();
+        let lease = v.lease.swap(0, Ordering::AcqRel);
+        if lease == 0 {
+            return Ok(());
+        }
         Etcd::wait(
             self.etcd
                 .delete_if(self.shared.keys.writer(volume), Expect::Lease(lease)),
@@ -391,23 +435,80 @@ async fn keepalive(client: Client, shared: Arc<Shared>, interval: Duration, time
             Ok(Ok(Some(ks))) => {
                 shared.extend_from(sent);
                 keeper = Some(ks);
+                retake(&client, &shared, timeout).await;
             }
             Ok(Err(e)) if lease_gone(&e) => {
                 shared.valid_until.store(0, Ordering::Release);
                 shared.lease.store(0, Ordering::Release);
                 shared.lost.fetch_add(1, Ordering::Relaxed);
-                let fenced = std::mem::take(&mut *shared.volumes.lock());
-                for v in fenced.values() {
-                    v.held.store(false, Ordering::Release);
-                    tracing::error!(event = "writer.fenced", volume = %v.volume, lease = id,
-                        "the writer lease is gone: writes are no longer acknowledged");
+                for v in shared.volumes.lock().values() {
+                    v.lease.store(0, Ordering::Release);
+                    tracing::error!(event = "writer.lease_lost", volume = %v.volume, lease = id,
+                        "etcd lost the writer lease: taking the volume back under a new one");
                 }
                 regrant(&client, &shared, timeout).await;
+                retake(&client, &shared, timeout).await;
             }
             // etcd unreachable or slow: the deadline is not moved, so it
             // lapses by itself if this goes on; the stream is reopened.
             Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
                 tracing::warn!(event = "writer.keepalive_failed", lease = id);
+            }
+        }
+    }
+}
+
+/// Takes the writer keys of the volumes whose lease was lost again under
+/// the current lease: a key still absent is ours again (a new term); one
+/// another ublkd created fences our writer for good. etcd unreachable: the
+/// next keepalive round tries again.
+async fn retake(client: &Client, shared: &Shared, timeout: Duration) {
+    let lease = shared.lease.load(Ordering::Acquire);
+    if lease == 0 {
+        return;
+    }
+    let lost: Vec<Arc<VolumeWriter>> = shared
+        .volumes
+        .lock()
+        .values()
+        .filter(|v| !v.held() && v.taken_by.lock().is_none())
+        .cloned()
+        .collect();
+    let me = serde_json::to_vec(&shared.me).unwrap_or_default();
+    for v in lost {
+        let key = shared.keys.writer(&v.volume);
+        let mut c = client.clone();
+        let take = etcd::put_if(
+            &mut c,
+            key.clone(),
+            vec![(key, Expect::Absent)],
+            me.clone(),
+            Some(lease),
+        );
+        let holder = match tokio::time::timeout(timeout, take).await {
+            Ok(Ok(Swap::Done(_))) => None,
+            Ok(Ok(Swap::Conflict(Some(cur)))) if cur.lease == lease => None,
+            Ok(Ok(Swap::Conflict(Some(cur)))) => Some(
+                serde_json::from_slice::<WriterRecord>(&cur.value)
+                    .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string()),
+            ),
+            // Gone between the compare and the read, or etcd did not
+            // answer: the next round tries again.
+            _ => {
+                tracing::warn!(event = "writer.retake_failed", volume = %v.volume);
+                continue;
+            }
+        };
+        match holder {
+            None => {
+                v.term.fetch_add(1, Ordering::AcqRel);
+                v.lease.store(lease, Ordering::Release);
+                tracing::warn!(event = "writer.retaken", volume = %v.volume, lease);
+            }
+            Some(who) => {
+                tracing::error!(event = "writer.fenced", volume = %v.volume, holder = %who,
+                    "another ublkd took the volume while the writer lease was lost");
+                *v.taken_by.lock() = Some(who);
             }
         }
     }

@@ -123,7 +123,19 @@ impl Connector {
                     sq_depth: (spec.depth * 2).clamp(16, 256),
                     op_timeout: self.request_timeout.min(Duration::from_secs(5)),
                     require_rdma: spec.transport == TransportChoice::Rdma,
-                    lease_cache: self.rdma.lease_cache(),
+                    // A replicated writer's lanes present a new epoch one
+                    // by one, and a raise ends the leases of every session
+                    // still below it (the RDMA fence): cached dirty leases
+                    // of the writer's own lanes would die at its own raise.
+                    // Uncached, a lease lives for one request, and a raise
+                    // between its ALLOC and COMMIT answers STALE_EPOCH,
+                    // which the replication core sends again under the new
+                    // view.
+                    lease_cache: if spec.replicas.is_some() {
+                        0
+                    } else {
+                        self.rdma.lease_cache()
+                    },
                     busy_poll: self.busy_poll,
                     ..RdmaTransportConfig::default()
                 };

@@ -23,8 +23,8 @@ use target_rdma::blob::BlobIo;
 use target_rdma::client::Session;
 use target_rdma::replica::{
     clock, CoordError as CoreError, CoordErrorKind as CoreKind, Coordinator, FileCoordinator,
-    MemberSessions, MemberState, Membership, RebuildConfig, RebuildStats, ReplicaSet, Swap,
-    MAX_REPLICAS,
+    MemberSessions, MemberState, Membership, RebuildConfig, RebuildStats, ReplicaSet, Standing,
+    Swap, MAX_REPLICAS,
 };
 
 use super::connect::{Connector, PeerSessions};
@@ -172,6 +172,11 @@ impl Replicated {
         Ok((ios, rep))
     }
 
+    /// Whether the writer is fenced (`recover` takes the volume over).
+    pub fn fenced(&self) -> bool {
+        matches!(self.set.standing(), Standing::Fenced(_))
+    }
+
     /// The replica set.
     pub fn set(&self) -> &Arc<ReplicaSet<Session>> {
         &self.set
@@ -188,7 +193,14 @@ impl Replicated {
         let count = |s: MemberState| m.members.iter().filter(|r| r.state == s).count();
         let backoff = self.backoff.lock().clone();
         let now = Instant::now();
+        let failures = self.set.member_failures();
+        let standing = self.set.standing();
         ReplicasInfo {
+            role: standing.name().into(),
+            role_reason: match standing {
+                Standing::Confirmed => None,
+                Standing::Unconfirmed(why) | Standing::Fenced(why) => Some(why),
+            },
             epoch: m.epoch,
             active: m.active().count(),
             healthy: count(MemberState::Healthy),
@@ -200,6 +212,10 @@ impl Replicated {
                     ReplicaInfo {
                         peer: r.peer.clone(),
                         state: r.state.name().into(),
+                        failure: (r.state == MemberState::Failed)
+                            .then(|| failures.iter().find(|(p, _)| *p == r.peer))
+                            .flatten()
+                            .map(|(_, why)| why.clone()),
                         rebuild_failures: b.map_or(0, |b| b.failures),
                         retry_in_ms: b.and_then(|b| {
                             let left = b.retry_at.saturating_duration_since(now);
@@ -370,6 +386,10 @@ impl Replicated {
             rebuild_bytes,
             rebuild_remaining,
             stale_epoch_fences: core.stale_epoch_fences.load(Ordering::Relaxed),
+            unconfirmed: u64::from(matches!(self.set.standing(), Standing::Unconfirmed(_))),
+            fenced: u64::from(matches!(self.set.standing(), Standing::Fenced(_))),
+            stragglers: core.stragglers.load(Ordering::Relaxed),
+            roles_regained: core.roles_regained.load(Ordering::Relaxed),
             hedged_reads,
             rebuilds: std::array::from_fn(|i| self.rebuilds[i].load(Ordering::Relaxed)),
         }
@@ -464,6 +484,13 @@ fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
         let Some(rep) = weak.upgrade().filter(|r| r.is_running()) else {
             return;
         };
+        // A role taken back under a new lease is confirmed here, off the
+        // request path (the requests keep serving on the epoch fence).
+        if matches!(rep.set.standing(), Standing::Unconfirmed(_)) {
+            if let Err(e) = block_on(rep.set.check_role()) {
+                tracing::debug!(event = "replica.role_check_failed", volume, error = %e);
+            }
+        }
         if waited < cfg.rebuild_check() {
             continue;
         }
