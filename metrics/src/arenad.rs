@@ -171,6 +171,7 @@ pub struct ArenaMetrics {
     accept_errors: Counter,
     probes: Counter,
     lease_key_failures: Counter,
+    leases_fenced: Counter,
     integrity_errors: [Counter; IntegrityCheck::COUNT],
     source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
 }
@@ -238,6 +239,7 @@ impl ArenaMetrics {
             accept_errors: c0("arenad_accept_errors_total"),
             probes: c0("arenad_probes_total"),
             lease_key_failures: c0("arenad_rdma_lease_key_failures_total"),
+            leases_fenced: c0("arenad_leases_fenced_total"),
             integrity_errors: IntegrityCheck::ALL.map(|c| {
                 let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
                 counter.increment(0);
@@ -301,6 +303,12 @@ impl ArenaMetrics {
     /// the key failed.
     pub fn lease_key_failure(&self) {
         self.lease_key_failures.increment(1);
+    }
+
+    /// Counts `n` leases ended by a raise of their volume's epoch: their
+    /// holders were fenced out.
+    pub fn leases_fenced(&self, n: u64) {
+        self.leases_fenced.increment(n);
     }
 
     /// Publishes store state. Cumulative fields are applied as absolute

@@ -425,6 +425,12 @@ pub const ARENA: &[Family] = &[
         "Leases answered without their RDMA key: registering it failed.",
     ),
     f(
+        "arenad_leases_fenced_total",
+        Counter,
+        &[],
+        "Leases ended by a raise of their volume's epoch: their holders were fenced out.",
+    ),
+    f(
         "arenad_connections_refused_total",
         Counter,
         &["reason"],

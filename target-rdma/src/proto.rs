@@ -858,7 +858,9 @@ pub fn decode_request<'a>(h: &Header, body: &'a [u8]) -> Result<Request<'a>, Fra
             Request::Read { key, offset, len }
         }
         Opcode::RailConnect => Request::RailConnect(c.endpoint()?),
-        Opcode::Epoch => Request::Epoch { epoch: c.u64()? },
+        Opcode::Epoch => Request::Epoch {
+            epoch: check_epoch(c.u64()?)?,
+        },
         Opcode::Challenge | Opcode::Hello | Opcode::Revoke => {
             return Err(FrameError::Unexpected {
                 op: h.opcode.name(),
@@ -1040,7 +1042,7 @@ impl Hello {
         let caps = c.u32()?;
         let blob_bytes = c.u32()?;
         let epoch = if version >= u16::from(VERSION_2) {
-            c.u64()?
+            check_epoch(c.u64()?)?
         } else {
             0
         };
@@ -1066,6 +1068,23 @@ impl Hello {
             volume,
         })
     }
+}
+
+/// The highest membership epoch a HELLO or EPOCH may present: a writer at
+/// `u64::MAX` could never be fenced out, since no higher epoch exists.
+pub const MAX_EPOCH: u64 = u64::MAX - 1;
+
+/// `epoch`, unless it is above [`MAX_EPOCH`].
+fn check_epoch(epoch: u64) -> Result<u64, FrameError> {
+    if epoch > MAX_EPOCH {
+        return Err(FrameError::Invalid {
+            field: "epoch",
+            detail: format!(
+                "{epoch} is above the highest membership epoch {MAX_EPOCH}: a writer there could never be fenced out"
+            ),
+        });
+    }
+    Ok(epoch)
 }
 
 /// Whether `name` is an acceptable volume name: short, printable, no separators.

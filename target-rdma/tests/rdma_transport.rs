@@ -1001,6 +1001,141 @@ fn verbs_isolation_a_force_ended_lease_key_no_longer_reaches_the_slot() {
     a_force_ended_lease_key_no_longer_reaches_the_slot(rdma_device());
 }
 
+/// A writer of volume "a" at membership epoch `epoch`, offering RDMA.
+fn writer(peer: &Peer, epoch: u64) -> ArenaClient {
+    let mut c = peer.config("a", SECRET_A);
+    c.offer_rdma = true;
+    c.blob_bytes = BLOB;
+    c.epoch = epoch;
+    ArenaClient::connect(c).unwrap()
+}
+
+fn stale(e: &target_rdma::blob::ArenaError) -> bool {
+    e.status() == Some(Status::StaleEpoch)
+}
+
+/// A writer fenced out by a raise (EPOCH) cannot write by RDMA any more.
+/// The old writer (two sessions at epoch 1, as two queues) holds ALLOC
+/// leases of key 3 with their keys; another session raises the volume to
+/// epoch 2. Once that is answered the old leases are ended and their keys
+/// dead: an RDMA WRITE with one completes with a remote access error, both
+/// before and after the new writer ALLOCed the same key (the same slot),
+/// wrote it, COMMITted and FLUSHed; the new writer reads its own bytes.
+/// What the old writer had written before the raise stays in the slot (an
+/// uncommitted in-place write), until the new writer overwrites it. The
+/// old tokens' COMMIT and an inline WRITE answer STALE_EPOCH, RELEASE is
+/// accepted, and once the old writer moves past the volume's epoch its old
+/// lease answers LEASE_LOST.
+fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 16);
+    let len = 4096;
+    let (q0, q1, q2) = (writer(&peer, 1), writer(&peer, 1), writer(&peer, 1));
+    let mut rail0 = RawRail::up(&p, &q0);
+    let mut rail1 = RawRail::up(&p, &q1);
+    let rail2 = RawRail::up(&p, &q2);
+    let (l0, k0) = keyed_alloc(&q0, 3);
+    let (l1, k1) = keyed_alloc(&q1, 3);
+    assert_eq!(l0.slot_offset, l1.slot_offset, "one slot per key");
+    let slot = l0.slot_offset;
+    rail0.local().fill(1);
+    assert_eq!(
+        rail0.one_sided(RdmaOp::Write, slot, k0, BLOB),
+        wc_status::SUCCESS,
+        "epoch 1 is the volume's: the write lands"
+    );
+    block_on(q0.write(4, 0, &[4; 4096])).unwrap();
+    let ro = block_on(q2.get(4)).unwrap().unwrap();
+    let ro_key = ro.rkey.unwrap();
+
+    // The new writer connects at the volume's epoch and raises it.
+    let new = writer(&peer, 1);
+    assert_eq!(block_on(new.raise_epoch(2)).unwrap(), 2);
+    assert_eq!(peer.metric("arenad_leases_fenced_total", &[]), 3);
+
+    // Before the new writer touched the key: the old key is dead, and the
+    // slot holds what the old writer wrote before the raise.
+    rail0.local().fill(0xee);
+    let s = rail0.one_sided(RdmaOp::Write, slot, k0, len);
+    assert!(refused(s), "a fenced writer's WRITE completed with {s}");
+    let mut out = vec![0u8; BLOB as usize];
+    assert!(block_on(new.read(3, 0, &mut out)).unwrap());
+    assert!(
+        out.iter().all(|&b| b == 1),
+        "the slot keeps the bytes written before the raise, and only those"
+    );
+    let s = rail2.one_sided(RdmaOp::Read, ro.slot_offset, ro_key, len);
+    assert!(refused(s), "a fenced writer's GET key still read: {s}");
+
+    // The new writer takes the same slot, writes, commits, flushes.
+    let mut rail = RawRail::up(&p, &new);
+    let (nl, nk) = keyed_alloc(&new, 3);
+    assert_eq!(nl.slot_offset, slot, "the same slot");
+    rail.local().fill(2);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, slot, nk, BLOB),
+        wc_status::SUCCESS
+    );
+    block_on(new.commit(3, nl.token)).unwrap();
+    block_on(new.flush()).unwrap();
+
+    // After it: the old writer's other session (its QP untouched so far)
+    // with its cached key.
+    rail1.local().fill(0xee);
+    let s = rail1.one_sided(RdmaOp::Write, slot, k1, len);
+    assert!(refused(s), "a fenced writer's WRITE completed with {s}");
+    let mut out = vec![0u8; BLOB as usize];
+    assert!(block_on(new.read(3, 0, &mut out)).unwrap());
+    assert!(out.iter().all(|&b| b == 2), "the new writer's bytes");
+
+    // The old tokens and the old writer's inline path.
+    let e = block_on(q0.commit(3, l0.token)).unwrap_err();
+    assert!(stale(&e), "{e}");
+    let e = block_on(q1.write(3, 0, &[0xee; 4096])).unwrap_err();
+    assert!(stale(&e), "{e}");
+    block_on(q2.release(&[ro.token])).unwrap();
+    assert_eq!(block_on(q1.raise_epoch(3)).unwrap(), 3);
+    let e = block_on(q1.commit(3, l1.token)).unwrap_err();
+    assert_eq!(e.status(), Some(Status::LeaseLost), "{e}");
+    let mut out = vec![0u8; BLOB as usize];
+    assert!(block_on(q1.read(3, 0, &mut out)).unwrap());
+    assert!(out.iter().all(|&b| b == 2), "still the new writer's bytes");
+    assert_eq!(peer.protocol_errors(), 0);
+}
+
+#[test]
+fn loopback_a_raise_kills_the_fenced_writers_rdma_keys() {
+    a_raise_kills_the_fenced_writers_rdma_keys(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_a_raise_kills_the_fenced_writers_rdma_keys() {
+    a_raise_kills_the_fenced_writers_rdma_keys(rdma_device());
+}
+
+/// A HELLO presenting a higher epoch fences like EPOCH: once it is
+/// answered the old writer's key is dead and its lease gone.
+#[test]
+fn loopback_a_raise_by_hello_kills_the_fenced_writers_rdma_keys() {
+    let p: Arc<dyn RdmaProvider> = LoopbackProvider::new();
+    let (peer, _dir) = isolated_peer(p.clone(), 16);
+    let old = writer(&peer, 1);
+    let mut rail = RawRail::up(&p, &old);
+    let (l, k) = keyed_alloc(&old, 3);
+    let new = writer(&peer, 2);
+    assert_eq!(new.welcome().unwrap().epoch, 2);
+    rail.local().fill(0xee);
+    let s = rail.one_sided(RdmaOp::Write, l.slot_offset, k, 4096);
+    assert!(refused(s), "a fenced writer's WRITE completed with {s}");
+    let mut out = vec![0u8; 4096];
+    assert!(block_on(new.read(3, 0, &mut out)).unwrap());
+    assert!(out.iter().all(|&b| b == 0), "nothing of it landed");
+    let e = block_on(old.commit(3, l.token)).unwrap_err();
+    assert!(stale(&e), "{e}");
+    assert_eq!(peer.metric("arenad_leases_fenced_total", &[]), 1);
+    assert_eq!(peer.protocol_errors(), 0);
+}
+
 /// A client that did not offer `CAP_RDMA_LEASE_KEYS` (an older build) is
 /// granted `CAP_RDMA` but refused at RAIL_CONNECT by a server isolating
 /// RDMA per lease, with a message naming the config key; a server with

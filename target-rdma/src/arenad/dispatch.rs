@@ -219,7 +219,7 @@ impl Shared {
                 ));
             }
             let session = conn.epoch.fetch_max(epoch, Ordering::AcqRel).max(epoch);
-            let status = match self.epochs.raise(&conn.fence, session) {
+            let status = match self.raise_and_fence(&conn.fence, session) {
                 Ok(now) if now > session => {
                     proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
                     Status::StaleEpoch

@@ -11,8 +11,14 @@
 //! start, like a damaged index: trusting it could let a stale writer in.
 //!
 //! A raise is strict: once it returns, no data operation admitted under a
-//! lower epoch is still running, so a new writer that raised the epoch
-//! never races a write of the one it fenced out.
+//! lower epoch is still running and the sessions it fenced out hold no
+//! lease (the caller ends them), so a new writer that raised the epoch
+//! never races a write of the one it fenced out, inline or by RDMA. A
+//! session presenting the epoch being raised waits for the same point: it
+//! is the same writer's, and its answer promises the same.
+//!
+//! `u64::MAX` is never an epoch here: the protocol refuses it before a
+//! raise, since a writer at it could not be fenced out.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -59,6 +65,9 @@ struct Fence {
     /// Operations admitted at a lower epoch, still running: a raise waits
     /// for them.
     draining: u64,
+    /// The highest epoch whose raise finished (drained, older sessions'
+    /// leases ended): up to `epoch`.
+    settled: u64,
 }
 
 /// One volume's epoch and the data operations running under it: a
@@ -66,6 +75,7 @@ struct Fence {
 pub struct VolumeEpoch {
     name: String,
     fence: Mutex<Fence>,
+    /// Signalled as `draining` reaches 0 and as `settled` rises.
     drained: Condvar,
 }
 
@@ -73,6 +83,13 @@ impl VolumeEpoch {
     /// The epoch now.
     pub fn current(&self) -> u64 {
         self.fence.lock().epoch
+    }
+
+    /// Whether presenting `epoch` needs no [`Epochs::raise`]: it is below
+    /// the volume's (stale), or at it with that raise finished.
+    pub fn settled(&self, epoch: u64) -> bool {
+        let f = self.fence.lock();
+        epoch < f.epoch || epoch <= f.settled
     }
 
     /// Admits a data operation of a session at `session` epoch, or returns
@@ -214,6 +231,7 @@ impl Epochs {
             name: name.to_owned(),
             fence: Mutex::new(Fence {
                 epoch,
+                settled: epoch,
                 ..Fence::default()
             }),
             drained: Condvar::new(),
@@ -223,30 +241,54 @@ impl Epochs {
     }
 
     /// Raises `volume`'s epoch to `epoch` if that is higher: from now on
-    /// sessions below it are refused; the new epoch is persisted, and the
-    /// operations admitted under a lower one are waited for, before this
-    /// returns. Returns the volume's epoch. Blocks (a file sync, running
-    /// operations): call it off the reactor.
-    pub fn raise(&self, volume: &VolumeEpoch, epoch: u64) -> Result<u64, EpochError> {
+    /// sessions below it are refused; the new epoch is persisted, the
+    /// operations admitted under a lower one are waited for, and then
+    /// `fence_out` ends what the sessions below it still hold (their
+    /// leases), before this returns. Presenting the volume's epoch while
+    /// its raise is still under way waits for that raise. Returns the
+    /// volume's epoch. Blocks (a file sync, running operations): call it
+    /// off the reactor.
+    pub fn raise(
+        &self,
+        volume: &VolumeEpoch,
+        epoch: u64,
+        fence_out: impl FnOnce(),
+    ) -> Result<u64, EpochError> {
         {
             let mut f = volume.fence.lock();
-            if epoch <= f.epoch {
+            if epoch < f.epoch {
+                return Ok(f.epoch);
+            }
+            if epoch == f.epoch {
+                while f.settled < epoch {
+                    volume.drained.wait(&mut f);
+                }
                 return Ok(f.epoch);
             }
             f.epoch = epoch;
             f.draining += std::mem::take(&mut f.active);
         }
-        {
+        let saved = {
             let mut map = self.file.lock();
             let now = map.get(&volume.name).copied().unwrap_or(0).max(epoch);
             map.insert(volume.name.clone(), now);
-            self.save(&map)?;
+            self.save(&map)
+        };
+        // Even when the file could not be replaced the raise is in force in
+        // memory (sessions below it are refused already): it is finished
+        // all the same, so that nothing of theirs lands and nobody waiting
+        // for it waits for ever.
+        {
+            let mut f = volume.fence.lock();
+            while f.draining > 0 {
+                volume.drained.wait(&mut f);
+            }
         }
+        fence_out();
         let mut f = volume.fence.lock();
-        while f.draining > 0 {
-            volume.drained.wait(&mut f);
-        }
-        Ok(f.epoch)
+        f.settled = f.settled.max(epoch);
+        volume.drained.notify_all();
+        saved.map(|()| f.epoch)
     }
 
     fn save(&self, map: &BTreeMap<String, u64>) -> Result<(), EpochError> {
@@ -284,19 +326,19 @@ mod tests {
         let e = Epochs::open(dir.path()).unwrap();
         let a = e.volume("a");
         assert_eq!(a.current(), 0);
-        assert_eq!(e.raise(&a, 7).unwrap(), 7);
-        assert_eq!(e.raise(&a, 3).unwrap(), 7, "never lowered");
+        assert_eq!(e.raise(&a, 7, || {}).unwrap(), 7);
+        assert_eq!(e.raise(&a, 3, || {}).unwrap(), 7, "never lowered");
         assert_eq!(e.volume("a").current(), 7, "one fence per volume");
         drop((a, e));
         // "b" is gone from the config and "c" is new: a's epoch stays, and
         // so does b's line when c is raised.
         let e = Epochs::open(dir.path()).unwrap();
-        e.raise(&e.volume("b"), 4).unwrap();
+        e.raise(&e.volume("b"), 4, || {}).unwrap();
         drop(e);
         let e = Epochs::open(dir.path()).unwrap();
         let (a, c) = (e.volume("a"), e.volume("c"));
         assert_eq!((a.current(), c.current()), (7, 0));
-        e.raise(&c, 2).unwrap();
+        e.raise(&c, 2, || {}).unwrap();
         drop((a, c, e));
         let e = Epochs::open(dir.path()).unwrap();
         assert_eq!((e.volume("a").current(), e.volume("c").current()), (7, 2));
@@ -311,7 +353,7 @@ mod tests {
     fn a_damaged_file_refuses_to_open() {
         let dir = tempfile::tempdir().unwrap();
         let e = Epochs::open(dir.path()).unwrap();
-        e.raise(&e.volume("b"), 12).unwrap();
+        e.raise(&e.volume("b"), 12, || {}).unwrap();
         let path = dir.path().join(EPOCHS_FILE);
         let text = fs::read_to_string(&path).unwrap();
         fs::write(&path, text.replace("12 b", "11 b")).unwrap();
@@ -329,12 +371,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let e = Arc::new(Epochs::open(dir.path()).unwrap());
         let a = e.volume("a");
-        e.raise(&a, 1).unwrap();
+        e.raise(&a, 1, || {}).unwrap();
         assert_eq!(a.admit(0).err(), Some(1));
         let running = a.admit(1).unwrap();
         let raiser = {
             let (e, a) = (Arc::clone(&e), Arc::clone(&a));
-            std::thread::spawn(move || e.raise(&a, 2).unwrap())
+            std::thread::spawn(move || e.raise(&a, 2, || {}).unwrap())
         };
         // The raise is visible at once, but does not return while an
         // operation admitted at epoch 1 runs.
@@ -353,5 +395,54 @@ mod tests {
             Ok(()),
             "volume b is untouched"
         );
+    }
+
+    #[test]
+    fn the_older_sessions_are_fenced_after_the_drain_and_an_equal_epoch_waits_for_it() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let e = Arc::new(Epochs::open(dir.path()).unwrap());
+        let a = e.volume("a");
+        e.raise(&a, 1, || {}).unwrap();
+        let running = a.admit(1).unwrap();
+        // 1: fenced with the operation still running (wrong); 2: after it.
+        let fenced = Arc::new(AtomicU64::new(0));
+        let raiser = {
+            let (e, a, fenced, a2) = (
+                Arc::clone(&e),
+                Arc::clone(&a),
+                Arc::clone(&fenced),
+                Arc::clone(&a),
+            );
+            std::thread::spawn(move || {
+                e.raise(&a, 2, || {
+                    let drained = a2.fence.lock().draining == 0;
+                    fenced.store(if drained { 2 } else { 1 }, Ordering::SeqCst);
+                })
+                .unwrap()
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while a.current() < 2 {
+            assert!(std::time::Instant::now() < deadline, "raise never applied");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!a.settled(2), "under way");
+        let sibling = {
+            let (e, a) = (Arc::clone(&e), Arc::clone(&a));
+            std::thread::spawn(move || e.raise(&a, 2, || panic!("only the raiser fences")).unwrap())
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!sibling.is_finished(), "the same epoch waits for its raise");
+        assert_eq!(fenced.load(Ordering::SeqCst), 0);
+        drop(running);
+        assert_eq!(raiser.join().unwrap(), 2);
+        assert_eq!(sibling.join().unwrap(), 2);
+        assert_eq!(
+            fenced.load(Ordering::SeqCst),
+            2,
+            "fenced once, after the drain"
+        );
+        assert!(a.settled(2) && a.settled(1) && !a.settled(3));
     }
 }

@@ -205,18 +205,20 @@ impl Shared {
     }
 
     /// Raises `fence` to `epoch`; a raise (a file sync, draining the
-    /// operations admitted under the old epoch) runs on the blocking pool.
+    /// operations admitted under the old epoch, ending the leases of the
+    /// sessions it fences out), or waiting for the one under way to the
+    /// same epoch, runs on the blocking pool.
     pub(super) async fn raise_epoch(
         self: &Arc<Self>,
         fence: &Arc<VolumeEpoch>,
         epoch: u64,
     ) -> Result<u64, Fatal> {
-        if epoch <= fence.current() {
+        if fence.settled(epoch) {
             return Ok(fence.current());
         }
         let (server, fence) = (Arc::clone(self), Arc::clone(fence));
         self.pool
-            .run(move || server.epochs.raise(&fence, epoch))
+            .run(move || server.raise_and_fence(&fence, epoch))
             .await
             .map_err(|_| Fatal::Io(io::Error::other("the epoch raise panicked")))?
             .map_err(Fatal::Epoch)

@@ -124,17 +124,22 @@ impl LeaseKeys {
     /// short hold of `keys` (so the force-end hook, which takes it under
     /// the store lock, waits for one deregistration at most).
     pub(super) fn clear(keys: &Mutex<LeaseKeys>) {
-        let (domain, tokens) = {
-            let mut k = keys.lock();
-            let tokens: Vec<u64> = k.keys.keys().copied().collect();
-            (k.domain.take(), tokens)
-        };
+        let domain = keys.lock().domain.take();
+        Self::drop_keys(keys);
+        drop(domain);
+    }
+
+    /// Every key registered now is deregistered, each under its own short
+    /// hold of `keys` (see [`Self::clear`]); the rail stays, so a lease
+    /// granted later is keyed as before. A raise of the volume's epoch does
+    /// this to the sessions it fences out, before their leases end.
+    pub(super) fn drop_keys(keys: &Mutex<LeaseKeys>) {
+        let tokens: Vec<u64> = keys.lock().keys.keys().copied().collect();
         for t in tokens {
             // Dropped (deregistered) under the lock: a key out of the map
             // is a dead key.
             keys.lock().keys.remove(&t);
         }
-        drop(domain);
     }
 
     /// Keys registered now.

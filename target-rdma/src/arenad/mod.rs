@@ -12,6 +12,7 @@ mod connection;
 mod dispatch;
 pub mod epochs;
 mod fatal;
+mod fenced;
 mod frames;
 mod handshake;
 mod lease_keys;

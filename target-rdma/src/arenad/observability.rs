@@ -327,6 +327,11 @@ impl ArenadObservability {
     pub fn lease_key_failed(&self) {
         self.metrics.lease_key_failure();
     }
+
+    /// A raise ended `n` leases of a session it fenced out.
+    pub fn leases_fenced(&self, n: u64) {
+        self.metrics.leases_fenced(n);
+    }
 }
 
 #[cfg(test)]

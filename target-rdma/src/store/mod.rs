@@ -815,6 +815,19 @@ impl Store {
         self.locked(|c, g| c.flush(g))
     }
 
+    /// Ends every lease of a connection that stays open, without it (see
+    /// [`ForceEndHook`]: each is reported before its slot is unpinned);
+    /// returns how many were live.
+    pub fn end_leases_of(&self, holder: HolderId) -> usize {
+        self.locked(|c, g| {
+            let n = g.end_holder(holder);
+            if n > 0 {
+                c.lease_ended();
+            }
+            n
+        })
+    }
+
     /// Releases every lease of a dead connection.
     pub fn drop_holder(&self, holder: HolderId) {
         self.locked(|c, g| {

@@ -522,6 +522,17 @@ impl ArenaClient {
                 message: "the session speaks protocol version 1, which has no epochs".into(),
             });
         }
+        if epoch > proto::MAX_EPOCH {
+            // Not kept for later HELLOs either: every one would be refused.
+            return Err(ArenaError::Refused {
+                peer: self.shared.cfg.peer.clone(),
+                status: proto::Status::Protocol,
+                message: format!(
+                    "epoch {epoch} is above the highest membership epoch {}: a writer there could never be fenced out",
+                    proto::MAX_EPOCH
+                ),
+            });
+        }
         self.shared.epoch.fetch_max(epoch, Ordering::Relaxed);
         match self.call(&Request::Epoch { epoch }).await? {
             Reply::Count(now) => Ok(now),

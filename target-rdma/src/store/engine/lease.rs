@@ -257,19 +257,45 @@ impl State {
     /// Ends a revoked lease that was not given back: its slot is unpinned,
     /// the entry stays until its holder commits or releases it.
     fn force_end(&mut self, token: u64) {
+        if self.end_unasked(token) {
+            self.leases.forced += 1;
+        }
+    }
+
+    /// Ends lease `token` without its holder: the force-end hook is told
+    /// (so its remote access goes) before the slot is unpinned, and the
+    /// entry stays, lost, until its holder commits or releases it. `false`
+    /// when it was not live.
+    fn end_unasked(&mut self, token: u64) -> bool {
         let Some(l) = self.leases.table.get_mut(&token) else {
-            return;
+            return false;
         };
         if l.lost {
-            return;
+            return false;
         }
         l.lost = true;
         let (slot, kind, vol, holder) = (l.slot, l.kind, l.vol, l.holder);
-        self.leases.forced += 1;
         if let Some(hook) = &self.leases.on_force_end {
             hook(holder, token);
         }
         self.unpin_lease(slot, kind, vol);
+        true
+    }
+
+    /// Ends every live lease of `holder`, as a raise of its volume's epoch
+    /// does to a session it fences out: the slots go back as if RELEASEd
+    /// without COMMIT (an ALLOC slot keeps the bytes written into it and
+    /// stays dirty), and the holder's later COMMIT of one answers
+    /// `LEASE_LOST`. Returns how many were ended.
+    pub(in crate::store) fn end_holder(&mut self, holder: HolderId) -> usize {
+        let tokens: Vec<u64> = self
+            .leases
+            .table
+            .iter()
+            .filter(|(_, l)| l.holder == holder && !l.lost)
+            .map(|(&t, _)| t)
+            .collect();
+        tokens.into_iter().filter(|&t| self.end_unasked(t)).count()
     }
 
     /// Takes `token` out of the table, unpinning its slot unless it was
