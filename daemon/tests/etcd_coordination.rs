@@ -6,11 +6,12 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::etcd::{eventually, EtcdServer};
 use target_rdma::replica::{
-    CoordErrorKind as CoreKind, Coordinator, MemberRecord, MemberState, Membership,
+    CoordErrorKind as CoreKind, Coordinator, Lease, MemberRecord, MemberState, Membership,
     Swap as CoreSwap,
 };
 use ublkd::coordination::etcd::{Etcd, Expect, Swap};
@@ -107,7 +108,7 @@ fn a_second_writer_is_refused_naming_the_holder() {
 }
 
 #[test]
-fn a_revoked_lease_fences_its_writers_for_good() {
+fn a_revoked_lease_is_taken_back_unless_another_ublkd_took_the_volume() {
     let etcd = EtcdServer::start();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let cfg = etcd.config();
@@ -129,12 +130,20 @@ fn a_revoked_lease_fences_its_writers_for_good() {
     eventually(LIMIT, "a new lease", || {
         one.writer().lease_id() != 0 && one.writer().lease_id() != old
     });
-    // Neither old writer is valid again, whatever the new lease does: a
-    // new writer is a new acquisition (a new replica set, a new epoch).
-    assert!(!kept.held() && kept.valid_until().is_none());
+    // The key still absent is taken back under the new lease (a new term);
+    // the one the other ublkd took fences its writer for good.
+    eventually(LIMIT, "the free key is taken back", || kept.held());
+    assert!(
+        matches!(kept.lease(), Lease::Held { term: 1, .. }),
+        "{:?}",
+        kept.lease()
+    );
+    eventually(LIMIT, "the taken key is seen", || {
+        matches!(taken.lease(), Lease::Taken { .. })
+    });
     assert!(!taken.held() && taken.valid_until().is_none());
     let again = one.writer().acquire("kept").unwrap();
-    assert!(again.valid_until().is_some_and(|t| t > Instant::now()));
+    assert!(Arc::ptr_eq(&again, &kept), "the same writer, not a new one");
     assert_eq!(
         one.writer().acquire("taken").err().unwrap().kind(),
         CoordErrorKind::Held
@@ -159,7 +168,7 @@ fn the_volume_coordinator_swaps_on_the_epoch_and_stops_with_its_lease() {
     let vol = one.open_volume("vm1", &peers, 1 << 30).unwrap();
     let m1 = block(vol.load()).unwrap();
     assert_eq!(m1, Membership::new_volume(&peers).unwrap());
-    assert!(vol.lease_until() > Instant::now());
+    assert!(matches!(vol.lease(), Lease::Held { until, term: 0 } if until > Instant::now()));
     // Two swaps from epoch 1: the first wins, the second learns the winner.
     let mut failed = m1.clone();
     failed.epoch = 2;
@@ -204,26 +213,27 @@ fn the_volume_coordinator_swaps_on_the_epoch_and_stops_with_its_lease() {
     drop(vol);
     let vol = one.open_volume("vm1", &["x".into()], 1).unwrap();
     assert_eq!(block(vol.load()).unwrap(), syncing);
-    // The lease revoked and the volume taken by another ublkd: no more
-    // acknowledgements, and no membership change from the fenced writer.
+    // The lease revoked: this ublkd takes the writer key back under a new
+    // lease (a new term), and another ublkd is refused the volume.
     let old = one.writer().lease_id();
     let (ok, out) = etcd.etcdctl(&["lease", "revoke", &format!("{old:x}")]);
     assert!(ok, "{out}");
+    eventually(LIMIT, "the writer key is taken back", || {
+        matches!(vol.lease(), Lease::Held { term: 1, .. })
+    });
+    assert_ne!(one.writer().lease_id(), old);
     let mut cfg2 = cfg.clone();
     cfg2.host_id = Some("other".into());
     let two = Coordination::start(&cfg2, d2.path()).unwrap();
-    let vol2 = two.open_volume("vm1", &[], 0).unwrap();
-    eventually(LIMIT, "the lease loss is noticed", || {
-        vol.lease_until() <= Instant::now()
-    });
+    let e = two.open_volume("vm1", &[], 0).err().unwrap();
+    assert!(e.to_string().contains("already served"), "{e}");
     let mut back = syncing.clone();
     back.epoch = 4;
     back.members[2].state = MemberState::Healthy;
-    let e = block(vol.compare_and_swap(3, back.clone())).unwrap_err();
-    assert_eq!(e.kind, CoreKind::LeaseHeld, "{e}");
     assert_eq!(
-        block(vol2.compare_and_swap(3, back.clone())),
-        Ok(CoreSwap::Done)
+        block(vol.compare_and_swap(3, back.clone())),
+        Ok(CoreSwap::Done),
+        "the retaken writer changes the membership again"
     );
     assert_eq!(block(vol.load()).unwrap(), back);
 }

@@ -12,14 +12,15 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::etcd::{eventually, EtcdServer};
 use futures::executor::block_on;
-use target_rdma::blob::{BlobIo, ErrorKind};
+use target_rdma::blob::BlobIo;
 use target_rdma::client::ArenaClient;
 use target_rdma::replica::{
     clock, Coordinator, MemberSessions, MemberState, ReplicaConfig, ReplicaSet, ReplicatedIo,
+    Standing,
 };
 use target_rdma::testing::{pattern, Peer, PeerOpts, SECRET_A};
 use ublkd::coordination::{CoordErrorKind, Coordination, EpochReason};
@@ -119,19 +120,25 @@ fn a_replicated_volume_survives_two_lost_peers_and_its_writer_is_fenced() {
     assert_eq!(e.kind(), CoordErrorKind::Held);
     assert!(e.to_string().contains("already served by ublkd on"), "{e}");
 
-    // The lease revoked: once this ublkd notices, nothing more is
-    // acknowledged.
+    // The lease revoked: this ublkd takes the writer key back; the writer
+    // checks the record (unchanged), raises the epoch and serves on.
     let lease = one.writer().lease_id();
     let (ok, out) = etcd.etcdctl(&["lease", "revoke", &format!("{lease:x}")]);
     assert!(ok, "{out}");
-    eventually(Duration::from_secs(30), "the loss is noticed", || {
-        coord.lease_until() <= Instant::now()
-    });
-    let e = block_on(io.write(0, 0, &pattern(0, 9, blob))).unwrap_err();
-    assert!(
-        matches!(e.kind(), ErrorKind::Replica(_)),
-        "refused by the replicated volume itself: {e}"
+    eventually(
+        Duration::from_secs(30),
+        "the role is confirmed again",
+        || {
+            let _ = block_on(set.check_role());
+            set.stats()
+                .roles_regained
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == 1
+        },
     );
+    assert_eq!(set.standing(), Standing::Confirmed);
+    write_all(&io, 4, blob, || {});
+    verify_all(&io, 4, blob);
     // That the peers refuse a superseded writer's epoch (STALE_EPOCH) is
     // target-rdma/tests/replica_fencing.rs.
     for p in peers.drain(..) {

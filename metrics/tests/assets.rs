@@ -138,6 +138,10 @@ fn ublkd_expositions() -> Expositions {
         rebuild_bytes: 1 << 20,
         rebuild_remaining: 65536,
         stale_epoch_fences: 0,
+        unconfirmed: 1,
+        fenced: 0,
+        stragglers: 1,
+        roles_regained: 1,
         hedged_reads: [3, 1],
         rebuilds: [1, 2, 0],
     });

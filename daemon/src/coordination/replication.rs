@@ -40,6 +40,27 @@ pub struct ReplicationConfig {
     /// failure in a row, up to this.
     #[serde(default = "default_rebuild_backoff_max")]
     pub rebuild_backoff_max_ms: u64,
+    /// How long a write or flush waits for a member once another member
+    /// answered it, in ms; 0 derives it from the members' recent latency
+    /// (`straggler_factor` times the slowest answering member's p99, at
+    /// least `straggler_floor_ms`). A member that has not answered by then
+    /// is failed like a dead one and rebuilt when it answers again.
+    #[serde(default)]
+    pub straggler_after_ms: u64,
+    /// The least a derived straggler bound waits, in ms.
+    #[serde(default = "default_straggler_floor")]
+    pub straggler_floor_ms: u64,
+    /// How many of its p99 write latencies a member may take beyond the
+    /// others.
+    #[serde(default = "default_straggler_factor")]
+    pub straggler_factor: u32,
+}
+
+fn default_straggler_floor() -> u64 {
+    500
+}
+fn default_straggler_factor() -> u32 {
+    4
 }
 
 fn default_hedge_after() -> u64 {
@@ -74,6 +95,9 @@ impl Default for ReplicationConfig {
             rebuild_check_ms: default_rebuild_check(),
             replace_after_ms: default_replace_after(),
             rebuild_backoff_max_ms: default_rebuild_backoff_max(),
+            straggler_after_ms: 0,
+            straggler_floor_ms: default_straggler_floor(),
+            straggler_factor: default_straggler_factor(),
         }
     }
 }
@@ -85,6 +109,10 @@ impl ReplicationConfig {
             hedge_after: Duration::from_micros(self.hedge_after_us),
             change_deadline: Duration::from_millis(self.change_deadline_ms),
             coord_timeout: Duration::from_millis(self.coord_timeout_ms),
+            straggler_after: (self.straggler_after_ms > 0)
+                .then(|| Duration::from_millis(self.straggler_after_ms)),
+            straggler_floor: Duration::from_millis(self.straggler_floor_ms),
+            straggler_factor: self.straggler_factor,
             ..ReplicaConfig::default()
         }
     }
@@ -139,6 +167,27 @@ impl ReplicationConfig {
             if !(100..=86_400_000).contains(&v) {
                 return Err(invalid(key, v, "must be between 100 and 86400000"));
             }
+        }
+        if !(10..=600_000).contains(&self.straggler_floor_ms) {
+            return Err(invalid(
+                "replication.straggler_floor_ms",
+                self.straggler_floor_ms,
+                "must be between 10 and 600000",
+            ));
+        }
+        if self.straggler_after_ms != 0 && !(10..=600_000).contains(&self.straggler_after_ms) {
+            return Err(invalid(
+                "replication.straggler_after_ms",
+                self.straggler_after_ms,
+                "must be 0 (derived from latency) or between 10 and 600000",
+            ));
+        }
+        if !(1..=100).contains(&self.straggler_factor) {
+            return Err(invalid(
+                "replication.straggler_factor",
+                self.straggler_factor,
+                "must be between 1 and 100",
+            ));
         }
         if self.coord_timeout_ms > self.change_deadline_ms {
             return Err(invalid(

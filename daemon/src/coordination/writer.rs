@@ -301,13 +301,15 @@ impl WriterLease {
     /// left it; otherwise refused with [`CoordError::Held`] naming the
     /// holder.
     pub fn acquire(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordError> {
-        if let Some(v) = self.shared.volumes.lock().get(volume) {
+        // A handle whose key is not ours any more (taken by another ublkd
+        // while the lease was lost) is taken again in place: the volume's
+        // coordinator holds it.
+        let existing = self.shared.volumes.lock().get(volume).cloned();
+        if let Some(v) = &existing {
             if v.held() {
                 return Ok(Arc::clone(v));
             }
         }
-        // A volume given up (or taken by another ublkd) starts afresh.
-        self.shared.volumes.lock().remove(volume);
         let key = self.shared.keys.writer(volume);
         let me = serde_json::to_vec(&self.shared.me).unwrap_or_default();
         let give_up = Instant::now() + self.shared.ttl + PREDECESSOR_GRACE;
@@ -350,8 +352,15 @@ impl WriterLease {
                 ),
                 Swap::Conflict(None) => continue,
             };
-            match holder {
-                None => {
+            match (holder, existing.clone()) {
+                (None, Some(v)) => {
+                    *v.taken_by.lock() = None;
+                    v.term.fetch_add(1, Ordering::AcqRel);
+                    v.lease.store(lease, Ordering::Release);
+                    tracing::info!(event = "writer.acquired", volume, lease);
+                    return Ok(v);
+                }
+                (None, None) => {
                     let v = Arc::new(VolumeWriter {
                         volume: volume.to_owned(),
                         lease: AtomicI64::new(lease),
@@ -366,12 +375,14 @@ impl WriterLease {
                     tracing::info!(event = "writer.acquired", volume, lease);
                     return Ok(v);
                 }
-                Some(h) if h.same_installation(&self.shared.me) && Instant::now() < give_up => {
+                (Some(h), _)
+                    if h.same_installation(&self.shared.me) && Instant::now() < give_up =>
+                {
                     // Our previous process (dead: we hold the state dir's
                     // lock) had it under a lease we could not adopt.
                     std::thread::sleep(Duration::from_millis(250));
                 }
-                Some(h) => {
+                (Some(h), _) => {
                     return Err(CoordError::Held {
                         volume: volume.to_owned(),
                         holder: h.to_string(),

@@ -17,6 +17,7 @@
 mod connect;
 mod replicas;
 mod resize;
+mod restore;
 mod spec;
 mod thread;
 
@@ -142,6 +143,21 @@ pub enum DeviceError {
 }
 
 impl DeviceError {
+    /// Whether the coordination store could not be reached (etcd still
+    /// connecting, down, or not answering in time): a replicated device
+    /// waits for it rather than failing.
+    pub fn coordinator_unreachable(&self) -> bool {
+        match self {
+            Self::Coordination(e) => {
+                matches!(e.kind(), CoordErrorKind::Unavailable | CoordErrorKind::Busy)
+            }
+            Self::Arena(e) => {
+                e.kind() == ArenaErrorKind::Replica(target_rdma::blob::ReplicaFailure::Unrecorded)
+            }
+            _ => false,
+        }
+    }
+
     /// The protocol error class.
     pub fn kind(&self) -> ErrorKind {
         match self {
@@ -351,23 +367,6 @@ impl Manager {
                 replicated: None,
             },
         );
-    }
-
-    /// Re-creates or recovers every persisted device. Failures are logged
-    /// and leave the device listed as `failed` for `ublkctl recover`.
-    pub fn restore(&self) -> Result<(), DeviceError> {
-        let _op = self.ops.lock();
-        for spec in self.store.load_all()? {
-            let id = spec.id;
-            match self.bring_back(spec.clone()) {
-                Ok(()) => tracing::info!(event = "device.restored", id),
-                Err(e) => {
-                    tracing::error!(event = "device.restore_failed", id, error = %e);
-                    self.insert_failed(spec, &e);
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Recovers a quiesced kernel device, or re-creates a missing or dead one
@@ -701,13 +700,28 @@ impl Manager {
         }
     }
 
-    /// `recover`: brings a stopped or failed device back.
+    /// `recover`: brings a stopped or failed device back; of a live
+    /// replicated device whose writer is fenced, takes the volume over
+    /// again (the writer key, then a raised epoch: whoever served the
+    /// volume meanwhile is fenced in turn).
     pub fn recover(&self, id: u32) -> Result<DeviceInfo, DeviceError> {
         let _op = self.ops.lock();
         let spec = {
             let devs = self.devices.lock();
             let dev = devs.get(&id).ok_or(DeviceError::Unknown(id))?;
             let state = dev.state.lock().clone();
+            let fenced = dev.replicated.as_ref().filter(|(r, _)| r.fenced());
+            if let (State::Live, Some((rep, _))) = (&state, fenced) {
+                let rep = Arc::clone(rep);
+                let volume = dev.spec.volume.clone();
+                drop(devs);
+                if let Some(slot) = &self.coordination {
+                    slot.get()?.writer().acquire(&volume)?;
+                }
+                futures::executor::block_on(rep.set().take_over())?;
+                tracing::warn!(event = "device.taken_over", id, volume = %volume);
+                return self.info(id);
+            }
             if state == State::Live {
                 return Err(DeviceError::BadRequest(format!(
                     "device {id} is live; there is nothing to recover"
