@@ -53,6 +53,10 @@ pub struct ReplicaStats {
     pub rebuild_bytes: u64,
     /// Blob bytes the running rebuilds still have to copy.
     pub rebuild_remaining: u64,
+    /// Bytes per second the running rebuilds copy, over their recent
+    /// window (0 when none runs).
+    #[serde(default)]
+    pub rebuild_rate: u64,
     /// Writers fenced because a peer had seen a newer epoch.
     pub stale_epoch_fences: u64,
     /// Reads sent to a second member, by [`HedgeOutcome::index`].
@@ -70,6 +74,7 @@ impl ReplicaStats {
         self.degraded += other.degraded;
         self.rebuild_bytes += other.rebuild_bytes;
         self.rebuild_remaining += other.rebuild_remaining;
+        self.rebuild_rate += other.rebuild_rate;
         self.stale_epoch_fences += other.stale_epoch_fences;
         for (a, b) in self.hedged_reads.iter_mut().zip(other.hedged_reads) {
             *a += b;
@@ -101,6 +106,7 @@ pub struct ReplicaMetrics {
     degraded: Gauge,
     rebuild_bytes: Counter,
     rebuild_remaining: Gauge,
+    rebuild_rate: Gauge,
     fences: Counter,
     hedged_reads: [Counter; HedgeOutcome::COUNT],
     rebuilds: [Counter; RebuildOutcome::COUNT],
@@ -124,6 +130,7 @@ impl ReplicaMetrics {
             degraded: t.gauge("ublk_devices_degraded", &[]),
             rebuild_bytes: t.counter("ublk_rebuild_bytes_total", &[]),
             rebuild_remaining: t.gauge("ublk_rebuild_remaining_bytes", &[]),
+            rebuild_rate: t.gauge("ublk_rebuild_bytes_per_second", &[]),
             fences: t.counter("ublk_writer_stale_epoch_fences_total", &[]),
             hedged_reads: HedgeOutcome::ALL.map(|o| {
                 t.counter(
@@ -147,6 +154,7 @@ impl ReplicaMetrics {
         self.degraded.set(s.degraded as f64);
         self.rebuild_bytes.absolute(s.rebuild_bytes);
         self.rebuild_remaining.set(s.rebuild_remaining as f64);
+        self.rebuild_rate.set(s.rebuild_rate as f64);
         self.fences.absolute(s.stale_epoch_fences);
         for (c, v) in self.hedged_reads.iter().zip(s.hedged_reads) {
             c.absolute(v);
@@ -188,6 +196,7 @@ mod tests {
             degraded: 1,
             rebuild_bytes: 1 << 20,
             rebuild_remaining: 4096,
+            rebuild_rate: 8 << 20,
             stale_epoch_fences: 1,
             hedged_reads: [2, 5],
             rebuilds: [1, 3, 0],
@@ -198,6 +207,7 @@ mod tests {
             "ublk_devices_degraded 1",
             "ublk_rebuild_bytes_total 1048576",
             "ublk_rebuild_remaining_bytes 4096",
+            "ublk_rebuild_bytes_per_second 8388608",
             "ublk_writer_stale_epoch_fences_total 1",
             "ublk_replica_hedged_reads_total{outcome=\"won\"} 2",
             "ublk_replica_hedged_reads_total{outcome=\"lost\"} 5",

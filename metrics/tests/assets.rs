@@ -137,6 +137,7 @@ fn ublkd_expositions() -> Expositions {
         degraded: 1,
         rebuild_bytes: 1 << 20,
         rebuild_remaining: 65536,
+        rebuild_rate: 1 << 20,
         stale_epoch_fences: 0,
         hedged_reads: [3, 1],
         rebuilds: [1, 2, 0],

@@ -40,6 +40,13 @@ pub struct ReplicationConfig {
     /// failure in a row, up to this.
     #[serde(default = "default_rebuild_backoff_max")]
     pub rebuild_backoff_max_ms: u64,
+    /// Rebuild copies in flight at once, 1..=256.
+    #[serde(default = "default_rebuild_inflight")]
+    pub rebuild_inflight: u32,
+    /// While the device has more guest requests in flight than this, its
+    /// rebuild copies one blob at a time.
+    #[serde(default = "default_rebuild_yield_above")]
+    pub rebuild_yield_above: u64,
 }
 
 fn default_hedge_after() -> u64 {
@@ -63,6 +70,12 @@ fn default_replace_after() -> u64 {
 fn default_rebuild_backoff_max() -> u64 {
     300_000
 }
+fn default_rebuild_inflight() -> u32 {
+    target_rdma::replica::DEFAULT_INFLIGHT as u32
+}
+fn default_rebuild_yield_above() -> u64 {
+    4
+}
 
 impl Default for ReplicationConfig {
     fn default() -> Self {
@@ -74,6 +87,8 @@ impl Default for ReplicationConfig {
             rebuild_check_ms: default_rebuild_check(),
             replace_after_ms: default_replace_after(),
             rebuild_backoff_max_ms: default_rebuild_backoff_max(),
+            rebuild_inflight: default_rebuild_inflight(),
+            rebuild_yield_above: default_rebuild_yield_above(),
         }
     }
 }
@@ -139,6 +154,13 @@ impl ReplicationConfig {
             if !(100..=86_400_000).contains(&v) {
                 return Err(invalid(key, v, "must be between 100 and 86400000"));
             }
+        }
+        if !(1..=256).contains(&self.rebuild_inflight) {
+            return Err(invalid(
+                "replication.rebuild_inflight",
+                self.rebuild_inflight,
+                "must be between 1 and 256",
+            ));
         }
         if self.coord_timeout_ms > self.change_deadline_ms {
             return Err(invalid(
