@@ -9,10 +9,11 @@
 //! (docs/BENCHMARKS.md). `BENCH_SECS` (default 1) per run.
 //!
 //! Then the rebuild: a volume on peer 0 brings peer 1 in as a new member,
-//! copying `BENCH_REBUILD_MIB` (default 128) MiB of 1 MiB blobs with 1 and
-//! 8 copies in flight (unlimited, and 8 at a 64 MiB/s limit), against
-//! 1 MiB sequential writes of a plain session to peer 1 at QD 1 and 8,
-//! rotated the same way. `BENCH_CASE=rebuild` runs only this part.
+//! copying `BENCH_REBUILD_MIB` (default 128) MiB with 1 and 8 copies in
+//! flight (unlimited, and 8 at a 64 MiB/s limit), against blob-sized
+//! writes of a plain session to peer 1 at QD 1 and 8 (sequential for
+//! 1 MiB), rotated the same way; once on the peers above (1 MiB blobs),
+//! once on two of 64 KiB blobs. `BENCH_CASE=rebuild` runs only this part.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -100,9 +101,9 @@ fn sessions(p: &Peer) -> MemberSessions<ArenaClient> {
 }
 
 /// Rebuilds `to` from a fresh volume on `from` alone, whose record starts
-/// at `epoch` (above every epoch the peers saw: each rebuild raises two);
-/// the rate in MiB/s.
-fn rebuild(from: &Peer, to: &Peer, epoch: u64, mib: u64, inflight: usize, limit: u64) -> f64 {
+/// at `epoch` (above every epoch the peers saw: each rebuild raises
+/// three); the rate in MiB/s.
+fn rebuild(from: &Peer, to: &Peer, epoch: u64, keys: u64, inflight: usize, limit: u64) -> f64 {
     let names = vec![from.addr.to_string()];
     let mut record = Membership::new_volume(&names).unwrap();
     record.epoch = epoch;
@@ -115,8 +116,9 @@ fn rebuild(from: &Peer, to: &Peer, epoch: u64, mib: u64, inflight: usize, limit:
         vec![(names[0].clone(), sessions(from))],
     ))
     .unwrap();
+    let blob = u64::from(BlobIo::blob_bytes(&sessions(from).background));
     let cfg = RebuildConfig {
-        keys: 0..mib,
+        keys: 0..keys,
         bytes_per_sec: limit,
         inflight,
         ..RebuildConfig::default()
@@ -125,8 +127,30 @@ fn rebuild(from: &Peer, to: &Peer, epoch: u64, mib: u64, inflight: usize, limit:
     let start = Instant::now();
     block_on(set.rebuild(&to.addr.to_string(), sessions(to), &cfg, &stats)).unwrap();
     let secs = start.elapsed().as_secs_f64();
-    assert_eq!(stats.bytes_copied.into_inner(), mib * MIB as u64);
-    mib as f64 / secs
+    assert_eq!(stats.bytes_copied.into_inner(), keys * blob);
+    (keys * blob) as f64 / MIB as f64 / secs
+}
+
+/// Two fresh peers of `blob`-byte blobs.
+fn peer_pair(root: &std::path::Path, blob: u32) -> Vec<Peer> {
+    (0..2)
+        .map(|i| {
+            let dir = root.join(format!("rebuild-{blob}-{i}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            Peer::start(
+                &dir,
+                PeerOpts {
+                    arena_bytes: SPAN * 2,
+                    blob_bytes: blob,
+                    swap_bytes: SPAN * 2,
+                    quota_blobs: SPAN * 2 / u64::from(blob),
+                    max_inflight: 64,
+                    volumes: vec![("bench".into(), SECRET.into())],
+                    ..PeerOpts::default()
+                },
+            )
+        })
+        .collect()
 }
 
 fn rebuild_cases(peers: &[Peer]) {
@@ -137,17 +161,20 @@ fn rebuild_cases(peers: &[Peer]) {
         .min(SPAN / MIB as u64);
     // Every blob the rebuild copies holds data on the source.
     let src = client(&peers[0], &Arc::new(FlushDomain::default()));
-    let data = vec![0xa5u8; MIB];
-    for k in 0..mib {
+    let blob = BlobIo::blob_bytes(&src) as usize;
+    let keys = mib * MIB as u64 / blob as u64;
+    let data = vec![0xa5u8; blob];
+    for k in 0..keys {
         block_on(src.write(k, 0, &data)).unwrap();
     }
     let plain = client(&peers[1], &Arc::new(FlushDomain::default()));
+    let kib = blob >> 10;
     println!(
-        "\nrebuild of {mib} MiB (1 MiB blobs) from peer 0 to peer 1, against 1 MiB seq writes of a plain session to peer 1\n\n| case | MiB/s | / seq write QD1 |\n|---|---:|---:|"
+        "\nrebuild of {mib} MiB ({kib} KiB blobs) from peer 0 to peer 1, against {kib} KiB writes of a plain session to peer 1\n\n| case | MiB/s | / plain write QD1 |\n|---|---:|---:|"
     );
     let names = [
-        "seq write QD1 (plain session)",
-        "seq write QD8 (plain session)",
+        "plain write QD1",
+        "plain write QD8",
         "rebuild inflight=1",
         "rebuild inflight=8",
         "rebuild inflight=8, limit 64 MiB/s",
@@ -158,12 +185,16 @@ fn rebuild_cases(peers: &[Peer]) {
         for k in 0..names.len() {
             let i = (round + k) % names.len();
             epoch += 10;
+            if i < 2 {
+                // A plain session, as a writer past the rebuilds' epochs.
+                block_on(plain.raise_epoch(epoch)).unwrap();
+            }
             let r = match i {
-                0 => run(&plain, Dir::Write, MIB, 1).mib_s,
-                1 => run(&plain, Dir::Write, MIB, 8).mib_s,
-                2 => rebuild(&peers[0], &peers[1], epoch, mib, 1, 0),
-                3 => rebuild(&peers[0], &peers[1], epoch, mib, 8, 0),
-                _ => rebuild(&peers[0], &peers[1], epoch, mib, 8, 64 * MIB as u64),
+                0 => run(&plain, Dir::Write, blob, 1).mib_s,
+                1 => run(&plain, Dir::Write, blob, 8).mib_s,
+                2 => rebuild(&peers[0], &peers[1], epoch, keys, 1, 0),
+                3 => rebuild(&peers[0], &peers[1], epoch, keys, 8, 0),
+                _ => rebuild(&peers[0], &peers[1], epoch, keys, 8, 64 * MIB as u64),
             };
             rate[i].push(r);
         }
@@ -278,8 +309,10 @@ fn main() {
         secs(),
         rounds()
     );
+    let small = peer_pair(tmp.path(), 64 << 10);
     if std::env::var("BENCH_CASE").is_ok_and(|c| c == "rebuild") {
         rebuild_cases(&peers);
+        rebuild_cases(&small);
         return;
     }
     let direct = client(&peers[0], &Arc::new(FlushDomain::default()));
@@ -330,4 +363,5 @@ fn main() {
     }
     // Last: the rebuilds raise the peers' epochs past the volumes above.
     rebuild_cases(&peers);
+    rebuild_cases(&small);
 }
