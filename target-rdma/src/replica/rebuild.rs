@@ -115,15 +115,19 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
 impl RebuildStats {
     /// Bytes per second copied over the last [`RATE_WINDOW`] before `now`
-    /// (or since the rebuild began, when that is more recent); 0 when no
-    /// rebuild ran in the window.
+    /// (or since the rebuild began, when that is more recent); it decays
+    /// while copies stall, and is 0 before any rebuild began.
     pub fn rate(&self, now: Instant) -> u64 {
         let copied = self.bytes_copied.load(Ordering::Relaxed);
         let samples = self.samples.lock();
         let since = now.checked_sub(RATE_WINDOW);
+        // The newest sample at or before the window's start, else the
+        // oldest (the rebuild began within the window).
         let Some(&(at, base)) = samples
             .iter()
-            .find(|(at, _)| since.is_none_or(|s| *at >= s))
+            .rev()
+            .find(|(at, _)| since.is_some_and(|s| *at <= s))
+            .or(samples.front())
         else {
             return 0;
         };
@@ -134,12 +138,15 @@ impl RebuildStats {
         (copied.saturating_sub(base) as f64 / secs) as u64
     }
 
-    /// Seconds until the rebuild is done at its current rate; `None` when
+    /// The time until the rebuild is done at its current rate; `None` when
     /// no rate is known yet.
     pub fn eta(&self, now: Instant) -> Option<Duration> {
         let rate = self.rate(now);
         let left = self.bytes_remaining.load(Ordering::Relaxed);
-        (rate > 0).then(|| Duration::from_secs_f64(left as f64 / rate as f64))
+        if rate == 0 {
+            return None;
+        }
+        Duration::try_from_secs_f64(left as f64 / rate as f64).ok()
     }
 
     fn begin(&self, now: Instant, total: u64) {
