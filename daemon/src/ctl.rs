@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
-use target_rdma::size::HumanSize;
+use target_rdma::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
 
 /// The protocol version this build speaks.
@@ -358,10 +358,15 @@ impl ReplicasInfo {
                 Some(b) if b.peer == m.peer => {
                     let total = b.bytes_done + b.bytes_remaining;
                     let pct = (b.bytes_done * 100).checked_div(total).unwrap_or(100);
+                    let eta = match b.eta_ms {
+                        Some(ms) => format!("ETA {}", eta_text(ms)),
+                        None => "ETA unknown".into(),
+                    };
                     format!(
-                        "  rebuild {pct}% ({} of {})",
+                        "  rebuild {pct}% ({} of {}) at {}/s, {eta}",
                         HumanSize(b.bytes_done),
-                        HumanSize(total)
+                        HumanSize(total),
+                        ApproxSize(b.bytes_per_sec),
                     )
                 }
                 _ => String::new(),
@@ -381,6 +386,17 @@ impl ReplicasInfo {
     }
 }
 
+/// A rebuild's time left as an operator reads it: `42.0 s`, `3m05s`,
+/// `2h07m`.
+fn eta_text(ms: u64) -> String {
+    let secs = ms / 1000;
+    match secs {
+        0..60 => format!("{:.1} s", ms as f64 / 1e3),
+        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
+        _ => format!("{}h{:02}m", secs / 3600, secs % 3600 / 60),
+    }
+}
+
 /// A rebuild's progress.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RebuildInfo {
@@ -390,6 +406,16 @@ pub struct RebuildInfo {
     pub bytes_done: u64,
     /// Blob bytes still to copy.
     pub bytes_remaining: u64,
+    /// Blob bytes the rebuild copies in all (`bytes_done` +
+    /// `bytes_remaining`).
+    #[serde(default)]
+    pub bytes_total: u64,
+    /// Bytes per second copied over the last 5 s.
+    #[serde(default)]
+    pub bytes_per_sec: u64,
+    /// Milliseconds left at that rate; absent before a rate is known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_ms: Option<u64>,
 }
 
 /// A registered peer as `peer list` shows it.
@@ -604,5 +630,54 @@ mod tests {
         drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
         let e = call(&stale, Request::List, Duration::from_secs(1)).unwrap_err();
         assert!(e.to_string().contains("nothing listens on"), "{e}");
+    }
+
+    #[test]
+    fn a_rebuilding_member_shows_its_progress_rate_and_eta() {
+        let mut info = ReplicasInfo {
+            role: "unconfirmed".into(),
+            role_reason: Some("etcd is away".into()),
+            epoch: 4,
+            active: 2,
+            healthy: 1,
+            members: ["a", "b"]
+                .into_iter()
+                .zip(["healthy", "syncing"])
+                .map(|(peer, state)| ReplicaInfo {
+                    peer: peer.into(),
+                    state: state.into(),
+                    failure: None,
+                    rebuild_failures: 0,
+                    retry_in_ms: None,
+                })
+                .collect(),
+            rebuild: Some(RebuildInfo {
+                peer: "b".into(),
+                bytes_done: 48 << 20,
+                bytes_remaining: 144 << 20,
+                bytes_total: 192 << 20,
+                bytes_per_sec: 3 << 19,
+                eta_ms: Some(96_000),
+            }),
+        };
+        assert_eq!(
+            info.show_lines()[1],
+            "  role       unconfirmed: etcd is away"
+        );
+        assert_eq!(
+            info.show_lines()[3],
+            "    syncing  b  rebuild 25% (48M of 192M) at 1.5M/s, ETA 1m36s"
+        );
+        let json = serde_json::to_value(&info).unwrap();
+        assert_eq!(json["rebuild"]["bytes_per_sec"], 3 << 19);
+        assert_eq!(json["rebuild"]["eta_ms"], 96_000);
+        if let Some(b) = info.rebuild.as_mut() {
+            b.eta_ms = None;
+        }
+        assert!(info.show_lines()[3].ends_with("at 1.5M/s, ETA unknown"));
+        assert_eq!(
+            [eta_text(4_200), eta_text(185_000), eta_text(7_620_000)],
+            ["4.2 s", "3m05s", "2h07m"]
+        );
     }
 }

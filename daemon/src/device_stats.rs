@@ -74,6 +74,12 @@ impl DeviceStats {
         InFlight(&self.in_flight)
     }
 
+    /// Requests being served now: the guest's load, which a rebuild gives
+    /// way to.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Relaxed)
+    }
+
     /// Counts a successful request.
     pub fn done(&self, op: IoOp, bytes: u64) {
         let (count, byte_counter) = match op {

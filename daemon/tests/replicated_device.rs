@@ -146,7 +146,7 @@ fn a_replicated_device_survives_kill_9_of_two_peers_and_rebuilds_the_one_that_re
     )
     .unwrap();
     let rebuilder = rep
-        .spawn_rebuilder(connector, spec.clone(), resolve, None, rcfg)
+        .spawn_rebuilder(connector, spec.clone(), resolve, None, rcfg, Arc::new(|| 0))
         .unwrap();
     let io = &ios[0];
     assert_eq!(rep.info().epoch, 2, "opening takes a new epoch");
@@ -314,7 +314,7 @@ impl PoolVolume {
         )
         .unwrap();
         let rebuilder = rep
-            .spawn_rebuilder(connector, spec, resolve, Some(spares), rcfg)
+            .spawn_rebuilder(connector, spec, resolve, Some(spares), rcfg, Arc::new(|| 0))
             .unwrap();
         PoolVolume {
             ios,

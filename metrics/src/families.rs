@@ -270,6 +270,12 @@ pub const COORDINATION: &[Family] = &[
         "Blob bytes the running rebuilds still have to copy.",
     ),
     f(
+        "ublk_rebuild_bytes_per_second",
+        Gauge,
+        &[],
+        "Bytes per second the running rebuilds copy, over the last 5 s.",
+    ),
+    f(
         "ublk_writer_stale_epoch_fences_total",
         Counter,
         &[],

@@ -53,6 +53,10 @@ pub struct ReplicaStats {
     pub rebuild_bytes: u64,
     /// Blob bytes the running rebuilds still have to copy.
     pub rebuild_remaining: u64,
+    /// Bytes per second the running rebuilds copy, over their recent
+    /// window (0 when none runs).
+    #[serde(default)]
+    pub rebuild_rate: u64,
     /// Writers fenced because a peer had seen a newer epoch.
     pub stale_epoch_fences: u64,
     /// Devices whose writer role the coordinator does not confirm now.
@@ -78,6 +82,7 @@ impl ReplicaStats {
         self.degraded += other.degraded;
         self.rebuild_bytes += other.rebuild_bytes;
         self.rebuild_remaining += other.rebuild_remaining;
+        self.rebuild_rate += other.rebuild_rate;
         self.stale_epoch_fences += other.stale_epoch_fences;
         self.unconfirmed += other.unconfirmed;
         self.fenced += other.fenced;
@@ -115,6 +120,7 @@ pub struct ReplicaMetrics {
     degraded: Gauge,
     rebuild_bytes: Counter,
     rebuild_remaining: Gauge,
+    rebuild_rate: Gauge,
     fences: Counter,
     unconfirmed: Gauge,
     fenced: Gauge,
@@ -142,6 +148,7 @@ impl ReplicaMetrics {
             degraded: t.gauge("ublk_devices_degraded", &[]),
             rebuild_bytes: t.counter("ublk_rebuild_bytes_total", &[]),
             rebuild_remaining: t.gauge("ublk_rebuild_remaining_bytes", &[]),
+            rebuild_rate: t.gauge("ublk_rebuild_bytes_per_second", &[]),
             fences: t.counter("ublk_writer_stale_epoch_fences_total", &[]),
             unconfirmed: t.gauge("ublk_replica_writers_unconfirmed", &[]),
             fenced: t.gauge("ublk_replica_writers_fenced", &[]),
@@ -169,6 +176,7 @@ impl ReplicaMetrics {
         self.degraded.set(s.degraded as f64);
         self.rebuild_bytes.absolute(s.rebuild_bytes);
         self.rebuild_remaining.set(s.rebuild_remaining as f64);
+        self.rebuild_rate.set(s.rebuild_rate as f64);
         self.fences.absolute(s.stale_epoch_fences);
         self.unconfirmed.set(s.unconfirmed as f64);
         self.fenced.set(s.fenced as f64);
@@ -214,6 +222,7 @@ mod tests {
             degraded: 1,
             rebuild_bytes: 1 << 20,
             rebuild_remaining: 4096,
+            rebuild_rate: 8 << 20,
             stale_epoch_fences: 1,
             unconfirmed: 2,
             fenced: 1,
@@ -228,6 +237,7 @@ mod tests {
             "ublk_devices_degraded 1",
             "ublk_rebuild_bytes_total 1048576",
             "ublk_rebuild_remaining_bytes 4096",
+            "ublk_rebuild_bytes_per_second 8388608",
             "ublk_writer_stale_epoch_fences_total 1",
             "ublk_replica_writers_unconfirmed 2",
             "ublk_replica_writers_fenced 1",

@@ -137,6 +137,7 @@ fn ublkd_expositions() -> Expositions {
         degraded: 1,
         rebuild_bytes: 1 << 20,
         rebuild_remaining: 65536,
+        rebuild_rate: 1 << 20,
         stale_epoch_fences: 0,
         unconfirmed: 1,
         fenced: 0,

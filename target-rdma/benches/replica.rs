@@ -7,6 +7,13 @@
 //! rounds of the four configurations, each round starting one later
 //! (rotated), and reports medians; ratios are the result
 //! (docs/BENCHMARKS.md). `BENCH_SECS` (default 1) per run.
+//!
+//! Then the rebuild: a volume on peer 0 brings peer 1 in as a new member,
+//! copying `BENCH_REBUILD_MIB` (default 128) MiB with 1 and 8 copies in
+//! flight (unlimited, and 8 at a 64 MiB/s limit), against blob-sized
+//! writes of a plain session to peer 1 at QD 1 and 8 (sequential for
+//! 1 MiB), rotated the same way; once on the peers above (1 MiB blobs),
+//! once on two of 64 KiB blobs. `BENCH_CASE=rebuild` runs only this part.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -18,8 +25,8 @@ use target_rdma::blob::BlobIo;
 use target_rdma::client::{ArenaClient, FlushDomain};
 use target_rdma::replica::clock::system;
 use target_rdma::replica::{
-    Coordinator, MemberSessions, Membership, MemoryCoordinator, ReplicaConfig, ReplicaSet,
-    ReplicatedIo,
+    Coordinator, MemberSessions, Membership, MemoryCoordinator, RebuildConfig, RebuildStats,
+    ReplicaConfig, ReplicaSet, ReplicatedIo,
 };
 use target_rdma::testing::{Peer, PeerOpts};
 
@@ -82,6 +89,120 @@ fn replicated(peers: &[Peer], n: usize) -> ReplicatedIo<ArenaClient> {
     ))
     .unwrap();
     set.queue(0).unwrap()
+}
+
+fn sessions(p: &Peer) -> MemberSessions<ArenaClient> {
+    let domain = Arc::new(FlushDomain::default());
+    MemberSessions {
+        queues: vec![client(p, &domain)],
+        background: client(p, &domain),
+        epoch: 0,
+    }
+}
+
+/// Rebuilds `to` from a fresh volume on `from` alone, whose record starts
+/// at `epoch` (above every epoch the peers saw: each rebuild raises
+/// three); the rate in MiB/s.
+fn rebuild(from: &Peer, to: &Peer, epoch: u64, keys: u64, inflight: usize, limit: u64) -> f64 {
+    let names = vec![from.addr.to_string()];
+    let mut record = Membership::new_volume(&names).unwrap();
+    record.epoch = epoch;
+    let coord = MemoryCoordinator::new(system(), record);
+    let set = block_on(ReplicaSet::open(
+        "bench",
+        coord as Arc<dyn Coordinator>,
+        system(),
+        ReplicaConfig::default(),
+        vec![(names[0].clone(), sessions(from))],
+    ))
+    .unwrap();
+    let blob = u64::from(BlobIo::blob_bytes(&sessions(from).background));
+    let cfg = RebuildConfig {
+        keys: 0..keys,
+        bytes_per_sec: limit,
+        inflight,
+        ..RebuildConfig::default()
+    };
+    let stats = RebuildStats::default();
+    let start = Instant::now();
+    block_on(set.rebuild(&to.addr.to_string(), sessions(to), &cfg, &stats)).unwrap();
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(stats.bytes_copied.into_inner(), keys * blob);
+    (keys * blob) as f64 / MIB as f64 / secs
+}
+
+/// Two fresh peers of `blob`-byte blobs.
+fn peer_pair(root: &std::path::Path, blob: u32) -> Vec<Peer> {
+    (0..2)
+        .map(|i| {
+            let dir = root.join(format!("rebuild-{blob}-{i}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            Peer::start(
+                &dir,
+                PeerOpts {
+                    arena_bytes: SPAN * 2,
+                    blob_bytes: blob,
+                    swap_bytes: SPAN * 2,
+                    quota_blobs: SPAN * 2 / u64::from(blob),
+                    max_inflight: 64,
+                    volumes: vec![("bench".into(), SECRET.into())],
+                    ..PeerOpts::default()
+                },
+            )
+        })
+        .collect()
+}
+
+fn rebuild_cases(peers: &[Peer]) {
+    let mib: u64 = std::env::var("BENCH_REBUILD_MIB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(128)
+        .min(SPAN / MIB as u64);
+    // Every blob the rebuild copies holds data on the source.
+    let src = client(&peers[0], &Arc::new(FlushDomain::default()));
+    let blob = BlobIo::blob_bytes(&src) as usize;
+    let keys = mib * MIB as u64 / blob as u64;
+    let data = vec![0xa5u8; blob];
+    for k in 0..keys {
+        block_on(src.write(k, 0, &data)).unwrap();
+    }
+    let plain = client(&peers[1], &Arc::new(FlushDomain::default()));
+    let kib = blob >> 10;
+    println!(
+        "\nrebuild of {mib} MiB ({kib} KiB blobs) from peer 0 to peer 1, against {kib} KiB writes of a plain session to peer 1\n\n| case | MiB/s | / plain write QD1 |\n|---|---:|---:|"
+    );
+    let names = [
+        "plain write QD1",
+        "plain write QD8",
+        "rebuild inflight=1",
+        "rebuild inflight=8",
+        "rebuild inflight=8, limit 64 MiB/s",
+    ];
+    let mut rate = vec![Vec::new(); names.len()];
+    let mut epoch = 1000;
+    for round in 0..rounds() {
+        for k in 0..names.len() {
+            let i = (round + k) % names.len();
+            epoch += 10;
+            if i < 2 {
+                // A plain session, as a writer past the rebuilds' epochs.
+                block_on(plain.raise_epoch(epoch)).unwrap();
+            }
+            let r = match i {
+                0 => run(&plain, Dir::Write, blob, 1).mib_s,
+                1 => run(&plain, Dir::Write, blob, 8).mib_s,
+                2 => rebuild(&peers[0], &peers[1], epoch, keys, 1, 0),
+                3 => rebuild(&peers[0], &peers[1], epoch, keys, 8, 0),
+                _ => rebuild(&peers[0], &peers[1], epoch, keys, 8, 64 * MIB as u64),
+            };
+            rate[i].push(r);
+        }
+    }
+    let rate: Vec<_> = rate.into_iter().map(median).collect();
+    for (i, name) in names.iter().enumerate() {
+        println!("| {name} | {:.0} | {:.2}x |", rate[i], rate[i] / rate[0]);
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -183,15 +304,21 @@ fn main() {
             )
         })
         .collect();
-    let direct = client(&peers[0], &Arc::new(FlushDomain::default()));
-    let vols: Vec<_> = (1..=3).map(|n| replicated(&peers, n)).collect();
-    // Every store holds the span, so reads hit data.
-    run(&vols[2], Dir::Write, MIB, 32);
     println!(
         "replica benchmark, {:?} per run, {} rounds, TCP on loopback",
         secs(),
         rounds()
     );
+    let small = peer_pair(tmp.path(), 64 << 10);
+    if std::env::var("BENCH_CASE").is_ok_and(|c| c == "rebuild") {
+        rebuild_cases(&peers);
+        rebuild_cases(&small);
+        return;
+    }
+    let direct = client(&peers[0], &Arc::new(FlushDomain::default()));
+    let vols: Vec<_> = (1..=3).map(|n| replicated(&peers, n)).collect();
+    // Every store holds the span, so reads hit data.
+    run(&vols[2], Dir::Write, MIB, 32);
     println!(
         "\n| case | direct TCP | N=1 | N=2 | N=3 | N=2 / N=1 | N=3 / N=1 | N=1 / direct |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     );
@@ -234,4 +361,7 @@ fn main() {
             rate[1] / rate[0],
         );
     }
+    // Last: the rebuilds raise the peers' epochs past the volumes above.
+    rebuild_cases(&peers);
+    rebuild_cases(&small);
 }

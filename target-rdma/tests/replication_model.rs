@@ -221,6 +221,7 @@ impl Run {
         let peer = Arc::clone(out[self.rng.gen_range(0..out.len())]);
         let set = Arc::clone(&self.set);
         let rate = [0, u64::from(BLOB) * KEYS * 20][self.rng.gen_range(0..2)];
+        let inflight = [1, 3, 8][self.rng.gen_range(0..3)];
         let pending = Rc::clone(pending);
         let rebuilt = Rc::clone(&self.rebuilt);
         *pending.borrow_mut() += 1;
@@ -234,6 +235,8 @@ impl Run {
                     // The model rebuilds members in their own place; a
                     // spare's replacement is replica::tests'.
                     replaces: None,
+                    inflight,
+                    guest: None,
                 };
                 let stats = RebuildStats::default();
                 let sessions = peer.sessions(QUEUES);

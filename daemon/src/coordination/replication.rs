@@ -54,6 +54,13 @@ pub struct ReplicationConfig {
     /// others.
     #[serde(default = "default_straggler_factor")]
     pub straggler_factor: u32,
+    /// Rebuild copies in flight at once, 1..=256.
+    #[serde(default = "default_rebuild_inflight")]
+    pub rebuild_inflight: u32,
+    /// While the device has more guest requests in flight than this, its
+    /// rebuild copies one blob at a time.
+    #[serde(default = "default_rebuild_yield_above")]
+    pub rebuild_yield_above: u64,
 }
 
 fn default_straggler_floor() -> u64 {
@@ -84,6 +91,12 @@ fn default_replace_after() -> u64 {
 fn default_rebuild_backoff_max() -> u64 {
     300_000
 }
+fn default_rebuild_inflight() -> u32 {
+    target_rdma::replica::DEFAULT_INFLIGHT as u32
+}
+fn default_rebuild_yield_above() -> u64 {
+    4
+}
 
 impl Default for ReplicationConfig {
     fn default() -> Self {
@@ -98,6 +111,8 @@ impl Default for ReplicationConfig {
             straggler_after_ms: 0,
             straggler_floor_ms: default_straggler_floor(),
             straggler_factor: default_straggler_factor(),
+            rebuild_inflight: default_rebuild_inflight(),
+            rebuild_yield_above: default_rebuild_yield_above(),
         }
     }
 }
@@ -187,6 +202,13 @@ impl ReplicationConfig {
                 "replication.straggler_factor",
                 self.straggler_factor,
                 "must be between 1 and 100",
+            ));
+        }
+        if !(1..=256).contains(&self.rebuild_inflight) {
+            return Err(invalid(
+                "replication.rebuild_inflight",
+                self.rebuild_inflight,
+                "must be between 1 and 256",
             ));
         }
         if self.coord_timeout_ms > self.change_deadline_ms {

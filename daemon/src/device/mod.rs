@@ -504,6 +504,10 @@ impl Manager {
                         self.resolver(),
                         self.spare_finder(),
                         self.cfg.replication.clone(),
+                        {
+                            let stats = Arc::clone(&stats);
+                            Arc::new(move || stats.in_flight())
+                        },
                     )
                     .map_err(|e| tracing::error!(event = "rebuild.spawn_failed", id, error = %e))
                     .ok();

@@ -23,8 +23,8 @@ use target_rdma::blob::BlobIo;
 use target_rdma::client::Session;
 use target_rdma::replica::{
     clock, CoordError as CoreError, CoordErrorKind as CoreKind, Coordinator, FileCoordinator,
-    MemberSessions, MemberState, Membership, RebuildConfig, RebuildStats, ReplicaSet, Standing,
-    Swap, MAX_REPLICAS,
+    GuestLoad, MemberSessions, MemberState, Membership, RebuildConfig, RebuildStats, ReplicaSet,
+    Standing, Swap, MAX_REPLICAS,
 };
 
 use super::connect::{Connector, PeerSessions};
@@ -44,6 +44,10 @@ pub type Resolve = Arc<dyn Fn(&str) -> Result<String, DeviceError> + Send + Sync
 /// `None` when the pool has none that fits. Only etcd's placement pool
 /// has spares; without `[etcd]` a device gets none.
 pub type FindSpare = Arc<dyn Fn(&str, &str) -> Result<Option<String>, DeviceError> + Send + Sync>;
+
+/// The device's guest requests in flight now, which its rebuild gives way
+/// to (`[replication] rebuild_yield_above`).
+pub type GuestInFlight = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// A peer whose last rebuilds failed: not tried again before `retry_at`.
 #[derive(Clone, Copy, Debug)]
@@ -224,10 +228,20 @@ impl Replicated {
                     }
                 })
                 .collect(),
-            rebuild: self.rebuilding.lock().clone().map(|peer| RebuildInfo {
-                peer,
-                bytes_done: self.rebuild.bytes_copied.load(Ordering::Relaxed),
-                bytes_remaining: self.rebuild.bytes_remaining.load(Ordering::Relaxed),
+            rebuild: self.rebuilding.lock().clone().map(|peer| {
+                let done = self.rebuild.bytes_copied.load(Ordering::Relaxed);
+                let remaining = self.rebuild.bytes_remaining.load(Ordering::Relaxed);
+                RebuildInfo {
+                    peer,
+                    bytes_done: done,
+                    bytes_remaining: remaining,
+                    bytes_total: done + remaining,
+                    bytes_per_sec: self.rebuild.rate(now),
+                    eta_ms: self
+                        .rebuild
+                        .eta(now)
+                        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                }
             }),
         }
     }
@@ -245,8 +259,10 @@ impl Replicated {
     /// rebuilds it (fresh sessions, so a loss its peer suffered does not
     /// follow it); a member failed for `cfg.replace_after()` is replaced
     /// by a spare `spares` finds instead, when its own peer does not
-    /// answer. One rebuild at a time, at `cfg.rebuild_bytes_per_sec`; a
-    /// peer whose rebuild failed waits `cfg.rebuild_backoff`.
+    /// answer. One rebuild at a time, at `cfg.rebuild_bytes_per_sec`,
+    /// `cfg.rebuild_inflight` copies at once (one while `guest` reports
+    /// more than `cfg.rebuild_yield_above`); a peer whose rebuild failed
+    /// waits `cfg.rebuild_backoff`.
     pub fn spawn_rebuilder(
         self: &Arc<Self>,
         connector: Connector,
@@ -254,6 +270,7 @@ impl Replicated {
         resolve: Resolve,
         spares: Option<FindSpare>,
         cfg: ReplicationConfig,
+        guest: GuestInFlight,
     ) -> io::Result<JoinHandle<()>> {
         let weak = Arc::downgrade(self);
         let ctx = Rebuilder {
@@ -262,6 +279,7 @@ impl Replicated {
             resolve,
             spares,
             cfg,
+            guest,
         };
         std::thread::Builder::new()
             .name("ublk-rebuild".into())
@@ -286,6 +304,7 @@ impl Replicated {
             spec,
             resolve,
             cfg,
+            guest,
             ..
         } = ctx;
         if self.backed_off(peer) {
@@ -311,6 +330,11 @@ impl Replicated {
             bytes_per_sec: cfg.rebuild_bytes_per_sec,
             change_deadline: cfg.core().change_deadline,
             replaces: replaces.map(str::to_owned),
+            inflight: cfg.rebuild_inflight as usize,
+            guest: Some(GuestLoad {
+                in_flight: Arc::clone(guest),
+                above: cfg.rebuild_yield_above,
+            }),
         };
         *self.rebuilding.lock() = Some(peer.to_owned());
         tracing::info!(event = "rebuild.started", volume, peer, replaces);
@@ -373,6 +397,10 @@ impl Replicated {
     pub fn replica_stats(&self, wanted: u64) -> ReplicaStats {
         let healthy = self.info().healthy as u64;
         let (rebuild_bytes, rebuild_remaining) = self.rebuild_bytes();
+        let rebuild_rate = match *self.rebuilding.lock() {
+            Some(_) => self.rebuild.rate(Instant::now()),
+            None => 0,
+        };
         let core = self.set.stats();
         let hedged = core.hedged_reads.load(Ordering::Relaxed);
         let won = core.hedge_wins.load(Ordering::Relaxed);
@@ -385,6 +413,7 @@ impl Replicated {
             degraded: u64::from(healthy < wanted),
             rebuild_bytes,
             rebuild_remaining,
+            rebuild_rate,
             stale_epoch_fences: core.stale_epoch_fences.load(Ordering::Relaxed),
             unconfirmed: u64::from(matches!(self.set.standing(), Standing::Unconfirmed(_))),
             fenced: u64::from(matches!(self.set.standing(), Standing::Fenced(_))),
@@ -467,6 +496,7 @@ struct Rebuilder {
     resolve: Resolve,
     spares: Option<FindSpare>,
     cfg: ReplicationConfig,
+    guest: GuestInFlight,
 }
 
 fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {

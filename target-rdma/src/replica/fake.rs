@@ -57,6 +57,9 @@ pub struct FakePeer {
     blob_bytes: u32,
     clock: Arc<dyn Clock>,
     state: Mutex<PeerState>,
+    /// Requests it is answering now, and the most it ever answered at once.
+    in_flight: AtomicU64,
+    peak: AtomicU64,
 }
 
 impl FakePeer {
@@ -67,6 +70,8 @@ impl FakePeer {
             blob_bytes,
             clock,
             state: Mutex::default(),
+            in_flight: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
         })
     }
 
@@ -138,6 +143,11 @@ impl FakePeer {
             .is_some_and(|d| d.lost.load(Ordering::Acquire))
     }
 
+    /// The most requests it answered at once, over all its sessions.
+    pub fn peak_in_flight(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
+
     /// The highest membership epoch presented to it.
     pub fn epoch(&self) -> u64 {
         self.state.lock().epoch
@@ -150,10 +160,13 @@ impl FakePeer {
         op: Opcode,
         f: impl FnOnce(&mut PeerState) -> Result<T, ArenaError>,
     ) -> Result<T, ArenaError> {
+        let now = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        self.peak.fetch_max(now, Ordering::AcqRel);
         let delay = self.state.lock().fault.delay;
         if !delay.is_zero() {
             self.clock.sleep(delay).await;
         }
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
         let timed_out = || ArenaError::TimedOut {
             op,
             peer: self.name.clone(),

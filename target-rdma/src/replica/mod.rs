@@ -36,7 +36,7 @@ pub use coordinator::{
 pub use coordinator::{CoordFault, MemoryCoordinator};
 pub use io::ReplicatedIo;
 pub use member::{MemberIo, MemberSessions};
-pub use rebuild::{RebuildConfig, RebuildStats};
+pub use rebuild::{GuestLoad, RebuildConfig, RebuildStats, DEFAULT_INFLIGHT, RATE_WINDOW};
 pub use set::{ReplicaConfig, ReplicaSet, ReplicaStats, Standing};
 
 #[cfg(test)]

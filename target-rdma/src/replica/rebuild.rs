@@ -6,18 +6,31 @@
 //!
 //! The copy of a key holds the key's lock (keys.rs) from the read on the
 //! healthy member to the write on the new one, so it never overwrites a
-//! newer write.
+//! newer write. Several copies run at once, each under its own key's lock:
+//! one copy waits out two round trips, so a copy at a time leaves the link
+//! idle most of the time.
 
+use std::collections::VecDeque;
+use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use futures::future::{select, Either};
+use futures::stream::{FuturesUnordered, StreamExt};
+use parking_lot::Mutex;
 
 use super::coordinator::{MemberRecord, MemberState};
 use super::member::{Lane, Member, MemberIo, MemberSessions};
 use super::set::{ReplicaSet, View};
 use crate::blob::{ArenaError, ReplicaFailure, Via};
 use crate::proto::Status;
+
+/// Copies in flight by default: enough to cover the round trips of a
+/// loopback or LAN link (docs/BENCHMARKS.md), few enough that the copies'
+/// key locks rarely meet the guest's writes (8 of 64 stripes).
+pub const DEFAULT_INFLIGHT: usize = 8;
 
 /// What to rebuild.
 #[derive(Clone, Debug)]
@@ -34,6 +47,52 @@ pub struct RebuildConfig {
     /// `removed` records are dropped then, so the record stays bounded.
     /// `None` for a peer rebuilt in its own place.
     pub replaces: Option<String>,
+    /// Copies in flight at once (0 counts as 1).
+    pub inflight: usize,
+    /// The guest's load: while it is busy, one copy at a time.
+    pub guest: Option<GuestLoad>,
+}
+
+impl Default for RebuildConfig {
+    fn default() -> Self {
+        Self {
+            keys: 0..0,
+            bytes_per_sec: 0,
+            change_deadline: Duration::from_secs(5),
+            replaces: None,
+            inflight: DEFAULT_INFLIGHT,
+            guest: None,
+        }
+    }
+}
+
+/// How busy the guest keeps the device, so the rebuild gives way to it:
+/// a copy holds a key lock a guest write may wait for, and shares the
+/// link and the peers with the guest's requests. Sampled before each copy
+/// starts; a busy guest narrows the rebuild to one copy at a time (never
+/// to none: a degraded volume must still become whole under a constant
+/// load).
+#[derive(Clone)]
+pub struct GuestLoad {
+    /// The guest's requests in flight on the device now.
+    pub in_flight: Arc<dyn Fn() -> u64 + Send + Sync>,
+    /// Busy above this many.
+    pub above: u64,
+}
+
+impl GuestLoad {
+    fn busy(&self) -> bool {
+        (self.in_flight)() > self.above
+    }
+}
+
+impl fmt::Debug for GuestLoad {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuestLoad")
+            .field("in_flight", &(self.in_flight)())
+            .field("above", &self.above)
+            .finish()
+    }
 }
 
 /// Rebuild progress; the daemon exports it.
@@ -43,6 +102,104 @@ pub struct RebuildStats {
     pub bytes_copied: AtomicU64,
     /// Blob bytes of the keys not copied yet.
     pub bytes_remaining: AtomicU64,
+    /// `(when, bytes_copied)` samples of the recent window, oldest first,
+    /// at least [`SAMPLE_EVERY`] apart, so the rate costs a bounded deque
+    /// whatever the blob size.
+    samples: Mutex<VecDeque<(Instant, u64)>>,
+}
+
+/// The window the current rate is measured over: long enough to smooth
+/// over a few slow copies, short enough to show a change within seconds.
+pub const RATE_WINDOW: Duration = Duration::from_secs(5);
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+impl RebuildStats {
+    /// Bytes per second copied over the last [`RATE_WINDOW`] before `now`
+    /// (or since the rebuild began, when that is more recent); it decays
+    /// while copies stall, and is 0 before any rebuild began.
+    pub fn rate(&self, now: Instant) -> u64 {
+        let copied = self.bytes_copied.load(Ordering::Relaxed);
+        let samples = self.samples.lock();
+        let since = now.checked_sub(RATE_WINDOW);
+        // The newest sample at or before the window's start, else the
+        // oldest (the rebuild began within the window).
+        let Some(&(at, base)) = samples
+            .iter()
+            .rev()
+            .find(|(at, _)| since.is_some_and(|s| *at <= s))
+            .or(samples.front())
+        else {
+            return 0;
+        };
+        let secs = now.saturating_duration_since(at).as_secs_f64();
+        if secs <= 0.0 {
+            return 0;
+        }
+        (copied.saturating_sub(base) as f64 / secs) as u64
+    }
+
+    /// The time until the rebuild is done at its current rate; `None` when
+    /// no rate is known yet.
+    pub fn eta(&self, now: Instant) -> Option<Duration> {
+        let rate = self.rate(now);
+        let left = self.bytes_remaining.load(Ordering::Relaxed);
+        if rate == 0 {
+            return None;
+        }
+        Duration::try_from_secs_f64(left as f64 / rate as f64).ok()
+    }
+
+    fn begin(&self, now: Instant, total: u64) {
+        self.bytes_remaining.store(total, Ordering::Relaxed);
+        let mut samples = self.samples.lock();
+        samples.clear();
+        samples.push_back((now, self.bytes_copied.load(Ordering::Relaxed)));
+    }
+
+    fn copied(&self, now: Instant, bytes: u64) {
+        let copied = self.bytes_copied.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.bytes_remaining.fetch_sub(bytes, Ordering::Relaxed);
+        let mut samples = self.samples.lock();
+        if samples
+            .back()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) < SAMPLE_EVERY)
+        {
+            return;
+        }
+        samples.push_back((now, copied));
+        // Keep one sample at or before the window's start: the rate's base.
+        while samples.len() > 2
+            && samples[1].0 <= now.checked_sub(RATE_WINDOW).unwrap_or(samples[1].0)
+        {
+            samples.pop_front();
+        }
+    }
+}
+
+/// The rate limit: each copy is admitted no earlier than the previous
+/// one's admission plus its bytes' share of the rate. A copy that starts
+/// late earns no credit for later ones (the bucket holds one copy), so
+/// the rate holds over any window, not only on average.
+struct Pacer {
+    bytes_per_sec: u64,
+    next: Instant,
+}
+
+impl Pacer {
+    /// When the next copy may start.
+    fn due(&self) -> Instant {
+        self.next
+    }
+
+    /// A copy of `bytes` starts at `now`.
+    fn admit(&mut self, now: Instant, bytes: u64) {
+        if self.bytes_per_sec == 0 {
+            return;
+        }
+        let nanos = u128::from(bytes) * 1_000_000_000 / u128::from(self.bytes_per_sec);
+        let cost = Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX));
+        self.next = self.next.max(now) + cost;
+    }
 }
 
 impl<S: MemberIo> ReplicaSet<S> {
@@ -92,23 +249,12 @@ impl<S: MemberIo> ReplicaSet<S> {
         )
         .await?;
         let total = (cfg.keys.end - cfg.keys.start) * u64::from(blob);
-        stats.bytes_remaining.store(total, Ordering::Relaxed);
         let start = self.clock.now();
-        let mut buf = vec![0u8; blob as usize];
-        for key in cfg.keys.clone() {
-            self.copy(&member, key, &mut buf).await?;
-            stats
-                .bytes_copied
-                .fetch_add(u64::from(blob), Ordering::Relaxed);
-            stats
-                .bytes_remaining
-                .fetch_sub(u64::from(blob), Ordering::Relaxed);
-            if cfg.bytes_per_sec > 0 {
-                let copied = stats.bytes_copied.load(Ordering::Relaxed);
-                let due = Duration::from_secs_f64(copied as f64 / cfg.bytes_per_sec as f64);
-                self.clock.sleep_until(start + due).await;
-            }
-        }
+        stats.begin(start, total);
+        let pacer = self.copy_all(&member, cfg, stats, blob, start).await?;
+        // The last copies' share of the rate: the rebuild as a whole never
+        // runs faster than the limit.
+        self.clock.sleep_until(pacer.due()).await;
         self.change(
             &format!("marking {peer} healthy"),
             deadline(),
@@ -139,6 +285,74 @@ impl<S: MemberIo> ReplicaSet<S> {
             },
         )
         .await
+    }
+
+    /// Copies every key of `cfg.keys` to `to`, `cfg.inflight` copies at
+    /// once (one while the guest is busy), each admitted by the rate
+    /// limit. On a failure no further copy starts; the ones in flight end
+    /// before the first error is returned, so none outlives the rebuild.
+    async fn copy_all(
+        &self,
+        to: &Arc<Member<S>>,
+        cfg: &RebuildConfig,
+        stats: &RebuildStats,
+        blob: u32,
+        start: Instant,
+    ) -> Result<Pacer, ArenaError> {
+        let mut pacer = Pacer {
+            bytes_per_sec: cfg.bytes_per_sec,
+            next: start,
+        };
+        let mut keys = cfg.keys.clone();
+        let mut bufs: Vec<Vec<u8>> = Vec::new();
+        let mut running = FuturesUnordered::new();
+        let mut failed = None;
+        loop {
+            let width = match &cfg.guest {
+                Some(g) if g.busy() => 1,
+                _ => cfg.inflight.max(1),
+            };
+            let more = failed.is_none() && running.len() < width && !keys.is_empty();
+            let done = if more {
+                let now = self.clock.now();
+                let due = pacer.due();
+                if due <= now {
+                    if let Some(key) = keys.next() {
+                        pacer.admit(now, u64::from(blob));
+                        let mut buf = bufs.pop().unwrap_or_else(|| vec![0u8; blob as usize]);
+                        running.push(async move {
+                            let r = self.copy(to, key, &mut buf).await;
+                            (r, buf)
+                        });
+                    }
+                    continue;
+                }
+                if running.is_empty() {
+                    self.clock.sleep_until(due).await;
+                    continue;
+                }
+                match select(running.next(), self.clock.sleep_until(due)).await {
+                    Either::Left((done, _)) => done,
+                    Either::Right(_) => continue,
+                }
+            } else {
+                running.next().await
+            };
+            let Some((result, buf)) = done else {
+                break;
+            };
+            bufs.push(buf);
+            match result {
+                Ok(()) => stats.copied(self.clock.now(), u64::from(blob)),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(pacer),
+        }
     }
 
     /// Adds the member whose sessions are `sessions`; it is in no view yet.

@@ -46,21 +46,6 @@ fn config() -> ReplicaConfig {
     }
 }
 
-/// Runs `f` to completion on virtual time; returns its output and the
-/// virtual time it took.
-fn on_virtual_time<T>(clock: &ManualClock, f: impl Future<Output = T>) -> (T, Duration) {
-    let mut f = std::pin::pin!(f);
-    let waker = futures::task::noop_waker();
-    let mut cx = std::task::Context::from_waker(&waker);
-    let start = clock.elapsed();
-    loop {
-        match f.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(r) => return (r, clock.elapsed() - start),
-            std::task::Poll::Pending => clock.advance_to(clock.next_deadline().unwrap()),
-        }
-    }
-}
-
 /// Peers that fence older epochs, as arenad does.
 fn fencing(v: &Volume) {
     for p in &v.peers {
@@ -442,11 +427,11 @@ fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
     let clock = ManualClock::new();
     let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 2);
     let io = v.io();
-    on_virtual_time(&clock, io.write(1, 0, b"warm-up."))
-        .0
-        .unwrap();
+    on_virtual_time(&clock, io.write(1, 0, b"warm-up."), |_| {}).unwrap();
     v.peers[1].update_fault(|f| f.delay = Duration::from_secs(600));
-    let (r, took) = on_virtual_time(&clock, io.write(1, 0, b"12345678"));
+    let start = clock.elapsed();
+    let r = on_virtual_time(&clock, io.write(1, 0, b"12345678"), |_| {});
+    let took = clock.elapsed() - start;
     r.unwrap();
     assert_eq!(took, Duration::from_millis(100), "the floor of the bound");
     assert_eq!(v.state(1), Some(MemberState::Failed));
@@ -461,7 +446,9 @@ fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
     // A flush is held to the same bound.
     let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 3);
     v.peers[2].update_fault(|f| f.delay = Duration::from_secs(600));
-    let (r, took) = on_virtual_time(&clock, v.io().flush());
+    let start = clock.elapsed();
+    let r = on_virtual_time(&clock, v.io().flush(), |_| {});
+    let took = clock.elapsed() - start;
     r.unwrap();
     assert_eq!(took, Duration::from_millis(100));
     assert_eq!(v.state(2), Some(MemberState::Failed));
@@ -666,7 +653,7 @@ fn rebuild_cfg(keys: u64, bytes_per_sec: u64) -> RebuildConfig {
         keys: 0..keys,
         bytes_per_sec,
         change_deadline: Duration::from_millis(300),
-        replaces: None,
+        ..RebuildConfig::default()
     }
 }
 
@@ -778,6 +765,135 @@ fn a_rebuild_is_paced_by_its_rate_limit() {
         }
     }
     assert_eq!(clock.elapsed() - start, Duration::from_millis(125));
+}
+
+/// Drives `f` on virtual time, firing each next timer when it is
+/// pending; `each` sees the clock after every step.
+fn on_virtual_time<T>(
+    clock: &ManualClock,
+    f: impl Future<Output = T>,
+    mut each: impl FnMut(Duration),
+) -> T {
+    let mut f = std::pin::pin!(f);
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    loop {
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(r) => return r,
+            std::task::Poll::Pending => {
+                clock.advance_to(clock.next_deadline().expect("a timer to wait for"));
+                each(clock.elapsed());
+            }
+        }
+    }
+}
+
+/// A spare rebuilt from a member answering every request 10 ms late:
+/// returns the most requests that member answered at once and the
+/// virtual time the rebuild took.
+fn rebuild_against_slow_reads(keys: u64, cfg: RebuildConfig) -> (u64, Duration) {
+    let clock = ManualClock::new();
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 1);
+    let io = v.io();
+    for k in 0..keys {
+        block_on(io.write(k, 0, &k.to_le_bytes())).unwrap();
+    }
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(10));
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Clock>);
+    let stats = RebuildStats::default();
+    let cfg = RebuildConfig {
+        keys: 0..keys,
+        ..cfg
+    };
+    let start = clock.elapsed();
+    let rebuild = v.set.rebuild("spare", spare.sessions(2), &cfg, &stats);
+    on_virtual_time(&clock, rebuild, |_| {}).unwrap();
+    assert_eq!(v.coord.record().state("spare"), Some(MemberState::Healthy));
+    for k in 0..keys {
+        assert_eq!(spare.blob(k), v.peers[0].blob(k), "key {k}");
+    }
+    (v.peers[0].peak_in_flight(), clock.elapsed() - start)
+}
+
+#[test]
+fn several_copies_are_in_flight_at_once() {
+    let (peak, took) = rebuild_against_slow_reads(32, RebuildConfig::default());
+    assert_eq!(peak, DEFAULT_INFLIGHT as u64);
+    let one = RebuildConfig {
+        inflight: 1,
+        ..RebuildConfig::default()
+    };
+    let (peak_one, took_one) = rebuild_against_slow_reads(32, one);
+    assert_eq!(peak_one, 1);
+    // 32 reads of 10 ms: 320 ms one at a time, 4 rounds of 8 at once
+    // (and the epoch raises the membership changes need, in both).
+    assert!(took_one >= Duration::from_millis(320), "{took_one:?}");
+    assert!(took * 4 < took_one, "{took:?} vs {took_one:?}");
+}
+
+#[test]
+fn a_busy_guest_narrows_the_rebuild_to_one_copy() {
+    let busy = RebuildConfig {
+        guest: Some(GuestLoad {
+            in_flight: Arc::new(|| 9),
+            above: 4,
+        }),
+        ..RebuildConfig::default()
+    };
+    assert_eq!(rebuild_against_slow_reads(16, busy).0, 1);
+    let idle = RebuildConfig {
+        guest: Some(GuestLoad {
+            in_flight: Arc::new(|| 4),
+            above: 4,
+        }),
+        ..RebuildConfig::default()
+    };
+    assert_eq!(rebuild_against_slow_reads(16, idle).0, 8);
+}
+
+#[test]
+fn the_rate_limit_holds_with_copies_in_flight() {
+    let clock = ManualClock::new();
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 1);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Clock>);
+    // Copies take 40 ms: one at a time would go 100 KiB/s, 8 at once
+    // 800 KiB/s; the limit is 256 KiB/s, 64 blobs of 4 KiB in 1 s.
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(40));
+    let rate = 256u64 << 10;
+    let stats = RebuildStats::default();
+    let cfg = RebuildConfig {
+        keys: 0..64,
+        bytes_per_sec: rate,
+        ..RebuildConfig::default()
+    };
+    let start = clock.elapsed();
+    let rebuild = v.set.rebuild("spare", spare.sessions(2), &cfg, &stats);
+    let mut peak_rate = 0u64;
+    on_virtual_time(&clock, rebuild, |now| {
+        let t = (now - start).as_secs_f64();
+        let copied = stats.bytes_copied.load(Ordering::Relaxed);
+        // Admitted by t: one blob at once, then one per 1/64 s.
+        assert!(
+            copied as f64 <= rate as f64 * t + f64::from(BLOB),
+            "{copied} bytes by {t} s"
+        );
+        if t >= 0.1 {
+            peak_rate = peak_rate.max(stats.rate(clock.now()));
+        }
+    })
+    .unwrap();
+    // The last copy (and the membership changes, each waiting for one
+    // 40 ms epoch raise) end after the limit's 1 s.
+    let took = clock.elapsed() - start;
+    assert!(
+        (Duration::from_secs(1)..=Duration::from_millis(1200)).contains(&took),
+        "{took:?}"
+    );
+    assert!(v.peers[0].peak_in_flight() >= 2, "copies overlapped");
+    assert!(peak_rate <= rate + rate / 10, "{peak_rate} B/s measured");
+    let measured = stats.rate(clock.now());
+    assert!((rate * 8 / 10..=rate).contains(&measured), "{measured} B/s");
+    assert_eq!(stats.eta(clock.now()), Some(Duration::ZERO));
 }
 
 #[test]
