@@ -408,7 +408,12 @@ fn a_peer_that_stays_dead_is_replaced_by_a_spare_from_the_pool() {
     assert_eq!(lines[0], "  replicas   2 healthy of 2 active, epoch 5");
     assert_eq!(
         &lines[1..],
-        ["    healthy  a", "    removed  b", "    healthy  c"]
+        [
+            "  role       writer",
+            "    healthy  a",
+            "    removed  b",
+            "    healthy  c"
+        ]
     );
     let json = serde_json::to_value(&info).unwrap();
     assert_eq!(

@@ -64,5 +64,5 @@ fn vm_systemd_units_with_rdma_and_ublk() {
 #[test]
 #[ignore = "boots a VM: run by scripts/test"]
 fn vm_replicated_device_through_a_peer_kill() {
-    suite("scripts/vm/replicas", &["1200"], 12);
+    suite("scripts/vm/replicas", &["1500"], 18);
 }

@@ -9,6 +9,13 @@
 #      *other* arenad killed mid-loop (so from then on every read is served
 #      by the rebuilt member): every commit succeeds, no PANIC, and after a
 #      clean restart every acknowledged id is in the table; e2fsck clean.
+#   3. Availability, PostgreSQL committing throughout: one arenad stopped
+#      (SIGSTOP) for 30 s, then etcd stopped for 30 s (past the 15 s lease
+#      TTL), then `kill -9` of ublkd and a restart with no ublkctl command.
+#      No commit fails, the longest pause of each phase is printed (and
+#      must stay far below request_timeout_ms), the stopped member is
+#      failed and rebuilt, the writer rides the etcd outage and is
+#      confirmed again, and every acknowledged id is in the table.
 # Prints `PASS name` / `FAIL name` and exits non-zero if any failed.
 set -u
 
@@ -127,14 +134,17 @@ pgq() { timeout 60 "$PGBIN/psql" -h "$PG_SOCK" -U postgres -d postgres -X -q -At
 # acknowledged id is appended to $W/acked (guest tmpfs, not the device
 # under test). The first error or silence ends the loop, noted in
 # $W/pg-failed (ON_ERROR_STOP: psql exits on an error).
+# $1: the id to start after (ids stay unique across loops). Each
+# acknowledged id's time ($EPOCHREALTIME, no fork) goes to $W/acked-at.
 commit_loop() {
-    local i=0 line
+    local i=${1:-0} line
     coproc PSQL { exec "$PGBIN/psql" -h "$PG_SOCK" -U postgres -d postgres -X -q -At -v ON_ERROR_STOP=1 2>>"$R/pg-client.err"; }
     while [[ ! -e "$W/pg-stop" ]]; do
         i=$((i + 1))
         printf 'INSERT INTO commits (id) VALUES (%d);\n\\echo acked %d\n' "$i" "$i" >&"${PSQL[1]}"
         if read -t 120 -r line <&"${PSQL[0]}" && [[ "$line" == "acked $i" ]]; then
             echo "$i" >>"$W/acked"
+            echo "$i $EPOCHREALTIME" >>"$W/acked-at"
         else
             echo "$i ${line:-no answer}" >>"$W/pg-failed"
             break
@@ -144,6 +154,29 @@ commit_loop() {
     wait "$PSQL_PID"
 }
 acked() { [[ -e "$W/acked" ]] && wc -l <"$W/acked" || echo 0; }
+# longest_pause FROM TO: the longest gap, in seconds, between consecutive
+# acknowledged commits from the last one before FROM to the first after TO
+# ($EPOCHREALTIME values).
+longest_pause() {
+    awk -v from="$1" -v to="$2" '
+        { t = $2 }
+        t < from { prev = t; next }
+        { if (prev != "" && t - prev > max) max = t - prev; prev = t; if (t > to) exit }
+        END { printf "%.2f\n", max + 0 }' "$W/acked-at"
+}
+# metric NAME: the sample of an unlabelled ublkd metric (0 when absent).
+metric() {
+    /usr/bin/python3 -c '
+import sys, urllib.request
+for l in urllib.request.urlopen("http://127.0.0.1:9477/metrics", timeout=10).read().decode().splitlines():
+    if l.split(" ")[0] == sys.argv[1]:
+        print(l.split(" ")[1]); break
+else:
+    print(0)' "$1" 2>/dev/null || echo 0
+}
+dev_state() {
+    ctl --json show "$ID" 2>/dev/null | /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["device"]["state"])' 2>/dev/null
+}
 
 cleanup() {
     [[ -n "${LOOP_PID:-}" ]] && { touch "$W/pg-stop"; wait "$LOOP_PID" 2>/dev/null; }
@@ -260,6 +293,87 @@ rb0=$SECONDS
 start_arenad 0 || fail arenad-restart "see arenad0.log"
 if wait_rebuilt 600; then pass "rebuild-again ($((SECONDS - rb0)) s, epoch $(rep epoch))"
 else fail rebuild-again "states '$(rep states)', remaining $(rep rebuild)"; fi
+
+# ---- 3: availability under PostgreSQL -----------------------------------
+log "availability: PostgreSQL through a stopped member, a stopped etcd, a killed ublkd"
+AV_S=${REP_OUTAGE_S:-30}
+rm -f "$W/pg-stop" "$W/pg-failed"
+av_ok=1
+timeout 60 mount "$DEV" "$W/mnt" && pg_start >>"$R/pg_ctl.log" 2>&1 || { av_ok=0; fail availability-start "$(tail -5 "$PG_LOG")"; }
+if ((av_ok)); then
+    commit_loop "$n_acked" &
+    LOOP_PID=$!
+    n0=$(acked)
+    end=$((SECONDS + 120))
+    while (($(acked) < n0 + 20 && SECONDS < end)) && loop_runs; do sleep 0.2; done
+
+    # A: a member that stops answering without dying.
+    strag0=$(metric ublk_replica_stragglers_total)
+    t_a=$EPOCHREALTIME
+    kill -STOP "${ARENAD_PIDS[1]}"
+    sleep "$AV_S"
+    states_stopped=$(rep states)
+    kill -CONT "${ARENAD_PIDS[1]}"
+    t_a2=$EPOCHREALTIME
+    sleep 3
+    pause_a=$(longest_pause "$t_a" "$t_a2")
+    strag1=$(metric ublk_replica_stragglers_total)
+    echo "member stopped ${AV_S} s: longest commit pause $pause_a s, stragglers $strag0 -> $strag1" >"$R/pause-member.txt"
+    if [[ ! -e "$W/pg-failed" && "$states_stopped" == "healthy failed" ]] && loop_runs &&
+        awk -v p="$pause_a" 'BEGIN { exit !(p < 10) }' && ((${strag1%.*} > ${strag0%.*})); then
+        pass "stopped-member-ejected (longest commit pause $pause_a s over ${AV_S} s of SIGSTOP; states '$states_stopped')"
+    else fail stopped-member-ejected "pause $pause_a s, states '$states_stopped', stragglers $strag0 -> $strag1, $(cat "$W/pg-failed" 2>/dev/null)"; fi
+    rb0=$SECONDS
+    if wait_rebuilt 600; then pass "stopped-member-rebuilt ($((SECONDS - rb0)) s after SIGCONT)"
+    else fail stopped-member-rebuilt "states '$(rep states)', remaining $(rep rebuild)"; fi
+
+    # B: etcd stopped past the lease TTL, the membership unchanged.
+    t_b=$EPOCHREALTIME
+    kill -STOP "$ETCD_PID"
+    sleep "$AV_S"
+    role_out=$(rep role)
+    n_during=$(acked)
+    kill -CONT "$ETCD_PID"
+    t_b2=$EPOCHREALTIME
+    role_back=
+    for _ in $(seq 120); do role_back=$(rep role); [[ "$role_back" == writer ]] && break; sleep 0.5; done
+    pause_b=$(longest_pause "$t_b" "$t_b2")
+    echo "etcd stopped ${AV_S} s: longest commit pause $pause_b s, role during '$role_out', after '$role_back'" >"$R/pause-etcd.txt"
+    if [[ ! -e "$W/pg-failed" && "$role_out" == unconfirmed && "$role_back" == writer ]] && loop_runs &&
+        awk -v p="$pause_b" 'BEGIN { exit !(p < 5) }'; then
+        pass "etcd-outage-served (longest commit pause $pause_b s over ${AV_S} s without etcd; role unconfirmed, then writer again)"
+    else fail etcd-outage-served "pause $pause_b s, role '$role_out' -> '$role_back', $(cat "$W/pg-failed" 2>/dev/null)"; fi
+
+    # C: ublkd killed and restarted; nobody runs ublkctl recover.
+    t_c=$EPOCHREALTIME
+    kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
+    start_ublkd "$R/ublkd-restarted.log" || fail ublkd-restart "see ublkd-restarted.log"
+    st=
+    for _ in $(seq 240); do st=$(dev_state); [[ "$st" == live ]] && break; sleep 0.5; done
+    n_c=$(acked)
+    end=$((SECONDS + 120))
+    while (($(acked) < n_c + 20 && SECONDS < end)) && loop_runs; do sleep 0.2; done
+    pause_c=$(longest_pause "$t_c" "$EPOCHREALTIME")
+    echo "ublkd kill -9 and restart: longest commit pause $pause_c s" >"$R/pause-ublkd.txt"
+    if [[ "$st" == live && ! -e "$W/pg-failed" ]] && loop_runs && (($(acked) >= n_c + 20)); then
+        pass "ublkd-restart-needs-no-command (live again, longest commit pause $pause_c s)"
+    else fail ublkd-restart-needs-no-command "state '$st', $(cat "$W/pg-failed" 2>/dev/null); see ublkd-restarted.log"; fi
+
+    touch "$W/pg-stop"; wait "$LOOP_PID"; LOOP_PID=
+    n_acked=$(acked)
+    pg_ctl stop -m fast >>"$R/pg_ctl.log" 2>&1 && pg_start >>"$R/pg_ctl.log" 2>&1 ||
+        fail postgresql-restart-after-availability "$(tail -5 "$PG_LOG")"
+    pgq "SELECT id FROM commits ORDER BY id" >"$W/in-table" 2>>"$R/pg-client.err"
+    sort "$W/acked" >"$W/acked.sorted"; sort "$W/in-table" >"$W/in-table.sorted"
+    missing=$(comm -23 "$W/acked.sorted" "$W/in-table.sorted" | wc -l)
+    if [[ -s "$W/in-table" && $missing -eq 0 ]] && cmp -s "$W/acked.sorted" "$W/in-table.sorted"; then
+        pass "every-commit-present-after-availability ($n_acked acknowledged in all)"
+    else fail every-commit-present-after-availability "$missing of $n_acked acknowledged ids missing"; fi
+    grep -q PANIC "$PG_LOG" && fail postgresql-no-panic-availability "$(grep PANIC "$PG_LOG" | head -3)"
+    pg_ctl stop -m fast >>"$R/pg_ctl.log" 2>&1
+    timeout 60 umount "$W/mnt" && timeout 300 e2fsck -fn "$DEV" >"$R/e2fsck3.log" 2>&1 &&
+        pass "e2fsck-clean-after-availability" || fail e2fsck-clean-after-availability "see e2fsck3.log"
+fi
 ctl --json show "$ID" >"$R/show.json" 2>&1
 dmesg >"$R/dmesg-scenario.log"
 if errs=$(kernel_errors); then fail dmesg-clean "$(echo "$errs" | head -5)"
