@@ -93,6 +93,23 @@ fn run(pool: &mut LocalPool, clock: &ManualClock, done: impl Fn() -> bool) {
     }
 }
 
+/// Runs `f` as a task of `pool` to its end, on virtual time.
+fn drive(
+    pool: &mut LocalPool,
+    clock: &ManualClock,
+    f: impl std::future::Future<Output = ()> + 'static,
+) {
+    let done = Rc::new(Cell::new(false));
+    let d = Rc::clone(&done);
+    pool.spawner()
+        .spawn_local(async move {
+            f.await;
+            d.set(true);
+        })
+        .unwrap();
+    run(pool, clock, || done.get());
+}
+
 struct Run {
     rng: StdRng,
     clock: Arc<ManualClock>,
@@ -334,24 +351,18 @@ impl Run {
         // A write through the volume lets it drop members found stale.
         for key in 0..KEYS {
             let (io, m) = (Rc::clone(&self.queues[0]), self.model[key as usize].clone());
-            let done = Rc::new(RefCell::new(false));
-            let d = Rc::clone(&done);
-            pool.spawner()
-                .spawn_local(async move {
-                    let mut out = vec![0u8; BLOB as usize];
-                    io.read(key, 0, &mut out)
-                        .await
-                        .expect("a healed volume reads");
-                    let seq = decode(key, &out);
-                    assert!(m.allowed().contains(&seq), "key {key}: read {seq}");
-                    // Make it definite, then every copy must hold it.
-                    io.write(key, 0, &out)
-                        .await
-                        .expect("a healed volume writes");
-                    *d.borrow_mut() = true;
-                })
-                .unwrap();
-            run(pool, &self.clock, || *done.borrow());
+            drive(pool, &self.clock, async move {
+                let mut out = vec![0u8; BLOB as usize];
+                io.read(key, 0, &mut out)
+                    .await
+                    .expect("a healed volume reads");
+                let seq = decode(key, &out);
+                assert!(m.allowed().contains(&seq), "key {key}: read {seq}");
+                // Make it definite, then every copy must hold it.
+                io.write(key, 0, &out)
+                    .await
+                    .expect("a healed volume writes");
+            });
         }
         let record = self.coord.record();
         assert_eq!(
@@ -635,20 +646,14 @@ fn a_writer_cut_off_from_its_store_is_fenced_by_its_successor_and_loses_nothing(
         }
         for key in 0..KEYS {
             let (io, m) = (Rc::clone(&new.queues[0]), model[key as usize].clone());
-            let done = Rc::new(RefCell::new(false));
-            let d = Rc::clone(&done);
-            pool.spawner()
-                .spawn_local(async move {
-                    let mut out = vec![0u8; BLOB as usize];
-                    io.read(key, 0, &mut out)
-                        .await
-                        .expect("the successor reads");
-                    let s = decode(key, &out);
-                    assert!(m.allowed().contains(&s), "seed {seed}: key {key}: read {s}");
-                    *d.borrow_mut() = true;
-                })
-                .unwrap();
-            run(&mut pool, &clock, || *done.borrow());
+            drive(&mut pool, &clock, async move {
+                let mut out = vec![0u8; BLOB as usize];
+                io.read(key, 0, &mut out)
+                    .await
+                    .expect("the successor reads");
+                let s = decode(key, &out);
+                assert!(m.allowed().contains(&s), "seed {seed}: key {key}: read {s}");
+            });
         }
         if old.set.standing().name() == "fenced" {
             fenced_old += 1;

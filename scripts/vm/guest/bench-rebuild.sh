@@ -69,11 +69,6 @@ cleanup() {
     mountpoint -q "$W/swap" && umount "$W/swap"
 }
 trap cleanup EXIT
-start_arenad() {
-    "$BIN/arenad" --config "$W/arenad$1.toml" >>"$R/arenad$1.log" 2>&1 &
-    ARENAD_PIDS[$1]=$!
-    wait_listen "${PEERS[$1]##*:}" "${ARENAD_PIDS[$1]}"
-}
 # fio_json FILE FIELD: write bandwidth (bytes/s) or mean latency (ns).
 fio_json() {
     /usr/bin/python3 -c '
@@ -83,7 +78,7 @@ print(w["bw_bytes"] if sys.argv[2] == "bw" else w["lat_ns"]["mean"])' "$1" "$2"
 }
 
 start_etcd "$ETCD" "$W/etcd/data" "$R/etcd.log" || { echo "bench: etcd did not start"; exit 1; }
-for i in 0 1; do start_arenad "$i" || { echo "bench: arenad $i did not start"; exit 1; }; done
+for i in 0 1; do start_peer "$i" || { echo "bench: arenad $i did not start"; exit 1; }; done
 start_ublkd "$R/ublkd.log" || { echo "bench: ublkd did not start"; exit 1; }
 DEV=$(add_when_etcd --wait --peer "${PEERS[0]}" --peer "${PEERS[1]}" --volume rb --secret-file "$W/vol.key" \
     --size "$SIZE" --transport tcp) || { echo "bench: add failed"; exit 1; }
@@ -103,7 +98,7 @@ timeout 600 fio "${QD1[@]}" --runtime="$RUNTIME" --time_based --output="$R/qd1-i
 kill -9 "${ARENAD_PIDS[1]}"; wait "${ARENAD_PIDS[1]}" 2>/dev/null
 dd if=/dev/zero of="$DEV" bs=4k count=1 oflag=direct conv=notrunc status=none
 [[ "$(rep states)" == "healthy failed" ]] || { echo "bench: member not failed: $(rep states)"; exit 1; }
-start_arenad 1 || { echo "bench: arenad 1 did not restart"; exit 1; }
+start_peer 1 || { echo "bench: arenad 1 did not restart"; exit 1; }
 timeout 1800 fio "${QD1[@]}" --runtime=1800 --time_based --output="$R/qd1-rebuild.json" &
 FIO_PID=$!
 for _ in $(seq 600); do [[ "$(rep rebuild)" != none ]] && break; sleep 0.1; done

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, replicas,
-# bench-rdma, bench-swap, bench-replicas).
+# bench-rdma, bench-swap, bench-replicas, bench-rebuild).
 # Source it after setting BIN (the release binaries), SOCK (ublkd's control
 # socket) and W (the scenario's work dir holding ublkd.toml).
 
@@ -21,6 +21,14 @@ start_ublkd() {
         sleep 0.1
     done
     return 1
+}
+
+# start_peer I: starts arena peer I of PEERS on $W/arenadI.toml (output
+# appended to $R/arenadI.log), sets ARENAD_PIDS[I], waits until it listens.
+start_peer() {
+    "$BIN/arenad" --config "$W/arenad$1.toml" >>"$R/arenad$1.log" 2>&1 &
+    ARENAD_PIDS[$1]=$!
+    wait_listen "${PEERS[$1]##*:}" "${ARENAD_PIDS[$1]}"
 }
 
 # swap_disk DIR: a fresh ext4 on the emulated NVMe disk scripts/vm/run

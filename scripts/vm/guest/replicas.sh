@@ -88,12 +88,6 @@ change_deadline_ms = 30000
 coord_timeout_ms = 5000
 TOML
 
-# start_arenad I: starts peer I, waits until it listens.
-start_arenad() {
-    "$BIN/arenad" --config "$W/arenad$1.toml" >>"$R/arenad$1.log" 2>&1 &
-    ARENAD_PIDS[$1]=$!
-    wait_listen "${PEERS[$1]##*:}" "${ARENAD_PIDS[$1]}"
-}
 # kill9_arenad I: the failure under test.
 kill9_arenad() {
     kill -9 "${ARENAD_PIDS[$1]}"
@@ -194,7 +188,7 @@ trap cleanup EXIT
 t0=$SECONDS
 dmesg -C
 start_etcd "$ETCD" "$W/etcd/data" "$R/etcd.log" || die setup "etcd did not become healthy; see etcd.log"
-for i in 0 1; do start_arenad "$i" || die setup "arenad $i did not listen; see arenad$i.log"; done
+for i in 0 1; do start_peer "$i" || die setup "arenad $i did not listen; see arenad$i.log"; done
 start_ublkd "$R/ublkd.log" || die setup "ublkd did not come up; see ublkd.log"
 log "etcd, 2 arenad, ublkd up after $((SECONDS - t0)) s"
 
@@ -235,7 +229,7 @@ else fail fio-verify-through-kill-9 "mid=$mid fio_rc=$fio_rc states '$after_kill
 # ---- the killed peer back: rebuilt, healthy at a newer epoch -------------
 log "restart arenad 1, rebuild"
 rb0=$SECONDS
-start_arenad 1 || fail arenad-restart "see arenad1.log"
+start_peer 1 || fail arenad-restart "see arenad1.log"
 if wait_rebuilt 600; then
     pass "rebuild ($((SECONDS - rb0)) s for $DEV_SIZE; healthy healthy at epoch $(rep epoch))"
 else fail rebuild "states '$(rep states)', remaining $(rep rebuild) after $((SECONDS - rb0)) s"; fi
@@ -290,7 +284,7 @@ timeout 60 umount "$W/mnt" && timeout 300 e2fsck -fn "$DEV" >"$R/e2fsck2.log" 2>
 # ---- redundancy restored again, and what the guest kernel saw ------------
 log "restart arenad 0, rebuild"
 rb0=$SECONDS
-start_arenad 0 || fail arenad-restart "see arenad0.log"
+start_peer 0 || fail arenad-restart "see arenad0.log"
 if wait_rebuilt 600; then pass "rebuild-again ($((SECONDS - rb0)) s, epoch $(rep epoch))"
 else fail rebuild-again "states '$(rep states)', remaining $(rep rebuild)"; fi
 
