@@ -88,14 +88,16 @@ impl<S: MemberIo> ReplicatedIo<S> {
             answers: Vec::new(),
         };
         let mut sent = Vec::new();
-        for (m, _) in &view.active {
+        let mut healthy = Vec::new();
+        for (m, st) in &view.active {
             if m.stale() {
                 round.failed.insert(m.id);
             } else {
                 sent.push(Arc::clone(m));
+                healthy.push(*st == MemberState::Healthy);
             }
         }
-        let results = self.gather(&sent, epoch, opcode, &op).await;
+        let results = self.gather(&sent, &healthy, epoch, opcode, &op).await;
         let mut fault = None;
         let mut fenced = None;
         for (m, r) in sent.iter().zip(results) {
@@ -141,15 +143,19 @@ impl<S: MemberIo> ReplicatedIo<S> {
     }
 
     /// Sends `op` to each of `sent` and collects the answers in order. Once
-    /// one member answered, the others get the straggler bound
-    /// ([`ReplicaConfig::straggler_after`](super::ReplicaConfig)) to
-    /// answer too; one that has not by then is failed like a dead member
+    /// a healthy member (`healthy[i]`) answered, the others get the
+    /// straggler bound ([`ReplicaConfig::straggler_after`](super::ReplicaConfig))
+    /// to answer too; one that has not by then is failed like a dead member
     /// (its request is dropped: a late answer is discarded, and the member
     /// is rebuilt before it serves again), so a stopped or stuck peer costs
-    /// a write that bound, not the request timeout.
+    /// a write that bound, not the request timeout. Only a healthy answer
+    /// starts the clock: a syncing member alone holds no copy to go on
+    /// with, and the healthy one it would be waiting for may be slow only
+    /// because it serves the rebuild's reads.
     async fn gather<T, F>(
         &self,
         sent: &[Arc<Member<S>>],
+        healthy: &[bool],
         epoch: u64,
         opcode: Opcode,
         op: &F,
@@ -191,14 +197,9 @@ impl<S: MemberIo> ReplicatedIo<S> {
                 }
             };
             let Some((i, r)) = answer else { break };
-            if r.is_ok() && late_at.is_none() && !pending.is_empty() {
-                let answered = results
-                    .iter()
-                    .zip(sent)
-                    .filter(|(r, _)| matches!(r, Some(Ok(_))))
-                    .map(|(_, m)| &**m)
-                    .chain(std::iter::once(&*sent[i]));
-                late_at = Some(clock.now() + self.set.config.straggler_bound(answered));
+            if r.is_ok() && healthy[i] && late_at.is_none() && !pending.is_empty() {
+                let bound = self.set.config.straggler_bound(sent.iter().map(|m| &**m));
+                late_at = Some(clock.now() + bound);
             }
             results[i] = Some(r);
         }

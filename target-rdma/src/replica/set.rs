@@ -35,11 +35,11 @@ pub struct ReplicaConfig {
     pub coord_timeout: Duration,
     /// Pause between attempts to reach the coordination store.
     pub coord_retry: Duration,
-    /// How long a write or flush waits for a member once another member
+    /// How long a write or flush waits for a member once a healthy member
     /// answered it: `Some` fixes it; `None` derives it from the members'
-    /// recent latency (`straggler_factor` times the slowest answering
-    /// member's p99, at least `straggler_floor`). A member that has not
-    /// answered by then is failed like a dead one.
+    /// recent latency (`straggler_factor` times the slowest member's p99,
+    /// the waited-for one's own included, at least `straggler_floor`). A
+    /// member that has not answered by then is failed like a dead one.
     pub straggler_after: Option<Duration>,
     /// The least a derived straggler bound waits.
     pub straggler_floor: Duration,
@@ -62,16 +62,18 @@ impl Default for ReplicaConfig {
 }
 
 impl ReplicaConfig {
-    /// How long to wait for the members that have not answered, once
-    /// `answered` did.
+    /// How long to wait for the members that have not answered, once a
+    /// healthy one did; `members` are all the request went to: a member
+    /// that is always slow (a syncing one under its copy load) is not a
+    /// stopped one.
     pub(super) fn straggler_bound<'a, S: MemberIo + 'a>(
         &self,
-        answered: impl Iterator<Item = &'a Member<S>>,
+        members: impl Iterator<Item = &'a Member<S>>,
     ) -> Duration {
         if let Some(fixed) = self.straggler_after {
             return fixed;
         }
-        let slowest = answered.map(|m| m.write_p99()).max().unwrap_or_default();
+        let slowest = members.map(|m| m.write_p99()).max().unwrap_or_default();
         (slowest * self.straggler_factor).max(self.straggler_floor)
     }
 }
