@@ -69,12 +69,14 @@ cleanup() {
     mountpoint -q "$W/swap" && umount "$W/swap"
 }
 trap cleanup EXIT
-# fio_json FILE FIELD: write bandwidth (bytes/s) or mean latency (ns).
+# fio_json FILE FIELD: the write bandwidth (bw, bytes/s), mean latency
+# (lat, ns), writes done (ios) or fio's error (error) of FILE's job.
 fio_json() {
     /usr/bin/python3 -c '
 import json, sys
-w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
-print(w["bw_bytes"] if sys.argv[2] == "bw" else w["lat_ns"]["mean"])' "$1" "$2"
+j = json.load(open(sys.argv[1]))["jobs"][0]
+w = j["write"]
+print({"bw": w["bw_bytes"], "lat": w["lat_ns"]["mean"], "ios": w["total_ios"], "error": j["error"]}[sys.argv[2]])' "$1" "$2"
 }
 
 start_etcd "$ETCD" "$W/etcd/data" "$R/etcd.log" || { echo "bench: etcd did not start"; exit 1; }
@@ -103,10 +105,12 @@ timeout 1800 fio "${QD1[@]}" --runtime=1800 --time_based --output="$R/qd1-rebuil
 FIO_PID=$!
 for _ in $(seq 600); do [[ "$(rep rebuild)" != none ]] && break; sleep 0.1; done
 t0=$EPOCHREALTIME
-while [[ "$(rep rebuild)" != none ]]; do sleep 0.2; done
+# Until the member is healthy (a rebuild that fails is retried: counted).
+for _ in $(seq 18000); do [[ "$(rep states)" == "healthy healthy" ]] && break; sleep 0.2; done
 t1=$EPOCHREALTIME
-kill -INT "$FIO_PID"; wait "$FIO_PID"; FIO_PID=
+kill -INT "$FIO_PID" 2>/dev/null; wait "$FIO_PID"; FIO_PID=
 [[ "$(rep states)" == "healthy healthy" ]] || { echo "bench: rebuild did not complete: $(rep states)"; exit 1; }
+attempts=$(grep -c 'event="rebuild.started"' "$R/ublkd.log")
 
 bytes=$(numfmt --from=iec "$SIZE")
 /usr/bin/python3 - "$bytes" "$t0" "$t1" "$(fio_json "$R/seq-write.json" bw)" \
@@ -120,3 +124,5 @@ print(f"device sequential write (1 MiB QD8): {seq / mib:.1f} MiB/s")
 print(f"rebuild / sequential write: {rate / seq:.2f}x")
 print(f"4 KiB QD1 write latency: {idle / 1e6:.2f} ms without a rebuild, {during / 1e6:.2f} ms during it: {during / idle:.2f}x")
 PY
+echo "rebuild attempts: $attempts; the QD1 writer during it: $(fio_json "$R/qd1-rebuild.json" ios) writes, fio error $(fio_json "$R/qd1-rebuild.json" error)" |
+    tee -a "$R/summary.txt"

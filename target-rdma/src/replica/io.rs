@@ -151,7 +151,10 @@ impl<S: MemberIo> ReplicatedIo<S> {
     /// a write that bound, not the request timeout. Only a healthy answer
     /// starts the clock: a syncing member alone holds no copy to go on
     /// with, and the healthy one it would be waiting for may be slow only
-    /// because it serves the rebuild's reads.
+    /// because it serves the rebuild's reads. A syncing member is held to
+    /// the request timeout, not the bound: it is slowed by its own copy,
+    /// a dead one fails that copy anyway, and ejecting it throws the copy
+    /// away.
     async fn gather<T, F>(
         &self,
         sent: &[Arc<Member<S>>],
@@ -184,15 +187,24 @@ impl<S: MemberIo> ReplicatedIo<S> {
             .collect();
         let mut results: Vec<Option<Result<T, ArenaError>>> = sent.iter().map(|_| None).collect();
         let mut late_at = None;
+        let mut expired = false;
         while !pending.is_empty() {
+            // Past the bound, only syncing members are still waited for.
+            let syncing_pending = results.iter().zip(healthy).any(|(r, h)| r.is_none() && !*h);
+            if expired && !syncing_pending {
+                break;
+            }
             let next = pending.next();
-            let answer = match late_at {
+            let answer = match late_at.filter(|_| !expired) {
                 None => next.await,
                 Some(at) => {
                     let timer = std::pin::pin!(clock.sleep_until(at));
                     match select(next, timer).await {
                         Either::Left((a, _)) => a,
-                        Either::Right(_) => break,
+                        Either::Right(_) => {
+                            expired = true;
+                            continue;
+                        }
                     }
                 }
             };

@@ -525,6 +525,37 @@ fn a_slow_healthy_member_is_waited_for_when_only_a_syncing_one_answered() {
     assert_eq!(v.set.stats().stragglers.load(Ordering::Relaxed), 0);
 }
 
+/// A syncing member slowed by its own copy is waited for (to the request
+/// timeout), not ejected after the straggler bound: that would throw the
+/// copy away.
+#[test]
+fn a_slow_syncing_member_is_not_ejected_as_a_straggler() {
+    let clock = ManualClock::new();
+    let dyn_clock = Arc::clone(&clock) as Arc<dyn Clock>;
+    let v = volume_on(Arc::clone(&dyn_clock), 1);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&dyn_clock));
+    let stats = RebuildStats::default();
+    let cfg = rebuild_cfg(64, u64::from(BLOB));
+    let rebuild = std::pin::pin!(v.set.rebuild("spare", spare.sessions(2), &cfg, &stats));
+    let io = v.io();
+    let write = std::pin::pin!(async {
+        while v.coord.record().state("spare") != Some(MemberState::Syncing) {
+            dyn_clock.sleep(Duration::from_millis(1)).await;
+        }
+        spare.update_fault(|f| f.delay = Duration::from_secs(2));
+        let r = io.write(1, 0, b"12345678").await;
+        spare.update_fault(|f| f.delay = Duration::ZERO);
+        r
+    });
+    match on_virtual_time(&clock, futures::future::select(write, rebuild), |_| {}) {
+        futures::future::Either::Left((r, _)) => r.unwrap(),
+        futures::future::Either::Right(_) => panic!("the rebuild ended before the write"),
+    };
+    assert_eq!(v.coord.record().state("spare"), Some(MemberState::Syncing));
+    assert_eq!(v.set.stats().stragglers.load(Ordering::Relaxed), 0);
+    assert_eq!(&spare.blob(1).unwrap()[..8], b"12345678");
+}
+
 #[test]
 fn a_lease_that_lapses_during_the_write_withholds_the_acknowledgement() {
     let v = volume(2);
