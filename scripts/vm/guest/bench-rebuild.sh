@@ -6,7 +6,8 @@
 # QD1 random writer for BENCH_RUNTIME s (the latency baseline); then one
 # arenad killed (`kill -9`), a write to fail it, restarted, and the same
 # QD1 writer run for exactly as long as the rebuild runs. Prints both
-# rates, both latencies and their ratios.
+# rates, both latencies and their ratios. BENCH_YIELD_ABOVE sets
+# [replication] rebuild_yield_above (default: ublkd's).
 set -u
 
 BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
@@ -60,6 +61,7 @@ hedge_after_us = 500000
 change_deadline_ms = 30000
 coord_timeout_ms = 5000
 rebuild_check_ms = 500
+${BENCH_YIELD_ABOVE:+rebuild_yield_above = $BENCH_YIELD_ABOVE}
 TOML
 cleanup() {
     [[ -n "${FIO_PID:-}" ]] && kill "$FIO_PID" 2>/dev/null
@@ -74,7 +76,9 @@ trap cleanup EXIT
 fio_json() {
     /usr/bin/python3 -c '
 import json, sys
-j = json.load(open(sys.argv[1]))["jobs"][0]
+text = open(sys.argv[1]).read()
+# fio stopped by SIGINT writes a line before its JSON.
+j = json.loads(text[text.index("{"):])["jobs"][0]
 w = j["write"]
 print({"bw": w["bw_bytes"], "lat": w["lat_ns"]["mean"], "ios": w["total_ios"], "error": j["error"]}[sys.argv[2]])' "$1" "$2"
 }
