@@ -31,7 +31,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,7 +107,9 @@ pub struct VolumeWriter {
     lease: AtomicI64,
     /// Bumped each time the key is taken again under a new lease.
     term: AtomicU64,
-    /// Who holds the key, once another ublkd does: fenced for good.
+    /// Set once another ublkd holds the key: fenced for good. Checked on
+    /// every request, so an atomic; `taken_by` names the holder.
+    taken: AtomicBool,
     taken_by: Mutex<Option<String>>,
     shared: Arc<Shared>,
 }
@@ -139,7 +141,8 @@ impl VolumeWriter {
 
     /// The role as the replication core sees it.
     pub fn lease(&self) -> Lease {
-        if let Some(holder) = self.taken_by.lock().clone() {
+        if self.taken.load(Ordering::Acquire) {
+            let holder = self.taken_by.lock().clone().unwrap_or_default();
             return Lease::Taken { holder };
         }
         if !self.held() {
@@ -155,6 +158,20 @@ impl VolumeWriter {
     /// The volume.
     pub fn volume(&self) -> &str {
         &self.volume
+    }
+
+    /// The key is ours again under `lease`: a new term.
+    fn held_again(&self, lease: i64) {
+        *self.taken_by.lock() = None;
+        self.taken.store(false, Ordering::Release);
+        self.term.fetch_add(1, Ordering::AcqRel);
+        self.lease.store(lease, Ordering::Release);
+    }
+
+    /// Another ublkd (`holder`) holds the key: fenced for good.
+    fn taken_by(&self, holder: String) {
+        *self.taken_by.lock() = Some(holder);
+        self.taken.store(true, Ordering::Release);
     }
 }
 
@@ -354,9 +371,7 @@ impl WriterLease {
             };
             match (holder, existing.clone()) {
                 (None, Some(v)) => {
-                    *v.taken_by.lock() = None;
-                    v.term.fetch_add(1, Ordering::AcqRel);
-                    v.lease.store(lease, Ordering::Release);
+                    v.held_again(lease);
                     tracing::info!(event = "writer.acquired", volume, lease);
                     return Ok(v);
                 }
@@ -365,6 +380,7 @@ impl WriterLease {
                         volume: volume.to_owned(),
                         lease: AtomicI64::new(lease),
                         term: AtomicU64::new(0),
+                        taken: AtomicBool::new(false),
                         taken_by: Mutex::new(None),
                         shared: Arc::clone(&self.shared),
                     });
@@ -482,7 +498,7 @@ async fn retake(client: &Client, shared: &Shared, timeout: Duration) {
         .volumes
         .lock()
         .values()
-        .filter(|v| !v.held() && v.taken_by.lock().is_none())
+        .filter(|v| !v.held() && !v.taken.load(Ordering::Acquire))
         .cloned()
         .collect();
     let me = serde_json::to_vec(&shared.me).unwrap_or_default();
@@ -512,14 +528,13 @@ async fn retake(client: &Client, shared: &Shared, timeout: Duration) {
         };
         match holder {
             None => {
-                v.term.fetch_add(1, Ordering::AcqRel);
-                v.lease.store(lease, Ordering::Release);
+                v.held_again(lease);
                 tracing::warn!(event = "writer.retaken", volume = %v.volume, lease);
             }
             Some(who) => {
                 tracing::error!(event = "writer.fenced", volume = %v.volume, holder = %who,
                     "another ublkd took the volume while the writer lease was lost");
-                *v.taken_by.lock() = Some(who);
+                v.taken_by(who);
             }
         }
     }

@@ -203,7 +203,8 @@ impl Replicated {
             role: standing.name().into(),
             role_reason: match standing {
                 Standing::Confirmed => None,
-                Standing::Unconfirmed(why) | Standing::Fenced(why) => Some(why),
+                Standing::Unconfirmed(why) => Some(why.into()),
+                Standing::Fenced(why) => Some(why),
             },
             epoch: m.epoch,
             active: m.active().count(),
@@ -396,6 +397,7 @@ impl Replicated {
     /// replica count.
     pub fn replica_stats(&self, wanted: u64) -> ReplicaStats {
         let healthy = self.info().healthy as u64;
+        let standing = self.set.standing();
         let (rebuild_bytes, rebuild_remaining) = self.rebuild_bytes();
         let rebuild_rate = match *self.rebuilding.lock() {
             Some(_) => self.rebuild.rate(Instant::now()),
@@ -415,8 +417,8 @@ impl Replicated {
             rebuild_remaining,
             rebuild_rate,
             stale_epoch_fences: core.stale_epoch_fences.load(Ordering::Relaxed),
-            unconfirmed: u64::from(matches!(self.set.standing(), Standing::Unconfirmed(_))),
-            fenced: u64::from(matches!(self.set.standing(), Standing::Fenced(_))),
+            unconfirmed: u64::from(matches!(standing, Standing::Unconfirmed(_))),
+            fenced: u64::from(matches!(standing, Standing::Fenced(_))),
             stragglers: core.stragglers.load(Ordering::Relaxed),
             roles_regained: core.roles_regained.load(Ordering::Relaxed),
             hedged_reads,

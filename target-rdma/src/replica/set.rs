@@ -88,7 +88,7 @@ pub enum Standing {
     /// acknowledged where every member fences an older writer by epoch,
     /// reads are confirmed by every member, and nothing can change the
     /// membership. Says why.
-    Unconfirmed(String),
+    Unconfirmed(&'static str),
     /// This writer may no longer serve; says why.
     Fenced(String),
 }
@@ -378,15 +378,15 @@ impl<S: MemberIo> ReplicaSet<S> {
         match self.coord.lease() {
             Lease::Held { term, .. } if term != self.term.load(Ordering::Acquire) => {
                 Standing::Unconfirmed(
-                    "the writer role was taken again and the record is not checked yet".into(),
+                    "the writer role was taken again and the record is not checked yet",
                 )
             }
             Lease::Held { until, .. } if until > self.clock.now() => Standing::Confirmed,
             Lease::Held { .. } => Standing::Unconfirmed(
-                "the coordination store has not confirmed the writer lease in time".into(),
+                "the coordination store has not confirmed the writer lease in time",
             ),
             Lease::Lost => Standing::Unconfirmed(
-                "the coordination store lost the writer lease; taking it back".into(),
+                "the coordination store lost the writer lease; taking it back",
             ),
             Lease::Taken { holder } => {
                 let why = format!("another writer holds the volume: {holder}");
@@ -711,7 +711,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             // Only a confirmed writer may change the record: one whose
             // role lapsed could otherwise follow another writer's record.
             if let Standing::Unconfirmed(why) = self.standing() {
-                last_error = why;
+                last_error = why.into();
                 let pause = self.clock.now() + self.config.coord_retry;
                 if pause >= deadline {
                     break;
