@@ -492,34 +492,45 @@ fn the_writer_s_own_newer_epoch_on_another_session_does_not_fence_it() {
     assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
 }
 
+/// A one-member volume rebuilding a spare (64 blobs at one a second, so
+/// it stays syncing); once the spare is syncing, `slow` delays one of
+/// them by 2 s (`true`: the healthy member) and a write is made. Returns
+/// the volume and the spare after the write succeeded.
+fn write_while_syncing(slow_healthy: bool) -> (Volume, Arc<FakePeer>) {
+    let clock = ManualClock::new();
+    let dyn_clock = Arc::clone(&clock) as Arc<dyn Clock>;
+    let v = volume_on(Arc::clone(&dyn_clock), 1);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&dyn_clock));
+    {
+        let stats = RebuildStats::default();
+        let cfg = rebuild_cfg(64, u64::from(BLOB));
+        let rebuild = std::pin::pin!(v.set.rebuild("spare", spare.sessions(2), &cfg, &stats));
+        let io = v.io();
+        let slow = if slow_healthy { &v.peers[0] } else { &spare };
+        let write = std::pin::pin!(async {
+            while v.coord.record().state("spare") != Some(MemberState::Syncing) {
+                dyn_clock.sleep(Duration::from_millis(1)).await;
+            }
+            slow.update_fault(|f| f.delay = Duration::from_secs(2));
+            let r = io.write(1, 0, b"12345678").await;
+            slow.update_fault(|f| f.delay = Duration::ZERO);
+            r
+        });
+        match on_virtual_time(&clock, futures::future::select(write, rebuild), |_| {}) {
+            futures::future::Either::Left((r, _)) => r.unwrap(),
+            futures::future::Either::Right(_) => panic!("the rebuild ended before the write"),
+        };
+    }
+    (v, spare)
+}
+
 /// During a rebuild the healthy member also serves the copy's reads and
 /// may answer late; the syncing member answering first does not start the
 /// straggler clock (it holds no copy to go on with): the write waits for
 /// the healthy member, and nobody is ejected.
 #[test]
 fn a_slow_healthy_member_is_waited_for_when_only_a_syncing_one_answered() {
-    let clock = ManualClock::new();
-    let dyn_clock = Arc::clone(&clock) as Arc<dyn Clock>;
-    let v = volume_on(Arc::clone(&dyn_clock), 1);
-    let spare = FakePeer::new("spare", BLOB, Arc::clone(&dyn_clock));
-    let stats = RebuildStats::default();
-    // 64 blobs at one a second: the spare stays syncing for a minute.
-    let cfg = rebuild_cfg(64, u64::from(BLOB));
-    let rebuild = std::pin::pin!(v.set.rebuild("spare", spare.sessions(2), &cfg, &stats));
-    let io = v.io();
-    let write = std::pin::pin!(async {
-        while v.coord.record().state("spare") != Some(MemberState::Syncing) {
-            dyn_clock.sleep(Duration::from_millis(1)).await;
-        }
-        v.peers[0].update_fault(|f| f.delay = Duration::from_secs(2));
-        let r = io.write(1, 0, b"12345678").await;
-        v.peers[0].update_fault(|f| f.delay = Duration::ZERO);
-        r
-    });
-    match on_virtual_time(&clock, futures::future::select(write, rebuild), |_| {}) {
-        futures::future::Either::Left((r, _)) => r.unwrap(),
-        futures::future::Either::Right(_) => panic!("the rebuild ended before the write"),
-    };
+    let (v, _spare) = write_while_syncing(true);
     assert_eq!(v.state(0), Some(MemberState::Healthy));
     assert_eq!(v.coord.record().state("spare"), Some(MemberState::Syncing));
     assert_eq!(v.set.stats().stragglers.load(Ordering::Relaxed), 0);
@@ -530,27 +541,7 @@ fn a_slow_healthy_member_is_waited_for_when_only_a_syncing_one_answered() {
 /// copy away.
 #[test]
 fn a_slow_syncing_member_is_not_ejected_as_a_straggler() {
-    let clock = ManualClock::new();
-    let dyn_clock = Arc::clone(&clock) as Arc<dyn Clock>;
-    let v = volume_on(Arc::clone(&dyn_clock), 1);
-    let spare = FakePeer::new("spare", BLOB, Arc::clone(&dyn_clock));
-    let stats = RebuildStats::default();
-    let cfg = rebuild_cfg(64, u64::from(BLOB));
-    let rebuild = std::pin::pin!(v.set.rebuild("spare", spare.sessions(2), &cfg, &stats));
-    let io = v.io();
-    let write = std::pin::pin!(async {
-        while v.coord.record().state("spare") != Some(MemberState::Syncing) {
-            dyn_clock.sleep(Duration::from_millis(1)).await;
-        }
-        spare.update_fault(|f| f.delay = Duration::from_secs(2));
-        let r = io.write(1, 0, b"12345678").await;
-        spare.update_fault(|f| f.delay = Duration::ZERO);
-        r
-    });
-    match on_virtual_time(&clock, futures::future::select(write, rebuild), |_| {}) {
-        futures::future::Either::Left((r, _)) => r.unwrap(),
-        futures::future::Either::Right(_) => panic!("the rebuild ended before the write"),
-    };
+    let (v, spare) = write_while_syncing(false);
     assert_eq!(v.coord.record().state("spare"), Some(MemberState::Syncing));
     assert_eq!(v.set.stats().stragglers.load(Ordering::Relaxed), 0);
     assert_eq!(&spare.blob(1).unwrap()[..8], b"12345678");
