@@ -463,15 +463,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             ));
         };
         let timeout = self.clock.now() + self.config.coord_timeout;
-        let record = match self.within(timeout, self.coord.load()).await {
-            Some(Ok(r)) => r,
-            Some(Err(e)) => return Err(unrecorded(format!("checking the role: {e}"))),
-            None => {
-                return Err(unrecorded(
-                    "checking the role: the store did not answer".into(),
-                ))
-            }
-        };
+        let record = self.read_record("checking the role", timeout).await?;
         let view = self.view();
         let ours = self.checking.lock().take();
         if ours.as_ref() == Some(&record) {
@@ -519,6 +511,19 @@ impl<S: MemberIo> ReplicaSet<S> {
         }
     }
 
+    /// The stored record, read by `until`; `what` names the step in the
+    /// error (`Unrecorded`) when the store does not answer.
+    async fn read_record(&self, what: &str, until: Instant) -> Result<Membership, ArenaError> {
+        match self.within(until, self.coord.load()).await {
+            Some(Ok(r)) => Ok(r),
+            Some(Err(e)) => Err(self.refusal(ReplicaFailure::Unrecorded, format!("{what}: {e}"))),
+            None => Err(self.refusal(
+                ReplicaFailure::Unrecorded,
+                format!("{what}: the store did not answer"),
+            )),
+        }
+    }
+
     /// The record `now` (stored under tenure `term`) is this writer's:
     /// installed, and the role confirmed.
     async fn confirmed_as(&self, term: u64, now: Membership) -> Result<(), ArenaError> {
@@ -558,11 +563,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         let Some(_guard) = self.within(deadline, self.change.lock()).await else {
             return Err(unrecorded("taking over: another change is running".into()));
         };
-        let record = match self.within(deadline, self.coord.load()).await {
-            Some(Ok(r)) => r,
-            Some(Err(e)) => return Err(unrecorded(format!("taking over: {e}"))),
-            None => return Err(unrecorded("taking over: the store did not answer".into())),
-        };
+        let record = self.read_record("taking over", deadline).await?;
         let mut next = record.clone();
         next.epoch += 1;
         let v = self
