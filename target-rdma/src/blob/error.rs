@@ -49,6 +49,9 @@ pub enum ReplicaFailure {
     Fenced,
     /// No member of the membership can serve the request.
     NoMember,
+    /// This process is a standby: it holds no writer role, so it
+    /// acknowledges no write (it serves reads).
+    Standby,
 }
 
 impl ReplicaFailure {
@@ -58,6 +61,7 @@ impl ReplicaFailure {
             Self::Unrecorded => "unrecorded",
             Self::Fenced => "fenced",
             Self::NoMember => "no_member",
+            Self::Standby => "standby",
         }
     }
 }

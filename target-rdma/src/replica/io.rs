@@ -251,6 +251,17 @@ impl<S: MemberIo> ReplicatedIo<S> {
         F: AsyncFn(&S) -> Result<T, ArenaError>,
     {
         let set = &self.set;
+        // A standby sends no mutation to the members (they would take it:
+        // it presented the writer's epoch to read).
+        if set.is_standby() {
+            if !set.activates_on_write() {
+                return Err(set
+                    .may_acknowledge(&set.view())
+                    .err()
+                    .unwrap_or_else(|| set.refusal(ReplicaFailure::Standby, "a standby".into())));
+            }
+            set.activate().await?;
+        }
         let deadline = set.clock.now() + set.config.change_deadline;
         loop {
             set.not_fenced()?;
@@ -426,10 +437,31 @@ impl<S: MemberIo> ReplicatedIo<S> {
         Ok(via)
     }
 
+    /// A standby's read: confirmed as while the role is unconfirmed, under
+    /// the record's current epoch (a member at a newer one refuses it, and
+    /// the standby follows the record and reads again).
+    async fn standby_read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        self.set.follow_record().await?;
+        match self.confirmed_read(key, offset, out).await {
+            Err(_) if self.set.is_behind() => {
+                self.set.follow_record().await?;
+                self.confirmed_read(key, offset, out).await
+            }
+            r => r,
+        }
+    }
+
     /// The error of a read that `m` could not confirm with `e`.
     fn unconfirmed(&self, m: &Member<S>, e: ArenaError, epoch: u64) -> ArenaError {
         match verdict(&e) {
             Verdict::Request => e,
+            Verdict::Fenced if self.set.is_standby() => {
+                self.set.fence_stale(&e);
+                self.set.refusal(
+                    ReplicaFailure::Unrecorded,
+                    format!("member {} has seen a newer record than this standby: {e}", m.peer),
+                )
+            }
             Verdict::Fenced if self.set.view().membership.epoch == epoch => {
                 self.set.fence_stale(&e);
                 self.set
@@ -456,6 +488,9 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
     }
 
     async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
+        if self.set.is_standby() {
+            return self.standby_read(key, offset, out).await;
+        }
         if self.set.reads_need_confirmation()? {
             return self.confirmed_read(key, offset, out).await;
         }

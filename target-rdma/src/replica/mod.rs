@@ -13,6 +13,8 @@
 //! - member.rs: what the core needs of a member's sessions ([`MemberIo`]).
 //! - rebuild.rs: bringing a new member up to date ([`ReplicaSet::rebuild`]);
 //!   keys.rs: the per-key guard between its copies and the writes.
+//! - handover.rs: a standby, and handing the writer role from one process
+//!   to another ([`ReplicaSet::activate`], [`ReplicaSet::release`]).
 //! - [`clock`]: time and timers on any executor.
 //!
 //! Client side: it composes client sessions and never names the server
@@ -22,6 +24,7 @@ pub mod clock;
 pub mod coordinator;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod fake;
+mod handover;
 mod io;
 mod keys;
 mod member;

@@ -91,6 +91,11 @@ pub enum Standing {
     Unconfirmed(&'static str),
     /// This writer may no longer serve; says why.
     Fenced(String),
+    /// This process holds no writer role (a standby, or a writer that
+    /// handed the role over): reads are served, confirmed by every active
+    /// member; nothing is acknowledged until
+    /// [`ReplicaSet::activate`] takes the role.
+    Standby,
 }
 
 impl Standing {
@@ -100,6 +105,7 @@ impl Standing {
             Self::Confirmed => "writer",
             Self::Unconfirmed(_) => "unconfirmed",
             Self::Fenced(_) => "fenced",
+            Self::Standby => "standby",
         }
     }
 }
@@ -128,10 +134,15 @@ pub struct ReplicaStats {
     /// Times a peer's `STALE_EPOCH` showed this writer it was fenced (at
     /// most once per writer: it stays fenced).
     pub stale_epoch_fences: AtomicU64,
+    /// Times this process took the writer role from another (a hand-over
+    /// in).
+    pub handovers_in: AtomicU64,
+    /// Times this process handed the writer role over to another.
+    pub handovers_out: AtomicU64,
 }
 
 impl ReplicaStats {
-    fn count(c: &AtomicU64) {
+    pub(super) fn count(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -155,7 +166,7 @@ impl<S> View<S> {
 /// ([`ReplicaSet::queue`] gives each queue its [`ReplicatedIo`]).
 pub struct ReplicaSet<S> {
     volume: String,
-    coord: Arc<dyn Coordinator>,
+    pub(super) coord: Arc<dyn Coordinator>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) config: ReplicaConfig,
     /// Every member this writer has sessions for; a peer that came back
@@ -178,6 +189,16 @@ pub struct ReplicaSet<S> {
     /// A role check's swap whose answer was lost: if the record holds it,
     /// the check is done.
     checking: Mutex<Option<Membership>>,
+    /// Set while this process holds no writer role (a standby): see
+    /// [`Standing::Standby`] and handover.rs.
+    pub(super) standby: AtomicBool,
+    /// A standby's view is behind the record (a peer answered
+    /// `STALE_EPOCH`): its next read follows the record first.
+    pub(super) behind: AtomicBool,
+    /// A standby takes the role on its first write instead of refusing it.
+    pub(super) activate_on_write: AtomicBool,
+    /// Serializes hand-overs (in and out).
+    pub(super) handover: AsyncMutex<()>,
     stats: ReplicaStats,
 }
 
@@ -194,6 +215,62 @@ impl<S: MemberIo> ReplicaSet<S> {
         sessions: Vec<(String, MemberSessions<S>)>,
     ) -> Result<Arc<Self>, ArenaError> {
         let volume: String = volume.into();
+        let name = volume.clone();
+        let refuse = |detail: String| ArenaError::Replica {
+            volume: name.clone(),
+            failure: ReplicaFailure::NoMember,
+            detail,
+        };
+        let unavailable = |e: CoordError| ArenaError::Replica {
+            volume: name.clone(),
+            failure: ReplicaFailure::Unrecorded,
+            detail: format!("cannot open the volume: {e}"),
+        };
+        let term = match coord.lease() {
+            Lease::Held { term, .. } => term,
+            Lease::Lost => {
+                return Err(unavailable(CoordError::new(
+                    CoordErrorKind::Unavailable,
+                    "the writer lease is being taken back",
+                )))
+            }
+            Lease::Taken { holder } => {
+                return Err(unavailable(CoordError::new(
+                    CoordErrorKind::LeaseHeld,
+                    format!("the volume is held by {holder}"),
+                )))
+            }
+        };
+        let record = coord.load().await.map_err(unavailable)?;
+        let mut next = record.clone();
+        next.epoch = record.epoch + 1;
+        let set = Self::build(volume, coord, clock, config, sessions, term, record.clone())?;
+        let view = set.view_of(&next).map_err(refuse)?;
+        match set.coord.compare_and_swap(record.epoch, next).await {
+            Ok(Swap::Done) => {}
+            Ok(Swap::Lost(now)) => {
+                return Err(unavailable(CoordError::new(
+                    CoordErrorKind::LeaseHeld,
+                    format!("another writer changed the record meanwhile, to {now}"),
+                )))
+            }
+            Err(e) => return Err(unavailable(e)),
+        }
+        set.install(view).await;
+        Ok(set)
+    }
+
+    /// The set over `sessions`, serving `record` under tenure `term`, with
+    /// no view installed yet.
+    pub(super) fn build(
+        volume: String,
+        coord: Arc<dyn Coordinator>,
+        clock: Arc<dyn Clock>,
+        config: ReplicaConfig,
+        sessions: Vec<(String, MemberSessions<S>)>,
+        term: u64,
+        record: Membership,
+    ) -> Result<Arc<Self>, ArenaError> {
         let name = volume.clone();
         let refuse = |detail: String| ArenaError::Replica {
             volume: name.clone(),
@@ -218,32 +295,9 @@ impl<S: MemberIo> ReplicaSet<S> {
         {
             return Err(refuse("members disagree on the blob size".into()));
         }
-        let unavailable = |e: CoordError| ArenaError::Replica {
-            volume: name.clone(),
-            failure: ReplicaFailure::Unrecorded,
-            detail: format!("cannot open the volume: {e}"),
-        };
-        let term = match coord.lease() {
-            Lease::Held { term, .. } => term,
-            Lease::Lost => {
-                return Err(unavailable(CoordError::new(
-                    CoordErrorKind::Unavailable,
-                    "the writer lease is being taken back",
-                )))
-            }
-            Lease::Taken { holder } => {
-                return Err(unavailable(CoordError::new(
-                    CoordErrorKind::LeaseHeld,
-                    format!("the volume is held by {holder}"),
-                )))
-            }
-        };
-        let record = coord.load().await.map_err(unavailable)?;
-        let mut next = record.clone();
-        next.epoch = record.epoch + 1;
-        let set = Arc::new(Self {
+        Ok(Arc::new(Self {
             view: RwLock::new(Arc::new(View {
-                membership: record.clone(),
+                membership: record,
                 active: Vec::new(),
             })),
             volume,
@@ -257,21 +311,12 @@ impl<S: MemberIo> ReplicaSet<S> {
             fence_reason: Mutex::new(None),
             term: AtomicU64::new(term),
             checking: Mutex::new(None),
+            standby: AtomicBool::new(false),
+            behind: AtomicBool::new(false),
+            activate_on_write: AtomicBool::new(false),
+            handover: AsyncMutex::new(()),
             stats: ReplicaStats::default(),
-        });
-        let view = set.view_of(&next).map_err(refuse)?;
-        match set.coord.compare_and_swap(record.epoch, next).await {
-            Ok(Swap::Done) => {}
-            Ok(Swap::Lost(now)) => {
-                return Err(unavailable(CoordError::new(
-                    CoordErrorKind::LeaseHeld,
-                    format!("another writer changed the record meanwhile, to {now}"),
-                )))
-            }
-            Err(e) => return Err(unavailable(e)),
-        }
-        set.install(view).await;
-        Ok(set)
+        }))
     }
 
     /// The request path of queue `q`.
@@ -321,7 +366,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     /// Makes `view` the one requests see, then presents its epoch on the
     /// members' background sessions (queues present it on their next
     /// request). A member that cannot take it becomes suspect.
-    async fn install(&self, view: View<S>) {
+    pub(super) async fn install(&self, view: View<S>) {
         let epoch = view.membership.epoch;
         let active: Vec<_> = view.active.iter().map(|(m, _)| Arc::clone(m)).collect();
         *self.view.write() = Arc::new(view);
@@ -339,7 +384,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         match failure {
             ReplicaFailure::Fenced => ReplicaStats::count(&self.stats.fenced),
             ReplicaFailure::Unrecorded => ReplicaStats::count(&self.stats.unrecorded),
-            ReplicaFailure::NoMember => {}
+            ReplicaFailure::NoMember | ReplicaFailure::Standby => {}
         }
         ArenaError::Replica {
             volume: self.volume.clone(),
@@ -363,6 +408,11 @@ impl<S: MemberIo> ReplicaSet<S> {
     /// than this writer's, so a newer writer owns the volume: fenced for
     /// good, counted once.
     pub(super) fn fence_stale(&self, e: &ArenaError) {
+        // A standby was never the writer: its view is only behind.
+        if self.standby.load(Ordering::Acquire) {
+            self.behind.store(true, Ordering::Release);
+            return;
+        }
         if !self.fenced.load(Ordering::Acquire) {
             ReplicaStats::count(&self.stats.stale_epoch_fences);
         }
@@ -372,6 +422,9 @@ impl<S: MemberIo> ReplicaSet<S> {
     /// Where this writer stands now. A role found taken by another writer
     /// fences it for good.
     pub fn standing(&self) -> Standing {
+        if self.standby.load(Ordering::Acquire) {
+            return Standing::Standby;
+        }
         if self.fenced.load(Ordering::Acquire) {
             return Standing::Fenced(self.fence_reason.lock().clone().unwrap_or_default());
         }
@@ -416,6 +469,12 @@ impl<S: MemberIo> ReplicaSet<S> {
                 )),
             },
             Standing::Fenced(why) => Err(self.refusal(ReplicaFailure::Fenced, why)),
+            Standing::Standby => Err(self.refusal(
+                ReplicaFailure::Standby,
+                "this process does not hold the volume's writer role (a standby): it \
+                 acknowledges no write until it is activated"
+                    .into(),
+            )),
         }
     }
 
@@ -435,7 +494,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     pub(super) fn reads_need_confirmation(&self) -> Result<bool, ArenaError> {
         match self.standing() {
             Standing::Confirmed => Ok(false),
-            Standing::Unconfirmed(_) => Ok(true),
+            Standing::Unconfirmed(_) | Standing::Standby => Ok(true),
             Standing::Fenced(why) => Err(self.refusal(ReplicaFailure::Fenced, why)),
         }
     }
@@ -559,16 +618,35 @@ impl<S: MemberIo> ReplicaSet<S> {
                 ))
             }
         };
+        let next = self.raise_role(term, "taking over").await?;
+        tracing::warn!(event = "replica.taken_over", volume = %self.volume, membership = %next);
+        Ok(())
+    }
+
+    /// Makes this process the writer under tenure `term` (held in the
+    /// store): reads the record and stores it again at the next epoch, a
+    /// syncing member recorded failed (its copy ran in the writer that
+    /// had the role before, and stopped with it: the rebuild thread brings
+    /// it back), then serves under it, which presents the epoch to every
+    /// member and so fences the previous writer. `what` names the step in
+    /// errors. Returns the record stored.
+    pub(super) async fn raise_role(&self, term: u64, what: &str) -> Result<Membership, ArenaError> {
+        let unrecorded = |detail: String| self.refusal(ReplicaFailure::Unrecorded, detail);
         let deadline = self.clock.now() + self.config.change_deadline;
         let Some(_guard) = self.within(deadline, self.change.lock()).await else {
-            return Err(unrecorded("taking over: another change is running".into()));
+            return Err(unrecorded(format!("{what}: another change is running")));
         };
-        let record = self.read_record("taking over", deadline).await?;
+        let record = self.read_record(what, deadline).await?;
         let mut next = record.clone();
         next.epoch += 1;
+        for m in &mut next.members {
+            if m.state == MemberState::Syncing {
+                m.state = MemberState::Failed;
+            }
+        }
         let v = self
             .view_of(&next)
-            .map_err(|why| unrecorded(format!("taking over: {why}")))?;
+            .map_err(|why| unrecorded(format!("{what}: {why}")))?;
         match self
             .within(
                 deadline,
@@ -578,20 +656,19 @@ impl<S: MemberIo> ReplicaSet<S> {
         {
             Some(Ok(Swap::Done)) => {}
             Some(Ok(Swap::Lost(now))) => {
-                return Err(unrecorded(format!(
-                    "taking over: the record moved to {now}"
-                )))
+                return Err(unrecorded(format!("{what}: the record moved to {now}")))
             }
-            Some(Err(e)) => return Err(unrecorded(format!("taking over: {e}"))),
-            None => return Err(unrecorded("taking over: the swap timed out".into())),
+            Some(Err(e)) => return Err(unrecorded(format!("{what}: {e}"))),
+            None => return Err(unrecorded(format!("{what}: the swap timed out"))),
         }
         self.term.store(term, Ordering::Release);
         *self.fence_reason.lock() = None;
         self.fenced.store(false, Ordering::Release);
+        self.behind.store(false, Ordering::Release);
+        self.standby.store(false, Ordering::Release);
         ReplicaStats::count(&self.stats.epoch_changes);
-        tracing::warn!(event = "replica.taken_over", volume = %self.volume, membership = %next);
         self.install(v).await;
-        Ok(())
+        Ok(next)
     }
 
     /// Why each member this writer knows failed, by peer (the newest

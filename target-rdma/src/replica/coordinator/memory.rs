@@ -27,16 +27,28 @@ pub struct CoordFault {
 struct Record {
     membership: Membership,
     swaps: u64,
+    /// The handle holding the writer role, for hand-overs
+    /// ([`MemoryCoordinator::standby`] handles).
+    holder: Option<u64>,
+    /// The standby that asked the holder for the role.
+    asked_by: Option<String>,
+    handles: u64,
 }
+
+/// How long [`Coordinator::acquire`] waits for the holder (on the handle's
+/// clock) before it gives up, unless set otherwise.
+const ACQUIRE_BOUND: Duration = Duration::from_secs(10);
 
 /// One writer's handle on a record in memory. [`MemoryCoordinator::writer`]
 /// makes another handle on the same record, with its own lease and faults:
 /// a second writer.
 pub struct MemoryCoordinator {
+    id: u64,
     record: Arc<Mutex<Record>>,
     clock: Arc<dyn Clock>,
     fault: Mutex<CoordFault>,
     lease: Mutex<Lease>,
+    acquire_bound: Mutex<Duration>,
 }
 
 impl MemoryCoordinator {
@@ -47,16 +59,27 @@ impl MemoryCoordinator {
         let record = Arc::new(Mutex::new(Record {
             membership,
             swaps: 0,
+            holder: Some(0),
+            asked_by: None,
+            handles: 0,
         }));
         Self::handle(record, clock)
     }
 
     fn handle(record: Arc<Mutex<Record>>, clock: Arc<dyn Clock>) -> Arc<Self> {
         let forever = clock.now() + Duration::from_secs(1 << 32);
+        let id = {
+            let mut r = record.lock();
+            let id = r.handles;
+            r.handles += 1;
+            id
+        };
         Arc::new(Self {
+            id,
             record,
             clock,
             fault: Mutex::default(),
+            acquire_bound: Mutex::new(ACQUIRE_BOUND),
             lease: Mutex::new(Lease::Held {
                 until: forever,
                 term: 0,
@@ -67,6 +90,23 @@ impl MemoryCoordinator {
     /// Another writer's handle on the same record.
     pub fn writer(&self) -> Arc<Self> {
         Self::handle(Arc::clone(&self.record), Arc::clone(&self.clock))
+    }
+
+    /// A standby's handle on the same record: it holds no role until
+    /// [`Coordinator::acquire`] takes it from the holder, the handle made
+    /// by [`new`](Self::new) or the last to acquire.
+    pub fn standby(&self) -> Arc<Self> {
+        let h = self.writer();
+        h.set_lease(Lease::Taken {
+            holder: "the writer (in memory)".into(),
+        });
+        h
+    }
+
+    /// How long this handle's [`Coordinator::acquire`] waits for the
+    /// holder to hand the role over.
+    pub fn set_acquire_bound(&self, bound: Duration) {
+        *self.acquire_bound.lock() = bound;
     }
 
     /// The stored record, read without faults.
@@ -182,6 +222,60 @@ impl Coordinator for MemoryCoordinator {
 
     fn lease(&self) -> Lease {
         self.lease.lock().clone()
+    }
+
+    fn acquire(&self) -> CoordFuture<'_, ()> {
+        Box::pin(async move {
+            self.reach().await?;
+            let name = format!("standby handle {}", self.id);
+            let give_up = self.clock.now() + *self.acquire_bound.lock();
+            loop {
+                {
+                    let mut r = self.record.lock();
+                    if r.holder.is_none() || r.holder == Some(self.id) {
+                        r.holder = Some(self.id);
+                        r.asked_by = None;
+                        let mut l = self.lease.lock();
+                        let term = match *l {
+                            Lease::Held { term, .. } => term,
+                            _ => 0,
+                        };
+                        *l = Lease::Held {
+                            until: self.clock.now() + Duration::from_secs(1 << 32),
+                            term: term + 1,
+                        };
+                        return Ok(());
+                    }
+                    r.asked_by = Some(name.clone());
+                }
+                if self.clock.now() >= give_up {
+                    return Err(CoordError::new(
+                        CoordErrorKind::LeaseHeld,
+                        "the holder did not hand the role over in time (in memory)",
+                    ));
+                }
+                self.clock.sleep(Duration::from_millis(1)).await;
+                self.reach().await?;
+            }
+        })
+    }
+
+    fn release(&self) -> CoordFuture<'_, ()> {
+        Box::pin(async move {
+            self.reach().await?;
+            let mut r = self.record.lock();
+            if r.holder == Some(self.id) {
+                r.holder = None;
+            }
+            let holder = r.asked_by.clone().unwrap_or_else(|| "nobody yet".into());
+            *self.lease.lock() = Lease::Taken { holder };
+            Ok(())
+        })
+    }
+
+    fn handover_asked(&self) -> Option<String> {
+        let r = self.record.lock();
+        r.asked_by.clone().filter(|_| r.holder == Some(self.id))
     }
 }
 

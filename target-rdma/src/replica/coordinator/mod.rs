@@ -259,6 +259,39 @@ pub trait Coordinator: Send + Sync {
 
     /// Where this process's writer role stands.
     fn lease(&self) -> Lease;
+
+    /// Takes the writer role for this process, which does not hold it (a
+    /// standby): asks the holder to hand it over and waits until it gave
+    /// the role up, or until its lease lapsed; [`Lease::Held`] under a new
+    /// term after. A holder that neither hands over nor lets its lease
+    /// lapse within the store's bound keeps the role
+    /// ([`CoordErrorKind::LeaseHeld`]). A store shared by one process only
+    /// has no one to hand over to and refuses.
+    fn acquire(&self) -> CoordFuture<'_, ()> {
+        Box::pin(async { Err(no_handover()) })
+    }
+
+    /// Gives this process's writer role up, so that the standby that asked
+    /// for it ([`handover_asked`](Self::handover_asked)) takes it. The core
+    /// calls it only once it acknowledges nothing more and every member
+    /// flushed what it acknowledged.
+    fn release(&self) -> CoordFuture<'_, ()> {
+        Box::pin(async { Err(no_handover()) })
+    }
+
+    /// Who asked this process, the role's holder, to hand it over. Polled
+    /// by the device's supervisor, so it must be cheap (no store request).
+    fn handover_asked(&self) -> Option<String> {
+        None
+    }
+}
+
+fn no_handover() -> CoordError {
+    CoordError::new(
+        CoordErrorKind::Unavailable,
+        "this coordination store cannot hand the writer role over: a standby needs a store \
+         shared by the hosts ([etcd])",
+    )
 }
 
 #[cfg(test)]
