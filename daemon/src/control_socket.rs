@@ -104,6 +104,12 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
         Request::Recover { id } => manager.recover(id).map(|device| Reply::Device {
             device: Box::new(device),
         }),
+        Request::Activate { id } => manager.activate(id).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
+        Request::Release { id } => manager.release(id).map(|device| Reply::Device {
+            device: Box::new(device),
+        }),
         Request::Resize { id, size } => manager.resize(id, size).map(|device| Reply::Device {
             device: Box::new(device),
         }),

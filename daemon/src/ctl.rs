@@ -62,6 +62,16 @@ pub enum Request {
         /// Device id.
         id: u32,
     },
+    /// Take a standby device's writer role by a hand-over.
+    Activate {
+        /// Device id.
+        id: u32,
+    },
+    /// Hand a device's writer role over to the standby asking for it.
+    Release {
+        /// Device id.
+        id: u32,
+    },
     /// What the running kernel's ublk driver supports.
     Features,
     /// Grow a live device (UPDATE_SIZE).
@@ -121,6 +131,12 @@ pub struct AddArgs {
     /// Expose the device read-only (the kernel refuses writes).
     #[serde(default)]
     pub read_only: bool,
+    /// Serve a volume another ublkd writes, without its writer role.
+    #[serde(default)]
+    pub standby: bool,
+    /// A standby's first write takes the writer role.
+    #[serde(default)]
+    pub activate_on_write: bool,
     /// CPUs to pin the queue threads to, queue q on `cpus[q % len]`; empty
     /// keeps the kernel's queue mapping.
     #[serde(default)]

@@ -144,7 +144,9 @@ pub fn classify(e: &TargetError) -> Failure {
             ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
             ErrorKind::Replica(failure) => match failure {
                 ReplicaFailure::Unrecorded => (Phase::Completion, Reason::Timeout),
-                ReplicaFailure::Fenced => (Phase::Completion, Reason::Auth),
+                ReplicaFailure::Fenced | ReplicaFailure::Standby => {
+                    (Phase::Completion, Reason::Auth)
+                }
                 ReplicaFailure::NoMember => (Phase::Connect, Reason::Unavailable),
             },
             ErrorKind::Status(status) => match status {

@@ -23,7 +23,9 @@ use target_rdma::replica::Coordinator;
 use target_rdma::testing::pattern;
 use ublkd::config::{TransportChoice, UblkdConfig};
 use ublkd::coordination::{Coordination, EpochReason, PeerRecord, ReplicationConfig};
-use ublkd::device::{Connector, DeviceSpec, FindSpare, ReplicaSpec, Replicated, Resolve};
+use ublkd::device::{
+    Connector, DeviceSpec, FindSpare, ReplicaSpec, Replicated, Resolve, SpecStore,
+};
 use ublkd::observability::Observability;
 use ublkd::queue_io::QueueIo;
 
@@ -55,8 +57,15 @@ fn spec(names: &[String], secret_file: std::path::PathBuf) -> DeviceSpec {
         cpus: Vec::new(),
         replicas: Some(ReplicaSpec {
             peers: names.to_vec(),
+            ..Default::default()
         }),
     }
+}
+
+/// Where the rebuild thread records a device's role (a throwaway dir).
+fn specs() -> SpecStore {
+    let dir = std::env::temp_dir().join(format!("ublkd-specs-{}", std::process::id()));
+    SpecStore::open(&dir).unwrap()
 }
 
 /// Writes generation `gen` of every key through the device's queue (and
@@ -146,7 +155,15 @@ fn a_replicated_device_survives_kill_9_of_two_peers_and_rebuilds_the_one_that_re
     )
     .unwrap();
     let rebuilder = rep
-        .spawn_rebuilder(connector, spec.clone(), resolve, None, rcfg, Arc::new(|| 0))
+        .spawn_rebuilder(
+            connector,
+            spec.clone(),
+            specs(),
+            resolve,
+            None,
+            rcfg,
+            Arc::new(|| 0),
+        )
         .unwrap();
     let io = &ios[0];
     assert_eq!(rep.info().epoch, 2, "opening takes a new epoch");
@@ -314,7 +331,15 @@ impl PoolVolume {
         )
         .unwrap();
         let rebuilder = rep
-            .spawn_rebuilder(connector, spec, resolve, Some(spares), rcfg, Arc::new(|| 0))
+            .spawn_rebuilder(
+                connector,
+                spec,
+                specs(),
+                resolve,
+                Some(spares),
+                rcfg,
+                Arc::new(|| 0),
+            )
             .unwrap();
         PoolVolume {
             ios,

@@ -53,6 +53,12 @@ enum Cmd {
     Stats(Stats),
     /// Re-attach a device whose queues stopped.
     Recover(Id),
+    /// Take a standby device's writer role: the writer flushes and hands
+    /// it over (or, not answering, loses it when its lease expires).
+    Activate(Id),
+    /// Hand a replicated device's writer role over to the standby asking
+    /// for it: stop acknowledging writes, flush, give the role up.
+    Release(Id),
     /// Grow a live device; prints its node and new size. Needs a ublk
     /// driver with UPDATE_SIZE (Linux 6.16 or later); shrinking is refused.
     Resize(Resize),
@@ -175,6 +181,15 @@ struct Add {
     /// Expose the device read-only (the kernel refuses writes to it).
     #[arg(long)]
     read_only: bool,
+    /// Add a volume another ublkd serves without taking its writer role
+    /// (needs [etcd]): reads are served, writes refused until `activate`
+    /// hands the role over (a live migration's destination).
+    #[arg(long)]
+    standby: bool,
+    /// With --standby: the first write takes the writer role (asks the
+    /// writer to hand over and waits for it) instead of being refused.
+    #[arg(long, requires = "standby")]
+    activate_on_write: bool,
     /// Pin queue q's thread to the q-th CPU of this list (round robin),
     /// e.g. 0,2,4-7; the kernel's queue mapping when omitted.
     #[arg(long, value_parser = parse_cpus)]
@@ -391,6 +406,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 io_buf: a.io_buf,
                 id: a.number,
                 read_only: a.read_only,
+                standby: a.standby,
+                activate_on_write: a.activate_on_write,
                 cpus: a.cpus.clone().map(|c| c.0).unwrap_or_default(),
             })
         }
@@ -402,6 +419,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::Show(i) => Request::Show { id: i.id },
         Cmd::Stats(s) => Request::Stats { id: s.id },
         Cmd::Recover(i) => Request::Recover { id: i.id },
+        Cmd::Activate(i) => Request::Activate { id: i.id },
+        Cmd::Release(i) => Request::Release { id: i.id },
         Cmd::Resize(r) => Request::Resize {
             id: r.id,
             size: r.size,

@@ -47,6 +47,11 @@ pub struct EtcdConfig {
     /// File holding the etcd user's password (first line).
     #[serde(default)]
     pub password_file: Option<PathBuf>,
+    /// How often a writer looks for standbys asking for its volumes (one
+    /// etcd range read per ublkd, only while it serves a replicated
+    /// volume), in ms: part of the pause a hand-over costs.
+    #[serde(default = "default_handover_poll")]
+    pub handover_poll_ms: u64,
 }
 
 fn default_prefix() -> String {
@@ -67,6 +72,9 @@ fn default_lease_margin() -> u64 {
 fn default_max_inflight() -> u32 {
     256
 }
+fn default_handover_poll() -> u64 {
+    50
+}
 
 impl EtcdConfig {
     /// A config with every default for these endpoints.
@@ -82,7 +90,13 @@ impl EtcdConfig {
             host_id: None,
             username: None,
             password_file: None,
+            handover_poll_ms: default_handover_poll(),
         }
+    }
+
+    /// How often a writer looks for hand-over requests.
+    pub fn handover_poll(&self) -> Duration {
+        Duration::from_millis(self.handover_poll_ms)
     }
 
     /// The writer lease's TTL.
@@ -113,6 +127,13 @@ impl EtcdConfig {
                 "etcd.prefix",
                 &self.prefix,
                 "must start and end with '/' (e.g. \"/ublk/\"), at most 128 bytes",
+            ));
+        }
+        if !(10..=10_000).contains(&self.handover_poll_ms) {
+            return Err(invalid(
+                "etcd.handover_poll_ms",
+                self.handover_poll_ms,
+                "must be between 10 and 10000",
             ));
         }
         for (key, v) in [

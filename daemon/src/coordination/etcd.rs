@@ -225,6 +225,19 @@ impl Etcd {
         }
     }
 
+    /// A timer on the runtime that any executor can await (the replication
+    /// core polls on a ublk queue thread, which has no tokio timers).
+    pub fn sleep(&self, d: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let (tx, rx) = oneshot::channel::<()>();
+        self.handle.spawn(async move {
+            tokio::time::sleep(d).await;
+            let _ = tx.send(());
+        });
+        async move {
+            let _ = rx.await;
+        }
+    }
+
     /// Waits for [`Etcd::call`] on this thread. Never call it on the
     /// runtime's own thread.
     pub fn wait<T>(fut: impl Future<Output = Result<T, CoordError>>) -> Result<T, CoordError> {

@@ -115,6 +115,27 @@ impl Coordination {
         ))
     }
 
+    /// A standby's coordinator of `volume`, which another ublkd serves (or
+    /// served): no writer key until the core takes the role by a hand-over.
+    /// The volume must have a record.
+    pub fn open_standby(&self, volume: &str) -> Result<EtcdVolume, CoordError> {
+        let key = self.keys.membership(volume);
+        if Etcd::wait(self.etcd.get(key.clone()))?.is_none() {
+            return Err(CoordError::Invalid(format!(
+                "volume {volume:?} has no record in etcd: a standby follows a volume another \
+                 ublkd serves; add it there first"
+            )));
+        }
+        let writer = self.lease.standby(volume)?;
+        Ok(EtcdVolume::new(
+            Arc::clone(&self.etcd),
+            key,
+            self.keys.writer(volume),
+            writer,
+            Arc::clone(&self.changes),
+        ))
+    }
+
     /// The etcd connection.
     pub fn etcd(&self) -> &Arc<Etcd> {
         &self.etcd

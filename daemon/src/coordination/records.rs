@@ -53,6 +53,18 @@ impl Keys {
         format!("{}volumes/{}/writer", self.prefix, encode(volume))
     }
 
+    /// A standby's request for the volume's writer role, bound to the
+    /// standby's lease; under its own prefix so that a writer finds every
+    /// request in one small range read.
+    pub fn handover(&self, volume: &str) -> String {
+        format!("{}{}", self.handovers(), encode(volume))
+    }
+
+    /// Every pending hand-over request.
+    pub fn handovers(&self) -> String {
+        format!("{}handover/", self.prefix)
+    }
+
     /// Every volume's keys.
     pub fn volumes(&self) -> String {
         format!("{}volumes/", self.prefix)

@@ -200,4 +200,16 @@ impl Coordinator for EtcdVolume {
     fn lease(&self) -> Lease {
         self.writer.lease()
     }
+
+    fn acquire(&self) -> CoordFuture<'_, ()> {
+        Box::pin(async move { Ok(self.writer.take(&self.etcd).await?) })
+    }
+
+    fn release(&self) -> CoordFuture<'_, ()> {
+        Box::pin(async move { Ok(self.writer.give_up(&self.etcd).await?) })
+    }
+
+    fn handover_asked(&self) -> Option<String> {
+        self.writer.handover_asked()
+    }
 }

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
+use etcd_client::{Client, GetOptions, LeaseKeepAliveStream, LeaseKeeper};
 use parking_lot::Mutex;
 use rustix::fs::{flock, FlockOperation};
 use target_rdma::replica::Lease;
@@ -48,6 +48,12 @@ use super::CoordError;
 /// How long `acquire` waits for a writer key left by this installation's
 /// previous (dead) process to vanish with its lease, beyond the TTL.
 const PREDECESSOR_GRACE: Duration = Duration::from_secs(2);
+
+/// How often a standby taking the role looks whether the holder gave it up.
+const TAKE_POLL: Duration = Duration::from_millis(10);
+
+/// Most pending hand-over requests one poll reads.
+const MAX_HANDOVER_REQUESTS: i64 = 1024;
 
 /// What the keepalive task and the per-volume handles share.
 struct Shared {
@@ -111,6 +117,8 @@ pub struct VolumeWriter {
     /// every request, so an atomic; `taken_by` names the holder.
     taken: AtomicBool,
     taken_by: Mutex<Option<String>>,
+    /// The standby asking for the volume, as the last poll found it.
+    asked_by: Mutex<Option<String>>,
     shared: Arc<Shared>,
 }
 
@@ -160,6 +168,110 @@ impl VolumeWriter {
         &self.volume
     }
 
+    /// The standby asking for the volume's role, if any (as the last
+    /// poll, every `etcd.handover_poll_ms`, found it).
+    pub fn handover_asked(&self) -> Option<String> {
+        self.asked_by.lock().clone()
+    }
+
+    /// Takes the writer key from its holder: asks for it (a request key
+    /// bound to this ublkd's lease, so a dead standby's request goes with
+    /// it) and waits until the holder deleted the key or its lease expired
+    /// (etcd deletes the key then), at most one lease TTL plus margins;
+    /// then the key is this ublkd's under a new term.
+    pub(super) async fn take(&self, etcd: &Etcd) -> Result<(), CoordError> {
+        let s = &self.shared;
+        let key = s.keys.writer(&self.volume);
+        let ask = s.keys.handover(&self.volume);
+        let me = serde_json::to_vec(&s.me).unwrap_or_default();
+        let give_up = Instant::now() + s.ttl + s.margin + PREDECESSOR_GRACE;
+        let mut asked = false;
+        let lease = loop {
+            let lease = s.lease.load(Ordering::Acquire);
+            if lease == 0 {
+                return Err(CoordError::Unavailable {
+                    what: "writer lease",
+                    detail: "no etcd lease is alive".into(),
+                });
+            }
+            let holder = match etcd
+                .put_if(key.clone(), me.clone(), Expect::Absent, Some(lease))
+                .await?
+            {
+                Swap::Done(_) => break lease,
+                Swap::Conflict(Some(cur)) if cur.lease == lease => break lease,
+                Swap::Conflict(Some(cur)) => serde_json::from_slice::<WriterRecord>(&cur.value)
+                    .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string()),
+                Swap::Conflict(None) => continue,
+            };
+            if Instant::now() >= give_up {
+                if asked {
+                    let _ = etcd.delete_if(ask.clone(), Expect::Lease(lease)).await;
+                }
+                return Err(CoordError::Held {
+                    volume: self.volume.clone(),
+                    holder: format!(
+                        "{holder}, which did not hand it over and kept its lease alive for {:?}",
+                        s.ttl + s.margin + PREDECESSOR_GRACE
+                    ),
+                });
+            }
+            if !asked {
+                match etcd
+                    .put_if(ask.clone(), me.clone(), Expect::Absent, Some(lease))
+                    .await?
+                {
+                    Swap::Done(_) => asked = true,
+                    Swap::Conflict(Some(cur)) if cur.lease == lease => asked = true,
+                    Swap::Conflict(Some(cur)) => {
+                        let other = serde_json::from_slice::<WriterRecord>(&cur.value)
+                            .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string());
+                        return Err(CoordError::Held {
+                            volume: self.volume.clone(),
+                            holder: format!("{holder}; {other} is already asking for it"),
+                        });
+                    }
+                    Swap::Conflict(None) => {}
+                }
+                tracing::info!(event = "writer.handover_asked", volume = %self.volume, holder = %holder);
+            }
+            etcd.sleep(TAKE_POLL).await;
+        };
+        if asked {
+            let _ = etcd.delete_if(ask, Expect::Lease(lease)).await;
+        }
+        self.held_again(lease);
+        tracing::info!(event = "writer.acquired", volume = %self.volume, lease);
+        Ok(())
+    }
+
+    /// Gives the writer key up to the standby that asked for it (the core
+    /// flushed and acknowledges nothing more). On an error the key is
+    /// still ours.
+    pub(super) async fn give_up(&self, etcd: &Etcd) -> Result<(), CoordError> {
+        let lease = self.lease.swap(0, Ordering::AcqRel);
+        if lease == 0 {
+            return Ok(());
+        }
+        let to = self
+            .asked_by
+            .lock()
+            .take()
+            .unwrap_or_else(|| "no standby yet".into());
+        self.taken_by(to.clone());
+        let deleted = etcd
+            .delete_if(self.shared.keys.writer(&self.volume), Expect::Lease(lease))
+            .await;
+        if let Err(e) = deleted {
+            *self.taken_by.lock() = None;
+            self.taken.store(false, Ordering::Release);
+            self.lease.store(lease, Ordering::Release);
+            return Err(e);
+        }
+        tracing::info!(event = "writer.handed_over", volume = %self.volume, to = %to);
+        Ok(())
+    }
+
     /// The key is ours again under `lease`: a new term.
     fn held_again(&self, lease: i64) {
         *self.taken_by.lock() = None;
@@ -182,6 +294,7 @@ pub struct WriterLease {
     _lock: File,
     etcd: Arc<Etcd>,
     task: tokio::task::JoinHandle<()>,
+    poll: tokio::task::JoinHandle<()>,
 }
 
 /// Opens and locks `<state_dir>/writer-lease`, returning the lease id it
@@ -285,11 +398,18 @@ impl WriterLease {
             cfg.keepalive_interval(),
             etcd.request_timeout(),
         ));
+        let poll = etcd.handle().spawn(poll_handovers(
+            etcd.client(),
+            Arc::clone(&shared),
+            cfg.handover_poll(),
+            etcd.request_timeout(),
+        ));
         Ok(Self {
             shared,
             _lock: file,
             etcd: Arc::clone(etcd),
             task,
+            poll,
         })
     }
 
@@ -382,6 +502,7 @@ impl WriterLease {
                         term: AtomicU64::new(0),
                         taken: AtomicBool::new(false),
                         taken_by: Mutex::new(None),
+                        asked_by: Mutex::new(None),
                         shared: Arc::clone(&self.shared),
                     });
                     self.shared
@@ -408,6 +529,30 @@ impl WriterLease {
         }
     }
 
+    /// A standby's hold on `volume`: no writer key, until the core takes
+    /// the role ([`VolumeWriter::take`]). Refused when this ublkd serves
+    /// the volume already.
+    pub fn standby(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordError> {
+        let mut volumes = self.shared.volumes.lock();
+        if volumes.contains_key(volume) {
+            return Err(CoordError::Invalid(format!(
+                "volume {volume:?} is already served by this ublkd"
+            )));
+        }
+        let v = Arc::new(VolumeWriter {
+            volume: volume.to_owned(),
+            lease: AtomicI64::new(0),
+            term: AtomicU64::new(0),
+            // Not ours: the keepalive does not take it back.
+            taken: AtomicBool::new(true),
+            taken_by: Mutex::new(Some("the volume's writer (this ublkd is a standby)".into())),
+            asked_by: Mutex::new(None),
+            shared: Arc::clone(&self.shared),
+        });
+        volumes.insert(volume.to_owned(), Arc::clone(&v));
+        Ok(v)
+    }
+
     /// Gives `volume` up: its writer key is deleted if it is still ours.
     pub fn release(&self, volume: &str) -> Result<(), CoordError> {
         let Some(v) = self.shared.volumes.lock().remove(volume) else {
@@ -429,6 +574,7 @@ impl Drop for WriterLease {
     fn drop(&mut self) {
         // The lease is left to expire or to be adopted by the next ublkd.
         self.task.abort();
+        self.poll.abort();
     }
 }
 
@@ -556,6 +702,51 @@ async fn regrant(client: &Client, shared: &Shared, timeout: Duration) {
                 return;
             }
             _ => tokio::time::sleep(shared.ttl / 3).await,
+        }
+    }
+}
+
+/// Looks for standbys asking for the volumes this ublkd holds, every
+/// `interval` while it holds any: one range read of the request keys.
+async fn poll_handovers(
+    client: Client,
+    shared: Arc<Shared>,
+    interval: Duration,
+    timeout: Duration,
+) {
+    loop {
+        tokio::time::sleep(interval).await;
+        let held: Vec<Arc<VolumeWriter>> = shared
+            .volumes
+            .lock()
+            .values()
+            .filter(|v| v.held())
+            .cloned()
+            .collect();
+        if held.is_empty() {
+            continue;
+        }
+        let mut c = client.clone();
+        let opts = GetOptions::new()
+            .with_prefix()
+            .with_limit(MAX_HANDOVER_REQUESTS);
+        let Ok(Ok(r)) =
+            tokio::time::timeout(timeout, c.get(shared.keys.handovers(), Some(opts))).await
+        else {
+            continue;
+        };
+        let asks: BTreeMap<Vec<u8>, String> = r
+            .kvs()
+            .iter()
+            .map(|kv| {
+                let who = serde_json::from_slice::<WriterRecord>(kv.value())
+                    .map_or_else(|_| "a standby".to_string(), |w| w.to_string());
+                (kv.key().to_vec(), who)
+            })
+            .collect();
+        for v in held {
+            let key = shared.keys.handover(&v.volume).into_bytes();
+            *v.asked_by.lock() = asks.get(&key).cloned();
         }
     }
 }

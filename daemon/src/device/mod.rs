@@ -15,6 +15,7 @@
 //! each device's observer what it found.
 
 mod connect;
+mod handover;
 mod replicas;
 mod resize;
 mod restore;
@@ -501,6 +502,7 @@ impl Manager {
                     .spawn_rebuilder(
                         connector,
                         spec.clone(),
+                        self.store.clone(),
                         self.resolver(),
                         self.spare_finder(),
                         self.cfg.replication.clone(),
@@ -915,6 +917,8 @@ mod tests {
             io_buf: None,
             id: None,
             read_only: false,
+            standby: false,
+            activate_on_write: false,
             cpus: Vec::new(),
         }
     }
@@ -1251,7 +1255,13 @@ mod tests {
             })
             .unwrap();
         assert_eq!(s.peer, "10.0.0.1:7070");
-        assert_eq!(s.replicas, Some(ReplicaSpec { peers: peers(3) }));
+        assert_eq!(
+            s.replicas,
+            Some(ReplicaSpec {
+                peers: peers(3),
+                ..Default::default()
+            })
+        );
         s.id = 9;
         m.store.save(&s).unwrap();
         assert_eq!(m.store.load_all().unwrap(), vec![s]);

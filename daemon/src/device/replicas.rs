@@ -28,6 +28,7 @@ use target_rdma::replica::{
 };
 
 use super::connect::{Connector, PeerSessions};
+use super::spec::SpecStore;
 use super::{DeviceError, DeviceSpec, ReplicaSpec};
 use crate::coordination::{CoordError, ReplicationConfig};
 use crate::ctl::{AddArgs, RebuildInfo, ReplicaInfo, ReplicasInfo};
@@ -102,7 +103,10 @@ impl Replicated {
     /// from `coord`, connects to every active member, records the members
     /// it cannot reach as failed (before anything is acknowledged; at
     /// least one healthy member must answer), and opens the replica set at
-    /// a new epoch. Returns the queues' ways to the volume.
+    /// a new epoch. As a standby (`spec.replicas.standby`) it changes
+    /// nothing: every active member must answer, and the set serves under
+    /// the record's epoch without the role. Returns the queues' ways to
+    /// the volume.
     pub fn open(
         connector: &Connector,
         spec: &DeviceSpec,
@@ -111,6 +115,7 @@ impl Replicated {
         resolve: &Resolve,
         cfg: &ReplicationConfig,
     ) -> Result<(Vec<QueueIo>, Arc<Self>), DeviceError> {
+        let standby = spec.replicas.as_ref().filter(|r| r.standby);
         let volume = spec.volume.as_str();
         let bufs: Vec<Arc<TagBuffers>> = (0..spec.queues)
             .map(|_| Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize)))
@@ -121,7 +126,7 @@ impl Replicated {
         let mut out: Vec<(String, String)> = Vec::new();
         let mut first_error = None;
         for m in record.active() {
-            if m.state == MemberState::Syncing {
+            if m.state == MemberState::Syncing && standby.is_none() {
                 // Its copy stopped with the writer that ran it: it never
                 // completes, so it starts again as a failed member.
                 out.push((m.peer.clone(), "its rebuild was interrupted".into()));
@@ -131,6 +136,7 @@ impl Replicated {
                 .and_then(|addr| connector.connect(spec, &addr, secret, &bufs, true, false));
             match opened {
                 Ok(s) => members.push((m.peer.clone(), s)),
+                Err(e) if standby.is_some() => return Err(e),
                 Err(e) => {
                     out.push((m.peer.clone(), e.to_string()));
                     first_error.get_or_insert(e);
@@ -147,13 +153,23 @@ impl Replicated {
             .into_iter()
             .map(|(peer, s)| (peer, member_sessions(s)))
             .collect();
-        let set = block_on(ReplicaSet::open(
-            volume,
-            coord,
-            clock::system(),
-            cfg.core(),
-            sessions,
-        ))?;
+        let set = match standby {
+            Some(r) => block_on(ReplicaSet::standby(
+                volume,
+                coord,
+                clock::system(),
+                cfg.core(),
+                sessions,
+                r.activate_on_write,
+            ))?,
+            None => block_on(ReplicaSet::open(
+                volume,
+                coord,
+                clock::system(),
+                cfg.core(),
+                sessions,
+            ))?,
+        };
         let rep = Arc::new(Self {
             set,
             rebuild: RebuildStats::default(),
@@ -205,6 +221,12 @@ impl Replicated {
                 Standing::Confirmed => None,
                 Standing::Unconfirmed(why) => Some(why.into()),
                 Standing::Fenced(why) => Some(why),
+                Standing::Standby if self.set.activates_on_write() => Some(
+                    "a standby: reads are served; the first write takes the writer role".into(),
+                ),
+                Standing::Standby => Some(
+                    "a standby: reads are served, writes refused until `ublkctl activate`".into(),
+                ),
             },
             epoch: m.epoch,
             active: m.active().count(),
@@ -264,10 +286,12 @@ impl Replicated {
     /// `cfg.rebuild_inflight` copies at once (one while `guest` reports
     /// more than `cfg.rebuild_yield_above`); a peer whose rebuild failed
     /// waits `cfg.rebuild_backoff`.
+    #[allow(clippy::too_many_arguments)]
     pub fn spawn_rebuilder(
         self: &Arc<Self>,
         connector: Connector,
         spec: DeviceSpec,
+        store: SpecStore,
         resolve: Resolve,
         spares: Option<FindSpare>,
         cfg: ReplicationConfig,
@@ -277,6 +301,7 @@ impl Replicated {
         let ctx = Rebuilder {
             connector,
             spec,
+            store,
             resolve,
             spares,
             cfg,
@@ -495,18 +520,36 @@ fn record_out(
 struct Rebuilder {
     connector: Connector,
     spec: DeviceSpec,
+    /// Where the device's role is recorded as it moves (hand-overs).
+    store: SpecStore,
     resolve: Resolve,
     spares: Option<FindSpare>,
     cfg: ReplicationConfig,
     guest: GuestInFlight,
 }
 
+/// Records in the device's definition whether it is a standby now, so a
+/// restarted ublkd serves it in the role it has.
+fn record_role(ctx: &Rebuilder, standby: bool) {
+    let mut spec = ctx.spec.clone();
+    if let Some(r) = &mut spec.replicas {
+        r.standby = standby;
+    }
+    if let Err(e) = ctx.store.save(&spec) {
+        tracing::warn!(event = "device.save_failed", id = spec.id, error = %e);
+    }
+    tracing::info!(event = "device.role_changed", id = spec.id, volume = %spec.volume,
+        role = if standby { "standby" } else { "writer" });
+}
+
 fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
     let cfg = &ctx.cfg;
     let volume = ctx.spec.volume.as_str();
     let wanted = ctx.spec.replicas.as_ref().map_or(1, |r| r.peers.len());
-    let step = Duration::from_millis(100).min(cfg.rebuild_check());
+    // Short: a hand-over request waits for this loop (its pause).
+    let step = Duration::from_millis(20).min(cfg.rebuild_check());
     let mut waited = Duration::ZERO;
+    let mut standby = ctx.spec.replicas.as_ref().is_some_and(|r| r.standby);
     // Since when each failed member has been seen failed (by this thread:
     // a restarted ublkd starts its grace again).
     let mut failed_since: HashMap<String, Instant> = HashMap::new();
@@ -516,6 +559,19 @@ fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
         let Some(rep) = weak.upgrade().filter(|r| r.is_running()) else {
             return;
         };
+        // The writer hands the role over when a standby asks.
+        match block_on(rep.set.serve_handover()) {
+            Ok(_) => {}
+            Err(e) => tracing::warn!(event = "replica.handover_failed", volume, error = %e),
+        }
+        if rep.set.is_standby() != standby {
+            standby = rep.set.is_standby();
+            record_role(ctx, standby);
+        }
+        // A standby neither checks a role nor rebuilds: it has no role.
+        if standby {
+            continue;
+        }
         // A role taken back under a new lease is confirmed here, off the
         // request path (the requests keep serving on the epoch fence).
         if matches!(rep.set.standing(), Standing::Unconfirmed(_)) {
@@ -609,6 +665,9 @@ impl super::Manager {
     /// `--replicas` is not given). One placed peer is a volume on one peer,
     /// served exactly as one named with `--peer`.
     pub(super) fn place(&self, a: &AddArgs) -> Result<AddArgs, DeviceError> {
+        if a.standby {
+            return self.standby_peers(a);
+        }
         if !a.peers.is_empty() {
             return Ok(a.clone());
         }
@@ -641,16 +700,23 @@ impl super::Manager {
         secret: &Secret,
     ) -> Result<(Vec<QueueIo>, Arc<Replicated>), DeviceError> {
         let volume = spec.volume.as_str();
-        let coord: Arc<dyn Coordinator> = match &self.coordination {
-            Some(_) => Arc::new(
-                self.coordination()?
-                    .open_volume(volume, &r.peers, spec.size)?,
-            ),
-            None => Arc::new(
-                FileCoordinator::open(&self.cfg.state_dir, volume, &r.peers)
-                    .map_err(|e| core_coord_error(volume, e))?,
-            ),
-        };
+        let coord: Arc<dyn Coordinator> =
+            match &self.coordination {
+                Some(_) if r.standby => Arc::new(self.coordination()?.open_standby(volume)?),
+                None if r.standby => return Err(DeviceError::BadRequest(
+                    "--standby needs an [etcd] section: the writer role is handed over through \
+                     etcd"
+                        .into(),
+                )),
+                Some(_) => Arc::new(
+                    self.coordination()?
+                        .open_volume(volume, &r.peers, spec.size)?,
+                ),
+                None => Arc::new(
+                    FileCoordinator::open(&self.cfg.state_dir, volume, &r.peers)
+                        .map_err(|e| core_coord_error(volume, e))?,
+                ),
+            };
         let opened = Replicated::open(
             connector,
             spec,
@@ -676,6 +742,44 @@ impl super::Manager {
             Ok(()) => {}
             Err(e) => tracing::warn!(event = "writer.release_failed", volume, error = %e),
         }
+    }
+
+    /// A standby's members: the volume's record names them (the writer's
+    /// `--peer`s or placement); any `--peer` given must be among them.
+    fn standby_peers(&self, a: &AddArgs) -> Result<AddArgs, DeviceError> {
+        if self.coordination.is_none() {
+            return Err(DeviceError::BadRequest(
+                "--standby needs an [etcd] section: the writer role is handed over through etcd"
+                    .into(),
+            ));
+        }
+        let record =
+            crate::coordination::etcd::Etcd::wait(self.coordination()?.membership(&a.volume))?
+                .ok_or_else(|| {
+                    DeviceError::BadRequest(format!(
+                "volume {:?} has no record in etcd: a standby follows a volume another ublkd \
+                 serves; add it there first",
+                a.volume
+            ))
+                })?;
+        let peers: Vec<String> = record
+            .record
+            .membership
+            .active()
+            .map(|m| m.peer.clone())
+            .collect();
+        if let Some(p) = a.peers.iter().find(|p| !peers.contains(p)) {
+            return Err(DeviceError::BadRequest(format!(
+                "--peer {p} is not a member of volume {:?} (its members: {})",
+                a.volume,
+                peers.join(", ")
+            )));
+        }
+        Ok(AddArgs {
+            peers,
+            replicas: None,
+            ..a.clone()
+        })
     }
 
     /// How this ublkd finds a member's address: a placement-pool id is
@@ -731,7 +835,9 @@ pub(super) fn replica_spec(a: &AddArgs) -> Result<Option<ReplicaSpec>, DeviceErr
             )));
         }
     }
-    Ok((n > 1).then(|| ReplicaSpec {
+    Ok((n > 1 || a.standby).then(|| ReplicaSpec {
         peers: a.peers.clone(),
+        standby: a.standby,
+        activate_on_write: a.activate_on_write,
     }))
 }

@@ -252,6 +252,8 @@ mod tests {
                 io_buf: None,
                 id: None,
                 read_only: false,
+                standby: false,
+                activate_on_write: false,
                 cpus: Vec::new(),
             })
             .unwrap();
@@ -420,6 +422,7 @@ mod tests {
         );
         f.m.devices.lock().get_mut(&0).unwrap().spec.replicas = Some(crate::device::ReplicaSpec {
             peers: vec!["h:1".into(), "h:2".into()],
+            ..Default::default()
         });
         let e = f.m.resize(0, 2 * MIB).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported);

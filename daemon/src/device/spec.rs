@@ -72,14 +72,22 @@ pub struct DeviceSpec {
 /// The replica set a replicated device was created with. After that the
 /// membership record (etcd, or the state dir without it) is authoritative:
 /// a restarted ublkd serves the members it names.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicaSpec {
     /// The members at creation, as the record names them: `host:port`
     /// (`add --peer`), or placement-pool ids (placed by etcd).
     pub peers: Vec<String>,
+    /// Served without the writer role (kept up to date as the role moves,
+    /// so a restarted ublkd comes back in the role it had).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub standby: bool,
+    /// A standby's first write takes the role.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub activate_on_write: bool,
 }
 
 /// Reads and writes device definitions.
+#[derive(Clone)]
 pub struct SpecStore {
     dir: PathBuf,
 }
