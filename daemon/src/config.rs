@@ -130,7 +130,7 @@ pub struct UblkdConfig {
     /// Which RDMA device `rdma` and `auto` devices use.
     #[serde(default)]
     pub rdma: RdmaConfig,
-    // --- replication (issue 11) ---
+    // --- replication ---
     /// The coordination service of replicated volumes; absent: the static
     /// fallback (memberships in the state dir, one host only).
     #[serde(default)]
@@ -580,7 +580,7 @@ impl UblkdConfig {
         self.device.validate()?;
         self.rdma.validate()?;
         self.tracing.validate()?;
-        // --- replication (issue 11) ---
+        // --- replication ---
         if let Some(e) = &self.etcd {
             e.validate()?;
         }

@@ -116,7 +116,7 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
         Request::Features => {
             features::from_driver().map(|(mask, names)| Reply::Features { mask, names })
         }
-        // --- replication (issue 11) ---
+        // --- replication ---
         Request::PeerAdd { peer } => manager.coordination().and_then(|c| {
             c.add_peer(&peer)?;
             Ok(Reply::Peers {

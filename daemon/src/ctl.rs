@@ -81,7 +81,7 @@ pub enum Request {
         /// The new size in bytes.
         size: u64,
     },
-    // --- replication (issue 11): the placement pool in etcd ---
+    // --- replication: the placement pool in etcd ---
     /// Register an arena peer for placement.
     PeerAdd {
         /// The peer.

@@ -1,6 +1,6 @@
 //! Per-I/O cost of the accounting: tracker set/clear + counters + latency
 //! histogram, against a DashMap-keyed tracker with the exporter's own
-//! histogram (the design of seed 002), in the same run.
+//! histogram (the plain design, as the baseline), in the same run.
 //!
 //! Then the whole observation of a request as ublkd makes it (tracker,
 //! request and attempt accounting, both latency histograms) with sampled
@@ -59,7 +59,7 @@ static GLOBAL: Counting = Counting;
 const DEPTH: u16 = 128;
 const IOS: u64 = 2_000_000;
 
-/// Seed 002's shape: a concurrent map keyed by (queue, tag) holding the
+/// The baseline's shape: a concurrent map keyed by (queue, tag) holding the
 /// start time, the facade's counters and the exporter's histogram.
 struct MapTracker {
     map: DashMap<(u16, u16), (Instant, IoOp)>,

@@ -1,4 +1,4 @@
-//! ublkd's coordination families (replicated volumes, issue 11): epoch
+//! ublkd's coordination families (replicated volumes): epoch
 //! changes by reason, writer leases lost, and whether this ublkd may
 //! acknowledge writes of the volumes it coordinates on etcd.
 //!

@@ -1,4 +1,4 @@
-//! ublkd's replica-health families (replicated volumes, issue 11): how
+//! ublkd's replica-health families (replicated volumes): how
 //! many members of its replicated devices hold every acknowledged write,
 //! how many devices run with fewer than they were created with, rebuild
 //! progress and outcomes, hedged reads, and writers fenced by a peer's

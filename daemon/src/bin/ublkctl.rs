@@ -74,7 +74,7 @@ enum Cmd {
     UdevName(Id),
 }
 
-// --- replication (issue 11): `ublkctl peer` ---
+// --- replication: `ublkctl peer` ---
 #[derive(Subcommand, Debug)]
 enum PeerCmd {
     /// Register an arenad for placement.
@@ -142,7 +142,7 @@ fn print_peers(peers: &[PeerInfo]) {
 
 #[derive(ClapArgs, Debug)]
 struct Add {
-    // --- replication (issue 11) ---
+    // --- replication ---
     /// arenad's HOST:PORT; repeat it for a replicated volume (one replica
     /// per peer). Without it, placement in etcd chooses --replicas peers.
     #[arg(long, required_unless_present = "replicas")]
@@ -499,7 +499,7 @@ fn print_device(d: &DeviceInfo) {
     }
 }
 
-// --- replication (issue 11) ---
+// --- replication ---
 fn print_replicas(r: &ReplicasInfo) {
     for line in r.show_lines() {
         println!("{line}");

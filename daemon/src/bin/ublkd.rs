@@ -82,7 +82,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     );
     let with_etcd = cfg.etcd.is_some();
     let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
-    // --- replication (issue 11) ---
+    // --- replication ---
     let _coordination_metrics = with_etcd.then(|| {
         let m = CoordinationMetrics::new(&tel);
         let weak = Arc::downgrade(&manager);

@@ -171,7 +171,7 @@ impl std::fmt::Display for WriterRecord {
 }
 
 /// A volume's record in etcd: the membership the replication core reads
-/// and swaps (part A's [`Membership`], stored as is, so `etcdctl get`
+/// and swaps (the core's [`Membership`], stored as is, so `etcdctl get`
 /// shows the same JSON the file coordinator writes), plus what placement
 /// and operators need beside it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

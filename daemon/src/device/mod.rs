@@ -130,7 +130,7 @@ pub enum DeviceError {
         /// The driver's error.
         detail: String,
     },
-    /// The coordination service (issue 11).
+    /// The coordination service (etcd).
     #[error("{0}")]
     Coordination(#[from] CoordError),
     /// The state directory failed.
@@ -292,7 +292,7 @@ pub struct Manager {
     /// Serialises add/del/recover; reads (list, stats) never wait on it.
     ops: Mutex<()>,
     obs: Arc<Observability>,
-    /// etcd, when `[etcd]` is configured (issue 11).
+    /// etcd, when `[etcd]` is configured.
     coordination: Option<Arc<CoordinationSlot>>,
     /// The kernel's side of resizing (a fake in tests).
     kernel: Arc<dyn KernelSize>,

@@ -1,4 +1,4 @@
-//! A replicated device's volume (issue 11): the replication core's
+//! A replicated device's volume: the replication core's
 //! [`ReplicaSet`] over one [`Connector`] session per queue and member (plus
 //! a background one each), coordinated by etcd or, without it, by the
 //! state dir; and the device's rebuild thread, which brings a failed member

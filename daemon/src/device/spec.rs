@@ -62,9 +62,9 @@ pub struct DeviceSpec {
     /// (`add --cpus`); empty keeps the kernel's queue mapping.
     #[serde(default)]
     pub cpus: Vec<u32>,
-    /// A replicated volume (issue 11): its members. Absent for a volume on
-    /// one peer (`peer`), so those definitions read and write exactly as
-    /// before replication existed.
+    /// A replicated volume: its members. Absent for a volume on one peer
+    /// (`peer`), whose definition then has no `replicas` field at all
+    /// (not written, and not needed when read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<ReplicaSpec>,
 }

@@ -79,7 +79,7 @@ pub struct ArenadConfig {
     /// overrides it. Reloaded on SIGHUP.
     #[serde(default = "default_log_level")]
     pub log_level: String,
-    // --- Multi-tenant serving (issue 9): keys of the server's sessions. ---
+    // --- Multi-tenant serving: keys of the server's sessions. ---
     /// Accept protocol version 1 sessions (no frame tags, no membership
     /// epochs). Off by default: anyone on the path could otherwise inject
     /// frames into a session, or talk a client down to version 1.
@@ -95,7 +95,7 @@ pub struct ArenadConfig {
     #[serde(default = "default_write_timeout")]
     pub write_timeout_secs: u64,
     // --- End of the multi-tenant serving keys. ---
-    // --- Serving core (issue 9 items 1, 4, 7): the event-driven server's bounds. ---
+    // --- Serving core: the event-driven server's bounds. ---
     /// Most frames (answers and REVOKEs) waiting in one connection's
     /// outbound queue. A REVOKE that finds it full disconnects the client
     /// (it is not reading); an answer waits for room.
@@ -116,7 +116,7 @@ pub struct ArenadConfig {
     #[serde(default = "default_shutdown_timeout")]
     pub shutdown_timeout_secs: u64,
     // --- End of the serving core keys. ---
-    // --- Metrics listener limits (issue 9, HTTP endpoints). ---
+    // --- Metrics listener limits (HTTP endpoints). ---
     /// Connections the metrics listener holds open; past it a new one
     /// sheds the oldest that has not sent its request yet. One descriptor
     /// each.
@@ -131,7 +131,7 @@ pub struct ArenadConfig {
     #[serde(default = "default_metrics_write_timeout")]
     pub metrics_write_timeout_secs: u64,
     // --- End of the metrics listener limits. ---
-    // --- Tenant fairness (issue 9): how leases are shared. ---
+    // --- Tenant fairness: how leases are shared. ---
     /// Leases a volume holds before its further leases are the first asked
     /// back for a volume under its own share. Unset: arena slots / served
     /// volumes (at least 1).

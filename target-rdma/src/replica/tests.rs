@@ -456,7 +456,7 @@ fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
 
 /// A write out under epoch E reaches a peer that has meanwhile seen E+1:
 /// this writer's own, presented there by the removal of another member
-/// (found by the VM scenario). The write goes again under E+1; the writer
+/// (a race the VM scenario hits). The write goes again under E+1; the writer
 /// is not fenced.
 #[test]
 fn the_writer_s_own_newer_epoch_on_another_session_does_not_fence_it() {
@@ -965,7 +965,7 @@ fn a_replacement_that_fails_its_copy_is_removed() {
     block_on(v.io().write(1, 0, b"12345678")).unwrap();
 }
 
-/// The rebuild's form of the race io.rs answers (7e1159a): a copy read
+/// The rebuild's form of the race io.rs answers: a copy read
 /// under epoch E while the removal of another member records E+1, whose
 /// queue writes present E+1 to the new member before the copy's write
 /// (still at E, on the background session) arrives. The copy is made
