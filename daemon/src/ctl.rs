@@ -327,6 +327,23 @@ pub struct ReplicasInfo {
     /// The rebuild in progress, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild: Option<RebuildInfo>,
+    /// The device's last hand-overs of the writer role, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handovers: Vec<HandoverInfo>,
+}
+
+/// One move of a device's writer role.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandoverInfo {
+    /// `in` (taken here) or `out` (handed to another ublkd).
+    pub direction: String,
+    /// The other ublkd, as etcd names it.
+    pub other: String,
+    /// How long it took: asking to serving (`in`), or the request seen to
+    /// the role given up (`out`).
+    pub took_ms: u64,
+    /// How long ago it completed.
+    pub ago_ms: u64,
 }
 
 /// One member of a replicated volume.
@@ -397,6 +414,18 @@ impl ReplicasInfo {
                 note.push_str(&format!("  ({why})"));
             }
             out.push(format!("    {:<8} {}{note}", m.state, m.peer));
+        }
+        for h in &self.handovers {
+            let (verb, prep) = match h.direction.as_str() {
+                "in" => ("taken", "from"),
+                _ => ("handed", "to"),
+            };
+            out.push(format!(
+                "  hand-over  {verb} {prep} {} in {} ms, {} ago",
+                h.other,
+                h.took_ms,
+                eta_text(h.ago_ms)
+            ));
         }
         out
     }
@@ -675,7 +704,17 @@ mod tests {
                 bytes_per_sec: 3 << 19,
                 eta_ms: Some(96_000),
             }),
+            handovers: vec![HandoverInfo {
+                direction: "in".into(),
+                other: "ublkd on host-a".into(),
+                took_ms: 140,
+                ago_ms: 65_000,
+            }],
         };
+        assert_eq!(
+            info.show_lines()[4],
+            "  hand-over  taken from ublkd on host-a in 140 ms, 1m05s ago"
+        );
         assert_eq!(
             info.show_lines()[1],
             "  role       unconfirmed: etcd is away"

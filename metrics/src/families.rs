@@ -306,6 +306,24 @@ pub const COORDINATION: &[Family] = &[
         "Writer roles confirmed again after etcd lost the writer lease and the key was taken back.",
     ),
     f(
+        "ublk_replica_standbys",
+        Gauge,
+        &[],
+        "Replicated devices served as a standby: reads served, no write acknowledged until a hand-over gives them the writer role.",
+    ),
+    f(
+        "ublk_replica_handovers_total",
+        Counter,
+        &["direction"],
+        "Writer roles moved between ublkd by a hand-over: `in` taken by a standby here, `out` handed to another's.",
+    ),
+    f(
+        "ublk_replica_last_handover_seconds",
+        Gauge,
+        &[],
+        "How long the last hand-over into this ublkd took, from asking the writer to serving writes.",
+    ),
+    f(
         "ublk_replica_hedged_reads_total",
         Counter,
         &["outcome"],

@@ -57,7 +57,7 @@ pub use health::{NotReadyReason, NotReadySet, Probes};
 pub use histogram::{Exemplar, LatencyHistogram, LATENCY_BUCKETS_SECONDS};
 pub use http::{HttpConfig, HttpError, MetricsServer};
 pub use labels::{device_label, ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
-pub use replicas::{HedgeOutcome, RebuildOutcome, ReplicaMetrics, ReplicaStats};
+pub use replicas::{HandoverDirection, HedgeOutcome, RebuildOutcome, ReplicaMetrics, ReplicaStats};
 pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
 pub use shard::{ShardedCounter, ShardedGauge};
 pub use tcp_links::{TcpInfoSample, TcpLink, TcpLinks};

@@ -27,6 +27,16 @@ closed_enum! {
 }
 
 closed_enum! {
+    /// Which way a writer role moved at a hand-over, seen from this ublkd.
+    HandoverDirection {
+        /// A standby of this ublkd took the role.
+        In => "in",
+        /// A writer of this ublkd handed it to another's standby.
+        Out => "out",
+    }
+}
+
+closed_enum! {
     /// How a rebuild (of a returning peer or a spare) ended.
     RebuildOutcome {
         /// The member caught up and was recorded healthy.
@@ -67,6 +77,16 @@ pub struct ReplicaStats {
     pub stragglers: u64,
     /// Writer roles confirmed again after a lost lease.
     pub roles_regained: u64,
+    /// Devices served as a standby (no writer role).
+    #[serde(default)]
+    pub standbys: u64,
+    /// Writer roles moved by hand-overs, by [`HandoverDirection::index`].
+    #[serde(default)]
+    pub handovers: [u64; HandoverDirection::COUNT],
+    /// How long the last hand-over into this ublkd took, from asking the
+    /// writer to serving, in ms (0 before the first).
+    #[serde(default)]
+    pub last_handover_ms: u64,
     /// Reads sent to a second member, by [`HedgeOutcome::index`].
     pub hedged_reads: [u64; HedgeOutcome::COUNT],
     /// Rebuilds ended, by [`RebuildOutcome::index`].
@@ -88,6 +108,11 @@ impl ReplicaStats {
         self.fenced += other.fenced;
         self.stragglers += other.stragglers;
         self.roles_regained += other.roles_regained;
+        self.standbys += other.standbys;
+        for (a, b) in self.handovers.iter_mut().zip(other.handovers) {
+            *a += b;
+        }
+        self.last_handover_ms = self.last_handover_ms.max(other.last_handover_ms);
         for (a, b) in self.hedged_reads.iter_mut().zip(other.hedged_reads) {
             *a += b;
         }
@@ -104,6 +129,7 @@ impl ReplicaStats {
             stale_epoch_fences: self.stale_epoch_fences,
             stragglers: self.stragglers,
             roles_regained: self.roles_regained,
+            handovers: self.handovers,
             hedged_reads: self.hedged_reads,
             rebuilds: self.rebuilds,
             ..ReplicaStats::default()
@@ -126,6 +152,9 @@ pub struct ReplicaMetrics {
     fenced: Gauge,
     stragglers: Counter,
     roles_regained: Counter,
+    standbys: Gauge,
+    handovers: [Counter; HandoverDirection::COUNT],
+    last_handover: Gauge,
     hedged_reads: [Counter; HedgeOutcome::COUNT],
     rebuilds: [Counter; RebuildOutcome::COUNT],
     source: Mutex<Option<Source>>,
@@ -154,6 +183,10 @@ impl ReplicaMetrics {
             fenced: t.gauge("ublk_replica_writers_fenced", &[]),
             stragglers: t.counter("ublk_replica_stragglers_total", &[]),
             roles_regained: t.counter("ublk_replica_roles_regained_total", &[]),
+            standbys: t.gauge("ublk_replica_standbys", &[]),
+            handovers: HandoverDirection::ALL
+                .map(|d| t.counter("ublk_replica_handovers_total", &[("direction", d.as_str())])),
+            last_handover: t.gauge("ublk_replica_last_handover_seconds", &[]),
             hedged_reads: HedgeOutcome::ALL.map(|o| {
                 t.counter(
                     "ublk_replica_hedged_reads_total",
@@ -182,6 +215,11 @@ impl ReplicaMetrics {
         self.fenced.set(s.fenced as f64);
         self.stragglers.absolute(s.stragglers);
         self.roles_regained.absolute(s.roles_regained);
+        self.standbys.set(s.standbys as f64);
+        for (c, v) in self.handovers.iter().zip(s.handovers) {
+            c.absolute(v);
+        }
+        self.last_handover.set(s.last_handover_ms as f64 / 1000.0);
         for (c, v) in self.hedged_reads.iter().zip(s.hedged_reads) {
             c.absolute(v);
         }
@@ -228,6 +266,9 @@ mod tests {
             fenced: 1,
             stragglers: 3,
             roles_regained: 1,
+            standbys: 1,
+            handovers: [2, 1],
+            last_handover_ms: 150,
             hedged_reads: [2, 5],
             rebuilds: [1, 3, 0],
         });
@@ -243,6 +284,10 @@ mod tests {
             "ublk_replica_writers_fenced 1",
             "ublk_replica_stragglers_total 3",
             "ublk_replica_roles_regained_total 1",
+            "ublk_replica_standbys 1",
+            "ublk_replica_handovers_total{direction=\"in\"} 2",
+            "ublk_replica_handovers_total{direction=\"out\"} 1",
+            "ublk_replica_last_handover_seconds 0.15",
             "ublk_replica_hedged_reads_total{outcome=\"won\"} 2",
             "ublk_replica_hedged_reads_total{outcome=\"lost\"} 5",
             "ublk_rebuilds_total{outcome=\"failed\"} 3",

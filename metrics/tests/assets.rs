@@ -143,6 +143,9 @@ fn ublkd_expositions() -> Expositions {
         fenced: 0,
         stragglers: 1,
         roles_regained: 1,
+        standbys: 1,
+        handovers: [1, 0],
+        last_handover_ms: 120,
         hedged_reads: [3, 1],
         rebuilds: [1, 2, 0],
     });

@@ -31,7 +31,7 @@ use super::connect::{Connector, PeerSessions};
 use super::spec::SpecStore;
 use super::{DeviceError, DeviceSpec, ReplicaSpec};
 use crate::coordination::{CoordError, ReplicationConfig};
-use crate::ctl::{AddArgs, RebuildInfo, ReplicaInfo, ReplicasInfo};
+use crate::ctl::{AddArgs, HandoverInfo, RebuildInfo, ReplicaInfo, ReplicasInfo};
 use crate::queue_io::{QueueIo, TagBuffers};
 use ublk_metrics::{HedgeOutcome, RebuildOutcome, ReplicaStats};
 
@@ -251,6 +251,18 @@ impl Replicated {
                     }
                 })
                 .collect(),
+            handovers: self
+                .set
+                .handovers()
+                .into_iter()
+                .map(|h| HandoverInfo {
+                    direction: if h.taken { "in" } else { "out" }.into(),
+                    other: h.other,
+                    took_ms: u64::try_from(h.took.as_millis()).unwrap_or(u64::MAX),
+                    ago_ms: u64::try_from(now.saturating_duration_since(h.at).as_millis())
+                        .unwrap_or(u64::MAX),
+                })
+                .collect(),
             rebuild: self.rebuilding.lock().clone().map(|peer| {
                 let done = self.rebuild.bytes_copied.load(Ordering::Relaxed);
                 let remaining = self.rebuild.bytes_remaining.load(Ordering::Relaxed);
@@ -446,6 +458,18 @@ impl Replicated {
             fenced: u64::from(matches!(standing, Standing::Fenced(_))),
             stragglers: core.stragglers.load(Ordering::Relaxed),
             roles_regained: core.roles_regained.load(Ordering::Relaxed),
+            standbys: u64::from(standing == Standing::Standby),
+            handovers: [
+                core.handovers_in.load(Ordering::Relaxed),
+                core.handovers_out.load(Ordering::Relaxed),
+            ],
+            last_handover_ms: self
+                .set
+                .handovers()
+                .iter()
+                .rev()
+                .find(|h| h.taken)
+                .map_or(0, |h| u64::try_from(h.took.as_millis()).unwrap_or(u64::MAX)),
             hedged_reads,
             rebuilds: std::array::from_fn(|i| self.rebuilds[i].load(Ordering::Relaxed)),
         }

@@ -13,12 +13,30 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::clock::Clock;
 use super::coordinator::{CoordErrorKind, Coordinator, Lease};
 use super::member::{Lane, MemberIo, MemberSessions};
 use super::set::{ReplicaConfig, ReplicaSet, ReplicaStats};
 use crate::blob::{ArenaError, ReplicaFailure};
+
+/// Hand-overs a set remembers for `ublkctl show`.
+pub const HANDOVER_HISTORY: usize = 8;
+
+/// One move of the writer role, as this process saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Handover {
+    /// When it completed (this process's clock).
+    pub at: Instant,
+    /// Taken here (`true`), or handed to another process.
+    pub taken: bool,
+    /// The other process, as the coordination store names it.
+    pub other: String,
+    /// Taken: from asking the holder to serving. Handed: from the
+    /// request seen to the role given up (the flush, mostly).
+    pub took: Duration,
+}
 
 impl<S: MemberIo> ReplicaSet<S> {
     /// Opens the volume as a standby: reads the record and presents its
@@ -77,6 +95,10 @@ impl<S: MemberIo> ReplicaSet<S> {
             return Ok(());
         }
         let started = self.clock.now();
+        let holder = match self.coord.lease() {
+            Lease::Taken { holder } => holder,
+            _ => "the previous writer".into(),
+        };
         if let Err(e) = self.coord.acquire().await {
             let failure = match e.kind {
                 CoordErrorKind::LeaseHeld => ReplicaFailure::Standby,
@@ -92,8 +114,10 @@ impl<S: MemberIo> ReplicaSet<S> {
         };
         let next = self.raise_role(term, "taking the writer role").await?;
         ReplicaStats::count(&self.stats().handovers_in);
+        let took = self.clock.now().saturating_duration_since(started);
+        self.remember(true, holder, took);
         tracing::info!(event = "replica.activated", volume = %self.volume(), membership = %next,
-            waited_ms = self.clock.now().saturating_duration_since(started).as_millis() as u64);
+            took_ms = took.as_millis() as u64);
         Ok(())
     }
 
@@ -110,6 +134,11 @@ impl<S: MemberIo> ReplicaSet<S> {
             return Ok(());
         }
         self.not_fenced()?;
+        let started = self.clock.now();
+        let to = self
+            .coord
+            .handover_asked()
+            .unwrap_or_else(|| "no standby yet".into());
         self.standby.store(true, Ordering::Release);
         let released = async {
             self.flush_members().await?;
@@ -127,9 +156,29 @@ impl<S: MemberIo> ReplicaSet<S> {
             return Err(e);
         }
         ReplicaStats::count(&self.stats().handovers_out);
+        let took = self.clock.now().saturating_duration_since(started);
+        self.remember(false, to, took);
         tracing::info!(event = "replica.released", volume = %self.volume(),
-            membership = %self.membership());
+            membership = %self.membership(), took_ms = took.as_millis() as u64);
         Ok(())
+    }
+
+    /// The last hand-overs, oldest first.
+    pub fn handovers(&self) -> Vec<Handover> {
+        self.history.lock().iter().cloned().collect()
+    }
+
+    fn remember(&self, taken: bool, other: String, took: Duration) {
+        let mut h = self.history.lock();
+        if h.len() == HANDOVER_HISTORY {
+            h.pop_front();
+        }
+        h.push_back(Handover {
+            at: self.clock.now(),
+            taken,
+            other,
+            took,
+        });
     }
 
     /// Hands the role over if a standby asked for it (the device's
@@ -370,6 +419,10 @@ mod tests {
         assert_eq!(h.writer.standing(), Standing::Standby);
         assert_eq!(h.writer.stats().handovers_out.load(Ordering::Relaxed), 1);
         assert_eq!(standby.stats().handovers_in.load(Ordering::Relaxed), 1);
+        let (taken, handed) = (standby.handovers(), h.writer.handovers());
+        assert_eq!((taken.len(), taken[0].taken), (1, true));
+        assert_eq!((handed.len(), handed[0].taken), (1, false));
+        assert!(handed[0].other.starts_with("standby handle"), "{handed:?}");
         for p in &h.peers {
             p.crash();
         }

@@ -37,6 +37,7 @@ pub use coordinator::{
 };
 #[cfg(any(test, feature = "test-utils"))]
 pub use coordinator::{CoordFault, MemoryCoordinator};
+pub use handover::Handover;
 pub use io::ReplicatedIo;
 pub use member::{MemberIo, MemberSessions};
 pub use rebuild::{GuestLoad, RebuildConfig, RebuildStats, DEFAULT_INFLIGHT, RATE_WINDOW};

@@ -199,6 +199,9 @@ pub struct ReplicaSet<S> {
     pub(super) activate_on_write: AtomicBool,
     /// Serializes hand-overs (in and out).
     pub(super) handover: AsyncMutex<()>,
+    /// The last hand-overs, newest last (at most
+    /// [`HANDOVER_HISTORY`](super::handover::HANDOVER_HISTORY)).
+    pub(super) history: Mutex<std::collections::VecDeque<super::Handover>>,
     stats: ReplicaStats,
 }
 
@@ -315,6 +318,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             behind: AtomicBool::new(false),
             activate_on_write: AtomicBool::new(false),
             handover: AsyncMutex::new(()),
+            history: Mutex::default(),
             stats: ReplicaStats::default(),
         }))
     }
