@@ -380,10 +380,13 @@ impl Replicated {
             std::pin::pin!(self
                 .set
                 .rebuild(peer, member_sessions(sessions), &rcfg, &self.rebuild));
+        // A standby asking for the role abandons the rebuild: the member
+        // stays syncing, and the next writer records it failed and
+        // rebuilds it (its copy would stop with this writer's role).
         let stopped = std::pin::pin!(async {
             let clock = clock::system();
-            while self.is_running() {
-                clock.sleep(Duration::from_millis(100)).await;
+            while self.is_running() && !self.set.handover_wanted() {
+                clock.sleep(Duration::from_millis(20)).await;
             }
         });
         let outcome = match block_on(select(rebuild, stopped)) {

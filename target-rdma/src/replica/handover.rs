@@ -20,6 +20,7 @@ use super::coordinator::{CoordErrorKind, Coordinator, Lease};
 use super::member::{Lane, MemberIo, MemberSessions};
 use super::set::{ReplicaConfig, ReplicaSet, ReplicaStats};
 use crate::blob::{ArenaError, ReplicaFailure};
+use crate::proto::Status;
 
 /// Hand-overs a set remembers for `ublkctl show`.
 pub const HANDOVER_HISTORY: usize = 8;
@@ -152,6 +153,9 @@ impl<S: MemberIo> ReplicaSet<S> {
         .await;
         if let Err(e) = released {
             self.standby.store(false, Ordering::Release);
+            if e.kind() == crate::blob::ErrorKind::Replica(ReplicaFailure::Fenced) {
+                self.fence(e.to_string());
+            }
             tracing::warn!(event = "replica.release_failed", volume = %self.volume(), error = %e);
             return Err(e);
         }
@@ -181,10 +185,16 @@ impl<S: MemberIo> ReplicaSet<S> {
         });
     }
 
+    /// Whether a standby asks this writer for the role (a rebuild in
+    /// progress gives way to it).
+    pub fn handover_wanted(&self) -> bool {
+        !self.is_standby() && self.coord.handover_asked().is_some()
+    }
+
     /// Hands the role over if a standby asked for it (the device's
     /// supervisor calls it periodically). Returns whether it did.
     pub async fn serve_handover(&self) -> Result<bool, ArenaError> {
-        if self.is_standby() || self.coord.handover_asked().is_none() {
+        if !self.handover_wanted() {
             return Ok(false);
         }
         self.release().await.map(|()| true)
@@ -203,9 +213,19 @@ impl<S: MemberIo> ReplicaSet<S> {
                 m.session(Lane::Background).flush().await
             }
             .await;
-            if let Err(e) = r {
-                m.suspect(format!("flush before the hand-over: {e}"));
-                failed.insert(m.id);
+            match r {
+                Ok(()) => {}
+                // A newer writer took the volume: nothing to hand over.
+                Err(e) if e.status() == Some(Status::StaleEpoch) => {
+                    return Err(self.refusal(
+                        ReplicaFailure::Fenced,
+                        format!("a newer writer owns the volume: {e}"),
+                    ))
+                }
+                Err(e) => {
+                    m.suspect(format!("flush before the hand-over: {e}"));
+                    failed.insert(m.id);
+                }
             }
         }
         if failed.is_empty() {
@@ -332,7 +352,9 @@ mod tests {
         let (set, stop) = (Arc::clone(set), Arc::clone(stop));
         std::thread::spawn(move || {
             while !stop.load(Ordering::Acquire) {
-                let _ = block_on(set.serve_handover());
+                if let Err(e) = block_on(set.serve_handover()) {
+                    eprintln!("serve_handover: {e}");
+                }
                 std::thread::sleep(Duration::from_millis(1));
             }
         })
@@ -484,6 +506,66 @@ mod tests {
             assert_eq!(gen_of(&io, 4), 2);
         }
         assert_eq!(standby.membership(), h.coord.record());
+    }
+
+    /// A member syncing when the role moves (its copy ran in the old
+    /// writer) is recorded failed by the new writer, which rebuilds it;
+    /// it is never read in between.
+    #[test]
+    fn a_syncing_member_is_recorded_failed_when_the_role_moves() {
+        let h = writer(3);
+        let epoch = h.coord.record().epoch;
+        // The writer starts a rebuild of p2: recorded syncing, presented.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        block_on(h.writer.change("test", deadline, |view| {
+            if view.membership.state("p2") == Some(crate::replica::MemberState::Syncing) {
+                return Ok(None);
+            }
+            let mut next = view.membership.clone();
+            next.epoch += 1;
+            next.members[2].state = crate::replica::MemberState::Syncing;
+            Ok(Some((next, 0)))
+        }))
+        .unwrap();
+        let standby = h.standby(false);
+        let stop = Arc::new(AtomicBool::new(false));
+        let supervisor = supervise(&h.writer, &stop);
+        block_on(standby.activate()).unwrap();
+        stop.store(true, Ordering::Release);
+        supervisor.join().unwrap();
+        let record = h.coord.record();
+        assert_eq!(record.epoch, epoch + 2, "{record}");
+        assert_eq!(
+            record.state("p2"),
+            Some(crate::replica::MemberState::Failed),
+            "{record}"
+        );
+        assert_eq!(standby.membership(), record);
+        block_on(standby.queue(0).unwrap().write(9, 0, &blob(1))).unwrap();
+        assert!(
+            h.peers[2].blob(9).is_none(),
+            "the failed member gets nothing"
+        );
+    }
+
+    /// A writer another one fenced has no role to hand over: the release
+    /// fails and it stays fenced (it never sends the flush as a writer).
+    #[test]
+    fn a_fenced_writer_does_not_hand_over() {
+        let h = writer(2);
+        let other = block_on(ReplicaSet::open(
+            "vol",
+            h.coord.writer() as Arc<dyn Coordinator>,
+            system(),
+            config(),
+            sessions(&h.peers),
+        ))
+        .unwrap();
+        block_on(other.queue(0).unwrap().write(1, 0, &blob(2))).unwrap();
+        let e = block_on(h.writer.release()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Fenced), "{e}");
+        assert!(matches!(h.writer.standing(), Standing::Fenced(_)));
+        assert_eq!(h.writer.stats().handovers_out.load(Ordering::Relaxed), 0);
     }
 
     /// A holder that never answers keeps the role: the standby gives up
