@@ -5,9 +5,8 @@
 //! and buffers between the kernel and [`serve`].
 
 use libublk::sys;
-use target_rdma::blob::{ErrorKind, ReplicaFailure, Via};
+use target_rdma::blob::Via;
 use target_rdma::block::{BlockTarget, TargetError};
-use target_rdma::proto::Status;
 use ublk_metrics::{IoOp, Phase, Reason};
 
 use crate::observability::{DeviceObs, Failure};
@@ -134,41 +133,12 @@ pub fn metrics_op(op_flags: u32) -> Option<IoOp> {
 pub fn classify(e: &TargetError) -> Failure {
     let (phase, reason) = match e {
         TargetError::OutOfRange { .. } => (Phase::Post, Reason::Protocol),
-        TargetError::Arena { op, source } => match source.kind() {
-            ErrorKind::Connect => (Phase::Connect, Reason::Unavailable),
-            ErrorKind::AuthFailed | ErrorKind::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
-            ErrorKind::Refused(_) => (Phase::Handshake, Reason::Unavailable),
-            ErrorKind::TimedOut => (Phase::Poll, Reason::Timeout),
-            ErrorKind::Disconnected => (Phase::Poll, Reason::PeerClosed),
-            ErrorKind::Protocol => (Phase::Poll, Reason::Protocol),
-            ErrorKind::UnflushedDataLost => (Phase::Flush, Reason::Io),
-            ErrorKind::Replica(failure) => match failure {
-                ReplicaFailure::Unrecorded => (Phase::Completion, Reason::Timeout),
-                ReplicaFailure::Fenced | ReplicaFailure::Standby => {
-                    (Phase::Completion, Reason::Auth)
-                }
-                ReplicaFailure::NoMember => (Phase::Connect, Reason::Unavailable),
-            },
-            ErrorKind::Status(status) => match status {
-                Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
-                    (Phase::Alloc, Reason::ResourceExhausted)
-                }
-                Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
-                Status::AuthFailed => (Phase::Completion, Reason::Auth),
-                Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
-                _ if *op == IoOp::Flush => (Phase::Flush, Reason::Io),
-                _ => (Phase::Completion, Reason::Io),
-            },
-        },
+        TargetError::Arena { op, source } => source.kind().blame(*op),
     };
-    let peer_gone = matches!(
-        e,
-        TargetError::Arena { source, .. }
-            if matches!(
-                source.kind(),
-                ErrorKind::Connect | ErrorKind::Disconnected | ErrorKind::Refused(_)
-            )
-    );
+    let peer_gone = match e {
+        TargetError::OutOfRange { .. } => false,
+        TargetError::Arena { source, .. } => source.kind().peer_gone(),
+    };
     Failure {
         errno: e.errno(),
         phase,

@@ -15,11 +15,13 @@ use target_rdma::replica::{
     Swap as CoreSwap,
 };
 use ublkd::coordination::etcd::{Etcd, Expect, Swap};
-use ublkd::coordination::{CoordErrorKind, Coordination, MembershipRecord, PeerRecord};
+use ublkd::coordination::{Coordination, CoordinationErrorKind, MembershipRecord, PeerRecord};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
-fn wait<T>(f: impl std::future::Future<Output = Result<T, ublkd::coordination::CoordError>>) -> T {
+fn wait<T>(
+    f: impl std::future::Future<Output = Result<T, ublkd::coordination::CoordinationError>>,
+) -> T {
     Etcd::wait(f).unwrap()
 }
 
@@ -63,7 +65,7 @@ fn membership_swaps_conflict_on_a_stale_revision() {
     assert_eq!(wait(c.membership("vm1")).unwrap().record, a);
     // An epoch that does not rise never reaches etcd.
     let e = Etcd::wait(c.swap_membership("vm1", &a, Expect::Revision(1), 2)).unwrap_err();
-    assert_eq!(e.kind(), CoordErrorKind::Invalid);
+    assert_eq!(e.kind(), CoordinationErrorKind::Invalid);
     // And etcdctl sees the documented key and JSON.
     let (ok, out) = etcd.etcdctl(&["get", "/ublk/volumes/vm1/membership", "--print-value-only"]);
     assert!(
@@ -84,7 +86,7 @@ fn a_second_writer_is_refused_naming_the_holder() {
     let held = one.writer().acquire("vm1").unwrap();
     assert!(held.valid_until().is_some_and(|t| t > Instant::now()));
     let e = two.writer().acquire("vm1").err().unwrap();
-    assert_eq!(e.kind(), CoordErrorKind::Held);
+    assert_eq!(e.kind(), CoordinationErrorKind::Held);
     let text = e.to_string();
     assert!(
         text.starts_with("volume \"vm1\" is already served by ublkd on host-one (pid "),
@@ -103,7 +105,7 @@ fn a_second_writer_is_refused_naming_the_holder() {
     two.writer().acquire("vm1").unwrap();
     // One state dir, one ublkd.
     let e = Coordination::start(&cfg, d2.path()).err().unwrap();
-    assert_eq!(e.kind(), CoordErrorKind::LeaseFile);
+    assert_eq!(e.kind(), CoordinationErrorKind::LeaseFile);
     assert!(e.to_string().contains("locked by another ublkd"), "{e}");
 }
 
@@ -146,7 +148,7 @@ fn a_revoked_lease_is_taken_back_unless_another_ublkd_took_the_volume() {
     assert!(Arc::ptr_eq(&again, &kept), "the same writer, not a new one");
     assert_eq!(
         one.writer().acquire("taken").err().unwrap().kind(),
-        CoordErrorKind::Held
+        CoordinationErrorKind::Held
     );
     let (_, out) = etcd.etcdctl(&["get", "/ublk/volumes/taken/writer", "--print-value-only"]);
     assert!(out.contains("\"host\":\"other\""), "{out}");
@@ -310,7 +312,7 @@ fn placement_spreads_over_failure_domains_and_counts_what_is_placed() {
     let ids = |v: Vec<PeerRecord>| v.into_iter().map(|p| p.id).collect::<Vec<_>>();
     assert_eq!(ids(c.place(g, 3).unwrap()), ["a1", "c1", "b1"]);
     let e = c.place(g, 4).unwrap_err();
-    assert_eq!(e.kind(), CoordErrorKind::Placement);
+    assert_eq!(e.kind(), CoordinationErrorKind::Placement);
     // A volume placed on b1 uses its room; a spare for a volume on a1, c1
     // avoids rack-a and rack-c.
     let on_b1 = membership(1, &["b1"]);

@@ -23,7 +23,7 @@ use target_rdma::replica::{
     Standing,
 };
 use target_rdma::testing::{pattern, Peer, PeerOpts, SECRET_A};
-use ublkd::coordination::{CoordErrorKind, Coordination, EpochReason};
+use ublkd::coordination::{Coordination, CoordinationErrorKind, EpochReason};
 
 const KEYS: u64 = 48;
 
@@ -117,7 +117,7 @@ fn a_replicated_volume_survives_two_lost_peers_and_its_writer_is_fenced() {
     cfg.host_id = Some("other-host".into());
     let two = Coordination::start(&cfg, other.path()).unwrap();
     let e = two.open_volume("vm1", &names, 0).err().unwrap();
-    assert_eq!(e.kind(), CoordErrorKind::Held);
+    assert_eq!(e.kind(), CoordinationErrorKind::Held);
     assert!(e.to_string().contains("already served by ublkd on"), "{e}");
 
     // The lease revoked: this ublkd takes the writer key back; the writer

@@ -24,7 +24,7 @@ use tokio::runtime::{Handle, Runtime};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::config::EtcdConfig;
-use super::CoordError;
+use super::CoordinationError;
 
 /// Most keys one prefix listing returns (placement pool, volumes): a bound
 /// on the memory a listing costs; a fleet larger than this needs paging.
@@ -105,8 +105,8 @@ impl std::fmt::Debug for Etcd {
     }
 }
 
-fn etcd_err(what: &'static str, e: etcd_client::Error) -> CoordError {
-    CoordError::Unavailable {
+fn etcd_err(what: &'static str, e: etcd_client::Error) -> CoordinationError {
+    CoordinationError::Unavailable {
         what,
         detail: e.to_string(),
     }
@@ -116,13 +116,13 @@ impl Etcd {
     /// Starts the runtime thread and the client. The connection itself is
     /// made lazily, so an etcd that is down at start is found by the first
     /// request (which fails within the request timeout), not here.
-    pub fn connect(cfg: &EtcdConfig) -> Result<Arc<Self>, CoordError> {
+    pub fn connect(cfg: &EtcdConfig) -> Result<Arc<Self>, CoordinationError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("ublkd-etcd")
             .enable_all()
             .build()
-            .map_err(|e| CoordError::Unavailable {
+            .map_err(|e| CoordinationError::Unavailable {
                 what: "runtime",
                 detail: e.to_string(),
             })?;
@@ -134,10 +134,11 @@ impl Etcd {
             .with_keep_alive(timeout, timeout)
             .with_require_leader(true);
         if let (Some(user), Some(file)) = (&cfg.username, &cfg.password_file) {
-            let text = std::fs::read_to_string(file).map_err(|e| CoordError::Unavailable {
-                what: "password_file",
-                detail: format!("{}: {e}", file.display()),
-            })?;
+            let text =
+                std::fs::read_to_string(file).map_err(|e| CoordinationError::Unavailable {
+                    what: "password_file",
+                    detail: format!("{}: {e}", file.display()),
+                })?;
             let password = text.lines().next().unwrap_or("").to_owned();
             opts = opts.with_user(user.clone(), password);
         }
@@ -146,7 +147,7 @@ impl Etcd {
             .block_on(async move {
                 tokio::time::timeout(timeout * 2, Client::connect(endpoints, Some(opts))).await
             })
-            .map_err(|_| CoordError::Unavailable {
+            .map_err(|_| CoordinationError::Unavailable {
                 what: "connect",
                 detail: format!("no answer within {:?}", timeout * 2),
             })?
@@ -185,12 +186,12 @@ impl Etcd {
 
     /// Runs `f` on the runtime with the request timeout; the returned
     /// future is executor-agnostic. Fails at once with
-    /// [`CoordError::Busy`] when `etcd.max_inflight` requests are out.
+    /// [`CoordinationError::Busy`] when `etcd.max_inflight` requests are out.
     pub fn call<T, F, Fut>(
         &self,
         what: &'static str,
         f: F,
-    ) -> impl Future<Output = Result<T, CoordError>> + Send + 'static
+    ) -> impl Future<Output = Result<T, CoordinationError>> + Send + 'static
     where
         T: Send + 'static,
         F: FnOnce(Client) -> Fut + Send + 'static,
@@ -203,7 +204,7 @@ impl Etcd {
                 self.handle.spawn(async move {
                     let r = match tokio::time::timeout(timeout, f(client)).await {
                         Ok(r) => r.map_err(|e| etcd_err(what, e)),
-                        Err(_) => Err(CoordError::Unavailable {
+                        Err(_) => Err(CoordinationError::Unavailable {
                             what,
                             detail: format!("no answer within {timeout:?}"),
                         }),
@@ -213,11 +214,11 @@ impl Etcd {
                 });
                 Ok(rx)
             }
-            Err(_) => Err(CoordError::Busy(self.max_inflight)),
+            Err(_) => Err(CoordinationError::Busy(self.max_inflight)),
         };
         async move {
             started?.await.unwrap_or_else(|_| {
-                Err(CoordError::Unavailable {
+                Err(CoordinationError::Unavailable {
                     what,
                     detail: "the etcd runtime stopped".into(),
                 })
@@ -240,7 +241,9 @@ impl Etcd {
 
     /// Waits for [`Etcd::call`] on this thread. Never call it on the
     /// runtime's own thread.
-    pub fn wait<T>(fut: impl Future<Output = Result<T, CoordError>>) -> Result<T, CoordError> {
+    pub fn wait<T>(
+        fut: impl Future<Output = Result<T, CoordinationError>>,
+    ) -> Result<T, CoordinationError> {
         futures::executor::block_on(fut)
     }
 
@@ -248,7 +251,7 @@ impl Etcd {
     pub fn get(
         &self,
         key: String,
-    ) -> impl Future<Output = Result<Option<Versioned>, CoordError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Option<Versioned>, CoordinationError>> + Send + 'static {
         self.call("get", move |mut c| async move {
             let r = c.get(key, None).await?;
             Ok(r.kvs().first().map(Versioned::from))
@@ -259,7 +262,8 @@ impl Etcd {
     pub fn list(
         &self,
         prefix: String,
-    ) -> impl Future<Output = Result<Vec<(String, Versioned)>, CoordError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Vec<(String, Versioned)>, CoordinationError>> + Send + 'static
+    {
         self.call("list", move |mut c| async move {
             let r = c
                 .get(
@@ -287,7 +291,7 @@ impl Etcd {
         value: Vec<u8>,
         expect: Expect,
         lease: Option<i64>,
-    ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
         self.call("put_if", move |mut c| async move {
             let conditions = vec![(key.clone(), expect)];
             put_if(&mut c, key, conditions, value, lease).await
@@ -301,7 +305,7 @@ impl Etcd {
         key: String,
         conditions: Vec<(String, Expect)>,
         value: Vec<u8>,
-    ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
         self.call("put_if", move |mut c| async move {
             put_if(&mut c, key, conditions, value, None).await
         })
@@ -312,7 +316,7 @@ impl Etcd {
         &self,
         key: String,
         expect: Expect,
-    ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
         self.call("delete_if", move |mut c| async move {
             let txn = Txn::new()
                 .when([expect.compare(&key)])

@@ -39,9 +39,9 @@ pub use ublk_metrics::EpochReason;
 pub use volume::EtcdVolume;
 pub use writer::{VolumeWriter, WriterLease};
 
-/// What kind of failure a [`CoordError`] is.
+/// What kind of failure a [`CoordinationError`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CoordErrorKind {
+pub enum CoordinationErrorKind {
     /// etcd did not answer in time or refused the request.
     Unavailable,
     /// Too many requests in flight.
@@ -60,7 +60,7 @@ pub enum CoordErrorKind {
 
 /// A coordination failure; messages name what failed and what to do.
 #[derive(Debug, thiserror::Error)]
-pub enum CoordError {
+pub enum CoordinationError {
     /// etcd did not answer in time or refused the request.
     #[error("etcd unavailable ({what}): {detail}")]
     Unavailable {
@@ -104,17 +104,17 @@ pub enum CoordError {
     },
 }
 
-impl CoordError {
+impl CoordinationError {
     /// The kind callers match on.
-    pub fn kind(&self) -> CoordErrorKind {
+    pub fn kind(&self) -> CoordinationErrorKind {
         match self {
-            Self::Unavailable { .. } => CoordErrorKind::Unavailable,
-            Self::Busy(_) => CoordErrorKind::Busy,
-            Self::Held { .. } => CoordErrorKind::Held,
-            Self::Corrupt { .. } => CoordErrorKind::Corrupt,
-            Self::Placement(_) => CoordErrorKind::Placement,
-            Self::Invalid(_) => CoordErrorKind::Invalid,
-            Self::LeaseFile { .. } => CoordErrorKind::LeaseFile,
+            Self::Unavailable { .. } => CoordinationErrorKind::Unavailable,
+            Self::Busy(_) => CoordinationErrorKind::Busy,
+            Self::Held { .. } => CoordinationErrorKind::Held,
+            Self::Corrupt { .. } => CoordinationErrorKind::Corrupt,
+            Self::Placement(_) => CoordinationErrorKind::Placement,
+            Self::Invalid(_) => CoordinationErrorKind::Invalid,
+            Self::LeaseFile { .. } => CoordinationErrorKind::LeaseFile,
         }
     }
 }

@@ -13,7 +13,7 @@ use super::placement;
 use super::records::{Keys, MembershipRecord, PeerRecord};
 use super::volume::{EpochChanges, EtcdVolume};
 use super::writer::WriterLease;
-use super::CoordError;
+use super::CoordinationError;
 use ublk_metrics::CoordinationStats;
 
 /// A membership as read, with the revision a swap must be conditioned on.
@@ -34,8 +34,8 @@ pub struct Coordination {
     changes: Arc<EpochChanges>,
 }
 
-fn parse<T: serde::de::DeserializeOwned>(key: &str, v: &Versioned) -> Result<T, CoordError> {
-    serde_json::from_slice(&v.value).map_err(|e| CoordError::Corrupt {
+fn parse<T: serde::de::DeserializeOwned>(key: &str, v: &Versioned) -> Result<T, CoordinationError> {
+    serde_json::from_slice(&v.value).map_err(|e| CoordinationError::Corrupt {
         key: key.to_owned(),
         detail: e.to_string(),
     })
@@ -47,7 +47,7 @@ fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
 
 impl Coordination {
     /// Connects, and takes (or adopts) this ublkd's writer lease.
-    pub fn start(cfg: &EtcdConfig, state_dir: &Path) -> Result<Self, CoordError> {
+    pub fn start(cfg: &EtcdConfig, state_dir: &Path) -> Result<Self, CoordinationError> {
         let etcd = Etcd::connect(cfg)?;
         let lease = WriterLease::start(&etcd, cfg, state_dir)?;
         Ok(Self {
@@ -90,12 +90,12 @@ impl Coordination {
         volume: &str,
         peers: &[String],
         size: u64,
-    ) -> Result<EtcdVolume, CoordError> {
+    ) -> Result<EtcdVolume, CoordinationError> {
         let writer = self.lease.acquire(volume)?;
         let key = self.keys.membership(volume);
         if Etcd::wait(self.etcd.get(key.clone()))?.is_none() {
             let record = MembershipRecord::created(peers, size)
-                .map_err(|e| CoordError::Invalid(format!("volume {volume:?}: {e}")))?;
+                .map_err(|e| CoordinationError::Invalid(format!("volume {volume:?}: {e}")))?;
             if let Swap::Done(_) =
                 Etcd::wait(
                     self.etcd
@@ -118,10 +118,10 @@ impl Coordination {
     /// A standby's coordinator of `volume`, which another ublkd serves (or
     /// served): no writer key until the core takes the role by a hand-over.
     /// The volume must have a record.
-    pub fn open_standby(&self, volume: &str) -> Result<EtcdVolume, CoordError> {
+    pub fn open_standby(&self, volume: &str) -> Result<EtcdVolume, CoordinationError> {
         let key = self.keys.membership(volume);
         if Etcd::wait(self.etcd.get(key.clone()))?.is_none() {
-            return Err(CoordError::Invalid(format!(
+            return Err(CoordinationError::Invalid(format!(
                 "volume {volume:?} has no record in etcd: a standby follows a volume another \
                  ublkd serves; add it there first"
             )));
@@ -147,7 +147,7 @@ impl Coordination {
     }
 
     /// The registered peers, by id.
-    pub fn peers(&self) -> Result<Vec<PeerRecord>, CoordError> {
+    pub fn peers(&self) -> Result<Vec<PeerRecord>, CoordinationError> {
         let prefix = self.keys.peers();
         Etcd::wait(self.etcd.list(prefix))?
             .iter()
@@ -156,7 +156,7 @@ impl Coordination {
     }
 
     /// The registered peers with the bytes placed on each.
-    pub fn peer_usage(&self) -> Result<Vec<(PeerRecord, u64)>, CoordError> {
+    pub fn peer_usage(&self) -> Result<Vec<(PeerRecord, u64)>, CoordinationError> {
         let pool = self.peers()?;
         let placed = self.memberships()?;
         let used = placement::used_bytes(placed.iter().map(|(_, m)| &m.record));
@@ -170,14 +170,14 @@ impl Coordination {
     }
 
     /// Registers a peer; an id already registered is refused.
-    pub fn add_peer(&self, p: &PeerRecord) -> Result<(), CoordError> {
-        p.validate().map_err(CoordError::Invalid)?;
+    pub fn add_peer(&self, p: &PeerRecord) -> Result<(), CoordinationError> {
+        p.validate().map_err(CoordinationError::Invalid)?;
         let key = self.keys.peer(&p.id);
         match Etcd::wait(self.etcd.put_if(key.clone(), json(p), Expect::Absent, None))? {
             Swap::Done(_) => Ok(()),
             Swap::Conflict(cur) => {
                 let cur: Option<PeerRecord> = cur.map(|v| parse(&key, &v)).transpose()?;
-                Err(CoordError::Invalid(format!(
+                Err(CoordinationError::Invalid(format!(
                     "peer {:?} is already registered ({}); `ublkctl peer del {}` first to change it",
                     p.id,
                     cur.map_or_else(String::new, |c| c.addr),
@@ -188,7 +188,7 @@ impl Coordination {
     }
 
     /// Unregisters a peer; refused while a volume still lists it.
-    pub fn remove_peer(&self, id: &str) -> Result<(), CoordError> {
+    pub fn remove_peer(&self, id: &str) -> Result<(), CoordinationError> {
         let holding: Vec<String> = self
             .memberships()?
             .into_iter()
@@ -196,7 +196,7 @@ impl Coordination {
             .map(|(v, _)| v)
             .collect();
         if !holding.is_empty() {
-            return Err(CoordError::Invalid(format!(
+            return Err(CoordinationError::Invalid(format!(
                 "peer {id:?} still holds replicas of {} volume(s): {}; move them first",
                 holding.len(),
                 holding.join(", ")
@@ -204,20 +204,22 @@ impl Coordination {
         }
         let key = self.keys.peer(id);
         let Some(cur) = Etcd::wait(self.etcd.get(key.clone()))? else {
-            return Err(CoordError::Invalid(format!(
+            return Err(CoordinationError::Invalid(format!(
                 "no peer {id:?} is registered (see `ublkctl peer list`)"
             )));
         };
         match Etcd::wait(self.etcd.delete_if(key, Expect::Revision(cur.mod_revision)))? {
             Swap::Done(_) => Ok(()),
-            Swap::Conflict(_) => Err(CoordError::Invalid(format!(
+            Swap::Conflict(_) => Err(CoordinationError::Invalid(format!(
                 "peer {id:?} changed while it was being removed; try again"
             ))),
         }
     }
 
     /// Every volume's membership, by volume key (encoded name).
-    pub fn memberships(&self) -> Result<Vec<(String, Revisioned<MembershipRecord>)>, CoordError> {
+    pub fn memberships(
+        &self,
+    ) -> Result<Vec<(String, Revisioned<MembershipRecord>)>, CoordinationError> {
         let prefix = self.keys.volumes();
         let mut out = Vec::new();
         for (k, v) in Etcd::wait(self.etcd.list(prefix.clone()))? {
@@ -242,8 +244,9 @@ impl Coordination {
     pub fn membership(
         &self,
         volume: &str,
-    ) -> impl Future<Output = Result<Option<Revisioned<MembershipRecord>>, CoordError>> + Send + 'static
-    {
+    ) -> impl Future<Output = Result<Option<Revisioned<MembershipRecord>>, CoordinationError>>
+           + Send
+           + 'static {
         let key = self.keys.membership(volume);
         let get = self.etcd.get(key.clone());
         async move {
@@ -266,10 +269,10 @@ impl Coordination {
         record: &MembershipRecord,
         expect: Expect,
         previous_epoch: u64,
-    ) -> impl Future<Output = Result<Swap, CoordError>> + Send + 'static {
+    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
         let refused =
             (record.membership.epoch <= previous_epoch && expect != Expect::Absent).then(|| {
-                CoordError::Invalid(format!(
+                CoordinationError::Invalid(format!(
                     "membership epoch must rise: {} -> {}",
                     previous_epoch, record.membership.epoch
                 ))
@@ -286,12 +289,12 @@ impl Coordination {
     }
 
     /// Chooses `n` peers for a new volume of `size` bytes.
-    pub fn place(&self, size: u64, n: usize) -> Result<Vec<PeerRecord>, CoordError> {
+    pub fn place(&self, size: u64, n: usize) -> Result<Vec<PeerRecord>, CoordinationError> {
         let pool = self.peers()?;
         let placed = self.memberships()?;
         let used = placement::used_bytes(placed.iter().map(|(_, m)| &m.record));
         placement::choose(&pool, &used, size, n, &BTreeSet::new(), &BTreeSet::new())
-            .map_err(CoordError::Placement)
+            .map_err(CoordinationError::Placement)
     }
 
     /// A spare to replace member `replacing` of `membership`: a registered
@@ -302,7 +305,7 @@ impl Coordination {
         &self,
         membership: &MembershipRecord,
         replacing: &str,
-    ) -> Result<PeerRecord, CoordError> {
+    ) -> Result<PeerRecord, CoordinationError> {
         let pool = self.peers()?;
         let placed = self.memberships()?;
         let used = placement::used_bytes(placed.iter().map(|(_, m)| &m.record));
@@ -319,7 +322,7 @@ impl Coordination {
             .map(|p| p.domain().to_owned())
             .collect();
         placement::choose(&pool, &used, membership.size, 1, &members, &domains)
-            .map_err(CoordError::Placement)
+            .map_err(CoordinationError::Placement)
             .map(|mut v| v.remove(0))
     }
 
@@ -330,13 +333,13 @@ impl Coordination {
         &self,
         volume: &str,
         replacing: &str,
-    ) -> Result<Option<PeerRecord>, CoordError> {
+    ) -> Result<Option<PeerRecord>, CoordinationError> {
         let Some(record) = Etcd::wait(self.membership(volume))? else {
             return Ok(None);
         };
         match self.spare(&record.record, replacing) {
             Ok(p) => Ok(Some(p)),
-            Err(CoordError::Placement(why)) => {
+            Err(CoordinationError::Placement(why)) => {
                 tracing::debug!(event = "rebuild.no_spare", volume, replacing, reason = %why);
                 Ok(None)
             }

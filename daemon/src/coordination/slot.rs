@@ -12,7 +12,7 @@ use parking_lot::RwLock;
 
 use super::config::EtcdConfig;
 use super::pool::Coordination;
-use super::CoordError;
+use super::CoordinationError;
 
 /// Pause between two start attempts.
 const RETRY: Duration = Duration::from_secs(2);
@@ -50,14 +50,14 @@ impl CoordinationSlot {
         Ok(slot)
     }
 
-    /// The service, or [`CoordError::Unavailable`] with the reason it is
+    /// The service, or [`CoordinationError::Unavailable`] with the reason it is
     /// not up yet.
-    pub fn get(&self) -> Result<Arc<Coordination>, CoordError> {
+    pub fn get(&self) -> Result<Arc<Coordination>, CoordinationError> {
         self.current
             .read()
             .as_ref()
             .map(Arc::clone)
-            .map_err(|detail| CoordError::Unavailable {
+            .map_err(|detail| CoordinationError::Unavailable {
                 what: "start",
                 detail: detail.clone(),
             })

@@ -20,18 +20,18 @@ use target_rdma::replica::{
 use super::etcd::{Etcd, Expect, Swap, Versioned};
 use super::records::{reason_of_change, MembershipRecord};
 use super::writer::VolumeWriter;
-use super::{CoordError, CoordErrorKind};
+use super::{CoordinationError, CoordinationErrorKind};
 use ublk_metrics::EpochReason;
 
-impl From<CoordError> for CoreError {
-    fn from(e: CoordError) -> Self {
+impl From<CoordinationError> for CoreError {
+    fn from(e: CoordinationError) -> Self {
         let kind = match e.kind() {
-            CoordErrorKind::Held => CoreKind::LeaseHeld,
-            CoordErrorKind::Corrupt | CoordErrorKind::Invalid => CoreKind::Corrupt,
-            CoordErrorKind::Unavailable
-            | CoordErrorKind::Busy
-            | CoordErrorKind::Placement
-            | CoordErrorKind::LeaseFile => CoreKind::Unavailable,
+            CoordinationErrorKind::Held => CoreKind::LeaseHeld,
+            CoordinationErrorKind::Corrupt | CoordinationErrorKind::Invalid => CoreKind::Corrupt,
+            CoordinationErrorKind::Unavailable
+            | CoordinationErrorKind::Busy
+            | CoordinationErrorKind::Placement
+            | CoordinationErrorKind::LeaseFile => CoreKind::Unavailable,
         };
         CoreError::new(kind, e.to_string())
     }

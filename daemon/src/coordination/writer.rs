@@ -43,7 +43,7 @@ use target_rdma::replica::Lease;
 use super::config::EtcdConfig;
 use super::etcd::{self, Etcd, Expect, Swap};
 use super::records::{unix_now, Keys, WriterRecord};
-use super::CoordError;
+use super::CoordinationError;
 
 /// How long `acquire` waits for a writer key left by this installation's
 /// previous (dead) process to vanish with its lease, beyond the TTL.
@@ -179,7 +179,7 @@ impl VolumeWriter {
     /// it) and waits until the holder deleted the key or its lease expired
     /// (etcd deletes the key then), at most one lease TTL plus margins;
     /// then the key is this ublkd's under a new term.
-    pub(super) async fn take(&self, etcd: &Etcd) -> Result<(), CoordError> {
+    pub(super) async fn take(&self, etcd: &Etcd) -> Result<(), CoordinationError> {
         let s = &self.shared;
         let key = s.keys.writer(&self.volume);
         let ask = s.keys.handover(&self.volume);
@@ -189,7 +189,7 @@ impl VolumeWriter {
         let lease = loop {
             let lease = s.lease.load(Ordering::Acquire);
             if lease == 0 {
-                return Err(CoordError::Unavailable {
+                return Err(CoordinationError::Unavailable {
                     what: "writer lease",
                     detail: "no etcd lease is alive".into(),
                 });
@@ -208,7 +208,7 @@ impl VolumeWriter {
                 if asked {
                     let _ = etcd.delete_if(ask.clone(), Expect::Lease(lease)).await;
                 }
-                return Err(CoordError::Held {
+                return Err(CoordinationError::Held {
                     volume: self.volume.clone(),
                     holder: format!(
                         "{holder}, which did not hand it over and kept its lease alive for {:?}",
@@ -226,7 +226,7 @@ impl VolumeWriter {
                     Swap::Conflict(Some(cur)) => {
                         let other = serde_json::from_slice::<WriterRecord>(&cur.value)
                             .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string());
-                        return Err(CoordError::Held {
+                        return Err(CoordinationError::Held {
                             volume: self.volume.clone(),
                             holder: format!("{holder}; {other} is already asking for it"),
                         });
@@ -248,7 +248,7 @@ impl VolumeWriter {
     /// Gives the writer key up to the standby that asked for it (the core
     /// flushed and acknowledges nothing more). On an error the key is
     /// still ours.
-    pub(super) async fn give_up(&self, etcd: &Etcd) -> Result<(), CoordError> {
+    pub(super) async fn give_up(&self, etcd: &Etcd) -> Result<(), CoordinationError> {
         let lease = self.lease.swap(0, Ordering::AcqRel);
         if lease == 0 {
             return Ok(());
@@ -299,9 +299,9 @@ pub struct WriterLease {
 
 /// Opens and locks `<state_dir>/writer-lease`, returning the lease id it
 /// names, if any.
-fn lock_lease_file(state_dir: &Path) -> Result<(File, PathBuf, Option<i64>), CoordError> {
+fn lock_lease_file(state_dir: &Path) -> Result<(File, PathBuf, Option<i64>), CoordinationError> {
     let path = state_dir.join("writer-lease");
-    let io = |e: std::io::Error| CoordError::LeaseFile {
+    let io = |e: std::io::Error| CoordinationError::LeaseFile {
         path: path.clone(),
         detail: e.to_string(),
     };
@@ -314,9 +314,11 @@ fn lock_lease_file(state_dir: &Path) -> Result<(File, PathBuf, Option<i64>), Coo
         .mode(0o600)
         .open(&path)
         .map_err(io)?;
-    flock(&f, FlockOperation::NonBlockingLockExclusive).map_err(|_| CoordError::LeaseFile {
-        path: path.clone(),
-        detail: "locked by another ublkd using the same state_dir".into(),
+    flock(&f, FlockOperation::NonBlockingLockExclusive).map_err(|_| {
+        CoordinationError::LeaseFile {
+            path: path.clone(),
+            detail: "locked by another ublkd using the same state_dir".into(),
+        }
     })?;
     let mut text = String::new();
     f.read_to_string(&mut text).map_err(io)?;
@@ -344,7 +346,11 @@ fn lease_gone(e: &etcd_client::Error) -> bool {
 impl WriterLease {
     /// Locks the state dir's lease file, adopts the lease it names if etcd
     /// still has it (else grants a new one), and starts keeping it alive.
-    pub fn start(etcd: &Arc<Etcd>, cfg: &EtcdConfig, state_dir: &Path) -> Result<Self, CoordError> {
+    pub fn start(
+        etcd: &Arc<Etcd>,
+        cfg: &EtcdConfig,
+        state_dir: &Path,
+    ) -> Result<Self, CoordinationError> {
         let (file, lease_path, previous) = lock_lease_file(state_dir)?;
         let ttl = cfg.lease_ttl();
         let shared = Arc::new(Shared {
@@ -435,9 +441,9 @@ impl WriterLease {
 
     /// Takes `volume`'s writer key: created if absent, kept if ours (an
     /// adopted lease), waited for if this installation's dead predecessor
-    /// left it; otherwise refused with [`CoordError::Held`] naming the
+    /// left it; otherwise refused with [`CoordinationError::Held`] naming the
     /// holder.
-    pub fn acquire(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordError> {
+    pub fn acquire(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordinationError> {
         // A handle whose key is not ours any more (taken by another ublkd
         // while the lease was lost) is taken again in place: the volume's
         // coordinator holds it.
@@ -453,7 +459,7 @@ impl WriterLease {
         loop {
             let lease = self.lease_id();
             if lease == 0 {
-                return Err(CoordError::Unavailable {
+                return Err(CoordinationError::Unavailable {
                     what: "writer lease",
                     detail: "no etcd lease is alive".into(),
                 });
@@ -481,7 +487,7 @@ impl WriterLease {
                 }
                 Swap::Conflict(Some(cur)) => Some(
                     serde_json::from_slice::<WriterRecord>(&cur.value).map_err(|e| {
-                        CoordError::Corrupt {
+                        CoordinationError::Corrupt {
                             key: key.clone(),
                             detail: e.to_string(),
                         }
@@ -520,7 +526,7 @@ impl WriterLease {
                     std::thread::sleep(Duration::from_millis(250));
                 }
                 (Some(h), _) => {
-                    return Err(CoordError::Held {
+                    return Err(CoordinationError::Held {
                         volume: volume.to_owned(),
                         holder: h.to_string(),
                     })
@@ -532,10 +538,10 @@ impl WriterLease {
     /// A standby's hold on `volume`: no writer key, until the core takes
     /// the role ([`VolumeWriter::take`]). Refused when this ublkd serves
     /// the volume already.
-    pub fn standby(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordError> {
+    pub fn standby(&self, volume: &str) -> Result<Arc<VolumeWriter>, CoordinationError> {
         let mut volumes = self.shared.volumes.lock();
         if volumes.contains_key(volume) {
-            return Err(CoordError::Invalid(format!(
+            return Err(CoordinationError::Invalid(format!(
                 "volume {volume:?} is already served by this ublkd"
             )));
         }
@@ -554,7 +560,7 @@ impl WriterLease {
     }
 
     /// Gives `volume` up: its writer key is deleted if it is still ours.
-    pub fn release(&self, volume: &str) -> Result<(), CoordError> {
+    pub fn release(&self, volume: &str) -> Result<(), CoordinationError> {
         let Some(v) = self.shared.volumes.lock().remove(volume) else {
             return Ok(());
         };

@@ -42,7 +42,9 @@ use target_rdma::size::{ApproxSize, HumanSize};
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, UblkdConfig};
-use crate::coordination::{CoordError, CoordErrorKind, Coordination, CoordinationSlot};
+use crate::coordination::{
+    Coordination, CoordinationError, CoordinationErrorKind, CoordinationSlot,
+};
 use crate::ctl::{AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, StatsReply};
 use crate::device_stats::DeviceStats;
 use crate::observability::{DevState, DeviceObs, Observability};
@@ -132,7 +134,7 @@ pub enum DeviceError {
     },
     /// The coordination service (etcd).
     #[error("{0}")]
-    Coordination(#[from] CoordError),
+    Coordination(#[from] CoordinationError),
     /// The state directory failed.
     #[error("state dir {path}: {source}")]
     State {
@@ -150,7 +152,10 @@ impl DeviceError {
     pub fn coordinator_unreachable(&self) -> bool {
         match self {
             Self::Coordination(e) => {
-                matches!(e.kind(), CoordErrorKind::Unavailable | CoordErrorKind::Busy)
+                matches!(
+                    e.kind(),
+                    CoordinationErrorKind::Unavailable | CoordinationErrorKind::Busy
+                )
             }
             Self::Arena(e) => {
                 e.kind() == ArenaErrorKind::Replica(target_rdma::blob::ReplicaFailure::Unrecorded)
@@ -171,13 +176,19 @@ impl DeviceError {
                 ArenaErrorKind::AuthFailed | ArenaErrorKind::PeerNotAuthentic => {
                     ErrorKind::AuthFailed
                 }
-                _ => ErrorKind::Peer,
+                ArenaErrorKind::Refused(_)
+                | ArenaErrorKind::TimedOut
+                | ArenaErrorKind::Disconnected
+                | ArenaErrorKind::Status(_)
+                | ArenaErrorKind::Protocol
+                | ArenaErrorKind::UnflushedDataLost
+                | ArenaErrorKind::Replica(_) => ErrorKind::Peer,
             },
             Self::UblkMissing => ErrorKind::UblkMissing,
             Self::NotResizable { .. } => ErrorKind::Unsupported,
             Self::Ublk { .. } | Self::State { .. } => ErrorKind::System,
             Self::Coordination(e) => match e.kind() {
-                CoordErrorKind::Invalid => ErrorKind::BadRequest,
+                CoordinationErrorKind::Invalid => ErrorKind::BadRequest,
                 _ => ErrorKind::Coordination,
             },
         }

@@ -30,7 +30,7 @@ use target_rdma::replica::{
 use super::connect::{Connector, PeerSessions};
 use super::spec::SpecStore;
 use super::{DeviceError, DeviceSpec, ReplicaSpec};
-use crate::coordination::{CoordError, ReplicationConfig};
+use crate::coordination::{CoordinationError, ReplicationConfig};
 use crate::ctl::{AddArgs, HandoverInfo, RebuildInfo, ReplicaInfo, ReplicasInfo};
 use crate::queue_io::{QueueIo, TagBuffers};
 use ublk_metrics::{HedgeOutcome, RebuildOutcome, ReplicaStats};
@@ -83,15 +83,15 @@ pub struct Replicated {
 /// A coordination store's refusal, as a device error of the right class.
 pub fn core_coord_error(volume: &str, e: CoreError) -> DeviceError {
     DeviceError::Coordination(match e.kind {
-        CoreKind::LeaseHeld => CoordError::Held {
+        CoreKind::LeaseHeld => CoordinationError::Held {
             volume: volume.to_owned(),
             holder: e.message,
         },
-        CoreKind::Corrupt => CoordError::Corrupt {
+        CoreKind::Corrupt => CoordinationError::Corrupt {
             key: format!("the membership of volume {volume:?}"),
             detail: e.message,
         },
-        CoreKind::Unavailable => CoordError::Unavailable {
+        CoreKind::Unavailable => CoordinationError::Unavailable {
             what: "membership",
             detail: e.message,
         },
@@ -535,7 +535,7 @@ fn record_out(
         .map_err(|why| DeviceError::BadRequest(format!("volume {volume:?}: {why}")))?;
     match block_on(coord.compare_and_swap(record.epoch, next)) {
         Ok(Swap::Done) => Ok(()),
-        Ok(Swap::Lost(now)) => Err(DeviceError::Coordination(CoordError::Unavailable {
+        Ok(Swap::Lost(now)) => Err(DeviceError::Coordination(CoordinationError::Unavailable {
             what: "membership",
             detail: format!("volume {volume:?}: the record changed while opening, to {now}"),
         })),

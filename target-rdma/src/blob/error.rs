@@ -7,6 +7,7 @@ use std::io;
 use std::time::Duration;
 
 use crate::proto::{FrameError, Opcode, Status};
+use ublk_metrics::{IoOp, Phase, Reason};
 
 /// What kind of failure an [`ArenaError`] is: the closed set callers match
 /// on (errno, failure taxonomy, readiness, control-socket error class),
@@ -34,6 +35,103 @@ pub enum ErrorKind {
     /// A replicated volume refused a request that no single member's
     /// failure explains.
     Replica(ReplicaFailure),
+}
+
+impl ErrorKind {
+    /// The errno the block layer gets (positive; ublk wants it negated).
+    /// The kernel turns these into block statuses: ENOSPC →
+    /// `BLK_STS_NOSPC`, ETIMEDOUT → `BLK_STS_TIMEOUT`, ENOLINK →
+    /// `BLK_STS_TRANSPORT`, the rest → `BLK_STS_IOERR`. Every kind is
+    /// named, so a new one must be placed here.
+    pub fn errno(self) -> i32 {
+        match self {
+            Self::TimedOut | Self::Replica(ReplicaFailure::Unrecorded) => libc::ETIMEDOUT,
+            Self::Connect | Self::Disconnected | Self::Replica(ReplicaFailure::NoMember) => {
+                libc::ENOLINK
+            }
+            Self::Status(s) => s.errno(),
+            Self::AuthFailed
+            | Self::PeerNotAuthentic
+            | Self::Refused(_)
+            | Self::Protocol
+            | Self::UnflushedDataLost
+            | Self::Replica(ReplicaFailure::Fenced | ReplicaFailure::Standby) => libc::EIO,
+        }
+    }
+
+    /// Where a request of `op` failed and why, in the failure taxonomy of
+    /// docs/METRICS.md (`ublk_request_failures_total{phase,reason}`).
+    pub fn blame(self, op: IoOp) -> (Phase, Reason) {
+        match self {
+            Self::Connect => (Phase::Connect, Reason::Unavailable),
+            Self::AuthFailed | Self::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
+            Self::Refused(_) => (Phase::Handshake, Reason::Unavailable),
+            Self::TimedOut => (Phase::Poll, Reason::Timeout),
+            Self::Disconnected => (Phase::Poll, Reason::PeerClosed),
+            Self::Protocol => (Phase::Poll, Reason::Protocol),
+            Self::UnflushedDataLost => (Phase::Flush, Reason::Io),
+            Self::Replica(ReplicaFailure::Unrecorded) => (Phase::Completion, Reason::Timeout),
+            Self::Replica(ReplicaFailure::Fenced | ReplicaFailure::Standby) => {
+                (Phase::Completion, Reason::Auth)
+            }
+            Self::Replica(ReplicaFailure::NoMember) => (Phase::Connect, Reason::Unavailable),
+            Self::Status(s) => s.blame(op),
+        }
+    }
+
+    /// Whether the session to the peer is gone: the connection never came
+    /// up, broke, or was refused at the handshake (a reconnect is due).
+    pub fn peer_gone(self) -> bool {
+        match self {
+            Self::Connect | Self::Disconnected | Self::Refused(_) => true,
+            Self::AuthFailed
+            | Self::PeerNotAuthentic
+            | Self::TimedOut
+            | Self::Status(_)
+            | Self::Protocol
+            | Self::UnflushedDataLost
+            | Self::Replica(_) => false,
+        }
+    }
+}
+
+impl Status {
+    /// The errno of a request the peer answered with this status.
+    fn errno(self) -> i32 {
+        match self {
+            Self::NoSpace | Self::QuotaExceeded => libc::ENOSPC,
+            Self::Ok
+            | Self::NotFound
+            | Self::Busy
+            | Self::Protocol
+            | Self::AuthFailed
+            | Self::VersionMismatch
+            | Self::ShuttingDown
+            | Self::Internal
+            | Self::LeaseLost
+            | Self::StaleEpoch => libc::EIO,
+        }
+    }
+
+    /// Where a request of `op` the peer answered with this status failed.
+    fn blame(self, op: IoOp) -> (Phase, Reason) {
+        match self {
+            Self::NoSpace | Self::QuotaExceeded | Self::Busy => {
+                (Phase::Alloc, Reason::ResourceExhausted)
+            }
+            Self::Protocol | Self::VersionMismatch => (Phase::Completion, Reason::Protocol),
+            Self::AuthFailed => (Phase::Completion, Reason::Auth),
+            Self::ShuttingDown => (Phase::Completion, Reason::Unavailable),
+            Self::Ok | Self::NotFound | Self::Internal | Self::LeaseLost | Self::StaleEpoch => {
+                match op {
+                    IoOp::Flush => (Phase::Flush, Reason::Io),
+                    IoOp::Read | IoOp::Write | IoOp::Discard | IoOp::WriteZeroes => {
+                        (Phase::Completion, Reason::Io)
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Why a replicated volume refused a request of its own accord.

@@ -20,8 +20,7 @@ pub use mem_target::MemTarget;
 
 use ublk_metrics::IoOp;
 
-use crate::blob::{ArenaError, ErrorKind, ReplicaFailure, Transport, Via};
-use crate::proto::Status;
+use crate::blob::{ArenaError, Transport, Via};
 
 /// A block request that failed.
 #[derive(Debug, thiserror::Error)]
@@ -49,23 +48,13 @@ pub enum TargetError {
 }
 
 impl TargetError {
-    /// The errno the block layer gets (positive; ublk wants it negated).
-    ///
-    /// The kernel turns these into block statuses: ENOSPC → `BLK_STS_NOSPC`,
-    /// ETIMEDOUT → `BLK_STS_TIMEOUT`, ENOLINK → `BLK_STS_TRANSPORT`, the
-    /// rest → `BLK_STS_IOERR`.
+    /// The errno the block layer gets (positive; ublk wants it negated):
+    /// the arena error's ([`ErrorKind::errno`](crate::blob::ErrorKind::errno)),
+    /// EIO for a range past the end.
     pub fn errno(&self) -> i32 {
         match self {
             Self::OutOfRange { .. } => libc::EIO,
-            Self::Arena { source, .. } => match source.kind() {
-                ErrorKind::TimedOut => libc::ETIMEDOUT,
-                ErrorKind::Connect
-                | ErrorKind::Disconnected
-                | ErrorKind::Replica(ReplicaFailure::NoMember) => libc::ENOLINK,
-                ErrorKind::Replica(ReplicaFailure::Unrecorded) => libc::ETIMEDOUT,
-                ErrorKind::Status(Status::NoSpace | Status::QuotaExceeded) => libc::ENOSPC,
-                _ => libc::EIO,
-            },
+            Self::Arena { source, .. } => source.kind().errno(),
         }
     }
 }
