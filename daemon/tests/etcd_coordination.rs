@@ -14,7 +14,7 @@ use target_rdma::replica::{
     CoordErrorKind as CoreKind, Coordinator, Lease, MemberRecord, MemberState, Membership,
     Swap as CoreSwap,
 };
-use ublkd::coordination::etcd::{Etcd, Expect, Swap};
+use ublkd::coordination::etcd::{Etcd, Expect, TxnOutcome};
 use ublkd::coordination::{Coordination, CoordinationErrorKind, MembershipRecord, PeerRecord};
 
 const LIMIT: Duration = Duration::from_secs(30);
@@ -41,11 +41,11 @@ fn membership_swaps_conflict_on_a_stale_revision() {
     let created = membership(1, &["m1", "m2"]);
     assert!(matches!(
         wait(c.swap_membership("vm1", &created, Expect::Absent, 0)),
-        Swap::Done(_)
+        TxnOutcome::Done(_)
     ));
     // A second creation loses: the key exists.
     match wait(c.swap_membership("vm1", &membership(1, &["m3"]), Expect::Absent, 0)) {
-        Swap::Conflict(Some(_)) => {}
+        TxnOutcome::Conflict(Some(_)) => {}
         other => panic!("{other:?}"),
     }
     let read = wait(c.membership("vm1")).unwrap();
@@ -60,8 +60,8 @@ fn membership_swaps_conflict_on_a_stale_revision() {
     b.membership.members[0].state = MemberState::Failed;
     let ra = wait(c.swap_membership("vm1", &a, Expect::Revision(read.revision), 1));
     let rb = wait(c.swap_membership("vm1", &b, Expect::Revision(read.revision), 1));
-    assert!(matches!(ra, Swap::Done(_)), "{ra:?}");
-    assert!(matches!(rb, Swap::Conflict(Some(_))), "{rb:?}");
+    assert!(matches!(ra, TxnOutcome::Done(_)), "{ra:?}");
+    assert!(matches!(rb, TxnOutcome::Conflict(Some(_))), "{rb:?}");
     assert_eq!(wait(c.membership("vm1")).unwrap().record, a);
     // An epoch that does not rise never reaches etcd.
     let e = Etcd::wait(c.swap_membership("vm1", &a, Expect::Revision(1), 2)).unwrap_err();

@@ -68,7 +68,7 @@ pub enum Expect {
 
 /// The outcome of a conditional change.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Swap {
+pub enum TxnOutcome {
     /// Done; the store's revision after it.
     Done(i64),
     /// The condition did not hold; the key as it is now (`None`: absent).
@@ -291,7 +291,7 @@ impl Etcd {
         value: Vec<u8>,
         expect: Expect,
         lease: Option<i64>,
-    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
+    ) -> impl Future<Output = Result<TxnOutcome, CoordinationError>> + Send + 'static {
         self.call("put_if", move |mut c| async move {
             let conditions = vec![(key.clone(), expect)];
             put_if(&mut c, key, conditions, value, lease).await
@@ -305,7 +305,7 @@ impl Etcd {
         key: String,
         conditions: Vec<(String, Expect)>,
         value: Vec<u8>,
-    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
+    ) -> impl Future<Output = Result<TxnOutcome, CoordinationError>> + Send + 'static {
         self.call("put_if", move |mut c| async move {
             put_if(&mut c, key, conditions, value, None).await
         })
@@ -316,7 +316,7 @@ impl Etcd {
         &self,
         key: String,
         expect: Expect,
-    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
+    ) -> impl Future<Output = Result<TxnOutcome, CoordinationError>> + Send + 'static {
         self.call("delete_if", move |mut c| async move {
             let txn = Txn::new()
                 .when([expect.compare(&key)])
@@ -334,7 +334,7 @@ pub(super) async fn put_if(
     conditions: Vec<(String, Expect)>,
     value: Vec<u8>,
     lease: Option<i64>,
-) -> Result<Swap, etcd_client::Error> {
+) -> Result<TxnOutcome, etcd_client::Error> {
     let opts = lease.map(|id| PutOptions::new().with_lease(id));
     let when: Vec<Compare> = conditions.iter().map(|(k, e)| e.compare(k)).collect();
     let txn = Txn::new()
@@ -344,15 +344,15 @@ pub(super) async fn put_if(
     swap_outcome(c.txn(txn).await?)
 }
 
-pub(super) fn swap_outcome(r: etcd_client::TxnResponse) -> Result<Swap, etcd_client::Error> {
+pub(super) fn swap_outcome(r: etcd_client::TxnResponse) -> Result<TxnOutcome, etcd_client::Error> {
     if r.succeeded() {
-        return Ok(Swap::Done(r.header().map_or(0, |h| h.revision())));
+        return Ok(TxnOutcome::Done(r.header().map_or(0, |h| h.revision())));
     }
     let now = r.op_responses().into_iter().find_map(|op| match op {
         TxnOpResponse::Get(g) => Some(g.kvs().first().map(Versioned::from)),
         _ => None,
     });
-    Ok(Swap::Conflict(now.flatten()))
+    Ok(TxnOutcome::Conflict(now.flatten()))
 }
 
 impl Drop for Etcd {

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::config::EtcdConfig;
-use super::etcd::{Etcd, Expect, Swap, Versioned};
+use super::etcd::{Etcd, Expect, TxnOutcome, Versioned};
 use super::placement;
 use super::records::{Keys, MembershipRecord, PeerRecord};
 use super::volume::{EpochChanges, EtcdVolume};
@@ -96,7 +96,7 @@ impl Coordination {
         if Etcd::wait(self.etcd.get(key.clone()))?.is_none() {
             let record = MembershipRecord::created(peers, size)
                 .map_err(|e| CoordinationError::Invalid(format!("volume {volume:?}: {e}")))?;
-            if let Swap::Done(_) =
+            if let TxnOutcome::Done(_) =
                 Etcd::wait(
                     self.etcd
                         .put_if(key.clone(), json(&record), Expect::Absent, None),
@@ -174,8 +174,8 @@ impl Coordination {
         p.validate().map_err(CoordinationError::Invalid)?;
         let key = self.keys.peer(&p.id);
         match Etcd::wait(self.etcd.put_if(key.clone(), json(p), Expect::Absent, None))? {
-            Swap::Done(_) => Ok(()),
-            Swap::Conflict(cur) => {
+            TxnOutcome::Done(_) => Ok(()),
+            TxnOutcome::Conflict(cur) => {
                 let cur: Option<PeerRecord> = cur.map(|v| parse(&key, &v)).transpose()?;
                 Err(CoordinationError::Invalid(format!(
                     "peer {:?} is already registered ({}); `ublkctl peer del {}` first to change it",
@@ -209,8 +209,8 @@ impl Coordination {
             )));
         };
         match Etcd::wait(self.etcd.delete_if(key, Expect::Revision(cur.mod_revision)))? {
-            Swap::Done(_) => Ok(()),
-            Swap::Conflict(_) => Err(CoordinationError::Invalid(format!(
+            TxnOutcome::Done(_) => Ok(()),
+            TxnOutcome::Conflict(_) => Err(CoordinationError::Invalid(format!(
                 "peer {id:?} changed while it was being removed; try again"
             ))),
         }
@@ -269,7 +269,7 @@ impl Coordination {
         record: &MembershipRecord,
         expect: Expect,
         previous_epoch: u64,
-    ) -> impl Future<Output = Result<Swap, CoordinationError>> + Send + 'static {
+    ) -> impl Future<Output = Result<TxnOutcome, CoordinationError>> + Send + 'static {
         let refused =
             (record.membership.epoch <= previous_epoch && expect != Expect::Absent).then(|| {
                 CoordinationError::Invalid(format!(

@@ -17,7 +17,7 @@ use target_rdma::replica::{
     Membership, Swap as CoreSwap,
 };
 
-use super::etcd::{Etcd, Expect, Swap, Versioned};
+use super::etcd::{Etcd, Expect, TxnOutcome, Versioned};
 use super::records::{reason_of_change, MembershipRecord};
 use super::writer::VolumeWriter;
 use super::{CoordinationError, CoordinationErrorKind};
@@ -149,18 +149,18 @@ impl EtcdVolume {
             .etcd
             .put_if_all(self.membership_key.clone(), conditions, value);
         match put.await? {
-            Swap::Done(_) => {
+            TxnOutcome::Done(_) => {
                 self.changes.record(reason);
                 tracing::info!(event = "membership.changed", volume = %self.volume,
                     membership = %record.membership, reason = reason.as_str());
                 Ok(CoreSwap::Done)
             }
-            Swap::Conflict(Some(now)) if now.mod_revision != revision => Ok(CoreSwap::Lost(
+            TxnOutcome::Conflict(Some(now)) if now.mod_revision != revision => Ok(CoreSwap::Lost(
                 parse(&self.membership_key, &now)?.membership,
             )),
             // The membership did not move: the writer key is no longer ours.
-            Swap::Conflict(Some(_)) => Err(self.fenced()),
-            Swap::Conflict(None) => Err(CoreError::new(
+            TxnOutcome::Conflict(Some(_)) => Err(self.fenced()),
+            TxnOutcome::Conflict(None) => Err(CoreError::new(
                 CoreKind::Corrupt,
                 format!("volume {:?}: its membership key was deleted", self.volume),
             )),

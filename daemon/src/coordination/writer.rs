@@ -41,7 +41,7 @@ use rustix::fs::{flock, FlockOperation};
 use target_rdma::replica::Lease;
 
 use super::config::EtcdConfig;
-use super::etcd::{self, Etcd, Expect, Swap};
+use super::etcd::{self, Etcd, Expect, TxnOutcome};
 use super::records::{unix_now, Keys, WriterRecord};
 use super::CoordinationError;
 
@@ -198,11 +198,13 @@ impl VolumeWriter {
                 .put_if(key.clone(), me.clone(), Expect::Absent, Some(lease))
                 .await?
             {
-                Swap::Done(_) => break lease,
-                Swap::Conflict(Some(cur)) if cur.lease == lease => break lease,
-                Swap::Conflict(Some(cur)) => serde_json::from_slice::<WriterRecord>(&cur.value)
-                    .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string()),
-                Swap::Conflict(None) => continue,
+                TxnOutcome::Done(_) => break lease,
+                TxnOutcome::Conflict(Some(cur)) if cur.lease == lease => break lease,
+                TxnOutcome::Conflict(Some(cur)) => {
+                    serde_json::from_slice::<WriterRecord>(&cur.value)
+                        .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string())
+                }
+                TxnOutcome::Conflict(None) => continue,
             };
             if Instant::now() >= give_up {
                 if asked {
@@ -221,9 +223,9 @@ impl VolumeWriter {
                     .put_if(ask.clone(), me.clone(), Expect::Absent, Some(lease))
                     .await?
                 {
-                    Swap::Done(_) => asked = true,
-                    Swap::Conflict(Some(cur)) if cur.lease == lease => asked = true,
-                    Swap::Conflict(Some(cur)) => {
+                    TxnOutcome::Done(_) => asked = true,
+                    TxnOutcome::Conflict(Some(cur)) if cur.lease == lease => asked = true,
+                    TxnOutcome::Conflict(Some(cur)) => {
                         let other = serde_json::from_slice::<WriterRecord>(&cur.value)
                             .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string());
                         return Err(CoordinationError::Held {
@@ -231,7 +233,7 @@ impl VolumeWriter {
                             holder: format!("{holder}; {other} is already asking for it"),
                         });
                     }
-                    Swap::Conflict(None) => {}
+                    TxnOutcome::Conflict(None) => {}
                 }
                 tracing::info!(event = "writer.handover_asked", volume = %self.volume, holder = %holder);
             }
@@ -470,8 +472,8 @@ impl WriterLease {
                         .put_if(key.clone(), me.clone(), Expect::Absent, Some(lease)),
                 )?;
             let holder = match swap {
-                Swap::Done(_) => None,
-                Swap::Conflict(Some(cur)) if cur.lease == lease => {
+                TxnOutcome::Done(_) => None,
+                TxnOutcome::Conflict(Some(cur)) if cur.lease == lease => {
                     // An adopted lease: the key still names the dead
                     // process; it names this one from now on.
                     let renamed = self.etcd.put_if(
@@ -485,7 +487,7 @@ impl WriterLease {
                     }
                     None
                 }
-                Swap::Conflict(Some(cur)) => Some(
+                TxnOutcome::Conflict(Some(cur)) => Some(
                     serde_json::from_slice::<WriterRecord>(&cur.value).map_err(|e| {
                         CoordinationError::Corrupt {
                             key: key.clone(),
@@ -493,7 +495,7 @@ impl WriterLease {
                         }
                     })?,
                 ),
-                Swap::Conflict(None) => continue,
+                TxnOutcome::Conflict(None) => continue,
             };
             match (holder, existing.clone()) {
                 (None, Some(v)) => {
@@ -665,9 +667,9 @@ async fn retake(client: &Client, shared: &Shared, timeout: Duration) {
             Some(lease),
         );
         let holder = match tokio::time::timeout(timeout, take).await {
-            Ok(Ok(Swap::Done(_))) => None,
-            Ok(Ok(Swap::Conflict(Some(cur)))) if cur.lease == lease => None,
-            Ok(Ok(Swap::Conflict(Some(cur)))) => Some(
+            Ok(Ok(TxnOutcome::Done(_))) => None,
+            Ok(Ok(TxnOutcome::Conflict(Some(cur)))) if cur.lease == lease => None,
+            Ok(Ok(TxnOutcome::Conflict(Some(cur)))) => Some(
                 serde_json::from_slice::<WriterRecord>(&cur.value)
                     .map_or_else(|_| "another ublkd".to_string(), |r| r.to_string()),
             ),

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::clock::Clock;
 use super::coordinator::{CoordErrorKind, Coordinator, Lease};
 use super::member::{Lane, MemberIo, MemberSessions};
-use super::set::{ReplicaConfig, ReplicaSet, ReplicaStats};
+use super::set::{ReplicaConfig, ReplicaCounters, ReplicaSet};
 use crate::blob::{ArenaError, ReplicaFailure};
 use crate::proto::Status;
 
@@ -114,7 +114,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             ));
         };
         let next = self.raise_role(term, "taking the writer role").await?;
-        ReplicaStats::count(&self.stats().handovers_in);
+        ReplicaCounters::count(&self.stats().handovers_in);
         let took = self.clock.now().saturating_duration_since(started);
         self.remember(true, holder, took);
         tracing::info!(event = "replica.activated", volume = %self.volume(), membership = %next,
@@ -159,7 +159,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             tracing::warn!(event = "replica.release_failed", volume = %self.volume(), error = %e);
             return Err(e);
         }
-        ReplicaStats::count(&self.stats().handovers_out);
+        ReplicaCounters::count(&self.stats().handovers_out);
         let took = self.clock.now().saturating_duration_since(started);
         self.remember(false, to, took);
         tracing::info!(event = "replica.released", volume = %self.volume(),

@@ -41,7 +41,7 @@ pub use handover::Handover;
 pub use io::ReplicatedIo;
 pub use member::{MemberIo, MemberSessions};
 pub use rebuild::{GuestLoad, RebuildConfig, RebuildStats, DEFAULT_INFLIGHT, RATE_WINDOW};
-pub use set::{ReplicaConfig, ReplicaSet, ReplicaStats, Standing};
+pub use set::{ReplicaConfig, ReplicaCounters, ReplicaSet, Standing};
 
 #[cfg(test)]
 mod tests;

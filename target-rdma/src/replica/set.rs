@@ -112,7 +112,7 @@ impl Standing {
 
 /// What a replicated volume counted; the daemon exports it.
 #[derive(Debug, Default)]
-pub struct ReplicaStats {
+pub struct ReplicaCounters {
     /// Members taken out of the membership (recorded as failed).
     pub removals: AtomicU64,
     /// Membership changes recorded by this writer.
@@ -141,7 +141,7 @@ pub struct ReplicaStats {
     pub handovers_out: AtomicU64,
 }
 
-impl ReplicaStats {
+impl ReplicaCounters {
     pub(super) fn count(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -202,7 +202,7 @@ pub struct ReplicaSet<S> {
     /// The last hand-overs, newest last (at most
     /// [`HANDOVER_HISTORY`](super::handover::HANDOVER_HISTORY)).
     pub(super) history: Mutex<std::collections::VecDeque<super::Handover>>,
-    stats: ReplicaStats,
+    stats: ReplicaCounters,
 }
 
 impl<S: MemberIo> ReplicaSet<S> {
@@ -319,7 +319,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             activate_on_write: AtomicBool::new(false),
             handover: AsyncMutex::new(()),
             history: Mutex::default(),
-            stats: ReplicaStats::default(),
+            stats: ReplicaCounters::default(),
         }))
     }
 
@@ -340,7 +340,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     }
 
     /// What the volume counted.
-    pub fn stats(&self) -> &ReplicaStats {
+    pub fn stats(&self) -> &ReplicaCounters {
         &self.stats
     }
 
@@ -386,8 +386,8 @@ impl<S: MemberIo> ReplicaSet<S> {
     /// An error for a refusal of the volume's own.
     pub(super) fn refusal(&self, failure: ReplicaFailure, detail: String) -> ArenaError {
         match failure {
-            ReplicaFailure::Fenced => ReplicaStats::count(&self.stats.fenced),
-            ReplicaFailure::Unrecorded => ReplicaStats::count(&self.stats.unrecorded),
+            ReplicaFailure::Fenced => ReplicaCounters::count(&self.stats.fenced),
+            ReplicaFailure::Unrecorded => ReplicaCounters::count(&self.stats.unrecorded),
             ReplicaFailure::NoMember | ReplicaFailure::Standby => {}
         }
         ArenaError::Replica {
@@ -418,7 +418,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             return;
         }
         if !self.fenced.load(Ordering::Acquire) {
-            ReplicaStats::count(&self.stats.stale_epoch_fences);
+            ReplicaCounters::count(&self.stats.stale_epoch_fences);
         }
         self.fence(format!("a newer writer owns the volume: {e}"));
     }
@@ -596,8 +596,8 @@ impl<S: MemberIo> ReplicaSet<S> {
                 format!("checking the role: {why}"),
             )
         })?;
-        ReplicaStats::count(&self.stats.epoch_changes);
-        ReplicaStats::count(&self.stats.roles_regained);
+        ReplicaCounters::count(&self.stats.epoch_changes);
+        ReplicaCounters::count(&self.stats.roles_regained);
         self.term.store(term, Ordering::Release);
         tracing::info!(event = "replica.role_regained", volume = %self.volume, membership = %now);
         self.install(v).await;
@@ -670,7 +670,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         self.fenced.store(false, Ordering::Release);
         self.behind.store(false, Ordering::Release);
         self.standby.store(false, Ordering::Release);
-        ReplicaStats::count(&self.stats.epoch_changes);
+        ReplicaCounters::count(&self.stats.epoch_changes);
         self.install(v).await;
         Ok(next)
     }
@@ -692,17 +692,17 @@ impl<S: MemberIo> ReplicaSet<S> {
     }
 
     pub(super) fn count_straggler(&self) {
-        ReplicaStats::count(&self.stats.stragglers);
+        ReplicaCounters::count(&self.stats.stragglers);
     }
 
     pub(super) fn count_stale_answer(&self) {
-        ReplicaStats::count(&self.stats.stale_answers);
+        ReplicaCounters::count(&self.stats.stale_answers);
     }
 
     pub(super) fn count_hedge(&self, won: bool) {
-        ReplicaStats::count(&self.stats.hedged_reads);
+        ReplicaCounters::count(&self.stats.hedged_reads);
         if won {
-            ReplicaStats::count(&self.stats.hedge_wins);
+            ReplicaCounters::count(&self.stats.hedge_wins);
         }
     }
 
@@ -847,7 +847,7 @@ impl<S: MemberIo> ReplicaSet<S> {
                         "{what}: the record moved on in a way this writer cannot follow: {why}"
                     ))
                 })?;
-                ReplicaStats::count(&self.stats.epoch_changes);
+                ReplicaCounters::count(&self.stats.epoch_changes);
                 if record == next {
                     self.stats.removals.fetch_add(removals, Ordering::Relaxed);
                 }
