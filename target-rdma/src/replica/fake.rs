@@ -133,6 +133,11 @@ impl FakePeer {
         self.state.lock().blobs.get(&key).cloned()
     }
 
+    /// Blob `key` as the last FLUSH left it durable: what a crash keeps.
+    pub fn durable_blob(&self, key: u64) -> Option<Vec<u8>> {
+        self.state.lock().durable.get(&key).cloned()
+    }
+
     /// Whether a crash lost writes it had acknowledged to its newest
     /// sessions (the ones a volume that rebuilt it uses).
     pub fn lost(&self) -> bool {

@@ -445,11 +445,21 @@ mod tests {
         assert_eq!((taken.len(), taken[0].taken), (1, true));
         assert_eq!((handed.len(), handed[0].taken), (1, false));
         assert!(handed[0].other.starts_with("standby handle"), "{handed:?}");
-        for p in &h.peers {
-            p.crash();
-        }
+        // Durable at every member: the release flushed after the last
+        // acknowledgement. (The refused write may have landed after that
+        // flush; it was never acknowledged.)
         let io = standby.queue(0).unwrap();
         for (key, gen) in acked.iter().enumerate() {
+            for p in &h.peers {
+                let durable = p
+                    .durable_blob(key as u64)
+                    .map_or(0, |b| u64::from_le_bytes(b[..8].try_into().unwrap()));
+                assert!(
+                    durable >= *gen,
+                    "{} key {key}: acknowledged {gen}, durable {durable}",
+                    p.name()
+                );
+            }
             let now = gen_of(&io, key as u64);
             assert!(now >= *gen, "key {key}: acknowledged {gen}, reads {now}");
         }

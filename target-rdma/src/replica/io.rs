@@ -265,6 +265,13 @@ impl<S: MemberIo> ReplicatedIo<S> {
         let deadline = set.clock.now() + set.config.change_deadline;
         loop {
             set.not_fenced()?;
+            // Handed over meanwhile: nothing more goes out.
+            if set.is_standby() {
+                return Err(set.refusal(
+                    ReplicaFailure::Standby,
+                    "the writer role was handed over while the request ran".into(),
+                ));
+            }
             let view = set.view();
             let syncing = view
                 .active
