@@ -55,7 +55,7 @@ async fn io_task(
     };
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(buf))
         .await?;
-    let target = ArenaTarget::new(io, size.clone());
+    let target = ArenaTarget::new(io.volume(), size.clone());
     loop {
         let desc = IoDesc::from(q.get_iod(tag));
         // SAFETY: this task alone serves tag `tag`, so nothing else touches

@@ -1,16 +1,16 @@
 //! A queue's way to its volume and the I/O buffers it moves payloads
 //! between: one [`QueueIo`] per queue thread. The way is target-rdma's
-//! [`Session`] (TCP or RDMA) for a volume on one peer, or the replication
-//! core's [`ReplicatedIo`] over one session per member; both are one
-//! `BlobIo`, so the block target does not change. What is ublkd's own is
-//! the libublk buffer per tag, registered once for RDMA.
+//! [`VolumeIo`] (one session, or the replication core over one per
+//! member), which the block target runs on directly; what is ublkd's own
+//! is the libublk buffer per tag, registered once for RDMA, kept alive
+//! until the sessions that use it are gone.
 
 use std::sync::Arc;
 
 use libublk::helpers::IoBuf;
-use target_rdma::blob::{ArenaError, BlobIo, Transport, Via};
+use target_rdma::blob::{BlobIo, Transport};
 use target_rdma::client::{RdmaTransport, Session};
-use target_rdma::replica::ReplicatedIo;
+use target_rdma::replica::{ReplicatedIo, VolumeIo};
 
 /// A queue's I/O buffers: one page-aligned buffer of `io_buf` bytes per
 /// tag, allocated when the device is added and registered once for RDMA.
@@ -59,26 +59,13 @@ pub fn register_buffers(t: &RdmaTransport, bufs: &Arc<TagBuffers>) {
 
 /// One queue's way to its volume and its I/O buffers. Cloning shares both.
 ///
-/// The sessions are declared before the buffers and only ever lent out, so
-/// the last clone drops them (deregistering the buffers) before the
-/// buffers' memory is freed.
+/// The volume's sessions are declared before the buffers and only ever
+/// lent out, so the last clone drops them (deregistering the buffers)
+/// before the buffers' memory is freed.
 #[derive(Clone)]
 pub struct QueueIo {
-    path: Path,
+    volume: Arc<VolumeIo>,
     bufs: Arc<TagBuffers>,
-}
-
-#[derive(Clone)]
-enum Path {
-    /// A volume on one peer: the queue's session.
-    Single(Session),
-    /// A replicated volume: the core's request path for this queue, and
-    /// the queue's session of each member it was opened with (for the
-    /// peer monitor and the buffers' lifetime).
-    Replicated {
-        io: Arc<ReplicatedIo<Session>>,
-        sessions: Vec<Session>,
-    },
 }
 
 impl QueueIo {
@@ -86,7 +73,7 @@ impl QueueIo {
     /// registered, see [`register_buffers`]).
     pub fn single(session: Session, bufs: Arc<TagBuffers>) -> Self {
         Self {
-            path: Path::Single(session),
+            volume: Arc::new(VolumeIo::single(session)),
             bufs,
         }
     }
@@ -99,75 +86,29 @@ impl QueueIo {
         bufs: Arc<TagBuffers>,
     ) -> Self {
         Self {
-            path: Path::Replicated {
-                io: Arc::new(io),
-                sessions,
-            },
+            volume: Arc::new(VolumeIo::replicated(io, sessions)),
             bufs,
         }
     }
 
-    /// The queue's first session (the only one of a volume on one peer):
-    /// its handshake answers (quota, blob size) hold for every member.
+    /// The queue's way to its volume: what its block target runs on.
+    pub fn volume(&self) -> &VolumeIo {
+        &self.volume
+    }
+
+    /// The queue's first session (the only one of a volume on one peer).
     pub fn session(&self) -> &Session {
-        &self.sessions()[0]
+        self.volume.session()
     }
 
     /// The queue's sessions, one per member it was opened with.
     pub fn sessions(&self) -> &[Session] {
-        match &self.path {
-            Path::Single(s) => std::slice::from_ref(s),
-            Path::Replicated { sessions, .. } => sessions,
-        }
+        self.volume.sessions()
     }
 
     /// The queue's I/O buffers.
     pub fn buffers(&self) -> &TagBuffers {
         &self.bufs
-    }
-}
-
-impl BlobIo for QueueIo {
-    fn transport(&self) -> Transport {
-        match &self.path {
-            Path::Single(s) => s.transport(),
-            Path::Replicated { io, .. } => io.transport(),
-        }
-    }
-
-    fn blob_bytes(&self) -> u32 {
-        match &self.path {
-            Path::Single(s) => s.blob_bytes(),
-            Path::Replicated { io, .. } => io.blob_bytes(),
-        }
-    }
-
-    async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
-        match &self.path {
-            Path::Single(s) => s.read(key, offset, out).await,
-            Path::Replicated { io, .. } => io.read(key, offset, out).await,
-        }
-    }
-
-    async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
-        match &self.path {
-            Path::Single(s) => s.write(key, offset, data).await,
-            Path::Replicated { io, .. } => io.write(key, offset, data).await,
-        }
-    }
-
-    async fn remove(&self, start: u64, end: u64) -> Result<u64, ArenaError> {
-        match &self.path {
-            Path::Single(s) => s.remove(start, end).await,
-            Path::Replicated { io, .. } => io.remove(start, end).await,
-        }
-    }
-
-    async fn flush(&self) -> Result<(), ArenaError> {
-        match &self.path {
-            Path::Single(s) => s.flush().await,
-            Path::Replicated { io, .. } => io.flush().await,
-        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! A replicated device's volume end to end, no kernel needed: three real
 //! `arenad` processes on loopback, a real etcd, and ublkd's own device
 //! wiring (`Connector` sessions, `EtcdVolume`, `Replicated` with its
-//! rebuild thread), driven through the queue's `QueueIo` — the `BlobIo`
+//! rebuild thread), driven through the queue's `VolumeIo` — the `BlobIo`
 //! the block target runs on. A write/verify workload loses a peer to
 //! `kill -9` mid-workload with zero errors; the peer restarted is rebuilt
 //! and healthy again at a higher epoch; a second peer killed mid-workload
@@ -76,10 +76,10 @@ fn write_all(io: &QueueIo, gen: u64, during: impl FnOnce()) {
         if key == KEYS / 2 {
             (during.take().unwrap())();
         }
-        block_on(io.write(key, 0, &pattern(key, gen, BLOB)))
+        block_on(io.volume().write(key, 0, &pattern(key, gen, BLOB)))
             .unwrap_or_else(|e| panic!("write {key} gen {gen} failed: {e}"));
         if key % 16 == 15 {
-            block_on(io.flush()).unwrap_or_else(|e| panic!("flush after {key}: {e}"));
+            block_on(io.volume().flush()).unwrap_or_else(|e| panic!("flush after {key}: {e}"));
         }
     }
 }
@@ -87,7 +87,7 @@ fn write_all(io: &QueueIo, gen: u64, during: impl FnOnce()) {
 fn verify_all(io: &QueueIo, gen: u64) {
     let mut out = vec![0u8; BLOB];
     for key in 0..KEYS {
-        block_on(io.read(key, 0, &mut out)).unwrap_or_else(|e| panic!("read {key}: {e}"));
+        block_on(io.volume().read(key, 0, &mut out)).unwrap_or_else(|e| panic!("read {key}: {e}"));
         assert!(
             out == pattern(key, gen, BLOB),
             "key {key} gen {gen} differs"

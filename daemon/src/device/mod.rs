@@ -872,7 +872,7 @@ impl Manager {
         let _op = self.ops.lock();
         for (id, dev) in self.devices.lock().iter() {
             for io in &dev.ios {
-                if let Err(e) = futures::executor::block_on(io.flush()) {
+                if let Err(e) = futures::executor::block_on(io.volume().flush()) {
                     tracing::warn!(event = "device.flush_failed", id, error = %e);
                 }
             }

@@ -15,6 +15,8 @@
 //!   keys.rs: the per-key guard between its copies and the writes.
 //! - handover.rs: a standby, and handing the writer role from one process
 //!   to another ([`ReplicaSet::activate`], [`ReplicaSet::release`]).
+//! - [`VolumeIo`] (volume.rs): a queue's way to its volume, one session
+//!   or the replication core: what the block target runs on.
 //! - [`clock`]: time and timers on any executor.
 //!
 //! Client side: it composes client sessions and never names the server
@@ -30,6 +32,7 @@ mod keys;
 mod member;
 mod rebuild;
 mod set;
+mod volume;
 
 pub use coordinator::{
     CoordError, CoordErrorKind, CoordFuture, Coordinator, FileCoordinator, Lease, MemberRecord,
@@ -42,6 +45,7 @@ pub use io::ReplicatedIo;
 pub use member::{MemberIo, MemberSessions};
 pub use rebuild::{GuestLoad, RebuildConfig, RebuildStats, DEFAULT_INFLIGHT, RATE_WINDOW};
 pub use set::{ReplicaConfig, ReplicaCounters, ReplicaSet, Standing};
+pub use volume::VolumeIo;
 
 #[cfg(test)]
 mod tests;
