@@ -80,7 +80,15 @@ pub(super) fn place(h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
     })
 }
 
-impl Shared {
+/// The dispatch of one session's requests: the server's state and the
+/// session the requests came on.
+#[derive(Clone)]
+pub(super) struct Dispatch {
+    pub(super) shared: Arc<Shared>,
+    pub(super) conn: Arc<Session>,
+}
+
+impl Dispatch {
     /// Runs a request that is not answered inline, and says whether its
     /// answer goes straight to the socket: a READ of part of a cold blob
     /// awaited on the swap's ring, its answer queued (not direct) so that
@@ -88,21 +96,21 @@ impl Shared {
     /// write; anything else (a READ that is not one after all too) on the
     /// pool, answered directly.
     pub(super) async fn execute_off_task(
-        self: &Arc<Self>,
-        conn: &Arc<Session>,
+        &self,
         h: Header,
         req: Incoming,
     ) -> (Result<Answer, Fatal>, bool) {
         if h.opcode == Opcode::Read {
-            if let Some(answered) = self.read_cold(conn, &h, &req.body).await {
+            if let Some(answered) = self.read_cold(&h, &req.body).await {
                 return (answered, false);
             }
         }
-        let (s, c) = (Arc::clone(self), Arc::clone(conn));
+        let d = self.clone();
         let answered = self
+            .shared
             .pool
             .run(move || {
-                let r = s.execute(&c, &h, &req.body, Wait::Yes);
+                let r = d.execute(&h, &req.body, Wait::Yes);
                 drop(req);
                 r
             })
@@ -124,12 +132,7 @@ impl Shared {
 
     /// A READ of part of a cold blob, awaited; `None` when it is not one
     /// (any more).
-    async fn read_cold(
-        &self,
-        conn: &Session,
-        h: &Header,
-        body: &[u8],
-    ) -> Option<Result<Answer, Fatal>> {
+    async fn read_cold(&self, h: &Header, body: &[u8]) -> Option<Result<Answer, Fatal>> {
         let (op, rid) = (h.opcode, h.request_id);
         let req = match proto::decode_request(h, body) {
             Ok(r) => r,
@@ -138,15 +141,16 @@ impl Shared {
         let Request::Read { key, offset, len } = req else {
             return None;
         };
-        let _admitted = match self.admit(conn, &req, op, rid) {
+        let _admitted = match self.admit(&req, op, rid) {
             Ok(Ok(a)) => a,
             Ok(Err(refused)) => return Some(Ok(refused)),
             Err(fatal) => return Some(Err(fatal)),
         };
         let mut out = Vec::new();
         let read = self
+            .shared
             .store
-            .read_cold_with(conn.vol.id, key, offset, len as usize, |b| {
+            .read_cold_with(self.conn.vol.id, key, offset, len as usize, |b| {
                 out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
                 proto::encode_read_head(&mut out, rid, len);
                 out.extend_from_slice(b);
@@ -158,7 +162,7 @@ impl Shared {
             Ok(Some(status)) => Ok(status),
             Err(e) => Err(e),
         };
-        Some(self.finish(conn, op, rid, result, out))
+        Some(self.finish(op, rid, result, out))
     }
 
     /// Sends a request's answer (straight to the socket if `direct` and it
@@ -166,7 +170,6 @@ impl Shared {
     /// is returned to end the session.
     pub(super) async fn answer(
         &self,
-        conn: &Session,
         h: Header,
         started: Instant,
         answered: Result<Answer, Fatal>,
@@ -174,16 +177,18 @@ impl Shared {
     ) -> Result<(), Fatal> {
         match answered {
             Ok(a) => {
-                self.obs.answered(h.opcode, a.status, started.elapsed());
+                self.shared
+                    .obs
+                    .answered(h.opcode, a.status, started.elapsed());
                 // A large answer goes now whatever follows: its own
                 // syscall is nothing beside its bytes.
                 let direct = direct || a.frame.len() >= DIRECT_ALWAYS;
-                conn.outbox.answer(a.frame, direct).await;
+                self.conn.outbox.answer(a.frame, direct).await;
                 Ok(())
             }
             Err(fatal) => {
                 if let Fatal::Store(op, ..) = &fatal {
-                    self.obs.refused(*op, started.elapsed());
+                    self.shared.obs.refused(*op, started.elapsed());
                 }
                 Err(fatal)
             }
@@ -195,20 +200,19 @@ impl Shared {
     /// wait for the disk (its blob in swap only; for WRITE and ALLOC also
     /// no blob yet, or its slot under write-back): nothing was done.
     pub(super) fn execute(
-        self: &Arc<Self>,
-        conn: &Session,
+        &self,
         h: &Header,
         body: &[u8],
         wait: Wait,
     ) -> Result<Option<Answer>, Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
-        let vol = conn.vol.id;
+        let vol = self.conn.vol.id;
         let mut out = Vec::new();
         let req = proto::decode_request(h, body).map_err(|e| Fatal::Request(op, rid, e))?;
         let answer = |out: Vec<u8>, status| Answer { status, frame: out };
         if let Request::Epoch { epoch } = req {
-            if conn.version < VERSION_2 {
+            if self.conn.version < VERSION_2 {
                 return Err(Fatal::Request(
                     op,
                     rid,
@@ -218,10 +222,24 @@ impl Shared {
                     },
                 ));
             }
-            let session = conn.epoch.fetch_max(epoch, Ordering::AcqRel).max(epoch);
-            let status = match self.raise_and_fence(&conn.fence, session) {
+            let session = self
+                .conn
+                .epoch
+                .fetch_max(epoch, Ordering::AcqRel)
+                .max(epoch);
+            let status = match self
+                .shared
+                .fencing
+                .raise_and_fence(&self.conn.fence, session)
+            {
                 Ok(now) if now > session => {
-                    proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
+                    proto::encode_error(
+                        &mut out,
+                        op,
+                        rid,
+                        Status::StaleEpoch,
+                        &stale(&self.conn, now),
+                    );
                     Status::StaleEpoch
                 }
                 Ok(now) => {
@@ -229,18 +247,18 @@ impl Shared {
                     Status::Ok
                 }
                 Err(e) => {
-                    warn!(event = "epoch.persist_failed", conn = conn.id, error = %e);
+                    warn!(event = "epoch.persist_failed", conn = self.conn.id, error = %e);
                     proto::encode_error(&mut out, op, rid, Status::Internal, &e.to_string());
                     Status::Internal
                 }
             };
             return Ok(Some(answer(out, status)));
         }
-        let _admitted = match self.admit(conn, &req, op, rid)? {
+        let _admitted = match self.admit(&req, op, rid)? {
             Ok(a) => a,
             Err(refused) => return Ok(Some(refused)),
         };
-        let holder = conn.id;
+        let holder = self.conn.id;
         let ok = |()| Status::Ok;
         let result = match req {
             Request::Epoch { .. } => unreachable!("answered above"),
@@ -260,10 +278,11 @@ impl Shared {
                 let n = len as usize;
                 let read = match wait {
                     Wait::Yes => self
+                        .shared
                         .store
                         .read_with(vol, key, offset, n, encode)
                         .map(Immediate::Done),
-                    Wait::No => self.store.read_now(vol, key, offset, n, encode),
+                    Wait::No => self.shared.store.read_now(vol, key, offset, n, encode),
                 };
                 match read {
                     Ok(Immediate::WouldWait) => return Ok(None),
@@ -272,15 +291,19 @@ impl Shared {
                 }
             }
             Request::Alloc { key } => {
-                let grant = self.start_grant(conn);
+                let grant = self.start_grant();
                 let leased = match wait {
-                    Wait::Yes => self.store.alloc(vol, key, holder).map(Immediate::Done),
-                    Wait::No => self.store.alloc_now(vol, key, holder),
+                    Wait::Yes => self
+                        .shared
+                        .store
+                        .alloc(vol, key, holder)
+                        .map(Immediate::Done),
+                    Wait::No => self.shared.store.alloc_now(vol, key, holder),
                 };
                 match leased {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(lease)) => {
-                        let lease = self.key_lease(conn, grant, lease, true);
+                        let lease = self.key_lease(grant, lease, true);
                         proto::encode_lease(&mut out, op, rid, lease);
                         Ok(Status::Ok)
                     }
@@ -288,15 +311,15 @@ impl Shared {
                 }
             }
             Request::Get { key } => {
-                let grant = self.start_grant(conn);
+                let grant = self.start_grant();
                 let leased = match wait {
-                    Wait::Yes => self.store.get(vol, key, holder).map(Immediate::Done),
-                    Wait::No => self.store.get_now(vol, key, holder),
+                    Wait::Yes => self.shared.store.get(vol, key, holder).map(Immediate::Done),
+                    Wait::No => self.shared.store.get_now(vol, key, holder),
                 };
                 match leased {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(Some(lease))) => {
-                        let lease = self.key_lease(conn, grant, lease, false);
+                        let lease = self.key_lease(grant, lease, false);
                         proto::encode_lease(&mut out, op, rid, lease);
                         Ok(Status::Ok)
                     }
@@ -308,26 +331,29 @@ impl Shared {
                 }
             }
             Request::Commit { key, token } => {
-                self.unkey(conn, &[token]);
-                self.store
+                self.unkey(&[token]);
+                self.shared
+                    .store
                     .commit(vol, key, token, holder)
                     .map(|()| proto::encode_ok(&mut out, op, rid))
                     .map(ok)
             }
             Request::Release { tokens } => {
-                self.unkey(conn, &tokens);
+                self.unkey(&tokens);
                 tokens
                     .iter()
-                    .try_for_each(|t| self.store.release(*t, holder))
+                    .try_for_each(|t| self.shared.store.release(*t, holder))
                     .map(|()| proto::encode_ok(&mut out, op, rid))
                     .map(ok)
             }
             Request::Remove { start, end } => self
+                .shared
                 .store
                 .remove(vol, start, end)
                 .map(|n| proto::encode_count(&mut out, op, rid, n))
                 .map(ok),
             Request::Flush => self
+                .shared
                 .store
                 .flush()
                 .map(|()| proto::encode_ok(&mut out, op, rid))
@@ -335,10 +361,11 @@ impl Shared {
             Request::Write { key, offset, data } => {
                 let written = match wait {
                     Wait::Yes => self
+                        .shared
                         .store
                         .write(vol, key, offset, data)
                         .map(Immediate::Done),
-                    Wait::No => self.store.write_now(vol, key, offset, data),
+                    Wait::No => self.shared.store.write_now(vol, key, offset, data),
                 };
                 match written {
                     Ok(Immediate::WouldWait) => return Ok(None),
@@ -347,38 +374,47 @@ impl Shared {
             }
             Request::RailConnect(client) => {
                 return self
-                    .rail_connect(conn, op, rid, &client)
+                    .rail_connect(op, rid, &client)
                     .map(|(s, f)| Some(answer(f, s)))
             }
         };
-        self.finish(conn, op, rid, result, out).map(Some)
+        self.finish(op, rid, result, out).map(Some)
     }
 
     /// Every data operation runs admitted under the volume's epoch, so a
     /// raise waits for it and a stale session gets none: the admission, or
     /// the answer refusing it.
-    fn admit<'a>(
+    fn admit(
         &self,
-        conn: &'a Session,
         req: &Request,
         op: Opcode,
         rid: u64,
-    ) -> Result<Result<Option<Admitted<'a>>, Answer>, Fatal> {
+    ) -> Result<Result<Option<Admitted<'_>>, Answer>, Fatal> {
         if matches!(req, Request::Release { .. } | Request::RailConnect(_)) {
             return Ok(Ok(None));
         }
-        match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
+        match self
+            .conn
+            .fence
+            .admit(self.conn.epoch.load(Ordering::Acquire))
+        {
             Ok(a) => Ok(Ok(Some(a))),
-            Err(now) if conn.version < VERSION_2 => Err(Fatal::Hello(
+            Err(now) if self.conn.version < VERSION_2 => Err(Fatal::Hello(
                 Status::VersionMismatch,
                 format!(
                     "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
-                    conn.vol.name
+                    self.conn.vol.name
                 ),
             )),
             Err(now) => {
                 let mut out = Vec::new();
-                proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
+                proto::encode_error(
+                    &mut out,
+                    op,
+                    rid,
+                    Status::StaleEpoch,
+                    &stale(&self.conn, now),
+                );
                 Ok(Err(Answer {
                     status: Status::StaleEpoch,
                     frame: out,
@@ -391,7 +427,6 @@ impl Shared {
     /// frame (a protocol error ends the session).
     fn finish(
         &self,
-        conn: &Session,
         op: Opcode,
         rid: u64,
         result: Result<Status, StoreError>,
@@ -405,7 +440,7 @@ impl Shared {
                     return Err(Fatal::Store(op, rid, e));
                 }
                 if status == Status::Internal {
-                    warn!(event = "store.error", conn = conn.id, op = op.name(), error = %e);
+                    warn!(event = "store.error", conn = self.conn.id, op = op.name(), error = %e);
                 }
                 proto::encode_error(&mut out, op, rid, status, &e.to_string());
                 status
@@ -419,14 +454,13 @@ impl Shared {
     /// lease keys are deregistered first).
     fn rail_connect(
         &self,
-        conn: &Session,
         op: Opcode,
         rid: u64,
         client: &proto::Endpoint,
     ) -> Result<(Status, Vec<u8>), Fatal> {
         let mut out = Vec::new();
-        let rail = &conn.rail;
-        let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
+        let rail = &self.conn.rail;
+        let Some(rdma) = self.shared.rdma.as_ref().filter(|_| rail.granted) else {
             return Err(Fatal::Request(
                 op,
                 rid,
@@ -464,7 +498,7 @@ impl Shared {
                 Ok((Status::Ok, out))
             }
             Err(e) => {
-                warn!(event = "rdma.declined", conn = conn.id, error = %e);
+                warn!(event = "rdma.declined", conn = self.conn.id, error = %e);
                 proto::encode_error(
                     &mut out,
                     op,
@@ -476,15 +510,14 @@ impl Shared {
             }
         }
     }
-}
 
-impl Shared {
     /// A session whose RDMA keys are per lease: the ticket of a grant about
     /// to ask the store (see [`LeaseKeys::start`]).
-    fn start_grant<'a>(&self, conn: &'a Session) -> Option<Grant<'a>> {
-        conn.rail
+    fn start_grant(&self) -> Option<Grant<'_>> {
+        self.conn
+            .rail
             .lease_keys
-            .then(|| LeaseKeys::start(&conn.rail.keys))
+            .then(|| LeaseKeys::start(&self.conn.rail.keys))
     }
 
     /// A granted lease as answered: with a `grant` ticket its key is
@@ -492,28 +525,22 @@ impl Shared {
     /// rkey goes with it. A lease that cannot be keyed (no rail, a failed
     /// registration, ended meanwhile) goes without a key: over a rail
     /// isolated per lease the client then moves that payload inline.
-    fn key_lease(
-        &self,
-        conn: &Session,
-        grant: Option<Grant<'_>>,
-        mut lease: Lease,
-        write: bool,
-    ) -> Lease {
-        if let (Some(g), Some(rdma)) = (grant, self.rdma.as_ref()) {
+    fn key_lease(&self, grant: Option<Grant<'_>>, mut lease: Lease, write: bool) -> Lease {
+        if let (Some(g), Some(rdma)) = (grant, self.shared.rdma.as_ref()) {
             match g.key(lease.token, |d| rdma.key_slot(d, lease.slot_offset, write)) {
                 Ok(Keyed::Key(rkey)) => lease.rkey = Some(rkey),
                 Ok(Keyed::NoRail) => {}
                 Ok(Keyed::Ended) => debug!(
                     event = "rdma.lease_ended_unkeyed",
-                    conn = conn.id,
+                    conn = self.conn.id,
                     token = lease.token,
                     "the lease ended before its key was registered: answered without one"
                 ),
                 Err(e) => {
-                    self.obs.lease_key_failed();
+                    self.shared.obs.lease_key_failed();
                     warn!(
                         event = "rdma.lease_key_failed",
-                        conn = conn.id,
+                        conn = self.conn.id,
                         token = lease.token,
                         error = %e,
                         "registering the lease's key failed: answered without one (the client moves its payload over TCP)"
@@ -527,29 +554,11 @@ impl Shared {
     /// The holder ends these leases (COMMIT, RELEASE): their keys are
     /// deregistered before the store can give the slots to anyone else.
     /// One lock per key, so the force-end hook waits for one at most.
-    fn unkey(&self, conn: &Session, tokens: &[u64]) {
-        if conn.rail.lease_keys {
+    fn unkey(&self, tokens: &[u64]) {
+        if self.conn.rail.lease_keys {
             for &t in tokens {
-                conn.rail.keys.lock().end(t);
+                self.conn.rail.keys.lock().end(t);
             }
-        }
-    }
-
-    /// The store ended `holder`'s lease `token` by force (called under the
-    /// store lock, before the slot is unpinned): its key is deregistered.
-    /// The holder's QP stays up: a transfer with the dead key is refused
-    /// with a remote access error, which the client sees at once.
-    pub(super) fn force_ended(&self, holder: crate::store::HolderId, token: u64) {
-        let Some(conn) = self.conns.lock().get(&holder).cloned() else {
-            return;
-        };
-        if conn.rail.lease_keys && conn.rail.keys.lock().end(token) {
-            warn!(
-                event = "rdma.lease_key_force_ended",
-                conn = holder,
-                token,
-                "a revoked lease was not given back in time: its RDMA key is deregistered"
-            );
         }
     }
 }

@@ -23,5 +23,7 @@ pub mod reload;
 mod served;
 pub mod server;
 mod session;
+mod sessions;
 mod shared;
+mod stop;
 mod workers;
