@@ -27,6 +27,7 @@ use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
 use crate::arenad::handshake::handshake;
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
+use crate::arenad::request::Decoded;
 use crate::arenad::served::Rail;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
@@ -252,9 +253,10 @@ async fn start(
         ));
     }
     let started = Instant::now();
-    let placed = place(&h, &req.body)?;
+    let req = Decoded::decode(req)?;
+    let placed = place(h.opcode);
     if placed.inline {
-        if let Some(answered) = d.execute(&h, &req.body, Wait::No).transpose() {
+        if let Some(answered) = d.execute(&h, &req.request(), Wait::No).transpose() {
             return d.answer(h, started, answered, !more).await;
         }
         // Its blob needs the disk: off the task, so this thread does

@@ -12,8 +12,8 @@ use tracing::{debug, warn};
 
 use crate::arenad::epochs::Admitted;
 use crate::arenad::fatal::Fatal;
-use crate::arenad::frames::Incoming;
 use crate::arenad::lease_keys::{Grant, Keyed, LeaseKeys};
+use crate::arenad::request::Decoded;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
@@ -54,30 +54,14 @@ pub(super) struct Answer {
 /// where the store decides under the lock that pins the slot whether it
 /// can be served without the disk (residency checked any earlier could
 /// change before the call); COMMIT and RELEASE inline too, as they only end
-/// leases; the rest off the task.
-pub(super) fn place(h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
-    let req =
-        proto::decode_request(h, body).map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
-    Ok(Placed {
-        inline: matches!(
-            req,
-            Request::Read { .. }
-                | Request::Get { .. }
-                | Request::Write { .. }
-                | Request::Alloc { .. }
-                | Request::Commit { .. }
-                | Request::Release { .. }
-        ),
-        mutates: matches!(
-            req,
-            Request::Write { .. }
-                | Request::Alloc { .. }
-                | Request::Commit { .. }
-                | Request::Release { .. }
-                | Request::Remove { .. }
-        ),
-        flush: matches!(req, Request::Flush),
-    })
+/// leases; the rest off the task. Only the opcode decides.
+pub(super) fn place(op: Opcode) -> Placed {
+    use Opcode::{Alloc, Commit, Flush, Get, Read, Release, Remove, Write};
+    Placed {
+        inline: matches!(op, Read | Get | Write | Alloc | Commit | Release),
+        mutates: matches!(op, Write | Alloc | Commit | Release | Remove),
+        flush: op == Flush,
+    }
 }
 
 /// The dispatch of one session's requests: the server's state and the
@@ -98,10 +82,10 @@ impl Dispatch {
     pub(super) async fn execute_off_task(
         &self,
         h: Header,
-        req: Incoming,
+        req: Decoded,
     ) -> (Result<Answer, Fatal>, bool) {
         if h.opcode == Opcode::Read {
-            if let Some(answered) = self.read_cold(&h, &req.body).await {
+            if let Some(answered) = self.read_cold(&h, &req.request()).await {
                 return (answered, false);
             }
         }
@@ -110,7 +94,7 @@ impl Dispatch {
             .shared
             .pool
             .run(move || {
-                let r = d.execute(&h, &req.body, Wait::Yes);
+                let r = d.execute(&h, &req.request(), Wait::Yes);
                 drop(req);
                 r
             })
@@ -132,16 +116,12 @@ impl Dispatch {
 
     /// A READ of part of a cold blob, awaited; `None` when it is not one
     /// (any more).
-    async fn read_cold(&self, h: &Header, body: &[u8]) -> Option<Result<Answer, Fatal>> {
+    async fn read_cold(&self, h: &Header, req: &Request<'_>) -> Option<Result<Answer, Fatal>> {
         let (op, rid) = (h.opcode, h.request_id);
-        let req = match proto::decode_request(h, body) {
-            Ok(r) => r,
-            Err(e) => return Some(Err(Fatal::Request(op, rid, e))),
-        };
-        let Request::Read { key, offset, len } = req else {
+        let Request::Read { key, offset, len } = *req else {
             return None;
         };
-        let _admitted = match self.admit(&req, op, rid) {
+        let _admitted = match self.admit(req, op, rid) {
             Ok(Ok(a)) => a,
             Ok(Err(refused)) => return Some(Ok(refused)),
             Err(fatal) => return Some(Err(fatal)),
@@ -202,16 +182,15 @@ impl Dispatch {
     pub(super) fn execute(
         &self,
         h: &Header,
-        body: &[u8],
+        req: &Request<'_>,
         wait: Wait,
     ) -> Result<Option<Answer>, Fatal> {
         let op = h.opcode;
         let rid = h.request_id;
         let vol = self.conn.vol.id;
         let mut out = Vec::new();
-        let req = proto::decode_request(h, body).map_err(|e| Fatal::Request(op, rid, e))?;
         let answer = |out: Vec<u8>, status| Answer { status, frame: out };
-        if let Request::Epoch { epoch } = req {
+        if let Request::Epoch { epoch } = *req {
             if self.conn.version < VERSION_2 {
                 return Err(Fatal::Request(
                     op,
@@ -254,13 +233,13 @@ impl Dispatch {
             };
             return Ok(Some(answer(out, status)));
         }
-        let _admitted = match self.admit(&req, op, rid)? {
+        let _admitted = match self.admit(req, op, rid)? {
             Ok(a) => a,
             Err(refused) => return Ok(Some(refused)),
         };
         let holder = self.conn.id;
         let ok = |()| Status::Ok;
-        let result = match req {
+        let result = match *req {
             Request::Epoch { .. } => unreachable!("answered above"),
             Request::Read { key, offset, len } => {
                 let encode = |bytes: Option<&[u8]>| match bytes {
@@ -338,8 +317,8 @@ impl Dispatch {
                     .map(|()| proto::encode_ok(&mut out, op, rid))
                     .map(ok)
             }
-            Request::Release { tokens } => {
-                self.unkey(&tokens);
+            Request::Release { ref tokens } => {
+                self.unkey(tokens);
                 tokens
                     .iter()
                     .try_for_each(|t| self.shared.store.release(*t, holder))
@@ -372,9 +351,9 @@ impl Dispatch {
                     r => r.map(|_| proto::encode_ok(&mut out, op, rid)).map(ok),
                 }
             }
-            Request::RailConnect(client) => {
+            Request::RailConnect(ref client) => {
                 return self
-                    .rail_connect(op, rid, &client)
+                    .rail_connect(op, rid, client)
                     .map(|(s, f)| Some(answer(f, s)))
             }
         };

@@ -20,6 +20,7 @@ pub mod listener;
 pub mod observability;
 mod outbox;
 pub mod reload;
+mod request;
 mod served;
 pub mod server;
 mod session;
