@@ -117,6 +117,7 @@ impl Dispatch {
     /// A READ of part of a cold blob, awaited; `None` when it is not one
     /// (any more).
     async fn read_cold(&self, h: &Header, req: &Request<'_>) -> Option<Result<Answer, Fatal>> {
+        let conn = &self.conn;
         let (op, rid) = (h.opcode, h.request_id);
         let Request::Read { key, offset, len } = *req else {
             return None;
@@ -130,7 +131,7 @@ impl Dispatch {
         let read = self
             .shared
             .store
-            .read_cold_with(self.conn.vol.id, key, offset, len as usize, |b| {
+            .read_cold_with(conn.vol.id, key, offset, len as usize, |b| {
                 out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
                 proto::encode_read_head(&mut out, rid, len);
                 out.extend_from_slice(b);
@@ -155,6 +156,7 @@ impl Dispatch {
         answered: Result<Answer, Fatal>,
         direct: bool,
     ) -> Result<(), Fatal> {
+        let conn = &self.conn;
         match answered {
             Ok(a) => {
                 self.shared
@@ -163,7 +165,7 @@ impl Dispatch {
                 // A large answer goes now whatever follows: its own
                 // syscall is nothing beside its bytes.
                 let direct = direct || a.frame.len() >= DIRECT_ALWAYS;
-                self.conn.outbox.answer(a.frame, direct).await;
+                conn.outbox.answer(a.frame, direct).await;
                 Ok(())
             }
             Err(fatal) => {
@@ -185,13 +187,14 @@ impl Dispatch {
         req: &Request<'_>,
         wait: Wait,
     ) -> Result<Option<Answer>, Fatal> {
+        let conn = &self.conn;
         let op = h.opcode;
         let rid = h.request_id;
-        let vol = self.conn.vol.id;
+        let vol = conn.vol.id;
         let mut out = Vec::new();
         let answer = |out: Vec<u8>, status| Answer { status, frame: out };
         if let Request::Epoch { epoch } = *req {
-            if self.conn.version < VERSION_2 {
+            if conn.version < VERSION_2 {
                 return Err(Fatal::Request(
                     op,
                     rid,
@@ -201,24 +204,10 @@ impl Dispatch {
                     },
                 ));
             }
-            let session = self
-                .conn
-                .epoch
-                .fetch_max(epoch, Ordering::AcqRel)
-                .max(epoch);
-            let status = match self
-                .shared
-                .fencing
-                .raise_and_fence(&self.conn.fence, session)
-            {
+            let session = conn.epoch.fetch_max(epoch, Ordering::AcqRel).max(epoch);
+            let status = match self.shared.fencing.raise_and_fence(&conn.fence, session) {
                 Ok(now) if now > session => {
-                    proto::encode_error(
-                        &mut out,
-                        op,
-                        rid,
-                        Status::StaleEpoch,
-                        &stale(&self.conn, now),
-                    );
+                    proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
                     Status::StaleEpoch
                 }
                 Ok(now) => {
@@ -226,7 +215,7 @@ impl Dispatch {
                     Status::Ok
                 }
                 Err(e) => {
-                    warn!(event = "epoch.persist_failed", conn = self.conn.id, error = %e);
+                    warn!(event = "epoch.persist_failed", conn = conn.id, error = %e);
                     proto::encode_error(&mut out, op, rid, Status::Internal, &e.to_string());
                     Status::Internal
                 }
@@ -237,7 +226,7 @@ impl Dispatch {
             Ok(a) => a,
             Err(refused) => return Ok(Some(refused)),
         };
-        let holder = self.conn.id;
+        let holder = conn.id;
         let ok = |()| Status::Ok;
         let result = match *req {
             Request::Epoch { .. } => unreachable!("answered above"),
@@ -369,31 +358,22 @@ impl Dispatch {
         op: Opcode,
         rid: u64,
     ) -> Result<Result<Option<Admitted<'_>>, Answer>, Fatal> {
+        let conn = &self.conn;
         if matches!(req, Request::Release { .. } | Request::RailConnect(_)) {
             return Ok(Ok(None));
         }
-        match self
-            .conn
-            .fence
-            .admit(self.conn.epoch.load(Ordering::Acquire))
-        {
+        match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
             Ok(a) => Ok(Ok(Some(a))),
-            Err(now) if self.conn.version < VERSION_2 => Err(Fatal::Hello(
+            Err(now) if conn.version < VERSION_2 => Err(Fatal::Hello(
                 Status::VersionMismatch,
                 format!(
                     "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
-                    self.conn.vol.name
+                    conn.vol.name
                 ),
             )),
             Err(now) => {
                 let mut out = Vec::new();
-                proto::encode_error(
-                    &mut out,
-                    op,
-                    rid,
-                    Status::StaleEpoch,
-                    &stale(&self.conn, now),
-                );
+                proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
                 Ok(Err(Answer {
                     status: Status::StaleEpoch,
                     frame: out,
@@ -411,6 +391,7 @@ impl Dispatch {
         result: Result<Status, StoreError>,
         mut out: Vec<u8>,
     ) -> Result<Answer, Fatal> {
+        let conn = &self.conn;
         let status = match result {
             Ok(status) => status,
             Err(e) => {
@@ -419,7 +400,7 @@ impl Dispatch {
                     return Err(Fatal::Store(op, rid, e));
                 }
                 if status == Status::Internal {
-                    warn!(event = "store.error", conn = self.conn.id, op = op.name(), error = %e);
+                    warn!(event = "store.error", conn = conn.id, op = op.name(), error = %e);
                 }
                 proto::encode_error(&mut out, op, rid, status, &e.to_string());
                 status
@@ -437,8 +418,9 @@ impl Dispatch {
         rid: u64,
         client: &proto::Endpoint,
     ) -> Result<(Status, Vec<u8>), Fatal> {
+        let conn = &self.conn;
         let mut out = Vec::new();
-        let rail = &self.conn.rail;
+        let rail = &conn.rail;
         let Some(rdma) = self.shared.rdma.as_ref().filter(|_| rail.granted) else {
             return Err(Fatal::Request(
                 op,
@@ -477,7 +459,7 @@ impl Dispatch {
                 Ok((Status::Ok, out))
             }
             Err(e) => {
-                warn!(event = "rdma.declined", conn = self.conn.id, error = %e);
+                warn!(event = "rdma.declined", conn = conn.id, error = %e);
                 proto::encode_error(
                     &mut out,
                     op,
@@ -493,10 +475,10 @@ impl Dispatch {
     /// A session whose RDMA keys are per lease: the ticket of a grant about
     /// to ask the store (see [`LeaseKeys::start`]).
     fn start_grant(&self) -> Option<Grant<'_>> {
-        self.conn
-            .rail
+        let conn = &self.conn;
+        conn.rail
             .lease_keys
-            .then(|| LeaseKeys::start(&self.conn.rail.keys))
+            .then(|| LeaseKeys::start(&conn.rail.keys))
     }
 
     /// A granted lease as answered: with a `grant` ticket its key is
@@ -505,13 +487,14 @@ impl Dispatch {
     /// registration, ended meanwhile) goes without a key: over a rail
     /// isolated per lease the client then moves that payload inline.
     fn key_lease(&self, grant: Option<Grant<'_>>, mut lease: Lease, write: bool) -> Lease {
+        let conn = &self.conn;
         if let (Some(g), Some(rdma)) = (grant, self.shared.rdma.as_ref()) {
             match g.key(lease.token, |d| rdma.key_slot(d, lease.slot_offset, write)) {
                 Ok(Keyed::Key(rkey)) => lease.rkey = Some(rkey),
                 Ok(Keyed::NoRail) => {}
                 Ok(Keyed::Ended) => debug!(
                     event = "rdma.lease_ended_unkeyed",
-                    conn = self.conn.id,
+                    conn = conn.id,
                     token = lease.token,
                     "the lease ended before its key was registered: answered without one"
                 ),
@@ -519,7 +502,7 @@ impl Dispatch {
                     self.shared.obs.lease_key_failed();
                     warn!(
                         event = "rdma.lease_key_failed",
-                        conn = self.conn.id,
+                        conn = conn.id,
                         token = lease.token,
                         error = %e,
                         "registering the lease's key failed: answered without one (the client moves its payload over TCP)"
@@ -534,9 +517,10 @@ impl Dispatch {
     /// deregistered before the store can give the slots to anyone else.
     /// One lock per key, so the force-end hook waits for one at most.
     fn unkey(&self, tokens: &[u64]) {
-        if self.conn.rail.lease_keys {
+        let conn = &self.conn;
+        if conn.rail.lease_keys {
             for &t in tokens {
-                self.conn.rail.keys.lock().end(t);
+                conn.rail.keys.lock().end(t);
             }
         }
     }
