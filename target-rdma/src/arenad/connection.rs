@@ -22,10 +22,12 @@ use tracing::{debug, warn};
 
 use crate::arenad::admission::Counted;
 use crate::arenad::barrier::WriteBarrier;
-use crate::arenad::dispatch::{place, Wait};
+use crate::arenad::dispatch::{place, Dispatch, Wait};
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
+use crate::arenad::handshake::handshake;
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
+use crate::arenad::request::Decoded;
 use crate::arenad::served::Rail;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
@@ -62,217 +64,216 @@ impl ReadSide {
     }
 }
 
-impl Shared {
-    /// Serves one accepted connection to its end.
-    pub(super) async fn run_conn(
-        self: Arc<Self>,
-        id: HolderId,
-        peer: SocketAddr,
-        mut stream: TcpStream,
-        open: Counted,
-        handshaking: Counted,
-    ) {
-        let _ = stream.set_nodelay(true);
-        let started = Instant::now();
-        let shook = tokio::select! {
-            r = self.handshake(id, &mut stream, handshaking) => r,
-            () = self.stopped() => return,
-        };
-        let session = match shook {
-            Ok(s) => s,
-            Err(fatal) => {
-                let frame = self.report_fatal(id, peer, fatal);
-                if !frame.is_empty() {
-                    let _ =
-                        tokio::time::timeout(self.limits.write_timeout, stream.write_all(&frame))
-                            .await;
-                }
-                return;
+/// Serves one accepted connection to its end.
+pub(super) async fn run(
+    shared: Arc<Shared>,
+    id: HolderId,
+    peer: SocketAddr,
+    mut stream: TcpStream,
+    open: Counted,
+    handshaking: Counted,
+) {
+    let _ = stream.set_nodelay(true);
+    let started = Instant::now();
+    let shook = tokio::select! {
+        r = handshake(&shared, id, &mut stream, handshaking) => r,
+        () = shared.stop.stopped() => return,
+    };
+    let session = match shook {
+        Ok(s) => s,
+        Err(fatal) => {
+            let frame = fatal.report(&shared.obs, id, peer);
+            if !frame.is_empty() {
+                let _ = tokio::time::timeout(shared.limits.write_timeout, stream.write_all(&frame))
+                    .await;
             }
-        };
-        self.obs.hello_ok(started.elapsed());
-        let (client_key, server_key) = match session.keys {
-            Some(k) => (Some(k.client_to_server), Some(k.server_to_client)),
-            None => (None, None),
-        };
-        let (rd, wr) = stream.into_split();
-        let tagger = Tagger {
-            version: session.version,
-            key: server_key,
-        };
-        let conn = Arc::new(Session {
-            id,
-            peer,
-            vol: session.vol,
-            fence: session.fence,
-            version: session.version,
-            epoch: AtomicU64::new(session.epoch),
-            rail: Rail::new(session.granted, session.lease_keys),
-            outbox: Outbox::new(
-                QueueLimits {
-                    frames: self.limits.max_queued_frames,
-                    bytes: self.limits.max_queued_bytes,
-                },
-                wr,
-                tagger,
-            ),
-            barrier: WriteBarrier::default(),
-        });
-        self.conns.lock().insert(id, Arc::clone(&conn));
-        self.obs.session_opened();
-        let budget_bytes = u32::try_from(self.limits.max_queued_bytes).unwrap_or(u32::MAX);
-        let side = ReadSide {
-            reader: BufReader::with_capacity(64 << 10, rd),
-            check: FrameCheck {
-                version: session.version,
-                key: client_key,
-                seq: 0,
-                max_inline: self.store.blob_bytes().min(MAX_INLINE),
-                budget: Arc::new(Semaphore::new(budget_bytes as usize)),
-                budget_bytes,
+            return;
+        }
+    };
+    shared.obs.hello_ok(started.elapsed());
+    let (client_key, server_key) = match session.keys {
+        Some(k) => (Some(k.client_to_server), Some(k.server_to_client)),
+        None => (None, None),
+    };
+    let (rd, wr) = stream.into_split();
+    let tagger = Tagger {
+        version: session.version,
+        key: server_key,
+    };
+    let conn = Arc::new(Session {
+        id,
+        peer,
+        vol: session.vol,
+        fence: session.fence,
+        version: session.version,
+        epoch: AtomicU64::new(session.epoch),
+        rail: Rail::new(session.granted, session.lease_keys),
+        outbox: Outbox::new(
+            QueueLimits {
+                frames: shared.limits.max_queued_frames,
+                bytes: shared.limits.max_queued_bytes,
             },
-        };
-        // The reader and the writer are two futures of this one task: an
-        // answer queued by the reader is written when the reader next
-        // waits, on the same thread, without waking another task (the
-        // QD1 path gains no hop); a pool job's answer wakes this task.
-        let reading = async {
-            let result = self.read_requests(&conn, side).await;
-            let last = result.err().map(|f| self.report_fatal(id, peer, f));
-            let last = last.filter(|f| !f.is_empty());
-            let refused = last.is_some();
-            conn.outbox.finish(last);
-            refused
-        };
-        let writing = outbox::write(&conn.outbox, self.limits.write_timeout);
-        let (refused, end) = tokio::join!(reading, writing);
-        match end {
-            WriterEnd::Deadline => {
-                warn!(
-                    event = "connection.not_reading",
-                    conn = id,
-                    write_timeout_secs = self.limits.write_timeout.as_secs(),
-                    "disconnected: its answers were not read within the write deadline"
-                );
-            }
-            WriterEnd::Io(ref e) => debug!(event = "peer.disconnected", conn = id, error = %e),
-            WriterEnd::Drained => {}
+            wr,
+            tagger,
+        ),
+        barrier: WriteBarrier::default(),
+    });
+    shared.sessions.insert(&conn);
+    shared.obs.session_opened();
+    let dispatch = Dispatch {
+        shared: Arc::clone(&shared),
+        conn: Arc::clone(&conn),
+    };
+    let budget_bytes = u32::try_from(shared.limits.max_queued_bytes).unwrap_or(u32::MAX);
+    let side = ReadSide {
+        reader: BufReader::with_capacity(64 << 10, rd),
+        check: FrameCheck {
+            version: session.version,
+            key: client_key,
+            seq: 0,
+            max_inline: shared.store.blob_bytes().min(MAX_INLINE),
+            budget: Arc::new(Semaphore::new(budget_bytes as usize)),
+            budget_bytes,
+        },
+    };
+    // The reader and the writer are two futures of this one task: an
+    // answer queued by the reader is written when the reader next
+    // waits, on the same thread, without waking another task (the
+    // QD1 path gains no hop); a pool job's answer wakes this task.
+    let reading = async {
+        let result = read_requests(&dispatch, side).await;
+        let last = result.err().map(|f| f.report(&shared.obs, id, peer));
+        let last = last.filter(|f| !f.is_empty());
+        let refused = last.is_some();
+        conn.outbox.finish(last);
+        refused
+    };
+    let writing = outbox::write(&conn.outbox, shared.limits.write_timeout);
+    let (refused, end) = tokio::join!(reading, writing);
+    match end {
+        WriterEnd::Deadline => {
+            warn!(
+                event = "connection.not_reading",
+                conn = id,
+                write_timeout_secs = shared.limits.write_timeout.as_secs(),
+                "disconnected: its answers were not read within the write deadline"
+            );
         }
-        // Its RDMA lease keys are deregistered before its leases are released.
-        conn.rail.close();
-        self.conns.lock().remove(&id);
-        self.obs.session_closed();
-        // Every request of the connection has finished: no lease can be
-        // granted to it after this.
-        let store = Arc::clone(&self.store);
-        let _ = self.pool.run(move || store.drop_holder(id)).await;
-        if refused && matches!(end, WriterEnd::Drained) {
-            // Closing with requests unread would reset the stream and
-            // could destroy the error frame before the client reads it.
-            conn.outbox.linger(self.limits.write_timeout).await;
-        }
-        drop(open);
+        WriterEnd::Io(ref e) => debug!(event = "peer.disconnected", conn = id, error = %e),
+        WriterEnd::Drained => {}
     }
+    // Its RDMA lease keys are deregistered before its leases are released.
+    conn.rail.close();
+    shared.sessions.remove(id);
+    shared.obs.session_closed();
+    // Every request of the connection has finished: no lease can be
+    // granted to it after this.
+    let store = Arc::clone(&shared.store);
+    let _ = shared.pool.run(move || store.drop_holder(id)).await;
+    if refused && matches!(end, WriterEnd::Drained) {
+        // Closing with requests unread would reset the stream and
+        // could destroy the error frame before the client reads it.
+        conn.outbox.linger(shared.limits.write_timeout).await;
+    }
+    drop(open);
+}
 
-    /// Reads and starts requests until the client closes, a request is
-    /// fatal, the connection ends (write deadline, a REVOKE found its queue
-    /// full) or the server stops; returns once every started request is done.
-    async fn read_requests(
-        self: &Arc<Self>,
-        conn: &Arc<Session>,
-        side: ReadSide,
-    ) -> Result<(), Fatal> {
-        let mut jobs: JoinSet<Result<(), Fatal>> = JoinSet::new();
-        let mut read = pin!(side.next());
-        // Made once: each registers with a Notify (the stop signal's is
-        // every connection's), not once per request.
-        let mut stopped = pin!(self.stopped());
-        let mut ended = pin!(conn.outbox.ended());
-        let result = loop {
-            tokio::select! {
-                biased;
-                () = &mut stopped => break Ok(()),
-                () = &mut ended => break Ok(()),
-                Some(done) = jobs.join_next(), if !jobs.is_empty() => {
-                    match done {
-                        Ok(Ok(())) => {}
-                        Ok(Err(fatal)) => break Err(fatal),
-                        Err(e) => break Err(Fatal::Io(std::io::Error::other(e))),
-                    }
-                }
-                (side, next) = &mut read => {
-                    let req = match next {
-                        Ok(Some(req)) => req,
-                        Ok(None) => break Ok(()),
-                        Err(fatal) => break Err(fatal),
-                    };
-                    // The next request already read whole: the answers
-                    // are written together by the writer once the reader
-                    // waits.
-                    let more = side.next_is_read();
-                    read.set(side.next());
-                    if let Err(fatal) = self.start(conn, req, more, &mut jobs).await {
-                        break Err(fatal);
-                    }
+/// Reads and starts requests until the client closes, a request is
+/// fatal, the connection ends (write deadline, a REVOKE found its queue
+/// full) or the server stops; returns once every started request is done.
+async fn read_requests(d: &Dispatch, side: ReadSide) -> Result<(), Fatal> {
+    let (shared, conn) = (&d.shared, &d.conn);
+    let mut jobs: JoinSet<Result<(), Fatal>> = JoinSet::new();
+    let mut read = pin!(side.next());
+    // Made once: each registers with a Notify (the stop signal's is
+    // every connection's), not once per request.
+    let mut stopped = pin!(shared.stop.stopped());
+    let mut ended = pin!(conn.outbox.ended());
+    let result = loop {
+        tokio::select! {
+            biased;
+            () = &mut stopped => break Ok(()),
+            () = &mut ended => break Ok(()),
+            Some(done) = jobs.join_next(), if !jobs.is_empty() => {
+                match done {
+                    Ok(Ok(())) => {}
+                    Ok(Err(fatal)) => break Err(fatal),
+                    Err(e) => break Err(Fatal::Io(std::io::Error::other(e))),
                 }
             }
-        };
-        // Requests already started finish (their answers are queued, and
-        // a FLUSH among them completes) before the connection ends.
-        while let Some(done) = jobs.join_next().await {
-            // A second fatal request is counted and logged; the session
-            // already ends with the first one's error frame.
-            if let Ok(Err(fatal)) = done {
-                drop(self.report_fatal(conn.id, conn.peer, fatal));
+            (side, next) = &mut read => {
+                let req = match next {
+                    Ok(Some(req)) => req,
+                    Ok(None) => break Ok(()),
+                    Err(fatal) => break Err(fatal),
+                };
+                // The next request already read whole: the answers
+                // are written together by the writer once the reader
+                // waits.
+                let more = side.next_is_read();
+                read.set(side.next());
+                if let Err(fatal) = start(d, req, more, &mut jobs).await {
+                    break Err(fatal);
+                }
             }
         }
-        result
+    };
+    // Requests already started finish (their answers are queued, and
+    // a FLUSH among them completes) before the connection ends.
+    while let Some(done) = jobs.join_next().await {
+        // A second fatal request is counted and logged; the session
+        // already ends with the first one's error frame.
+        if let Ok(Err(fatal)) = done {
+            drop(fatal.report(&shared.obs, conn.id, conn.peer));
+        }
     }
+    result
+}
 
-    /// Starts one request: refused beyond `max_inflight`, answered inline
-    /// when cheap (straight to the socket unless `more` requests are
-    /// already read), else spawned off the task
-    /// ([`Shared::execute_off_task`]).
-    async fn start(
-        self: &Arc<Self>,
-        conn: &Arc<Session>,
-        req: Incoming,
-        more: bool,
-        jobs: &mut JoinSet<Result<(), Fatal>>,
-    ) -> Result<(), Fatal> {
-        let h = req.header;
-        if !conn.outbox.begin_request(self.limits.max_inflight) {
-            return Err(Fatal::Request(
-                h.opcode,
-                h.request_id,
-                FrameError::TooManyInFlight {
-                    request_id: h.request_id,
-                    limit: self.limits.max_inflight,
-                },
-            ));
-        }
-        let started = Instant::now();
-        let placed = place(&h, &req.body)?;
-        if placed.inline {
-            if let Some(answered) = self.execute(conn, &h, &req.body, Wait::No).transpose() {
-                return self.answer(conn, h, started, answered, !more).await;
-            }
-            // Its blob needs the disk: off the task, so this thread does
-            // not wait for it.
-        }
-        let ticket = placed.mutates.then(|| conn.barrier.begin());
-        let covers = placed.flush.then(|| conn.barrier.last());
-        let (server, conn) = (Arc::clone(self), Arc::clone(conn));
-        jobs.spawn(async move {
-            if let Some(upto) = covers {
-                conn.barrier.wait_through(upto).await;
-            }
-            let (answered, direct) = server.execute_off_task(&conn, h, req).await;
-            if let Some(t) = ticket {
-                conn.barrier.end(t);
-            }
-            server.answer(&conn, h, started, answered, direct).await
-        });
-        Ok(())
+/// Starts one request: refused beyond `max_inflight`, answered inline
+/// when cheap (straight to the socket unless `more` requests are
+/// already read), else spawned off the task
+/// ([`Dispatch::execute_off_task`]).
+async fn start(
+    d: &Dispatch,
+    req: Incoming,
+    more: bool,
+    jobs: &mut JoinSet<Result<(), Fatal>>,
+) -> Result<(), Fatal> {
+    let (shared, conn) = (&d.shared, &d.conn);
+    let h = req.header;
+    if !conn.outbox.begin_request(shared.limits.max_inflight) {
+        return Err(Fatal::Request(
+            h.opcode,
+            h.request_id,
+            FrameError::TooManyInFlight {
+                request_id: h.request_id,
+                limit: shared.limits.max_inflight,
+            },
+        ));
     }
+    let started = Instant::now();
+    let req = Decoded::decode(req)?;
+    let placed = place(h.opcode);
+    if placed.inline {
+        if let Some(answered) = d.execute(&h, &req.request(), Wait::No).transpose() {
+            return d.answer(h, started, answered, !more).await;
+        }
+        // Its blob needs the disk: off the task, so this thread does
+        // not wait for it.
+    }
+    let ticket = placed.mutates.then(|| conn.barrier.begin());
+    let covers = placed.flush.then(|| conn.barrier.last());
+    let d = d.clone();
+    jobs.spawn(async move {
+        if let Some(upto) = covers {
+            d.conn.barrier.wait_through(upto).await;
+        }
+        let (answered, direct) = d.execute_off_task(h, req).await;
+        if let Some(t) = ticket {
+            d.conn.barrier.end(t);
+        }
+        d.answer(h, started, answered, direct).await
+    });
+    Ok(())
 }

@@ -12,8 +12,8 @@ use tracing::{debug, warn};
 
 use crate::arenad::epochs::Admitted;
 use crate::arenad::fatal::Fatal;
-use crate::arenad::frames::Incoming;
 use crate::arenad::lease_keys::{Grant, Keyed, LeaseKeys};
+use crate::arenad::request::Decoded;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
@@ -54,33 +54,25 @@ pub(super) struct Answer {
 /// where the store decides under the lock that pins the slot whether it
 /// can be served without the disk (residency checked any earlier could
 /// change before the call); COMMIT and RELEASE inline too, as they only end
-/// leases; the rest off the task.
-pub(super) fn place(h: &Header, body: &[u8]) -> Result<Placed, Fatal> {
-    let req =
-        proto::decode_request(h, body).map_err(|e| Fatal::Request(h.opcode, h.request_id, e))?;
-    Ok(Placed {
-        inline: matches!(
-            req,
-            Request::Read { .. }
-                | Request::Get { .. }
-                | Request::Write { .. }
-                | Request::Alloc { .. }
-                | Request::Commit { .. }
-                | Request::Release { .. }
-        ),
-        mutates: matches!(
-            req,
-            Request::Write { .. }
-                | Request::Alloc { .. }
-                | Request::Commit { .. }
-                | Request::Release { .. }
-                | Request::Remove { .. }
-        ),
-        flush: matches!(req, Request::Flush),
-    })
+/// leases; the rest off the task. Only the opcode decides.
+pub(super) fn place(op: Opcode) -> Placed {
+    use Opcode::{Alloc, Commit, Flush, Get, Read, Release, Remove, Write};
+    Placed {
+        inline: matches!(op, Read | Get | Write | Alloc | Commit | Release),
+        mutates: matches!(op, Write | Alloc | Commit | Release | Remove),
+        flush: op == Flush,
+    }
 }
 
-impl Shared {
+/// The dispatch of one session's requests: the server's state and the
+/// session the requests came on.
+#[derive(Clone)]
+pub(super) struct Dispatch {
+    pub(super) shared: Arc<Shared>,
+    pub(super) conn: Arc<Session>,
+}
+
+impl Dispatch {
     /// Runs a request that is not answered inline, and says whether its
     /// answer goes straight to the socket: a READ of part of a cold blob
     /// awaited on the swap's ring, its answer queued (not direct) so that
@@ -88,21 +80,21 @@ impl Shared {
     /// write; anything else (a READ that is not one after all too) on the
     /// pool, answered directly.
     pub(super) async fn execute_off_task(
-        self: &Arc<Self>,
-        conn: &Arc<Session>,
+        &self,
         h: Header,
-        req: Incoming,
+        req: Decoded,
     ) -> (Result<Answer, Fatal>, bool) {
         if h.opcode == Opcode::Read {
-            if let Some(answered) = self.read_cold(conn, &h, &req.body).await {
+            if let Some(answered) = self.read_cold(&h, &req.request()).await {
                 return (answered, false);
             }
         }
-        let (s, c) = (Arc::clone(self), Arc::clone(conn));
+        let d = self.clone();
         let answered = self
+            .shared
             .pool
             .run(move || {
-                let r = s.execute(&c, &h, &req.body, Wait::Yes);
+                let r = d.execute(&h, &req.request(), Wait::Yes);
                 drop(req);
                 r
             })
@@ -124,27 +116,20 @@ impl Shared {
 
     /// A READ of part of a cold blob, awaited; `None` when it is not one
     /// (any more).
-    async fn read_cold(
-        &self,
-        conn: &Session,
-        h: &Header,
-        body: &[u8],
-    ) -> Option<Result<Answer, Fatal>> {
+    async fn read_cold(&self, h: &Header, req: &Request<'_>) -> Option<Result<Answer, Fatal>> {
+        let conn = &self.conn;
         let (op, rid) = (h.opcode, h.request_id);
-        let req = match proto::decode_request(h, body) {
-            Ok(r) => r,
-            Err(e) => return Some(Err(Fatal::Request(op, rid, e))),
-        };
-        let Request::Read { key, offset, len } = req else {
+        let Request::Read { key, offset, len } = *req else {
             return None;
         };
-        let _admitted = match self.admit(conn, &req, op, rid) {
+        let _admitted = match self.admit(req, op, rid) {
             Ok(Ok(a)) => a,
             Ok(Err(refused)) => return Some(Ok(refused)),
             Err(fatal) => return Some(Err(fatal)),
         };
         let mut out = Vec::new();
         let read = self
+            .shared
             .store
             .read_cold_with(conn.vol.id, key, offset, len as usize, |b| {
                 out.reserve_exact(proto::HEADER_LEN + b.len() + TAG_LEN);
@@ -158,7 +143,7 @@ impl Shared {
             Ok(Some(status)) => Ok(status),
             Err(e) => Err(e),
         };
-        Some(self.finish(conn, op, rid, result, out))
+        Some(self.finish(op, rid, result, out))
     }
 
     /// Sends a request's answer (straight to the socket if `direct` and it
@@ -166,15 +151,17 @@ impl Shared {
     /// is returned to end the session.
     pub(super) async fn answer(
         &self,
-        conn: &Session,
         h: Header,
         started: Instant,
         answered: Result<Answer, Fatal>,
         direct: bool,
     ) -> Result<(), Fatal> {
+        let conn = &self.conn;
         match answered {
             Ok(a) => {
-                self.obs.answered(h.opcode, a.status, started.elapsed());
+                self.shared
+                    .obs
+                    .answered(h.opcode, a.status, started.elapsed());
                 // A large answer goes now whatever follows: its own
                 // syscall is nothing beside its bytes.
                 let direct = direct || a.frame.len() >= DIRECT_ALWAYS;
@@ -183,7 +170,7 @@ impl Shared {
             }
             Err(fatal) => {
                 if let Fatal::Store(op, ..) = &fatal {
-                    self.obs.refused(*op, started.elapsed());
+                    self.shared.obs.refused(*op, started.elapsed());
                 }
                 Err(fatal)
             }
@@ -195,19 +182,18 @@ impl Shared {
     /// wait for the disk (its blob in swap only; for WRITE and ALLOC also
     /// no blob yet, or its slot under write-back): nothing was done.
     pub(super) fn execute(
-        self: &Arc<Self>,
-        conn: &Session,
+        &self,
         h: &Header,
-        body: &[u8],
+        req: &Request<'_>,
         wait: Wait,
     ) -> Result<Option<Answer>, Fatal> {
+        let conn = &self.conn;
         let op = h.opcode;
         let rid = h.request_id;
         let vol = conn.vol.id;
         let mut out = Vec::new();
-        let req = proto::decode_request(h, body).map_err(|e| Fatal::Request(op, rid, e))?;
         let answer = |out: Vec<u8>, status| Answer { status, frame: out };
-        if let Request::Epoch { epoch } = req {
+        if let Request::Epoch { epoch } = *req {
             if conn.version < VERSION_2 {
                 return Err(Fatal::Request(
                     op,
@@ -219,7 +205,7 @@ impl Shared {
                 ));
             }
             let session = conn.epoch.fetch_max(epoch, Ordering::AcqRel).max(epoch);
-            let status = match self.raise_and_fence(&conn.fence, session) {
+            let status = match self.shared.fencing.raise_and_fence(&conn.fence, session) {
                 Ok(now) if now > session => {
                     proto::encode_error(&mut out, op, rid, Status::StaleEpoch, &stale(conn, now));
                     Status::StaleEpoch
@@ -236,13 +222,13 @@ impl Shared {
             };
             return Ok(Some(answer(out, status)));
         }
-        let _admitted = match self.admit(conn, &req, op, rid)? {
+        let _admitted = match self.admit(req, op, rid)? {
             Ok(a) => a,
             Err(refused) => return Ok(Some(refused)),
         };
         let holder = conn.id;
         let ok = |()| Status::Ok;
-        let result = match req {
+        let result = match *req {
             Request::Epoch { .. } => unreachable!("answered above"),
             Request::Read { key, offset, len } => {
                 let encode = |bytes: Option<&[u8]>| match bytes {
@@ -260,10 +246,11 @@ impl Shared {
                 let n = len as usize;
                 let read = match wait {
                     Wait::Yes => self
+                        .shared
                         .store
                         .read_with(vol, key, offset, n, encode)
                         .map(Immediate::Done),
-                    Wait::No => self.store.read_now(vol, key, offset, n, encode),
+                    Wait::No => self.shared.store.read_now(vol, key, offset, n, encode),
                 };
                 match read {
                     Ok(Immediate::WouldWait) => return Ok(None),
@@ -272,15 +259,19 @@ impl Shared {
                 }
             }
             Request::Alloc { key } => {
-                let grant = self.start_grant(conn);
+                let grant = self.start_grant();
                 let leased = match wait {
-                    Wait::Yes => self.store.alloc(vol, key, holder).map(Immediate::Done),
-                    Wait::No => self.store.alloc_now(vol, key, holder),
+                    Wait::Yes => self
+                        .shared
+                        .store
+                        .alloc(vol, key, holder)
+                        .map(Immediate::Done),
+                    Wait::No => self.shared.store.alloc_now(vol, key, holder),
                 };
                 match leased {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(lease)) => {
-                        let lease = self.key_lease(conn, grant, lease, true);
+                        let lease = self.key_lease(grant, lease, true);
                         proto::encode_lease(&mut out, op, rid, lease);
                         Ok(Status::Ok)
                     }
@@ -288,15 +279,15 @@ impl Shared {
                 }
             }
             Request::Get { key } => {
-                let grant = self.start_grant(conn);
+                let grant = self.start_grant();
                 let leased = match wait {
-                    Wait::Yes => self.store.get(vol, key, holder).map(Immediate::Done),
-                    Wait::No => self.store.get_now(vol, key, holder),
+                    Wait::Yes => self.shared.store.get(vol, key, holder).map(Immediate::Done),
+                    Wait::No => self.shared.store.get_now(vol, key, holder),
                 };
                 match leased {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(Some(lease))) => {
-                        let lease = self.key_lease(conn, grant, lease, false);
+                        let lease = self.key_lease(grant, lease, false);
                         proto::encode_lease(&mut out, op, rid, lease);
                         Ok(Status::Ok)
                     }
@@ -308,26 +299,29 @@ impl Shared {
                 }
             }
             Request::Commit { key, token } => {
-                self.unkey(conn, &[token]);
-                self.store
+                self.unkey(&[token]);
+                self.shared
+                    .store
                     .commit(vol, key, token, holder)
                     .map(|()| proto::encode_ok(&mut out, op, rid))
                     .map(ok)
             }
-            Request::Release { tokens } => {
-                self.unkey(conn, &tokens);
+            Request::Release { ref tokens } => {
+                self.unkey(tokens);
                 tokens
                     .iter()
-                    .try_for_each(|t| self.store.release(*t, holder))
+                    .try_for_each(|t| self.shared.store.release(*t, holder))
                     .map(|()| proto::encode_ok(&mut out, op, rid))
                     .map(ok)
             }
             Request::Remove { start, end } => self
+                .shared
                 .store
                 .remove(vol, start, end)
                 .map(|n| proto::encode_count(&mut out, op, rid, n))
                 .map(ok),
             Request::Flush => self
+                .shared
                 .store
                 .flush()
                 .map(|()| proto::encode_ok(&mut out, op, rid))
@@ -335,35 +329,36 @@ impl Shared {
             Request::Write { key, offset, data } => {
                 let written = match wait {
                     Wait::Yes => self
+                        .shared
                         .store
                         .write(vol, key, offset, data)
                         .map(Immediate::Done),
-                    Wait::No => self.store.write_now(vol, key, offset, data),
+                    Wait::No => self.shared.store.write_now(vol, key, offset, data),
                 };
                 match written {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     r => r.map(|_| proto::encode_ok(&mut out, op, rid)).map(ok),
                 }
             }
-            Request::RailConnect(client) => {
+            Request::RailConnect(ref client) => {
                 return self
-                    .rail_connect(conn, op, rid, &client)
+                    .rail_connect(op, rid, client)
                     .map(|(s, f)| Some(answer(f, s)))
             }
         };
-        self.finish(conn, op, rid, result, out).map(Some)
+        self.finish(op, rid, result, out).map(Some)
     }
 
     /// Every data operation runs admitted under the volume's epoch, so a
     /// raise waits for it and a stale session gets none: the admission, or
     /// the answer refusing it.
-    fn admit<'a>(
+    fn admit(
         &self,
-        conn: &'a Session,
         req: &Request,
         op: Opcode,
         rid: u64,
-    ) -> Result<Result<Option<Admitted<'a>>, Answer>, Fatal> {
+    ) -> Result<Result<Option<Admitted<'_>>, Answer>, Fatal> {
+        let conn = &self.conn;
         if matches!(req, Request::Release { .. } | Request::RailConnect(_)) {
             return Ok(Ok(None));
         }
@@ -391,12 +386,12 @@ impl Shared {
     /// frame (a protocol error ends the session).
     fn finish(
         &self,
-        conn: &Session,
         op: Opcode,
         rid: u64,
         result: Result<Status, StoreError>,
         mut out: Vec<u8>,
     ) -> Result<Answer, Fatal> {
+        let conn = &self.conn;
         let status = match result {
             Ok(status) => status,
             Err(e) => {
@@ -419,14 +414,14 @@ impl Shared {
     /// lease keys are deregistered first).
     fn rail_connect(
         &self,
-        conn: &Session,
         op: Opcode,
         rid: u64,
         client: &proto::Endpoint,
     ) -> Result<(Status, Vec<u8>), Fatal> {
+        let conn = &self.conn;
         let mut out = Vec::new();
         let rail = &conn.rail;
-        let Some(rdma) = self.rdma.as_ref().filter(|_| rail.granted) else {
+        let Some(rdma) = self.shared.rdma.as_ref().filter(|_| rail.granted) else {
             return Err(Fatal::Request(
                 op,
                 rid,
@@ -476,12 +471,11 @@ impl Shared {
             }
         }
     }
-}
 
-impl Shared {
     /// A session whose RDMA keys are per lease: the ticket of a grant about
     /// to ask the store (see [`LeaseKeys::start`]).
-    fn start_grant<'a>(&self, conn: &'a Session) -> Option<Grant<'a>> {
+    fn start_grant(&self) -> Option<Grant<'_>> {
+        let conn = &self.conn;
         conn.rail
             .lease_keys
             .then(|| LeaseKeys::start(&conn.rail.keys))
@@ -492,14 +486,9 @@ impl Shared {
     /// rkey goes with it. A lease that cannot be keyed (no rail, a failed
     /// registration, ended meanwhile) goes without a key: over a rail
     /// isolated per lease the client then moves that payload inline.
-    fn key_lease(
-        &self,
-        conn: &Session,
-        grant: Option<Grant<'_>>,
-        mut lease: Lease,
-        write: bool,
-    ) -> Lease {
-        if let (Some(g), Some(rdma)) = (grant, self.rdma.as_ref()) {
+    fn key_lease(&self, grant: Option<Grant<'_>>, mut lease: Lease, write: bool) -> Lease {
+        let conn = &self.conn;
+        if let (Some(g), Some(rdma)) = (grant, self.shared.rdma.as_ref()) {
             match g.key(lease.token, |d| rdma.key_slot(d, lease.slot_offset, write)) {
                 Ok(Keyed::Key(rkey)) => lease.rkey = Some(rkey),
                 Ok(Keyed::NoRail) => {}
@@ -510,7 +499,7 @@ impl Shared {
                     "the lease ended before its key was registered: answered without one"
                 ),
                 Err(e) => {
-                    self.obs.lease_key_failed();
+                    self.shared.obs.lease_key_failed();
                     warn!(
                         event = "rdma.lease_key_failed",
                         conn = conn.id,
@@ -527,29 +516,12 @@ impl Shared {
     /// The holder ends these leases (COMMIT, RELEASE): their keys are
     /// deregistered before the store can give the slots to anyone else.
     /// One lock per key, so the force-end hook waits for one at most.
-    fn unkey(&self, conn: &Session, tokens: &[u64]) {
+    fn unkey(&self, tokens: &[u64]) {
+        let conn = &self.conn;
         if conn.rail.lease_keys {
             for &t in tokens {
                 conn.rail.keys.lock().end(t);
             }
-        }
-    }
-
-    /// The store ended `holder`'s lease `token` by force (called under the
-    /// store lock, before the slot is unpinned): its key is deregistered.
-    /// The holder's QP stays up: a transfer with the dead key is refused
-    /// with a remote access error, which the client sees at once.
-    pub(super) fn force_ended(&self, holder: crate::store::HolderId, token: u64) {
-        let Some(conn) = self.conns.lock().get(&holder).cloned() else {
-            return;
-        };
-        if conn.rail.lease_keys && conn.rail.keys.lock().end(token) {
-            warn!(
-                event = "rdma.lease_key_force_ended",
-                conn = holder,
-                token,
-                "a revoked lease was not given back in time: its RDMA key is deregistered"
-            );
         }
     }
 }

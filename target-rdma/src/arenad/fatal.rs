@@ -8,7 +8,7 @@ use tracing::{debug, warn};
 
 use crate::arenad::epochs::EpochError;
 use crate::arenad::frames::ReadError;
-use crate::arenad::shared::Shared;
+use crate::arenad::observability::ArenadObservability;
 use crate::proto::{self, FrameError, Opcode, Status};
 use crate::store::{HolderId, StoreError};
 
@@ -46,25 +46,30 @@ impl From<io::Error> for Fatal {
     }
 }
 
-impl Shared {
-    /// Counts and logs the error that ends a connection; returns the error
-    /// frame that answers it (empty when the peer just went away). Logs
-    /// name the peer's address where an operator needs it (refused
-    /// handshakes); metrics never do.
-    pub(super) fn report_fatal(&self, id: HolderId, peer: SocketAddr, fatal: Fatal) -> Vec<u8> {
+impl Fatal {
+    /// Counts (in `obs`) and logs the error that ends a connection; returns
+    /// the error frame that answers it (empty when the peer just went
+    /// away). Logs name the peer's address where an operator needs it
+    /// (refused handshakes); metrics never do.
+    pub(super) fn report(
+        self,
+        obs: &ArenadObservability,
+        id: HolderId,
+        peer: SocketAddr,
+    ) -> Vec<u8> {
         let mut frame = Vec::new();
-        match fatal {
+        match self {
             Fatal::Io(e)
             | Fatal::Frame(FrameError::Io(e))
             | Fatal::Request(_, _, FrameError::Io(e)) => {
                 debug!(event = "peer.disconnected", conn = id, error = %e);
             }
             Fatal::Probe => {
-                self.obs.probe();
+                obs.probe();
                 debug!(event = "connection.probe", conn = id);
             }
             Fatal::Frame(e) => {
-                self.obs.frame_error(&e);
+                obs.frame_error(&e);
                 warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
                 proto::encode_error(
                     &mut frame,
@@ -75,7 +80,7 @@ impl Shared {
                 );
             }
             Fatal::Request(op, request_id, e) => {
-                self.obs.frame_error(&e);
+                obs.frame_error(&e);
                 warn!(event = "protocol.error", conn = id, class = e.class(), op = op.name(), request_id, error = %e);
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
@@ -84,7 +89,7 @@ impl Shared {
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
             Fatal::Auth(why) => {
-                self.obs.auth_failed();
+                obs.auth_failed();
                 warn!(event = "auth.failed", conn = id, peer = %peer, reason = why);
                 proto::encode_error(
                     &mut frame,
@@ -95,7 +100,7 @@ impl Shared {
                 );
             }
             Fatal::Hello(status, msg) => {
-                self.obs.hello_refused(status);
+                obs.hello_refused(status);
                 warn!(event = "hello.refused", conn = id, peer = %peer, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }

@@ -12,17 +12,41 @@
 //! table and the keys under it, never the other way round. Nothing here
 //! touches a socket.
 
-use std::sync::atomic::Ordering;
+use std::io;
 use std::sync::Arc;
 
-use tracing::info;
+use crate::arenad::blocking::Blocking;
+use crate::arenad::epochs::{EpochError, Epochs, VolumeEpoch};
+use crate::arenad::fatal::Fatal;
+use crate::arenad::observability::ArenadObservability;
+use crate::arenad::sessions::Sessions;
+use crate::store::Store;
 
-use crate::arenad::epochs::{EpochError, VolumeEpoch};
-use crate::arenad::lease_keys::LeaseKeys;
-use crate::arenad::session::Session;
-use crate::arenad::shared::Shared;
+/// Every volume's epoch, by name (a volume added by a reload gets one like
+/// those served from the start), and what a raise needs to fence out the
+/// sessions below it.
+pub(super) struct Fencing {
+    pub(super) epochs: Epochs,
+    sessions: Arc<Sessions>,
+    store: Arc<Store>,
+    obs: Arc<ArenadObservability>,
+}
 
-impl Shared {
+impl Fencing {
+    pub(super) fn new(
+        epochs: Epochs,
+        sessions: Arc<Sessions>,
+        store: Arc<Store>,
+        obs: Arc<ArenadObservability>,
+    ) -> Self {
+        Self {
+            epochs,
+            sessions,
+            store,
+            obs,
+        }
+    }
+
     /// Raises `fence` to `epoch` (see [`crate::arenad::epochs::Epochs::raise`]),
     /// ending the leases of the sessions it fences out before it returns.
     /// Blocks: call it on the blocking pool.
@@ -31,38 +55,29 @@ impl Shared {
         fence: &Arc<VolumeEpoch>,
         epoch: u64,
     ) -> Result<u64, EpochError> {
-        self.epochs
-            .raise(fence, epoch, || self.fence_out(fence, epoch))
+        self.epochs.raise(fence, epoch, || {
+            self.sessions
+                .fence_out(&self.store, &self.obs, fence, epoch)
+        })
     }
 
-    /// Every session of `fence`'s volume below `epoch` loses its leases:
-    /// its keys are deregistered, then the store ends the leases (their
-    /// slots go back as if released without COMMIT).
-    fn fence_out(&self, fence: &Arc<VolumeEpoch>, epoch: u64) {
-        let older: Vec<Arc<Session>> = self
-            .conns
-            .lock()
-            .values()
-            .filter(|s| Arc::ptr_eq(&s.fence, fence) && s.epoch.load(Ordering::Acquire) < epoch)
-            .cloned()
-            .collect();
-        for s in older {
-            if s.rail.lease_keys {
-                LeaseKeys::drop_keys(&s.rail.keys);
-            }
-            let ended = self.store.end_leases_of(s.id);
-            if ended > 0 {
-                self.obs.leases_fenced(ended as u64);
-                info!(
-                    event = "epoch.leases_fenced",
-                    conn = s.id,
-                    volume = %s.vol.name,
-                    epoch,
-                    session_epoch = s.epoch.load(Ordering::Acquire),
-                    leases = ended,
-                    "a raise fenced this session out: its leases are ended and their RDMA keys deregistered"
-                );
-            }
+    /// Raises `fence` to `epoch`; a raise (a file sync, draining the
+    /// operations admitted under the old epoch, ending the leases of the
+    /// sessions it fences out), or waiting for the one under way to the
+    /// same epoch, runs on the blocking `pool`.
+    pub(super) async fn raise_epoch(
+        self: &Arc<Self>,
+        pool: &Blocking,
+        fence: &Arc<VolumeEpoch>,
+        epoch: u64,
+    ) -> Result<u64, Fatal> {
+        if fence.settled(epoch) {
+            return Ok(fence.current());
         }
+        let (fencing, fence) = (Arc::clone(self), Arc::clone(fence));
+        pool.run(move || fencing.raise_and_fence(&fence, epoch))
+            .await
+            .map_err(|_| Fatal::Io(io::Error::other("the epoch raise panicked")))?
+            .map_err(Fatal::Epoch)
     }
 }

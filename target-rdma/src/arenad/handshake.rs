@@ -41,186 +41,170 @@ pub(super) struct Session {
     pub(super) epoch: u64,
 }
 
-impl Shared {
-    /// Runs the handshake within the handshake deadline; returns what the
-    /// session is bound to.
-    pub(super) async fn handshake(
-        self: &Arc<Self>,
-        id: HolderId,
-        stream: &mut TcpStream,
-        handshaking: Counted,
-    ) -> Result<Session, Fatal> {
-        let until = Instant::now() + self.limits.handshake_timeout;
-        match tokio::time::timeout_at(until.into(), self.handshake_steps(id, stream, handshaking))
-            .await
-        {
-            Ok(r) => r,
-            Err(_) => Err(Fatal::Io(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "handshake deadline passed",
-            ))),
-        }
+/// Runs the handshake within the handshake deadline; returns what the
+/// session is bound to.
+pub(super) async fn handshake(
+    shared: &Shared,
+    id: HolderId,
+    stream: &mut TcpStream,
+    handshaking: Counted,
+) -> Result<Session, Fatal> {
+    let until = Instant::now() + shared.limits.handshake_timeout;
+    match tokio::time::timeout_at(
+        until.into(),
+        handshake_steps(shared, id, stream, handshaking),
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(_) => Err(Fatal::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "handshake deadline passed",
+        ))),
     }
+}
 
-    async fn handshake_steps(
-        self: &Arc<Self>,
-        id: HolderId,
-        stream: &mut TcpStream,
-        handshaking: Counted,
-    ) -> Result<Session, Fatal> {
-        let min_version = if self.limits.allow_v1 {
-            VERSION_1
-        } else {
-            VERSION_2
-        };
-        let ch = Challenge {
-            min_version: u16::from(min_version),
-            max_version: u16::from(VERSION),
-            server_nonce: auth::nonce(),
-            max_inflight: self.limits.max_inflight,
-            max_inline: self.store.blob_bytes().min(MAX_INLINE),
-        };
-        let mut frame = Vec::new();
-        ch.encode(&mut frame);
-        // A connection closed before its first byte is a probe (a health
-        // check, a port scan), not a protocol error: the CHALLENGE may meet
-        // a reset, or the first read an end of stream.
-        let gone = |e: &io::Error| {
-            matches!(
-                e.kind(),
-                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
-            )
-        };
-        match stream.write_all(&frame).await {
-            Err(e) if gone(&e) => return Err(Fatal::Probe),
-            r => r?,
-        }
-        let mut hb = [0u8; HEADER_LEN];
-        match stream.read(&mut hb[..1]).await {
-            Ok(0) => return Err(Fatal::Probe),
-            Ok(_) => {}
-            Err(e) if gone(&e) => return Err(Fatal::Probe),
-            Err(e) => return Err(Fatal::Io(e)),
-        }
-        stream.read_exact(&mut hb[1..]).await.map_err(truncated)?;
-        let h = Header::decode(&hb)?;
-        h.expect_version(HANDSHAKE_VERSION)?;
-        if h.body_len > MAX_HELLO_BODY {
-            return Err(Fatal::Frame(FrameError::TooLong {
-                what: "HELLO body",
-                len: h.body_len.into(),
-                max: MAX_HELLO_BODY.into(),
-            }));
-        }
-        let mut body = vec![0u8; h.body_len as usize];
-        stream.read_exact(&mut body).await.map_err(truncated)?;
-        let hello = Hello::decode(&h, &body)?;
-
-        if !(ch.min_version..=ch.max_version).contains(&hello.version) {
-            return Err(Fatal::Hello(
-                Status::VersionMismatch,
-                format!(
-                    "client chose version {}, server speaks {}..={}",
-                    hello.version, ch.min_version, ch.max_version
-                ),
-            ));
-        }
-        // An unknown volume and a wrong secret look the same to the client,
-        // so a scan cannot discover volume names.
-        let volumes = Arc::clone(&self.volumes.read());
-        let vol = volumes
-            .iter()
-            .find(|v| v.name == hello.volume)
-            .ok_or(Fatal::Auth("unknown volume"))?;
-        if !vol.secret.verify_hello(&ch, &hello) {
-            return Err(Fatal::Auth("bad mac"));
-        }
-        // Authenticated: the place goes back before the WELCOME, so a
-        // client that connects again once it has it finds the place free.
-        drop(handshaking);
-        let blob = self.store.blob_bytes();
-        if hello.blob_bytes != 0 && hello.blob_bytes != blob {
-            return Err(Fatal::Hello(
-                Status::Protocol,
-                format!(
-                    "blob size mismatch: client expects {}, volume uses {blob}",
-                    hello.blob_bytes
-                ),
-            ));
-        }
-        let version = hello.version as u8;
-        let fence = self.epochs.volume(&vol.name);
-        if version < VERSION_2 && fence.current() > 0 {
-            return Err(Fatal::Hello(
-                Status::VersionMismatch,
-                format!(
-                    "volume {:?} has a membership epoch: it needs protocol version 2",
-                    vol.name
-                ),
-            ));
-        }
-        let epoch = self.raise_epoch(&fence, hello.epoch).await?;
-        let rdma = hello.caps & CAP_RDMA != 0;
-        if rdma && self.rdma.is_none() {
-            info!(
-                event = "rdma.declined",
-                conn = id,
-                reason = "no RDMA device on this peer"
-            );
-        }
-        let granted = rdma && self.rdma.is_some();
-        let isolated = self
-            .rdma
-            .as_ref()
-            .is_some_and(|r| r.isolation() == Isolation::Lease);
-        let mut welcome = Welcome {
-            session_id: id,
-            generation: self.store.generation(),
-            blob_bytes: blob,
-            caps: hello.caps
-                & if granted && isolated {
-                    CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
-                } else if granted {
-                    CAP_TCP_DATA | CAP_RDMA
-                } else {
-                    CAP_TCP_DATA
-                },
-            quota_blobs: vol.quota_blobs,
-            epoch,
-            mac: [0; MAC_LEN],
-        };
-        welcome.mac = vol.secret.sign_welcome(&ch, &hello, &welcome);
-        welcome.encode(&mut frame, hello.version);
-        stream.write_all(&frame).await?;
-        info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted, version, epoch = hello.epoch);
-        Ok(Session {
-            vol: Arc::clone(vol),
-            fence,
-            granted,
-            lease_keys: granted && isolated && hello.caps & CAP_RDMA_LEASE_KEYS != 0,
-            version,
-            keys: (version >= VERSION_2).then(|| vol.secret.session_keys(&ch, &hello)),
-            epoch: hello.epoch,
-        })
+async fn handshake_steps(
+    shared: &Shared,
+    id: HolderId,
+    stream: &mut TcpStream,
+    handshaking: Counted,
+) -> Result<Session, Fatal> {
+    let min_version = if shared.limits.allow_v1 {
+        VERSION_1
+    } else {
+        VERSION_2
+    };
+    let ch = Challenge {
+        min_version: u16::from(min_version),
+        max_version: u16::from(VERSION),
+        server_nonce: auth::nonce(),
+        max_inflight: shared.limits.max_inflight,
+        max_inline: shared.store.blob_bytes().min(MAX_INLINE),
+    };
+    let mut frame = Vec::new();
+    ch.encode(&mut frame);
+    // A connection closed before its first byte is a probe (a health
+    // check, a port scan), not a protocol error: the CHALLENGE may meet
+    // a reset, or the first read an end of stream.
+    let gone = |e: &io::Error| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+        )
+    };
+    match stream.write_all(&frame).await {
+        Err(e) if gone(&e) => return Err(Fatal::Probe),
+        r => r?,
     }
-
-    /// Raises `fence` to `epoch`; a raise (a file sync, draining the
-    /// operations admitted under the old epoch, ending the leases of the
-    /// sessions it fences out), or waiting for the one under way to the
-    /// same epoch, runs on the blocking pool.
-    pub(super) async fn raise_epoch(
-        self: &Arc<Self>,
-        fence: &Arc<VolumeEpoch>,
-        epoch: u64,
-    ) -> Result<u64, Fatal> {
-        if fence.settled(epoch) {
-            return Ok(fence.current());
-        }
-        let (server, fence) = (Arc::clone(self), Arc::clone(fence));
-        self.pool
-            .run(move || server.raise_and_fence(&fence, epoch))
-            .await
-            .map_err(|_| Fatal::Io(io::Error::other("the epoch raise panicked")))?
-            .map_err(Fatal::Epoch)
+    let mut hb = [0u8; HEADER_LEN];
+    match stream.read(&mut hb[..1]).await {
+        Ok(0) => return Err(Fatal::Probe),
+        Ok(_) => {}
+        Err(e) if gone(&e) => return Err(Fatal::Probe),
+        Err(e) => return Err(Fatal::Io(e)),
     }
+    stream.read_exact(&mut hb[1..]).await.map_err(truncated)?;
+    let h = Header::decode(&hb)?;
+    h.expect_version(HANDSHAKE_VERSION)?;
+    if h.body_len > MAX_HELLO_BODY {
+        return Err(Fatal::Frame(FrameError::TooLong {
+            what: "HELLO body",
+            len: h.body_len.into(),
+            max: MAX_HELLO_BODY.into(),
+        }));
+    }
+    let mut body = vec![0u8; h.body_len as usize];
+    stream.read_exact(&mut body).await.map_err(truncated)?;
+    let hello = Hello::decode(&h, &body)?;
+
+    if !(ch.min_version..=ch.max_version).contains(&hello.version) {
+        return Err(Fatal::Hello(
+            Status::VersionMismatch,
+            format!(
+                "client chose version {}, server speaks {}..={}",
+                hello.version, ch.min_version, ch.max_version
+            ),
+        ));
+    }
+    // An unknown volume and a wrong secret look the same to the client,
+    // so a scan cannot discover volume names.
+    let volumes = Arc::clone(&shared.volumes.read());
+    let vol = volumes
+        .iter()
+        .find(|v| v.name == hello.volume)
+        .ok_or(Fatal::Auth("unknown volume"))?;
+    if !vol.secret.verify_hello(&ch, &hello) {
+        return Err(Fatal::Auth("bad mac"));
+    }
+    // Authenticated: the place goes back before the WELCOME, so a
+    // client that connects again once it has it finds the place free.
+    drop(handshaking);
+    let blob = shared.store.blob_bytes();
+    if hello.blob_bytes != 0 && hello.blob_bytes != blob {
+        return Err(Fatal::Hello(
+            Status::Protocol,
+            format!(
+                "blob size mismatch: client expects {}, volume uses {blob}",
+                hello.blob_bytes
+            ),
+        ));
+    }
+    let version = hello.version as u8;
+    let fence = shared.fencing.epochs.volume(&vol.name);
+    if version < VERSION_2 && fence.current() > 0 {
+        return Err(Fatal::Hello(
+            Status::VersionMismatch,
+            format!(
+                "volume {:?} has a membership epoch: it needs protocol version 2",
+                vol.name
+            ),
+        ));
+    }
+    let epoch = shared
+        .fencing
+        .raise_epoch(&shared.pool, &fence, hello.epoch)
+        .await?;
+    let rdma = hello.caps & CAP_RDMA != 0;
+    if rdma && shared.rdma.is_none() {
+        info!(
+            event = "rdma.declined",
+            conn = id,
+            reason = "no RDMA device on this peer"
+        );
+    }
+    let granted = rdma && shared.rdma.is_some();
+    let isolated = shared
+        .rdma
+        .as_ref()
+        .is_some_and(|r| r.isolation() == Isolation::Lease);
+    let mut welcome = Welcome {
+        session_id: id,
+        generation: shared.store.generation(),
+        blob_bytes: blob,
+        caps: hello.caps
+            & if granted && isolated {
+                CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
+            } else if granted {
+                CAP_TCP_DATA | CAP_RDMA
+            } else {
+                CAP_TCP_DATA
+            },
+        quota_blobs: vol.quota_blobs,
+        epoch,
+        mac: [0; MAC_LEN],
+    };
+    welcome.mac = vol.secret.sign_welcome(&ch, &hello, &welcome);
+    welcome.encode(&mut frame, hello.version);
+    stream.write_all(&frame).await?;
+    info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted, version, epoch = hello.epoch);
+    Ok(Session {
+        vol: Arc::clone(vol),
+        fence,
+        granted,
+        lease_keys: granted && isolated && hello.caps & CAP_RDMA_LEASE_KEYS != 0,
+        version,
+        keys: (version >= VERSION_2).then(|| vol.secret.session_keys(&ch, &hello)),
+        epoch: hello.epoch,
+    })
 }

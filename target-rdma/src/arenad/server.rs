@@ -11,21 +11,23 @@
 //! `Protocol` error naming the problem, is counted by class, and closes
 //! that connection only.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::TcpListener;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use tokio::runtime::Runtime;
-use tokio::sync::Notify;
 
+use crate::arenad::accept::accept_loop;
+use crate::arenad::admission::Admission;
 use crate::arenad::blocking::Blocking;
 use crate::arenad::epochs::Epochs;
+use crate::arenad::fenced::Fencing;
 use crate::arenad::observability::ArenadObservability;
+use crate::arenad::sessions::Sessions;
 use crate::arenad::shared::Shared;
+use crate::arenad::stop::Stop;
 use crate::arenad::workers::Workers;
 use crate::store::Store;
 
@@ -67,18 +69,22 @@ impl Server {
                 tracing::warn!(event = "swap.read_ring_unavailable", error = %e, "this worker's cold reads use the swap's shared ring");
             }
         })?;
+        let sessions = Arc::new(Sessions::default());
+        let fencing = Fencing::new(
+            epochs,
+            Arc::clone(&sessions),
+            Arc::clone(&store),
+            Arc::clone(&obs),
+        );
         let shared = Arc::new(Shared {
             rdma,
             store,
             volumes: RwLock::new(Arc::new(volumes.into_iter().map(Arc::new).collect())),
-            epochs,
+            fencing: Arc::new(fencing),
             limits,
-            conns: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(1),
-            open: Arc::default(),
-            unauthenticated: Arc::default(),
-            stopping: AtomicBool::new(false),
-            stop: Notify::new(),
+            sessions,
+            admission: Admission::new(),
+            stop: Stop::new(),
             pool,
             obs,
         });
@@ -89,7 +95,9 @@ impl Server {
             .store
             .set_revoke_hook(Box::new(move |holder, _vol, key, token| {
                 if let Some(shared) = weak.upgrade() {
-                    shared.revoke(holder, key, token);
+                    shared
+                        .sessions
+                        .revoke(holder, key, token, shared.limits.max_queued_frames);
                 }
             }));
         // Runs under the store lock: it only deregisters the lease's RDMA key
@@ -99,7 +107,7 @@ impl Server {
             .store
             .set_force_end_hook(Box::new(move |holder, token| {
                 if let Some(shared) = weak.upgrade() {
-                    shared.force_ended(holder, token);
+                    shared.sessions.force_ended(holder, token);
                 }
             }));
         Ok(Arc::new(Server {
@@ -119,8 +127,7 @@ impl Server {
     /// Stops accepting and makes every connection end once its requests
     /// in flight are answered (see [`Server::serve`]).
     pub fn shutdown(&self) {
-        self.shared.stopping.store(true, Ordering::SeqCst);
-        self.shared.stop.notify_waiters();
+        self.shared.stop.stop();
     }
 
     /// Accepts connections until [`Server::shutdown`], then gives the open
@@ -133,7 +140,7 @@ impl Server {
             .lock()
             .take()
             .ok_or_else(|| io::Error::other("the server already served"))?;
-        let served = accept.block_on(Arc::clone(&self.shared).accept_loop(listener, &workers));
+        let served = accept.block_on(accept_loop(Arc::clone(&self.shared), listener, &workers));
         workers.stop();
         accept.shutdown_timeout(Duration::from_secs(1));
         served

@@ -1,25 +1,22 @@
 //! The server's state, shared by the accept loop and every connection
-//! task: the store, the volumes served, the limits, the connection
-//! counters, the authenticated sessions (where REVOKEs are queued), the
-//! blocking pool and the stop signal.
+//! task: the store, the volumes served, the limits, and each mechanism's
+//! own state as a field of its own type: the connection counters
+//! ([`Admission`]), the authenticated sessions, where REVOKEs are queued
+//! ([`Sessions`]), the epochs and their fence ([`Fencing`]), the blocking
+//! pool and the stop signal ([`Stop`]).
 
-use std::collections::HashMap;
-use std::pin::pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
-use tokio::sync::Notify;
-use tracing::warn;
+use parking_lot::RwLock;
 
+use crate::arenad::admission::Admission;
 use crate::arenad::blocking::Blocking;
-use crate::arenad::epochs::Epochs;
+use crate::arenad::fenced::Fencing;
 use crate::arenad::observability::ArenadObservability;
-use crate::arenad::outbox::NotQueued;
 use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
-use crate::arenad::session::Session;
-use crate::proto;
-use crate::store::{HolderId, Store};
+use crate::arenad::sessions::Sessions;
+use crate::arenad::stop::Stop;
+use crate::store::Store;
 
 /// The server's state, shared by the accept loop and every connection
 /// task (the server is a handle on it).
@@ -29,50 +26,14 @@ pub(super) struct Shared {
     /// Replaced whole by [`Server::set_volumes`] (SIGHUP): a handshake
     /// takes the list in force when it starts, sessions never look again.
     pub(super) volumes: RwLock<Arc<Vec<Arc<ServedVolume>>>>,
-    /// Every volume's epoch, by name: a volume added by a reload gets one
-    /// like those served from the start.
-    pub(super) epochs: Epochs,
+    /// Every volume's epoch, and the raise that fences sessions out.
+    pub(super) fencing: Arc<Fencing>,
     pub(super) limits: ServerLimits,
     /// Authenticated connections by holder: where REVOKEs are queued.
-    pub(super) conns: Mutex<HashMap<HolderId, Arc<Session>>>,
-    pub(super) next_conn: AtomicU64,
-    /// Connections with a task, authenticated or not.
-    pub(super) open: Arc<AtomicUsize>,
-    /// Connections still in their handshake.
-    pub(super) unauthenticated: Arc<AtomicUsize>,
-    pub(super) stopping: AtomicBool,
-    pub(super) stop: Notify,
+    pub(super) sessions: Arc<Sessions>,
+    /// The connection counters and ids.
+    pub(super) admission: Admission,
+    pub(super) stop: Stop,
     pub(super) pool: Blocking,
     pub(super) obs: Arc<ArenadObservability>,
-}
-
-impl Shared {
-    /// Resolves once [`Server::shutdown`] was called.
-    pub(super) async fn stopped(&self) {
-        let mut n = pin!(self.stop.notified());
-        n.as_mut().enable();
-        if self.stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        n.await;
-    }
-
-    /// Queues a REVOKE for `holder`; a client whose queue is full is not
-    /// reading, and is disconnected (its leases end with it).
-    pub(super) fn revoke(&self, holder: HolderId, key: u64, token: u64) {
-        let Some(conn) = self.conns.lock().get(&holder).cloned() else {
-            return;
-        };
-        let mut frame = Vec::new();
-        proto::encode_revoke(&mut frame, key, token);
-        if let Err(NotQueued::Full) = conn.outbox.revoke(frame) {
-            warn!(
-                event = "connection.not_reading",
-                conn = holder,
-                max_queued_frames = self.limits.max_queued_frames,
-                "disconnected: a REVOKE found its queue full"
-            );
-            conn.outbox.close();
-        }
-    }
 }
