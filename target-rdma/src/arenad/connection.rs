@@ -198,7 +198,7 @@ async fn read_requests(d: &Dispatch, side: ReadSide) -> Result<(), Fatal> {
                 match done {
                     Ok(Ok(())) => {}
                     Ok(Err(fatal)) => break Err(fatal),
-                    Err(e) => break Err(Fatal::Io(std::io::Error::other(e))),
+                    Err(e) => break Err(Fatal::Internal(format!("a request's task failed: {e}"))),
                 }
             }
             (side, next) = &mut read => {

@@ -99,16 +99,10 @@ impl Dispatch {
                 r
             })
             .await
-            .unwrap_or_else(|_| {
-                Err(Fatal::Io(std::io::Error::other(
-                    "a request's store call panicked",
-                )))
-            })
+            .unwrap_or_else(|_| Err(Fatal::Internal("a request's store call panicked".into())))
             .and_then(|answered| {
                 answered.ok_or_else(|| {
-                    Fatal::Io(std::io::Error::other(
-                        "a store call on the blocking pool declined to wait",
-                    ))
+                    Fatal::Internal("a store call on the blocking pool declined to wait".into())
                 })
             });
         (answered, true)

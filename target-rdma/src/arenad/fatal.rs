@@ -23,6 +23,10 @@ pub(super) enum Fatal {
     /// Closed before sending a byte.
     Probe,
     Epoch(EpochError),
+    /// A task serving the connection failed inside the server (a store
+    /// call panicked, the blocking pool declined it): the server's fault,
+    /// not the peer's.
+    Internal(String),
     Io(io::Error),
 }
 
@@ -103,6 +107,10 @@ impl Fatal {
                 obs.hello_refused(status);
                 warn!(event = "hello.refused", conn = id, peer = %peer, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
+            }
+            Fatal::Internal(what) => {
+                tracing::error!(event = "connection.internal_error", conn = id, error = %what);
+                proto::encode_error(&mut frame, Opcode::Hello, 0, Status::Internal, &what);
             }
             Fatal::Epoch(e) => {
                 warn!(event = "epoch.persist_failed", conn = id, error = %e);

@@ -12,7 +12,6 @@
 //! table and the keys under it, never the other way round. Nothing here
 //! touches a socket.
 
-use std::io;
 use std::sync::Arc;
 
 use crate::arenad::blocking::Blocking;
@@ -77,7 +76,7 @@ impl Fencing {
         let (fencing, fence) = (Arc::clone(self), Arc::clone(fence));
         pool.run(move || fencing.raise_and_fence(&fence, epoch))
             .await
-            .map_err(|_| Fatal::Io(io::Error::other("the epoch raise panicked")))?
+            .map_err(|_| Fatal::Internal("the epoch raise panicked".into()))?
             .map_err(Fatal::Epoch)
     }
 }
