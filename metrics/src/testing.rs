@@ -193,6 +193,41 @@ pub fn addr_after(line: &str, marker: &str) -> Option<String> {
     )
 }
 
+/// Value of the sample `name` whose label set is exactly `labels`.
+pub fn exact_sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut want: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    want.sort();
+    for line in text.lines() {
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ')?;
+        let (n, l) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        if n != name {
+            continue;
+        }
+        let mut got: Vec<String> = if l.is_empty() {
+            Vec::new()
+        } else {
+            l.split(',').map(str::to_string).collect()
+        };
+        got.sort();
+        if got == want {
+            return value.parse().ok();
+        }
+    }
+    None
+}
+
+/// Like [`exact_sample`], panicking with the exposition when absent.
+pub fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    exact_sample(text, name, labels)
+        .unwrap_or_else(|| panic!("no sample {name}{labels:?} in:\n{text}"))
+}
+
 /// The sum of the samples of `name` whose labels include every pair of
 /// `labels`, in a Prometheus text exposition (0 when there is none).
 pub fn sample(exposition: &str, name: &str, labels: &[(&str, &str)]) -> f64 {

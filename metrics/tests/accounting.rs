@@ -1,8 +1,6 @@
 //! Conservation of logical requests and physical attempts.
 
-mod common;
-
-use common::value;
+use ublk_metrics::testing::value;
 use ublk_metrics::{
     CorrelationId, Daemon, IoOp, Outcome, Phase, Reason, RequestAccounting, Telemetry, Transport,
 };

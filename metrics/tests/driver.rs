@@ -1,12 +1,10 @@
 //! Driver statistics: aggregation, monotonicity, partial, summary.
 
-mod common;
-
-use common::{sample, value};
 use parking_lot::Mutex;
 use std::borrow::Cow;
 use std::sync::Arc;
 use ublk_metrics::driver::{names, CounterValue, GaugeValue};
+use ublk_metrics::testing::{exact_sample as sample, value};
 use ublk_metrics::{
     summarize, Daemon, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry, IoOp,
     Telemetry, Transport,

@@ -1,13 +1,11 @@
 //! The HTTP endpoints on a real socket.
 
-mod common;
-
-use common::value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use ublk_metrics::testing::http_get as get;
+use ublk_metrics::testing::value;
 use ublk_metrics::{
     Daemon, HttpConfig, MetricsServer, NotReadyReason, NotReadySet, Probes, Telemetry,
 };

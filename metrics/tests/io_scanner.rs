@@ -1,13 +1,11 @@
 //! Device I/O accounting, trackers and the scanner, on a manual clock.
 
-mod common;
-
-use common::{capture_logs, events, value};
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
+use ublk_metrics::testing::{capture_json_logs, value};
 use ublk_metrics::{
     Daemon, IoMetrics, IoOp, ManualClock, Scanner, ScannerConfig, TableSnapshot, Telemetry,
     TrackerConfig, TrackerError, TrackerTable,
@@ -203,7 +201,7 @@ fn stuck_is_logged_once_per_request_and_slow_on_completion() {
     let scanner = Scanner::new(t.clone(), ScannerConfig::default());
     scanner.register(&tab);
 
-    let ((first, second, corr), logs) = capture_logs(|| {
+    let ((first, second, corr), logs) = capture_json_logs(|| {
         let g = tab.start(0, 3, IoOp::Read).unwrap();
         let corr = g.correlation_id();
         clock.advance(Duration::from_secs(30));
@@ -218,19 +216,18 @@ fn stuck_is_logged_once_per_request_and_slow_on_completion() {
         (first, second, corr)
     });
     assert_eq!((first, second), (1, 0));
-    let stuck = events(&logs, "request.stuck");
-    assert_eq!(stuck.len(), 1, "{logs}");
-    assert!(
-        stuck[0].contains(&format!("\"corr\":{}", corr.get())),
-        "{}",
-        stuck[0]
-    );
-    assert!(stuck[0].contains("\"op\":\"read\""));
-    assert!(stuck[0].contains("\"device\":7"));
-    assert!(stuck[0].contains("\"age_ms\":30000"));
-    let slow = events(&logs, "request.slow");
-    assert_eq!(slow.len(), 1, "{logs}");
-    assert!(slow[0].contains("\"latency_ms\":35000"));
+    let events = |name: &str| -> Vec<&serde_json::Value> {
+        logs.iter().filter(|r| r["event"] == name).collect()
+    };
+    let stuck = events("request.stuck");
+    assert_eq!(stuck.len(), 1, "{logs:?}");
+    assert_eq!(stuck[0]["corr"], corr.get(), "{}", stuck[0]);
+    assert_eq!(stuck[0]["op"], "read");
+    assert_eq!(stuck[0]["device"], 7);
+    assert_eq!(stuck[0]["age_ms"], 30000);
+    let slow = events("request.slow");
+    assert_eq!(slow.len(), 1, "{logs:?}");
+    assert_eq!(slow[0]["latency_ms"], 35000);
 }
 
 #[test]

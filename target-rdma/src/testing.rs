@@ -4,7 +4,9 @@
 //! where tests read what the server counted. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
+pub mod arenad;
 mod echo;
+pub mod log_lines;
 mod raw;
 mod uring;
 

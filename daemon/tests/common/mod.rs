@@ -1,12 +1,12 @@
 //! Shared fixtures of the daemon's integration tests.
-#![allow(dead_code)]
+// Each test binary uses its own part of these.
+#![allow(dead_code, unused_imports)]
 
-// The real `arenad` as a child process: target-rdma's fixture, shared.
-#[path = "../../../target-rdma/tests/common/arenad.rs"]
-pub mod arenad;
 pub mod etcd;
-#[path = "../../../target-rdma/tests/common/log_lines.rs"]
-pub mod log_lines;
 pub mod ublkd;
+
+// The real `arenad` as a child process, and daemons' JSON log lines:
+// target-rdma's fixtures.
+pub use target_rdma::testing::{arenad, log_lines};
 
 pub use target_rdma::testing::{secret, secret_file, SECRET_A, SECRET_B};

@@ -1,10 +1,8 @@
-//! Fixtures of the integration tests that run the real `arenad` binary
-//! ([`arenad`]: it needs `CARGO_BIN_EXE_arenad`, which only integration
-//! tests see); the in-process fixtures come from `target_rdma::testing`.
+//! The integration tests' fixtures: all in `target_rdma::testing`
+//! (feature `test-utils`), the real `arenad` binary as a child process
+//! ([`arenad`]) included.
 
-#![allow(dead_code)]
-
-pub mod arenad;
-pub mod log_lines;
+// Each test binary uses its own part of these.
+#![allow(dead_code, unused_imports)]
 
 pub use target_rdma::testing::*;

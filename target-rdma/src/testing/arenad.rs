@@ -9,8 +9,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use target_rdma::blob::ArenaError;
-use target_rdma::client::{ArenaClient, ClientConfig, FlushDomain};
+use crate::blob::ArenaError;
+use crate::client::{ArenaClient, ClientConfig, FlushDomain};
 
 use super::{secret, secret_file, SECRET_A, SECRET_B};
 
@@ -236,7 +236,7 @@ impl Arenad {
     pub fn config(&self, volume: &str) -> ClientConfig {
         let value = if volume == "a" { SECRET_A } else { SECRET_B };
         let mut cfg = ClientConfig::new(format!("127.0.0.1:{}", self.port), volume, secret(value));
-        cfg.versions = 1..=target_rdma::proto::VERSION;
+        cfg.versions = 1..=crate::proto::VERSION;
         cfg
     }
 
