@@ -31,10 +31,10 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
 use super::aligned::AlignedBuf;
+use super::error::StoreError;
 use super::extent::{MetaFile, BLOCK};
-use super::reads::Reads;
 use super::space;
-use super::StoreError;
+use super::swap_reads::Reads;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;

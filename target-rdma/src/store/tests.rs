@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use proptest::prelude::*;
 
 use super::*;
+use crate::proto::Lease;
 
 const B: u64 = 4096;
 

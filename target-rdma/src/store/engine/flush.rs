@@ -7,9 +7,10 @@
 use std::collections::BTreeSet;
 
 use super::{names, Core, Guard, State};
+use crate::store::error::StoreError;
 use crate::store::format::{Record, Snapshot};
+use crate::store::ids::BlobKey;
 use crate::store::swap::Swap;
-use crate::store::{BlobKey, StoreError};
 
 /// Most write-backs per submission during a flush.
 const WRITE_BATCH: usize = 64;

@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use super::{Core, Guard, State};
 use crate::proto::Lease;
-use crate::store::{BlobKey, HolderId, Store, StoreError, VolumeId};
+use crate::store::error::StoreError;
+use crate::store::ids::{BlobKey, HolderId, VolumeId};
 
 /// How leases are shared between tenants (see the `lease` engine module and
 /// `docs/PROTOCOL.md`, *Leases and fairness*).
@@ -143,7 +144,7 @@ impl State {
         self.leases.limits = limits;
     }
 
-    fn set_force_end_hook(&mut self, hook: ForceEndHook) {
+    pub(in crate::store) fn set_force_end_hook(&mut self, hook: ForceEndHook) {
         self.leases.on_force_end = Some(hook);
     }
 
@@ -517,35 +518,5 @@ impl Core {
         if g.leases.ends == ends && Instant::now() < until {
             let _ = self.settled.wait_until(&mut g, until);
         }
-    }
-}
-
-impl Store {
-    /// [`Self::locked`] for an operation that may need a slot: while
-    /// leases held past their volume's share are being reclaimed for it,
-    /// waits (without the lock, after their REVOKEs went out) and retries.
-    pub(in crate::store) fn fairly<R>(
-        &self,
-        mut f: impl FnMut(&Core, &mut Guard<'_>) -> Result<R, StoreError>,
-    ) -> Result<R, StoreError> {
-        loop {
-            match self.locked(&mut f) {
-                Err(StoreError::Reclaiming { until, ends }) => {
-                    self.core.await_lease_end(until, ends)
-                }
-                r => return r,
-            }
-        }
-    }
-
-    /// Sets how leases are shared between tenants (arenad's config).
-    pub fn set_lease_limits(&self, limits: LeaseLimits) {
-        self.locked(|_, g| g.set_lease_limits(limits));
-    }
-
-    /// Installs the callback told of each lease ended by force (see
-    /// [`ForceEndHook`]).
-    pub fn set_force_end_hook(&self, hook: ForceEndHook) {
-        self.locked(|_, g| g.set_force_end_hook(hook));
     }
 }

@@ -39,12 +39,15 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::arena::Arena;
+use super::error::{IntegrityKind, StoreError};
 use super::eviction::{Clock, SlotMeta};
 use super::extent::{self, Ident, MetaFile, BLOCK};
 use super::format::Version;
+use super::hooks::TimingHook;
+use super::ids::{BlobKey, HolderId, VolumeId};
 use super::index::Index;
+use super::stats::StoreStats;
 use super::swap::{Extents, Swap};
-use super::{BlobKey, HolderId, IntegrityKind, StoreError, StoreStats, VolumeId};
 
 mod flush;
 mod lease;
@@ -56,7 +59,6 @@ mod write_back;
 
 use lease::Leases;
 pub use lease::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
-pub use residency::Immediate;
 
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.
@@ -444,7 +446,7 @@ impl State {
         self.in_transit += 1;
     }
 
-    pub(super) fn set_timing_hook(&mut self, hook: super::TimingHook) {
+    pub(super) fn set_timing_hook(&mut self, hook: TimingHook) {
         self.index.timing = Some(hook);
     }
 

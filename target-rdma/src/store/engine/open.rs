@@ -6,12 +6,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{names, Blob, Counters, Placed, State, Volume};
 use crate::store::arena::Arena;
+use crate::store::config::{StoreConfig, VolumeSpec};
+use crate::store::error::StoreError;
 use crate::store::eviction::{Clock, SlotMeta};
 use crate::store::extent::{self, Ident, BLOCK};
 use crate::store::format::Snapshot;
 use crate::store::index::{self, Found, Index};
 use crate::store::swap::{Extents, Swap};
-use crate::store::{StoreConfig, StoreError, VolumeSpec};
 
 /// Most damaged extents logged one by one at open; the rest are counted.
 const DAMAGE_LOGGED: usize = 16;

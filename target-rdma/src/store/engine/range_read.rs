@@ -5,8 +5,9 @@
 
 use super::{Core, Direct, Guard};
 use crate::store::aligned::AlignedBuf;
+use crate::store::error::{IntegrityKind, StoreError};
 use crate::store::extent::{self, BLOCK};
-use crate::store::{IntegrityKind, StoreError, VolumeId};
+use crate::store::ids::VolumeId;
 
 impl Core {
     /// The range read from swap of `len` bytes at `offset` of blob `key`,
@@ -55,7 +56,7 @@ impl Core {
 
     /// The last read noted toward read-ahead.
     #[cfg(test)]
-    pub(in crate::store) fn last_read(&self) -> Option<crate::store::BlobKey> {
+    pub(in crate::store) fn last_read(&self) -> Option<crate::store::ids::BlobKey> {
         self.state.lock().last_read
     }
 

@@ -2,9 +2,10 @@
 //! must be named in the index before a journal record can refer to it.
 
 use super::{names, State, Volume};
+use crate::store::error::StoreError;
 use crate::store::extent;
 use crate::store::format::{Snapshot, MAX_VOLUMES};
-use crate::store::{StoreError, VolumeId};
+use crate::store::ids::VolumeId;
 
 impl State {
     /// Serves volume `name` with a quota of `quota` blobs from now on and

@@ -11,10 +11,11 @@ use std::time::Duration;
 use super::{Core, Guard, Placed, State};
 use crate::store::aligned::AlignedBuf;
 use crate::store::arena::SlotRead;
+use crate::store::error::StoreError;
 use crate::store::eviction::SlotMeta;
 use crate::store::extent::{self, Ident};
+use crate::store::ids::{BlobKey, VolumeId};
 use crate::store::swap::Swap;
-use crate::store::{BlobKey, StoreError, VolumeId};
 
 /// Most slots one eviction frees (their write-backs share a submission).
 const EVICT_BATCH: usize = 8;
