@@ -32,7 +32,7 @@ impl State {
                 .into_iter()
                 .partition(|k| {
                     let slot = self.blobs.get(k).and_then(|b| b.slot);
-                    slot.is_none_or(|s| self.slots[s as usize].writing.is_none())
+                    slot.is_none_or(|s| self.slots.meta[s as usize].writing.is_none())
                 });
         self.unjournaled = busy;
         if let Err(e) = swap.sync() {
@@ -116,7 +116,7 @@ impl Core {
         let st = &mut **g;
         let dirty: Vec<u32> = (0..st.slots.len() as u32)
             .filter(|&s| {
-                let m = &st.slots[s as usize];
+                let m = &st.slots.meta[s as usize];
                 m.owner.is_some() && m.dirty
             })
             .collect();
@@ -126,7 +126,7 @@ impl Core {
             let mut free = st.extents.free_count();
             let (mut n, mut copies) = (0, 0);
             for &s in todo.iter().take(WRITE_BATCH) {
-                if st.slots[s as usize].writers > 0 {
+                if st.slots.meta[s as usize].writers > 0 {
                     // Copied before writing (see `WriteBack::copy`): a few
                     // per batch bound that memory.
                     if copies == COPY_BATCH {

@@ -40,7 +40,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::arena::Arena;
 use super::error::{IntegrityKind, StoreError};
-use super::eviction::{Clock, SlotMeta};
+use super::eviction::SlotMeta;
 use super::extent::{self, Ident, MetaFile, BLOCK};
 use super::format::Version;
 use super::hooks::TimingHook;
@@ -48,17 +48,20 @@ use super::ids::{BlobKey, HolderId, VolumeId};
 use super::index::Index;
 use super::stats::StoreStats;
 use super::swap::{Extents, Swap};
+use crate::proto::Lease;
 
 mod flush;
 mod lease;
 mod open;
 mod range_read;
 mod residency;
+mod slots;
 mod volumes;
 mod write_back;
 
-use lease::Leases;
 pub use lease::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
+use lease::{LeaseKind, Leases};
+use slots::Slots;
 
 /// Blobs read ahead of a sequential reader: enough to keep the disk busy
 /// while the connection sends the previous ones.
@@ -105,7 +108,6 @@ struct Counters {
     write_backs: u64,
     fault_ins: u64,
     flushes: u64,
-    revocations: u64,
     /// Reads refused by kind ([`IntegrityKind::index`]).
     integrity: [u64; IntegrityKind::COUNT],
 }
@@ -122,9 +124,7 @@ pub(super) struct State {
     /// Each volume's on-disk id ([`extent::volume_id`]).
     vol_ids: Vec<u64>,
     blobs: BTreeMap<BlobKey, Blob>,
-    slots: Vec<SlotMeta>,
-    free_slots: Vec<u32>,
-    clock: Clock,
+    slots: Slots,
     leases: Leases,
     index: Index,
     /// Blobs whose `extent` holds a written-back image the index lacks.
@@ -133,7 +133,6 @@ pub(super) struct State {
     pending_removes: Vec<BlobKey>,
     /// Their durable extents, free once the removals are journaled.
     pending_free: Vec<u32>,
-    revocations: Vec<(HolderId, VolumeId, u64, u64)>,
     counters: Counters,
     extents: Extents,
     /// The extent headers on disk: written by write-backs, cleared when an
@@ -142,8 +141,6 @@ pub(super) struct State {
     /// Block CRCs of every extent's current image, `blocks` per extent.
     crcs: Vec<u32>,
     blocks: usize,
-    /// Occupied dirty slots; kept so the watermark check is O(1).
-    n_dirty: usize,
     /// Slots loading or writing without the store lock.
     in_transit: usize,
     /// Of those, the ones writing.
@@ -233,7 +230,75 @@ impl State {
     }
 
     pub(super) fn take_revocations(&mut self) -> Vec<(HolderId, VolumeId, u64, u64)> {
-        std::mem::take(&mut self.revocations)
+        self.leases.take_revocations()
+    }
+
+    pub(in crate::store) fn set_lease_limits(&mut self, limits: LeaseLimits) {
+        self.leases.set_limits(limits);
+    }
+
+    pub(in crate::store) fn set_force_end_hook(&mut self, hook: ForceEndHook) {
+        self.leases.set_force_end_hook(hook);
+    }
+
+    /// See [`Leases::check_limit`].
+    fn check_lease_limit(&mut self, holder: HolderId) -> Result<(), StoreError> {
+        self.leases.check_limit(self.slots.len(), holder)
+    }
+
+    /// See [`Leases::grant`].
+    fn new_lease(&mut self, holder: HolderId, key: BlobKey, slot: u32, kind: LeaseKind) -> Lease {
+        self.leases
+            .grant(&mut self.slots, self.blob_bytes, holder, key, slot, kind)
+    }
+
+    /// See [`Leases::end_holder`].
+    pub(in crate::store) fn end_holder(&mut self, holder: HolderId) -> usize {
+        self.leases.end_holder(&mut self.slots, holder)
+    }
+
+    /// See [`Leases::commit`].
+    pub(in crate::store) fn commit(
+        &mut self,
+        vol: VolumeId,
+        key: u64,
+        token: u64,
+        holder: HolderId,
+    ) -> Result<(), StoreError> {
+        self.leases.commit(&mut self.slots, vol, key, token, holder)
+    }
+
+    /// See [`Leases::release`].
+    pub(in crate::store) fn release(
+        &mut self,
+        token: u64,
+        holder: HolderId,
+    ) -> Result<(), StoreError> {
+        self.leases.release(&mut self.slots, token, holder)
+    }
+
+    /// See [`Leases::pin`].
+    pub(in crate::store) fn pin_lease(
+        &mut self,
+        token: u64,
+        holder: HolderId,
+    ) -> Result<u32, StoreError> {
+        self.leases.pin(&mut self.slots, token, holder)
+    }
+
+    /// See [`Leases::drop_holder`].
+    pub(in crate::store) fn drop_holder(&mut self, holder: HolderId) {
+        self.leases.drop_holder(&mut self.slots, holder);
+    }
+
+    /// See [`Leases::pinned_full`].
+    pub(super) fn pinned_full(&mut self, vol: VolumeId) -> Result<(), StoreError> {
+        let volumes = &self.volumes;
+        self.leases.pinned_full(
+            &mut self.slots,
+            || volumes.iter().filter(|v| v.served).count(),
+            vol,
+        )
     }
 
     fn no_space(&self) -> StoreError {
@@ -243,31 +308,8 @@ impl State {
         }
     }
 
-    /// Sets a slot's dirty bit, keeping `n_dirty` in step; call it before
-    /// giving a slot an owner's dirty state and before taking its owner away.
-    fn set_dirty(&mut self, slot: u32, dirty: bool) {
-        let m = &mut self.slots[slot as usize];
-        if m.owner.is_some() && m.dirty != dirty {
-            if dirty {
-                self.n_dirty += 1;
-            } else {
-                self.n_dirty -= 1;
-            }
-        }
-        m.dirty = dirty;
-    }
-
     pub(super) fn stop(&mut self) {
         self.stopping = true;
-    }
-
-    /// Gives a slot that lost its blob back to the free list once unpinned.
-    fn free_if_orphaned(&mut self, slot: u32) {
-        let m = &mut self.slots[slot as usize];
-        if m.owner.is_none() && m.pins == 0 {
-            *m = SlotMeta::default();
-            self.free_slots.push(slot);
-        }
     }
 
     /// Notes a read of `key` from swap (or from read-ahead); a run of
@@ -290,7 +332,7 @@ impl State {
     /// blob left in swap.
     fn finish_load(&mut self, slot: u32, key: BlobKey, ok: bool) -> bool {
         self.in_transit -= 1;
-        let m = &mut self.slots[slot as usize];
+        let m = &mut self.slots.meta[slot as usize];
         m.loading = false;
         m.pins -= 1;
         let ours = m.owner == Some(key);
@@ -300,7 +342,7 @@ impl State {
                 b.slot = None;
             }
         }
-        self.free_if_orphaned(slot);
+        self.slots.free_if_orphaned(slot);
         ours
     }
 
@@ -364,14 +406,9 @@ impl State {
         self.extents.free(extent);
     }
 
-    /// Drops a pin; `wrote` marks the blob dirty. A slot whose blob was
-    /// removed while pinned becomes free with its last pin.
+    /// Drops a pin; `wrote` marks the blob dirty (see [`Slots::unpin`]).
     pub(super) fn unpin(&mut self, slot: u32, wrote: bool) {
-        self.slots[slot as usize].pins -= 1;
-        if wrote {
-            self.set_dirty(slot, true);
-        }
-        self.free_if_orphaned(slot);
+        self.slots.unpin(slot, wrote);
     }
 
     pub(super) fn remove(
@@ -403,12 +440,12 @@ impl State {
         // An extent an in-flight write-back targets is freed when that ends.
         let mut writing = None;
         if let Some(s) = blob.slot {
-            self.set_dirty(s, false);
-            let m = &mut self.slots[s as usize];
+            self.slots.set_dirty(s, false);
+            let m = &mut self.slots.meta[s as usize];
             m.owner = None;
             m.referenced = false;
             writing = m.writing;
-            self.free_if_orphaned(s);
+            self.slots.free_if_orphaned(s);
         }
         match blob.extent {
             Some(e) if blob.extent != blob.durable && writing != Some(e.extent) => {
@@ -436,7 +473,7 @@ impl State {
     /// without the store lock (a fault-in, or a whole-blob write), and users
     /// wait until that ends.
     fn begin_loading(&mut self, slot: u32, key: BlobKey) {
-        self.slots[slot as usize] = SlotMeta {
+        self.slots.meta[slot as usize] = SlotMeta {
             owner: Some(key),
             pins: 1,
             referenced: true,
@@ -454,7 +491,7 @@ impl State {
         let mut s = StoreStats {
             slots_total: self.slots.len() as u64,
             leases_held: self.leases.len() as u64,
-            revocations: self.counters.revocations,
+            revocations: self.leases.revoked(),
             leases_force_ended: self.leases.forced(),
             evictions: self.counters.evictions,
             write_backs: self.counters.write_backs,
@@ -470,26 +507,7 @@ impl State {
             integrity_errors: self.counters.integrity,
             ..StoreStats::default()
         };
-        debug_assert_eq!(
-            self.n_dirty,
-            self.slots
-                .iter()
-                .filter(|m| m.owner.is_some() && m.dirty)
-                .count()
-        );
-        for m in &self.slots {
-            // A fault-in or write-back in flight is not a lease.
-            let transit = u32::from(m.loading || m.writing.is_some());
-            if m.pins > transit {
-                s.slots_leased += 1;
-            } else if m.owner.is_none() {
-                s.slots_free += 1;
-            } else if m.dirty {
-                s.slots_dirty += 1;
-            } else {
-                s.slots_clean += 1;
-            }
-        }
+        self.slots.tally(&mut s);
         s
     }
 }
@@ -560,7 +578,7 @@ impl Core {
                 return Ok(None);
             };
             if let Some(s) = blob.slot {
-                let m = &mut st.slots[s as usize];
+                let m = &mut st.slots.meta[s as usize];
                 if m.loading {
                     self.settled.wait(g);
                     continue;
@@ -587,7 +605,7 @@ impl Core {
                     b.extent.expect("a blob without a slot has a swap extent")
                 }
                 _ => {
-                    st.free_slots.push(slot);
+                    st.slots.free.push(slot);
                     continue;
                 }
             };
@@ -673,19 +691,19 @@ impl Core {
             let st = &mut **g;
             if st.blobs.contains_key(&key) {
                 // Created by another thread while we evicted.
-                st.free_slots.push(slot);
+                st.slots.free.push(slot);
                 continue;
             }
             if stage {
                 st.begin_loading(slot, key);
             } else {
                 self.arena.write(slot).fill(0);
-                st.slots[slot as usize] = SlotMeta {
+                st.slots.meta[slot as usize] = SlotMeta {
                     owner: Some(key),
                     referenced: true,
                     ..SlotMeta::default()
                 };
-                st.set_dirty(slot, true);
+                st.slots.set_dirty(slot, true);
             }
             st.blobs.insert(
                 key,
@@ -714,7 +732,7 @@ impl Core {
         g.check_vol(vol)?;
         let slot = self.resident(g, (vol, key), false)?.map(Staged::slot);
         if let Some(s) = slot {
-            g.slots[s as usize].pins += 1;
+            g.slots.meta[s as usize].pins += 1;
         }
         Ok(slot)
     }
@@ -731,7 +749,7 @@ impl Core {
         g.check_vol(vol)?;
         let s = self.resident_or_create(g, (vol, key), whole)?;
         if let Staged::Ready(s) = s {
-            g.slots[s as usize].pins += 1;
+            g.slots.meta[s as usize].pins += 1;
         }
         Ok(s)
     }
@@ -740,11 +758,11 @@ impl Core {
     /// blob's bytes, and its waiters go on.
     pub(super) fn unpin_written(&self, g: &mut Guard<'_>, slot: Staged) {
         if let Staged::Staged(s) = slot {
-            g.slots[s as usize].loading = false;
+            g.slots.meta[s as usize].loading = false;
             g.in_transit -= 1;
             self.settled.notify_all();
         }
-        g.unpin(slot.slot(), true);
+        g.slots.unpin(slot.slot(), true);
     }
 
     /// A read-ahead worker: faults queued read-ahead blobs in, one at a
@@ -774,13 +792,13 @@ impl Core {
         else {
             return;
         };
-        let slot = match st.free_slots.pop() {
+        let slot = match st.slots.free.pop() {
             Some(s) => s,
-            None => match st.clock.pick(&mut st.slots, 1, true).first() {
+            None => match st.slots.pick(1, true).first() {
                 Some(&s) => {
                     st.counters.evictions += 1;
                     st.evict_slot(s);
-                    st.free_slots.pop().unwrap_or(s)
+                    st.slots.free.pop().unwrap_or(s)
                 }
                 None => {
                     st.read_ahead.clear();
@@ -791,7 +809,7 @@ impl Core {
         if let Some(b) = st.blobs.get_mut(&key) {
             b.slot = Some(slot);
         }
-        st.slots[slot as usize] = SlotMeta {
+        st.slots.meta[slot as usize] = SlotMeta {
             owner: Some(key),
             pins: 1,
             loading: true,

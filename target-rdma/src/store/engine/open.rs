@@ -4,11 +4,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use super::slots::Slots;
 use super::{names, Blob, Counters, Placed, State, Volume};
 use crate::store::arena::Arena;
 use crate::store::config::{StoreConfig, VolumeSpec};
 use crate::store::error::StoreError;
-use crate::store::eviction::{Clock, SlotMeta};
 use crate::store::extent::{self, Ident, BLOCK};
 use crate::store::format::Snapshot;
 use crate::store::index::{self, Found, Index};
@@ -170,9 +170,7 @@ impl State {
             vol_ids,
             volumes,
             blobs,
-            slots: vec![SlotMeta::default(); slots as usize],
-            free_slots: (0..slots).rev().collect(),
-            clock: Clock::default(),
+            slots: Slots::new(slots),
             leases: super::Leases::new(),
             extents: Extents::new(extents, &used),
             meta,
@@ -182,9 +180,7 @@ impl State {
             unjournaled: BTreeSet::new(),
             pending_removes: Vec::new(),
             pending_free: Vec::new(),
-            revocations: Vec::new(),
             counters: Counters::default(),
-            n_dirty: 0,
             in_transit: 0,
             writes_in_flight: 0,
             flush_waiting: 0,

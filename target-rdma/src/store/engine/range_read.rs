@@ -99,7 +99,7 @@ impl Core {
         let unchanged = st.blobs.get(&d.key).is_some_and(|b| {
             b.extent == Some(d.placed)
                 && b.slot
-                    .is_none_or(|s| st.slots[s as usize].writing != Some(d.placed.extent))
+                    .is_none_or(|s| st.slots.meta[s as usize].writing != Some(d.placed.extent))
         });
         if !unchanged {
             return Ok(None);

@@ -11,7 +11,7 @@ impl State {
     pub(in crate::store) fn residency(&self, key: BlobKey) -> Residency {
         match self.blobs.get(&key) {
             None => Residency::Absent,
-            Some(b) => match b.slot.map(|s| &self.slots[s as usize]) {
+            Some(b) => match b.slot.map(|s| &self.slots.meta[s as usize]) {
                 Some(m) if m.loading => Residency::Cold,
                 Some(m) if m.writing.is_some() => Residency::WritingBack,
                 Some(_) => Residency::Resident,

@@ -44,26 +44,16 @@ pub(super) struct WriteBack {
 }
 
 impl State {
-    /// Clean plus free slots below which the cleaner runs; it stops at twice
-    /// this, so it works in batches rather than one slot at a time.
-    fn low_water(&self) -> usize {
-        (self.slots.len() / 8).max(1)
-    }
-
-    fn below_low_water(&self) -> bool {
-        self.slots.len() - self.n_dirty < self.low_water()
-    }
-
     /// Whether to wake the cleaner now; notes that it was woken.
     pub(super) fn cleaner_due(&mut self) -> bool {
-        let due = !self.cleaner_kicked && !self.stopping && self.below_low_water();
+        let due = !self.cleaner_kicked && !self.stopping && self.slots.below_low_water();
         self.cleaner_kicked |= due;
         due
     }
 
     /// Drops a clean unpinned slot's content (its blob stays in swap).
     pub(super) fn evict_slot(&mut self, slot: u32) {
-        let m = &mut self.slots[slot as usize];
+        let m = &mut self.slots.meta[slot as usize];
         debug_assert!(!m.dirty && m.pins == 0);
         if let Some(key) = m.owner.take() {
             if let Some(b) = self.blobs.get_mut(&key) {
@@ -71,13 +61,13 @@ impl State {
             }
         }
         *m = SlotMeta::default();
-        self.free_slots.push(slot);
+        self.slots.free.push(slot);
     }
 
     /// Whether writing the slot back needs a fresh extent (its blob has none
     /// of its own that the durable index does not name).
     pub(super) fn needs_fresh(&self, slot: u32) -> bool {
-        let Some(key) = self.slots[slot as usize].owner else {
+        let Some(key) = self.slots.meta[slot as usize].owner else {
             return false;
         };
         let b = &self.blobs[&key];
@@ -102,7 +92,7 @@ impl State {
         }
         let mut plan = Vec::with_capacity(slots.len());
         for &slot in slots {
-            let Some(key) = self.slots[slot as usize].owner else {
+            let Some(key) = self.slots.meta[slot as usize].owner else {
                 continue;
             };
             let b = &self.blobs[&key];
@@ -120,17 +110,17 @@ impl State {
                 extent,
                 fresh,
                 ident: self.ident(key, version),
-                copy: self.slots[slot as usize].writers > 0,
+                copy: self.slots.meta[slot as usize].writers > 0,
             });
         }
         for w in &plan {
-            let m = &mut self.slots[w.slot as usize];
+            let m = &mut self.slots.meta[w.slot as usize];
             m.pins += 1;
             m.writing = Some(w.extent);
             // Clean from now on unless changed again before the write ends;
             // ALLOC-leased slots may change at any moment, so stay dirty.
             let writers = m.writers;
-            self.set_dirty(w.slot, writers > 0);
+            self.slots.set_dirty(w.slot, writers > 0);
         }
         self.in_transit += plan.len();
         self.writes_in_flight += plan.len();
@@ -147,13 +137,13 @@ impl State {
         self.writes_in_flight -= plan.len();
         let mut evicted = 0;
         for (i, w) in plan.iter().enumerate() {
-            let m = &mut self.slots[w.slot as usize];
+            let m = &mut self.slots.meta[w.slot as usize];
             m.pins -= 1;
             m.writing = None;
             if m.owner != Some(w.key) {
                 // Removed meanwhile; `drop_blob` left the extent to us.
                 self.release_extent(w.extent);
-                self.free_if_orphaned(w.slot);
+                self.slots.free_if_orphaned(w.slot);
                 continue;
             }
             if let Some(crcs) = crcs {
@@ -167,7 +157,7 @@ impl State {
                 }
                 self.unjournaled.insert(w.key);
                 self.counters.write_backs += 1;
-                let m = &self.slots[w.slot as usize];
+                let m = &self.slots.meta[w.slot as usize];
                 if evict && m.pins == 0 && !m.dirty {
                     self.evict_slot(w.slot);
                     evicted += 1;
@@ -182,7 +172,7 @@ impl State {
                     self.unjournaled.remove(&w.key);
                 }
                 self.release_extent(w.extent);
-                self.set_dirty(w.slot, true);
+                self.slots.set_dirty(w.slot, true);
             }
         }
         self.counters.evictions += evicted;
@@ -194,7 +184,7 @@ impl Core {
     /// the lock.
     pub(super) fn take_slot(&self, g: &mut Guard<'_>, vol: VolumeId) -> Result<u32, StoreError> {
         loop {
-            if let Some(s) = g.free_slots.pop() {
+            if let Some(s) = g.slots.free.pop() {
                 return Ok(s);
             }
             self.evict(g, vol)?;
@@ -213,7 +203,7 @@ impl Core {
         }
         let st = &mut **g;
         let want = st.slots.len().div_ceil(8).clamp(1, EVICT_BATCH);
-        let clean = st.clock.pick(&mut st.slots, want, true);
+        let clean = st.slots.pick(want, true);
         if !clean.is_empty() {
             st.counters.evictions += clean.len() as u64;
             for s in clean {
@@ -226,7 +216,7 @@ impl Core {
             self.settled.wait(g);
             return Ok(());
         }
-        let victims = st.clock.pick(&mut st.slots, want, false);
+        let victims = st.slots.pick(want, false);
         if victims.is_empty() {
             if st.in_transit > 0 {
                 // Slots are only held by in-flight I/O; wait for it rather
@@ -317,18 +307,18 @@ impl Core {
         // Between the watermarks: keep cleaning once started.
         let mut active = false;
         while !g.stopping {
-            let clean = g.slots.len() - g.n_dirty;
-            active = (active && clean < 2 * g.low_water()) || g.below_low_water();
+            let clean = g.slots.len() - g.slots.n_dirty;
+            active = (active && clean < 2 * g.slots.low_water()) || g.slots.below_low_water();
             if g.flush_waiting > 0 || !active {
                 g.cleaner_kicked = false;
                 self.kick.wait(&mut g);
                 continue;
             }
             let st = &mut *g;
-            let want = (2 * st.low_water())
-                .saturating_sub(st.slots.len() - st.n_dirty)
+            let want = (2 * st.slots.low_water())
+                .saturating_sub(st.slots.len() - st.slots.n_dirty)
                 .clamp(1, CLEAN_BATCH);
-            let batch = st.clock.dirty_ahead(&st.slots, want);
+            let batch = st.slots.dirty_ahead(want);
             let plan = match st.plan_write_back(&self.swap, &batch, false) {
                 Ok(p) => p,
                 Err(e) => {
