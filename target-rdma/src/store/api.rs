@@ -79,7 +79,7 @@ impl Store {
             let worker = Arc::clone(&core);
             let spawned = std::thread::Builder::new()
                 .name(format!("arenad-ahead-{i}"))
-                .spawn(move || worker.read_ahead_worker());
+                .spawn(move || engine::read_ahead_worker(&worker));
             match spawned {
                 Ok(t) => workers.push(t),
                 Err(source) => {

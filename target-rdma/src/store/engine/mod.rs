@@ -54,6 +54,7 @@ mod flush;
 mod lease;
 mod open;
 mod range_read;
+mod read_ahead;
 mod residency;
 mod slots;
 mod volumes;
@@ -61,14 +62,11 @@ mod write_back;
 
 pub use lease::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 use lease::{LeaseKind, Leases};
+use read_ahead::ReadAhead;
+#[cfg(test)]
+pub(super) use read_ahead::READ_AHEAD;
+pub(super) use read_ahead::{read_ahead_worker, READ_AHEAD_WORKERS};
 use slots::Slots;
-
-/// Blobs read ahead of a sequential reader: enough to keep the disk busy
-/// while the connection sends the previous ones.
-pub(super) const READ_AHEAD: u64 = 4;
-/// Threads that fault read-ahead blobs in, one extent each at a time: the
-/// swap sees this many reads in flight, not one read and a hand-off gap.
-pub(super) const READ_AHEAD_WORKERS: usize = 3;
 
 /// The store lock held.
 pub(super) type Guard<'a> = MutexGuard<'a, State>;
@@ -152,11 +150,7 @@ pub(super) struct State {
     cleaner_kicked: bool,
     /// The store is closing: the cleaner exits.
     stopping: bool,
-    /// The last blob a reader faulted in or found read ahead; the next key
-    /// after it means a sequential reader.
-    last_read: Option<BlobKey>,
-    /// Blobs to read ahead, for the background thread.
-    read_ahead: Vec<BlobKey>,
+    read_ahead: ReadAhead,
 }
 
 /// How a read is served, decided under the store lock.
@@ -310,20 +304,6 @@ impl State {
 
     pub(super) fn stop(&mut self) {
         self.stopping = true;
-    }
-
-    /// Notes a read of `key` from swap (or from read-ahead); a run of
-    /// consecutive keys queues the next ones for the background thread.
-    fn note_read(&mut self, key: BlobKey) {
-        let sequential = self.last_read == Some((key.0, key.1.wrapping_sub(1)));
-        self.last_read = Some(key);
-        if sequential {
-            self.read_ahead = (1..=READ_AHEAD)
-                .filter_map(|d| key.1.checked_add(d))
-                .map(|k| (key.0, k))
-                .rev()
-                .collect();
-        }
     }
 
     /// Ends a fault-in's transition; whether the slot still belonged to
@@ -550,7 +530,7 @@ impl Core {
         if g.cleaner_due() {
             self.kick.notify_one();
         }
-        if !g.read_ahead.is_empty() {
+        if g.read_ahead.pending() {
             self.ahead.notify_all();
         }
     }
@@ -585,7 +565,7 @@ impl Core {
                 }
                 m.referenced = true;
                 if std::mem::take(&mut m.read_ahead) {
-                    st.note_read(key);
+                    st.read_ahead.note(key);
                 }
                 return Ok(Some(Staged::Ready(s)));
             }
@@ -620,7 +600,7 @@ impl Core {
             match read? {
                 None if ours => {
                     st.counters.fault_ins += 1;
-                    st.note_read(key);
+                    st.read_ahead.note(key);
                     return Ok(Some(Staged::Ready(slot)));
                 }
                 Some(bad) if ours => {
@@ -763,81 +743,6 @@ impl Core {
             self.settled.notify_all();
         }
         g.slots.unpin(slot.slot(), true);
-    }
-
-    /// A read-ahead worker: faults queued read-ahead blobs in, one at a
-    /// time, until the store stops. Several run, so several extents are in
-    /// flight while the readers consume the ones already loaded.
-    pub(super) fn read_ahead_worker(&self) {
-        let mut g = self.state.lock();
-        while !g.stopping {
-            match g.read_ahead.pop() {
-                Some(key) => self.read_ahead_one(&mut g, key),
-                None => self.ahead.wait(&mut g),
-            }
-        }
-    }
-
-    /// Faults in one read-ahead blob into a free or clean slot only:
-    /// read-ahead never writes a victim back or waits. The slot starts
-    /// unreferenced, so an unused guess is evicted first. With no such
-    /// slot the queue is dropped: the readers fault their blobs in.
-    fn read_ahead_one(&self, g: &mut Guard<'_>, key: BlobKey) {
-        let st = &mut **g;
-        let Some(placed) = st
-            .blobs
-            .get(&key)
-            .filter(|b| b.slot.is_none() && b.damaged.is_none())
-            .and_then(|b| b.extent)
-        else {
-            return;
-        };
-        let slot = match st.slots.free.pop() {
-            Some(s) => s,
-            None => match st.slots.pick(1, true).first() {
-                Some(&s) => {
-                    st.counters.evictions += 1;
-                    st.evict_slot(s);
-                    st.slots.free.pop().unwrap_or(s)
-                }
-                None => {
-                    st.read_ahead.clear();
-                    return;
-                }
-            },
-        };
-        if let Some(b) = st.blobs.get_mut(&key) {
-            b.slot = Some(slot);
-        }
-        st.slots.meta[slot as usize] = SlotMeta {
-            owner: Some(key),
-            pins: 1,
-            loading: true,
-            read_ahead: true,
-            ..SlotMeta::default()
-        };
-        st.in_transit += 1;
-        let read = self.load_unlocked(g, slot, key, &placed);
-        let st = &mut **g;
-        let ok = matches!(read, Ok(None));
-        if st.finish_load(slot, key, ok) && ok {
-            st.counters.fault_ins += 1;
-        }
-        self.settled.notify_all();
-        match read {
-            Err(e) => {
-                tracing::warn!(event = "read_ahead_failed", error = %e, "read-ahead failed; readers fault the blobs in themselves");
-            }
-            Ok(Some(_)) => {
-                // The reader's own fault-in reports it (counted, logged).
-                tracing::debug!(
-                    event = "read_ahead_unverified",
-                    extent = placed.extent,
-                    "a read-ahead image failed its check; dropped"
-                );
-            }
-            Ok(None) => {}
-        }
     }
 
     pub(super) fn stats(&self, g: &Guard<'_>) -> StoreStats {

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use super::read_ahead::ReadAhead;
 use super::slots::Slots;
 use super::{names, Blob, Counters, Placed, State, Volume};
 use crate::store::arena::Arena;
@@ -186,8 +187,7 @@ impl State {
             flush_waiting: 0,
             cleaner_kicked: false,
             stopping: false,
-            last_read: None,
-            read_ahead: Vec::new(),
+            read_ahead: ReadAhead::default(),
         };
         Ok((state, swap))
     }

@@ -43,7 +43,7 @@ impl Core {
         // happen to land on consecutive blobs (one in a thousand over a
         // thousand blobs) would each fault whole blobs in for nothing.
         if offset == 0 {
-            st.note_read(key);
+            st.read_ahead.note(key);
         }
         Ok(Some(Direct {
             key,
@@ -57,7 +57,7 @@ impl Core {
     /// The last read noted toward read-ahead.
     #[cfg(test)]
     pub(in crate::store) fn last_read(&self) -> Option<crate::store::ids::BlobKey> {
-        self.state.lock().last_read
+        self.state.lock().read_ahead.last()
     }
 
     /// Runs a planned range read without the lock. `None` when the blob
