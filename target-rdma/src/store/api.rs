@@ -12,7 +12,7 @@ use parking_lot::RwLock;
 use super::arena::Arena;
 use super::config::{invalid, validate, StoreConfig, VolumeSpec};
 use super::dir::{check_new, lock_dir};
-use super::engine::{self, Core, ForceEndHook, Guard, LeaseLimits, ReadPlan, State};
+use super::engine::{self, Core, Direct, ForceEndHook, Guard, LeaseLimits, ReadPlan, State};
 use super::error::StoreError;
 use super::hooks::{RevokeHook, TimingHook};
 use super::ids::{HolderId, VolumeId};
@@ -403,13 +403,10 @@ impl Store {
                 ReadPlan::Absent => return Ok(f(None)),
                 ReadPlan::Slot(slot) => return Ok(self.read_pinned(slot, offset, len, f)),
                 ReadPlan::Swap(d) => {
-                    let Some(buf) = self.core.read_direct(&d)? else {
+                    let Some(buf) = d.read(&self.core)? else {
                         continue;
                     };
-                    let o = (offset - d.offset()) as usize;
-                    let r = f(Some(&buf[o..o + len]));
-                    self.core.swap.give_buffer(buf);
-                    return Ok(r);
+                    return Ok(d.serve(&self.core, buf, offset, len, |b| f(Some(b))));
                 }
             }
         }
@@ -448,16 +445,13 @@ impl Store {
     ) -> Result<Option<R>, StoreError> {
         self.check_range(offset, len)?;
         loop {
-            let Some(d) = self.locked(|c, g| c.plan_cold(g, vol, key, offset, len))? else {
+            let Some(d) = self.locked(|_, g| Direct::plan(g, vol, key, offset, len))? else {
                 return Ok(None);
             };
-            let Some(buf) = self.core.read_direct_async(&d).await? else {
+            let Some(buf) = d.read_async(&self.core).await? else {
                 continue;
             };
-            let o = (offset - d.offset()) as usize;
-            let r = f(&buf[o..o + len]);
-            self.core.swap.give_buffer(buf);
-            return Ok(Some(r));
+            return Ok(Some(d.serve(&self.core, buf, offset, len, f)));
         }
     }
 }

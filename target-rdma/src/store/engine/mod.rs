@@ -62,6 +62,7 @@ mod write_back;
 
 pub use lease::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
 use lease::{LeaseKind, Leases};
+pub(super) use range_read::Direct;
 use read_ahead::ReadAhead;
 #[cfg(test)]
 pub(super) use read_ahead::READ_AHEAD;
@@ -161,23 +162,6 @@ pub(super) enum ReadPlan {
     Slot(u32),
     /// Straight from swap, without faulting the blob in.
     Swap(Direct),
-}
-
-/// A range read of a cold blob: the aligned blocks covering the request,
-/// and what they must check against.
-pub(super) struct Direct {
-    key: BlobKey,
-    placed: Placed,
-    ident: Ident,
-    first: u32,
-    crcs: Vec<u32>,
-}
-
-impl Direct {
-    /// Byte offset of the read's first block in its blob.
-    pub(super) fn offset(&self) -> u32 {
-        self.first * BLOCK as u32
-    }
 }
 
 /// A slot handed out for use.
@@ -631,7 +615,7 @@ impl Core {
         offset: u32,
         len: usize,
     ) -> Result<ReadPlan, StoreError> {
-        if let Some(d) = self.plan_cold(g, vol, key, offset, len)? {
+        if let Some(d) = Direct::plan(g, vol, key, offset, len)? {
             return Ok(ReadPlan::Swap(d));
         }
         Ok(match self.pin(g, vol, key)? {
@@ -752,6 +736,11 @@ impl Core {
 
 #[cfg(test)]
 impl Core {
+    /// The last read noted toward read-ahead.
+    pub(in crate::store) fn last_read(&self) -> Option<crate::store::ids::BlobKey> {
+        self.state.lock().read_ahead.last()
+    }
+
     /// The slot blob `key` is in, if any.
     pub(super) fn slot_of(&self, key: BlobKey) -> Option<u32> {
         self.state.lock().blobs.get(&key).and_then(|b| b.slot)
