@@ -12,7 +12,7 @@ use parking_lot::RwLock;
 use super::arena::Arena;
 use super::config::{invalid, validate, StoreConfig, VolumeSpec};
 use super::dir::{check_new, lock_dir};
-use super::engine::{self, Core, Direct, ForceEndHook, Guard, LeaseLimits, ReadPlan, State};
+use super::engine::{self, Core, Direct, ForceEndHook, Guard, LeaseLimits, ReadPlan};
 use super::error::StoreError;
 use super::hooks::{RevokeHook, TimingHook};
 use super::ids::{HolderId, VolumeId};
@@ -60,14 +60,14 @@ impl Store {
                 source,
             }
         })?;
-        let (state, swap) = State::open(&cfg, &arena, slots, extents, volumes, found)?;
+        let (state, swap) = engine::open(&cfg, &arena, slots, extents, volumes, found)?;
         let generation = state.generation();
         let core = Arc::new(Core::new(arena, swap, state));
         let cleaner = {
             let core = Arc::clone(&core);
             std::thread::Builder::new()
                 .name("arenad-cleaner".into())
-                .spawn(move || core.clean())
+                .spawn(move || engine::clean(&core))
                 .map_err(|source| StoreError::Io {
                     what: "starting the write-back thread for",
                     path: cfg.dir.clone(),
@@ -273,7 +273,7 @@ impl Store {
 
     /// Makes every write and commit acknowledged before the call durable.
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.locked(|c, g| c.flush(g))
+        self.locked(engine::flush)
     }
 
     /// Ends every lease of a connection that stays open, without it (see
@@ -399,7 +399,7 @@ impl Store {
     ) -> Result<R, StoreError> {
         self.check_range(offset, len)?;
         loop {
-            match self.fairly(|c, g| c.plan_read(g, vol, key, offset, len))? {
+            match self.fairly(|c, g| ReadPlan::plan(c, g, vol, key, offset, len))? {
                 ReadPlan::Absent => return Ok(f(None)),
                 ReadPlan::Slot(slot) => return Ok(self.read_pinned(slot, offset, len, f)),
                 ReadPlan::Swap(d) => {

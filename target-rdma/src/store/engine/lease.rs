@@ -21,7 +21,6 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use super::slots::Slots;
-use super::{Core, Guard};
 use crate::proto::Lease;
 use crate::store::error::StoreError;
 use crate::store::ids::{BlobKey, HolderId, VolumeId};
@@ -131,6 +130,11 @@ impl Leases {
     /// Leases ended by force so far.
     pub(super) fn forced(&self) -> u64 {
         self.forced
+    }
+
+    /// Leases ended so far (see [`StoreError::Reclaiming`]).
+    pub(super) fn ends(&self) -> u64 {
+        self.ends
     }
 
     fn live(&self, vol: VolumeId) -> usize {
@@ -497,57 +501,6 @@ impl Leases {
                 slots: slots.len(),
                 revoked,
             }),
-        }
-    }
-}
-
-impl Core {
-    pub(in crate::store) fn alloc(
-        &self,
-        g: &mut Guard<'_>,
-        vol: VolumeId,
-        key: u64,
-        holder: HolderId,
-    ) -> Result<Lease, StoreError> {
-        g.check_vol(vol)?;
-        g.check_lease_limit(holder)?;
-        let slot = loop {
-            let s = self.resident_or_create(g, (vol, key), false)?.slot();
-            if g.slots.meta[s as usize].writing.is_none() {
-                break s;
-            }
-            // A write-back without the lock is checksumming and writing
-            // this slot: the holder's RDMA writes must not race it.
-            self.settled.wait(g);
-        };
-        Ok(g.new_lease(holder, (vol, key), slot, LeaseKind::Alloc))
-    }
-
-    pub(in crate::store) fn get(
-        &self,
-        g: &mut Guard<'_>,
-        vol: VolumeId,
-        key: u64,
-        holder: HolderId,
-    ) -> Result<Option<Lease>, StoreError> {
-        g.check_vol(vol)?;
-        g.check_lease_limit(holder)?;
-        Ok(self
-            .resident(g, (vol, key), false)?
-            .map(|s| g.new_lease(holder, (vol, key), s.slot(), LeaseKind::Get)))
-    }
-
-    /// Wakes requests waiting for a lease to end ([`StoreError::Reclaiming`]).
-    pub(in crate::store) fn lease_ended(&self) {
-        self.settled.notify_all();
-    }
-
-    /// Waits, without the store lock, until a lease ends or `until`; returns
-    /// at once if one ended since the count `ends` was seen.
-    pub(in crate::store) fn await_lease_end(&self, until: Instant, ends: u64) {
-        let mut g = self.state.lock();
-        if g.leases.ends == ends && Instant::now() < until {
-            let _ = self.settled.wait_until(&mut g, until);
         }
     }
 }

@@ -3,11 +3,44 @@
 //! shared one), and verified against the blob's header and block checksums
 //! before any byte is handed out.
 
-use super::{Core, Guard, Placed};
+use super::blob::Placed;
+use super::shared::{Core, Guard};
 use crate::store::aligned::AlignedBuf;
 use crate::store::error::{IntegrityKind, StoreError};
 use crate::store::extent::{self, Ident, BLOCK};
 use crate::store::ids::{BlobKey, VolumeId};
+
+/// How a read is served, decided under the store lock.
+pub(in crate::store) enum ReadPlan {
+    /// The key holds no blob.
+    Absent,
+    /// From this (pinned) slot.
+    Slot(u32),
+    /// Straight from swap, without faulting the blob in.
+    Swap(Direct),
+}
+
+impl ReadPlan {
+    /// How to serve a read of `len` bytes at `offset` of blob `key`: from
+    /// its slot (pinned; faulted in when the read covers the whole blob), or,
+    /// for part of a blob that is not resident, straight from swap.
+    pub(in crate::store) fn plan(
+        core: &Core,
+        g: &mut Guard<'_>,
+        vol: VolumeId,
+        key: u64,
+        offset: u32,
+        len: usize,
+    ) -> Result<ReadPlan, StoreError> {
+        if let Some(d) = Direct::plan(g, vol, key, offset, len)? {
+            return Ok(ReadPlan::Swap(d));
+        }
+        Ok(match core.pin(g, vol, key)? {
+            Some(s) => ReadPlan::Slot(s),
+            None => ReadPlan::Absent,
+        })
+    }
+}
 
 /// A range read of a cold blob: the aligned blocks covering the request,
 /// and what they must check against.
