@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use super::support::*;
 use super::*;
 
 fn cfg_blob(dir: &Path, blob: u32, slots: u64, extents: u64) -> StoreConfig {

@@ -1,5 +1,6 @@
 //! Configuration: validation, the directory lock, quotas, and volumes configured while running.
 
+use super::support::*;
 use super::*;
 
 #[test]

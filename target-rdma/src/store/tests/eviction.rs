@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::support::*;
 use super::*;
 
 #[test]

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use super::support::*;
 use super::*;
 
 #[test]

@@ -1,5 +1,6 @@
 //! Writes, reads and removes through the store, and its range, volume and space errors.
 
+use super::support::*;
 use super::*;
 
 #[test]

@@ -2,6 +2,7 @@
 
 use std::sync::{Arc, Mutex as StdMutex};
 
+use super::support::*;
 use super::*;
 use crate::proto::Lease;
 

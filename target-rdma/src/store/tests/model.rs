@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 
+use super::support::*;
 use super::*;
 
 #[derive(Clone, Debug)]

@@ -1,5 +1,6 @@
 //! Durability across crashes, and the damaged or missing index files a start refuses.
 
+use super::support::*;
 use super::*;
 
 #[test]

@@ -1,5 +1,6 @@
 //! The `_now` calls: what they decline so that the reactor never waits for the disk.
 
+use super::support::*;
 use super::*;
 
 /// A blob whose slot the cleaner is writing to swap reports
