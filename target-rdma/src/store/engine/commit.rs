@@ -16,23 +16,25 @@ use crate::store::swap::Swap;
 /// whose own extent is being rewritten right now stays unjournaled: its
 /// image is not complete until that write-back ends.
 pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError> {
-    if st.unjournaled.is_empty() && st.pending_removes.is_empty() {
+    if st.durable.unjournaled.is_empty() && st.durable.pending_removes.is_empty() {
         return Ok(());
     }
-    let (ready, busy): (BTreeSet<BlobKey>, BTreeSet<BlobKey>) = std::mem::take(&mut st.unjournaled)
-        .into_iter()
-        .partition(|k| {
-            let slot = st.blobs.get(k).and_then(|b| b.slot);
-            slot.is_none_or(|s| st.slots.meta[s as usize].writing.is_none())
-        });
-    st.unjournaled = busy;
+    let (ready, busy): (BTreeSet<BlobKey>, BTreeSet<BlobKey>) =
+        std::mem::take(&mut st.durable.unjournaled)
+            .into_iter()
+            .partition(|k| {
+                let slot = st.blobs.get(k).and_then(|b| b.slot);
+                slot.is_none_or(|s| st.slots.meta[s as usize].writing.is_none())
+            });
+    st.durable.unjournaled = busy;
     if let Err(e) = swap.sync() {
-        st.unjournaled.extend(ready);
+        st.durable.unjournaled.extend(ready);
         return Err(e);
     }
-    let mut records = Vec::with_capacity(st.pending_removes.len() + ready.len());
+    let mut records = Vec::with_capacity(st.durable.pending_removes.len() + ready.len());
     records.extend(
-        st.pending_removes
+        st.durable
+            .pending_removes
             .iter()
             .map(|&(vol, key)| Record::Remove { vol, key }),
     );
@@ -53,7 +55,7 @@ pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError
         let (generation, blob_bytes, extents) = (st.generation, st.blob_bytes, st.extents.total());
         // The index before these records, in case they need a fresh
         // journal: a checkpoint of it comes first.
-        st.index.commit(&records, || Snapshot {
+        st.durable.index.commit(&records, || Snapshot {
             generation,
             blob_bytes,
             extents,
@@ -65,7 +67,7 @@ pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError
         })
     };
     if let Err(e) = committed {
-        st.unjournaled.extend(ready);
+        st.durable.unjournaled.extend(ready);
         return Err(e);
     }
     for key in ready {
@@ -76,9 +78,9 @@ pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError
             }
         }
     }
-    for e in std::mem::take(&mut st.pending_free) {
+    for e in std::mem::take(&mut st.durable.pending_free) {
         st.release_extent(e);
     }
-    st.pending_removes.clear();
+    st.durable.pending_removes.clear();
     Ok(())
 }

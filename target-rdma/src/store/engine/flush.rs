@@ -19,11 +19,11 @@ const COPY_BATCH: usize = 8;
 /// In-flight write-backs are waited for first, and the lock is then held
 /// throughout, so everything acknowledged before the call is covered.
 pub(in crate::store) fn flush(core: &Core, g: &mut Guard<'_>) -> Result<(), StoreError> {
-    g.flush_waiting += 1;
-    while g.writes_in_flight > 0 {
+    g.transit.flush_waiting += 1;
+    while g.transit.writes > 0 {
         core.settled.wait(g);
     }
-    g.flush_waiting -= 1;
+    g.transit.flush_waiting -= 1;
     let res = flush_locked(core, g);
     // Evictors held back while we waited may go on.
     core.settled.notify_all();

@@ -34,9 +34,12 @@
 //! One type per mechanism, each with its impl in one file: [`Core`]
 //! (`shared`: what the threads share, and the path that hands slots out:
 //! fault-in, eviction, a write-back's I/O, leases granted) and `State`
-//! (`state`: the bookkeeping under the lock), which holds `Slots`
-//! (`slots`), `Leases` (`lease`) and `ReadAhead` (`read_ahead`) as
-//! fields; `WriteBack` (`write_back`: a write-back planned and settled
+//! (`state`: the bookkeeping under the lock), which holds each mechanism's
+//! own state as a field: `Slots` (`slots`), `Leases` (`lease`),
+//! `ReadAhead` (`read_ahead`), what the next commit makes durable
+//! (`Durable`, `durable`), the slots in transition and the flushes waiting
+//! for them (`Transit`, `transit`), and the cleaner's wake-up and the
+//! stop (`Background`, `background`); `WriteBack` (`write_back`: a write-back planned and settled
 //! under the lock) and [`Direct`] (`range_read`, with [`ReadPlan`]: a range
 //! read of a cold blob, planned, read and verified). The procedures around
 //! them are free functions of one concept each: the durable commit
@@ -46,8 +49,10 @@
 //! types and records at the bottom, `shared` above them, the procedures
 //! that drive [`Core`] on top.
 
+mod background;
 mod blob;
 mod commit;
+mod durable;
 mod flush;
 mod lease;
 mod open;
@@ -56,6 +61,7 @@ mod read_ahead;
 mod shared;
 mod slots;
 mod state;
+mod transit;
 mod volumes;
 mod workers;
 mod write_back;

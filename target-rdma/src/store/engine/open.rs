@@ -2,13 +2,16 @@
 //! every extent the index names checked against its header, or the files
 //! of a new store created. Runs before any other thread sees the state.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
+use super::background::Background;
 use super::blob::{Blob, Placed};
+use super::durable::Durable;
 use super::lease::Leases;
 use super::read_ahead::ReadAhead;
 use super::slots::Slots;
 use super::state::{Counters, State};
+use super::transit::Transit;
 use super::volumes::{names, Volume};
 use crate::store::arena::Arena;
 use crate::store::config::{StoreConfig, VolumeSpec};
@@ -179,16 +182,10 @@ pub(in crate::store) fn open(
         meta,
         crcs,
         blocks,
-        index,
-        unjournaled: BTreeSet::new(),
-        pending_removes: Vec::new(),
-        pending_free: Vec::new(),
+        durable: Durable::new(index),
         counters: Counters::default(),
-        in_transit: 0,
-        writes_in_flight: 0,
-        flush_waiting: 0,
-        cleaner_kicked: false,
-        stopping: false,
+        transit: Transit::default(),
+        background: Background::default(),
         read_ahead: ReadAhead::default(),
     };
     Ok((state, swap))

@@ -289,7 +289,7 @@ impl Core {
     pub(in crate::store) fn unpin_written(&self, g: &mut Guard<'_>, slot: Staged) {
         if let Staged::Staged(s) = slot {
             g.slots.meta[s as usize].loading = false;
-            g.in_transit -= 1;
+            g.transit.slots -= 1;
             self.settled.notify_all();
         }
         g.slots.unpin(slot.slot(), true);
@@ -365,7 +365,7 @@ impl Core {
     /// after. `Ok` without a free slot means "look again": the lock was
     /// dropped and things changed.
     fn evict(&self, g: &mut Guard<'_>, vol: VolumeId) -> Result<(), StoreError> {
-        if g.flush_waiting > 0 {
+        if g.transit.flush_waiting > 0 {
             self.settled.wait(g);
             return Ok(());
         }
@@ -379,14 +379,14 @@ impl Core {
             }
             return Ok(());
         }
-        if st.writes_in_flight > 0 {
+        if st.transit.writes > 0 {
             // Clean slots are on their way; waiting beats writing a victim.
             self.settled.wait(g);
             return Ok(());
         }
         let victims = st.slots.pick(want, false);
         if victims.is_empty() {
-            if st.in_transit > 0 {
+            if st.transit.slots > 0 {
                 // Slots are only held by in-flight I/O; wait for it rather
                 // than asking leases back.
                 self.settled.wait(g);

@@ -1,18 +1,22 @@
 //! [`State`], the engine's bookkeeping under the store lock: which blob
 //! lives in which slot and extent, each volume's blobs, the version
 //! counter, and the mechanisms held as fields of their own types (the
-//! slots, the lease table, read-ahead), with what ties them together:
+//! slots, the lease table, read-ahead, the pending commit, the slots in
+//! transition, the background threads' flags), with what ties them together:
 //! dropping a blob, ending a fault-in, counting an integrity error,
 //! freeing an extent, the stats.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use super::background::Background;
 use super::blob::Blob;
+use super::durable::Durable;
 use super::lease::{ForceEndHook, LeaseKind, LeaseLimits, Leases};
 use super::read_ahead::ReadAhead;
 use super::slots::Slots;
+use super::transit::Transit;
 use super::volumes::{names, Volume};
 use crate::proto::Lease;
 use crate::store::error::{IntegrityKind, StoreError};
@@ -21,7 +25,6 @@ use crate::store::extent::{self, Ident, MetaFile};
 use crate::store::format::{Snapshot, Version, MAX_VOLUMES};
 use crate::store::hooks::TimingHook;
 use crate::store::ids::{BlobKey, HolderId, VolumeId};
-use crate::store::index::Index;
 use crate::store::residency::Residency;
 use crate::store::stats::StoreStats;
 use crate::store::swap::{Extents, Swap};
@@ -50,13 +53,7 @@ pub(in crate::store) struct State {
     pub(super) blobs: BTreeMap<BlobKey, Blob>,
     pub(super) slots: Slots,
     pub(super) leases: Leases,
-    pub(super) index: Index,
-    /// Blobs whose `extent` holds a written-back image the index lacks.
-    pub(super) unjournaled: BTreeSet<BlobKey>,
-    /// Removed blobs the durable index still names.
-    pub(super) pending_removes: Vec<BlobKey>,
-    /// Their durable extents, free once the removals are journaled.
-    pub(super) pending_free: Vec<u32>,
+    pub(super) durable: Durable,
     pub(super) counters: Counters,
     pub(super) extents: Extents,
     /// The extent headers on disk: written by write-backs, cleared when an
@@ -65,17 +62,8 @@ pub(in crate::store) struct State {
     /// Block CRCs of every extent's current image, `blocks` per extent.
     pub(super) crcs: Vec<u32>,
     pub(super) blocks: usize,
-    /// Slots loading or writing without the store lock.
-    pub(super) in_transit: usize,
-    /// Of those, the ones writing.
-    pub(super) writes_in_flight: usize,
-    /// Flushes waiting for in-flight write-backs; while non-zero no new
-    /// write-back starts, so a flush cannot starve.
-    pub(super) flush_waiting: usize,
-    /// The cleaner was woken and has not gone back to sleep yet.
-    pub(super) cleaner_kicked: bool,
-    /// The store is closing: the cleaner exits.
-    pub(super) stopping: bool,
+    pub(super) transit: Transit,
+    pub(super) background: Background,
     pub(super) read_ahead: ReadAhead,
 }
 
@@ -170,7 +158,7 @@ impl State {
     }
 
     pub(in crate::store) fn stop(&mut self) {
-        self.stopping = true;
+        self.background.stopping = true;
     }
 
     /// Ends a fault-in's transition; whether the slot still belonged to
@@ -178,7 +166,7 @@ impl State {
     /// the load failed (`ok` false) the slot is given up: free again, the
     /// blob left in swap.
     pub(super) fn finish_load(&mut self, slot: u32, key: BlobKey, ok: bool) -> bool {
-        self.in_transit -= 1;
+        self.transit.slots -= 1;
         let m = &mut self.slots.meta[slot as usize];
         m.loading = false;
         m.pins -= 1;
@@ -301,10 +289,10 @@ impl State {
             _ => {}
         }
         if let Some(d) = blob.durable {
-            self.pending_free.push(d.extent);
-            self.pending_removes.push(key);
+            self.durable.pending_free.push(d.extent);
+            self.durable.pending_removes.push(key);
         }
-        self.unjournaled.remove(&key);
+        self.durable.unjournaled.remove(&key);
     }
 
     /// The next write version of this run.
@@ -327,11 +315,11 @@ impl State {
             loading: true,
             ..SlotMeta::default()
         };
-        self.in_transit += 1;
+        self.transit.slots += 1;
     }
 
     pub(in crate::store) fn set_timing_hook(&mut self, hook: TimingHook) {
-        self.index.timing = Some(hook);
+        self.durable.index.timing = Some(hook);
     }
 
     pub(in crate::store) fn stats(&self, swap: &Swap) -> StoreStats {
@@ -348,8 +336,8 @@ impl State {
             swap_extents_used: u64::from(self.extents.total()) - self.extents.free_count() as u64,
             swap_extents_total: u64::from(self.extents.total()),
             flushes: self.counters.flushes,
-            journal_records: self.index.journal_records,
-            checkpoints: self.index.checkpoints,
+            journal_records: self.durable.index.journal_records,
+            checkpoints: self.durable.index.checkpoints,
             direct_io: swap.direct(),
             integrity_errors: self.counters.integrity,
             ..StoreStats::default()
@@ -360,9 +348,7 @@ impl State {
 
     /// Whether to wake the cleaner now; notes that it was woken.
     pub(super) fn cleaner_due(&mut self) -> bool {
-        let due = !self.cleaner_kicked && !self.stopping && self.slots.below_low_water();
-        self.cleaner_kicked |= due;
-        due
+        self.background.cleaner_due(&self.slots)
     }
 
     /// Drops a clean unpinned slot's content (its blob stays in swap).
@@ -432,7 +418,7 @@ impl State {
                 .iter()
                 .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
         };
-        if let Err(e) = self.index.checkpoint_now(snap) {
+        if let Err(e) = self.durable.index.checkpoint_now(snap) {
             self.volumes.pop();
             self.vol_ids.pop();
             return Err(e);

@@ -33,11 +33,11 @@ pub(in crate::store) fn clean(core: &Core) {
     let mut g = core.state.lock();
     // Between the watermarks: keep cleaning once started.
     let mut active = false;
-    while !g.stopping {
+    while !g.background.stopping {
         let clean = g.slots.len() - g.slots.n_dirty;
         active = (active && clean < 2 * g.slots.low_water()) || g.slots.below_low_water();
-        if g.flush_waiting > 0 || !active {
-            g.cleaner_kicked = false;
+        if g.transit.flush_waiting > 0 || !active {
+            g.background.cleaner_kicked = false;
             core.kick.wait(&mut g);
             continue;
         }
@@ -57,7 +57,7 @@ pub(in crate::store) fn clean(core: &Core) {
         if plan.is_empty() {
             // Every dirty slot is pinned or no extent is free: wait for
             // the next change rather than spin.
-            g.cleaner_kicked = false;
+            g.background.cleaner_kicked = false;
             core.kick.wait(&mut g);
             continue;
         }
@@ -73,7 +73,7 @@ pub(in crate::store) fn clean(core: &Core) {
 /// flight while the readers consume the ones already loaded.
 pub(in crate::store) fn read_ahead_worker(core: &Core) {
     let mut g = core.state.lock();
-    while !g.stopping {
+    while !g.background.stopping {
         match g.read_ahead.next() {
             Some(key) => read_ahead_one(core, &mut g, key),
             None => core.ahead.wait(&mut g),
@@ -119,7 +119,7 @@ fn read_ahead_one(core: &Core, g: &mut Guard<'_>, key: BlobKey) {
         read_ahead: true,
         ..SlotMeta::default()
     };
-    st.in_transit += 1;
+    st.transit.slots += 1;
     let read = core.load_unlocked(g, slot, key, &placed);
     let st = &mut **g;
     let ok = matches!(read, Ok(None));

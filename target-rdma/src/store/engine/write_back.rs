@@ -88,8 +88,8 @@ impl WriteBack {
             let writers = m.writers;
             st.slots.set_dirty(w.slot, writers > 0);
         }
-        st.in_transit += plan.len();
-        st.writes_in_flight += plan.len();
+        st.transit.slots += plan.len();
+        st.transit.writes += plan.len();
         Ok(plan)
     }
 
@@ -104,8 +104,8 @@ impl WriteBack {
         crcs: Option<&[Vec<u32>]>,
         evict: bool,
     ) {
-        st.in_transit -= plan.len();
-        st.writes_in_flight -= plan.len();
+        st.transit.slots -= plan.len();
+        st.transit.writes -= plan.len();
         let mut evicted = 0;
         for (i, w) in plan.iter().enumerate() {
             let m = &mut st.slots.meta[w.slot as usize];
@@ -126,7 +126,7 @@ impl WriteBack {
                         version: w.ident.version,
                     });
                 }
-                st.unjournaled.insert(w.key);
+                st.durable.unjournaled.insert(w.key);
                 st.counters.write_backs += 1;
                 let m = &st.slots.meta[w.slot as usize];
                 if evict && m.pins == 0 && !m.dirty {
@@ -140,7 +140,7 @@ impl WriteBack {
                     if let Some(b) = st.blobs.get_mut(&w.key) {
                         b.extent = None;
                     }
-                    st.unjournaled.remove(&w.key);
+                    st.durable.unjournaled.remove(&w.key);
                 }
                 st.release_extent(w.extent);
                 st.slots.set_dirty(w.slot, true);
