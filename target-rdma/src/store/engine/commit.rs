@@ -52,7 +52,8 @@ pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError
     let committed = {
         let names = names(&st.volumes);
         let blobs = &st.blobs;
-        let (generation, blob_bytes, extents) = (st.generation, st.blob_bytes, st.extents.total());
+        let (generation, blob_bytes, extents) =
+            (st.generation, st.blob_bytes, st.images.extents.total());
         // The index before these records, in case they need a fresh
         // journal: a checkpoint of it comes first.
         st.durable.index.commit(&records, || Snapshot {
@@ -74,12 +75,12 @@ pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError
         if let Some(b) = st.blobs.get_mut(&key) {
             let old = std::mem::replace(&mut b.durable, b.extent);
             if let Some(old) = old.filter(|&o| Some(o) != b.extent) {
-                st.release_extent(old.extent);
+                st.images.release(old.extent);
             }
         }
     }
     for e in std::mem::take(&mut st.durable.pending_free) {
-        st.release_extent(e);
+        st.images.release(e);
     }
     st.durable.pending_removes.clear();
     Ok(())

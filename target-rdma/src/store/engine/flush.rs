@@ -41,7 +41,7 @@ fn flush_locked(core: &Core, g: &mut Guard<'_>) -> Result<(), StoreError> {
     let mut todo = &dirty[..];
     while !todo.is_empty() {
         let st = &mut **g;
-        let mut free = st.extents.free_count();
+        let mut free = st.images.extents.free_count();
         let (mut n, mut copies) = (0, 0);
         for &s in todo.iter().take(WRITE_BATCH) {
             if st.slots.meta[s as usize].writers > 0 {
@@ -62,7 +62,7 @@ fn flush_locked(core: &Core, g: &mut Guard<'_>) -> Result<(), StoreError> {
         }
         if n == 0 {
             commit_index(st, &core.swap)?;
-            if st.extents.free_count() == 0 {
+            if st.images.extents.free_count() == 0 {
                 return Err(st.no_space());
             }
             continue;

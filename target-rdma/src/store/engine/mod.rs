@@ -35,7 +35,8 @@
 //! (`shared`: what the threads share, and the path that hands slots out:
 //! fault-in, eviction, a write-back's I/O, leases granted) and `State`
 //! (`state`: the bookkeeping under the lock), which holds each mechanism's
-//! own state as a field: `Slots` (`slots`), `Leases` (`lease`),
+//! own state as a field: `Slots` (`slots`), `Images` (`images`: the swap
+//! extents, their headers and their images' checksums), `Leases` (`lease`),
 //! `ReadAhead` (`read_ahead`), what the next commit makes durable
 //! (`Durable`, `durable`), the slots in transition and the flushes waiting
 //! for them (`Transit`, `transit`), and the cleaner's wake-up and the
@@ -54,6 +55,7 @@ mod blob;
 mod commit;
 mod durable;
 mod flush;
+mod images;
 mod lease;
 mod open;
 mod range_read;

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::background::Background;
 use super::blob::{Blob, Placed};
 use super::durable::Durable;
+use super::images::Images;
 use super::lease::Leases;
 use super::read_ahead::ReadAhead;
 use super::slots::Slots;
@@ -178,10 +179,7 @@ pub(in crate::store) fn open(
         blobs,
         slots: Slots::new(slots),
         leases: Leases::new(),
-        extents: Extents::new(extents, &used),
-        meta,
-        crcs,
-        blocks,
+        images: Images::new(Extents::new(extents, &used), meta, crcs, blocks),
         durable: Durable::new(index),
         counters: Counters::default(),
         transit: Transit::default(),

@@ -92,7 +92,7 @@ impl Direct {
             placed,
             ident: st.ident(key, placed.version),
             first: first as u32,
-            crcs: st.block_crcs(placed.extent, first, end),
+            crcs: st.images.block_crcs(placed.extent, first, end),
         }))
     }
 

@@ -74,7 +74,7 @@ impl Core {
         placed: &Placed,
     ) -> Result<Option<usize>, StoreError> {
         let ident = g.ident(key, placed.version);
-        let crcs = g.block_crcs(placed.extent, 0, g.blocks);
+        let crcs = g.images.block_crcs(placed.extent, 0, g.images.blocks());
         MutexGuard::unlocked(g, || {
             let mut bytes = self.arena.write(slot);
             self.swap
@@ -214,7 +214,7 @@ impl Core {
             // stays spare so that a dirty slot can always be written back (a
             // commit frees the extent it supersedes), which keeps fault-in
             // possible.
-            if st.blobs.len() as u64 + 1 >= u64::from(st.extents.total()) {
+            if st.blobs.len() as u64 + 1 >= u64::from(st.images.extents.total()) {
                 return Err(st.no_space());
             }
             let slot = self.take_slot(g, key.0)?;

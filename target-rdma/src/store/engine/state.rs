@@ -8,11 +8,11 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 
 use super::background::Background;
 use super::blob::Blob;
 use super::durable::Durable;
+use super::images::Images;
 use super::lease::{ForceEndHook, LeaseKind, LeaseLimits, Leases};
 use super::read_ahead::ReadAhead;
 use super::slots::Slots;
@@ -21,13 +21,13 @@ use super::volumes::{names, Volume};
 use crate::proto::Lease;
 use crate::store::error::{IntegrityKind, StoreError};
 use crate::store::eviction::SlotMeta;
-use crate::store::extent::{self, Ident, MetaFile};
+use crate::store::extent::{self, Ident};
 use crate::store::format::{Snapshot, Version, MAX_VOLUMES};
 use crate::store::hooks::TimingHook;
 use crate::store::ids::{BlobKey, HolderId, VolumeId};
 use crate::store::residency::Residency;
 use crate::store::stats::StoreStats;
-use crate::store::swap::{Extents, Swap};
+use crate::store::swap::Swap;
 
 #[derive(Default)]
 pub(super) struct Counters {
@@ -55,13 +55,7 @@ pub(in crate::store) struct State {
     pub(super) leases: Leases,
     pub(super) durable: Durable,
     pub(super) counters: Counters,
-    pub(super) extents: Extents,
-    /// The extent headers on disk: written by write-backs, cleared when an
-    /// extent is freed.
-    pub(super) meta: Arc<MetaFile>,
-    /// Block CRCs of every extent's current image, `blocks` per extent.
-    pub(super) crcs: Vec<u32>,
-    pub(super) blocks: usize,
+    pub(super) images: Images,
     pub(super) transit: Transit,
     pub(super) background: Background,
     pub(super) read_ahead: ReadAhead,
@@ -153,7 +147,7 @@ impl State {
     pub(super) fn no_space(&self) -> StoreError {
         StoreError::NoSpace {
             slots: self.slots.len(),
-            extents: self.extents.total(),
+            extents: self.images.extents.total(),
         }
     }
 
@@ -190,12 +184,6 @@ impl State {
         }
     }
 
-    /// The CRCs of blocks `first..end` of `extent`'s image.
-    pub(super) fn block_crcs(&self, extent: u32, first: usize, end: usize) -> Vec<u32> {
-        let at = extent as usize * self.blocks;
-        self.crcs[at + first..at + end].to_vec()
-    }
-
     /// Counts, logs and describes a read refused because its image does not
     /// verify; `offset` is the byte offset of the bad part in `file`.
     pub(super) fn integrity_error(
@@ -226,19 +214,8 @@ impl State {
         let b = self.blobs.get(&key)?;
         let why = b.damaged.as_deref()?.to_string();
         let extent = b.extent.map_or(0, |p| p.extent);
-        let path = self.meta.path().to_path_buf();
-        let offset = self.meta.offset(extent);
+        let (path, offset) = self.images.header(extent);
         Some(self.integrity_error(IntegrityKind::Header, key, &path, extent, offset, why))
-    }
-
-    /// Gives an extent back to the free list, its header cleared first (so
-    /// that repair never resurrects what it held, and before any write-back
-    /// can take it).
-    pub(super) fn release_extent(&mut self, extent: u32) {
-        if let Err(e) = self.meta.clear(extent) {
-            tracing::warn!(event = "extent_header_clear_failed", extent, error = %e, "could not clear a freed extent's header; arenad --repair might bring back its old image");
-        }
-        self.extents.free(extent);
     }
 
     /// Drops a pin; `wrote` marks the blob dirty (see [`Slots::unpin`]).
@@ -284,7 +261,7 @@ impl State {
         }
         match blob.extent {
             Some(e) if blob.extent != blob.durable && writing != Some(e.extent) => {
-                self.release_extent(e.extent)
+                self.images.release(e.extent)
             }
             _ => {}
         }
@@ -333,8 +310,9 @@ impl State {
             fault_ins: self.counters.fault_ins,
             swap_bytes_read: swap.bytes_read(),
             swap_bytes_written: swap.bytes_written(),
-            swap_extents_used: u64::from(self.extents.total()) - self.extents.free_count() as u64,
-            swap_extents_total: u64::from(self.extents.total()),
+            swap_extents_used: u64::from(self.images.extents.total())
+                - self.images.extents.free_count() as u64,
+            swap_extents_total: u64::from(self.images.extents.total()),
             flushes: self.counters.flushes,
             journal_records: self.durable.index.journal_records,
             checkpoints: self.durable.index.checkpoints,
@@ -410,7 +388,7 @@ impl State {
         let snap = Snapshot {
             generation: self.generation,
             blob_bytes: self.blob_bytes,
-            extents: self.extents.total(),
+            extents: self.images.extents.total(),
             volumes: &names,
             blob_count: self.blobs.values().filter(|b| b.durable.is_some()).count() as u64,
             blobs: self

@@ -53,7 +53,7 @@ impl WriteBack {
         commit: bool,
     ) -> Result<Vec<WriteBack>, StoreError> {
         let need = slots.iter().filter(|&&s| Self::needs_fresh(st, s)).count();
-        if commit && st.extents.free_count() < need {
+        if commit && st.images.extents.free_count() < need {
             commit_index(st, swap)?;
         }
         let mut plan = Vec::with_capacity(slots.len());
@@ -64,7 +64,7 @@ impl WriteBack {
             let b = &st.blobs[&key];
             let (extent, fresh) = match b.extent {
                 Some(e) if b.durable != Some(e) => (e.extent, false),
-                _ => match st.extents.alloc() {
+                _ => match st.images.extents.alloc() {
                     Some(e) => (e, true),
                     None => continue,
                 },
@@ -113,13 +113,12 @@ impl WriteBack {
             m.writing = None;
             if m.owner != Some(w.key) {
                 // Removed meanwhile; `drop_blob` left the extent to us.
-                st.release_extent(w.extent);
+                st.images.release(w.extent);
                 st.slots.free_if_orphaned(w.slot);
                 continue;
             }
             if let Some(crcs) = crcs {
-                let at = w.extent as usize * st.blocks;
-                st.crcs[at..at + st.blocks].copy_from_slice(&crcs[i]);
+                st.images.set_crcs(w.extent, &crcs[i]);
                 if let Some(b) = st.blobs.get_mut(&w.key) {
                     b.extent = Some(Placed {
                         extent: w.extent,
@@ -142,7 +141,7 @@ impl WriteBack {
                     }
                     st.durable.unjournaled.remove(&w.key);
                 }
-                st.release_extent(w.extent);
+                st.images.release(w.extent);
                 st.slots.set_dirty(w.slot, true);
             }
         }
