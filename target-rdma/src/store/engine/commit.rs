@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 
 use super::state::State;
-use super::volumes::names;
 use crate::store::error::StoreError;
 use crate::store::format::{Record, Snapshot};
 use crate::store::ids::BlobKey;
@@ -50,7 +49,7 @@ pub(super) fn commit_index(st: &mut State, swap: &Swap) -> Result<(), StoreError
         });
     }
     let committed = {
-        let names = names(&st.volumes);
+        let names = st.volumes.names();
         let blobs = &st.blobs;
         let (generation, blob_bytes, extents) =
             (st.generation, st.blob_bytes, st.images.extents.total());

@@ -35,7 +35,8 @@
 //! (`shared`: what the threads share, and the path that hands slots out:
 //! fault-in, eviction, a write-back's I/O, leases granted) and `State`
 //! (`state`: the bookkeeping under the lock), which holds each mechanism's
-//! own state as a field: `Slots` (`slots`), `Images` (`images`: the swap
+//! own state as a field: `Volumes` (`volumes`), `Slots` (`slots`),
+//! `Images` (`images`: the swap
 //! extents, their headers and their images' checksums), `Leases` (`lease`),
 //! `ReadAhead` (`read_ahead`), what the next commit makes durable
 //! (`Durable`, `durable`), the slots in transition and the flushes waiting
@@ -45,8 +46,7 @@
 //! read of a cold blob, planned, read and verified). The procedures around
 //! them are free functions of one concept each: the durable commit
 //! (`commit`), FLUSH (`flush`), the background threads (`workers`), the
-//! state rebuilt at open (`open`); `blob` and `volumes` hold the records
-//! of a blob and a volume. Edges between these files run one way: the
+//! state rebuilt at open (`open`); `blob` holds the record of a blob. Edges between these files run one way: the
 //! types and records at the bottom, `shared` above them, the procedures
 //! that drive [`Core`] on top.
 

@@ -13,7 +13,7 @@ use super::read_ahead::ReadAhead;
 use super::slots::Slots;
 use super::state::{Counters, State};
 use super::transit::Transit;
-use super::volumes::{names, Volume};
+use super::volumes::{names, Volume, Volumes};
 use crate::store::arena::Arena;
 use crate::store::config::{StoreConfig, VolumeSpec};
 use crate::store::error::StoreError;
@@ -174,8 +174,7 @@ pub(in crate::store) fn open(
         blob_bytes: cfg.blob_bytes,
         generation,
         seq: 0,
-        vol_ids,
-        volumes,
+        volumes: Volumes::new(volumes, vol_ids),
         blobs,
         slots: Slots::new(slots),
         leases: Leases::new(),

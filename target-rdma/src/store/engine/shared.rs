@@ -203,7 +203,7 @@ impl Core {
                 return Ok(s);
             }
             let st = &mut **g;
-            let v = &st.volumes[key.0 as usize];
+            let v = st.volumes.get(key.0);
             if v.blobs >= v.quota {
                 return Err(StoreError::QuotaExceeded {
                     volume: v.name.clone(),
@@ -244,7 +244,7 @@ impl Core {
                     damaged: None,
                 },
             );
-            st.volumes[key.0 as usize].blobs += 1;
+            st.volumes.get_mut(key.0).blobs += 1;
             return Ok(if stage {
                 Staged::Staged(slot)
             } else {

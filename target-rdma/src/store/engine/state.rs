@@ -17,11 +17,11 @@ use super::lease::{ForceEndHook, LeaseKind, LeaseLimits, Leases};
 use super::read_ahead::ReadAhead;
 use super::slots::Slots;
 use super::transit::Transit;
-use super::volumes::{names, Volume};
+use super::volumes::Volumes;
 use crate::proto::Lease;
 use crate::store::error::{IntegrityKind, StoreError};
 use crate::store::eviction::SlotMeta;
-use crate::store::extent::{self, Ident};
+use crate::store::extent::Ident;
 use crate::store::format::{Snapshot, Version, MAX_VOLUMES};
 use crate::store::hooks::TimingHook;
 use crate::store::ids::{BlobKey, HolderId, VolumeId};
@@ -44,12 +44,7 @@ pub(in crate::store) struct State {
     pub(super) generation: u64,
     /// The last write version handed out this run (its seq).
     pub(super) seq: u64,
-    /// Configured volumes first (their ids are the caller's), then volumes
-    /// found only in the persisted index, kept so their blobs survive, then
-    /// volumes configured while running ([`State::configure_volume`]).
-    pub(super) volumes: Vec<Volume>,
-    /// Each volume's on-disk id ([`extent::volume_id`]).
-    pub(super) vol_ids: Vec<u64>,
+    pub(super) volumes: Volumes,
     pub(super) blobs: BTreeMap<BlobKey, Blob>,
     pub(super) slots: Slots,
     pub(super) leases: Leases,
@@ -137,11 +132,8 @@ impl State {
     /// See [`Leases::pinned_full`].
     pub(in crate::store) fn pinned_full(&mut self, vol: VolumeId) -> Result<(), StoreError> {
         let volumes = &self.volumes;
-        self.leases.pinned_full(
-            &mut self.slots,
-            || volumes.iter().filter(|v| v.served).count(),
-            vol,
-        )
+        self.leases
+            .pinned_full(&mut self.slots, || volumes.served(), vol)
     }
 
     pub(super) fn no_space(&self) -> StoreError {
@@ -178,7 +170,7 @@ impl State {
     /// Image `version` of blob `key`, as its extent header states it.
     pub(super) fn ident(&self, key: BlobKey, version: Version) -> Ident {
         Ident {
-            volume: self.vol_ids[key.0 as usize],
+            volume: self.volumes.disk_id(key.0),
             key: key.1,
             version,
         }
@@ -196,7 +188,7 @@ impl State {
         detail: String,
     ) -> StoreError {
         self.counters.integrity[kind.index()] += 1;
-        let volume = self.volumes[key.0 as usize].name.clone();
+        let volume = self.volumes.get(key.0).name.clone();
         tracing::warn!(event = "swap.integrity_error", kind = kind.name(), file = %file.display(), extent, offset, volume = %volume, key = key.1, detail = %detail, "refusing to serve bytes that do not verify");
         StoreError::Integrity {
             kind,
@@ -248,7 +240,7 @@ impl State {
         let Some(blob) = self.blobs.remove(&key) else {
             return;
         };
-        self.volumes[key.0 as usize].blobs -= 1;
+        self.volumes.get_mut(key.0).blobs -= 1;
         // An extent an in-flight write-back targets is freed when that ends.
         let mut writing = None;
         if let Some(s) = blob.slot {
@@ -365,11 +357,11 @@ impl State {
         name: &str,
         quota: u64,
     ) -> Result<VolumeId, StoreError> {
-        if let Some(i) = self.volumes.iter().position(|v| v.name == name) {
-            let v = &mut self.volumes[i];
+        if let Some(i) = self.volumes.find(name) {
+            let v = self.volumes.get_mut(i);
             v.quota = quota;
             v.served = true;
-            return Ok(i as VolumeId);
+            return Ok(i);
         }
         if self.volumes.len() >= MAX_VOLUMES {
             return Err(StoreError::InvalidConfig {
@@ -377,14 +369,8 @@ impl State {
                 detail: format!("the limit of {MAX_VOLUMES} volumes is reached"),
             });
         }
-        self.volumes.push(Volume {
-            name: name.to_owned(),
-            quota,
-            blobs: 0,
-            served: true,
-        });
-        self.vol_ids.push(extent::volume_id(name));
-        let names = names(&self.volumes);
+        self.volumes.push(name, quota);
+        let names = self.volumes.names();
         let snap = Snapshot {
             generation: self.generation,
             blob_bytes: self.blob_bytes,
@@ -398,22 +384,14 @@ impl State {
         };
         if let Err(e) = self.durable.index.checkpoint_now(snap) {
             self.volumes.pop();
-            self.vol_ids.pop();
             return Err(e);
         }
         tracing::info!(event = "volume.added", volume = %name, quota_blobs = quota);
         Ok((self.volumes.len() - 1) as VolumeId)
     }
 
-    /// A request names a served volume (one kept only from the index is not).
+    /// See [`Volumes::check`].
     pub(super) fn check_vol(&self, vol: VolumeId) -> Result<(), StoreError> {
-        if self.volumes.get(vol as usize).is_some_and(|v| v.served) {
-            Ok(())
-        } else {
-            Err(StoreError::UnknownVolume {
-                vol,
-                count: self.volumes.iter().filter(|v| v.served).count(),
-            })
-        }
+        self.volumes.check(vol)
     }
 }

@@ -1,5 +1,9 @@
-//! A volume as the engine keeps it: its name, quota and blob count, and
-//! whether it is served.
+//! The volumes as the engine keeps them: each one's name, quota and blob
+//! count, whether it is served, and its on-disk id.
+
+use crate::store::error::StoreError;
+use crate::store::extent;
+use crate::store::ids::VolumeId;
 
 pub(super) struct Volume {
     pub(super) name: String,
@@ -13,4 +17,89 @@ pub(super) struct Volume {
 /// The volumes' names, in id order (what a checkpoint records).
 pub(super) fn names(volumes: &[Volume]) -> Vec<&str> {
     volumes.iter().map(|v| v.name.as_str()).collect()
+}
+
+/// Every volume the engine knows, by id.
+pub(super) struct Volumes {
+    /// Configured volumes first (their ids are the caller's), then volumes
+    /// found only in the persisted index, kept so their blobs survive, then
+    /// volumes configured while running (`State::configure_volume`).
+    list: Vec<Volume>,
+    /// Each volume's on-disk id ([`extent::volume_id`]).
+    ids: Vec<u64>,
+}
+
+impl Volumes {
+    /// `list`, whose on-disk ids are `ids`.
+    pub(super) fn new(list: Vec<Volume>, ids: Vec<u64>) -> Volumes {
+        Volumes { list, ids }
+    }
+
+    /// Volumes known.
+    pub(super) fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Volume `vol`.
+    pub(super) fn get(&self, vol: VolumeId) -> &Volume {
+        &self.list[vol as usize]
+    }
+
+    /// Volume `vol`, to change.
+    pub(super) fn get_mut(&mut self, vol: VolumeId) -> &mut Volume {
+        &mut self.list[vol as usize]
+    }
+
+    /// Volume `vol`'s on-disk id ([`extent::volume_id`]).
+    pub(super) fn disk_id(&self, vol: VolumeId) -> u64 {
+        self.ids[vol as usize]
+    }
+
+    /// The volume named `name`.
+    pub(super) fn find(&self, name: &str) -> Option<VolumeId> {
+        self.list
+            .iter()
+            .position(|v| v.name == name)
+            .map(|i| i as VolumeId)
+    }
+
+    /// The volumes' names, in id order.
+    pub(super) fn names(&self) -> Vec<&str> {
+        names(&self.list)
+    }
+
+    /// Volumes served.
+    pub(super) fn served(&self) -> usize {
+        self.list.iter().filter(|v| v.served).count()
+    }
+
+    /// Serves a new volume `name` with a quota of `quota` blobs; its id is
+    /// the last.
+    pub(super) fn push(&mut self, name: &str, quota: u64) {
+        self.list.push(Volume {
+            name: name.to_owned(),
+            quota,
+            blobs: 0,
+            served: true,
+        });
+        self.ids.push(extent::volume_id(name));
+    }
+
+    /// Forgets the last volume pushed.
+    pub(super) fn pop(&mut self) {
+        self.list.pop();
+        self.ids.pop();
+    }
+
+    /// A request names a served volume (one kept only from the index is not).
+    pub(super) fn check(&self, vol: VolumeId) -> Result<(), StoreError> {
+        if self.list.get(vol as usize).is_some_and(|v| v.served) {
+            Ok(())
+        } else {
+            Err(StoreError::UnknownVolume {
+                vol,
+                count: self.served(),
+            })
+        }
+    }
 }
