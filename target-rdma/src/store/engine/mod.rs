@@ -31,24 +31,29 @@
 //! then the swap file's ring and buffer pools. Every file here follows
 //! it: none takes the store lock while it holds a slot's bytes.
 //!
-//! One type per mechanism, each with its impl in one file: [`Core`]
-//! (`shared`: what the threads share, and the path that hands slots out:
-//! fault-in, eviction, a write-back's I/O, leases granted) and `State`
-//! (`state`: the bookkeeping under the lock), which holds each mechanism's
-//! own state as a field: `Volumes` (`volumes`), `Slots` (`slots`),
-//! `Images` (`images`: the swap
-//! extents, their headers and their images' checksums), `Leases` (`lease`),
-//! `ReadAhead` (`read_ahead`), what the next commit makes durable
-//! (`Durable`, `durable`), the slots in transition and the flushes waiting
-//! for them (`Transit`, `transit`), and the cleaner's wake-up and the
-//! stop (`Background`, `background`); `WriteBack` (`write_back`: a write-back planned and settled
-//! under the lock) and [`Direct`] (`range_read`, with [`ReadPlan`]: a range
-//! read of a cold blob, planned, read and verified). The procedures around
-//! them are free functions of one concept each: the durable commit
-//! (`commit`), FLUSH (`flush`), the background threads (`workers`), the
-//! state rebuilt at open (`open`); `blob` holds the record of a blob. Edges between these files run one way: the
-//! types and records at the bottom, `shared` above them, the procedures
-//! that drive [`Core`] on top.
+//! One type per mechanism, each with its impl in one file:
+//!
+//! - [`Core`] (`shared`): what the threads share, and the path that hands
+//!   slots out: fault-in, eviction, a write-back's I/O, leases granted;
+//! - `State` (`state`): the bookkeeping under the lock, holding each
+//!   mechanism's own state as a field: `Volumes` (`volumes`), `Slots`
+//!   (`slots`), `Images` (`images`: the swap extents, their headers and
+//!   their images' checksums), `Leases` (`lease`), `ReadAhead`
+//!   (`read_ahead`), `Durable` (`durable`: what the next commit makes
+//!   durable), `Transit` (`transit`: the slots in transition and the
+//!   flushes waiting for them) and `Background` (`background`: the
+//!   cleaner's wake-up and the stop);
+//! - `WriteBack` (`write_back`): a write-back planned and settled under
+//!   the lock;
+//! - [`Direct`] and [`ReadPlan`] (`range_read`): a read served from a slot
+//!   or, for part of a cold blob, planned, read from swap and verified.
+//!
+//! The procedures around them are functions of one concept each: the
+//! durable commit (`commit`), FLUSH (`flush`), the background threads
+//! (`workers`), the state rebuilt at open (`open`); `blob` holds the
+//! record of a blob. Imports between these files run one way: records and
+//! types at the bottom, `shared` above them, the procedures that drive
+//! [`Core`] on top.
 
 mod background;
 mod blob;
