@@ -58,6 +58,12 @@ const SPREAD_IMPLS: &[(&str, &str, &str)] = &[
     ),
     (
         "target-rdma",
+        "Status",
+        "proto's Status gets its errno in blob/error.rs, beside ErrorKind::errno \
+         (outside the store; left to its owners)",
+    ),
+    (
+        "target-rdma",
         "Shared",
         "arenad's server state: being split up separately",
     ),
