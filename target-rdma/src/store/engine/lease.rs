@@ -140,18 +140,7 @@ impl Leases {
     fn live(&self, vol: VolumeId) -> usize {
         self.live.get(&vol).copied().unwrap_or(0)
     }
-}
 
-fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
-    if let Some(n) = map.get_mut(&k) {
-        *n -= 1;
-        if *n == 0 {
-            map.remove(&k);
-        }
-    }
-}
-
-impl Leases {
     /// The leases asked back since the last call, for the revoke hook.
     pub(super) fn take_revocations(&mut self) -> Vec<(HolderId, VolumeId, u64, u64)> {
         std::mem::take(&mut self.revocations)
@@ -501,6 +490,15 @@ impl Leases {
                 slots: slots.len(),
                 revoked,
             }),
+        }
+    }
+}
+
+fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
+    if let Some(n) = map.get_mut(&k) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&k);
         }
     }
 }
