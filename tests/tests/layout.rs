@@ -64,11 +64,6 @@ const SPREAD_IMPLS: &[(&str, &str, &str)] = &[
     ),
     (
         "target-rdma",
-        "Shared",
-        "arenad's server state: being split up separately",
-    ),
-    (
-        "target-rdma",
         "RdmaTransport",
         "the RDMA client's transport: being split up separately",
     ),
