@@ -8,7 +8,14 @@
 //!   vocabulary (`blob`, `proto`, `auth`, the verbs layer `rdma`, ...)
 //!   names neither;
 //! - no source file holds more than [`MAX_LINES`] lines of non-test code
-//!   (the wire codec excepted: one table of frames reads best in one file).
+//!   (the wire codec excepted: one table of frames reads best in one file);
+//! - a type's inherent `impl` blocks live in one file, so that a file, not
+//!   a scattering of them, shows what the type does (the exceptions, each
+//!   with its reason, in [`SPREAD_IMPLS`]);
+//! - in the folders of [`VOCABULARY_IN_LEAVES`], no file imports an item
+//!   its folder's `mod.rs` defines: shared vocabulary lives in a leaf file
+//!   (`store/error.rs`, ...) and `mod.rs` only declares and re-exports, so
+//!   that imports never run back up inside the folder.
 //!
 //! The graph comes from the text: every `use` tree and every path written
 //! `crate::..`, `super::..` or `self::..` is resolved to the longest prefix
@@ -30,6 +37,41 @@ const MAX_LINES: usize = 900;
 
 /// Files allowed over [`MAX_LINES`], each with the reason.
 const LONG_FILES: &[(&str, &str)] = &[("target-rdma/src/proto.rs", "the wire codec")];
+
+/// Types whose inherent `impl` blocks are still spread over several files
+/// (crate, type), each with the reason; being split up separately.
+const SPREAD_IMPLS: &[(&str, &str, &str)] = &[
+    (
+        "daemon",
+        "DeviceObs",
+        "not split up yet (outside the store; left to its owners)",
+    ),
+    (
+        "daemon",
+        "Manager",
+        "not split up yet (outside the store; left to its owners)",
+    ),
+    (
+        "target-rdma",
+        "ReplicaSet",
+        "not split up yet (outside the store; left to its owners)",
+    ),
+    (
+        "target-rdma",
+        "Status",
+        "proto's Status gets its errno in blob/error.rs, beside ErrorKind::errno \
+         (outside the store; left to its owners)",
+    ),
+    (
+        "target-rdma",
+        "RdmaTransport",
+        "the RDMA client's transport: being split up separately",
+    ),
+];
+
+/// Folders (and their subfolders) whose files import no item their
+/// folder's `mod.rs` defines.
+const VOCABULARY_IN_LEAVES: &[&str] = &["target-rdma/src/store/"];
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -54,6 +96,15 @@ struct Crate {
     edges: BTreeMap<(ModPath, ModPath), Site>,
     /// Per file: its module path and its non-test line count.
     files: Vec<(String, ModPath, usize)>,
+    /// Every path written: file, the module it appears in, the path, its
+    /// line, and whether it is a `use` path.
+    paths: Vec<(String, ModPath, Vec<String>, usize, bool)>,
+    /// Per file: the types it writes an inherent `impl` block for, with
+    /// the line of the first one.
+    impls: Vec<(String, String, usize)>,
+    /// Per file module: the items it defines at its top level (not
+    /// modules, not imports).
+    defined: BTreeMap<ModPath, BTreeSet<String>>,
 }
 
 /// Replaces comments, string and char literals by spaces (newlines kept),
@@ -234,6 +285,7 @@ fn use_tree(toks: &[(Tok, usize)], i: &mut usize, prefix: &[String], out: &mut V
                 return;
             }
             Tok::Punct('*') => {
+                path.push("*".into());
                 *i += 1;
             }
             Tok::Punct(',') | Tok::Punct('}') => {
@@ -279,6 +331,10 @@ impl Crate {
                 })
                 .unwrap_or(lines.len());
             c.files.push((rel.clone(), module.clone(), non_test));
+            c.defined.insert(module.clone(), defined_items(&text));
+            for (ty, line) in inherent_impls(&text) {
+                c.impls.push((rel.clone(), ty, line));
+            }
             c.scan(&rel, &module, &text);
         }
         c
@@ -352,6 +408,8 @@ impl Crate {
             }
         }
         for (from, p, line, in_use) in paths {
+            self.paths
+                .push((file.to_owned(), from.clone(), p.clone(), line, in_use));
             if let Some(to) = self.resolve(&from, &p, in_use) {
                 if to != from {
                     self.edges.entry((from, to)).or_insert(Site {
@@ -401,6 +459,31 @@ impl Crate {
         Some(base)
     }
 
+    /// [`Crate::resolve`], with the first segment after the module: the
+    /// item the path names in it (`*` for a glob), if any.
+    fn resolve_item(
+        &self,
+        cur: &ModPath,
+        p: &[String],
+        in_use: bool,
+    ) -> Option<(ModPath, Option<String>)> {
+        let to = self.resolve(cur, p, in_use)?;
+        // The segments the module took: past the leading `crate`, `self`
+        // and `super`s, as many as the module is deeper than that base.
+        let lead = p
+            .iter()
+            .take_while(|s| matches!(s.as_str(), "crate" | "self" | "super"))
+            .count();
+        let base = match p.first().map(String::as_str) {
+            Some("crate") => 0,
+            Some("self") => cur.len(),
+            Some("super") => cur.len().saturating_sub(lead),
+            _ => cur.len(),
+        };
+        let next = p.get(lead + to.len().saturating_sub(base)).cloned();
+        Some((to, next))
+    }
+
     /// Edges lifted to sibling level: parent -> (child a -> child b).
     fn sibling_graphs(&self) -> BTreeMap<ModPath, BTreeMap<(String, String), Site>> {
         let mut graphs: BTreeMap<ModPath, BTreeMap<(String, String), Site>> = BTreeMap::new();
@@ -417,6 +500,95 @@ impl Crate {
         }
         graphs
     }
+}
+
+/// The items a file defines at its top level: functions, types, constants,
+/// statics and traits (not modules, not imports).
+fn defined_items(text: &str) -> BTreeSet<String> {
+    let toks = tokens(&strip(text));
+    let mut depth = 0usize;
+    let mut out = BTreeSet::new();
+    for (i, (t, _)) in toks.iter().enumerate() {
+        match t {
+            Tok::Punct('{') => depth += 1,
+            Tok::Punct('}') => depth = depth.saturating_sub(1),
+            Tok::Ident(k)
+                if depth == 0
+                    && matches!(
+                        k.as_str(),
+                        "fn" | "struct" | "enum" | "type" | "const" | "static" | "trait" | "union"
+                    ) =>
+            {
+                if let Some((Tok::Ident(name), _)) = toks.get(i + 1) {
+                    out.insert(name.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The types a file writes inherent `impl` blocks for (`impl X {`, not
+/// `impl T for X {`), each with the line of its first block.
+fn inherent_impls(text: &str) -> Vec<(String, usize)> {
+    let toks = tokens(&strip(text));
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for (i, (t, line)) in toks.iter().enumerate() {
+        // An item starts a statement; `impl Trait` in a type does not.
+        let item = match i.checked_sub(1).map(|p| &toks[p].0) {
+            None => true,
+            Some(Tok::Punct(c)) => matches!(c, '}' | ';' | ']'),
+            Some(Tok::Ident(k)) => k == "unsafe",
+            Some(_) => false,
+        };
+        if *t != Tok::Ident("impl".into()) || !item {
+            continue;
+        }
+        // Skip the impl's own generics, `impl<..>`.
+        let mut j = i + 1;
+        if toks.get(j).map(|t| &t.0) == Some(&Tok::Punct('<')) {
+            let mut angle = 0usize;
+            while let Some((t, _)) = toks.get(j) {
+                match t {
+                    Tok::Punct('<') => angle += 1,
+                    Tok::Punct('>') => angle -= 1,
+                    _ => {}
+                }
+                j += 1;
+                if angle == 0 {
+                    break;
+                }
+            }
+        }
+        // The type: the last path segment before its generics, the body
+        // or a where clause; a `for` makes it a trait impl.
+        let mut ty = None;
+        let mut angle = 0usize;
+        let mut inherent = true;
+        while let Some((t, _)) = toks.get(j) {
+            match t {
+                Tok::Punct('{') if angle == 0 => break,
+                Tok::Punct(';') => {
+                    inherent = false;
+                    break;
+                }
+                Tok::Punct('<') => angle += 1,
+                Tok::Punct('>') => angle = angle.saturating_sub(1),
+                Tok::Ident(k) if k == "for" && angle == 0 => inherent = false,
+                Tok::Ident(k) if k == "where" && angle == 0 => break,
+                Tok::Ident(k) if angle == 0 => ty = Some(k.clone()),
+                _ => {}
+            }
+            j += 1;
+        }
+        if let (true, Some(ty)) = (inherent, ty) {
+            if !out.iter().any(|(t, _)| *t == ty) {
+                out.push((ty, *line));
+            }
+        }
+    }
+    out
 }
 
 fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -606,6 +778,133 @@ fn no_source_file_is_longer_than_its_limit() {
         }
     }
     assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+}
+
+#[test]
+fn a_types_inherent_impl_lives_in_one_file() {
+    let mut problems = Vec::new();
+    let mut excepted = Vec::new();
+    for name in CRATES {
+        let c = Crate::load(&repo().join(name));
+        // Types of one name defined in several files are told apart by
+        // their definition nearest (by path) to the impl.
+        let definers = |ty: &str| -> Vec<&String> {
+            c.files
+                .iter()
+                .filter(|(_, m, _)| c.defined.get(m).is_some_and(|d| d.contains(ty)))
+                .map(|(f, _, _)| f)
+                .collect()
+        };
+        let mut by_type: BTreeMap<(&str, String), Vec<String>> = BTreeMap::new();
+        for (file, ty, line) in &c.impls {
+            let near = |d: &&String| {
+                d.chars()
+                    .zip(file.chars())
+                    .take_while(|(a, b)| a == b)
+                    .count()
+            };
+            let home = definers(ty)
+                .into_iter()
+                .max_by_key(near)
+                .unwrap_or(file)
+                .clone();
+            by_type
+                .entry((ty, home))
+                .or_default()
+                .push(format!("{file}:{line}"));
+        }
+        for ((ty, _), sites) in by_type.into_iter().filter(|(_, s)| s.len() > 1) {
+            let allowed = SPREAD_IMPLS.iter().any(|(k, t, _)| k == name && *t == ty);
+            let what = format!("{name}: impl {ty} is written in {}", sites.join(", "));
+            if allowed {
+                excepted.push(what);
+            } else {
+                problems.push(what);
+            }
+        }
+    }
+    // An exception that no longer applies is dropped from the list.
+    for (k, t, _) in SPREAD_IMPLS {
+        assert!(
+            excepted
+                .iter()
+                .any(|e| e.starts_with(&format!("{k}: impl {t} "))),
+            "{k}: impl {t} is in one file now: drop it from SPREAD_IMPLS"
+        );
+    }
+    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+}
+
+#[test]
+fn no_file_imports_an_item_its_folders_mod_rs_defines() {
+    let c = Crate::load(&repo().join("target-rdma"));
+    let module_of: BTreeMap<&str, &ModPath> =
+        c.files.iter().map(|(f, m, _)| (f.as_str(), m)).collect();
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for (file, cur, p, line, in_use) in &c.paths {
+        let ruled = VOCABULARY_IN_LEAVES.iter().any(|d| file.starts_with(d));
+        if !ruled || file.ends_with("/mod.rs") {
+            continue;
+        }
+        let Some(own) = module_of.get(file.as_str()) else {
+            continue;
+        };
+        let folder = &own[..own.len() - 1];
+        checked += 1;
+        let Some((to, Some(item))) = c.resolve_item(cur, p, *in_use) else {
+            continue;
+        };
+        if to != folder {
+            continue;
+        }
+        let defined = c.defined.get(&to).cloned().unwrap_or_default();
+        let bad = if item == "*" {
+            !defined.is_empty()
+        } else {
+            defined.contains(&item)
+        };
+        if bad {
+            problems.push(format!(
+                "{file}:{line}: imports {} from {}'s mod.rs, which defines it: move it to a leaf file",
+                p.join("::"),
+                show(&to)
+            ));
+        }
+    }
+    assert!(checked > 50, "the scan found no paths in the ruled folders");
+    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_rule_scanners_find_definitions_impls_and_items() {
+    let text = "pub struct A; impl A { fn f() {} } impl<T> B<T> where T: C { }\n\
+                impl fmt::Display for A {} impl crate::x::D {} const K: u8 = 1;\n\
+                mod m { fn hidden() {} }";
+    assert_eq!(
+        inherent_impls(text),
+        vec![("A".to_owned(), 1), ("B".into(), 1), ("D".into(), 2)]
+    );
+    let defined = defined_items(text);
+    assert!(defined.contains("A") && defined.contains("K") && !defined.contains("hidden"));
+    let mut c = Crate::default();
+    for m in [vec![], vec!["a".to_owned()], vec!["a".into(), "b".into()]] {
+        c.modules.insert(m);
+    }
+    let cur: ModPath = vec!["a".into(), "b".into()];
+    let path = |s: &str| s.split("::").map(str::to_owned).collect::<Vec<_>>();
+    assert_eq!(
+        c.resolve_item(&cur, &path("super::X"), true),
+        Some((vec!["a".to_owned()], Some("X".to_owned())))
+    );
+    assert_eq!(
+        c.resolve_item(&cur, &path("crate::a::b::Y::new"), false),
+        Some((cur.clone(), Some("Y".to_owned())))
+    );
+    assert_eq!(
+        c.resolve_item(&cur, &path("super::*"), true),
+        Some((vec!["a".to_owned()], Some("*".to_owned())))
+    );
 }
 
 #[test]

@@ -6,8 +6,8 @@ use std::io;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
+use super::error::StoreError;
 use super::extent::BLOCK;
-use super::StoreError;
 
 /// Page-aligned memory for O_DIRECT range reads.
 pub(super) struct AlignedBuf {

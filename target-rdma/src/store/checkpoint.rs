@@ -15,11 +15,9 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::format::{
-    corrupt, io_err, swap_shrunk, sync_dir, Image, Snapshot, Version, FORMAT_VERSION, MAX_VOLUMES,
-};
-use super::space;
-use super::StoreError;
+use super::error::{corrupt, io_err, swap_shrunk, StoreError};
+use super::format::{Image, Snapshot, Version, FORMAT_VERSION, MAX_VOLUMES};
+use super::space::{self, sync_dir};
 
 pub(super) const CKPT_FILE: &str = "index.ckpt";
 const MAGIC: [u8; 4] = *b"ARNC";

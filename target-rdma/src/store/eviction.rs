@@ -3,7 +3,7 @@
 //! CLOCK rather than exact LRU: a hit only sets a bit (no list surgery under
 //! the store lock), and a sweep gives a recently used slot a second chance.
 
-use super::BlobKey;
+use super::ids::BlobKey;
 
 /// What the store knows about one arena slot.
 #[derive(Clone, Debug, Default)]

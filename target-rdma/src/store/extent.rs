@@ -26,9 +26,9 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::format::{io_err, Version};
+use super::error::{io_err, StoreError};
+use super::format::Version;
 use super::space;
-use super::StoreError;
 
 /// The checksum granule: the smallest aligned read from swap.
 pub(super) const BLOCK: usize = 4096;

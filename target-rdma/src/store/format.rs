@@ -4,11 +4,6 @@
 //! the file modules build on it and it builds on none of them.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io;
-use std::path::Path;
-
-use super::StoreError;
 
 /// The on-disk format of the checkpoint, the journal and the extent table.
 pub(super) const FORMAT_VERSION: u32 = 2;
@@ -64,29 +59,4 @@ pub(super) struct Snapshot<'a, I> {
     pub(super) blob_count: u64,
     /// (volume, key, extent, version), `blob_count` of them.
     pub(super) blobs: I,
-}
-
-pub(super) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
-    let path = path.to_path_buf();
-    move |source| StoreError::Io { what, path, source }
-}
-
-pub(super) fn corrupt(file: &Path, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        file: file.to_path_buf(),
-        detail: detail.into(),
-    }
-}
-
-pub(super) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("syncing directory", dir))
-}
-
-pub(super) fn swap_shrunk(extent: u32, extents: u32) -> StoreError {
-    StoreError::InvalidConfig {
-        key: "swap_bytes",
-        detail: format!("the index references swap extent {extent} but swap_bytes now holds only {extents} extents"),
-    }
 }

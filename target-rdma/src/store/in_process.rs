@@ -6,7 +6,9 @@
 
 use std::sync::Arc;
 
-use super::{Store, StoreError, VolumeId};
+use super::api::Store;
+use super::error::StoreError;
+use super::ids::VolumeId;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::proto::Opcode;
 

@@ -18,9 +18,9 @@
 use std::path::{Path, PathBuf};
 
 use super::checkpoint::{self, CheckpointFile};
-use super::format::{corrupt, swap_shrunk, Image, Record, Snapshot, Version};
+use super::error::{corrupt, swap_shrunk, StoreError};
+use super::format::{Image, Record, Snapshot, Version};
 use super::journal::{self, Journal};
-use super::StoreError;
 
 pub(super) use super::checkpoint::CKPT_FILE;
 pub(super) use super::journal::JOURNAL_FILE;

@@ -20,9 +20,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::format::{io_err, sync_dir, Record, Version, FORMAT_VERSION};
-use super::space;
-use super::StoreError;
+use super::error::{io_err, StoreError};
+use super::format::{Record, Version, FORMAT_VERSION};
+use super::space::{self, sync_dir};
 
 pub(super) const JOURNAL_FILE: &str = "index.journal";
 const MAGIC: [u8; 4] = *b"ARNJ";

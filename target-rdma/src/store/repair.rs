@@ -20,11 +20,14 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::FileExt;
 
+use super::config::{validate, StoreConfig, VolumeSpec};
+use super::dir::lock_dir;
+use super::error::StoreError;
 use super::extent::{self, Ident, MetaFile, Record, BLOCK};
 use super::format::{Snapshot, Version};
 use super::index::{self, Index};
+use super::space;
 use super::swap::SWAP_FILE;
-use super::{lock_dir, space, validate, StoreConfig, StoreError, VolumeSpec};
 
 /// Most items each list of the report names; the counts cover all of them.
 const LISTED: usize = 64;

@@ -14,7 +14,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::StoreError;
+use super::error::{io_err, StoreError};
 
 /// Zeros written per call where the filesystem cannot allocate (and when
 /// clearing a range).
@@ -78,4 +78,11 @@ pub(super) fn write_zeros(file: &File, mut offset: u64, len: u64) -> io::Result<
         offset += n as u64;
     }
     Ok(())
+}
+
+/// Makes the directory entries of `dir` (a rename into it) durable.
+pub(super) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("syncing directory", dir))
 }

@@ -31,10 +31,10 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
 use super::aligned::AlignedBuf;
+use super::error::StoreError;
 use super::extent::{MetaFile, BLOCK};
-use super::reads::Reads;
 use super::space;
-use super::StoreError;
+use super::swap_reads::Reads;
 
 /// Submission queue depth; also the most extents moved per submission.
 const RING_ENTRIES: u32 = 64;
@@ -293,9 +293,7 @@ impl Swap {
         offset: u32,
         len: u32,
     ) -> Result<AlignedBuf, StoreError> {
-        debug_assert!(offset.is_multiple_of(BLOCK as u32) && len.is_multiple_of(BLOCK as u32));
-        debug_assert!(offset + len <= self.extent_bytes);
-        let mut buf = self.take_buffer(len as usize)?;
+        let mut buf = self.range_buffer(offset, len)?;
         let op = Op::Read {
             offset: self.offset_of(extent, offset as usize),
             len,
@@ -318,13 +316,20 @@ impl Swap {
         offset: u32,
         len: u32,
     ) -> Result<AlignedBuf, StoreError> {
-        debug_assert!(offset.is_multiple_of(BLOCK as u32) && len.is_multiple_of(BLOCK as u32));
-        debug_assert!(offset + len <= self.extent_bytes);
-        let buf = self.take_buffer(len as usize)?;
+        let buf = self.range_buffer(offset, len)?;
         self.reads
             .read(self.offset_of(extent, offset as usize), buf)
             .await
             .map_err(io_err("reading swap extent from", &self.path))
+    }
+
+    /// A buffer for a range read of `len` bytes at `offset` of an extent
+    /// (both multiples of [`BLOCK`]), the one part [`Swap::read_range`] and
+    /// [`Swap::read_range_async`] share.
+    fn range_buffer(&self, offset: u32, len: u32) -> Result<AlignedBuf, StoreError> {
+        debug_assert!(offset.is_multiple_of(BLOCK as u32) && len.is_multiple_of(BLOCK as u32));
+        debug_assert!(offset + len <= self.extent_bytes);
+        self.take_buffer(len as usize)
     }
 
     /// Submits and reaps this thread's range reads on this thread, driven

@@ -20,9 +20,10 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::{Core, Guard, State};
+use super::slots::Slots;
 use crate::proto::Lease;
-use crate::store::{BlobKey, HolderId, Store, StoreError, VolumeId};
+use crate::store::error::StoreError;
+use crate::store::ids::{BlobKey, HolderId, VolumeId};
 
 /// How leases are shared between tenants (see the `lease` engine module and
 /// `docs/PROTOCOL.md`, *Leases and fairness*).
@@ -63,7 +64,7 @@ const REVOKE_BATCH: usize = 8;
 const LEASES_PER_SLOT: usize = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum LeaseKind {
+pub(super) enum LeaseKind {
     Alloc,
     Get,
 }
@@ -98,6 +99,11 @@ pub(super) struct Leases {
     forced: u64,
     /// Told of each lease ended by force before its slot is unpinned.
     on_force_end: Option<ForceEndHook>,
+    /// Leases asked back and not yet handed to the revoke hook:
+    /// (holder, volume, key, token).
+    revocations: Vec<(HolderId, VolumeId, u64, u64)>,
+    /// Leases asked back so far.
+    revoked: u64,
 }
 
 impl Leases {
@@ -111,6 +117,8 @@ impl Leases {
             ends: 0,
             forced: 0,
             on_force_end: None,
+            revocations: Vec::new(),
+            revoked: 0,
         }
     }
 
@@ -124,46 +132,59 @@ impl Leases {
         self.forced
     }
 
+    /// Leases ended so far (see [`StoreError::Reclaiming`]).
+    pub(super) fn ends(&self) -> u64 {
+        self.ends
+    }
+
     fn live(&self, vol: VolumeId) -> usize {
         self.live.get(&vol).copied().unwrap_or(0)
     }
-}
 
-fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
-    if let Some(n) = map.get_mut(&k) {
-        *n -= 1;
-        if *n == 0 {
-            map.remove(&k);
-        }
-    }
-}
-
-impl State {
-    pub(in crate::store) fn set_lease_limits(&mut self, limits: LeaseLimits) {
-        self.leases.limits = limits;
+    /// The leases asked back since the last call, for the revoke hook.
+    pub(super) fn take_revocations(&mut self) -> Vec<(HolderId, VolumeId, u64, u64)> {
+        std::mem::take(&mut self.revocations)
     }
 
-    fn set_force_end_hook(&mut self, hook: ForceEndHook) {
-        self.leases.on_force_end = Some(hook);
+    /// Leases asked back so far.
+    pub(super) fn revoked(&self) -> u64 {
+        self.revoked
     }
 
-    /// A volume's share: configured, or the arena split evenly between the
-    /// served volumes.
-    fn lease_share(&self) -> usize {
-        self.leases.limits.volume_share.unwrap_or_else(|| {
-            let served = self.volumes.iter().filter(|v| v.served).count().max(1);
-            (self.slots.len() / served).max(1)
+    pub(super) fn set_limits(&mut self, limits: LeaseLimits) {
+        self.limits = limits;
+    }
+
+    pub(super) fn set_force_end_hook(&mut self, hook: ForceEndHook) {
+        self.on_force_end = Some(hook);
+    }
+
+    /// A volume's share: configured, or the arena's `slots` split evenly
+    /// between the `served` volumes.
+    fn share(&self, slots: usize, served: impl FnOnce() -> usize) -> usize {
+        self.limits.volume_share.unwrap_or_else(|| {
+            let served = served().max(1);
+            (slots / served).max(1)
         })
     }
 
-    fn new_lease(&mut self, holder: HolderId, key: BlobKey, slot: u32, kind: LeaseKind) -> Lease {
-        let m = &mut self.slots[slot as usize];
+    /// A new lease of `slot` (of `blob_bytes` bytes) for `holder`.
+    pub(super) fn grant(
+        &mut self,
+        slots: &mut Slots,
+        blob_bytes: u32,
+        holder: HolderId,
+        key: BlobKey,
+        slot: u32,
+        kind: LeaseKind,
+    ) -> Lease {
+        let m = &mut slots.meta[slot as usize];
         m.pins += 1;
         if kind == LeaseKind::Alloc {
             m.writers += 1;
-            self.set_dirty(slot, true);
+            slots.set_dirty(slot, true);
         }
-        let l = &mut self.leases;
+        let l = self;
         let token = l.next_token;
         l.next_token += 1;
         l.table.insert(
@@ -181,7 +202,7 @@ impl State {
         *l.live.entry(key.0).or_default() += 1;
         *l.held.entry(holder).or_default() += 1;
         Lease {
-            slot_offset: u64::from(slot) * u64::from(self.blob_bytes),
+            slot_offset: u64::from(slot) * u64::from(blob_bytes),
             token,
             rkey: None,
         }
@@ -189,19 +210,14 @@ impl State {
 
     /// A connection at its limit is refused, and asked back its oldest
     /// lease: a client that caches leases learns to give one up.
-    fn check_lease_limit(&mut self, holder: HolderId) -> Result<(), StoreError> {
-        let limit = self.slots.len() * LEASES_PER_SLOT;
-        if self.leases.len() >= limit {
+    pub(super) fn check_limit(&mut self, slots: usize, holder: HolderId) -> Result<(), StoreError> {
+        let limit = slots * LEASES_PER_SLOT;
+        if self.len() >= limit {
             return Err(StoreError::LeaseLimit { limit });
         }
-        let limit = self
-            .leases
-            .limits
-            .connection_max
-            .unwrap_or(self.slots.len());
-        if self.leases.held.get(&holder).copied().unwrap_or(0) >= limit {
+        let limit = self.limits.connection_max.unwrap_or(slots);
+        if self.held.get(&holder).copied().unwrap_or(0) >= limit {
             let oldest = self
-                .leases
                 .table
                 .iter()
                 .find(|(_, l)| l.holder == holder && l.revoked.is_none() && !l.lost)
@@ -216,9 +232,13 @@ impl State {
 
     /// The lease `token` of `holder`; one revoked and not given back within
     /// the deadline is ended by force first.
-    fn find_lease(&mut self, token: u64, holder: HolderId) -> Result<&LeaseInfo, StoreError> {
+    fn find(
+        &mut self,
+        slots: &mut Slots,
+        token: u64,
+        holder: HolderId,
+    ) -> Result<&LeaseInfo, StoreError> {
         let l = self
-            .leases
             .table
             .get(&token)
             .ok_or(StoreError::UnknownLease { token })?;
@@ -229,10 +249,9 @@ impl State {
             });
         }
         if self.overdue(l, Instant::now()) {
-            self.force_end(token);
+            self.force_end(slots, token);
         }
-        self.leases
-            .table
+        self.table
             .get(&token)
             .ok_or(StoreError::UnknownLease { token })
     }
@@ -240,25 +259,25 @@ impl State {
     fn overdue(&self, l: &LeaseInfo, now: Instant) -> bool {
         !l.lost
             && l.revoked
-                .is_some_and(|at| now.duration_since(at) >= self.leases.limits.revoke_deadline)
+                .is_some_and(|at| now.duration_since(at) >= self.limits.revoke_deadline)
     }
 
     /// Unpins a lease's slot.
-    fn unpin_lease(&mut self, slot: u32, kind: LeaseKind, vol: VolumeId) {
+    fn unpin(&mut self, slots: &mut Slots, slot: u32, kind: LeaseKind, vol: VolumeId) {
         if kind == LeaseKind::Alloc {
-            self.slots[slot as usize].writers -= 1;
-            self.set_dirty(slot, true);
+            slots.meta[slot as usize].writers -= 1;
+            slots.set_dirty(slot, true);
         }
-        self.unpin(slot, false);
-        decrement(&mut self.leases.live, vol);
-        self.leases.ends += 1;
+        slots.unpin(slot, false);
+        decrement(&mut self.live, vol);
+        self.ends += 1;
     }
 
     /// Ends a revoked lease that was not given back: its slot is unpinned,
     /// the entry stays until its holder commits or releases it.
-    fn force_end(&mut self, token: u64) {
-        if self.end_unasked(token) {
-            self.leases.forced += 1;
+    fn force_end(&mut self, slots: &mut Slots, token: u64) {
+        if self.end_unasked(slots, token) {
+            self.forced += 1;
         }
     }
 
@@ -266,8 +285,8 @@ impl State {
     /// (so its remote access goes) before the slot is unpinned, and the
     /// entry stays, lost, until its holder commits or releases it. `false`
     /// when it was not live.
-    fn end_unasked(&mut self, token: u64) -> bool {
-        let Some(l) = self.leases.table.get_mut(&token) else {
+    fn end_unasked(&mut self, slots: &mut Slots, token: u64) -> bool {
+        let Some(l) = self.table.get_mut(&token) else {
             return false;
         };
         if l.lost {
@@ -275,10 +294,10 @@ impl State {
         }
         l.lost = true;
         let (slot, kind, vol, holder) = (l.slot, l.kind, l.vol, l.holder);
-        if let Some(hook) = &self.leases.on_force_end {
+        if let Some(hook) = &self.on_force_end {
             hook(holder, token);
         }
-        self.unpin_lease(slot, kind, vol);
+        self.unpin(slots, slot, kind, vol);
         true
     }
 
@@ -287,36 +306,39 @@ impl State {
     /// without COMMIT (an ALLOC slot keeps the bytes written into it and
     /// stays dirty), and the holder's later COMMIT of one answers
     /// `LEASE_LOST`. Returns how many were ended.
-    pub(in crate::store) fn end_holder(&mut self, holder: HolderId) -> usize {
+    pub(super) fn end_holder(&mut self, slots: &mut Slots, holder: HolderId) -> usize {
         let tokens: Vec<u64> = self
-            .leases
             .table
             .iter()
             .filter(|(_, l)| l.holder == holder && !l.lost)
             .map(|(&t, _)| t)
             .collect();
-        tokens.into_iter().filter(|&t| self.end_unasked(t)).count()
+        tokens
+            .into_iter()
+            .filter(|&t| self.end_unasked(slots, t))
+            .count()
     }
 
     /// Takes `token` out of the table, unpinning its slot unless it was
     /// ended by force already.
-    fn take_lease(&mut self, token: u64) -> Option<LeaseInfo> {
-        let l = self.leases.table.remove(&token)?;
-        decrement(&mut self.leases.held, l.holder);
+    fn take(&mut self, slots: &mut Slots, token: u64) -> Option<LeaseInfo> {
+        let l = self.table.remove(&token)?;
+        decrement(&mut self.held, l.holder);
         if !l.lost {
-            self.unpin_lease(l.slot, l.kind, l.vol);
+            self.unpin(slots, l.slot, l.kind, l.vol);
         }
         Some(l)
     }
 
-    pub(in crate::store) fn commit(
+    pub(super) fn commit(
         &mut self,
+        slots: &mut Slots,
         vol: VolumeId,
         key: u64,
         token: u64,
         holder: HolderId,
     ) -> Result<(), StoreError> {
-        let l = self.find_lease(token, holder)?;
+        let l = self.find(slots, token, holder)?;
         if l.kind != LeaseKind::Alloc {
             return Err(StoreError::LeaseMismatch {
                 token,
@@ -332,72 +354,77 @@ impl State {
                 ),
             });
         }
-        let Some(l) = self.take_lease(token) else {
+        let Some(l) = self.take(slots, token) else {
             return Err(StoreError::UnknownLease { token });
         };
-        if l.lost || self.slots[l.slot as usize].owner != Some((vol, key)) {
+        if l.lost || slots.meta[l.slot as usize].owner != Some((vol, key)) {
             return Err(StoreError::LeaseLost { token, vol, key });
         }
         Ok(())
     }
 
-    pub(in crate::store) fn release(
+    pub(super) fn release(
         &mut self,
+        slots: &mut Slots,
         token: u64,
         holder: HolderId,
     ) -> Result<(), StoreError> {
-        self.find_lease(token, holder)?;
-        self.take_lease(token);
+        self.find(slots, token, holder)?;
+        self.take(slots, token);
         Ok(())
     }
 
-    pub(in crate::store) fn pin_lease(
+    pub(super) fn pin(
         &mut self,
+        slots: &mut Slots,
         token: u64,
         holder: HolderId,
     ) -> Result<u32, StoreError> {
-        let l = self.find_lease(token, holder)?;
+        let l = self.find(slots, token, holder)?;
         if l.lost {
             let (vol, key) = (l.vol, l.key);
-            self.take_lease(token);
+            self.take(slots, token);
             return Err(StoreError::LeaseLost { token, vol, key });
         }
         let slot = l.slot;
-        self.slots[slot as usize].pins += 1;
+        slots.meta[slot as usize].pins += 1;
         Ok(slot)
     }
 
-    pub(in crate::store) fn drop_holder(&mut self, holder: HolderId) {
+    pub(super) fn drop_holder(&mut self, slots: &mut Slots, holder: HolderId) {
         let tokens: Vec<u64> = self
-            .leases
             .table
             .iter()
             .filter(|(_, l)| l.holder == holder)
             .map(|(&t, _)| t)
             .collect();
         for t in tokens {
-            self.take_lease(t);
+            self.take(slots, t);
         }
     }
 
     /// Asks lease `token` back.
     fn revoke(&mut self, token: u64, now: Instant) {
-        if let Some(l) = self.leases.table.get_mut(&token) {
+        if let Some(l) = self.table.get_mut(&token) {
             l.revoked = Some(now);
             self.revocations.push((l.holder, l.vol, l.key, token));
-            self.counters.revocations += 1;
+            self.revoked += 1;
         }
     }
 
-    /// Every slot is pinned and `vol` needs one. Ends overdue leases by
+    /// Every slot is pinned and `vol` needs one (of the `served` volumes). Ends overdue leases by
     /// force (then the caller looks again), asks back leases held past
     /// their volume's share, oldest first, and tells a requester at or
     /// under its share to wait for them ([`StoreError::Reclaiming`]); any
     /// other requester is told `Busy`.
-    pub(super) fn pinned_full(&mut self, vol: VolumeId) -> Result<(), StoreError> {
+    pub(super) fn pinned_full(
+        &mut self,
+        slots: &mut Slots,
+        served: impl FnOnce() -> usize,
+        vol: VolumeId,
+    ) -> Result<(), StoreError> {
         let now = Instant::now();
         let overdue: Vec<u64> = self
-            .leases
             .table
             .iter()
             .filter(|(_, l)| self.overdue(l, now))
@@ -405,13 +432,12 @@ impl State {
             .collect();
         if !overdue.is_empty() {
             for t in overdue {
-                self.force_end(t);
+                self.force_end(slots, t);
             }
             return Ok(());
         }
-        let share = self.lease_share();
+        let share = self.share(slots.len(), served);
         let mut excess: BTreeMap<VolumeId, usize> = self
-            .leases
             .live
             .iter()
             .filter(|&(_, &n)| n > share)
@@ -419,7 +445,7 @@ impl State {
             .collect();
         let mut ask = Vec::new();
         let mut reclaim_by: Option<Instant> = None;
-        for (&token, l) in &self.leases.table {
+        for (&token, l) in &self.table {
             let Some(left) = excess.get_mut(&l.vol).filter(|n| **n > 0) else {
                 continue;
             };
@@ -429,22 +455,21 @@ impl State {
             *left -= 1;
             match l.revoked {
                 Some(at) => {
-                    let due = at + self.leases.limits.revoke_deadline;
+                    let due = at + self.limits.revoke_deadline;
                     reclaim_by = Some(reclaim_by.map_or(due, |r| r.min(due)));
                 }
                 None if ask.len() < REVOKE_BATCH => ask.push(token),
                 None => {}
             }
         }
-        let under = self.leases.live(vol) <= share;
+        let under = self.live(vol) <= share;
         if !ask.is_empty() {
-            let due = now + self.leases.limits.revoke_deadline;
+            let due = now + self.limits.revoke_deadline;
             reclaim_by = Some(reclaim_by.map_or(due, |r| r.min(due)));
         }
         if reclaim_by.is_none() {
             // Nobody is over their share: ask the oldest leases back.
             ask = self
-                .leases
                 .table
                 .iter()
                 .filter(|(_, l)| l.revoked.is_none() && !l.lost)
@@ -459,93 +484,21 @@ impl State {
         match reclaim_by {
             Some(until) if under => Err(StoreError::Reclaiming {
                 until,
-                ends: self.leases.ends,
+                ends: self.ends,
             }),
             _ => Err(StoreError::Busy {
-                slots: self.slots.len(),
+                slots: slots.len(),
                 revoked,
             }),
         }
     }
 }
 
-impl Core {
-    pub(in crate::store) fn alloc(
-        &self,
-        g: &mut Guard<'_>,
-        vol: VolumeId,
-        key: u64,
-        holder: HolderId,
-    ) -> Result<Lease, StoreError> {
-        g.check_vol(vol)?;
-        g.check_lease_limit(holder)?;
-        let slot = loop {
-            let s = self.resident_or_create(g, (vol, key), false)?.slot();
-            if g.slots[s as usize].writing.is_none() {
-                break s;
-            }
-            // A write-back without the lock is checksumming and writing
-            // this slot: the holder's RDMA writes must not race it.
-            self.settled.wait(g);
-        };
-        Ok(g.new_lease(holder, (vol, key), slot, LeaseKind::Alloc))
-    }
-
-    pub(in crate::store) fn get(
-        &self,
-        g: &mut Guard<'_>,
-        vol: VolumeId,
-        key: u64,
-        holder: HolderId,
-    ) -> Result<Option<Lease>, StoreError> {
-        g.check_vol(vol)?;
-        g.check_lease_limit(holder)?;
-        Ok(self
-            .resident(g, (vol, key), false)?
-            .map(|s| g.new_lease(holder, (vol, key), s.slot(), LeaseKind::Get)))
-    }
-
-    /// Wakes requests waiting for a lease to end ([`StoreError::Reclaiming`]).
-    pub(in crate::store) fn lease_ended(&self) {
-        self.settled.notify_all();
-    }
-
-    /// Waits, without the store lock, until a lease ends or `until`; returns
-    /// at once if one ended since the count `ends` was seen.
-    pub(in crate::store) fn await_lease_end(&self, until: Instant, ends: u64) {
-        let mut g = self.state.lock();
-        if g.leases.ends == ends && Instant::now() < until {
-            let _ = self.settled.wait_until(&mut g, until);
+fn decrement<K: Ord>(map: &mut BTreeMap<K, usize>, k: K) {
+    if let Some(n) = map.get_mut(&k) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&k);
         }
-    }
-}
-
-impl Store {
-    /// [`Self::locked`] for an operation that may need a slot: while
-    /// leases held past their volume's share are being reclaimed for it,
-    /// waits (without the lock, after their REVOKEs went out) and retries.
-    pub(in crate::store) fn fairly<R>(
-        &self,
-        mut f: impl FnMut(&Core, &mut Guard<'_>) -> Result<R, StoreError>,
-    ) -> Result<R, StoreError> {
-        loop {
-            match self.locked(&mut f) {
-                Err(StoreError::Reclaiming { until, ends }) => {
-                    self.core.await_lease_end(until, ends)
-                }
-                r => return r,
-            }
-        }
-    }
-
-    /// Sets how leases are shared between tenants (arenad's config).
-    pub fn set_lease_limits(&self, limits: LeaseLimits) {
-        self.locked(|_, g| g.set_lease_limits(limits));
-    }
-
-    /// Installs the callback told of each lease ended by force (see
-    /// [`ForceEndHook`]).
-    pub fn set_force_end_hook(&self, hook: ForceEndHook) {
-        self.locked(|_, g| g.set_force_end_hook(hook));
     }
 }

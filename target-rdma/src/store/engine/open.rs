@@ -2,196 +2,188 @@
 //! every extent the index names checked against its header, or the files
 //! of a new store created. Runs before any other thread sees the state.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
-use super::{names, Blob, Counters, Placed, State, Volume};
+use super::background::Background;
+use super::blob::{Blob, Placed};
+use super::durable::Durable;
+use super::images::Images;
+use super::lease::Leases;
+use super::read_ahead::ReadAhead;
+use super::slots::Slots;
+use super::state::{Counters, State};
+use super::transit::Transit;
+use super::volumes::{names, Volume, Volumes};
 use crate::store::arena::Arena;
-use crate::store::eviction::{Clock, SlotMeta};
+use crate::store::config::{StoreConfig, VolumeSpec};
+use crate::store::error::StoreError;
 use crate::store::extent::{self, Ident, BLOCK};
 use crate::store::format::Snapshot;
 use crate::store::index::{self, Found, Index};
 use crate::store::swap::{Extents, Swap};
-use crate::store::{StoreConfig, StoreError, VolumeSpec};
 
 /// Most damaged extents logged one by one at open; the rest are counted.
 const DAMAGE_LOGGED: usize = 16;
 
-impl State {
-    /// Builds the state of a found store (or a new one when `found` is
-    /// `None`) and opens its swap; checks every extent the index names
-    /// against its header, marking the blobs whose header fails.
-    pub(in crate::store) fn open(
-        cfg: &StoreConfig,
-        arena: &Arena,
-        slots: u32,
-        extents: u32,
-        specs: &[VolumeSpec],
-        found: Option<Found>,
-    ) -> Result<(State, Swap), StoreError> {
-        let mut volumes: Vec<Volume> = specs
-            .iter()
-            .map(|v| Volume {
-                name: v.name.clone(),
-                quota: v.quota_blobs,
-                blobs: 0,
-                served: true,
-            })
-            .collect();
-        let mut by_name: HashMap<String, u32> = (0..volumes.len() as u32)
-            .map(|i| (volumes[i as usize].name.clone(), i))
-            .collect();
-        let mut blobs = BTreeMap::new();
-        let mut used = vec![false; extents as usize];
-        let blocks = cfg.blob_bytes as usize / BLOCK;
-        let (generation, swap) = match &found {
-            None => (
-                1,
-                Swap::create(
-                    &cfg.dir,
-                    cfg.blob_bytes,
-                    extents,
-                    cfg.swap_reads_in_flight,
-                    &mut arena.write(0),
-                )?,
-            ),
-            Some(f) => {
-                let img = &f.image;
-                let ids: Vec<u32> = img
-                    .volumes
-                    .iter()
-                    .map(|name| {
-                        *by_name.entry(name.clone()).or_insert_with(|| {
-                            tracing::warn!(event = "volume_not_configured", volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
-                            volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0, served: false });
-                            (volumes.len() - 1) as u32
-                        })
-                    })
-                    .collect();
-                for (&(pv, key), &(extent, version)) in &img.blobs {
-                    let vol = ids[pv as usize];
-                    if std::mem::replace(&mut used[extent as usize], true) {
-                        return Err(StoreError::Corrupt {
-                            file: cfg.dir.join(index::CKPT_FILE),
-                            detail: format!("swap extent {extent} is mapped by two blobs"),
-                        });
-                    }
-                    volumes[vol as usize].blobs += 1;
-                    let placed = Some(Placed { extent, version });
-                    blobs.insert(
-                        (vol, key),
-                        Blob {
-                            slot: None,
-                            extent: placed,
-                            durable: placed,
-                            damaged: None,
-                        },
-                    );
-                }
-                let swap = Swap::open(
-                    &cfg.dir,
-                    cfg.blob_bytes,
-                    img.extents,
-                    extents,
-                    cfg.swap_reads_in_flight,
-                    &mut arena.write(0),
-                )?;
-                (img.generation + 1, swap)
-            }
-        };
-        let vol_ids: Vec<u64> = volumes.iter().map(|v| extent::volume_id(&v.name)).collect();
-        let mut crcs = vec![0u32; extents as usize * blocks];
-        if let Some(highest) = blobs
-            .values()
-            .filter_map(|b: &Blob| b.durable)
-            .map(|p| p.extent)
-            .max()
-        {
-            let records = swap.meta().read_all(highest + 1)?;
-            let mut damaged = 0usize;
-            for (&(vol, key), b) in blobs.iter_mut() {
-                let Some(p) = b.durable else { continue };
-                let want = Ident {
-                    volume: vol_ids[vol as usize],
-                    key,
-                    version: p.version,
-                };
-                let why = match &records[p.extent as usize] {
-                    extent::Record::Valid(id, c) if *id == want => {
-                        let at = p.extent as usize * blocks;
-                        crcs[at..at + blocks].copy_from_slice(c);
-                        continue;
-                    }
-                    extent::Record::Valid(id, _) => {
-                        let name = vol_ids.iter().position(|&v| v == id.volume).map_or_else(
-                            || format!("{:#018x}", id.volume),
-                            |i| format!("{:?}", volumes[i].name),
-                        );
-                        format!(
-                            "its header names volume {name} key {} version {}.{}, the index expects key {key} version {}.{}",
-                            id.key, id.version.generation, id.version.seq, p.version.generation, p.version.seq
-                        )
-                    }
-                    extent::Record::Empty => "it has no header".to_string(),
-                    extent::Record::Invalid(why) => format!("its header is damaged ({why})"),
-                };
-                if damaged < DAMAGE_LOGGED {
-                    tracing::warn!(event = "swap.extent_header_invalid", file = %swap.meta().path().display(), extent = p.extent, volume = %volumes[vol as usize].name, key, detail = %why, "a blob's swap image does not match its header: its reads fail until it is rewritten, removed or repaired");
-                }
-                damaged += 1;
-                b.damaged = Some(why.into_boxed_str());
-            }
-            if damaged > DAMAGE_LOGGED {
-                tracing::warn!(event = "swap.extent_headers_invalid", file = %swap.meta().path().display(), count = damaged, "more blobs whose swap image does not match its header");
-            }
-        }
-        let meta = swap.meta_handle();
-        let index = {
-            let names = names(&volumes);
-            let snap = Snapshot {
-                generation,
-                blob_bytes: cfg.blob_bytes,
+/// Builds the state of a found store (or a new one when `found` is
+/// `None`) and opens its swap; checks every extent the index names
+/// against its header, marking the blobs whose header fails.
+pub(in crate::store) fn open(
+    cfg: &StoreConfig,
+    arena: &Arena,
+    slots: u32,
+    extents: u32,
+    specs: &[VolumeSpec],
+    found: Option<Found>,
+) -> Result<(State, Swap), StoreError> {
+    let mut volumes: Vec<Volume> = specs
+        .iter()
+        .map(|v| Volume {
+            name: v.name.clone(),
+            quota: v.quota_blobs,
+            blobs: 0,
+            served: true,
+        })
+        .collect();
+    let mut by_name: HashMap<String, u32> = (0..volumes.len() as u32)
+        .map(|i| (volumes[i as usize].name.clone(), i))
+        .collect();
+    let mut blobs = BTreeMap::new();
+    let mut used = vec![false; extents as usize];
+    let blocks = cfg.blob_bytes as usize / BLOCK;
+    let (generation, swap) = match &found {
+        None => (
+            1,
+            Swap::create(
+                &cfg.dir,
+                cfg.blob_bytes,
                 extents,
-                volumes: &names,
-                blob_count: blobs.len() as u64,
-                blobs: blobs
-                    .iter()
-                    .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
-            };
-            match found {
-                None => Index::create(&cfg.dir, extents, snap)?,
-                Some(f) => Index::reopen(&cfg.dir, f, extents, snap)?,
+                cfg.swap_reads_in_flight,
+                &mut arena.write(0),
+            )?,
+        ),
+        Some(f) => {
+            let img = &f.image;
+            let ids: Vec<u32> = img
+                .volumes
+                .iter()
+                .map(|name| {
+                    *by_name.entry(name.clone()).or_insert_with(|| {
+                        tracing::warn!(event = "volume_not_configured", volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
+                        volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0, served: false });
+                        (volumes.len() - 1) as u32
+                    })
+                })
+                .collect();
+            for (&(pv, key), &(extent, version)) in &img.blobs {
+                let vol = ids[pv as usize];
+                if std::mem::replace(&mut used[extent as usize], true) {
+                    return Err(StoreError::Corrupt {
+                        file: cfg.dir.join(index::CKPT_FILE),
+                        detail: format!("swap extent {extent} is mapped by two blobs"),
+                    });
+                }
+                volumes[vol as usize].blobs += 1;
+                let placed = Some(Placed { extent, version });
+                blobs.insert(
+                    (vol, key),
+                    Blob {
+                        slot: None,
+                        extent: placed,
+                        durable: placed,
+                        damaged: None,
+                    },
+                );
             }
-        };
-        let state = State {
-            blob_bytes: cfg.blob_bytes,
-            generation,
-            seq: 0,
-            vol_ids,
-            volumes,
-            blobs,
-            slots: vec![SlotMeta::default(); slots as usize],
-            free_slots: (0..slots).rev().collect(),
-            clock: Clock::default(),
-            leases: super::Leases::new(),
-            extents: Extents::new(extents, &used),
-            meta,
-            crcs,
-            blocks,
-            index,
-            unjournaled: BTreeSet::new(),
-            pending_removes: Vec::new(),
-            pending_free: Vec::new(),
-            revocations: Vec::new(),
-            counters: Counters::default(),
-            n_dirty: 0,
-            in_transit: 0,
-            writes_in_flight: 0,
-            flush_waiting: 0,
-            cleaner_kicked: false,
-            stopping: false,
-            last_read: None,
-            read_ahead: Vec::new(),
-        };
-        Ok((state, swap))
+            let swap = Swap::open(
+                &cfg.dir,
+                cfg.blob_bytes,
+                img.extents,
+                extents,
+                cfg.swap_reads_in_flight,
+                &mut arena.write(0),
+            )?;
+            (img.generation + 1, swap)
+        }
+    };
+    let vol_ids: Vec<u64> = volumes.iter().map(|v| extent::volume_id(&v.name)).collect();
+    let mut crcs = vec![0u32; extents as usize * blocks];
+    if let Some(highest) = blobs
+        .values()
+        .filter_map(|b: &Blob| b.durable)
+        .map(|p| p.extent)
+        .max()
+    {
+        let records = swap.meta().read_all(highest + 1)?;
+        let mut damaged = 0usize;
+        for (&(vol, key), b) in blobs.iter_mut() {
+            let Some(p) = b.durable else { continue };
+            let want = Ident {
+                volume: vol_ids[vol as usize],
+                key,
+                version: p.version,
+            };
+            let why = match &records[p.extent as usize] {
+                extent::Record::Valid(id, c) if *id == want => {
+                    let at = p.extent as usize * blocks;
+                    crcs[at..at + blocks].copy_from_slice(c);
+                    continue;
+                }
+                extent::Record::Valid(id, _) => {
+                    let name = vol_ids.iter().position(|&v| v == id.volume).map_or_else(
+                        || format!("{:#018x}", id.volume),
+                        |i| format!("{:?}", volumes[i].name),
+                    );
+                    format!(
+                        "its header names volume {name} key {} version {}.{}, the index expects key {key} version {}.{}",
+                        id.key, id.version.generation, id.version.seq, p.version.generation, p.version.seq
+                    )
+                }
+                extent::Record::Empty => "it has no header".to_string(),
+                extent::Record::Invalid(why) => format!("its header is damaged ({why})"),
+            };
+            if damaged < DAMAGE_LOGGED {
+                tracing::warn!(event = "swap.extent_header_invalid", file = %swap.meta().path().display(), extent = p.extent, volume = %volumes[vol as usize].name, key, detail = %why, "a blob's swap image does not match its header: its reads fail until it is rewritten, removed or repaired");
+            }
+            damaged += 1;
+            b.damaged = Some(why.into_boxed_str());
+        }
+        if damaged > DAMAGE_LOGGED {
+            tracing::warn!(event = "swap.extent_headers_invalid", file = %swap.meta().path().display(), count = damaged, "more blobs whose swap image does not match its header");
+        }
     }
+    let meta = swap.meta_handle();
+    let index = {
+        let names = names(&volumes);
+        let snap = Snapshot {
+            generation,
+            blob_bytes: cfg.blob_bytes,
+            extents,
+            volumes: &names,
+            blob_count: blobs.len() as u64,
+            blobs: blobs
+                .iter()
+                .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
+        };
+        match found {
+            None => Index::create(&cfg.dir, extents, snap)?,
+            Some(f) => Index::reopen(&cfg.dir, f, extents, snap)?,
+        }
+    };
+    let state = State {
+        blob_bytes: cfg.blob_bytes,
+        generation,
+        seq: 0,
+        volumes: Volumes::new(volumes, vol_ids),
+        blobs,
+        slots: Slots::new(slots),
+        leases: Leases::new(),
+        images: Images::new(Extents::new(extents, &used), meta, crcs, blocks),
+        durable: Durable::new(index),
+        counters: Counters::default(),
+        transit: Transit::default(),
+        background: Background::default(),
+        read_ahead: ReadAhead::default(),
+    };
+    Ok((state, swap))
 }

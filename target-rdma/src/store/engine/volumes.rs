@@ -1,71 +1,104 @@
-//! Volumes configured while the store runs (arenad's SIGHUP): a new volume
-//! must be named in the index before a journal record can refer to it.
+//! The volumes as the engine keeps them: each one's name, quota and blob
+//! count, whether it is served, and its on-disk id.
 
-use super::{names, State, Volume};
+use crate::store::error::StoreError;
 use crate::store::extent;
-use crate::store::format::{Snapshot, MAX_VOLUMES};
-use crate::store::{StoreError, VolumeId};
+use crate::store::ids::VolumeId;
 
-impl State {
-    /// Serves volume `name` with a quota of `quota` blobs from now on and
-    /// returns its id: an existing volume (configured, or kept from the
-    /// index) keeps its id and blobs and takes the new quota; a new one is
-    /// named in a checkpoint written now, before any journal record can
-    /// name it. A quota below the blobs a volume holds refuses new blobs
-    /// only.
-    pub(in crate::store) fn configure_volume(
-        &mut self,
-        name: &str,
-        quota: u64,
-    ) -> Result<VolumeId, StoreError> {
-        if let Some(i) = self.volumes.iter().position(|v| v.name == name) {
-            let v = &mut self.volumes[i];
-            v.quota = quota;
-            v.served = true;
-            return Ok(i as VolumeId);
-        }
-        if self.volumes.len() >= MAX_VOLUMES {
-            return Err(StoreError::InvalidConfig {
-                key: "volumes",
-                detail: format!("the limit of {MAX_VOLUMES} volumes is reached"),
-            });
-        }
-        self.volumes.push(Volume {
+pub(super) struct Volume {
+    pub(super) name: String,
+    pub(super) quota: u64,
+    pub(super) blobs: u64,
+    /// Configured (served); a volume found only in the persisted index is
+    /// kept, unserved, so its blobs survive.
+    pub(super) served: bool,
+}
+
+/// The volumes' names, in id order (what a checkpoint records).
+pub(super) fn names(volumes: &[Volume]) -> Vec<&str> {
+    volumes.iter().map(|v| v.name.as_str()).collect()
+}
+
+/// Every volume the engine knows, by id.
+pub(super) struct Volumes {
+    /// Configured volumes first (their ids are the caller's), then volumes
+    /// found only in the persisted index, kept so their blobs survive, then
+    /// volumes configured while running (`State::configure_volume`).
+    list: Vec<Volume>,
+    /// Each volume's on-disk id ([`extent::volume_id`]).
+    ids: Vec<u64>,
+}
+
+impl Volumes {
+    /// `list`, whose on-disk ids are `ids`.
+    pub(super) fn new(list: Vec<Volume>, ids: Vec<u64>) -> Volumes {
+        Volumes { list, ids }
+    }
+
+    /// Volumes known.
+    pub(super) fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Volume `vol`.
+    pub(super) fn get(&self, vol: VolumeId) -> &Volume {
+        &self.list[vol as usize]
+    }
+
+    /// Volume `vol`, to change.
+    pub(super) fn get_mut(&mut self, vol: VolumeId) -> &mut Volume {
+        &mut self.list[vol as usize]
+    }
+
+    /// Volume `vol`'s on-disk id ([`extent::volume_id`]).
+    pub(super) fn disk_id(&self, vol: VolumeId) -> u64 {
+        self.ids[vol as usize]
+    }
+
+    /// The volume named `name`.
+    pub(super) fn find(&self, name: &str) -> Option<VolumeId> {
+        self.list
+            .iter()
+            .position(|v| v.name == name)
+            .map(|i| i as VolumeId)
+    }
+
+    /// The volumes' names, in id order.
+    pub(super) fn names(&self) -> Vec<&str> {
+        names(&self.list)
+    }
+
+    /// Volumes served.
+    pub(super) fn served(&self) -> usize {
+        self.list.iter().filter(|v| v.served).count()
+    }
+
+    /// Serves a new volume `name` with a quota of `quota` blobs; its id is
+    /// the last.
+    pub(super) fn push(&mut self, name: &str, quota: u64) {
+        self.list.push(Volume {
             name: name.to_owned(),
             quota,
             blobs: 0,
             served: true,
         });
-        self.vol_ids.push(extent::volume_id(name));
-        let names = names(&self.volumes);
-        let snap = Snapshot {
-            generation: self.generation,
-            blob_bytes: self.blob_bytes,
-            extents: self.extents.total(),
-            volumes: &names,
-            blob_count: self.blobs.values().filter(|b| b.durable.is_some()).count() as u64,
-            blobs: self
-                .blobs
-                .iter()
-                .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
-        };
-        if let Err(e) = self.index.checkpoint_now(snap) {
-            self.volumes.pop();
-            self.vol_ids.pop();
-            return Err(e);
-        }
-        tracing::info!(event = "volume.added", volume = %name, quota_blobs = quota);
-        Ok((self.volumes.len() - 1) as VolumeId)
+        self.ids.push(extent::volume_id(name));
+    }
+
+    /// Forgets the last volume pushed.
+    pub(super) fn pop(&mut self) {
+        self.list.pop();
+        self.ids.pop();
     }
 
     /// A request names a served volume (one kept only from the index is not).
-    pub(super) fn check_vol(&self, vol: VolumeId) -> Result<(), StoreError> {
-        if self.volumes.get(vol as usize).is_some_and(|v| v.served) {
+    pub(super) fn check(&self, vol: VolumeId) -> Result<(), StoreError> {
+        if self.list.get(vol as usize).is_some_and(|v| v.served) {
             Ok(())
         } else {
             Err(StoreError::UnknownVolume {
                 vol,
-                count: self.volumes.iter().filter(|v| v.served).count(),
+                count: self.served(),
             })
         }
     }
