@@ -536,6 +536,22 @@ impl RdmaTransport {
         Ok(())
     }
 
+    /// Sends a payload inline on TCP, and again after each BUSY answer for
+    /// as long as [`busy_retry`](Self::busy_retry) says to (our own leases
+    /// may be what pins the peer's slots).
+    async fn until_not_busy<T>(
+        &self,
+        mut send: impl AsyncFnMut() -> Result<T, ArenaError>,
+    ) -> Result<T, ArenaError> {
+        let mut busy = self.busy_start(false);
+        loop {
+            match send().await {
+                Err(e) if e.status() == Some(Status::Busy) && self.busy_retry(&mut busy).await => {}
+                r => return r,
+            }
+        }
+    }
+
     async fn read_via(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
         self.check_range(Opcode::Read, offset, out.len())?;
         self.honour_revocations().await;
@@ -564,15 +580,9 @@ impl RdmaTransport {
             Err(Carry::Failed(e)) => Err(e),
             Err(Carry::Tcp { reason, failover }) => {
                 self.stats.tcp_payload(RdmaOp::Read, reason, len);
-                let mut busy = self.busy_start(false);
-                let found = loop {
-                    match self.client.read(key, offset, out).await {
-                        Err(e)
-                            if e.status() == Some(Status::Busy)
-                                && self.busy_retry(&mut busy).await => {}
-                        r => break r?,
-                    }
-                };
+                let found = self
+                    .until_not_busy(async || self.client.read(key, offset, out).await)
+                    .await?;
                 // A failover counts even when the blob went away meanwhile.
                 Ok(match (found, failover) {
                     (false, false) => Via::Nothing,
@@ -620,15 +630,8 @@ impl RdmaTransport {
             Err(Carry::Failed(e)) => Err(e),
             Err(Carry::Tcp { reason, failover }) => {
                 self.stats.tcp_payload(RdmaOp::Write, reason, data.len());
-                let mut busy = self.busy_start(false);
-                loop {
-                    match self.client.write(key, offset, data).await {
-                        Err(e)
-                            if e.status() == Some(Status::Busy)
-                                && self.busy_retry(&mut busy).await => {}
-                        r => break r?,
-                    }
-                }
+                self.until_not_busy(async || self.client.write(key, offset, data).await)
+                    .await?;
                 Ok(tcp_via(failover))
             }
         }
