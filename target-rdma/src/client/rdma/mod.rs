@@ -581,7 +581,7 @@ impl RdmaTransport {
             Err(Carry::Tcp { reason, failover }) => {
                 self.stats.tcp_payload(RdmaOp::Read, reason, len);
                 let found = self
-                    .until_not_busy(async || self.client.read(key, offset, out).await)
+                    .until_not_busy(async || self.client.read_found(key, offset, out).await)
                     .await?;
                 // A failover counts even when the blob went away meanwhile.
                 Ok(match (found, failover) {

@@ -424,9 +424,15 @@ impl ArenaClient {
         }
     }
 
-    /// Reads `out.len()` bytes at `offset` of blob `key` inline. Returns
-    /// `false` (and zeros) when the blob was never written.
-    pub async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<bool, ArenaError> {
+    /// Reads `out.len()` bytes at `offset` of blob `key` inline; whether the
+    /// blob was found: `false` (and zeros) when it was never written. The
+    /// same read as [`BlobIo::read`], which says how the payload came.
+    pub async fn read_found(
+        &self,
+        key: u64,
+        offset: u32,
+        out: &mut [u8],
+    ) -> Result<bool, ArenaError> {
         let req = Request::Read {
             key,
             offset,
@@ -592,7 +598,7 @@ impl BlobIo for ArenaClient {
         self.session_blob_bytes()
     }
     async fn read(&self, key: u64, offset: u32, out: &mut [u8]) -> Result<Via, ArenaError> {
-        let found = ArenaClient::read(self, key, offset, out).await?;
+        let found = self.read_found(key, offset, out).await?;
         Ok(if found { Via::Tcp } else { Via::Nothing })
     }
     async fn write(&self, key: u64, offset: u32, data: &[u8]) -> Result<Via, ArenaError> {
