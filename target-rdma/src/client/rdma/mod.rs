@@ -49,6 +49,7 @@ pub use driver::CqDriver;
 pub use leases::TransportGroup;
 pub use stats::{RdmaDriverStats, RdmaStats, TcpReason};
 
+use super::driven::CqHandoff;
 use super::tcp::{ArenaClient, ClientConfig};
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::proto::{Lease, Opcode, Status, CAP_RDMA};
@@ -150,7 +151,7 @@ pub struct RdmaTransport {
     peer: String,
     group: OnceLock<Arc<TransportGroup>>,
     /// Driven: where each new rail's completion engine goes to the driver.
-    cq: Option<Arc<driver::CqHandoff>>,
+    cq: Option<Arc<CqHandoff<CompletionEngine>>>,
 }
 
 /// Times a write is done again because a racing REMOVE took its blob
