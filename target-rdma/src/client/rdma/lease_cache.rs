@@ -27,14 +27,14 @@ pub(super) struct CachedLease {
     pub(super) write: bool,
     /// Written through since granted: a FLUSH must COMMIT it.
     pub(super) dirty: bool,
-    pub(super) users: u32,
+    users: u32,
     pub(super) epoch: u64,
     /// Revoked by the peer: no new users; the last one to leave ends it.
-    pub(super) revoked: bool,
+    revoked: bool,
     /// A FLUSH or REMOVE waits to end it itself: no new users.
-    pub(super) draining: bool,
-    pub(super) last_use: u64,
-    pub(super) idle: Vec<oneshot::Sender<()>>,
+    draining: bool,
+    last_use: u64,
+    idle: Vec<oneshot::Sender<()>>,
 }
 
 /// What [`LeaseCache::checkout`] found.

@@ -316,11 +316,10 @@ impl Leases {
         loop {
             let (ready, wait) = self.cache.lock().drain_where(&pick);
             for (k, e) in ready {
-                let e = if commit {
-                    e
-                } else {
-                    CachedLease { write: false, ..e }
-                };
+                let mut e = e;
+                if !commit {
+                    e.write = false;
+                }
                 self.end_cached(client, k, e).await?;
             }
             match wait {
