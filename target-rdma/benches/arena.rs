@@ -704,7 +704,7 @@ fn run_threads(
 /// Reads over `clients`, one request each at a time.
 fn run_connections(b: &Bench, clients: &[ArenaClient], size: usize, span: u64) -> Rate {
     run_threads(b, clients.len(), size, span, |t, key, off, out| {
-        block_on(clients[t].read(key, off, out)).expect("cold read");
+        block_on(clients[t].read_found(key, off, out)).expect("cold read");
     })
 }
 

@@ -54,7 +54,7 @@ fn flushed_data_survives_kill_9_and_unflushed_is_old_or_new() {
         let mut out = vec![0; BLOB];
         for key in 0..64u64 {
             assert!(
-                c2.read(key, 0, &mut out).await.unwrap(),
+                c2.read_found(key, 0, &mut out).await.unwrap(),
                 "flushed key {key} lost"
             );
             let old = pattern(key, 1, BLOB);
@@ -68,7 +68,7 @@ fn flushed_data_survives_kill_9_and_unflushed_is_old_or_new() {
             }
         }
         for key in 100..110u64 {
-            let present = c2.read(key, 0, &mut out).await.unwrap();
+            let present = c2.read_found(key, 0, &mut out).await.unwrap();
             assert!(
                 !present || out == pattern(key, 2, BLOB),
                 "unflushed new key {key} is garbage"
@@ -80,7 +80,7 @@ fn flushed_data_survives_kill_9_and_unflushed_is_old_or_new() {
     // so its next FLUSH must not claim success.
     let e = block_on(async {
         let mut out = vec![0; 4096];
-        c.read(1, 0, &mut out).await.unwrap();
+        c.read_found(1, 0, &mut out).await.unwrap();
         c.flush().await
     })
     .unwrap_err();
@@ -94,7 +94,7 @@ fn flushed_data_survives_kill_9_and_unflushed_is_old_or_new() {
     let child = p.spawn();
     let c3 = p.connect("a");
     let mut out = vec![0; BLOB];
-    assert!(block_on(c3.read(200, 0, &mut out)).unwrap());
+    assert!(block_on(c3.read_found(200, 0, &mut out)).unwrap());
     assert!(out == pattern(200, 3, BLOB), "write before SIGTERM lost");
     kill9(child);
 }
@@ -118,9 +118,9 @@ fn a_flush_vouches_for_every_queue_of_its_device() {
     child = p.spawn();
     let _ = p.connect("a");
     let mut out = vec![0; BLOB];
-    assert!(block_on(q0.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(q0.read_found(1, 0, &mut out)).unwrap());
     assert!(out == pattern(1, 1, BLOB));
-    assert!(block_on(q1.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(q1.read_found(1, 0, &mut out)).unwrap());
     block_on(q1.flush()).expect("queue 0's writes were flushed by queue 1");
     block_on(q0.flush()).expect("no queue lost anything");
 
@@ -130,8 +130,8 @@ fn a_flush_vouches_for_every_queue_of_its_device() {
     child = p.spawn();
     let _ = p.connect("a");
     let e = block_on(async {
-        q0.read(1, 0, &mut out).await.unwrap();
-        q1.read(1, 0, &mut out).await.unwrap();
+        q0.read_found(1, 0, &mut out).await.unwrap();
+        q1.read_found(1, 0, &mut out).await.unwrap();
         q1.flush().await
     })
     .unwrap_err();

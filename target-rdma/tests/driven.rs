@@ -37,9 +37,12 @@ fn answers_complete_requests_on_the_callers_thread() {
     on_loop(&lp, &c, async {
         c.write(3, 512, &[7; 4096]).await.unwrap();
         let mut out = vec![0; 4096];
-        assert!(c.read(3, 512, &mut out).await.unwrap());
+        assert!(c.read_found(3, 512, &mut out).await.unwrap());
         assert_eq!(out, vec![7; 4096]);
-        assert!(!c.read(4, 0, &mut out).await.unwrap(), "never written");
+        assert!(
+            !c.read_found(4, 0, &mut out).await.unwrap(),
+            "never written"
+        );
     });
     assert_eq!(std::thread::current().id(), me);
     // No reader thread was started for the connection.
@@ -93,7 +96,7 @@ fn full_sockets_both_ways_do_not_deadlock_the_loop() {
                 let c = &c;
                 async move {
                     let mut out = vec![0u8; MIB];
-                    assert!(c.read(k, 0, &mut out).await.unwrap());
+                    assert!(c.read_found(k, 0, &mut out).await.unwrap());
                     // Written in round 0's populate or rewritten in the
                     // previous round.
                     let gen = if round == 0 { 0 } else { round as u8 };
@@ -128,14 +131,14 @@ fn busy_polling_completes_every_request_with_its_answer() {
         for k in 0..16u64 {
             c.write(k, 0, &pattern(k, 1, 4096)).await.unwrap();
             let mut out = vec![0; 4096];
-            assert!(c.read(k, 0, &mut out).await.unwrap());
+            assert!(c.read_found(k, 0, &mut out).await.unwrap());
             assert!(out == pattern(k, 1, 4096), "blob {k} at QD 1");
         }
         let reads = (0..16u64).map(|k| {
             let c = &c;
             async move {
                 let mut out = vec![0; 4096];
-                assert!(c.read(k, 0, &mut out).await.unwrap());
+                assert!(c.read_found(k, 0, &mut out).await.unwrap());
                 assert!(out == pattern(k, 1, 4096), "blob {k} at QD 16");
             }
         });

@@ -29,7 +29,10 @@ fn stale(e: &ArenaError) -> bool {
 
 fn read(c: &ArenaClient, key: u64) -> Vec<u8> {
     let mut out = vec![0u8; BLOB];
-    assert!(block_on(c.read(key, 0, &mut out)).unwrap(), "key {key}");
+    assert!(
+        block_on(c.read_found(key, 0, &mut out)).unwrap(),
+        "key {key}"
+    );
     out
 }
 
@@ -152,7 +155,7 @@ fn sessions_at_the_volumes_epoch_share_it_and_a_reconnect_is_admitted() {
     let e = block_on(older.write(1, 0, &[9; 4096])).unwrap_err();
     assert!(stale(&e), "{e}");
     let mut out = [0u8; 4096];
-    assert!(block_on(q1.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(q1.read_found(1, 0, &mut out)).unwrap());
     assert_eq!(out, [3; 4096]);
     assert_eq!(peer.protocol_errors(), 0);
 }

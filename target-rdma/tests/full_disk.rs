@@ -153,7 +153,7 @@ fn a_full_filesystem_keeps_flush_working_and_arenad_restarts() {
     let c = p.connect("a");
     let mut out = vec![0; BLOB];
     for k in 0..flushed {
-        assert!(block_on(c.read(k, 0, &mut out)).unwrap(), "key {k}");
+        assert!(block_on(c.read_found(k, 0, &mut out)).unwrap(), "key {k}");
         assert!(out == pattern(k, 1, BLOB), "key {k} differs");
     }
     block_on(async {
@@ -164,7 +164,7 @@ fn a_full_filesystem_keeps_flush_working_and_arenad_restarts() {
     terminate(child);
     let child = p.start();
     let c = p.connect("a");
-    assert!(block_on(c.read(0, 0, &mut out)).unwrap());
+    assert!(block_on(c.read_found(0, 0, &mut out)).unwrap());
     assert!(out == pattern(0, 2, BLOB), "rewrite after restart lost");
     drop(c);
     kill9(child);

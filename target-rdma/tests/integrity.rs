@@ -55,7 +55,7 @@ fn all_readable(p: &Arenad, keys: u64) {
     let a = p.connect("a");
     let mut out = vec![0; BLOB];
     for k in 0..keys {
-        assert!(block_on(a.read(k, 0, &mut out)).unwrap(), "key {k}");
+        assert!(block_on(a.read_found(k, 0, &mut out)).unwrap(), "key {k}");
         assert!(out == pattern(k, 1, BLOB), "key {k} differs");
     }
     kill9(child);
@@ -147,7 +147,7 @@ fn find_extent(swap: &Path, content: &[u8]) -> u64 {
 
 fn read(c: &ArenaClient, key: u64, offset: u32, len: usize) -> Result<Vec<u8>, ArenaError> {
     let mut out = vec![0; len];
-    block_on(c.read(key, offset, &mut out)).map(|found| {
+    block_on(c.read_found(key, offset, &mut out)).map(|found| {
         assert!(found, "key {key} exists");
         out
     })
@@ -289,7 +289,7 @@ fn repair_rebuilds_a_lost_index_and_reports_the_unrecoverable() {
     let (a, b) = (p.connect("a"), p.connect("b"));
     let mut out = vec![0; BLOB];
     assert!(
-        !block_on(a.read(7, 0, &mut out)).unwrap(),
+        !block_on(a.read_found(7, 0, &mut out)).unwrap(),
         "the damaged blob is gone, not served"
     );
     for k in (0..10).filter(|&k| k != 7) {

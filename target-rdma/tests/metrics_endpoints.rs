@@ -81,7 +81,7 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
     futures::executor::block_on(async {
         client.write(3, 0, &[7u8; 4096]).await.unwrap();
         let mut buf = [0u8; 4096];
-        assert!(client.read(3, 0, &mut buf).await.unwrap());
+        assert!(client.read_found(3, 0, &mut buf).await.unwrap());
         client.flush().await.unwrap();
     });
     let bad = ClientConfig::new(d.data.clone(), VOLUME, secret("not-the-secret-0123456789"));

@@ -26,7 +26,7 @@ fn inline_write_read_remove_flush() {
     block_on(async {
         let mut out = vec![0xffu8; 4096];
         assert!(
-            !c.read(7, 0, &mut out).await.unwrap(),
+            !c.read_found(7, 0, &mut out).await.unwrap(),
             "unwritten blob reported present"
         );
         assert!(
@@ -36,18 +36,18 @@ fn inline_write_read_remove_flush() {
 
         let data = pattern(7, 1, 4096);
         c.write(7, 8192, &data).await.unwrap();
-        assert!(c.read(7, 8192, &mut out).await.unwrap());
+        assert!(c.read_found(7, 8192, &mut out).await.unwrap());
         assert_eq!(out, data);
         // The untouched part of a partially written blob reads as zeros.
-        assert!(c.read(7, 0, &mut out).await.unwrap());
+        assert!(c.read_found(7, 0, &mut out).await.unwrap());
         assert!(out.iter().all(|b| *b == 0));
 
         c.write(8, 0, &pattern(8, 1, blob)).await.unwrap();
         c.flush().await.unwrap();
         assert_eq!(c.remove(0, 8).await.unwrap(), 1, "only key 7 lies in 0..8");
-        assert!(!c.read(7, 8192, &mut out).await.unwrap());
+        assert!(!c.read_found(7, 8192, &mut out).await.unwrap());
         let mut whole = vec![0; blob];
-        assert!(c.read(8, 0, &mut whole).await.unwrap());
+        assert!(c.read_found(8, 0, &mut whole).await.unwrap());
         assert_eq!(whole, pattern(8, 1, blob));
     });
 }
@@ -92,11 +92,11 @@ fn a_commit_after_a_racing_remove_answers_lease_lost_and_keeps_the_connection() 
         assert_eq!(writer.connection_epoch(), epoch, "the connection stayed");
         let mut out = [0u8; 6];
         assert!(
-            !writer.read(5, 0, &mut out).await.unwrap(),
+            !writer.read_found(5, 0, &mut out).await.unwrap(),
             "the remove won"
         );
         writer.write(5, 0, b"after!").await.unwrap();
-        assert!(remover.read(5, 0, &mut out).await.unwrap());
+        assert!(remover.read_found(5, 0, &mut out).await.unwrap());
         assert_eq!(&out, b"after!");
     });
     assert_eq!(peer.store.stats().leases_held, 0);
@@ -144,7 +144,7 @@ fn authentication_refuses_wrong_missing_and_cross_volume_secrets() {
     block_on(async {
         a.write(1, 0, &pattern(1, 1, 512)).await.unwrap();
         let mut out = vec![0; 512];
-        assert!(!b.read(1, 0, &mut out).await.unwrap());
+        assert!(!b.read_found(1, 0, &mut out).await.unwrap());
     });
 }
 
@@ -311,7 +311,7 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
 
     // The bystander's session and data were untouched throughout.
     let mut out = vec![0; 4096];
-    assert!(block_on(bystander.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(bystander.read_found(1, 0, &mut out)).unwrap());
     assert_eq!(out, pattern(1, 1, 4096));
 }
 
@@ -335,11 +335,11 @@ fn a_client_that_vanishes_mid_request_hurts_nobody() {
     let c = peer.client("a", SECRET_A);
     let mut out = vec![1; 8192];
     assert!(
-        !block_on(c.read(3, 0, &mut out)).unwrap(),
+        !block_on(c.read_found(3, 0, &mut out)).unwrap(),
         "a half-sent write must not land"
     );
     block_on(c.write(3, 0, &[9; 8192])).unwrap();
-    assert!(block_on(c.read(3, 0, &mut out)).unwrap());
+    assert!(block_on(c.read_found(3, 0, &mut out)).unwrap());
     assert_eq!(out, vec![9; 8192]);
 }
 
@@ -375,7 +375,7 @@ fn many_clients_many_requests_in_flight_no_mixups() {
                             let c = c.clone();
                             async move {
                                 let mut out = vec![0; len];
-                                c.read(*k, 0, &mut out).await.map(|_| (*k, out))
+                                c.read_found(*k, 0, &mut out).await.map(|_| (*k, out))
                             }
                         });
                         for r in join_all(reads).await {
@@ -486,7 +486,7 @@ fn pressure_revokes_leases_and_quota_is_a_status_not_a_disconnect() {
         let e = c.write(4, 0, &[4; 16]).await.unwrap_err();
         assert_eq!(e.status(), Some(Status::QuotaExceeded), "{e}");
         let mut out = [0u8; 16];
-        assert!(c.read(3, 0, &mut out).await.unwrap());
+        assert!(c.read_found(3, 0, &mut out).await.unwrap());
         assert_eq!(out, [3; 16]);
     });
     assert_eq!(client_counter(&c, names::RECONNECTS), 0);
@@ -520,7 +520,7 @@ fn reconnects_after_a_peer_restart(driven: bool) {
     let peer = Peer::start_at(dir.path(), PeerOpts::default(), &addr.to_string());
     let mut out = vec![0; 4096];
     assert!(
-        block_on(c.read(1, 0, &mut out)).unwrap(),
+        block_on(c.read_found(1, 0, &mut out)).unwrap(),
         "flushed data after the restart"
     );
     assert_eq!(out, vec![1; 4096]);
@@ -549,8 +549,8 @@ fn inline_payloads_are_counted_as_tcp_driver_statistics() {
         c1.write(1, 0, &[1; 4096]).await.unwrap();
         c2.write(2, 0, &[2; 512]).await.unwrap();
         let mut out = vec![0; 1024];
-        c1.read(1, 0, &mut out).await.unwrap();
-        c2.read(99, 0, &mut out).await.unwrap(); // absent: a request, no payload
+        c1.read_found(1, 0, &mut out).await.unwrap();
+        c2.read_found(99, 0, &mut out).await.unwrap(); // absent: a request, no payload
     });
     let snap = stats.snapshot();
     assert_eq!(snap.driver, "tcp");
@@ -592,8 +592,8 @@ fn a_read_answer_of_another_length_fails_that_request_only() {
     let reads = std::thread::spawn(move || {
         block_on(async {
             let mut out = vec![0; 512];
-            let first = client.read(1, 0, &mut out).await;
-            let second = client.read(1, 0, &mut out).await;
+            let first = client.read_found(1, 0, &mut out).await;
+            let second = client.read_found(1, 0, &mut out).await;
             (first, second)
         })
     });
@@ -715,7 +715,7 @@ fn arena_connections_report_their_tcp_info() {
         c.write(1, 0, &[5; 4096]).await.unwrap();
         let mut out = vec![0; 4096];
         for _ in 0..300 {
-            c.read(1, 0, &mut out).await.unwrap();
+            c.read_found(1, 0, &mut out).await.unwrap();
         }
     });
     let s = links.summary();

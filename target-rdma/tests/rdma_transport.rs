@@ -346,7 +346,7 @@ fn dirty_cached_leases_are_committed_by_flush() {
     // The peer has it: a plain TCP client reads it back.
     let c = s._peer.client("a", SECRET_A);
     let mut out = vec![0; 8192];
-    assert!(block_on(c.read(3, 0, &mut out)).unwrap());
+    assert!(block_on(c.read_found(3, 0, &mut out)).unwrap());
     assert!(out[..4096].iter().all(|b| *b == 9) && out[4096..].iter().all(|b| *b == 8));
 }
 
@@ -532,7 +532,7 @@ fn a_remove_on_one_queue_ends_the_cached_leases_of_the_others() {
     );
     let fresh = peer.client("a", SECRET_A);
     let mut out = vec![0; 8192];
-    assert!(block_on(fresh.read(6, 0, &mut out)).unwrap());
+    assert!(block_on(fresh.read_found(6, 0, &mut out)).unwrap());
     assert!(
         out[..4096].iter().all(|b| *b == 0),
         "removed bytes stay removed"
@@ -601,7 +601,10 @@ fn writes_on_one_queue_survive_removes_and_flushes_on_another() {
     let fresh = peer.client("a", SECRET_A);
     let mut out = vec![0; 4096];
     for k in 0..8u64 {
-        assert!(block_on(fresh.read(k, 0, &mut out)).unwrap(), "key {k}");
+        assert!(
+            block_on(fresh.read_found(k, 0, &mut out)).unwrap(),
+            "key {k}"
+        );
         assert!(out == pattern(k, 99, 4096), "key {k}");
     }
     assert_eq!(peer.protocol_errors(), 0);
@@ -723,7 +726,7 @@ fn victim_blob(victim: &ArenaClient) -> u64 {
 
 fn victim_intact(victim: &ArenaClient) {
     let mut out = vec![0u8; BLOB as usize];
-    assert!(block_on(victim.read(7, 0, &mut out)).unwrap());
+    assert!(block_on(victim.read_found(7, 0, &mut out)).unwrap());
     assert!(
         out == pattern(7, 1, BLOB as usize),
         "volume b's blob changed"
@@ -847,7 +850,7 @@ fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
     let s = rail.one_sided(RdmaOp::Write, ro.slot_offset, ro_key, len);
     assert!(refused(s), "WRITE through a GET lease completed with {s}");
     let mut out = [0u8; 4096];
-    assert!(block_on(attacker.read(5, 0, &mut out)).unwrap());
+    assert!(block_on(attacker.read_found(5, 0, &mut out)).unwrap());
     assert_eq!(out, [5; 4096], "the GET lease's blob is unchanged");
     assert_eq!(peer.protocol_errors(), 0);
 }
@@ -1058,7 +1061,7 @@ fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
     let s = rail0.one_sided(RdmaOp::Write, slot, k0, len);
     assert!(refused(s), "a fenced writer's WRITE completed with {s}");
     let mut out = vec![0u8; BLOB as usize];
-    assert!(block_on(new.read(3, 0, &mut out)).unwrap());
+    assert!(block_on(new.read_found(3, 0, &mut out)).unwrap());
     assert!(
         out.iter().all(|&b| b == 1),
         "the slot keeps the bytes written before the raise, and only those"
@@ -1084,7 +1087,7 @@ fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
     let s = rail1.one_sided(RdmaOp::Write, slot, k1, len);
     assert!(refused(s), "a fenced writer's WRITE completed with {s}");
     let mut out = vec![0u8; BLOB as usize];
-    assert!(block_on(new.read(3, 0, &mut out)).unwrap());
+    assert!(block_on(new.read_found(3, 0, &mut out)).unwrap());
     assert!(out.iter().all(|&b| b == 2), "the new writer's bytes");
 
     // The old tokens and the old writer's inline path.
@@ -1097,7 +1100,7 @@ fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
     let e = block_on(q1.commit(3, l1.token)).unwrap_err();
     assert_eq!(e.status(), Some(Status::LeaseLost), "{e}");
     let mut out = vec![0u8; BLOB as usize];
-    assert!(block_on(q1.read(3, 0, &mut out)).unwrap());
+    assert!(block_on(q1.read_found(3, 0, &mut out)).unwrap());
     assert!(out.iter().all(|&b| b == 2), "still the new writer's bytes");
     assert_eq!(peer.protocol_errors(), 0);
 }
@@ -1128,7 +1131,7 @@ fn loopback_a_raise_by_hello_kills_the_fenced_writers_rdma_keys() {
     let s = rail.one_sided(RdmaOp::Write, l.slot_offset, k, 4096);
     assert!(refused(s), "a fenced writer's WRITE completed with {s}");
     let mut out = vec![0u8; 4096];
-    assert!(block_on(new.read(3, 0, &mut out)).unwrap());
+    assert!(block_on(new.read_found(3, 0, &mut out)).unwrap());
     assert!(out.iter().all(|&b| b == 0), "nothing of it landed");
     let e = block_on(old.commit(3, l.token)).unwrap_err();
     assert!(stale(&e), "{e}");

@@ -85,9 +85,9 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
     // The session that proved the old secret goes on, and sees new writes.
     block_on(new_b.write(2, 0, &pattern(2, 1, BLOB))).unwrap();
     let mut out = vec![0; BLOB];
-    block_on(old_b.read(1, 0, &mut out)).unwrap();
+    block_on(old_b.read_found(1, 0, &mut out)).unwrap();
     assert_eq!(out, pattern(1, 1, BLOB));
-    block_on(old_b.read(2, 0, &mut out)).unwrap();
+    block_on(old_b.read_found(2, 0, &mut out)).unwrap();
     assert_eq!(out, pattern(2, 1, BLOB));
 
     // A config that does not load changes nothing, and says why.
@@ -118,7 +118,7 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
         connect(&p, "c", SECRET_C).map(drop).unwrap_err().kind(),
         ErrorKind::AuthFailed
     );
-    block_on(c.read(7, 0, &mut out)).unwrap();
+    block_on(c.read_found(7, 0, &mut out)).unwrap();
     assert_eq!(out, pattern(7, 1, BLOB));
 
     // SIGTERM still stops it cleanly after the reloads.
@@ -212,9 +212,9 @@ fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
     )));
     let five = connect_v2(&p, "c", SECRET_C, 5);
     let mut out = vec![0; BLOB];
-    block_on(five.read(1, 0, &mut out)).unwrap();
+    block_on(five.read_found(1, 0, &mut out)).unwrap();
     assert_eq!(out, pattern(1, 1, BLOB), "the stale write never landed");
-    block_on(five.read(3, 0, &mut out)).unwrap();
+    block_on(five.read_found(3, 0, &mut out)).unwrap();
     assert_eq!(out, pattern(3, 1, BLOB));
     let epochs = std::fs::read_to_string(p.swap_dir.join("epochs")).unwrap();
     assert!(epochs.contains("5 c\n"), "{epochs}");

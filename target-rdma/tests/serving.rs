@@ -105,7 +105,7 @@ fn serves_a_legitimate_client(a: &Arenad) {
     };
     block_on(c.write(7, 0, b"served")).unwrap();
     let mut out = [0u8; 6];
-    assert!(block_on(c.read(7, 0, &mut out)).unwrap());
+    assert!(block_on(c.read_found(7, 0, &mut out)).unwrap());
     assert_eq!(&out, b"served");
     block_on(c.flush()).unwrap();
 }

@@ -68,7 +68,7 @@ fn a_frame_injected_after_the_handshake_ends_that_session_only() {
 
     // The injected REMOVE did nothing; the bystander never noticed.
     let mut out = [0u8; 4];
-    assert!(block_on(bystander.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(bystander.read_found(1, 0, &mut out)).unwrap());
     assert_eq!(&out, b"kept");
     let metrics = a.metrics();
     assert!(
@@ -102,7 +102,7 @@ fn a_writer_below_the_volumes_epoch_is_refused_even_after_a_restart() {
     stale(block_on(old.write(1, 0, b"lost")));
     stale(block_on(old.flush()));
     let mut out = [0u8; 4];
-    stale(block_on(old.read(1, 0, &mut out)).map(|_| ()));
+    stale(block_on(old.read_found(1, 0, &mut out)).map(|_| ()));
     assert_eq!(old.connection_epoch(), epoch, "the connection stays");
     block_on(new.write(2, 0, b"new!")).unwrap();
     block_on(other.write(1, 0, b"b ok")).unwrap();
@@ -122,7 +122,7 @@ fn a_writer_below_the_volumes_epoch_is_refused_even_after_a_restart() {
     let mut three = cfg;
     three.epoch = 3;
     let three = a.connect_with(three);
-    assert!(block_on(three.read(1, 0, &mut out)).unwrap());
+    assert!(block_on(three.read_found(1, 0, &mut out)).unwrap());
     assert_eq!(&out, b"old!", "the stale write never landed");
     let epochs = std::fs::read_to_string(a.swap_dir.join("epochs")).unwrap();
     assert!(epochs.contains("3 a\n"), "{epochs}");

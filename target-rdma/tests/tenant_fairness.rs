@@ -34,7 +34,7 @@ fn a_hoarding_tenant_cannot_starve_another_and_its_force_ended_commit_is_lease_l
         other.commit(100, lease.token).await.unwrap();
         other.write(100, 0, &[9u8; 512]).await.unwrap();
         let mut out = [0u8; 512];
-        assert!(other.read(100, 0, &mut out).await.unwrap());
+        assert!(other.read_found(100, 0, &mut out).await.unwrap());
         assert_eq!(out, [9u8; 512]);
 
         // a was asked back the oldest of its leases past its share, and

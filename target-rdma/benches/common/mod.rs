@@ -36,7 +36,7 @@ pub async fn closed_loop(
                     Dir::Write => c.write(key, off, data).await,
                     Dir::Read => {
                         let mut out = pool.borrow_mut().pop().expect("a buffer per slot");
-                        let r = c.read(key, off, &mut out).await.map(|_| ());
+                        let r = c.read_found(key, off, &mut out).await.map(|_| ());
                         pool.borrow_mut().push(out);
                         r
                     }

@@ -9,6 +9,7 @@
 pub mod rdma;
 pub mod tcp;
 
+mod driven;
 mod session;
 
 pub use rdma::{

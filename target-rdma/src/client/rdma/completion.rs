@@ -24,10 +24,8 @@ use futures::channel::oneshot;
 use parking_lot::Mutex;
 
 use super::stats::RdmaStats;
+use crate::client::driven::{Engine, TICK};
 use crate::rdma::{Completion, QueuePair, RdmaError, WcCategory, WorkRequest};
-
-/// How often deadlines are checked while completions are outstanding.
-const TICK: Duration = Duration::from_millis(50);
 
 /// Why one work request did not succeed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -152,11 +150,6 @@ impl CompletionEngine {
         self.qp.as_ref()
     }
 
-    /// Whether [`shutdown`](Self::shutdown) ran.
-    pub(super) fn stopped(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-    }
-
     /// A driven reaper with nothing to reap: `waker` runs at the next
     /// submit or at shutdown.
     pub(super) fn park(&self, waker: &Waker) {
@@ -173,11 +166,6 @@ impl CompletionEngine {
     /// Whether a failure has put the QP out of service.
     pub fn broken(&self) -> Option<String> {
         self.table.lock().broken.clone()
-    }
-
-    /// Requests in flight.
-    pub(super) fn in_flight(&self) -> usize {
-        self.table.lock().waiting.len()
     }
 
     /// Puts the QP out of service (error state): for failures and for
@@ -289,6 +277,18 @@ impl CompletionEngine {
         for w in rest {
             let _ = w.tx.send(Err(OpError::QpDown("rail shut down".into())));
         }
+    }
+}
+
+impl Engine for CompletionEngine {
+    /// Requests in flight.
+    fn in_flight(&self) -> usize {
+        self.table.lock().waiting.len()
+    }
+
+    /// Whether [`shutdown`](CompletionEngine::shutdown) ran.
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 }
 

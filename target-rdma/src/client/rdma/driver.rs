@@ -17,83 +17,18 @@
 
 use std::future::poll_fn;
 use std::sync::Arc;
-use std::task::{Poll, Waker};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use tracing::warn;
 
 use super::completion::CompletionEngine;
-use crate::client::tcp::ring::Ring;
-
-/// Where a driven transport's rails hand their engines to the driver.
-#[derive(Default)]
-pub(super) struct CqHandoff {
-    state: Mutex<HandoffState>,
-}
-
-#[derive(Default)]
-struct HandoffState {
-    /// The engine served now.
-    engine: Option<Arc<CompletionEngine>>,
-    /// A newer rail's, served once `engine` has nothing left in flight.
-    next: Option<Arc<CompletionEngine>>,
-    waker: Option<Waker>,
-    /// The transport is gone: the driver ends.
-    closed: bool,
-}
-
-impl CqHandoff {
-    /// A new rail's engine: the driver serves it once the previous one has
-    /// nothing left in flight.
-    pub(super) fn install(&self, engine: &Arc<CompletionEngine>) {
-        let w = {
-            let mut s = self.state.lock();
-            s.next = Some(Arc::clone(engine));
-            s.waker.take()
-        };
-        if let Some(w) = w {
-            w.wake();
-        }
-    }
-
-    /// The transport is dropped: the driver ends.
-    pub(super) fn close(&self) {
-        let w = {
-            let mut s = self.state.lock();
-            s.closed = true;
-            s.engine = None;
-            s.next = None;
-            s.waker.take()
-        };
-        if let Some(w) = w {
-            w.wake();
-        }
-    }
-
-    /// The engine to serve; `Err(())` once closed. Registers `waker` for
-    /// the next install or close.
-    fn current(&self, waker: &Waker) -> Result<Option<Arc<CompletionEngine>>, ()> {
-        let mut s = self.state.lock();
-        if s.closed {
-            return Err(());
-        }
-        s.waker = Some(waker.clone());
-        if s.next.is_some()
-            && s.engine
-                .as_ref()
-                .is_none_or(|e| e.in_flight() == 0 || e.stopped())
-        {
-            s.engine = s.next.take();
-        }
-        Ok(s.engine.clone())
-    }
-}
+use crate::client::driven::{CqHandoff, Engine, Ring};
 
 /// Runs a driven RDMA transport's completions on its owner's loop; see
 /// [`RdmaTransport::cq_driver`](super::RdmaTransport::cq_driver).
 pub struct CqDriver {
-    pub(super) handoff: Arc<CqHandoff>,
+    pub(super) handoff: Arc<CqHandoff<CompletionEngine>>,
     pub(super) busy_poll: Duration,
 }
 

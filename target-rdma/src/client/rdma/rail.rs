@@ -1,20 +1,16 @@
 //! The rail: one QP brought up against the peer on the current control
-//! connection (RAIL_CONNECT), and the decision, per payload, to use it,
-//! bring it up again, or send the payload inline on TCP for a counted
-//! reason. A failed setup keeps payloads on TCP for [`RAIL_RETRY`] before
-//! the next try; a rail belongs to one control connection and is replaced
-//! when the connection is.
+//! connection (RAIL_CONNECT, by `Rails`), and the decision, per payload,
+//! to use it, bring it up again, or send the payload inline on TCP for a
+//! counted reason. A failed setup keeps payloads on TCP for
+//! [`RAIL_RETRY`] before the next try; a rail belongs to one control
+//! connection and is replaced when the connection is.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
-
 use super::completion::CompletionEngine;
 use super::stats::TcpReason;
-use super::RdmaTransport;
 use crate::proto::RailAccept;
-use crate::rdma::QueuePair;
 
 /// How long a failed rail setup keeps requests on TCP before the next try.
 pub(super) const RAIL_RETRY: Duration = Duration::from_secs(1);
@@ -103,101 +99,11 @@ impl RailState {
     }
 }
 
-impl RdmaTransport {
-    /// Brings up a new rail on the current control connection.
-    pub(super) async fn establish(&self) -> Result<Arc<Rail>, String> {
-        let r = self.try_establish().await;
-        match &r {
-            Ok(_) => self.stats.inc(|s| &s.rail_connects),
-            Err(e) => {
-                self.stats.inc(|s| &s.rail_connect_failures);
-                warn!(event = "rdma.rail_failed", peer = %self.peer, error = %e);
-            }
-        }
-        self.rail.lock().settle(&r, Instant::now());
-        r
-    }
-
-    async fn try_establish(&self) -> Result<Arc<Rail>, String> {
-        let provider = self.provider.as_ref().ok_or("no local RDMA device")?;
-        let qp: Arc<dyn QueuePair> = provider
-            .domain()
-            .create_qp(self.cfg.sq_depth)
-            .map_err(|e| e.to_string())?
-            .into();
-        let before = self.client.connection_epoch();
-        let acc = self
-            .client
-            .rail_connect(qp.endpoint())
-            .await
-            .map_err(|e| e.to_string())?;
-        let epoch = self.client.connection_epoch();
-        if before != epoch || epoch.is_none() {
-            return Err("the control connection changed during the rail setup".into());
-        }
-        let blob = u64::from(self.client.session_blob_bytes());
-        if acc.arena_len < blob {
-            self.stats.inc(|s| &s.rdma_protocol_errors);
-            return Err(format!(
-                "peer's arena region of {} bytes is smaller than a blob",
-                acc.arena_len
-            ));
-        }
-        qp.connect(&acc.endpoint).map_err(|e| e.to_string())?;
-        let engine = CompletionEngine::new(
-            qp,
-            self.cfg.sq_depth,
-            self.cfg.op_timeout,
-            Arc::clone(&self.stats),
-        );
-        match &self.cq {
-            Some(handoff) => handoff.install(&engine),
-            None => engine.spawn().map_err(|e| e.to_string())?,
-        }
-        // Isolated per lease (no key to the whole arena), the keys of the
-        // leases cached so far died with the peer's old rail: those leases
-        // are given back rather than tried.
-        if acc.rkey == 0 {
-            let stale = self.leases.lock().retire_all();
-            for (key, e) in stale {
-                let _ = self.end_cached(key, e).await;
-            }
-        }
-        info!(event = "rdma.rail_up", peer = %self.peer, device = %provider.device_name());
-        Ok(Arc::new(Rail {
-            engine,
-            remote: acc,
-            epoch: epoch.unwrap_or(0),
-        }))
-    }
-
-    /// The rail to use for a payload of `len` bytes, or why to use TCP.
-    pub(super) async fn route(&self, len: usize) -> Result<Arc<Rail>, TcpReason> {
-        let sizes = Sizes {
-            min: self.cfg.min_rdma_bytes as usize,
-            max: self.cfg.buffer_bytes as usize,
-        };
-        let epoch = self.client.connection_epoch();
-        let route = self.rail.lock().route(len, sizes, epoch, Instant::now());
-        match route {
-            Route::Use(rail) => Ok(rail),
-            Route::Tcp(reason) => Err(reason),
-            Route::Establish => {
-                let rail = self.establish().await.map_err(|_| TcpReason::QpError)?;
-                if len > sizes.max {
-                    return Err(TcpReason::TooLarge);
-                }
-                Ok(rail)
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rdma::loopback::LoopbackProvider;
-    use crate::rdma::RdmaProvider;
+    use crate::rdma::{QueuePair, RdmaProvider};
 
     const SIZES: Sizes = Sizes {
         min: 512,

@@ -19,9 +19,7 @@
 //! sending answers cannot deadlock against a client blocked on sending
 //! requests.
 
-use std::future::{poll_fn, Future};
-use std::io;
-use std::os::fd::RawFd;
+use std::future::poll_fn;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::task::Poll;
@@ -29,20 +27,13 @@ use std::time::Instant;
 
 use tracing::warn;
 
-use super::conn::{expire, Handoff};
-use super::Shared;
-
-/// The owner's event loop, as a driven client needs it.
-pub trait Ring {
-    /// Ready once `fd` is readable, hung up or failed; it may also be
-    /// ready early (the driver then finds nothing to read and waits again).
-    fn readable(&self, fd: RawFd) -> impl Future<Output = io::Result<()>>;
-    /// Ready after about [`super::TICK`]: the driver's deadline sweeps.
-    fn tick(&self) -> impl Future<Output = ()>;
-}
+use super::receiver::expire;
+use super::shared::Shared;
+use crate::client::driven::Handoff;
+pub use crate::client::driven::Ring;
 
 /// Runs a driven client's receiving side on its owner's loop; see
-/// [`super::ArenaClient::driver`].
+/// [`ArenaClient::driver`](super::ArenaClient::driver).
 pub struct Driver {
     pub(super) client: Weak<Shared>,
     pub(super) handoff: Arc<Handoff>,
