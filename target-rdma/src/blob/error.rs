@@ -49,7 +49,7 @@ impl ErrorKind {
             Self::Connect | Self::Disconnected | Self::Replica(ReplicaFailure::NoMember) => {
                 libc::ENOLINK
             }
-            Self::Status(s) => s.errno(),
+            Self::Status(s) => status_errno(s),
             Self::AuthFailed
             | Self::PeerNotAuthentic
             | Self::Refused(_)
@@ -75,7 +75,7 @@ impl ErrorKind {
                 (Phase::Completion, Reason::Auth)
             }
             Self::Replica(ReplicaFailure::NoMember) => (Phase::Connect, Reason::Unavailable),
-            Self::Status(s) => s.blame(op),
+            Self::Status(s) => status_blame(s, op),
         }
     }
 
@@ -95,42 +95,42 @@ impl ErrorKind {
     }
 }
 
-impl Status {
-    /// The errno of a request the peer answered with this status.
-    fn errno(self) -> i32 {
-        match self {
-            Self::NoSpace | Self::QuotaExceeded => libc::ENOSPC,
-            Self::Ok
-            | Self::NotFound
-            | Self::Busy
-            | Self::Protocol
-            | Self::AuthFailed
-            | Self::VersionMismatch
-            | Self::ShuttingDown
-            | Self::Internal
-            | Self::LeaseLost
-            | Self::StaleEpoch => libc::EIO,
-        }
+/// The errno of a request the peer answered with `s`.
+fn status_errno(s: Status) -> i32 {
+    match s {
+        Status::NoSpace | Status::QuotaExceeded => libc::ENOSPC,
+        Status::Ok
+        | Status::NotFound
+        | Status::Busy
+        | Status::Protocol
+        | Status::AuthFailed
+        | Status::VersionMismatch
+        | Status::ShuttingDown
+        | Status::Internal
+        | Status::LeaseLost
+        | Status::StaleEpoch => libc::EIO,
     }
+}
 
-    /// Where a request of `op` the peer answered with this status failed.
-    fn blame(self, op: IoOp) -> (Phase, Reason) {
-        match self {
-            Self::NoSpace | Self::QuotaExceeded | Self::Busy => {
-                (Phase::Alloc, Reason::ResourceExhausted)
-            }
-            Self::Protocol | Self::VersionMismatch => (Phase::Completion, Reason::Protocol),
-            Self::AuthFailed => (Phase::Completion, Reason::Auth),
-            Self::ShuttingDown => (Phase::Completion, Reason::Unavailable),
-            Self::Ok | Self::NotFound | Self::Internal | Self::LeaseLost | Self::StaleEpoch => {
-                match op {
-                    IoOp::Flush => (Phase::Flush, Reason::Io),
-                    IoOp::Read | IoOp::Write | IoOp::Discard | IoOp::WriteZeroes => {
-                        (Phase::Completion, Reason::Io)
-                    }
-                }
-            }
+/// Where a request of `op` the peer answered with `s` failed.
+fn status_blame(s: Status, op: IoOp) -> (Phase, Reason) {
+    match s {
+        Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
+            (Phase::Alloc, Reason::ResourceExhausted)
         }
+        Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
+        Status::AuthFailed => (Phase::Completion, Reason::Auth),
+        Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
+        Status::Ok
+        | Status::NotFound
+        | Status::Internal
+        | Status::LeaseLost
+        | Status::StaleEpoch => match op {
+            IoOp::Flush => (Phase::Flush, Reason::Io),
+            IoOp::Read | IoOp::Write | IoOp::Discard | IoOp::WriteZeroes => {
+                (Phase::Completion, Reason::Io)
+            }
+        },
     }
 }
 
