@@ -66,3 +66,9 @@ fn vm_systemd_units_with_rdma_and_ublk() {
 fn vm_replicated_device_through_a_peer_kill() {
     suite("scripts/vm/replicas", &["1500"], 18);
 }
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
+fn vm_writer_role_handed_over_between_two_ublkd() {
+    suite("scripts/vm/handover", &["900"], 12);
+}
