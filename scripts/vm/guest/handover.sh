@@ -75,7 +75,7 @@ blob_bytes = "256K"
 swap_dir = "$W/swap/$i"
 swap_bytes = "512M"
 metrics_listen = "127.0.0.1:948$i"
-$([[ $TRANSPORT == rdma ]] && printf 'rdma = "on"\n')
+$([[ $TRANSPORT == rdma ]] && printf 'rdma = "on"\nrdma_gid_index = 1\n')
 [[volume]]
 name = "ho"
 secret_file = "$W/vol.key"
@@ -107,6 +107,7 @@ host_id = "host-$1"
 rebuild_check_ms = 500
 change_deadline_ms = 30000
 coord_timeout_ms = 5000
+$([[ $TRANSPORT == rdma ]] && printf '[rdma]\ngid_index = 1\n')
 TOML
 }
 ublkd_conf a 9477
