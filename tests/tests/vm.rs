@@ -75,6 +75,12 @@ fn vm_writer_role_handed_over_between_two_ublkd() {
 
 #[test]
 #[ignore = "boots a VM: run by scripts/test"]
+fn vm_writer_role_handed_over_over_rdma() {
+    suite("scripts/vm/handover", &["900", "rdma"], 12);
+}
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
 fn vm_qemu_guest_on_ublk_through_faults_and_live_migration() {
-    suite("scripts/vm/guest-vm", &["1800"], 11);
+    suite("scripts/vm/guest-vm", &["1800"], 12);
 }

@@ -259,9 +259,10 @@ DEV_B=$(SOCK=$W/b/run/ublkd.sock add_when_etcd --wait --standby --peer "${PEERS[
 ID_B=${DEV_B#/dev/ublkb}
 DEVS=("$DEV_A" "$DEV_B")
 ra=$(role a "$ID_A") rb=$(role b "$ID_B")
-if [[ $ra == writer && $rb == standby ]]; then
-    pass "add-writer-and-standby ($DEV_A writer on host-a, $DEV_B standby on host-b, $TRANSPORT)"
-else die add-writer-and-standby "roles A '$ra' B '$rb' ($(role_reason b "$ID_B"))"; fi
+ta=$(dev_field a "$ID_A" transport) tb=$(dev_field b "$ID_B" transport)
+if [[ $ra == writer && $rb == standby && $ta == "$TRANSPORT" && $tb == "$TRANSPORT" ]]; then
+    pass "add-writer-and-standby ($DEV_A writer on host-a, $DEV_B standby on host-b, both serving over $ta)"
+else die add-writer-and-standby "roles A '$ra' B '$rb' ($(role_reason b "$ID_B")), transports '$ta' '$tb'"; fi
 
 # ---- 1: the standby reads, refuses writes --------------------------------
 if out=$(verify "$DEV_B"); then pass "standby-reads-writer-data ($out records written by A)"
