@@ -45,6 +45,11 @@ CACHE=$("$UBLK_VM_REPO/scripts/vm/cache-dir")
 # no decompression under nested TCG.
 KERNEL=$CACHE/kernel/$UBLK_VM_KVER/vmlinux
 [[ -f $KERNEL ]] || KERNEL=$CACHE/kernel/$UBLK_VM_KVER/boot/vmlinuz-$UBLK_VM_KVER
+# A named, migration-safe CPU model: with `-cpu max` a nested guest once
+# crashed right after the migration (preempt count corrupt: "scheduling
+# while atomic", then list corruption in the scheduler), before its first
+# write; TCG's `max` is not a model migration promises to keep stable.
+GVM_CPU=${GVM_CPU:-qemu64}
 GVM_APPEND="console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off nokaslr no_timer_check tsc=reliable"
 INITRD=${GVM_INITRD:-$(ls -t "$CACHE"/initramfs/nested-"$UBLK_VM_KVER"-*.cpio.gz 2>/dev/null | head -1)}
 failures=0
@@ -146,7 +151,7 @@ gvm_start() {
     shift 2
     mkfifo "$W/con-$name"
     stamp <"$W/con-$name" >"$R/gvm-$name.log" &
-    qemu-system-x86_64 -accel tcg -cpu max -m 256M -smp 1 -display none -no-reboot -nic none \
+    qemu-system-x86_64 -accel tcg -cpu "$GVM_CPU" -m 256M -smp 1 -display none -no-reboot -nic none \
         -kernel "$KERNEL" -initrd "$INITRD" \
         -append "$GVM_APPEND gvm.mode=run" \
         -drive "file=$dev,format=raw,if=virtio,cache=none,aio=native" \
