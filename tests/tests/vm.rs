@@ -66,3 +66,21 @@ fn vm_systemd_units_with_rdma_and_ublk() {
 fn vm_replicated_device_through_a_peer_kill() {
     suite("scripts/vm/replicas", &["1500"], 18);
 }
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
+fn vm_writer_role_handed_over_between_two_ublkd() {
+    suite("scripts/vm/handover", &["900"], 12);
+}
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
+fn vm_writer_role_handed_over_over_rdma() {
+    suite("scripts/vm/handover", &["900", "rdma"], 12);
+}
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
+fn vm_qemu_guest_on_ublk_through_faults_and_live_migration() {
+    suite("scripts/vm/guest-vm", &["1800"], 12);
+}
