@@ -382,6 +382,20 @@ if errs=$(kernel_errors); then fail dmesg-clean "$(echo "$errs" | head -5)"
 else pass "dmesg-clean (no I/O, ext4 or ublk error in the VM's kernel log)"; fi
 echo "ACKs: $(n_acks), longest ACK gap over the whole run $(gap 0) s (wall/guest)"
 
+# ---- the standby's ublkd stopped: the writer keeps the role --------------
+# host-b's device is a standby again since the migration back, added with
+# --activate-on-write. Its ublkd's SIGTERM (on_shutdown = "keep" flushes
+# every device) must not take the role from host-a, etcd running.
+if [[ $live == a2 ]]; then
+    kill -TERM "$PID_B"; wait "$PID_B" 2>/dev/null; PID_B=
+    ra=$(role a "$ID_A")
+    # A write that changes nothing (block 0 read back) on host-a's device.
+    if [[ $ra == writer ]] && dd if="$DEV_A" of="$W/blk0" bs=4096 count=1 iflag=direct status=none &&
+        dd if="$W/blk0" of="$DEV_A" bs=4096 count=1 oflag=direct conv=notrunc status=none 2>"$W/blk0.err"; then
+        pass "standby-shutdown-keeps-writer (host-b's ublkd stopped; host-a still writer and writing)"
+    else fail standby-shutdown-keeps-writer "host-a role '$ra' ($(SOCK=$W/a/run/ublkd.sock replica_fact "$ID_A" role_reason)), write: $(cat "$W/blk0.err" 2>/dev/null); host-b's log: $(grep -E 'handover_asked|flush_failed|writer.acquired' "$R/ublkd-b.log" | tail -2 | cut -c1-240)"; fi
+fi
+
 echo "---- summary ($((SECONDS - t0)) s) ----"
 printf '%s\n' "${summary[@]}"
 exit $((failures > 0))
