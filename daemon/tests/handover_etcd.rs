@@ -4,7 +4,8 @@
 //! `Coordination`, state dir and host id) and the replication core on
 //! each. Host A writes under a constant load; host B, a standby, reads
 //! what A writes and takes the role: every write A acknowledged is there,
-//! A acknowledges nothing after, and the role goes back the same way. A
+//! A acknowledges nothing after, every peer refuses A's epoch, and the
+//! role goes back the same way. A
 //! writer that dies without handing over loses the role when its lease
 //! expires.
 
@@ -19,6 +20,7 @@ use common::etcd::EtcdServer;
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, ErrorKind, ReplicaFailure};
 use target_rdma::client::ArenaClient;
+use target_rdma::proto::Status;
 use target_rdma::replica::{
     clock, Coordinator, MemberSessions, ReplicaConfig, ReplicaSet, ReplicatedIo, Standing,
 };
@@ -117,6 +119,26 @@ fn verify(io: &ReplicatedIo<ArenaClient>, acked: &[u64], refused: (u64, u64), bl
     }
 }
 
+/// A writer presenting `epoch` gets nothing written at `peer`: the
+/// hand-over's raise fenced it (STALE_EPOCH at its HELLO or at its write).
+fn assert_fenced(peer: &Peer, epoch: u64, blob: usize) {
+    let mut cfg = peer.config("a", SECRET_A);
+    cfg.epoch = epoch;
+    let status = match ArenaClient::connect(cfg) {
+        Err(e) => e.status(),
+        Ok(old) => match block_on(old.write(0, 0, &pattern(0, 77, blob))) {
+            Err(e) => e.status(),
+            Ok(()) => None,
+        },
+    };
+    assert_eq!(
+        status,
+        Some(Status::StaleEpoch),
+        "{}: a writer at epoch {epoch} after the hand-over",
+        peer.addr
+    );
+}
+
 #[test]
 fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write_lost() {
     let etcd = EtcdServer::start();
@@ -184,6 +206,10 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
     let (_, asks) = etcd.etcdctl(&["get", "--prefix", "/ublk/handover/", "--keys-only"]);
     assert!(asks.trim().is_empty(), "the request is gone: {asks}");
     eprintln!("hand-over A -> B under load took {took:?}");
+    // A's epoch is refused by every peer, whatever A's set would send.
+    for p in &peers {
+        assert_fenced(p, epoch, blob);
+    }
 
     // B writes; A, a standby now, reads it and writes nothing.
     for key in 0..KEYS {
@@ -213,6 +239,9 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
     assert_eq!(b.standing(), Standing::Standby);
     verify(&aio, &acked, refused, blob);
     assert_eq!(block_on(a_coord.load()).unwrap().epoch, epoch + 2);
+    for p in &peers {
+        assert_fenced(p, epoch + 1, blob);
+    }
 }
 
 /// A writer that dies without handing over (its ublkd killed): the
