@@ -144,8 +144,9 @@ fn print_peers(peers: &[PeerInfo]) {
 struct Add {
     // --- replication ---
     /// arenad's HOST:PORT; repeat it for a replicated volume (one replica
-    /// per peer). Without it, placement in etcd chooses --replicas peers.
-    #[arg(long, required_unless_present = "replicas")]
+    /// per peer). Without it, placement in etcd chooses --replicas peers,
+    /// and a --standby follows the members the volume's record names.
+    #[arg(long, required_unless_present_any = ["replicas", "standby"])]
     peer: Vec<String>,
     /// Replicas of the volume, 1 to 5 (default: the number of --peer).
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=5))]

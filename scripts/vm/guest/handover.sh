@@ -4,7 +4,8 @@
 # scripts/vm/handover; no guest VM yet, just block I/O on /dev/ublkbN:
 #   a real etcd, two arenad on loopback, ublkd A (host-a) the writer of
 #   volume "ho" (N=2), ublkd B (host-b, its own state dir, socket, metrics
-#   port) with `add --standby` of the same volume.
+#   port) with `add --standby` of the same volume (no --peer: a standby
+#   follows the members the volume's record in etcd names).
 #   1. B's standby device serves reads (A's records, O_DIRECT) and refuses
 #      a write (EIO); `show` says standby on B, writer on A.
 #   2. Two writers (4 KiB and 64 KiB numbered records, O_DIRECT, each
@@ -82,56 +83,8 @@ secret_file = "$W/vol.key"
 quota = "1G"
 TOML
 done
-# ublkd_conf HOST PORT: one ublkd's config, in $W/HOST (host-a, host-b).
-ublkd_conf() {
-    cat >"$W/$1/ublkd.toml" <<TOML
-state_dir = "$W/$1/state"
-socket = "$W/$1/run/ublkd.sock"
-on_shutdown = "keep"
-request_timeout_ms = 20000
-[device]
-queues = 2
-depth = 16
-io_buf = "1M"
-[metrics]
-listen = "127.0.0.1:$2"
-[etcd]
-endpoints = ["http://$ETCD"]
-request_timeout_ms = 5000
-dial_timeout_ms = 5000
-lease_ttl_secs = $TTL
-lease_margin_ms = $MARGIN
-handover_poll_ms = 50
-host_id = "host-$1"
-[replication]
-rebuild_check_ms = 500
-change_deadline_ms = 30000
-coord_timeout_ms = 5000
-$([[ $TRANSPORT == rdma ]] && printf '[rdma]\ngid_index = 1\n')
-TOML
-}
-ublkd_conf a 9477
-ublkd_conf b 9478
-ctl_a() { SOCK=$W/a/run/ublkd.sock ctl "$@"; }
-ctl_b() { SOCK=$W/b/run/ublkd.sock ctl "$@"; }
-# start_host X: ublkd of host X (a, b); sets PID_X.
-start_host() {
-    local rc=0 sock=$W/$1/run/ublkd.sock dir=$W/$1
-    W=$dir SOCK=$sock start_ublkd "$R/ublkd-$1.log" || rc=1
-    printf -v "PID_${1^^}" '%s' "$UBLKD_PID"
-    return $rc
-}
-# role X ID: the device's writer role on host X (writer, standby, ...).
-role() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role; }
-role_reason() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role_reason; }
-# dev_state X ID / dev_reason X ID: the device's state (live, failed, ...)
-# and why, on host X.
-dev_field() {
-    SOCK=$W/$1/run/ublkd.sock ctl --json show "$2" 2>/dev/null |
-        python3 -c 'import json, sys; print(json.load(sys.stdin)["device"].get(sys.argv[1], ""))' "$3" 2>/dev/null
-}
-dev_state() { dev_field "$1" "$2" state; }
-dev_reason() { dev_field "$1" "$2" error; }
+host_conf a 9477 2 "$([[ $TRANSPORT == rdma ]] && printf '[rdma]\ngid_index = 1\n')"
+host_conf b 9478 2 "$([[ $TRANSPORT == rdma ]] && printf '[rdma]\ngid_index = 1\n')"
 
 # rec TAG I BS: record I of writer TAG, BS bytes (text, space padded).
 rec() { printf '%-*s\n' $(($3 - 1)) "$1 $2"; }
@@ -253,7 +206,7 @@ DEV_A=$(SOCK=$W/a/run/ublkd.sock add_when_etcd --wait --peer "${PEERS[0]}" --pee
 ID_A=${DEV_A#/dev/ublkb}
 # Records written by A before B exists: B's reads must see them.
 for i in 1 2 3; do write_at "$DEV_A" $((SMALL_BASE + i * 4096)) 4096 s4k "$i" && echo "$i $DEV_A $EPOCHREALTIME" >>"$W/acked-s4k"; done
-DEV_B=$(SOCK=$W/b/run/ublkd.sock add_when_etcd --wait --standby --peer "${PEERS[0]}" --peer "${PEERS[1]}" --volume ho --secret-file "$W/vol.key" \
+DEV_B=$(SOCK=$W/b/run/ublkd.sock add_when_etcd --wait --standby --volume ho --secret-file "$W/vol.key" \
     --size $DEV_SIZE --transport "$TRANSPORT" 2>"$R/add-b.err")
 [[ "$DEV_B" =~ ^/dev/ublkb[0-9]+$ && -b "$DEV_B" ]] || die add-standby "$(cat "$R/add-b.err")"
 ID_B=${DEV_B#/dev/ublkb}
