@@ -89,46 +89,9 @@ secret_file = "$W/vol.key"
 quota = "1G"
 TOML
 done
-ublkd_conf() {
-    cat >"$W/$1/ublkd.toml" <<TOML
-state_dir = "$W/$1/state"
-socket = "$W/$1/run/ublkd.sock"
-on_shutdown = "keep"
-request_timeout_ms = 20000
-[device]
-queues = 1
-depth = 16
-io_buf = "1M"
-[metrics]
-listen = "127.0.0.1:$2"
-[etcd]
-endpoints = ["http://$ETCD"]
-request_timeout_ms = 5000
-dial_timeout_ms = 5000
-lease_ttl_secs = $TTL
-handover_poll_ms = 50
-host_id = "host-$1"
-[replication]
-rebuild_check_ms = 500
-change_deadline_ms = 30000
-coord_timeout_ms = 5000
-TOML
-}
-ublkd_conf a 9477
-ublkd_conf b 9478
-ctl_a() { SOCK=$W/a/run/ublkd.sock ctl "$@"; }
-ctl_b() { SOCK=$W/b/run/ublkd.sock ctl "$@"; }
-start_host() {
-    local rc=0 sock=$W/$1/run/ublkd.sock dir=$W/$1
-    W=$dir SOCK=$sock start_ublkd "$R/ublkd-$1.log" || rc=1
-    printf -v "PID_${1^^}" '%s' "$UBLKD_PID"
-    return $rc
-}
-role() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role; }
+host_conf a 9477 1
+host_conf b 9478 1
 rep() { replica_fact "$ID_A" "$1"; }
-dev_state() {
-    ctl_a --json show "$ID_A" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["device"]["state"])' 2>/dev/null
-}
 wait_rebuilt() {
     local end=$((SECONDS + $1))
     while ((SECONDS < end)); do
@@ -277,7 +240,7 @@ t1=$EPOCHREALTIME
 kill -9 "$PID_A"; wait "$PID_A" 2>/dev/null
 start_host a || fail ublkd-restart "see ublkd-a.log"
 st=
-for _ in $(seq 240); do st=$(dev_state); [[ $st == live ]] && break; sleep 0.5; done
+for _ in $(seq 240); do st=$(dev_state a "$ID_A"); [[ $st == live ]] && break; sleep 0.5; done
 if [[ $st == live ]] && wait_acks "$ACKS" 600; then
     pass "guest-through-ublkd-kill-9 (device live again, longest ACK gap $(gap "$t1") s wall/guest)"
 else fail guest-through-ublkd-kill-9 "state '$st', $(n_acks) ACKs; see ublkd-a.log"; fi
@@ -393,7 +356,7 @@ if [[ $live == a2 ]]; then
     if [[ $ra == writer ]] && dd if="$DEV_A" of="$W/blk0" bs=4096 count=1 iflag=direct status=none &&
         dd if="$W/blk0" of="$DEV_A" bs=4096 count=1 oflag=direct conv=notrunc status=none 2>"$W/blk0.err"; then
         pass "standby-shutdown-keeps-writer (host-b's ublkd stopped; host-a still writer and writing)"
-    else fail standby-shutdown-keeps-writer "host-a role '$ra' ($(SOCK=$W/a/run/ublkd.sock replica_fact "$ID_A" role_reason)), write: $(cat "$W/blk0.err" 2>/dev/null); host-b's log: $(grep -E 'handover_asked|flush_failed|writer.acquired' "$R/ublkd-b.log" | tail -2 | cut -c1-240)"; fi
+    else fail standby-shutdown-keeps-writer "host-a role '$ra' ($(role_reason a "$ID_A")), write: $(cat "$W/blk0.err" 2>/dev/null); host-b's log: $(grep -E 'handover_asked|flush_failed|writer.acquired' "$R/ublkd-b.log" | tail -2 | cut -c1-240)"; fi
 fi
 
 echo "---- summary ($((SECONDS - t0)) s) ----"

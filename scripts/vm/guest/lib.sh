@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, replicas,
-# bench-rdma, bench-swap, bench-replicas, bench-rebuild).
+# handover, guest-vm, bench-rdma, bench-swap, bench-replicas, bench-rebuild,
+# bench-guest).
 # Source it after setting BIN (the release binaries), SOCK (ublkd's control
 # socket) and W (the scenario's work dir holding ublkd.toml).
 
@@ -101,3 +102,58 @@ add_when_etcd() {
         sleep 0.5
     done
 }
+
+# Two ublkd in one VM as two hosts of a fleet (handover.sh, guest-vm.sh):
+# host X (a, b) keeps its config, state dir and socket in $W/X and its log
+# in $R/ublkd-X.log; its host id is host-X; etcd at $ETCD, lease TTL $TTL,
+# lease margin $MARGIN (ublkd's default when unset).
+# host_conf X METRICS_PORT QUEUES [TOML]: host X's ublkd.toml, TOML (more
+# tables, an [rdma] one say) appended.
+host_conf() {
+    cat >"$W/$1/ublkd.toml" <<TOML
+state_dir = "$W/$1/state"
+socket = "$W/$1/run/ublkd.sock"
+on_shutdown = "keep"
+request_timeout_ms = 20000
+[device]
+queues = $3
+depth = 16
+io_buf = "1M"
+[metrics]
+listen = "127.0.0.1:$2"
+[etcd]
+endpoints = ["http://$ETCD"]
+request_timeout_ms = 5000
+dial_timeout_ms = 5000
+lease_ttl_secs = $TTL
+lease_margin_ms = ${MARGIN:-2000}
+handover_poll_ms = 50
+host_id = "host-$1"
+[replication]
+rebuild_check_ms = 500
+change_deadline_ms = 30000
+coord_timeout_ms = 5000
+${4:-}
+TOML
+}
+ctl_a() { SOCK=$W/a/run/ublkd.sock ctl "$@"; }
+ctl_b() { SOCK=$W/b/run/ublkd.sock ctl "$@"; }
+# start_host X: host X's ublkd; sets PID_X.
+start_host() {
+    local rc=0 sock=$W/$1/run/ublkd.sock dir=$W/$1
+    W=$dir SOCK=$sock start_ublkd "$R/ublkd-$1.log" || rc=1
+    printf -v "PID_${1^^}" '%s' "$UBLKD_PID"
+    return $rc
+}
+# role X ID / role_reason X ID: device ID's writer role on host X
+# (writer, standby, unconfirmed, fenced) and why.
+role() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role; }
+role_reason() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role_reason; }
+# dev_state X ID / dev_reason X ID: device ID's state on host X (live,
+# failed, ...) and why.
+dev_field() {
+    SOCK=$W/$1/run/ublkd.sock ctl --json show "$2" 2>/dev/null |
+        /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["device"].get(sys.argv[1], ""))' "$3" 2>/dev/null
+}
+dev_state() { dev_field "$1" "$2" state; }
+dev_reason() { dev_field "$1" "$2" error; }
