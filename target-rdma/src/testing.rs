@@ -1,10 +1,12 @@
 //! Test support, the one arenad harness of the workspace's tests and
 //! benchmarks: an in-process [`Peer`] (the real `Server` over a real `Store`
 //! in a temp dir, on loopback) with its own isolated telemetry, which is
-//! where tests read what the server counted. Compiled for tests only
+//! where tests read what the server counted; and the [`conformance`]
+//! suites every backend of a capability runs. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
 pub mod arenad;
+pub mod conformance;
 mod echo;
 pub mod log_lines;
 mod raw;
