@@ -1,13 +1,14 @@
 //! The blob suite (`target_rdma::testing::conformance::blob`) on every
-//! `BlobIo` of this crate: the in-process reference, each client transport,
-//! and volumes replicated over each. Add a backend by adding a line to
+//! `BlobIo` of this crate: the in-process reference, each client transport
+//! alone, ublkd's production `Session` over each of them, and volumes
+//! replicated over each. Add a backend by adding a line to
 //! `blob_conformance!` below.
 
 use std::sync::Arc;
 
 use target_rdma::blob::Transport;
 use target_rdma::blob_conformance;
-use target_rdma::client::{ArenaClient, RdmaTransport};
+use target_rdma::client::{ArenaClient, RdmaTransport, Session, TransportGroup};
 use target_rdma::rdma::loopback::LoopbackProvider;
 use target_rdma::rdma::RdmaProvider;
 use target_rdma::replica::{MemberSessions, ReplicatedIo};
@@ -46,6 +47,17 @@ fn tcp_driven() -> Fixture<ArenaClient> {
     Fixture::new(peer.driven_client("a", SECRET_A))
         .keep(peer)
         .keep(dir)
+}
+
+/// ublkd's queue session (`Session`) over TCP.
+fn session_tcp() -> Fixture<Session> {
+    tcp().map(Session::Tcp)
+}
+
+/// ublkd's queue session over a driven TCP client, as a volume on one
+/// peer runs it.
+fn session_tcp_driven() -> Fixture<Session> {
+    tcp_driven().map(Session::Tcp)
 }
 
 /// A volume replicated on `n` in-process stores.
@@ -96,6 +108,19 @@ fn replicated_tcp_3() -> Fixture<ReplicatedIo<ArenaClient>> {
     replicated_tcp(3)
 }
 
+/// A volume replicated on two peers over ublkd's `Session`s (TCP), as a
+/// replicated device's queues run it.
+fn replicated_session_tcp_2() -> Fixture<ReplicatedIo<Session>> {
+    replicated_over(2, |p| {
+        let s = p.member_sessions(1);
+        MemberSessions {
+            queues: s.queues.into_iter().map(Session::Tcp).collect(),
+            background: Session::Tcp(s.background),
+            epoch: s.epoch,
+        }
+    })
+}
+
 /// RDMA over `provider` on both sides, every payload by RDMA (threshold 1
 /// byte), a lease cache small enough to leave the 16-slot arena room to evict.
 fn rdma_over(provider: Arc<dyn RdmaProvider>, driven: bool) -> Fixture<RdmaTransport> {
@@ -129,6 +154,17 @@ fn rdma_loopback_driven() -> Fixture<RdmaTransport> {
     rdma_over(p, true)
 }
 
+/// ublkd's queue session over RDMA (loopback provider), in a transport
+/// group of its own as a device's queues are.
+fn session_rdma_loopback() -> Fixture<Session> {
+    rdma_loopback().map(|t| Session::rdma(t, &TransportGroup::new()))
+}
+
+/// ublkd's queue session over a driven RDMA transport (loopback).
+fn session_rdma_loopback_driven() -> Fixture<Session> {
+    rdma_loopback_driven().map(|t| Session::rdma(t, &TransportGroup::new()))
+}
+
 /// Real verbs: needs an RDMA device (soft-RoCE in the VM suite,
 /// `scripts/vm/guest/rdma.sh`), hence ignored elsewhere.
 fn rdma_verbs() -> Fixture<RdmaTransport> {
@@ -144,14 +180,19 @@ blob_conformance!(
     in_process => Transport::InProcess,
     tcp => Transport::Tcp,
     tcp_driven => Transport::Tcp,
+    session_tcp => Transport::Tcp,
+    session_tcp_driven => Transport::Tcp,
     rdma_loopback => Transport::Rdma,
     rdma_loopback_driven => Transport::Rdma,
+    session_rdma_loopback => Transport::Rdma,
+    session_rdma_loopback_driven => Transport::Rdma,
     replicated_in_process_1 => Transport::InProcess,
     replicated_in_process_2 => Transport::InProcess,
     replicated_in_process_3 => Transport::InProcess,
     replicated_tcp_1 => Transport::Tcp,
     replicated_tcp_2 => Transport::Tcp,
     replicated_tcp_3 => Transport::Tcp,
+    replicated_session_tcp_2 => Transport::Tcp,
     #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
     rdma_verbs => Transport::Rdma,
     #[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
