@@ -1,10 +1,12 @@
 //! Test support, the one arenad harness of the workspace's tests and
 //! benchmarks: an in-process [`Peer`] (the real `Server` over a real `Store`
 //! in a temp dir, on loopback) with its own isolated telemetry, which is
-//! where tests read what the server counted. Compiled for tests only
+//! where tests read what the server counted; and the [`conformance`]
+//! suites every backend of a capability runs. Compiled for tests only
 //! (feature `test-utils`), never into the daemons.
 
 pub mod arenad;
+pub mod conformance;
 mod echo;
 pub mod log_lines;
 mod raw;
@@ -426,9 +428,16 @@ pub fn rdma_device() -> Arc<dyn RdmaProvider> {
 pub fn driven(cfg: ClientConfig) -> ArenaClient {
     assert!(cfg.driven, "a driven config");
     let client = ArenaClient::connect(cfg).expect("connect to the peer");
+    drive(&client);
+    client
+}
+
+/// Runs the driver of `client` (a [`ClientConfig::driven`] one, made
+/// elsewhere: ublkd's `Connector`) on a [`UringLoop`] thread until the
+/// client is dropped, as its queue thread's ring would.
+pub fn drive(client: &ArenaClient) {
     let driver = client.driver().expect("a driven client has a driver");
     on_loop_thread(move |lp| lp.block_on(driver.run(lp)));
-    client
 }
 
 /// Runs `drive` on a [`UringLoop`] of a thread of its own, as a ublk

@@ -7,8 +7,10 @@
 //! says in its `Ok` value which path carried the payload ([`Via`]), so a
 //! failover reaches the request accounting in the return value, not through
 //! a side channel. Nothing here names a transport, so a composite of
-//! sessions can implement the trait too. `tests/transport_conformance.rs`
-//! holds every implementation to one suite.
+//! sessions can implement the trait too. One suite
+//! (`testing::conformance::blob`) holds every implementation to the same
+//! behaviour, here (`tests/transport_conformance.rs`) and on ublkd's queue
+//! path (`daemon/tests/queue_io_conformance.rs`).
 //!
 //! Client-side modules (`client`, `block`) and server-side ones (`store`,
 //! `arenad`) both name this module and never each other.

@@ -3,10 +3,12 @@
 //!
 //! [`BlockTarget`] is implemented by the arena-backed target ([`ArenaTarget`])
 //! and by a plain in-memory reference ([`MemTarget`]); one conformance suite
-//! (`tests/target_conformance.rs`) runs against both. Errors become errnos in
-//! exactly one place, [`TargetError::errno`]; a success says which path
-//! carried the request's payloads ([`Via`], folded over its blobs), which is
-//! all the request accounting needs to count a failover.
+//! (`testing::conformance::target`) runs against both, here
+//! (`tests/target_conformance.rs`) and on ublkd's queue path
+//! (`daemon/tests/queue_io_conformance.rs`). Errors become errnos in exactly
+//! one place, [`TargetError::errno`]; a success says which path carried the
+//! request's payloads ([`Via`], folded over its blobs), which is all the
+//! request accounting needs to count a failover.
 
 mod arena_target;
 mod device_size;

@@ -1,0 +1,145 @@
+//! The conformance suites on ublkd's own queue path: a queue's [`QueueIo`]
+//! made by ublkd's own code (`Connector` sessions, driven TCP as a volume
+//! on one peer runs them; `Replicated::open` for a replicated volume, on
+//! the memory coordinator instead of etcd), served by real arena peers
+//! (target-rdma's `Peer`: arenad's server and store, in process, sized by
+//! each suite). No kernel: the suites call what the queue threads call.
+//!
+//! `QueueIo` is no `BlobIo` or `BlockTarget` itself: a queue thread builds
+//! `ArenaTarget::new(io.volume(), size)` over it. The fixtures do the same
+//! with a clone of the volume (`VolumeIo` clones share their sessions),
+//! keeping the `QueueIo` alive after it as a queue thread does; that is the
+//! whole adapter. The blob suite runs on the same `VolumeIo`.
+
+use std::sync::Arc;
+
+use target_rdma::blob::Transport;
+use target_rdma::block::ArenaTarget;
+use target_rdma::replica::clock::system;
+use target_rdma::replica::{Coordinator, Membership, MemoryCoordinator, VolumeIo};
+use target_rdma::testing::conformance::{blob, target, Fixture};
+use target_rdma::testing::{drive, secret, Peer, PeerOpts, SECRET_A};
+use target_rdma::{blob_conformance, target_conformance};
+use ublkd::config::{TransportChoice, UblkdConfig};
+use ublkd::coordination::ReplicationConfig;
+use ublkd::device::{Connector, DeviceSpec, ReplicaSpec, Replicated, Resolve};
+use ublkd::queue_io::{QueueIo, TagBuffers};
+
+/// A device of one queue on `peers` (replicated when more than one) with
+/// blobs of `blob` bytes, over TCP.
+fn spec(peers: &[String], blob: u32, size: u64) -> DeviceSpec {
+    DeviceSpec {
+        id: 0,
+        peer: peers[0].clone(),
+        volume: "a".into(),
+        secret_file: "unused: the secret is passed in".into(),
+        size,
+        queues: 1,
+        depth: 4,
+        io_buf: 256 << 10,
+        blob_size: blob.into(),
+        transport: TransportChoice::Tcp,
+        logical_block_size: 512,
+        physical_block_size: 4096,
+        max_io_size: 256 << 10,
+        discard: true,
+        max_discard_size: 1 << 30,
+        write_zeroes: true,
+        max_write_zeroes_size: 1 << 30,
+        write_cache: true,
+        fua: true,
+        read_only: false,
+        cpus: Vec::new(),
+        replicas: (peers.len() > 1).then(|| ReplicaSpec {
+            peers: peers.to_vec(),
+            ..Default::default()
+        }),
+    }
+}
+
+/// `n` peers started with `opts`, each in a directory of its own.
+fn peers(n: usize, opts: &PeerOpts) -> Vec<(Peer, tempfile::TempDir)> {
+    (0..n)
+        .map(|_| {
+            let dir = tempfile::tempdir().unwrap();
+            (Peer::start(dir.path(), opts.clone()), dir)
+        })
+        .collect()
+}
+
+/// Queue 0 of a device on `n` peers started with `opts`, opened as ublkd
+/// opens it, with everything it needs kept alive after it.
+fn queue_io(n: usize, opts: PeerOpts, blob: u32, size: u64) -> Fixture<QueueIo> {
+    let peers = peers(n, &opts);
+    let names: Vec<String> = peers.iter().map(|(p, _)| p.addr.to_string()).collect();
+    let spec = spec(&names, blob, size);
+    let connector = Connector::new(&UblkdConfig::defaults(), Arc::default());
+    if n == 1 {
+        // The device manager's `connect_single`: driven sessions, whose
+        // drivers the queue thread's ring runs (here a loop thread's).
+        let bufs = Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize));
+        let mut sessions = connector
+            .connect(
+                &spec,
+                &spec.peer,
+                &secret(SECRET_A),
+                std::slice::from_ref(&bufs),
+                false,
+                true,
+            )
+            .unwrap();
+        let io = QueueIo::single(sessions.queues.remove(0), bufs);
+        drive(io.session().client());
+        return Fixture::new(io).keep(peers);
+    }
+    let coord = MemoryCoordinator::new(system(), Membership::new_volume(&names).unwrap());
+    let resolve: Resolve = Arc::new(|n: &str| Ok(n.to_owned()));
+    let (mut ios, rep) = Replicated::open(
+        &connector,
+        &spec,
+        &secret(SECRET_A),
+        coord as Arc<dyn Coordinator>,
+        &resolve,
+        &ReplicationConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(ios[0].sessions().len(), n, "a session to every member");
+    Fixture::new(ios.remove(0)).keep(rep).keep(peers)
+}
+
+/// The queue's volume, as the blob suite's backend.
+fn volume(io: Fixture<QueueIo>) -> Fixture<VolumeIo> {
+    let volume = io.backend.volume().clone();
+    Fixture::new(volume).keep(io)
+}
+
+/// The block target a queue thread runs over the queue's volume.
+fn block_target(io: Fixture<QueueIo>) -> Fixture<ArenaTarget<VolumeIo>> {
+    volume(io).map(|v| ArenaTarget::new(v, target::SIZE))
+}
+
+fn single_volume() -> Fixture<VolumeIo> {
+    volume(queue_io(1, blob::peer_opts(), blob::BLOB, 1 << 30))
+}
+
+fn replicated_2_volume() -> Fixture<VolumeIo> {
+    volume(queue_io(2, blob::peer_opts(), blob::BLOB, 1 << 30))
+}
+
+fn single_target() -> Fixture<ArenaTarget<VolumeIo>> {
+    block_target(queue_io(1, target::peer_opts(), target::BLOB, target::SIZE))
+}
+
+fn replicated_2_target() -> Fixture<ArenaTarget<VolumeIo>> {
+    block_target(queue_io(2, target::peer_opts(), target::BLOB, target::SIZE))
+}
+
+blob_conformance!(
+    single_volume => Transport::Tcp,
+    replicated_2_volume => Transport::Tcp,
+);
+
+target_conformance!(
+    single_target reference: 8,
+    replicated_2_target reference: 4,
+);
