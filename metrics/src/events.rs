@@ -65,8 +65,8 @@ pub const PEER_DISCONNECTED: &str = "peer.disconnected";
 pub const PEER_RESTARTED: &str = "peer.restarted";
 /// Every link of a device's peer is up again after a disconnection.
 pub const PEER_RECONNECTED: &str = "peer.reconnected";
-/// Waiting for the TCP connection's socket to become readable failed; its
-/// requests fail over or retry.
+/// Waiting for an arena TCP connection's socket to become readable failed: that
+/// connection is failed.
 pub const PEER_POLL_FAILED: &str = "peer.poll_failed";
 /// A session was authenticated: arenad (info) names the volume, generation,
 /// epoch and whether RDMA was granted; ublkd's client logs it at debug.

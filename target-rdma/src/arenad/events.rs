@@ -37,7 +37,8 @@ pub const RDMA_LEASE_KEY_FORCE_ENDED: &str = "rdma.lease_key_force_ended";
 // Connections.
 /// Accepting a connection failed; arenad backs off and tries again.
 pub const ACCEPT_FAILED: &str = "accept.failed";
-/// A connection was refused at accept (reason: connection limit, ...).
+/// A connection was closed right after accept (reason: `max_connections` or
+/// `max_unauthenticated` reached).
 pub const CONNECTION_REFUSED: &str = "connection.refused";
 /// A connection was accepted (debug).
 pub const CONNECTION_ACCEPTED: &str = "connection.accepted";
@@ -56,7 +57,8 @@ pub const CONNECTION_INTERNAL_ERROR: &str = "connection.internal_error";
 /// A client failed authentication (peer address, reason): a wrong secret or a
 /// scan.
 pub const AUTH_FAILED: &str = "auth.failed";
-/// A client's HELLO was refused (unknown volume, version, ...).
+/// A client's HELLO was refused (status, detail: a protocol version or blob
+/// size this arenad does not serve).
 pub const HELLO_REFUSED: &str = "hello.refused";
 /// A client sent a frame or request arenad could not accept; the connection is
 /// closed.
@@ -67,7 +69,8 @@ pub const STORE_ERROR: &str = "store.error";
 // Epochs.
 /// A raised epoch ended the leases of older sessions of the volume.
 pub const EPOCH_LEASES_FENCED: &str = "epoch.leases_fenced";
-/// A raised epoch could not be persisted; the request is refused.
+/// A raised epoch could not be persisted: the request or HELLO that raised it
+/// is refused.
 pub const EPOCH_PERSIST_FAILED: &str = "epoch.persist_failed";
 
 // Volumes at a reload.
