@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use rustix::fs::Mode;
 use rustix::process::umask;
+use ublk_metrics::events;
 
 use crate::ctl::{self, ErrorKind, PeerInfo, Reply, Request, Response, ResponseLine};
 use crate::device::{DeviceError, Manager};
@@ -167,7 +168,7 @@ fn serve_conn(manager: &Manager, stream: UnixStream) {
         } else {
             match ctl::parse_request(line.trim_end()) {
                 Ok(req) => {
-                    tracing::debug!(event = "ctl.request", request = ?req);
+                    tracing::debug!(event = events::CTL_REQUEST, request = ?req);
                     handle(manager, req)
                 }
                 Err(resp) => *resp,
@@ -198,10 +199,10 @@ pub fn serve(listener: UnixListener, manager: Arc<Manager>) {
                     .name("ublkd-ctl".into())
                     .spawn(move || serve_conn(&m, stream))
                 {
-                    tracing::error!(event = "ctl.spawn_failed", error = %e);
+                    tracing::error!(event = events::CTL_SPAWN_FAILED, error = %e);
                 }
             }
-            Err(e) => tracing::warn!(event = "ctl.accept_failed", error = %e),
+            Err(e) => tracing::warn!(event = events::CTL_ACCEPT_FAILED, error = %e),
         }
     }
 }

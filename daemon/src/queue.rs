@@ -27,6 +27,7 @@ use libublk::{BufDesc, UblkError, UblkUringData};
 use target_rdma::block::{ArenaTarget, DeviceSize};
 use target_rdma::client::tcp::ring::Ring;
 use target_rdma::client::tcp::TICK;
+use ublk_metrics::events;
 
 use crate::io::{serve, IoDesc};
 use crate::observability::DeviceObs;
@@ -50,7 +51,7 @@ async fn io_task(
         .tag(tag)
         .filter(|b| b.len() >= q.dev.dev_info.max_io_buf_bytes as usize)
     else {
-        tracing::error!(event = "queue.no_buffer", qid = q.get_qid(), tag);
+        tracing::error!(event = events::QUEUE_NO_BUFFER, qid = q.get_qid(), tag);
         return Err(UblkError::OtherError(-libc::EINVAL));
     };
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(buf))
@@ -82,11 +83,11 @@ async fn wake_task(efd: Arc<EventFd>) {
                 efd.drain();
             }
             Ok(r) => {
-                tracing::error!(event = "queue.wake_poll_failed", errno = -r);
+                tracing::error!(event = events::QUEUE_WAKE_POLL_FAILED, errno = -r);
                 return;
             }
             Err(e) => {
-                tracing::error!(event = "queue.wake_poll_failed", error = %e);
+                tracing::error!(event = events::QUEUE_WAKE_POLL_FAILED, error = %e);
                 return;
             }
         }
@@ -131,14 +132,14 @@ pub fn run(
     let efd = match EventFd::new() {
         Ok(e) => Arc::new(e),
         Err(e) => {
-            tracing::error!(event = "queue.eventfd_failed", qid, error = %e);
+            tracing::error!(event = events::QUEUE_EVENTFD_FAILED, qid, error = %e);
             return;
         }
     };
     let q = match UblkQueue::new(qid, dev) {
         Ok(q) => Rc::new(q),
         Err(e) => {
-            tracing::error!(event = "queue.create_failed", qid, error = %e);
+            tracing::error!(event = events::QUEUE_CREATE_FAILED, qid, error = %e);
             return;
         }
     };
@@ -156,7 +157,7 @@ pub fn run(
         tasks.push(exe.spawn(async move {
             match io_task(&q, tag, &io, &size, &efd, &obs).await {
                 Err(UblkError::QueueIsDown) | Ok(()) => {}
-                Err(e) => tracing::error!(event = "queue.tag_failed", qid, tag, error = %e),
+                Err(e) => tracing::error!(event = events::QUEUE_TAG_FAILED, qid, tag, error = %e),
             }
         }));
     }
@@ -182,11 +183,11 @@ pub fn run(
         let run_ops = || while run_exe.try_tick() {};
         let done = || tasks.iter().all(|t| t.is_finished());
         if let Err(e) = libublk::wait_and_handle_io_events(&q, Some(20), run_ops, done).await {
-            tracing::error!(event = "queue.loop_failed", qid, error = %e);
+            tracing::error!(event = events::QUEUE_LOOP_FAILED, qid, error = %e);
         }
     }));
     drop(waker);
     drop(driver);
     drop(cq_driver);
-    tracing::info!(event = "queue.stopped", qid);
+    tracing::info!(event = events::QUEUE_STOPPED, qid);
 }

@@ -11,6 +11,7 @@ use libublk::helpers::IoBuf;
 use target_rdma::blob::{BlobIo, Transport};
 use target_rdma::client::{RdmaTransport, Session};
 use target_rdma::replica::{ReplicatedIo, VolumeIo};
+use ublk_metrics::events;
 
 /// A queue's I/O buffers: one page-aligned buffer of `io_buf` bytes per
 /// tag, allocated when the device is added and registered once for RDMA.
@@ -52,7 +53,7 @@ pub fn register_buffers(t: &RdmaTransport, bufs: &Arc<TagBuffers>) {
         // leases, which moves no payload. A replicated volume's background
         // session is never given a queue's buffers.
         if let Err(e) = unsafe { t.register_io_buffers(b.as_mut_ptr(), b.len()) } {
-            tracing::warn!(event = "rdma.register_failed", bytes = b.len(), error = %e);
+            tracing::warn!(event = events::RDMA_REGISTER_FAILED, bytes = b.len(), error = %e);
         }
     }
 }

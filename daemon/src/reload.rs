@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use target_rdma::config_file::{changes, Change};
-use ublk_metrics::events::LogControl;
+use ublk_metrics::events::{self, LogControl};
 use ublk_metrics::{HttpConfig, MetricsServer, Telemetry};
 
 use crate::config::{ConfigError, OnShutdown, UblkdConfig};
@@ -83,7 +83,7 @@ impl Runtime {
         let new = match UblkdConfig::load(&self.path) {
             Ok(c) => c,
             Err(e) => {
-                tracing::error!(event = "config.reload_failed", path = %self.path.display(), error = %e, "keeping the running configuration");
+                tracing::error!(event = events::CONFIG_RELOAD_FAILED, path = %self.path.display(), error = %e, "keeping the running configuration");
                 return Err(e);
             }
         };
@@ -132,13 +132,13 @@ impl Runtime {
         running.metrics.slow_threshold_ms = new.metrics.slow_threshold_ms;
         self.obs.apply(&running.metrics);
         for c in &done.applied {
-            tracing::info!(event = "config.changed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
+            tracing::info!(event = events::CONFIG_CHANGED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
         }
         for c in &done.restart_needed {
-            tracing::warn!(event = "config.restart_needed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart ublkd`");
+            tracing::warn!(event = events::CONFIG_RESTART_NEEDED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart ublkd`");
         }
         tracing::info!(
-            event = "config.reloaded",
+            event = events::CONFIG_RELOADED,
             path = %self.path.display(),
             applied = done.applied.len(),
             restart_needed = done.restart_needed.len()
@@ -152,11 +152,11 @@ fn listen(addr: Option<&str>, tel: &Arc<Telemetry>, http: HttpConfig) -> Option<
     let addr = addr?;
     match MetricsServer::start(addr, Arc::clone(tel), http) {
         Ok(m) => {
-            tracing::info!(event = "metrics.listening", addr = %m.local_addr());
+            tracing::info!(event = events::METRICS_LISTENING, addr = %m.local_addr());
             Some(m)
         }
         Err(e) => {
-            tracing::error!(event = "metrics.listen_failed", error = %e);
+            tracing::error!(event = events::METRICS_LISTEN_FAILED, error = %e);
             None
         }
     }

@@ -23,6 +23,7 @@ use ublk_metrics::testing::{
 };
 
 use common::ublkd::Ublkd;
+use ublk_metrics::events;
 use ublk_metrics::testing::{http_get as get, promtool_check_metrics as promtool_check};
 
 use libublk::sys;
@@ -420,7 +421,11 @@ fn a_traced_request_is_the_exemplar_and_its_connection_reports_tcp_info() {
         .filter(|r| r["trace_id"] == trace_id)
         .map(|r| r["event"].as_str().unwrap())
         .collect();
-    assert_eq!(spans, ["span.request", "span.attempt"], "{logs:#?}");
+    assert_eq!(
+        spans,
+        [events::SPAN_REQUEST, events::SPAN_ATTEMPT],
+        "{logs:#?}"
+    );
     let root = logs.iter().find(|r| r["trace_id"] == trace_id).unwrap();
     assert_eq!(
         (&root["op"], &root["retention"]),

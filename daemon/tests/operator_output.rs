@@ -77,7 +77,7 @@ fn ublkd(dir: &Path, format: &str) -> String {
             .arg("--config")
             .arg(&cfg)
             .args(["--log-format", format]),
-        "ublkd.ready",
+        ublk_metrics::events::UBLKD_READY,
     )
 }
 
@@ -92,7 +92,7 @@ fn arenad(dir: &Path, format: &str) -> String {
             .arg(dir.join(format!("swap-{format}")))
             .arg("--volume")
             .arg(format!("a:{}:4M", key.display())),
-        "arenad.ready",
+        target_rdma::arenad::events::ARENAD_READY,
     )
 }
 

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 
 use common::log_lines::{has, until};
+use ublk_metrics::events;
 use ublk_metrics::testing::{addr_after, http_get as get, spawn_with_log_lines};
 
 struct Ublkd(Child);
@@ -58,10 +59,10 @@ fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
             .env_remove("RUST_LOG"),
     );
     let daemon = Ublkd(child);
-    let seen = until(&lines, "ublkd.ready");
+    let seen = until(&lines, events::UBLKD_READY);
     let first = seen
         .iter()
-        .find_map(|l| addr_after(l, "metrics.listening"))
+        .find_map(|l| addr_after(l, events::METRICS_LISTENING))
         .expect("metrics.listening before ublkd.ready");
     assert_eq!(
         diag_metrics(&first)["slow_threshold_ms"],
@@ -86,7 +87,7 @@ fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
     .replace("/state\"", "/elsewhere\"");
     std::fs::write(&cfg, &moved).unwrap();
     daemon.signal("HUP");
-    let seen = until(&lines, "config.reloaded");
+    let seen = until(&lines, events::CONFIG_RELOADED);
     let second = format!("127.0.0.1:{port}");
     let m = diag_metrics(&second);
     assert_eq!(
@@ -100,19 +101,23 @@ fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
     );
     for key in ["log_level", "on_shutdown", "metrics.slow_threshold_ms"] {
         assert!(
-            has(&seen, "config.changed", &format!("\"key\":\"{key}\"")),
+            has(&seen, events::CONFIG_CHANGED, &format!("\"key\":\"{key}\"")),
             "{key}: {seen:#?}"
         );
     }
     assert!(
-        has(&seen, "config.restart_needed", "\"key\":\"state_dir\""),
+        has(
+            &seen,
+            events::CONFIG_RESTART_NEEDED,
+            "\"key\":\"state_dir\""
+        ),
         "{seen:#?}"
     );
 
     // A config that does not validate changes nothing, and says why.
     std::fs::write(&cfg, moved.replace("= 250", "= 99999999")).unwrap();
     daemon.signal("HUP");
-    let seen = until(&lines, "config.reload_failed");
+    let seen = until(&lines, events::CONFIG_RELOAD_FAILED);
     assert!(
         seen.last().unwrap().contains("metrics.slow_threshold_ms"),
         "{seen:#?}"
@@ -122,7 +127,7 @@ fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
     // SIGTERM does what the reloaded on_shutdown says, logged in its
     // config spelling.
     daemon.signal("TERM");
-    let seen = until(&lines, "ublkd.exit");
+    let seen = until(&lines, events::UBLKD_EXIT);
     assert!(
         seen.last().unwrap().contains("\"on_shutdown\":\"remove\""),
         "{seen:#?}"

@@ -219,13 +219,13 @@ fn stuck_is_logged_once_per_request_and_slow_on_completion() {
     let events = |name: &str| -> Vec<&serde_json::Value> {
         logs.iter().filter(|r| r["event"] == name).collect()
     };
-    let stuck = events("request.stuck");
+    let stuck = events(ublk_metrics::events::REQUEST_STUCK);
     assert_eq!(stuck.len(), 1, "{logs:?}");
     assert_eq!(stuck[0]["corr"], corr.get(), "{}", stuck[0]);
     assert_eq!(stuck[0]["op"], "read");
     assert_eq!(stuck[0]["device"], 7);
     assert_eq!(stuck[0]["age_ms"], 30000);
-    let slow = events("request.slow");
+    let slow = events(ublk_metrics::events::REQUEST_SLOW);
     assert_eq!(slow.len(), 1, "{logs:?}");
     assert_eq!(slow[0]["latency_ms"], 35000);
 }

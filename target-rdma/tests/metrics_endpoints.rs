@@ -11,8 +11,10 @@ use ublk_metrics::testing::{
     promtool_check_metrics as promtool_check, spawn_with_log_lines,
 };
 
+use target_rdma::arenad::events as arenad_events;
 use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::testing::{secret, secret_file};
+use ublk_metrics::events;
 
 const SECRET: &str = "arenad-endpoint-test-secret-7f3a9c";
 const VOLUME: &str = "vol-endpoint-test";
@@ -60,8 +62,8 @@ fn start_arenad_with(dir: &std::path::Path, keys: &str) -> Arenad {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("arenad logs its listeners (or exited)");
-        metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
-        data = data.or_else(|| addr_after(&line, "arenad.ready"));
+        metrics = metrics.or_else(|| addr_after(&line, events::METRICS_LISTENING));
+        data = data.or_else(|| addr_after(&line, arenad_events::ARENAD_READY));
     }
     Arenad {
         child,

@@ -13,8 +13,10 @@ use common::arenad::{Arenad, Proc};
 use common::log_lines::{has, until};
 use common::*;
 use futures::executor::block_on;
+use target_rdma::arenad::events as arenad_events;
 use target_rdma::blob::{ArenaError, ErrorKind};
 use target_rdma::client::{ArenaClient, ClientConfig};
+use ublk_metrics::events;
 
 const NEW_B: &str = "rotated-secret-of-volume-b-5555";
 const SECRET_C: &str = "secret-of-volume-c-added-by-sighup";
@@ -41,7 +43,7 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
     let p = Arenad::new(dir.path(), "512K", "64K", "64M", None);
     let original = std::fs::read_to_string(&p.cfg).unwrap();
     let (mut proc, lines) = p.spawn_logged(&[]);
-    until(&lines, "arenad.ready");
+    until(&lines, arenad_events::ARENAD_READY);
 
     // A session of "b" opened before the rotation.
     let old_b = connect(&p, "b", SECRET_B).unwrap();
@@ -60,14 +62,21 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
         c_key.display()
     );
     std::fs::write(&p.cfg, format!("log_level = \"debug\"\n{added}")).unwrap();
-    let seen = hup(&mut proc, &lines, "config.reloaded");
-    assert!(has(&seen, "volume.served", "\"volume\":\"c\""), "{seen:#?}");
+    let seen = hup(&mut proc, &lines, events::CONFIG_RELOADED);
     assert!(
-        has(&seen, "volume.secret_changed", "\"volume\":\"b\""),
+        has(&seen, arenad_events::VOLUME_SERVED, "\"volume\":\"c\""),
         "{seen:#?}"
     );
     assert!(
-        has(&seen, "config.changed", "\"key\":\"log_level\""),
+        has(
+            &seen,
+            arenad_events::VOLUME_SECRET_CHANGED,
+            "\"volume\":\"b\""
+        ),
+        "{seen:#?}"
+    );
+    assert!(
+        has(&seen, events::CONFIG_CHANGED, "\"key\":\"log_level\""),
         "{seen:#?}"
     );
 
@@ -76,7 +85,7 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
     let refused = connect(&p, "b", SECRET_B).map(drop).unwrap_err();
     assert_eq!(refused.kind(), ErrorKind::AuthFailed, "{refused}");
     // The refusal names the peer in the log (not in metrics).
-    let seen = until(&lines, "auth.failed");
+    let seen = until(&lines, arenad_events::AUTH_FAILED);
     assert!(
         seen.last().unwrap().contains("\"peer\":\"127.0.0.1:"),
         "{seen:#?}"
@@ -92,7 +101,7 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
 
     // A config that does not load changes nothing, and says why.
     std::fs::write(&p.cfg, format!("arena_bytes = \"lots\"\n{added}")).unwrap();
-    let seen = hup(&mut proc, &lines, "config.reload_failed");
+    let seen = hup(&mut proc, &lines, events::CONFIG_RELOAD_FAILED);
     assert!(
         seen.last().unwrap().contains("arena_bytes"),
         "names the key: {seen:#?}"
@@ -105,13 +114,17 @@ fn sighup_adds_volumes_rotates_secrets_and_keeps_a_bad_config_out() {
     let removed = original.replace("arena_bytes = \"512K\"", "arena_bytes = \"1M\"");
     assert_ne!(removed, original);
     std::fs::write(&p.cfg, &removed).unwrap();
-    let seen = hup(&mut proc, &lines, "config.reloaded");
+    let seen = hup(&mut proc, &lines, events::CONFIG_RELOADED);
     assert!(
-        has(&seen, "volume.unserved", "\"volume\":\"c\""),
+        has(&seen, arenad_events::VOLUME_UNSERVED, "\"volume\":\"c\""),
         "{seen:#?}"
     );
     assert!(
-        has(&seen, "config.restart_needed", "\"key\":\"arena_bytes\""),
+        has(
+            &seen,
+            events::CONFIG_RESTART_NEEDED,
+            "\"key\":\"arena_bytes\""
+        ),
         "{seen:#?}"
     );
     assert_eq!(
@@ -153,7 +166,7 @@ fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
     let p = Arenad::new(dir.path(), "512K", "64K", "64M", None);
     let original = std::fs::read_to_string(&p.cfg).unwrap();
     let (mut proc, lines) = p.spawn_logged(&[]);
-    until(&lines, "arenad.ready");
+    until(&lines, arenad_events::ARENAD_READY);
 
     // Volume c comes in by SIGHUP, after a and b (a third volume index).
     let c_key = secret_file(dir.path(), "c.key", SECRET_C);
@@ -162,8 +175,11 @@ fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
         c_key.display()
     );
     std::fs::write(&p.cfg, &with_c).unwrap();
-    let seen = hup(&mut proc, &lines, "config.reloaded");
-    assert!(has(&seen, "volume.served", "\"volume\":\"c\""), "{seen:#?}");
+    let seen = hup(&mut proc, &lines, events::CONFIG_RELOADED);
+    assert!(
+        has(&seen, arenad_events::VOLUME_SERVED, "\"volume\":\"c\""),
+        "{seen:#?}"
+    );
 
     let stale = |r: Result<(), ArenaError>| {
         let e = r.expect_err("a stale writer is refused");
@@ -187,9 +203,9 @@ fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
 
     // Unserved and served again, c keeps its epoch.
     std::fs::write(&p.cfg, &original).unwrap();
-    hup(&mut proc, &lines, "config.reloaded");
+    hup(&mut proc, &lines, events::CONFIG_RELOADED);
     std::fs::write(&p.cfg, &with_c).unwrap();
-    hup(&mut proc, &lines, "config.reloaded");
+    hup(&mut proc, &lines, events::CONFIG_RELOADED);
     stale(block_on(connect_v2(&p, "c", SECRET_C, 4).write(
         4,
         0,
@@ -204,7 +220,7 @@ fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let (_proc, lines) = p.spawn_logged(&[]);
-    until(&lines, "arenad.ready");
+    until(&lines, arenad_events::ARENAD_READY);
     stale(block_on(connect_v2(&p, "c", SECRET_C, 4).write(
         4,
         0,

@@ -2,8 +2,12 @@
 //! `label="value"` they write is a value of that label's closed set in the
 //! code, and every metric they name is a catalogued family. (A runbook that
 //! tells an operator to look for a reason no daemon emits sends them
-//! nowhere.) This lives here because the reasons of TCP payload requests
-//! belong to the RDMA transport, the others to the metrics crate.
+//! nowhere.) The same holds for log events: every event name the docs
+//! write is one of the daemons' event constants, and every constant is
+//! described in the docs. This lives here because the reasons of TCP
+//! payload requests belong to the RDMA transport, the others to the
+//! metrics crate, and because this crate sees both event lists
+//! (`ublk_metrics::events`, `target_rdma::arenad::events`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -162,4 +166,106 @@ fn the_runbook_names_only_exported_metrics() {
         }
     }
     assert!(named >= 15, "only {named} metric names in the runbook");
+}
+
+/// Dotted backticked words in the docs that are not events (config keys).
+const NOT_EVENTS: &[&str] = &["metrics.per_device_labels"];
+
+/// How file names in the docs end: `accept.rs`, `swap.meta`, ...
+const FILE_EXTENSIONS: &[&str] = &[
+    "rs", "sh", "toml", "service", "log", "json", "env", "dat", "meta", "ckpt", "journal",
+];
+
+/// Every event name of both daemons, each with the list that defines it.
+fn event_names() -> Vec<(&'static str, &'static str)> {
+    let shared = ublk_metrics::events::ALL
+        .iter()
+        .map(|e| (*e, "ublk_metrics::events"));
+    let arenad = target_rdma::arenad::events::ALL
+        .iter()
+        .map(|e| (*e, "target_rdma::arenad::events"));
+    shared.chain(arenad).collect()
+}
+
+/// Every `docs/*.md`, by file name.
+fn docs() -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = std::fs::read_dir(repo().join("docs"))
+        .expect("docs/")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(&p).unwrap();
+            (name, text)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every backticked `word.word` in `text` (lower-case, digits, `_`).
+fn dotted_words(text: &str) -> Vec<&str> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|w| {
+            w.split_once('.').is_some_and(|(a, b)| {
+                [a, b].iter().all(|p| {
+                    p.starts_with(|c: char| c.is_ascii_lowercase())
+                        && p.chars()
+                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                })
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn no_event_name_is_defined_twice() {
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for (name, list) in event_names() {
+        if let Some(first) = seen.insert(name, list) {
+            panic!("event {name} is defined in {first} and in {list}");
+        }
+    }
+    assert!(seen.len() >= 150, "only {} events", seen.len());
+}
+
+#[test]
+fn the_docs_name_only_emitted_events() {
+    let events: BTreeSet<&str> = event_names().into_iter().map(|(e, _)| e).collect();
+    let prefixes: BTreeSet<&str> = events
+        .iter()
+        .filter_map(|e| e.split_once('.').map(|(p, _)| p))
+        .collect();
+    let mut named = 0;
+    for (doc, text) in docs() {
+        for word in dotted_words(&text) {
+            let (prefix, suffix) = word.split_once('.').unwrap();
+            if !prefixes.contains(prefix)
+                || FILE_EXTENSIONS.contains(&suffix)
+                || NOT_EVENTS.contains(&word)
+            {
+                continue;
+            }
+            assert!(
+                events.contains(word),
+                "docs/{doc} names the event `{word}`, which no daemon emits"
+            );
+            named += 1;
+        }
+    }
+    assert!(named >= 150, "only {named} event names in the docs");
+}
+
+#[test]
+fn every_event_is_described_in_the_docs() {
+    let docs = docs();
+    for (name, list) in event_names() {
+        let quoted = format!("`{name}`");
+        assert!(
+            docs.iter().any(|(_, text)| text.contains(&quoted)),
+            "{list}: event {name} is described in no docs/*.md"
+        );
+    }
 }

@@ -15,7 +15,11 @@
 //! - in the folders of [`VOCABULARY_IN_LEAVES`], no file imports an item
 //!   its folder's `mod.rs` defines: shared vocabulary lives in a leaf file
 //!   (`store/error.rs`, ...) and `mod.rs` only declares and re-exports, so
-//!   that imports never run back up inside the folder.
+//!   that imports never run back up inside the folder;
+//! - no source file writes an event name as a string literal
+//!   (`event = "..."`): every event is a constant of its daemon's events
+//!   module (`ublk_metrics::events`, `target_rdma::arenad::events`), which
+//!   the docs test checks against `docs/`.
 //!
 //! The graph comes from the text: every `use` tree and every path written
 //! `crate::..`, `super::..` or `self::..` is resolved to the longest prefix
@@ -950,4 +954,72 @@ fn a_cycle_among_siblings_is_found_and_a_chain_is_not() {
     ]
     .into();
     assert_eq!(cycles(&looped), vec![vec!["a", "b", "c"]]);
+}
+
+/// Every `.rs` file under `dir`, binaries included.
+fn all_sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            all_sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// Lines (1-based) of `text` where a field `event` is given a string
+/// literal.
+fn event_literals(text: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let mut rest = line;
+        while let Some(i) = rest.find("event") {
+            let before = rest[..i].chars().next_back();
+            let after = rest[i + "event".len()..].trim_start();
+            let word_start = !before.is_some_and(|c| c.is_alphanumeric() || c == '_');
+            if word_start {
+                if let Some(value) = after.strip_prefix('=') {
+                    if !value.starts_with(['=', '>']) && value.trim_start().starts_with('"') {
+                        out.push(n + 1);
+                        break;
+                    }
+                }
+            }
+            rest = &rest[i + "event".len()..];
+        }
+    }
+    out
+}
+
+#[test]
+fn event_names_are_constants_not_literals() {
+    let mut problems = Vec::new();
+    let mut files = 0;
+    for name in CRATES {
+        let mut sources = Vec::new();
+        all_sources(&repo().join(name).join("src"), &mut sources);
+        for f in sources {
+            files += 1;
+            let text = fs::read_to_string(&f).unwrap();
+            for line in event_literals(&text) {
+                problems.push(format!(
+                    "{}:{line}: an event name written as a literal; use its constant",
+                    f.strip_prefix(repo()).unwrap_or(&f).display()
+                ));
+            }
+        }
+    }
+    assert!(files > 100, "only {files} source files");
+    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_event_literal_scan_finds_literals_only() {
+    let text = "info!(event = \"a.b\", x);\n\
+                warn!(event = events::A_B);\n\
+                let prevent = \"x\";\n\
+                if event == \"a\" {}\n\
+                debug!(x = 1,\n    event  =  \"c.d\");\n";
+    assert_eq!(event_literals(text), vec![1, 6]);
 }

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Parser;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
+use ublk_metrics::events::{self, effective_filter, init_logging, LogFormat};
 use ublk_metrics::{CoordinationMetrics, Daemon, ReplicaMetrics, Telemetry};
 use ublkd::config::{OnShutdown, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::control_socket;
@@ -113,9 +113,9 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     }
     obs.set_control_socket_up(true);
     if let Err(e) = target_rdma::sd_notify::notify("READY=1") {
-        tracing::warn!(event = "sd_notify.failed", error = %e);
+        tracing::warn!(event = events::SD_NOTIFY_FAILED, error = %e);
     }
-    tracing::info!(event = "ublkd.ready", socket = %socket.display(), devices = manager.list().len());
+    tracing::info!(event = events::UBLKD_READY, socket = %socket.display(), devices = manager.list().len());
     for sig in signals.forever() {
         if sig == SIGHUP {
             let _ = target_rdma::sd_notify::notify("RELOADING=1");
@@ -124,7 +124,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
             let _ = target_rdma::sd_notify::notify("READY=1");
             continue;
         }
-        tracing::info!(event = "ublkd.signal", signal = sig);
+        tracing::info!(event = events::UBLKD_SIGNAL, signal = sig);
         break;
     }
     let _ = target_rdma::sd_notify::notify("STOPPING=1");
@@ -135,7 +135,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
         OnShutdown::Remove => manager.shutdown_remove(),
     }
     let _ = std::fs::remove_file(&socket);
-    tracing::info!(event = "ublkd.exit", on_shutdown = %on_shutdown);
+    tracing::info!(event = events::UBLKD_EXIT, on_shutdown = %on_shutdown);
     // Device threads are parked in the kernel; exiting closes their file
     // descriptors, which is what hands kept devices over to recovery.
     std::process::exit(0);

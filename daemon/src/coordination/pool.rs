@@ -14,6 +14,7 @@ use super::records::{Keys, MembershipRecord, PeerRecord};
 use super::volume::{EpochChanges, EtcdVolume};
 use super::writer::WriterLease;
 use super::CoordinationError;
+use ublk_metrics::events;
 use ublk_metrics::CoordinationStats;
 
 /// A membership as read, with the revision a swap must be conditioned on.
@@ -103,7 +104,7 @@ impl Coordination {
                 )?
             {
                 self.changes.record(super::EpochReason::Created);
-                tracing::info!(event = "membership.created", volume, membership = %record.membership);
+                tracing::info!(event = events::MEMBERSHIP_CREATED, volume, membership = %record.membership);
             }
         }
         Ok(EtcdVolume::new(
@@ -340,7 +341,7 @@ impl Coordination {
         match self.spare(&record.record, replacing) {
             Ok(p) => Ok(Some(p)),
             Err(CoordinationError::Placement(why)) => {
-                tracing::debug!(event = "rebuild.no_spare", volume, replacing, reason = %why);
+                tracing::debug!(event = events::REBUILD_NO_SPARE, volume, replacing, reason = %why);
                 Ok(None)
             }
             Err(e) => Err(e),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::RwLock;
+use ublk_metrics::events;
 
 use super::config::EtcdConfig;
 use super::pool::Coordination;
@@ -35,13 +36,13 @@ impl CoordinationSlot {
             .spawn(move || loop {
                 match Coordination::start(&cfg, &state_dir) {
                     Ok(c) => {
-                        tracing::info!(event = "etcd.ready", endpoints = ?cfg.endpoints,
+                        tracing::info!(event = events::ETCD_READY, endpoints = ?cfg.endpoints,
                             lease = c.writer().lease_id());
                         *s.current.write() = Ok(Arc::new(c));
                         return;
                     }
                     Err(e) => {
-                        tracing::warn!(event = "etcd.start_failed", error = %e);
+                        tracing::warn!(event = events::ETCD_START_FAILED, error = %e);
                         *s.current.write() = Err(e.to_string());
                         std::thread::sleep(RETRY);
                     }

@@ -21,6 +21,7 @@ use super::etcd::{Etcd, Expect, TxnOutcome, Versioned};
 use super::records::{reason_of_change, MembershipRecord};
 use super::writer::VolumeWriter;
 use super::{CoordinationError, CoordinationErrorKind};
+use ublk_metrics::events;
 use ublk_metrics::EpochReason;
 
 impl From<CoordinationError> for CoreError {
@@ -151,7 +152,7 @@ impl EtcdVolume {
         match put.await? {
             TxnOutcome::Done(_) => {
                 self.changes.record(reason);
-                tracing::info!(event = "membership.changed", volume = %self.volume,
+                tracing::info!(event = events::MEMBERSHIP_CHANGED, volume = %self.volume,
                     membership = %record.membership, reason = reason.as_str());
                 Ok(CoreSwap::Done)
             }

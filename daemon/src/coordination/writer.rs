@@ -39,6 +39,7 @@ use etcd_client::{Client, GetOptions, LeaseKeepAliveStream, LeaseKeeper};
 use parking_lot::Mutex;
 use rustix::fs::{flock, FlockOperation};
 use target_rdma::replica::Lease;
+use ublk_metrics::events;
 
 use super::config::EtcdConfig;
 use super::etcd::{self, Etcd, Expect, TxnOutcome};
@@ -99,7 +100,7 @@ impl Shared {
                 f.sync_all()
             });
         if let Err(e) = r {
-            tracing::warn!(event = "writer.lease_file_failed", path = %self.lease_path.display(), error = %e);
+            tracing::warn!(event = events::WRITER_LEASE_FILE_FAILED, path = %self.lease_path.display(), error = %e);
         }
     }
 }
@@ -235,7 +236,7 @@ impl VolumeWriter {
                     }
                     TxnOutcome::Conflict(None) => {}
                 }
-                tracing::info!(event = "writer.handover_asked", volume = %self.volume, holder = %holder);
+                tracing::info!(event = events::WRITER_HANDOVER_ASKED, volume = %self.volume, holder = %holder);
             }
             etcd.sleep(TAKE_POLL).await;
         };
@@ -243,7 +244,7 @@ impl VolumeWriter {
             let _ = etcd.delete_if(ask, Expect::Lease(lease)).await;
         }
         self.held_again(lease);
-        tracing::info!(event = "writer.acquired", volume = %self.volume, lease);
+        tracing::info!(event = events::WRITER_ACQUIRED, volume = %self.volume, lease);
         Ok(())
     }
 
@@ -270,7 +271,7 @@ impl VolumeWriter {
             self.lease.store(lease, Ordering::Release);
             return Err(e);
         }
-        tracing::info!(event = "writer.handed_over", volume = %self.volume, to = %to);
+        tracing::info!(event = events::WRITER_HANDED_OVER, volume = %self.volume, to = %to);
         Ok(())
     }
 
@@ -386,7 +387,7 @@ impl WriterLease {
         };
         let id = match adopted {
             Some(id) => {
-                tracing::info!(event = "writer.lease_adopted", lease = id);
+                tracing::info!(event = events::WRITER_LEASE_ADOPTED, lease = id);
                 id
             }
             None => {
@@ -394,7 +395,7 @@ impl WriterLease {
                     Ok(c.lease_grant(ttl_secs, None).await?.id())
                 }))?;
                 shared.persist(id);
-                tracing::info!(event = "writer.lease_granted", lease = id, ttl_secs);
+                tracing::info!(event = events::WRITER_LEASE_GRANTED, lease = id, ttl_secs);
                 id
             }
         };
@@ -483,7 +484,7 @@ impl WriterLease {
                         Some(lease),
                     );
                     if let Err(e) = Etcd::wait(renamed) {
-                        tracing::warn!(event = "writer.rename_failed", volume, error = %e);
+                        tracing::warn!(event = events::WRITER_RENAME_FAILED, volume, error = %e);
                     }
                     None
                 }
@@ -500,7 +501,7 @@ impl WriterLease {
             match (holder, existing.clone()) {
                 (None, Some(v)) => {
                     v.held_again(lease);
-                    tracing::info!(event = "writer.acquired", volume, lease);
+                    tracing::info!(event = events::WRITER_ACQUIRED, volume, lease);
                     return Ok(v);
                 }
                 (None, None) => {
@@ -517,7 +518,7 @@ impl WriterLease {
                         .volumes
                         .lock()
                         .insert(volume.to_owned(), Arc::clone(&v));
-                    tracing::info!(event = "writer.acquired", volume, lease);
+                    tracing::info!(event = events::WRITER_ACQUIRED, volume, lease);
                     return Ok(v);
                 }
                 (Some(h), _)
@@ -574,7 +575,7 @@ impl WriterLease {
             self.etcd
                 .delete_if(self.shared.keys.writer(volume), Expect::Lease(lease)),
         )
-        .map(|_| tracing::info!(event = "writer.released", volume))
+        .map(|_| tracing::info!(event = events::WRITER_RELEASED, volume))
     }
 }
 
@@ -624,7 +625,7 @@ async fn keepalive(client: Client, shared: Arc<Shared>, interval: Duration, time
                 shared.lost.fetch_add(1, Ordering::Relaxed);
                 for v in shared.volumes.lock().values() {
                     v.lease.store(0, Ordering::Release);
-                    tracing::error!(event = "writer.lease_lost", volume = %v.volume, lease = id,
+                    tracing::error!(event = events::WRITER_LEASE_LOST, volume = %v.volume, lease = id,
                         "etcd lost the writer lease: taking the volume back under a new one");
                 }
                 regrant(&client, &shared, timeout).await;
@@ -633,7 +634,7 @@ async fn keepalive(client: Client, shared: Arc<Shared>, interval: Duration, time
             // etcd unreachable or slow: the deadline is not moved, so it
             // lapses by itself if this goes on; the stream is reopened.
             Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
-                tracing::warn!(event = "writer.keepalive_failed", lease = id);
+                tracing::warn!(event = events::WRITER_KEEPALIVE_FAILED, lease = id);
             }
         }
     }
@@ -676,17 +677,17 @@ async fn retake(client: &Client, shared: &Shared, timeout: Duration) {
             // Gone between the compare and the read, or etcd did not
             // answer: the next round tries again.
             _ => {
-                tracing::warn!(event = "writer.retake_failed", volume = %v.volume);
+                tracing::warn!(event = events::WRITER_RETAKE_FAILED, volume = %v.volume);
                 continue;
             }
         };
         match holder {
             None => {
                 v.held_again(lease);
-                tracing::warn!(event = "writer.retaken", volume = %v.volume, lease);
+                tracing::warn!(event = events::WRITER_RETAKEN, volume = %v.volume, lease);
             }
             Some(who) => {
-                tracing::error!(event = "writer.fenced", volume = %v.volume, holder = %who,
+                tracing::error!(event = events::WRITER_FENCED, volume = %v.volume, holder = %who,
                     "another ublkd took the volume while the writer lease was lost");
                 v.taken_by(who);
             }
@@ -706,7 +707,11 @@ async fn regrant(client: &Client, shared: &Shared, timeout: Duration) {
                 shared.persist(r.id());
                 shared.lease.store(r.id(), Ordering::Release);
                 shared.extend_from(sent);
-                tracing::info!(event = "writer.lease_granted", lease = r.id(), ttl_secs);
+                tracing::info!(
+                    event = events::WRITER_LEASE_GRANTED,
+                    lease = r.id(),
+                    ttl_secs
+                );
                 return;
             }
             _ => tokio::time::sleep(shared.ttl / 3).await,

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use futures::executor::block_on;
+use ublk_metrics::events;
 
 use super::replicas::Replicated;
 use super::{DeviceError, Manager};
@@ -20,7 +21,7 @@ impl Manager {
     pub fn activate(&self, id: u32) -> Result<DeviceInfo, DeviceError> {
         let rep = self.replicated(id)?;
         block_on(rep.set().activate())?;
-        tracing::info!(event = "device.activated", id, volume = %rep.set().volume());
+        tracing::info!(event = events::DEVICE_ACTIVATED, id, volume = %rep.set().volume());
         self.info(id)
     }
 
@@ -31,7 +32,7 @@ impl Manager {
     pub fn release(&self, id: u32) -> Result<DeviceInfo, DeviceError> {
         let rep = self.replicated(id)?;
         block_on(rep.set().release())?;
-        tracing::info!(event = "device.released", id, volume = %rep.set().volume());
+        tracing::info!(event = events::DEVICE_RELEASED, id, volume = %rep.set().volume());
         self.info(id)
     }
 

@@ -58,6 +58,7 @@ use spec::params;
 use spec::shape;
 pub use spec::{DeviceSpec, ReplicaSpec, SpecStore};
 use thread::{device_thread, kernel_state, DeviceStart, Event, Mode};
+use ublk_metrics::events;
 
 /// The ublk control node; absent when `ublk_drv` is not loaded.
 pub const UBLK_CONTROL: &str = "/dev/ublk-control";
@@ -363,7 +364,7 @@ impl Manager {
             None,
             Arc::new(ClientStats::default()),
         ) {
-            tracing::warn!(event = "device.metrics_failed", id, error = %oe);
+            tracing::warn!(event = events::DEVICE_METRICS_FAILED, id, error = %oe);
         }
         self.devices.lock().insert(
             id,
@@ -396,7 +397,7 @@ impl Manager {
             }
             None => Mode::Add(id as i32),
         };
-        tracing::info!(event = "device.bring_back", id, mode = ?mode);
+        tracing::info!(event = events::DEVICE_BRING_BACK, id, mode = ?mode);
         self.launch(spec, mode, Admission::Existing).map(|_| ())
     }
 
@@ -500,7 +501,7 @@ impl Manager {
                 return Err(failed(thread, detail));
             }
             Ok(Event::Built(..)) | Err(_) => {
-                tracing::error!(event = "device.start_timeout", id);
+                tracing::error!(event = events::DEVICE_START_TIMEOUT, id);
                 let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.kill_dev());
                 let _ = self.store.remove(id);
                 self.obs.unregister(id);
@@ -522,7 +523,9 @@ impl Manager {
                             Arc::new(move || stats.in_flight())
                         },
                     )
-                    .map_err(|e| tracing::error!(event = "rebuild.spawn_failed", id, error = %e))
+                    .map_err(
+                        |e| tracing::error!(event = events::REBUILD_SPAWN_FAILED, id, error = %e),
+                    )
                     .ok();
                 Some((rep, rebuilder))
             }
@@ -542,7 +545,7 @@ impl Manager {
                 replicated,
             },
         );
-        tracing::info!(event = "device.live", id, blob_bytes);
+        tracing::info!(event = events::DEVICE_LIVE, id, blob_bytes);
         Ok(id)
     }
 
@@ -675,7 +678,7 @@ impl Manager {
                     })
                 }
                 Ok(None) => {}
-                Err(e) => tracing::warn!(event = "device.busy_check_failed", id, error = %e),
+                Err(e) => tracing::warn!(event = events::DEVICE_BUSY_CHECK_FAILED, id, error = %e),
             }
         }
         let dev = self.devices.lock().remove(&id);
@@ -688,7 +691,7 @@ impl Manager {
         let _ = UblkCtrl::new_simple(id as i32).and_then(|c| c.del_dev());
         self.obs.unregister(id);
         self.store.remove(id)?;
-        tracing::info!(event = "device.deleted", id, force);
+        tracing::info!(event = events::DEVICE_DELETED, id, force);
         Ok(())
     }
 
@@ -696,7 +699,7 @@ impl Manager {
     fn stop(&self, id: u32, dev: &mut Device) {
         if kernel_state(id).is_some() {
             if let Err(e) = UblkCtrl::new_simple(id as i32).and_then(|c| c.kill_dev()) {
-                tracing::warn!(event = "device.stop_failed", id, error = %e);
+                tracing::warn!(event = events::DEVICE_STOP_FAILED, id, error = %e);
             }
         }
         self.finish(dev);
@@ -736,7 +739,7 @@ impl Manager {
                     slot.get()?.writer().acquire(&volume)?;
                 }
                 futures::executor::block_on(rep.set().take_over())?;
-                tracing::warn!(event = "device.taken_over", id, volume = %volume);
+                tracing::warn!(event = events::DEVICE_TAKEN_OVER, id, volume = %volume);
                 return self.info(id);
             }
             if state == State::Live {
@@ -873,10 +876,10 @@ impl Manager {
         for (id, dev) in self.devices.lock().iter() {
             for io in &dev.ios {
                 if let Err(e) = futures::executor::block_on(io.volume().flush()) {
-                    tracing::warn!(event = "device.flush_failed", id, error = %e);
+                    tracing::warn!(event = events::DEVICE_FLUSH_FAILED, id, error = %e);
                 }
             }
-            tracing::info!(event = "device.kept", id);
+            tracing::info!(event = events::DEVICE_KEPT, id);
         }
     }
 
@@ -885,7 +888,7 @@ impl Manager {
         let ids: Vec<u32> = self.devices.lock().keys().copied().collect();
         for id in ids {
             if let Err(e) = self.del(id, true) {
-                tracing::warn!(event = "device.remove_failed", id, error = %e);
+                tracing::warn!(event = events::DEVICE_REMOVE_FAILED, id, error = %e);
             }
         }
     }

@@ -33,6 +33,7 @@ use super::{DeviceError, DeviceSpec, ReplicaSpec};
 use crate::coordination::{CoordinationError, ReplicationConfig};
 use crate::ctl::{AddArgs, HandoverInfo, RebuildInfo, ReplicaInfo, ReplicasInfo};
 use crate::queue_io::{QueueIo, TagBuffers};
+use ublk_metrics::events;
 use ublk_metrics::{HedgeOutcome, RebuildOutcome, ReplicaStats};
 
 /// Maps a peer as the membership record names it to the address to
@@ -188,7 +189,7 @@ impl Replicated {
                 QueueIo::replicated(io, sessions, Arc::clone(&rep.bufs[q]))
             })
             .collect();
-        tracing::info!(event = "replicas.opened", volume, membership = %rep.set.membership());
+        tracing::info!(event = events::REPLICAS_OPENED, volume, membership = %rep.set.membership());
         Ok((ios, rep))
     }
 
@@ -358,7 +359,7 @@ impl Replicated {
         let sessions = match opened {
             Ok(s) => s,
             Err(e) => {
-                tracing::debug!(event = "rebuild.peer_unreachable", volume, peer, error = %e);
+                tracing::debug!(event = events::REBUILD_PEER_UNREACHABLE, volume, peer, error = %e);
                 return None;
             }
         };
@@ -375,7 +376,7 @@ impl Replicated {
             }),
         };
         *self.rebuilding.lock() = Some(peer.to_owned());
-        tracing::info!(event = "rebuild.started", volume, peer, replaces);
+        tracing::info!(event = events::REBUILD_STARTED, volume, peer, replaces);
         let rebuild =
             std::pin::pin!(self
                 .set
@@ -391,7 +392,7 @@ impl Replicated {
         });
         let outcome = match block_on(select(rebuild, stopped)) {
             Either::Left((Ok(()), _)) => {
-                tracing::info!(event = "rebuild.done", volume, peer, replaces,
+                tracing::info!(event = events::REBUILD_DONE, volume, peer, replaces,
                     membership = %self.set.membership());
                 self.backoff.lock().remove(peer);
                 RebuildOutcome::Done
@@ -407,12 +408,12 @@ impl Replicated {
                         retry_at: Instant::now() + pause,
                     },
                 );
-                tracing::warn!(event = "rebuild.failed", volume, peer, error = %e, failures,
+                tracing::warn!(event = events::REBUILD_FAILED, volume, peer, error = %e, failures,
                     retry_in_ms = pause.as_millis() as u64);
                 RebuildOutcome::Failed
             }
             Either::Right(_) => {
-                tracing::info!(event = "rebuild.abandoned", volume, peer);
+                tracing::info!(event = events::REBUILD_ABANDONED, volume, peer);
                 RebuildOutcome::Abandoned
             }
         };
@@ -527,7 +528,7 @@ fn record_out(
     next.epoch += 1;
     for r in next.members.iter_mut() {
         if let Some((_, why)) = out.iter().find(|(p, _)| *p == r.peer) {
-            tracing::warn!(event = "replicas.member_out", volume, peer = %r.peer, reason = %why);
+            tracing::warn!(event = events::REPLICAS_MEMBER_OUT, volume, peer = %r.peer, reason = %why);
             r.state = MemberState::Failed;
         }
     }
@@ -563,9 +564,9 @@ fn record_role(ctx: &Rebuilder, standby: bool) {
         r.standby = standby;
     }
     if let Err(e) = ctx.store.save(&spec) {
-        tracing::warn!(event = "device.save_failed", id = spec.id, error = %e);
+        tracing::warn!(event = events::DEVICE_SAVE_FAILED, id = spec.id, error = %e);
     }
-    tracing::info!(event = "device.role_changed", id = spec.id, volume = %spec.volume,
+    tracing::info!(event = events::DEVICE_ROLE_CHANGED, id = spec.id, volume = %spec.volume,
         role = if standby { "standby" } else { "writer" });
 }
 
@@ -589,7 +590,7 @@ fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
         // The writer hands the role over when a standby asks.
         match block_on(rep.set.serve_handover()) {
             Ok(_) => {}
-            Err(e) => tracing::warn!(event = "replica.handover_failed", volume, error = %e),
+            Err(e) => tracing::warn!(event = events::REPLICA_HANDOVER_FAILED, volume, error = %e),
         }
         if rep.set.is_standby() != standby {
             standby = rep.set.is_standby();
@@ -603,7 +604,7 @@ fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
         // request path (the requests keep serving on the epoch fence).
         if matches!(rep.set.standing(), Standing::Unconfirmed(_)) {
             if let Err(e) = block_on(rep.set.check_role()) {
-                tracing::debug!(event = "replica.role_check_failed", volume, error = %e);
+                tracing::debug!(event = events::REPLICA_ROLE_CHECK_FAILED, volume, error = %e);
             }
         }
         if waited < cfg.rebuild_check() {
@@ -646,7 +647,7 @@ fn rebuild_loop(weak: &Weak<Replicated>, ctx: &Rebuilder) {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(event = "rebuild.spare_lookup_failed", volume, peer, error = %e);
+                    tracing::warn!(event = events::REBUILD_SPARE_LOOKUP_FAILED, volume, peer, error = %e);
                 }
             }
         }
@@ -712,7 +713,7 @@ impl super::Manager {
         } else {
             placed.into_iter().map(|p| p.id).collect()
         };
-        tracing::info!(event = "replicas.placed", volume = %a.volume, peers = ?peers);
+        tracing::info!(event = events::REPLICAS_PLACED, volume = %a.volume, peers = ?peers);
         Ok(AddArgs { peers, ..a.clone() })
     }
 
@@ -767,7 +768,7 @@ impl super::Manager {
         };
         match slot.get().and_then(|c| c.writer().release(volume)) {
             Ok(()) => {}
-            Err(e) => tracing::warn!(event = "writer.release_failed", volume, error = %e),
+            Err(e) => tracing::warn!(event = events::WRITER_RELEASE_FAILED, volume, error = %e),
         }
     }
 

@@ -14,6 +14,7 @@ use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use target_rdma::auth::Secret;
 use target_rdma::size::HumanSize;
+use ublk_metrics::events;
 
 use super::thread::ublk_err;
 use super::{within_quota, Connector, DeviceError, Manager, State, UBLK_CONTROL};
@@ -125,7 +126,7 @@ impl Manager {
                     HumanSize(size)
                 ),
             };
-            tracing::warn!(event = "device.resize_failed", id, old_size = old, new_size = size, error = %e);
+            tracing::warn!(event = events::DEVICE_RESIZE_FAILED, id, old_size = old, new_size = size, error = %e);
             return Err(DeviceError::Ublk {
                 what: "UPDATE_SIZE",
                 id: id.into(),
@@ -140,7 +141,7 @@ impl Manager {
             dev.spec.size = size;
         }
         tracing::info!(
-            event = "device.resized",
+            event = events::DEVICE_RESIZED,
             id,
             old_size = old,
             new_size = size,

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
+use ublk_metrics::events;
 
 use super::{DeviceError, Manager};
 
@@ -21,14 +22,14 @@ impl Manager {
         for spec in self.store.load_all()? {
             let id = spec.id;
             match self.bring_back(spec.clone()) {
-                Ok(()) => tracing::info!(event = "device.restored", id),
+                Ok(()) => tracing::info!(event = events::DEVICE_RESTORED, id),
                 Err(e) if spec.replicas.is_some() && e.coordinator_unreachable() => {
-                    tracing::warn!(event = "device.restore_waiting", id, error = %e);
+                    tracing::warn!(event = events::DEVICE_RESTORE_WAITING, id, error = %e);
                     self.insert_failed(spec, &e);
                     waiting.push(id);
                 }
                 Err(e) => {
-                    tracing::error!(event = "device.restore_failed", id, error = %e);
+                    tracing::error!(event = events::DEVICE_RESTORE_FAILED, id, error = %e);
                     self.insert_failed(spec, &e);
                 }
             }
@@ -57,16 +58,16 @@ fn restore_when_reachable(manager: &Weak<Manager>, mut ids: Vec<u32>) {
         let Some(m) = manager.upgrade() else { return };
         ids.retain(|&id| match m.recover(id) {
             Ok(_) => {
-                tracing::info!(event = "device.restored", id);
+                tracing::info!(event = events::DEVICE_RESTORED, id);
                 false
             }
             Err(e) if e.coordinator_unreachable() => {
-                tracing::debug!(event = "device.restore_waiting", id, error = %e);
+                tracing::debug!(event = events::DEVICE_RESTORE_WAITING, id, error = %e);
                 true
             }
             Err(DeviceError::Unknown(_)) => false,
             Err(e) => {
-                tracing::error!(event = "device.restore_failed", id, error = %e);
+                tracing::error!(event = events::DEVICE_RESTORE_FAILED, id, error = %e);
                 false
             }
         });

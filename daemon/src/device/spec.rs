@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use libublk::sys;
 use serde::{Deserialize, Serialize};
+use ublk_metrics::events;
 
 use super::DeviceError;
 use crate::config::TransportChoice;
@@ -178,7 +179,7 @@ impl SpecStore {
             match read_spec(&path) {
                 Ok(s) => specs.push(s),
                 Err(e) => {
-                    tracing::error!(event = "device.spec_unreadable", path = %path.display(), error = %e)
+                    tracing::error!(event = events::DEVICE_SPEC_UNREADABLE, path = %path.display(), error = %e)
                 }
             }
         }

@@ -11,6 +11,7 @@ use libublk::io::UblkDev;
 use libublk::{sys, UblkFlags};
 use parking_lot::Mutex;
 use target_rdma::block::DeviceSize;
+use ublk_metrics::events;
 use ublk_metrics::DriverStats;
 
 use super::spec::{params, shape, DeviceSpec};
@@ -149,7 +150,7 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
             .get_mut(qid as usize)
             .and_then(Option::take)
         else {
-            tracing::error!(event = "queue.no_client", qid);
+            tracing::error!(event = events::QUEUE_NO_CLIENT, qid);
             return;
         };
         crate::queue::run(qid, dev, io, q_size.clone(), Arc::clone(&qobs));
@@ -180,7 +181,7 @@ pub(super) fn device_thread(start: DeviceStart, tx: mpsc::Sender<Event>) {
         Ok(_) => {
             *state.lock() = State::Stopped;
             dobs.set_state(DevState::Stopped);
-            tracing::info!(event = "device.stopped", id = dev_id);
+            tracing::info!(event = events::DEVICE_STOPPED, id = dev_id);
         }
         Err(e) => {
             let e = ublk_err("START_DEV", dev_id.into())(e);
@@ -217,14 +218,14 @@ fn pin_queues(dev_id: u32, cpus: &[u32], tids: &[Option<rustix::thread::Pid>]) {
         set.set(cpu as usize);
         match rustix::thread::sched_setaffinity(Some(*tid), &set) {
             Ok(()) => tracing::info!(
-                event = "queue.pinned",
+                event = events::QUEUE_PINNED,
                 device = dev_id,
                 qid,
                 tid = tid.as_raw_nonzero().get(),
                 cpu
             ),
             Err(e) => tracing::warn!(
-                event = "queue.pin_failed",
+                event = events::QUEUE_PIN_FAILED,
                 device = dev_id,
                 qid,
                 cpu,

@@ -176,7 +176,7 @@ impl DeviceObs {
         *self.links.lock() = links.to_vec();
         if links.iter().all(|up| *up) {
             if !self.peer_connected.swap(true, Ordering::AcqRel) {
-                tracing::info!(event = "peer.reconnected", device = self.shape.id);
+                tracing::info!(event = events::PEER_RECONNECTED, device = self.shape.id);
             }
         } else {
             self.peer_lost(Phase::Connect, Reason::Unavailable);

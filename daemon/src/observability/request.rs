@@ -91,7 +91,7 @@ impl DeviceObs {
             Err(e) => {
                 // ublk never reuses a busy tag and the table has the device's
                 // geometry, so this is a bug; count the request anyway.
-                tracing::error!(event = "tracker.failed", device = self.id(), error = %e);
+                tracing::error!(event = events::TRACKER_FAILED, device = self.id(), error = %e);
                 None
             }
         };
@@ -123,7 +123,7 @@ impl DeviceObs {
     pub fn unsupported(&self, op_flags: u32) {
         self.stats.failed();
         tracing::warn!(
-            event = "request.rejected",
+            event = events::REQUEST_REJECTED,
             op_flags,
             errno = libc::EOPNOTSUPP
         );
@@ -145,7 +145,7 @@ impl<'a> RequestObs<'a> {
             reason,
         );
         tracing::warn!(
-            event = "request.rejected",
+            event = events::REQUEST_REJECTED,
             corr = self.corr.get(),
             op_flags,
             start_sector,
@@ -362,7 +362,7 @@ impl AttemptObs<'_> {
             phase,
             reason,
         );
-        tracing::debug!(event = "request.error", corr = req.corr.get(), error = %error);
+        tracing::debug!(event = events::REQUEST_ERROR, corr = req.corr.get(), error = %error);
         let end = SpanEnd::Failure { phase, reason };
         let attempt = AttemptRecord {
             transport: req.transport,

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use ublk_metrics::events;
 use ublk_metrics::testing::{addr_after, spawn_with_log_lines};
 
 /// A running ublkd.
@@ -40,8 +41,8 @@ impl Ublkd {
             let line = rx
                 .recv_timeout(Duration::from_secs(60))
                 .expect("ublkd logs its start (or exited)");
-            metrics = metrics.or_else(|| addr_after(&line, "metrics.listening"));
-            if line.contains("ublkd.ready") {
+            metrics = metrics.or_else(|| addr_after(&line, events::METRICS_LISTENING));
+            if line.contains(events::UBLKD_READY) {
                 break;
             }
         }

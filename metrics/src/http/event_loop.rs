@@ -11,6 +11,7 @@
 use super::render::{Done, Job, Renderers};
 use super::routes::{self, Route};
 use super::{HttpConfig, HttpRejection};
+use crate::events;
 use crate::telemetry::Telemetry;
 use rustix::buffer::spare_capacity;
 use rustix::event::epoll::{self, CreateFlags, EventData, EventFlags};
@@ -210,7 +211,7 @@ impl Loop {
                         .is_none_or(|t| now.duration_since(t) >= ACCEPT_LOG_INTERVAL)
                     {
                         self.accept_logged = Some(now);
-                        tracing::warn!(event = "metrics.accept_failed", error = %e, "pausing accept");
+                        tracing::warn!(event = events::METRICS_ACCEPT_FAILED, error = %e, "pausing accept");
                     }
                     let _ = epoll::modify(
                         &self.epoll,

@@ -14,6 +14,7 @@ use ublk_metrics::ConnectionRefusal;
 
 use crate::arenad::admission::Throttled;
 use crate::arenad::connection;
+use crate::arenad::events;
 use crate::arenad::shared::Shared;
 use crate::arenad::workers::Workers;
 use crate::proto::{self, Opcode, Status};
@@ -41,7 +42,7 @@ pub(super) async fn accept_loop(
                 // Keep serving the connections there are; try again
                 // after a backoff.
                 shared.obs.accept_failed();
-                accept_errors.log(|muted| warn!(event = "accept.failed", error = %e, unlogged = muted, "backing off"));
+                accept_errors.log(|muted| warn!(event = events::ACCEPT_FAILED, error = %e, unlogged = muted, "backing off"));
                 tokio::select! {
                     () = shared.stop.stopped() => break,
                     () = tokio::time::sleep(backoff) => {}
@@ -55,7 +56,7 @@ pub(super) async fn accept_loop(
             shared.obs.connection_refused(reason);
             refusals.log(|muted| {
                 warn!(
-                    event = "connection.refused",
+                    event = events::CONNECTION_REFUSED,
                     reason = reason.as_str(),
                     max_connections = shared.limits.max_connections,
                     max_unauthenticated = shared.limits.max_unauthenticated,
@@ -87,12 +88,12 @@ pub(super) async fn accept_loop(
             continue;
         };
         let id = shared.admission.next_id();
-        debug!(event = "connection.accepted", conn = id, peer = %peer);
+        debug!(event = events::CONNECTION_ACCEPTED, conn = id, peer = %peer);
         // Moved to its worker's reactor (deregistered from this one).
         let stream = match stream.into_std() {
             Ok(s) => s,
             Err(e) => {
-                debug!(event = "connection.lost", conn = id, error = %e);
+                debug!(event = events::CONNECTION_LOST, conn = id, error = %e);
                 continue;
             }
         };
@@ -100,7 +101,7 @@ pub(super) async fn accept_loop(
         workers.spawn(async move {
             match tokio::net::TcpStream::from_std(stream) {
                 Ok(s) => connection::run(shared, id, peer, s, open, handshaking).await,
-                Err(e) => debug!(event = "connection.lost", conn = id, error = %e),
+                Err(e) => debug!(event = events::CONNECTION_LOST, conn = id, error = %e),
             }
         });
     }
@@ -113,13 +114,13 @@ pub(super) async fn accept_loop(
     let left = shared.admission.open_now();
     if left > 0 {
         warn!(
-            event = "shutdown.cut",
+            event = events::SHUTDOWN_CUT,
             connections = left,
             shutdown_timeout_secs = shared.limits.shutdown_timeout.as_secs(),
             "connections still open at the shutdown deadline are cut"
         );
     } else {
-        info!(event = "shutdown.drained");
+        info!(event = events::SHUTDOWN_DRAINED);
     }
     Ok(())
 }

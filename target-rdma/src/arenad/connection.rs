@@ -23,6 +23,7 @@ use tracing::{debug, warn};
 use crate::arenad::admission::Counted;
 use crate::arenad::barrier::WriteBarrier;
 use crate::arenad::dispatch::{place, Dispatch, Wait};
+use crate::arenad::events;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
 use crate::arenad::handshake::handshake;
@@ -153,13 +154,15 @@ pub(super) async fn run(
     match end {
         WriterEnd::Deadline => {
             warn!(
-                event = "connection.not_reading",
+                event = events::CONNECTION_NOT_READING,
                 conn = id,
                 write_timeout_secs = shared.limits.write_timeout.as_secs(),
                 "disconnected: its answers were not read within the write deadline"
             );
         }
-        WriterEnd::Io(ref e) => debug!(event = "peer.disconnected", conn = id, error = %e),
+        WriterEnd::Io(ref e) => {
+            debug!(event = ublk_metrics::events::PEER_DISCONNECTED, conn = id, error = %e)
+        }
         WriterEnd::Drained => {}
     }
     // Its RDMA lease keys are deregistered before its leases are released.

@@ -11,6 +11,7 @@ use std::time::Instant;
 use tracing::{debug, warn};
 
 use crate::arenad::epochs::Admitted;
+use crate::arenad::events;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::lease_keys::{Grant, Keyed, LeaseKeys};
 use crate::arenad::request::Decoded;
@@ -209,7 +210,7 @@ impl Dispatch {
                     Status::Ok
                 }
                 Err(e) => {
-                    warn!(event = "epoch.persist_failed", conn = conn.id, error = %e);
+                    warn!(event = events::EPOCH_PERSIST_FAILED, conn = conn.id, error = %e);
                     proto::encode_error(&mut out, op, rid, Status::Internal, &e.to_string());
                     Status::Internal
                 }
@@ -394,7 +395,7 @@ impl Dispatch {
                     return Err(Fatal::Store(op, rid, e));
                 }
                 if status == Status::Internal {
-                    warn!(event = "store.error", conn = conn.id, op = op.name(), error = %e);
+                    warn!(event = events::STORE_ERROR, conn = conn.id, op = op.name(), error = %e);
                 }
                 proto::encode_error(&mut out, op, rid, status, &e.to_string());
                 status
@@ -453,7 +454,7 @@ impl Dispatch {
                 Ok((Status::Ok, out))
             }
             Err(e) => {
-                warn!(event = "rdma.declined", conn = conn.id, error = %e);
+                warn!(event = events::RDMA_DECLINED, conn = conn.id, error = %e);
                 proto::encode_error(
                     &mut out,
                     op,
@@ -487,7 +488,7 @@ impl Dispatch {
                 Ok(Keyed::Key(rkey)) => lease.rkey = Some(rkey),
                 Ok(Keyed::NoRail) => {}
                 Ok(Keyed::Ended) => debug!(
-                    event = "rdma.lease_ended_unkeyed",
+                    event = events::RDMA_LEASE_ENDED_UNKEYED,
                     conn = conn.id,
                     token = lease.token,
                     "the lease ended before its key was registered: answered without one"
@@ -495,7 +496,7 @@ impl Dispatch {
                 Err(e) => {
                     self.shared.obs.lease_key_failed();
                     warn!(
-                        event = "rdma.lease_key_failed",
+                        event = events::RDMA_LEASE_KEY_FAILED,
                         conn = conn.id,
                         token = lease.token,
                         error = %e,

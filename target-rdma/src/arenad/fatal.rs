@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use tracing::{debug, warn};
 
 use crate::arenad::epochs::EpochError;
+use crate::arenad::events;
 use crate::arenad::frames::ReadError;
 use crate::arenad::observability::ArenadObservability;
 use crate::proto::{self, FrameError, Opcode, Status};
@@ -66,15 +67,15 @@ impl Fatal {
             Fatal::Io(e)
             | Fatal::Frame(FrameError::Io(e))
             | Fatal::Request(_, _, FrameError::Io(e)) => {
-                debug!(event = "peer.disconnected", conn = id, error = %e);
+                debug!(event = ublk_metrics::events::PEER_DISCONNECTED, conn = id, error = %e);
             }
             Fatal::Probe => {
                 obs.probe();
-                debug!(event = "connection.probe", conn = id);
+                debug!(event = events::CONNECTION_PROBE, conn = id);
             }
             Fatal::Frame(e) => {
                 obs.frame_error(&e);
-                warn!(event = "protocol.error", conn = id, class = e.class(), error = %e);
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class = e.class(), error = %e);
                 proto::encode_error(
                     &mut frame,
                     Opcode::Hello,
@@ -85,16 +86,16 @@ impl Fatal {
             }
             Fatal::Request(op, request_id, e) => {
                 obs.frame_error(&e);
-                warn!(event = "protocol.error", conn = id, class = e.class(), op = op.name(), request_id, error = %e);
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class = e.class(), op = op.name(), request_id, error = %e);
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
             Fatal::Store(op, request_id, e) => {
-                warn!(event = "protocol.error", conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
             Fatal::Auth(why) => {
                 obs.auth_failed();
-                warn!(event = "auth.failed", conn = id, peer = %peer, reason = why);
+                warn!(event = events::AUTH_FAILED, conn = id, peer = %peer, reason = why);
                 proto::encode_error(
                     &mut frame,
                     Opcode::Hello,
@@ -105,15 +106,15 @@ impl Fatal {
             }
             Fatal::Hello(status, msg) => {
                 obs.hello_refused(status);
-                warn!(event = "hello.refused", conn = id, peer = %peer, status = status.name(), detail = %msg);
+                warn!(event = events::HELLO_REFUSED, conn = id, peer = %peer, status = status.name(), detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
             Fatal::Internal(what) => {
-                tracing::error!(event = "connection.internal_error", conn = id, error = %what);
+                tracing::error!(event = events::CONNECTION_INTERNAL_ERROR, conn = id, error = %what);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, Status::Internal, &what);
             }
             Fatal::Epoch(e) => {
-                warn!(event = "epoch.persist_failed", conn = id, error = %e);
+                warn!(event = events::EPOCH_PERSIST_FAILED, conn = id, error = %e);
                 proto::encode_error(
                     &mut frame,
                     Opcode::Hello,

@@ -13,6 +13,7 @@ use tracing::info;
 
 use crate::arenad::admission::Counted;
 use crate::arenad::epochs::VolumeEpoch;
+use crate::arenad::events;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::frames::truncated;
 use crate::arenad::served::ServedVolume;
@@ -168,7 +169,7 @@ async fn handshake_steps(
     let rdma = hello.caps & CAP_RDMA != 0;
     if rdma && shared.rdma.is_none() {
         info!(
-            event = "rdma.declined",
+            event = events::RDMA_DECLINED,
             conn = id,
             reason = "no RDMA device on this peer"
         );
@@ -197,7 +198,7 @@ async fn handshake_steps(
     welcome.mac = vol.secret.sign_welcome(&ch, &hello, &welcome);
     welcome.encode(&mut frame, hello.version);
     stream.write_all(&frame).await?;
-    info!(event = "session.opened", conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted, version, epoch = hello.epoch);
+    info!(event = ublk_metrics::events::SESSION_OPENED, conn = id, volume = %vol.name, generation = welcome.generation, rdma = granted, version, epoch = hello.epoch);
     Ok(Session {
         vol: Arc::clone(vol),
         fence,

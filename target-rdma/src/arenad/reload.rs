@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use ublk_metrics::events::LogControl;
 
 use crate::arenad::config::{ArenadConfig, VolumeConfig};
+use crate::arenad::events;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server};
 use crate::auth::{Secret, SecretError};
@@ -150,7 +151,7 @@ impl Runtime {
     pub fn reload(&self, new: Result<ArenadConfig, String>) -> Result<Reloaded, ReloadError> {
         let result = self.apply(new);
         if let Err(e) = &result {
-            tracing::error!(event = "config.reload_failed", error = %e, "keeping the running configuration");
+            tracing::error!(event = ublk_metrics::events::CONFIG_RELOAD_FAILED, error = %e, "keeping the running configuration");
         }
         result
     }
@@ -191,31 +192,31 @@ impl Runtime {
         for v in &done.volumes {
             match v {
                 VolumeChange::Added(name) => {
-                    tracing::info!(event = "volume.served", volume = %name)
+                    tracing::info!(event = events::VOLUME_SERVED, volume = %name)
                 }
                 VolumeChange::Removed(name) => tracing::info!(
-                    event = "volume.unserved",
+                    event = events::VOLUME_UNSERVED,
                     volume = %name,
                     "new sessions are refused; open ones go on; its blobs stay"
                 ),
                 VolumeChange::Quota(name, blobs) => {
-                    tracing::info!(event = "volume.quota_changed", volume = %name, quota_blobs = blobs)
+                    tracing::info!(event = events::VOLUME_QUOTA_CHANGED, volume = %name, quota_blobs = blobs)
                 }
                 VolumeChange::Secret(name) => tracing::info!(
-                    event = "volume.secret_changed",
+                    event = events::VOLUME_SECRET_CHANGED,
                     volume = %name,
                     "new sessions must prove the new secret; open ones go on"
                 ),
             }
         }
         for c in &done.applied {
-            tracing::info!(event = "config.changed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
+            tracing::info!(event = ublk_metrics::events::CONFIG_CHANGED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
         }
         for c in &done.restart_needed {
-            tracing::warn!(event = "config.restart_needed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart arenad`");
+            tracing::warn!(event = ublk_metrics::events::CONFIG_RESTART_NEEDED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart arenad`");
         }
         tracing::info!(
-            event = "config.reloaded",
+            event = ublk_metrics::events::CONFIG_RELOADED,
             volumes = count,
             volume_changes = done.volumes.len(),
             applied = done.applied.len(),

@@ -23,6 +23,7 @@ use crate::arenad::accept::accept_loop;
 use crate::arenad::admission::Admission;
 use crate::arenad::blocking::Blocking;
 use crate::arenad::epochs::Epochs;
+use crate::arenad::events;
 use crate::arenad::fenced::Fencing;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::sessions::Sessions;
@@ -66,7 +67,7 @@ impl Server {
         let reads = Arc::clone(&store);
         let workers = Workers::start(threads, move || {
             if let Err(e) = reads.serve_swap_reads_here() {
-                tracing::warn!(event = "swap.read_ring_unavailable", error = %e, "this worker's cold reads use the swap's shared ring");
+                tracing::warn!(event = events::SWAP_READ_RING_UNAVAILABLE, error = %e, "this worker's cold reads use the swap's shared ring");
             }
         })?;
         let sessions = Arc::new(Sessions::default());

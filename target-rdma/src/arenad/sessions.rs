@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::arenad::epochs::VolumeEpoch;
+use crate::arenad::events;
 use crate::arenad::lease_keys::LeaseKeys;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::outbox::NotQueued;
@@ -48,7 +49,7 @@ impl Sessions {
         proto::encode_revoke(&mut frame, key, token);
         if let Err(NotQueued::Full) = conn.outbox.revoke(frame) {
             warn!(
-                event = "connection.not_reading",
+                event = events::CONNECTION_NOT_READING,
                 conn = holder,
                 max_queued_frames,
                 "disconnected: a REVOKE found its queue full"
@@ -67,7 +68,7 @@ impl Sessions {
         };
         if conn.rail.lease_keys && conn.rail.keys.lock().end(token) {
             warn!(
-                event = "rdma.lease_key_force_ended",
+                event = events::RDMA_LEASE_KEY_FORCE_ENDED,
                 conn = holder,
                 token,
                 "a revoked lease was not given back in time: its RDMA key is deregistered"
@@ -103,7 +104,7 @@ impl Sessions {
             if ended > 0 {
                 obs.leases_fenced(ended as u64);
                 info!(
-                    event = "epoch.leases_fenced",
+                    event = events::EPOCH_LEASES_FENCED,
                     conn = s.id,
                     volume = %s.vol.name,
                     epoch,

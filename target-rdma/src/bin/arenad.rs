@@ -20,6 +20,7 @@ use ublk_metrics::MetricsServer;
 
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
 use target_rdma::arenad::epochs::Epochs;
+use target_rdma::arenad::events;
 use target_rdma::arenad::listener::Reserved;
 use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::reload::{read_secrets, served, Runtime};
@@ -149,11 +150,11 @@ fn start_observability(
         cfg.metrics_listen_addr()
             .and_then(|addr| match obs.listen(addr, cfg.metrics_http()) {
                 Ok(l) => {
-                    info!(event = "metrics.listening", addr = %l.local_addr());
+                    info!(event = ublk_metrics::events::METRICS_LISTENING, addr = %l.local_addr());
                     Some(l)
                 }
                 Err(e) => {
-                    error!(event = "metrics.listen_failed", error = %e);
+                    error!(event = ublk_metrics::events::METRICS_LISTEN_FAILED, error = %e);
                     None
                 }
             });
@@ -230,11 +231,11 @@ fn run(args: &Args) -> Result<ExitCode> {
                 cfg.rdma_isolation,
             )
             .context("registering the arena for RDMA")?;
-            info!(event = "rdma.enabled", device = %r.device_name(), isolation = r.isolation().name());
+            info!(event = events::RDMA_ENABLED, device = %r.device_name(), isolation = r.isolation().name());
             Some(r)
         }
         Err(why) => {
-            info!(event = "rdma.disabled", reason = %why, "clients asking for RDMA are declined and use TCP");
+            info!(event = events::RDMA_DISABLED, reason = %why, "clients asking for RDMA are declined and use TCP");
             None
         }
     };
@@ -281,7 +282,7 @@ fn run(args: &Args) -> Result<ExitCode> {
                 let _ = sd_notify::notify("READY=1");
                 continue;
             }
-            info!(event = "shutdown.requested", signal = sig);
+            info!(event = events::SHUTDOWN_REQUESTED, signal = sig);
             stopping.begin_shutdown();
             stopper.shutdown();
             return;
@@ -291,11 +292,11 @@ fn run(args: &Args) -> Result<ExitCode> {
         .listen()
         .with_context(|| format!("listen on {listen}"))?;
     obs.serving();
-    info!(event = "arenad.ready", listen = %listener.local_addr()?, generation = store.generation());
+    info!(event = events::ARENAD_READY, listen = %listener.local_addr()?, generation = store.generation());
     sd_notify::notify("READY=1").context("notifying systemd")?;
     server.serve(listener).context("serving")?;
     sd_notify::notify("STOPPING=1").ok();
     store.flush().context("final flush")?;
-    info!(event = "arenad.stopped");
+    info!(event = events::ARENAD_STOPPED);
     Ok(ExitCode::SUCCESS)
 }

@@ -14,6 +14,7 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use ublk_metrics::events;
 
 use super::clock::Clock;
 use super::coordinator::{CoordErrorKind, Coordinator, Lease};
@@ -117,7 +118,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         ReplicaCounters::count(&self.stats().handovers_in);
         let took = self.clock.now().saturating_duration_since(started);
         self.remember(true, holder, took);
-        tracing::info!(event = "replica.activated", volume = %self.volume(), membership = %next,
+        tracing::info!(event = events::REPLICA_ACTIVATED, volume = %self.volume(), membership = %next,
             took_ms = took.as_millis() as u64);
         Ok(())
     }
@@ -156,13 +157,13 @@ impl<S: MemberIo> ReplicaSet<S> {
             if e.kind() == crate::blob::ErrorKind::Replica(ReplicaFailure::Fenced) {
                 self.fence(e.to_string());
             }
-            tracing::warn!(event = "replica.release_failed", volume = %self.volume(), error = %e);
+            tracing::warn!(event = events::REPLICA_RELEASE_FAILED, volume = %self.volume(), error = %e);
             return Err(e);
         }
         ReplicaCounters::count(&self.stats().handovers_out);
         let took = self.clock.now().saturating_duration_since(started);
         self.remember(false, to, took);
-        tracing::info!(event = "replica.released", volume = %self.volume(),
+        tracing::info!(event = events::REPLICA_RELEASED, volume = %self.volume(),
             membership = %self.membership(), took_ms = took.as_millis() as u64);
         Ok(())
     }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use futures::future::{select, Either};
 use futures::lock::Mutex as AsyncMutex;
 use parking_lot::{Mutex, RwLock};
+use ublk_metrics::events;
 
 use super::clock::Clock;
 use super::coordinator::{
@@ -402,7 +403,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     pub(super) fn fence(&self, why: String) {
         let mut reason = self.fence_reason.lock();
         if reason.is_none() {
-            tracing::error!(event = "replica.fenced", volume = %self.volume, reason = %why);
+            tracing::error!(event = events::REPLICA_FENCED, volume = %self.volume, reason = %why);
         }
         reason.get_or_insert(why);
         self.fenced.store(true, Ordering::Release);
@@ -599,7 +600,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         ReplicaCounters::count(&self.stats.epoch_changes);
         ReplicaCounters::count(&self.stats.roles_regained);
         self.term.store(term, Ordering::Release);
-        tracing::info!(event = "replica.role_regained", volume = %self.volume, membership = %now);
+        tracing::info!(event = events::REPLICA_ROLE_REGAINED, volume = %self.volume, membership = %now);
         self.install(v).await;
         Ok(())
     }
@@ -623,7 +624,7 @@ impl<S: MemberIo> ReplicaSet<S> {
             }
         };
         let next = self.raise_role(term, "taking over").await?;
-        tracing::warn!(event = "replica.taken_over", volume = %self.volume, membership = %next);
+        tracing::warn!(event = events::REPLICA_TAKEN_OVER, volume = %self.volume, membership = %next);
         Ok(())
     }
 

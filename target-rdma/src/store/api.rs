@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use parking_lot::RwLock;
+use ublk_metrics::events;
 
 use super::arena::Arena;
 use super::config::{invalid, validate, StoreConfig, VolumeSpec};
@@ -559,7 +560,7 @@ impl Drop for Store {
         for t in self.workers.drain(..) {
             if t.join().is_err() {
                 tracing::error!(
-                    event = "cleaner_panicked",
+                    event = events::CLEANER_PANICKED,
                     "a store background thread (write-back or read-ahead) panicked"
                 );
             }

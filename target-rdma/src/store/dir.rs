@@ -4,6 +4,7 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+use ublk_metrics::events;
 
 use super::error::StoreError;
 use super::{extent, index, swap};
@@ -58,7 +59,7 @@ pub(super) fn check_new(dir: &Path) -> Result<(), StoreError> {
         !exists(swap::SWAP_FILE)
     };
     if meta_blank && index::journal_is_blank(dir)? {
-        tracing::warn!(event = "store_creation_resumed", dir = %dir.display(), files = ?present, "found the files of a store whose creation was cut short (no checkpoint, nothing journaled, no extent header): creating it again");
+        tracing::warn!(event = events::STORE_CREATION_RESUMED, dir = %dir.display(), files = ?present, "found the files of a store whose creation was cut short (no checkpoint, nothing journaled, no extent header): creating it again");
         return Ok(());
     }
     Err(StoreError::Corrupt {

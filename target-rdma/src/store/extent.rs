@@ -25,6 +25,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
+use ublk_metrics::events;
 
 use super::error::{io_err, StoreError};
 use super::format::Version;
@@ -299,7 +300,7 @@ impl MetaFile {
             }
             Some(_) => {}
             None => {
-                tracing::warn!(event = "extent_table_header_rewritten", path = %path.display(), "the extent table's header was damaged; rewritten");
+                tracing::warn!(event = events::EXTENT_TABLE_HEADER_REWRITTEN, path = %path.display(), "the extent table's header was damaged; rewritten");
                 file.write_all_at(&header(blob_bytes, record_len(blob_bytes)), 0)
                     .map_err(io_err("writing extent table", &path))?;
             }

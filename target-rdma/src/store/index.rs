@@ -16,6 +16,7 @@
 //! is damaged: refused, not replaced by the older one.
 
 use std::path::{Path, PathBuf};
+use ublk_metrics::events;
 
 use super::checkpoint::{self, CheckpointFile};
 use super::error::{corrupt, swap_shrunk, StoreError};
@@ -82,7 +83,7 @@ pub(super) fn load(dir: &Path, blob_bytes: u32, extents: u32) -> Result<Option<F
         ));
     }
     if replayed.epoch < image.epoch {
-        tracing::warn!(event = "journal_stale", path = %jpath.display(), journal_epoch = replayed.epoch, checkpoint_epoch = image.epoch, "ignoring the journal of the previous checkpoint (a crash came between checkpoint and journal reset)");
+        tracing::warn!(event = events::JOURNAL_STALE, path = %jpath.display(), journal_epoch = replayed.epoch, checkpoint_epoch = image.epoch, "ignoring the journal of the previous checkpoint (a crash came between checkpoint and journal reset)");
     }
     for (offset, r) in replayed.records {
         let (Record::Put { vol, .. } | Record::Remove { vol, .. }) = r;
@@ -216,7 +217,7 @@ impl Index {
             // The new checkpoint holds everything the old journal did; a
             // reset that fails here is retried by the append below.
             if let Err(e) = self.journal.reset(epoch) {
-                tracing::warn!(event = "journal_reset_failed", path = %self.dir.join(JOURNAL_FILE).display(), error = %e, "resetting the journal after a checkpoint failed; retrying on append");
+                tracing::warn!(event = events::JOURNAL_RESET_FAILED, path = %self.dir.join(JOURNAL_FILE).display(), error = %e, "resetting the journal after a checkpoint failed; retrying on append");
             }
         }
         let started = std::time::Instant::now();

@@ -19,6 +19,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use ublk_metrics::events;
 
 use super::error::{io_err, StoreError};
 use super::format::{Record, Version, FORMAT_VERSION};
@@ -522,7 +523,7 @@ pub(super) fn replay(dir: &Path, capacity: u64, want: u64) -> Result<Replayed, S
             if let Some(i) = (end..blocks.len()).find(|&i| !zero(blocks[i])) {
                 return Err(corrupt(off(i), "data after a torn batch".into()));
             }
-            tracing::warn!(event = "journal_torn_tail", path = %path.display(), offset = off(pos), "dropping a torn last journal batch (a commit cut short by the crash)");
+            tracing::warn!(event = events::JOURNAL_TORN_TAIL, path = %path.display(), offset = off(pos), "dropping a torn last journal batch (a commit cut short by the crash)");
             return Ok(Replayed {
                 epoch,
                 records,

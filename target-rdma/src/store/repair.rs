@@ -19,6 +19,7 @@ use std::fmt;
 use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::FileExt;
+use ublk_metrics::events;
 
 use super::config::{validate, StoreConfig, VolumeSpec};
 use super::dir::lock_dir;
@@ -355,7 +356,7 @@ pub(super) fn repair(
             blobs: blobs.iter().map(|(k, &(e, v))| (k.0, k.1, e, v)),
         },
     )?;
-    tracing::info!(event = "store.repaired", dir = %dir.display(), blobs = blobs.len(), complete = report.complete(), "index rebuilt from the extent headers");
+    tracing::info!(event = events::STORE_REPAIRED, dir = %dir.display(), blobs = blobs.len(), complete = report.complete(), "index rebuilt from the extent headers");
     Ok(report)
 }
 

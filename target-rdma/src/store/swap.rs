@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
+use ublk_metrics::events;
 
 use super::aligned::AlignedBuf;
 use super::error::StoreError;
@@ -246,7 +247,7 @@ impl Swap {
         }
         if !swap.direct {
             tracing::warn!(
-                event = "swap_direct_io_unavailable",
+                event = events::SWAP_DIRECT_IO_UNAVAILABLE,
                 path = %path.display(),
                 "filesystem refuses O_DIRECT; swap uses buffered I/O with fdatasync"
             );

@@ -42,6 +42,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use ublk_metrics::events;
 
 use super::aligned::AlignedBuf;
 
@@ -189,7 +190,7 @@ impl Reads {
             // (any caller's, or the completion thread's within `RESUBMIT`)
             // carries it.
             if let Err(e) = submit(&self.shared.ring) {
-                tracing::warn!(event = "swap.read_submit_failed", error = %e);
+                tracing::warn!(event = events::SWAP_READ_SUBMIT_FAILED, error = %e);
             }
         }
         rx.await
@@ -222,7 +223,7 @@ impl Drop for Reads {
                 r
             };
             if pushed.is_err() {
-                tracing::error!(event = "swap.reads_close_failed");
+                tracing::error!(event = events::SWAP_READS_CLOSE_FAILED);
             }
         }
         let _ = submit(&self.shared.ring);
@@ -324,7 +325,7 @@ impl Lane {
             Ok(done) if done >= n => true,
             r => {
                 if let Err(e) = r {
-                    tracing::warn!(event = "swap.read_submit_failed", error = %e);
+                    tracing::warn!(event = events::SWAP_READ_SUBMIT_FAILED, error = %e);
                 }
                 // Still queued: counted again for the next pass (an enter
                 // submits whatever the queue holds).
@@ -390,7 +391,7 @@ impl Drop for Lane {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    tracing::error!(event = "swap.read_drain_failed", error = %e, in_flight = left);
+                    tracing::error!(event = events::SWAP_READ_DRAIN_FAILED, error = %e, in_flight = left);
                     for p in self
                         .table
                         .get_mut()
@@ -446,7 +447,7 @@ async fn drive(ready: AsyncFd<RingFd>) {
                     guard.clear_ready();
                 }
                 Err(e) => {
-                    tracing::error!(event = "swap.read_lane_failed", error = %e);
+                    tracing::error!(event = events::SWAP_READ_LANE_FAILED, error = %e);
                     break;
                 }
             },
@@ -492,7 +493,7 @@ fn reap_thread(lane: &Lane) {
             if !timed_out && e.kind() != io::ErrorKind::Interrupted {
                 // Transient (EBUSY, EAGAIN): completions still land in the
                 // queue, reaped below.
-                tracing::warn!(event = "swap.read_wait_failed", error = %e);
+                tracing::warn!(event = events::SWAP_READ_WAIT_FAILED, error = %e);
                 thread::sleep(Duration::from_millis(1));
             }
         }

@@ -21,6 +21,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use tracing::warn;
+use ublk_metrics::events;
 
 use super::completion::CompletionEngine;
 use crate::client::driven::{CqHandoff, Engine, Ring};
@@ -79,7 +80,7 @@ impl CqDriver {
             // Requests in flight always complete (a failed or expired QP
             // flushes them), so this wait ends.
             if let Err(e) = ring.readable(engine.qp().event_fd()).await {
-                warn!(event = "rdma.poll_failed", error = %e);
+                warn!(event = events::RDMA_POLL_FAILED, error = %e);
                 engine.fail(&format!("waiting on the completion channel failed: {e}"));
             }
             if let Err(e) = engine.qp().take_event() {

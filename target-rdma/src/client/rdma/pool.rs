@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tracing::warn;
+use ublk_metrics::events;
 
 use super::stats::{RdmaStats, TcpReason};
 use crate::rdma::{Access, MemoryRegion, RdmaError, RdmaProvider};
@@ -224,7 +225,7 @@ impl Memory {
             }
             Err(e) => {
                 stats.inc(|s| &s.registration_failures);
-                warn!(event = "rdma.register_failed", error = %e);
+                warn!(event = events::RDMA_REGISTER_FAILED, error = %e);
                 Err(TcpReason::RegistrationFailed)
             }
         }

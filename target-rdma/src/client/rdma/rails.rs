@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use tracing::{info, warn};
+use ublk_metrics::events;
 
 use super::completion::CompletionEngine;
 use super::config::RdmaTransportConfig;
@@ -116,7 +117,7 @@ impl Rails {
             Ok(_) => self.stats.inc(|s| &s.rail_connects),
             Err(e) => {
                 self.stats.inc(|s| &s.rail_connect_failures);
-                warn!(event = "rdma.rail_failed", peer = %self.peer, error = %e);
+                warn!(event = events::RDMA_RAIL_FAILED, peer = %self.peer, error = %e);
             }
         }
         self.state.lock().settle(&r, Instant::now());
@@ -171,7 +172,7 @@ impl Rails {
                 let _ = leases.end_cached(client, key, e).await;
             }
         }
-        info!(event = "rdma.rail_up", peer = %self.peer, device = %provider.device_name());
+        info!(event = events::RDMA_RAIL_UP, peer = %self.peer, device = %provider.device_name());
         Ok(Arc::new(Rail {
             engine,
             remote: acc,

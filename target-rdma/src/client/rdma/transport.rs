@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
+use ublk_metrics::events;
 
 use super::completion::{CompletionEngine, OpError};
 use super::config::RdmaTransportConfig;
@@ -174,7 +175,7 @@ impl RdmaTransport {
                 })
             }
             (Some(why), false) => {
-                info!(event = "rdma.unavailable", peer = %t.peer, reason = %why, "payloads go over TCP");
+                info!(event = events::RDMA_UNAVAILABLE, peer = %t.peer, reason = %why, "payloads go over TCP");
             }
             _ => {}
         }
@@ -363,7 +364,7 @@ impl RdmaTransport {
             {
                 Ok(()) => break Ok(local),
                 Err(e) => {
-                    warn!(event = "rdma.attempt_failed", op = ?op, error = %e, retry = !attempted);
+                    warn!(event = events::RDMA_ATTEMPT_FAILED, op = ?op, error = %e, retry = !attempted);
                     if attempted {
                         break Err(TcpReason::QpError);
                     }
@@ -505,7 +506,7 @@ impl RdmaTransport {
                 // before the remove, so it is done again, after it.
                 Err(e) if e.status() == Some(Status::LeaseLost) && lost < MAX_LEASE_LOST => {
                     lost += 1;
-                    debug!(event = "rdma.lease_lost", key, attempt = lost);
+                    debug!(event = events::RDMA_LEASE_LOST, key, attempt = lost);
                 }
                 r => return r,
             }

@@ -12,6 +12,7 @@ use std::time::Instant;
 use futures::channel::oneshot;
 use parking_lot::Mutex;
 use tracing::warn;
+use ublk_metrics::events;
 
 use super::config::ClientConfig;
 use super::conn::{handshake, Conn, Pending, Reply};
@@ -141,7 +142,7 @@ impl ArenaClient {
         if let Some(old) = self.shared.cfg.flush_domain.connected(new) {
             self.stats().count(|s| &s.peer_restarts);
             warn!(
-                event = "peer.restarted",
+                event = events::PEER_RESTARTED,
                 old_generation = old,
                 new_generation = new
             );

@@ -16,6 +16,7 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
 use tokio::sync::Semaphore;
 use tracing::debug;
+use ublk_metrics::events;
 
 use super::config::ClientConfig;
 use super::frames::Landing;
@@ -293,7 +294,7 @@ pub(super) fn handshake(
     };
     stream.set_read_timeout(Some(TICK)).map_err(io_err)?;
     debug!(
-        event = "session.opened",
+        event = events::SESSION_OPENED,
         session = welcome.session_id,
         generation = welcome.generation
     );

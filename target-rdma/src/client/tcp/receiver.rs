@@ -17,6 +17,7 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use tracing::debug;
+use ublk_metrics::events;
 
 use super::conn::{Conn, Pending, Reply};
 use super::frames::{Body, FrameReader, Trailer};
@@ -116,7 +117,7 @@ impl Receiver {
             t.close(&self.source.stream);
         }
         if let Some(why) = why {
-            debug!(event = "peer.disconnected", detail = %why);
+            debug!(event = events::PEER_DISCONNECTED, detail = %why);
             self.conn.kill(&self.peer, &why);
         }
         false

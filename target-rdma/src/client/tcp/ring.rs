@@ -26,6 +26,7 @@ use std::task::Poll;
 use std::time::Instant;
 
 use tracing::warn;
+use ublk_metrics::events;
 
 use super::receiver::expire;
 use super::shared::Shared;
@@ -51,7 +52,7 @@ impl Driver {
             while let Some(fd) = self.handoff.pump() {
                 self.spin();
                 if let Err(e) = ring.readable(fd).await {
-                    warn!(event = "peer.poll_failed", error = %e);
+                    warn!(event = events::PEER_POLL_FAILED, error = %e);
                     if let Some(r) = self.handoff.rx.lock().as_mut() {
                         r.fail(format!("poll failed: {e}"));
                     }

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use ublk_metrics::events;
 
 use crate::store::extent::MetaFile;
 use crate::store::swap::Extents;
@@ -61,7 +62,7 @@ impl Images {
     /// can take it).
     pub(super) fn release(&mut self, extent: u32) {
         if let Err(e) = self.meta.clear(extent) {
-            tracing::warn!(event = "extent_header_clear_failed", extent, error = %e, "could not clear a freed extent's header; arenad --repair might bring back its old image");
+            tracing::warn!(event = events::EXTENT_HEADER_CLEAR_FAILED, extent, error = %e, "could not clear a freed extent's header; arenad --repair might bring back its old image");
         }
         self.extents.free(extent);
     }

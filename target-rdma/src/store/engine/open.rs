@@ -3,6 +3,7 @@
 //! of a new store created. Runs before any other thread sees the state.
 
 use std::collections::{BTreeMap, HashMap};
+use ublk_metrics::events;
 
 use super::background::Background;
 use super::blob::{Blob, Placed};
@@ -69,7 +70,7 @@ pub(in crate::store) fn open(
                 .iter()
                 .map(|name| {
                     *by_name.entry(name.clone()).or_insert_with(|| {
-                        tracing::warn!(event = "volume_not_configured", volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
+                        tracing::warn!(event = events::VOLUME_NOT_CONFIGURED, volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
                         volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0, served: false });
                         (volumes.len() - 1) as u32
                     })
@@ -143,13 +144,13 @@ pub(in crate::store) fn open(
                 extent::Record::Invalid(why) => format!("its header is damaged ({why})"),
             };
             if damaged < DAMAGE_LOGGED {
-                tracing::warn!(event = "swap.extent_header_invalid", file = %swap.meta().path().display(), extent = p.extent, volume = %volumes[vol as usize].name, key, detail = %why, "a blob's swap image does not match its header: its reads fail until it is rewritten, removed or repaired");
+                tracing::warn!(event = events::SWAP_EXTENT_HEADER_INVALID, file = %swap.meta().path().display(), extent = p.extent, volume = %volumes[vol as usize].name, key, detail = %why, "a blob's swap image does not match its header: its reads fail until it is rewritten, removed or repaired");
             }
             damaged += 1;
             b.damaged = Some(why.into_boxed_str());
         }
         if damaged > DAMAGE_LOGGED {
-            tracing::warn!(event = "swap.extent_headers_invalid", file = %swap.meta().path().display(), count = damaged, "more blobs whose swap image does not match its header");
+            tracing::warn!(event = events::SWAP_EXTENT_HEADERS_INVALID, file = %swap.meta().path().display(), count = damaged, "more blobs whose swap image does not match its header");
         }
     }
     let meta = swap.meta_handle();

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use ublk_metrics::events;
 
 use super::background::Background;
 use super::blob::Blob;
@@ -189,7 +190,7 @@ impl State {
     ) -> StoreError {
         self.counters.integrity[kind.index()] += 1;
         let volume = self.volumes.get(key.0).name.clone();
-        tracing::warn!(event = "swap.integrity_error", kind = kind.name(), file = %file.display(), extent, offset, volume = %volume, key = key.1, detail = %detail, "refusing to serve bytes that do not verify");
+        tracing::warn!(event = events::SWAP_INTEGRITY_ERROR, kind = kind.name(), file = %file.display(), extent, offset, volume = %volume, key = key.1, detail = %detail, "refusing to serve bytes that do not verify");
         StoreError::Integrity {
             kind,
             file: file.to_path_buf(),
@@ -386,7 +387,7 @@ impl State {
             self.volumes.pop();
             return Err(e);
         }
-        tracing::info!(event = "volume.added", volume = %name, quota_blobs = quota);
+        tracing::info!(event = events::VOLUME_ADDED, volume = %name, quota_blobs = quota);
         Ok((self.volumes.len() - 1) as VolumeId)
     }
 

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use parking_lot::MutexGuard;
+use ublk_metrics::events;
 
 use super::shared::{Core, Guard};
 use super::write_back::WriteBack;
@@ -49,7 +50,7 @@ pub(in crate::store) fn clean(core: &Core) {
         let plan = match WriteBack::plan(st, &core.swap, &batch, false) {
             Ok(p) => p,
             Err(e) => {
-                tracing::warn!(event = "cleaner_failed", error = %e, "background write-back could not be planned");
+                tracing::warn!(event = events::CLEANER_FAILED, error = %e, "background write-back could not be planned");
                 MutexGuard::unlocked(&mut g, || std::thread::sleep(CLEAN_RETRY));
                 continue;
             }
@@ -62,7 +63,7 @@ pub(in crate::store) fn clean(core: &Core) {
             continue;
         }
         if let Err(e) = core.write_back(&mut g, &plan, false, true) {
-            tracing::warn!(event = "cleaner_failed", error = %e, "background write-back failed; slots stay dirty");
+            tracing::warn!(event = events::CLEANER_FAILED, error = %e, "background write-back failed; slots stay dirty");
             MutexGuard::unlocked(&mut g, || std::thread::sleep(CLEAN_RETRY));
         }
     }
@@ -129,12 +130,12 @@ fn read_ahead_one(core: &Core, g: &mut Guard<'_>, key: BlobKey) {
     core.settled.notify_all();
     match read {
         Err(e) => {
-            tracing::warn!(event = "read_ahead_failed", error = %e, "read-ahead failed; readers fault the blobs in themselves");
+            tracing::warn!(event = events::READ_AHEAD_FAILED, error = %e, "read-ahead failed; readers fault the blobs in themselves");
         }
         Ok(Some(_)) => {
             // The reader's own fault-in reports it (counted, logged).
             tracing::debug!(
-                event = "read_ahead_unverified",
+                event = events::READ_AHEAD_UNVERIFIED,
                 extent = placed.extent,
                 "a read-ahead image failed its check; dropped"
             );
