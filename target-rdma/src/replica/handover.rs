@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::clock::Clock;
+use super::clock::Timers;
 use super::coordinator::{CoordErrorKind, Coordinator, Lease};
 use super::member::{Lane, MemberIo, MemberSessions};
 use super::set::{ReplicaConfig, ReplicaCounters, ReplicaSet};
@@ -49,7 +49,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     pub async fn standby(
         volume: impl Into<String>,
         coord: Arc<dyn Coordinator>,
-        clock: Arc<dyn Clock>,
+        clock: Arc<dyn Timers>,
         config: ReplicaConfig,
         sessions: Vec<(String, MemberSessions<S>)>,
         activate_on_write: bool,
