@@ -31,7 +31,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
 use super::aligned::AlignedBuf;
-use super::error::StoreError;
+use super::error::{refused, Refusal, StoreError};
 use super::extent::{MetaFile, BLOCK};
 use super::space;
 use super::swap_reads::Reads;
@@ -211,8 +211,8 @@ impl Swap {
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
         };
-        let reads =
-            Reads::start(&file, reads_in_flight).map_err(|source| StoreError::Uring { source })?;
+        let reads = Reads::start(&file, path, reads_in_flight)
+            .map_err(|source| StoreError::Uring { source })?;
         let mut swap = Swap {
             reads,
             file,
@@ -238,7 +238,7 @@ impl Swap {
                     swap.file =
                         open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
-                    swap.reads = Reads::start(&swap.file, reads_in_flight)
+                    swap.reads = Reads::start(&swap.file, path, reads_in_flight)
                         .map_err(|source| StoreError::Uring { source })?;
                 }
                 Err(e) => return Err(e),
@@ -320,7 +320,6 @@ impl Swap {
         self.reads
             .read(self.offset_of(extent, offset as usize), buf)
             .await
-            .map_err(io_err("reading swap extent from", &self.path))
     }
 
     /// A buffer for a range read of `len` bytes at `offset` of an extent
@@ -471,11 +470,7 @@ impl Swap {
             source,
         };
         if self.broken.load(Ordering::Acquire) {
-            return Err(err(
-                "using swap file",
-                &self.path,
-                io::Error::other("an earlier io_uring submission failed; restart arenad"),
-            ));
+            return Err(refused("using swap file", &self.path, Refusal::SwapBroken));
         }
         let fd = types::Fd(self.file.as_raw_fd());
         for chunk in ops.chunks(RING_ENTRIES as usize) {
@@ -499,10 +494,10 @@ impl Swap {
                 let pushed = unsafe { ring.submission().push(&entry.user_data(i as u64)) };
                 if pushed.is_err() {
                     self.broken.store(true, Ordering::Release);
-                    return Err(err(
+                    return Err(refused(
                         "queueing swap I/O for",
                         &self.path,
-                        io::Error::other("submission queue full"),
+                        Refusal::SwapQueueFull,
                     ));
                 }
             }
