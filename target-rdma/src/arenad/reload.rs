@@ -17,7 +17,7 @@ use crate::arenad::config::{ArenadConfig, VolumeConfig};
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server};
 use crate::auth::{Secret, SecretError};
-use crate::config_file::{changes, Change};
+use crate::config_file::{changes, log_changes, Change};
 use crate::store::{Store, StoreError, VolumeSpec};
 
 /// Why a reload changed nothing (or, for `Store`, stopped part way: the
@@ -208,12 +208,7 @@ impl Runtime {
                 ),
             }
         }
-        for c in &done.applied {
-            tracing::info!(event = "config.changed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
-        }
-        for c in &done.restart_needed {
-            tracing::warn!(event = "config.restart_needed", key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart arenad`");
-        }
+        log_changes(&done.applied, &done.restart_needed, "arenad");
         tracing::info!(
             event = "config.reloaded",
             volumes = count,

@@ -31,7 +31,7 @@ use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
 
 use super::aligned::AlignedBuf;
-use super::error::{refused, Refusal, StoreError};
+use super::error::{io_err, refused, Refusal, StoreError};
 use super::extent::{MetaFile, BLOCK};
 use super::space;
 use super::swap_reads::Reads;
@@ -120,11 +120,6 @@ enum Op {
         len: u32,
         buf: *const u8,
     },
-}
-
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
-    let path = path.to_path_buf();
-    move |source| StoreError::Io { what, path, source }
 }
 
 impl Swap {
@@ -425,11 +420,9 @@ impl Swap {
 
     /// Makes every completed write durable, with the headers written.
     pub(super) fn sync(&self) -> Result<(), StoreError> {
-        self.file.sync_data().map_err(|source| StoreError::Io {
-            what: "syncing swap file",
-            path: self.path.clone(),
-            source,
-        })?;
+        self.file
+            .sync_data()
+            .map_err(io_err("syncing swap file", &self.path))?;
         self.meta.sync()
     }
 
@@ -464,11 +457,6 @@ impl Swap {
         ops: &[Op],
         mut work: Option<impl FnOnce()>,
     ) -> Result<(), StoreError> {
-        let err = |what: &'static str, path: &Path, source: io::Error| StoreError::Io {
-            what,
-            path: path.to_path_buf(),
-            source,
-        };
         if self.broken.load(Ordering::Acquire) {
             return Err(refused("using swap file", &self.path, Refusal::SwapBroken));
         }
@@ -504,7 +492,7 @@ impl Swap {
             if let Some(work) = work.take() {
                 if let Err(e) = ring.submit() {
                     self.broken.store(true, Ordering::Release);
-                    return Err(err("submitting swap I/O for", &self.path, e));
+                    return Err(io_err("submitting swap I/O for", &self.path)(e));
                 }
                 work();
             }
@@ -516,7 +504,7 @@ impl Swap {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
                         self.broken.store(true, Ordering::Release);
-                        return Err(err("submitting swap I/O for", &self.path, e));
+                        return Err(io_err("submitting swap I/O for", &self.path)(e));
                     }
                 }
                 for cqe in ring.completion() {
@@ -534,20 +522,16 @@ impl Swap {
                 };
                 let res = res.unwrap_or(-libc::EIO);
                 if res < 0 {
-                    return Err(err(what, &self.path, io::Error::from_raw_os_error(-res)));
+                    return Err(io_err(what, &self.path)(io::Error::from_raw_os_error(-res)));
                 }
                 if res as u32 != len {
-                    return Err(err(
-                        what,
-                        &self.path,
-                        io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            format!(
-                                "extent {} at byte {offset}: short transfer of {res} of {len} bytes",
-                                offset / u64::from(self.extent_bytes)
-                            ),
+                    return Err(io_err(what, &self.path)(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "extent {} at byte {offset}: short transfer of {res} of {len} bytes",
+                            offset / u64::from(self.extent_bytes)
                         ),
-                    ));
+                    )));
                 }
                 let counter = match op {
                     Op::Read { .. } => &self.bytes_read,
