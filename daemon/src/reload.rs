@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use target_rdma::config_file::{changes, Change};
+use target_rdma::config_file::{changes, log_changes, Change};
 use ublk_metrics::events::{self, LogControl};
 use ublk_metrics::{HttpConfig, MetricsServer, Telemetry};
 
@@ -131,12 +131,7 @@ impl Runtime {
         running.metrics.stall_threshold_secs = new.metrics.stall_threshold_secs;
         running.metrics.slow_threshold_ms = new.metrics.slow_threshold_ms;
         self.obs.apply(&running.metrics);
-        for c in &done.applied {
-            tracing::info!(event = events::CONFIG_CHANGED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
-        }
-        for c in &done.restart_needed {
-            tracing::warn!(event = events::CONFIG_RESTART_NEEDED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart ublkd`");
-        }
+        log_changes(&done.applied, &done.restart_needed, "ublkd");
         tracing::info!(
             event = events::CONFIG_RELOADED,
             path = %self.path.display(),

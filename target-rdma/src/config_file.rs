@@ -211,6 +211,20 @@ pub fn changes<T: Serialize>(old: &T, new: &T) -> Vec<Change> {
         .collect()
 }
 
+/// Logs a reload's changed keys: each in force now as `config.changed`,
+/// each that waits for a restart of `service` as `config.restart_needed`.
+/// One function, so that ublkd's and arenad's reloads log the same events.
+pub fn log_changes(applied: &[Change], restart_needed: &[Change], service: &str) {
+    for c in applied {
+        let (old, new) = (c.old.as_deref(), c.new.as_deref());
+        tracing::info!(event = ublk_metrics::events::CONFIG_CHANGED, key = %c.key, old = old.unwrap_or("(unset)"), new = new.unwrap_or("(unset)"));
+    }
+    for c in restart_needed {
+        let (old, new) = (c.old.as_deref(), c.new.as_deref());
+        tracing::warn!(event = ublk_metrics::events::CONFIG_RESTART_NEEDED, key = %c.key, old = old.unwrap_or("(unset)"), new = new.unwrap_or("(unset)"), "takes effect after `systemctl restart {service}`");
+    }
+}
+
 /// The effective configuration as TOML (sizes in human units), for
 /// `--check-config` / `--check`.
 pub fn render<T: Serialize>(cfg: &T) -> String {

@@ -27,12 +27,13 @@ use futures::task::LocalSpawnExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use target_rdma::blob::BlobIo;
-use target_rdma::replica::clock::{Clock, ManualClock};
+use target_rdma::replica::clock::Timers;
 use target_rdma::replica::fake::{FakeFault, FakePeer, FakeSession};
 use target_rdma::replica::{
     CoordFault, Coordinator, Lease, MemberState, Membership, MemoryCoordinator, RebuildConfig,
     RebuildStats, ReplicaConfig, ReplicaSet, ReplicatedIo,
 };
+use ublk_metrics::ManualClock;
 
 const BLOB: u32 = 64;
 const KEYS: u64 = 12;
@@ -127,8 +128,8 @@ struct Run {
 impl Run {
     fn new(seed: u64, pool: &mut LocalPool) -> Run {
         let rng = StdRng::seed_from_u64(seed);
-        let clock = ManualClock::new();
-        let dyn_clock: Arc<dyn Clock> = Arc::clone(&clock) as Arc<dyn Clock>;
+        let clock = Arc::new(ManualClock::new());
+        let dyn_clock: Arc<dyn Timers> = Arc::clone(&clock) as Arc<dyn Timers>;
         // n members and a spare.
         let n = 1 + (seed % 3) as usize;
         let peers: Vec<_> = (0..=n)
@@ -469,7 +470,7 @@ fn open_writer(
         .collect();
     let slot = Rc::new(RefCell::new(None));
     let s = Rc::clone(&slot);
-    let dyn_clock: Arc<dyn Clock> = Arc::clone(clock) as Arc<dyn Clock>;
+    let dyn_clock: Arc<dyn Timers> = Arc::clone(clock) as Arc<dyn Timers>;
     pool.spawner()
         .spawn_local(async move {
             let c = Arc::clone(&coord) as Arc<dyn Coordinator>;
@@ -499,8 +500,8 @@ fn a_writer_cut_off_from_its_store_is_fenced_by_its_successor_and_loses_nothing(
     for seed in 0..seeds() {
         let mut pool = LocalPool::new();
         let mut rng = StdRng::seed_from_u64(seed);
-        let clock = ManualClock::new();
-        let dyn_clock: Arc<dyn Clock> = Arc::clone(&clock) as Arc<dyn Clock>;
+        let clock = Arc::new(ManualClock::new());
+        let dyn_clock: Arc<dyn Timers> = Arc::clone(&clock) as Arc<dyn Timers>;
         let n = 2 + (seed % 2) as usize;
         let peers: Vec<_> = (0..n)
             .map(|i| FakePeer::new(&format!("p{i}"), BLOB, Arc::clone(&dyn_clock)))

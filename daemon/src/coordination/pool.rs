@@ -12,7 +12,7 @@ use super::etcd::{Etcd, Expect, TxnOutcome, Versioned};
 use super::placement;
 use super::records::{Keys, MembershipRecord, PeerRecord};
 use super::volume::{EpochChanges, EtcdVolume};
-use super::writer::WriterLease;
+use super::writer::{VolumeWriter, WriterLease};
 use super::CoordinationError;
 use ublk_metrics::events;
 use ublk_metrics::CoordinationStats;
@@ -107,13 +107,19 @@ impl Coordination {
                 tracing::info!(event = events::MEMBERSHIP_CREATED, volume, membership = %record.membership);
             }
         }
-        Ok(EtcdVolume::new(
+        Ok(self.coordinator(volume, key, writer))
+    }
+
+    /// `volume`'s coordinator over its membership `key`, as writer or
+    /// standby by `writer`.
+    fn coordinator(&self, volume: &str, key: String, writer: Arc<VolumeWriter>) -> EtcdVolume {
+        EtcdVolume::new(
             Arc::clone(&self.etcd),
             key,
             self.keys.writer(volume),
             writer,
             Arc::clone(&self.changes),
-        ))
+        )
     }
 
     /// A standby's coordinator of `volume`, which another ublkd serves (or
@@ -128,13 +134,7 @@ impl Coordination {
             )));
         }
         let writer = self.lease.standby(volume)?;
-        Ok(EtcdVolume::new(
-            Arc::clone(&self.etcd),
-            key,
-            self.keys.writer(volume),
-            writer,
-            Arc::clone(&self.changes),
-        ))
+        Ok(self.coordinator(volume, key, writer))
     }
 
     /// The etcd connection.

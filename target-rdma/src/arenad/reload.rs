@@ -18,7 +18,7 @@ use crate::arenad::events;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server};
 use crate::auth::{Secret, SecretError};
-use crate::config_file::{changes, Change};
+use crate::config_file::{changes, log_changes, Change};
 use crate::store::{Store, StoreError, VolumeSpec};
 
 /// Why a reload changed nothing (or, for `Store`, stopped part way: the
@@ -209,12 +209,7 @@ impl Runtime {
                 ),
             }
         }
-        for c in &done.applied {
-            tracing::info!(event = ublk_metrics::events::CONFIG_CHANGED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"));
-        }
-        for c in &done.restart_needed {
-            tracing::warn!(event = ublk_metrics::events::CONFIG_RESTART_NEEDED, key = %c.key, old = c.old.as_deref().unwrap_or("(unset)"), new = c.new.as_deref().unwrap_or("(unset)"), "takes effect after `systemctl restart arenad`");
-        }
+        log_changes(&done.applied, &done.restart_needed, "arenad");
         tracing::info!(
             event = ublk_metrics::events::CONFIG_RELOADED,
             volumes = count,

@@ -8,28 +8,30 @@
 //! woken only when a new timer is due before that, which uniform hedge
 //! delays almost never are: a timer costs an allocation and a short lock.
 //!
-//! The core reads time only through [`Clock`], so the replication model
-//! test runs it on virtual time ([`ManualClock`], feature `test-utils`) and
-//! a seed replays the same interleaving.
+//! The core reads time only through [`Timers`], so the replication model
+//! test runs it on virtual time (`ublk_metrics::ManualClock`, the manual
+//! clock every test uses) and a seed replays the same interleaving.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use ublk_metrics::clock::{Clock, ManualClock};
 
 /// A timer's future: ready at its deadline, woken from any thread.
 pub type Sleep = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Where the replication core gets the time and its timers.
-pub trait Clock: Send + Sync {
-    /// The current time.
+/// Where the replication core gets the time and its timers: a [`Clock`]
+/// whose time is also an [`Instant`], since deadlines are computed on it.
+pub trait Timers: Clock {
+    /// The current time, the same as [`Clock::now_ns`].
     fn now(&self) -> Instant;
     /// A future ready at `deadline`.
     fn sleep_until(&self, deadline: Instant) -> Sleep;
@@ -40,29 +42,39 @@ pub trait Clock: Send + Sync {
 }
 
 /// The process's clock: real time, one timer thread for every device.
-pub fn system() -> Arc<dyn Clock> {
+pub fn system() -> Arc<dyn Timers> {
     static CLOCK: OnceLock<Arc<SystemClock>> = OnceLock::new();
     let c = CLOCK.get_or_init(|| {
-        let timers = Arc::new(Timers::default());
+        let timers = Arc::new(TimerHeap::default());
         let t = Arc::clone(&timers);
         let thread = thread::Builder::new()
             .name("replica-timer".into())
             .spawn(move || t.run(Instant::now))
             .expect("spawn the replication timer thread");
         Arc::new(SystemClock {
+            origin: Instant::now(),
             timers,
             thread: thread.thread().clone(),
         })
     });
-    Arc::clone(c) as Arc<dyn Clock>
+    Arc::clone(c) as Arc<dyn Timers>
 }
 
 struct SystemClock {
-    timers: Arc<Timers>,
+    /// The instant of [`Clock::now_ns`] 1.
+    origin: Instant,
+    timers: Arc<TimerHeap>,
     thread: Thread,
 }
 
 impl Clock for SystemClock {
+    fn now_ns(&self) -> u64 {
+        let ns = self.origin.elapsed().as_nanos();
+        u64::try_from(ns).unwrap_or(u64::MAX).saturating_add(1)
+    }
+}
+
+impl Timers for SystemClock {
     fn now(&self) -> Instant {
         Instant::now()
     }
@@ -72,7 +84,6 @@ impl Clock for SystemClock {
         let thread = self.thread.clone();
         Box::pin(Timer {
             deadline,
-            real_time: true,
             register: Some(Box::new(move |slot| {
                 if timers.add(deadline, slot) {
                     thread.unpark();
@@ -83,18 +94,14 @@ impl Clock for SystemClock {
     }
 }
 
-/// One pending timer, shared by its future and the heap.
+/// One pending timer's waker, shared by its future and the heap.
 #[derive(Default)]
 struct Slot {
-    fired: AtomicBool,
-    /// Its future was dropped: nobody waits for it.
-    cancelled: AtomicBool,
     waker: Mutex<Option<Waker>>,
 }
 
 impl Slot {
     fn fire(&self) {
-        self.fired.store(true, Ordering::Release);
         if let Some(w) = self.waker.lock().take() {
             w.wake();
         }
@@ -126,7 +133,7 @@ impl Ord for Entry {
 
 /// Pending timers by deadline, and when their thread plans to look next.
 #[derive(Default)]
-struct Timers {
+struct TimerHeap {
     state: Mutex<TimerState>,
     seq: AtomicU64,
 }
@@ -141,7 +148,7 @@ struct TimerState {
     parked: bool,
 }
 
-impl Timers {
+impl TimerHeap {
     /// Queues `slot` for `at`; whether the thread must be woken (it would
     /// otherwise look too late).
     fn add(&self, at: Instant, slot: Arc<Slot>) -> bool {
@@ -195,12 +202,10 @@ impl Timers {
 /// How a timer gets into its heap: on its first pending poll.
 type Register = Box<dyn FnOnce(Arc<Slot>) + Send>;
 
-/// A timer's future.
+/// A timer's future: ready once real time reaches its deadline; the heap
+/// only wakes it.
 struct Timer {
     deadline: Instant,
-    /// Also ready once real time reaches the deadline (the system clock);
-    /// a virtual clock's timer is ready only when fired.
-    real_time: bool,
     register: Option<Register>,
     slot: Arc<Slot>,
 }
@@ -209,10 +214,7 @@ impl Future for Timer {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let due = |t: &Self| {
-            t.slot.fired.load(Ordering::Acquire) || (t.real_time && Instant::now() >= t.deadline)
-        };
-        if due(&self) {
+        if Instant::now() >= self.deadline {
             return Poll::Ready(());
         }
         *self.slot.waker.lock() = Some(cx.waker().clone());
@@ -220,7 +222,7 @@ impl Future for Timer {
             register(Arc::clone(&self.slot));
         }
         // Fired between the check and the waker's registration?
-        if due(&self) {
+        if Instant::now() >= self.deadline {
             return Poll::Ready(());
         }
         Poll::Pending
@@ -230,79 +232,18 @@ impl Future for Timer {
 impl Drop for Timer {
     fn drop(&mut self) {
         // The heap keeps the slot until its deadline; it wakes no one.
-        self.slot.cancelled.store(true, Ordering::Release);
         self.slot.waker.lock().take();
     }
 }
 
-/// Virtual time that moves only when told to ([`ManualClock::advance`]),
-/// for tests that must replay the same interleaving from a seed.
-#[cfg(any(test, feature = "test-utils"))]
-pub struct ManualClock {
-    base: Instant,
-    nanos: AtomicU64,
-    timers: Timers,
-}
-
-#[cfg(any(test, feature = "test-utils"))]
-impl ManualClock {
-    /// A clock at virtual time zero.
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self {
-            base: Instant::now(),
-            nanos: AtomicU64::new(0),
-            timers: Timers::default(),
-        })
-    }
-
-    /// Time since the clock was made.
-    pub fn elapsed(&self) -> Duration {
-        Duration::from_nanos(self.nanos.load(Ordering::Acquire))
-    }
-
-    /// The earliest pending deadline, if any timer is pending.
-    pub fn next_deadline(&self) -> Option<Instant> {
-        let s = self.timers.state.lock();
-        s.heap
-            .iter()
-            .filter(|e| !e.0.slot.cancelled.load(Ordering::Acquire))
-            .map(|e| e.0.at)
-            .min()
-    }
-
-    /// Moves time forward by `d` and fires every timer due.
-    pub fn advance(&self, d: Duration) {
-        self.nanos.fetch_add(d.as_nanos() as u64, Ordering::AcqRel);
-        self.timers.fire_due(self.now());
-    }
-
-    /// Moves time to `at` (if later) and fires every timer due.
-    pub fn advance_to(&self, at: Instant) {
-        let d = at.saturating_duration_since(self.now());
-        self.advance(d);
-    }
-}
-
-#[cfg(any(test, feature = "test-utils"))]
-impl Clock for ManualClock {
+/// Virtual time: timers fire only as a test advances the clock.
+impl Timers for ManualClock {
     fn now(&self) -> Instant {
-        self.base + self.elapsed()
+        self.instant()
     }
 
     fn sleep_until(&self, deadline: Instant) -> Sleep {
-        let now = self.now();
-        let slot = Arc::new(Slot::default());
-        if deadline > now {
-            self.timers.add(deadline, Arc::clone(&slot));
-        } else {
-            slot.fired.store(true, Ordering::Release);
-        }
-        Box::pin(Timer {
-            deadline,
-            real_time: false,
-            register: None,
-            slot,
-        })
+        Box::pin(ManualClock::sleep_until(self, deadline))
     }
 }
 
@@ -310,7 +251,6 @@ impl Clock for ManualClock {
 mod tests {
     use super::*;
     use futures::executor::block_on;
-    use futures::task::noop_waker;
 
     #[test]
     fn system_timers_fire_in_deadline_order_from_any_thread() {
@@ -345,21 +285,13 @@ mod tests {
     }
 
     #[test]
-    fn manual_time_moves_only_when_advanced() {
+    fn the_manual_clock_is_timers_on_virtual_time() {
         let clock = ManualClock::new();
-        let mut s = clock.sleep(Duration::from_secs(5));
-        let waker = noop_waker();
-        let mut cx = Context::from_waker(&waker);
+        assert_eq!(Timers::now(&clock), clock.instant());
+        let mut s = Timers::sleep(&clock, Duration::from_secs(5));
+        let mut cx = Context::from_waker(Waker::noop());
         assert!(s.as_mut().poll(&mut cx).is_pending());
-        assert_eq!(
-            clock.next_deadline(),
-            Some(clock.now() + Duration::from_secs(5))
-        );
-        clock.advance(Duration::from_secs(4));
-        assert!(s.as_mut().poll(&mut cx).is_pending());
-        clock.advance(Duration::from_secs(1));
+        clock.advance(Duration::from_secs(5));
         assert!(s.as_mut().poll(&mut cx).is_ready());
-        assert_eq!(clock.elapsed(), Duration::from_secs(5));
-        assert_eq!(clock.next_deadline(), None);
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::clock::Clock;
+use super::clock::Timers;
 use super::member::{MemberIo, MemberSessions};
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::proto::{Opcode, Status};
@@ -55,7 +55,7 @@ struct PeerState {
 pub struct FakePeer {
     name: String,
     blob_bytes: u32,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn Timers>,
     state: Mutex<PeerState>,
     /// Requests it is answering now, and the most it ever answered at once.
     in_flight: AtomicU64,
@@ -64,7 +64,7 @@ pub struct FakePeer {
 
 impl FakePeer {
     /// An empty peer named `name`.
-    pub fn new(name: &str, blob_bytes: u32, clock: Arc<dyn Clock>) -> Arc<Self> {
+    pub fn new(name: &str, blob_bytes: u32, clock: Arc<dyn Timers>) -> Arc<Self> {
         Arc::new(Self {
             name: name.into(),
             blob_bytes,

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use ublk_metrics::events;
 
-use super::clock::Clock;
+use super::clock::Timers;
 use super::coordinator::{CoordErrorKind, Coordinator, Lease};
 use super::member::{Lane, MemberIo, MemberSessions};
 use super::set::{ReplicaConfig, ReplicaCounters, ReplicaSet};
@@ -50,7 +50,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     pub async fn standby(
         volume: impl Into<String>,
         coord: Arc<dyn Coordinator>,
-        clock: Arc<dyn Clock>,
+        clock: Arc<dyn Timers>,
         config: ReplicaConfig,
         sessions: Vec<(String, MemberSessions<S>)>,
         activate_on_write: bool,

@@ -13,7 +13,7 @@ use futures::lock::Mutex as AsyncMutex;
 use parking_lot::{Mutex, RwLock};
 use ublk_metrics::events;
 
-use super::clock::Clock;
+use super::clock::Timers;
 use super::coordinator::{
     CoordError, CoordErrorKind, Coordinator, Lease, MemberState, Membership, Swap,
 };
@@ -168,7 +168,7 @@ impl<S> View<S> {
 pub struct ReplicaSet<S> {
     volume: String,
     pub(super) coord: Arc<dyn Coordinator>,
-    pub(super) clock: Arc<dyn Clock>,
+    pub(super) clock: Arc<dyn Timers>,
     pub(super) config: ReplicaConfig,
     /// Every member this writer has sessions for; a peer that came back
     /// (rebuilt) is a later entry of the same peer, which supersedes the
@@ -214,7 +214,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     pub async fn open(
         volume: impl Into<String>,
         coord: Arc<dyn Coordinator>,
-        clock: Arc<dyn Clock>,
+        clock: Arc<dyn Timers>,
         config: ReplicaConfig,
         sessions: Vec<(String, MemberSessions<S>)>,
     ) -> Result<Arc<Self>, ArenaError> {
@@ -269,7 +269,7 @@ impl<S: MemberIo> ReplicaSet<S> {
     pub(super) fn build(
         volume: String,
         coord: Arc<dyn Coordinator>,
-        clock: Arc<dyn Clock>,
+        clock: Arc<dyn Timers>,
         config: ReplicaConfig,
         sessions: Vec<(String, MemberSessions<S>)>,
         term: u64,

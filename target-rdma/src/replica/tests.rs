@@ -10,11 +10,12 @@ use futures::future::join_all;
 
 use std::future::Future;
 
-use super::clock::{system, Clock, ManualClock};
+use super::clock::{system, Timers};
 use super::fake::{FakeFault, FakePeer, FakeSession};
 use super::*;
 use crate::blob::{BlobIo, ErrorKind, ReplicaFailure};
 use crate::proto::Status;
+use ublk_metrics::ManualClock;
 
 const BLOB: u32 = 4096;
 
@@ -57,11 +58,11 @@ fn volume(n: usize) -> Volume {
     volume_on(system(), n)
 }
 
-fn volume_on(clock: Arc<dyn Clock>, n: usize) -> Volume {
+fn volume_on(clock: Arc<dyn Timers>, n: usize) -> Volume {
     volume_with(clock, n, config())
 }
 
-fn volume_with(clock: Arc<dyn Clock>, n: usize, config: ReplicaConfig) -> Volume {
+fn volume_with(clock: Arc<dyn Timers>, n: usize, config: ReplicaConfig) -> Volume {
     let peers: Vec<_> = (0..n)
         .map(|i| FakePeer::new(&format!("p{i}"), BLOB, Arc::clone(&clock)))
         .collect();
@@ -424,8 +425,8 @@ fn a_role_taken_back_after_another_writer_served_is_fenced_until_taken_over() {
 /// timeout: it is failed and recorded like a dead one.
 #[test]
 fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
-    let clock = ManualClock::new();
-    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 2);
+    let clock = Arc::new(ManualClock::new());
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Timers>, 2);
     let io = v.io();
     on_virtual_time(&clock, io.write(1, 0, b"warm-up."), |_| {}).unwrap();
     v.peers[1].update_fault(|f| f.delay = Duration::from_secs(600));
@@ -444,7 +445,7 @@ fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
         "{failures:?}"
     );
     // A flush is held to the same bound.
-    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 3);
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Timers>, 3);
     v.peers[2].update_fault(|f| f.delay = Duration::from_secs(600));
     let start = clock.elapsed();
     let r = on_virtual_time(&clock, v.io().flush(), |_| {});
@@ -497,8 +498,8 @@ fn the_writer_s_own_newer_epoch_on_another_session_does_not_fence_it() {
 /// them by 2 s (`true`: the healthy member) and a write is made. Returns
 /// the volume and the spare after the write succeeded.
 fn write_while_syncing(slow_healthy: bool) -> (Volume, Arc<FakePeer>) {
-    let clock = ManualClock::new();
-    let dyn_clock = Arc::clone(&clock) as Arc<dyn Clock>;
+    let clock = Arc::new(ManualClock::new());
+    let dyn_clock = Arc::clone(&clock) as Arc<dyn Timers>;
     let v = volume_on(Arc::clone(&dyn_clock), 1);
     let spare = FakePeer::new("spare", BLOB, Arc::clone(&dyn_clock));
     {
@@ -803,9 +804,9 @@ fn a_copy_never_overwrites_a_newer_write() {
 
 #[test]
 fn a_rebuild_is_paced_by_its_rate_limit() {
-    let clock = ManualClock::new();
-    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 1);
-    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Clock>);
+    let clock = Arc::new(ManualClock::new());
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Timers>, 1);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Timers>);
     let stats = RebuildStats::default();
     // 8 blobs of 4 KiB at 256 KiB/s: 125 ms of virtual time.
     let cfg = rebuild_cfg(8, 256 << 10);
@@ -847,14 +848,14 @@ fn on_virtual_time<T>(
 /// returns the most requests that member answered at once and the
 /// virtual time the rebuild took.
 fn rebuild_against_slow_reads(keys: u64, cfg: RebuildConfig) -> (u64, Duration) {
-    let clock = ManualClock::new();
-    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 1);
+    let clock = Arc::new(ManualClock::new());
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Timers>, 1);
     let io = v.io();
     for k in 0..keys {
         block_on(io.write(k, 0, &k.to_le_bytes())).unwrap();
     }
     v.peers[0].update_fault(|f| f.delay = Duration::from_millis(10));
-    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Clock>);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Timers>);
     let stats = RebuildStats::default();
     let cfg = RebuildConfig {
         keys: 0..keys,
@@ -908,9 +909,9 @@ fn a_busy_guest_narrows_the_rebuild_to_one_copy() {
 
 #[test]
 fn the_rate_limit_holds_with_copies_in_flight() {
-    let clock = ManualClock::new();
-    let v = volume_on(Arc::clone(&clock) as Arc<dyn Clock>, 1);
-    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Clock>);
+    let clock = Arc::new(ManualClock::new());
+    let v = volume_on(Arc::clone(&clock) as Arc<dyn Timers>, 1);
+    let spare = FakePeer::new("spare", BLOB, Arc::clone(&clock) as Arc<dyn Timers>);
     // Copies take 40 ms: one at a time would go 100 KiB/s, 8 at once
     // 800 KiB/s; the limit is 256 KiB/s, 64 blobs of 4 KiB in 1 s.
     v.peers[0].update_fault(|f| f.delay = Duration::from_millis(40));

@@ -15,7 +15,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::error::{corrupt, io_err, swap_shrunk, StoreError};
+use super::error::{corrupt, io_err, refused, swap_shrunk, Refusal, StoreError};
 use super::format::{Image, Snapshot, Version, FORMAT_VERSION, MAX_VOLUMES};
 use super::space::{self, sync_dir};
 
@@ -140,7 +140,8 @@ impl CheckpointFile {
                 ),
             ));
         }
-        let write = || -> io::Result<()> {
+        // The outer error is the file's, the inner the snapshot's.
+        let write = || -> io::Result<Result<(), Refusal>> {
             let mut f = &self.file;
             f.seek(SeekFrom::Start(slot as u64 * self.slot_len))?;
             let mut w = CrcWriter {
@@ -172,18 +173,20 @@ impl CheckpointFile {
                 n += 1;
             }
             if n != snap.blob_count {
-                return Err(io::Error::other(format!(
-                    "snapshot yielded {n} blobs, announced {}",
-                    snap.blob_count
-                )));
+                return Ok(Err(Refusal::SnapshotMiscounted {
+                    yielded: n,
+                    announced: snap.blob_count,
+                }));
             }
             let crc = w.crc;
             w.inner.write_all(&crc.to_le_bytes())?;
             w.inner.flush()?;
             drop(w);
-            self.file.sync_data()
+            self.file.sync_data().map(Ok)
         };
-        write().map_err(io_err("writing checkpoint", &self.path))?;
+        write()
+            .map_err(io_err("writing checkpoint", &self.path))?
+            .map_err(|r| refused("writing checkpoint", &self.path, r))?;
         self.current = slot;
         Ok(())
     }

@@ -44,6 +44,54 @@ impl IntegrityKind {
     }
 }
 
+/// A condition of the store's own that stopped a file operation, where
+/// the operating system reported nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// The swap file's reads were shut down while this one waited for room.
+    #[error("swap reads closed")]
+    SwapReadsClosed,
+    /// The lane of a swap read went away before the read completed.
+    #[error("swap read abandoned")]
+    SwapReadAbandoned,
+    /// A swap-read lane had no free slot though the read held room in
+    /// flight.
+    #[error("swap read table full")]
+    SwapReadTableFull,
+    /// A swap-read lane's submission queue had no free entry.
+    #[error("swap read queue full")]
+    SwapReadQueueFull,
+    /// The swap file's io_uring submission queue had no free entry; the
+    /// swap is broken from then on.
+    #[error("submission queue full")]
+    SwapQueueFull,
+    /// An earlier swap submission failed, so buffers may still be in the
+    /// kernel's hands: no further swap I/O until arenad restarts.
+    #[error("an earlier io_uring submission failed; restart arenad")]
+    SwapBroken,
+    /// A failed journal append could not be zeroed again; appends wait
+    /// for the next checkpoint to reset the journal.
+    #[error("an earlier append could not be rolled back; the next checkpoint clears it")]
+    JournalBroken,
+    /// A batch larger than what is left of the journal.
+    #[error("{records} records do not fit the {left} bytes left")]
+    JournalFull {
+        /// Records in the batch.
+        records: usize,
+        /// Bytes left in the journal.
+        left: u64,
+    },
+    /// The index snapshot being checkpointed yielded another number of
+    /// blobs than it announced (and the checkpoint's header says).
+    #[error("snapshot yielded {yielded} blobs, announced {announced}")]
+    SnapshotMiscounted {
+        /// Blobs the snapshot yielded.
+        yielded: u64,
+        /// Blobs it announced.
+        announced: u64,
+    },
+}
+
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -144,6 +192,16 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// A file operation stopped on a condition of the store's own.
+    #[error("{what} {path}: {refusal}")]
+    Refused {
+        /// The operation, phrased to precede the path.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The condition.
+        refusal: Refusal,
+    },
     /// io_uring could not be set up.
     #[error("setting up io_uring for the swap file failed: {source}")]
     Uring {
@@ -227,6 +285,7 @@ impl StoreError {
             }
             Self::UnknownVolume { .. }
             | Self::Io { .. }
+            | Self::Refused { .. }
             | Self::Uring { .. }
             | Self::ArenaMap { .. }
             | Self::Corrupt { .. }
@@ -241,6 +300,14 @@ impl StoreError {
 pub(super) fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
     let path = path.to_path_buf();
     move |source| StoreError::Io { what, path, source }
+}
+
+pub(super) fn refused(what: &'static str, path: &Path, refusal: Refusal) -> StoreError {
+    StoreError::Refused {
+        what,
+        path: path.to_path_buf(),
+        refusal,
+    }
 }
 
 pub(super) fn corrupt(file: &Path, detail: impl Into<String>) -> StoreError {

@@ -21,7 +21,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use ublk_metrics::events;
 
-use super::error::{io_err, StoreError};
+use super::error::{io_err, refused, Refusal, StoreError};
 use super::format::{Record, Version, FORMAT_VERSION};
 use super::space::{self, sync_dir};
 
@@ -200,20 +200,18 @@ impl Journal {
             self.reset(epoch)?;
         }
         if self.broken {
-            return Err(io_err("appending to journal", &self.path)(
-                io::Error::other(
-                    "an earlier append could not be rolled back; the next checkpoint clears it",
-                ),
+            return Err(refused(
+                "appending to journal",
+                &self.path,
+                Refusal::JournalBroken,
             ));
         }
         if !self.fits(records) {
-            return Err(io_err("appending to journal", &self.path)(
-                io::Error::other(format!(
-                    "{} records do not fit the {} bytes left",
-                    records.len(),
-                    self.capacity - self.len
-                )),
-            ));
+            let full = Refusal::JournalFull {
+                records: records.len(),
+                left: self.capacity - self.len,
+            };
+            return Err(refused("appending to journal", &self.path, full));
         }
         let buf = encode(records, self.epoch, self.batch + 1);
         self.dirty = self.dirty.max(self.len + buf.len() as u64);
@@ -638,7 +636,23 @@ mod tests {
         assert!(j.fits(&all));
         j.append(&all).unwrap();
         assert!(!j.fits(&all));
-        assert!(j.append(&all).is_err());
+        let e = j.append(&all).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StoreError::Refused {
+                    refusal: Refusal::JournalFull { records: 64, .. },
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let path = dir.path().join(JOURNAL_FILE);
+        let want = format!(
+            "appending to journal {}: 64 records do not fit",
+            path.display()
+        );
+        assert!(e.to_string().starts_with(&want), "{e}");
         j.reset(2).unwrap();
         j.append(&[put(1)]).unwrap();
         let b = std::fs::read(dir.path().join(JOURNAL_FILE)).unwrap();

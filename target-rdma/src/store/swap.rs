@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use ublk_metrics::events;
 
 use super::aligned::AlignedBuf;
-use super::error::StoreError;
+use super::error::{io_err, refused, Refusal, StoreError};
 use super::extent::{MetaFile, BLOCK};
 use super::space;
 use super::swap_reads::Reads;
@@ -123,11 +123,6 @@ enum Op {
     },
 }
 
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
-    let path = path.to_path_buf();
-    move |source| StoreError::Io { what, path, source }
-}
-
 impl Swap {
     /// Creates the swap file of `total` extents in `dir` (space reserved)
     /// and its extent table. `probe` is page-aligned scratch memory (a free
@@ -212,8 +207,8 @@ impl Swap {
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
         };
-        let reads =
-            Reads::start(&file, reads_in_flight).map_err(|source| StoreError::Uring { source })?;
+        let reads = Reads::start(&file, path, reads_in_flight)
+            .map_err(|source| StoreError::Uring { source })?;
         let mut swap = Swap {
             reads,
             file,
@@ -239,7 +234,7 @@ impl Swap {
                     swap.file =
                         open_file(path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
-                    swap.reads = Reads::start(&swap.file, reads_in_flight)
+                    swap.reads = Reads::start(&swap.file, path, reads_in_flight)
                         .map_err(|source| StoreError::Uring { source })?;
                 }
                 Err(e) => return Err(e),
@@ -321,7 +316,6 @@ impl Swap {
         self.reads
             .read(self.offset_of(extent, offset as usize), buf)
             .await
-            .map_err(io_err("reading swap extent from", &self.path))
     }
 
     /// A buffer for a range read of `len` bytes at `offset` of an extent
@@ -427,11 +421,9 @@ impl Swap {
 
     /// Makes every completed write durable, with the headers written.
     pub(super) fn sync(&self) -> Result<(), StoreError> {
-        self.file.sync_data().map_err(|source| StoreError::Io {
-            what: "syncing swap file",
-            path: self.path.clone(),
-            source,
-        })?;
+        self.file
+            .sync_data()
+            .map_err(io_err("syncing swap file", &self.path))?;
         self.meta.sync()
     }
 
@@ -466,17 +458,8 @@ impl Swap {
         ops: &[Op],
         mut work: Option<impl FnOnce()>,
     ) -> Result<(), StoreError> {
-        let err = |what: &'static str, path: &Path, source: io::Error| StoreError::Io {
-            what,
-            path: path.to_path_buf(),
-            source,
-        };
         if self.broken.load(Ordering::Acquire) {
-            return Err(err(
-                "using swap file",
-                &self.path,
-                io::Error::other("an earlier io_uring submission failed; restart arenad"),
-            ));
+            return Err(refused("using swap file", &self.path, Refusal::SwapBroken));
         }
         let fd = types::Fd(self.file.as_raw_fd());
         for chunk in ops.chunks(RING_ENTRIES as usize) {
@@ -500,17 +483,17 @@ impl Swap {
                 let pushed = unsafe { ring.submission().push(&entry.user_data(i as u64)) };
                 if pushed.is_err() {
                     self.broken.store(true, Ordering::Release);
-                    return Err(err(
+                    return Err(refused(
                         "queueing swap I/O for",
                         &self.path,
-                        io::Error::other("submission queue full"),
+                        Refusal::SwapQueueFull,
                     ));
                 }
             }
             if let Some(work) = work.take() {
                 if let Err(e) = ring.submit() {
                     self.broken.store(true, Ordering::Release);
-                    return Err(err("submitting swap I/O for", &self.path, e));
+                    return Err(io_err("submitting swap I/O for", &self.path)(e));
                 }
                 work();
             }
@@ -522,7 +505,7 @@ impl Swap {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
                         self.broken.store(true, Ordering::Release);
-                        return Err(err("submitting swap I/O for", &self.path, e));
+                        return Err(io_err("submitting swap I/O for", &self.path)(e));
                     }
                 }
                 for cqe in ring.completion() {
@@ -540,20 +523,16 @@ impl Swap {
                 };
                 let res = res.unwrap_or(-libc::EIO);
                 if res < 0 {
-                    return Err(err(what, &self.path, io::Error::from_raw_os_error(-res)));
+                    return Err(io_err(what, &self.path)(io::Error::from_raw_os_error(-res)));
                 }
                 if res as u32 != len {
-                    return Err(err(
-                        what,
-                        &self.path,
-                        io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            format!(
-                                "extent {} at byte {offset}: short transfer of {res} of {len} bytes",
-                                offset / u64::from(self.extent_bytes)
-                            ),
+                    return Err(io_err(what, &self.path)(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "extent {} at byte {offset}: short transfer of {res} of {len} bytes",
+                            offset / u64::from(self.extent_bytes)
                         ),
-                    ));
+                    )));
                 }
                 let counter = match op {
                     Op::Read { .. } => &self.bytes_read,

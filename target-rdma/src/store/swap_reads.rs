@@ -31,6 +31,7 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
@@ -45,6 +46,7 @@ use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use ublk_metrics::events;
 
 use super::aligned::AlignedBuf;
+use super::error::{io_err, refused, Refusal, StoreError};
 
 /// The completion marking a close: the completion thread exits once every
 /// read in flight has completed.
@@ -56,7 +58,10 @@ const CLOSE: u64 = u64::MAX;
 const RESUBMIT: Duration = Duration::from_millis(100);
 
 /// A read's outcome: its buffer, filled, or why not.
-type Done = Result<AlignedBuf, io::Error>;
+type Done = Result<AlignedBuf, StoreError>;
+
+/// What a failed read was doing, in its error.
+const READING: &str = "reading swap extent from";
 
 /// Tells `Reads` apart in a thread's lanes.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -91,6 +96,8 @@ struct Common {
     id: u64,
     /// The swap file, kept open while any lane may still submit a read of it.
     fd: OwnedFd,
+    /// Its path, for errors.
+    path: PathBuf,
     capacity: u32,
     room: Arc<Semaphore>,
     bytes_read: AtomicU64,
@@ -117,12 +124,14 @@ pub(super) struct Reads {
 }
 
 impl Reads {
-    /// Reads of `file` with at most `capacity` reads in flight over all lanes.
-    pub(super) fn start(file: &File, capacity: u32) -> io::Result<Reads> {
+    /// Reads of `file` (at `path`) with at most `capacity` reads in flight
+    /// over all lanes.
+    pub(super) fn start(file: &File, path: &Path, capacity: u32) -> io::Result<Reads> {
         let capacity = capacity.max(1);
         let common = Arc::new(Common {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             fd: file.try_clone()?.into(),
+            path: path.to_path_buf(),
             capacity,
             room: Arc::new(Semaphore::new(capacity as usize)),
             bytes_read: AtomicU64::new(0),
@@ -176,7 +185,7 @@ impl Reads {
         let room = Arc::clone(&self.common.room)
             .acquire_owned()
             .await
-            .map_err(|_| io::Error::other("swap reads closed"))?;
+            .map_err(|_| self.refused(Refusal::SwapReadsClosed))?;
         let (tx, rx) = oneshot::channel();
         if let Some(lane) = local_lane(self.common.id) {
             lane.push(offset, buf, tx, room)?;
@@ -194,7 +203,11 @@ impl Reads {
             }
         }
         rx.await
-            .map_err(|_| io::Error::other("swap read abandoned"))?
+            .map_err(|_| self.refused(Refusal::SwapReadAbandoned))?
+    }
+
+    fn refused(&self, refusal: Refusal) -> StoreError {
+        refused(READING, &self.common.path, refusal)
     }
 
     pub(super) fn bytes_read(&self) -> u64 {
@@ -280,12 +293,17 @@ impl Lane {
         mut buf: AlignedBuf,
         tx: oneshot::Sender<Done>,
         room: OwnedSemaphorePermit,
-    ) -> io::Result<()> {
-        let len = u32::try_from(buf.len()).map_err(|_| io::Error::other("read too long"))?;
+    ) -> Result<(), StoreError> {
+        let len = u32::try_from(buf.len())
+            .map_err(|_| io_err(READING, &self.common.path)(io::Error::other("read too long")))?;
         let mut t = self.table.lock();
         // The permit guarantees a free slot.
         let Some(i) = t.free.pop() else {
-            return Err(io::Error::other("swap read table full"));
+            return Err(refused(
+                READING,
+                &self.common.path,
+                Refusal::SwapReadTableFull,
+            ));
         };
         let fd = types::Fd(self.common.fd.as_raw_fd());
         let entry = opcode::Read::new(fd, buf.as_mut_ptr(), len)
@@ -304,7 +322,11 @@ impl Lane {
         };
         if pushed.is_err() {
             t.free.push(i);
-            return Err(io::Error::other("swap read queue full"));
+            return Err(refused(
+                READING,
+                &self.common.path,
+                Refusal::SwapReadQueueFull,
+            ));
         }
         t.slots[i] = Some(Pending {
             buf,
@@ -358,12 +380,14 @@ impl Lane {
         for (p, res) in done {
             let want = p.buf.len();
             let out = if res < 0 {
-                Err(io::Error::from_raw_os_error(-res))
+                Err(io_err(READING, &self.common.path)(
+                    io::Error::from_raw_os_error(-res),
+                ))
             } else if res as usize != want {
-                Err(io::Error::new(
+                Err(io_err(READING, &self.common.path)(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     format!("short read of {res} of {want} bytes"),
-                ))
+                )))
             } else {
                 self.common
                     .bytes_read

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{CoordError, CoordErrorKind, CoordFuture, Coordinator, Lease, Membership, Swap};
-use crate::replica::clock::Clock;
+use crate::replica::clock::Timers;
 
 /// Faults a [`MemoryCoordinator`] handle injects.
 #[derive(Clone, Debug, Default)]
@@ -45,7 +45,7 @@ const ACQUIRE_BOUND: Duration = Duration::from_secs(10);
 pub struct MemoryCoordinator {
     id: u64,
     record: Arc<Mutex<Record>>,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn Timers>,
     fault: Mutex<CoordFault>,
     lease: Mutex<Lease>,
     acquire_bound: Mutex<Duration>,
@@ -55,7 +55,7 @@ impl MemoryCoordinator {
     /// A record holding `membership`; the handle's lease never expires
     /// until [`set_lease_until`](Self::set_lease_until) or
     /// [`set_lease`](Self::set_lease) says otherwise.
-    pub fn new(clock: Arc<dyn Clock>, membership: Membership) -> Arc<Self> {
+    pub fn new(clock: Arc<dyn Timers>, membership: Membership) -> Arc<Self> {
         let record = Arc::new(Mutex::new(Record {
             membership,
             swaps: 0,
@@ -66,7 +66,7 @@ impl MemoryCoordinator {
         Self::handle(record, clock)
     }
 
-    fn handle(record: Arc<Mutex<Record>>, clock: Arc<dyn Clock>) -> Arc<Self> {
+    fn handle(record: Arc<Mutex<Record>>, clock: Arc<dyn Timers>) -> Arc<Self> {
         let forever = clock.now() + Duration::from_secs(1 << 32);
         let id = {
             let mut r = record.lock();

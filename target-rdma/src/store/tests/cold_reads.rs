@@ -27,7 +27,7 @@ const COLD_BLOB: u32 = 64 << 10;
 
 /// A store of 4 slots holding 16 written and flushed 64 KiB blobs
 /// (`big_pattern(k)` for key k of volume 0): keys 0..12 are in swap only.
-fn sixteen_blobs_twelve_cold(dir: &std::path::Path) -> Store {
+fn sixteen_blobs_twelve_cold(dir: &Path) -> Store {
     let s = Store::open(cfg_blob(dir, COLD_BLOB, 4, 64), &vols(1000)).unwrap();
     for k in 0..16 {
         s.write(0, k, 0, &big_pattern(k, COLD_BLOB as usize))
@@ -35,6 +35,18 @@ fn sixteen_blobs_twelve_cold(dir: &std::path::Path) -> Store {
     }
     s.flush().unwrap();
     s
+}
+
+/// [`sixteen_blobs_twelve_cold`]'s store `s` reopened after a bit of block 5
+/// (4 KiB blocks from 0) of cold key 7 flipped on disk.
+fn with_block_5_of_key_7_damaged(s: Store, dir: &Path) -> Store {
+    let e7 = s.core.durable_extent((0, 7)).unwrap();
+    drop(s);
+    flip(
+        &dir.join(swap::SWAP_FILE),
+        u64::from(e7) * u64::from(COLD_BLOB) + 5 * 4096 + 1,
+    );
+    Store::open(cfg_blob(dir, COLD_BLOB, 4, 64), &vols(1000)).unwrap()
 }
 
 #[test]
@@ -59,12 +71,7 @@ fn a_partial_read_of_a_cold_blob_reads_only_its_blocks() {
     );
     // A damaged block fails only the reads that cover it.
     let e7 = s.core.durable_extent((0, 7)).unwrap();
-    drop(s);
-    flip(
-        &dir.path().join(swap::SWAP_FILE),
-        u64::from(e7) * u64::from(COLD_BLOB) + 5 * 4096 + 1,
-    );
-    let s = Store::open(cfg_blob(dir.path(), COLD_BLOB, 4, 64), &vols(1000)).unwrap();
+    let s = with_block_5_of_key_7_damaged(s, dir.path());
     assert!(s.read(0, 7, 0, &mut out).unwrap());
     assert_eq!(
         integrity_kind(s.read(0, 7, 5 * 4096 + 4000, &mut out[..200])),
@@ -220,13 +227,7 @@ fn cold_range_reads_awaited_together_return_their_blocks_and_verify() {
     assert_eq!(none(99, 0, 4096), None, "absent");
     assert_eq!(none(3, 0, COLD_BLOB as usize), None, "whole blob");
     // A damaged block fails the read that covers it, as the blocking path.
-    let e7 = s.core.durable_extent((0, 7)).unwrap();
-    drop(s);
-    flip(
-        &dir.path().join(swap::SWAP_FILE),
-        u64::from(e7) * u64::from(COLD_BLOB) + 5 * 4096 + 1,
-    );
-    let s = Store::open(cfg_blob(dir.path(), COLD_BLOB, 4, 64), &vols(1000)).unwrap();
+    let s = with_block_5_of_key_7_damaged(s, dir.path());
     let bad = futures::executor::block_on(s.read_cold_with(0, 7, 5 * 4096 + 10, 100, |_| ()));
     assert!(
         matches!(
