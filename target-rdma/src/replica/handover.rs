@@ -384,8 +384,8 @@ mod tests {
         assert_eq!(gen_of(&io, 1), 7);
         let e = block_on(io.write(1, 0, &blob(8))).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Standby), "{e}");
-        let e = block_on(io.flush()).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Standby), "{e}");
+        // Nothing acknowledged, nothing to flush: it succeeds, sending nothing.
+        block_on(io.flush()).unwrap();
         for p in &h.peers {
             assert_eq!(p.blob(1).unwrap()[..8], 7u64.to_le_bytes(), "{}", p.name());
             assert_eq!(p.epoch(), epoch, "the standby fenced nobody");
@@ -494,6 +494,22 @@ mod tests {
         for p in &h.peers {
             assert_eq!(p.epoch(), epoch + 1, "{} fences the old writer", p.name());
         }
+    }
+
+    /// A flush is not a write: a standby acknowledged none, so its flush
+    /// succeeds at once and never takes the role, even set to activate on
+    /// write (a stopping ublkd flushes every device, a closing QEMU its
+    /// disk; neither may move the role away from the running guest).
+    #[test]
+    fn a_standbys_flush_takes_no_role_even_set_to_activate_on_write() {
+        let h = writer(2);
+        let epoch = h.coord.record().epoch;
+        let standby = h.standby(true);
+        block_on(standby.queue(0).unwrap().flush()).unwrap();
+        assert_eq!(standby.standing(), Standing::Standby);
+        assert_eq!(h.writer.standing(), Standing::Confirmed);
+        assert_eq!(h.coord.record().epoch, epoch);
+        block_on(h.writer.queue(0).unwrap().write(1, 0, &blob(4))).unwrap();
     }
 
     /// The writer removes a failed member; the standby, still at the old

@@ -570,6 +570,12 @@ impl<S: MemberIo> BlobIo for ReplicatedIo<S> {
     }
 
     async fn flush(&self) -> Result<(), ArenaError> {
+        // A standby acknowledged no write, so it has nothing to make
+        // durable; and a flush is not a write, so it never takes the role
+        // (ublkd stopping flushes every device, QEMU closing its disk).
+        if self.set.is_standby() {
+            return Ok(());
+        }
         self.mutate(None, Opcode::Flush, async |s: &S| s.flush().await)
             .await?;
         Ok(())
