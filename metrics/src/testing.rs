@@ -268,7 +268,14 @@ pub fn capture_json_logs<R>(f: impl FnOnce() -> R) -> (R, Vec<serde_json::Value>
         crate::events::json_subscriber(tracing_subscriber::EnvFilter::new("trace"), move || {
             sink.clone()
         });
-    let r = tracing::subscriber::with_default(subscriber, f);
+    let r = tracing::subscriber::with_default(subscriber, || {
+        // A callsite first hit by another test thread while this
+        // subscriber was being registered can keep the interest computed
+        // without it ("never": its events would be lost here); recompute
+        // every callsite's interest now that it is live.
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     let text = String::from_utf8(buf.0.lock().clone()).expect("utf-8 logs");
     let records = text
         .lines()
