@@ -9,8 +9,8 @@
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use target_rdma::preflight::{bindable, dir_usable, Findings};
 use target_rdma::rdma::{open_provider, RdmaMode};
+use target_rdma::service::preflight::{bindable, dir_usable, Findings};
 
 use crate::config::{TransportChoice, UblkdConfig};
 use crate::control_socket::group_exists;

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use target_rdma::size::{serde_size, HumanSize};
+use target_rdma::service::size::{serde_size, HumanSize};
 pub use ublk_metrics::events::LogFormat;
 
 /// Where the packaged service looks for its config.
@@ -21,8 +21,8 @@ pub const MAX_QUEUES: u32 = 4096;
 /// bound of its request tracker table.
 pub const MAX_TRACKED: usize = ublk_metrics::tracker::MAX_SLOTS;
 
-pub use target_rdma::config_file::ConfigError;
-use target_rdma::config_file::{invalid, listen_setting, parse_toml};
+pub use target_rdma::service::config_file::ConfigError;
+use target_rdma::service::config_file::{invalid, listen_setting, parse_toml};
 
 /// What SIGTERM does with live devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
@@ -511,7 +511,7 @@ impl UblkdConfig {
 
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let cfg: Self = target_rdma::config_file::load_toml(path)?;
+        let cfg: Self = target_rdma::service::config_file::load_toml(path)?;
         cfg.validate()?;
         Ok(cfg)
     }

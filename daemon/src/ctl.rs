@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
-use target_rdma::size::{ApproxSize, HumanSize};
+use target_rdma::service::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
 
 /// The protocol version this build speaks.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use target_rdma::config_file::{changes, log_changes, Change};
+use target_rdma::service::config_file::{changes, log_changes, Change};
 use ublk_metrics::events::{self, LogControl};
 use ublk_metrics::{HttpConfig, MetricsServer, Telemetry};
 

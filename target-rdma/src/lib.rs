@@ -2,8 +2,8 @@
 //!
 //! - Shared vocabulary: [`blob`] (`BlobIo`, the one `ArenaError`, `Via`),
 //!   [`proto`] (the wire codec), [`auth`], [`rdma`] (the verbs layer),
-//!   [`config_file`], [`error_chain`], [`preflight`] (the checks of a start, without
-//!   starting), [`size`], [`sd_notify`].
+//!   [`service`] (what a daemon process needs around its service: config
+//!   file, preflight checks, sd_notify, error chains, sizes).
 //! - Client side (ublkd): [`client`] (the TCP client, the RDMA transport, a
 //!   queue's `Session`), [`replica`] (a volume on N peers as one `BlobIo`)
 //!   and [`block`] (the block target).
@@ -20,14 +20,10 @@ pub mod auth;
 pub mod blob;
 pub mod block;
 pub mod client;
-pub mod config_file;
-pub mod error_chain;
-pub mod preflight;
 pub mod proto;
 pub mod rdma;
 pub mod replica;
-pub mod sd_notify;
-pub mod size;
+pub mod service;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;

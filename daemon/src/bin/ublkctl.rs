@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
-use target_rdma::size::{parse_size, HumanSize};
+use target_rdma::service::size::{parse_size, HumanSize};
 use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::coordination::PeerRecord;
@@ -276,7 +276,10 @@ fn main() -> ExitCode {
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ublkctl: {}", target_rdma::error_chain::one_line(e.chain()));
+            eprintln!(
+                "ublkctl: {}",
+                target_rdma::service::error_chain::one_line(e.chain())
+            );
             ExitCode::FAILURE
         }
     }

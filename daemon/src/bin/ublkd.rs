@@ -41,7 +41,10 @@ fn main() -> ExitCode {
     match run(&args) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ublkd: {}", target_rdma::error_chain::one_line(e.chain()));
+            eprintln!(
+                "ublkd: {}",
+                target_rdma::service::error_chain::one_line(e.chain())
+            );
             ExitCode::FAILURE
         }
     }
@@ -54,7 +57,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     }
     if args.check_config {
         let findings = ublkd::check::run(&cfg);
-        let code = target_rdma::preflight::print_check(&cfg, &args.config, &findings);
+        let code = target_rdma::service::preflight::print_check(&cfg, &args.config, &findings);
         return Ok(ExitCode::from(code));
     }
     let (filter, _) = effective_filter(&cfg.log_level);
@@ -112,22 +115,22 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
             .context("starting the control socket thread")?;
     }
     obs.set_control_socket_up(true);
-    if let Err(e) = target_rdma::sd_notify::notify("READY=1") {
+    if let Err(e) = target_rdma::service::sd_notify::notify("READY=1") {
         tracing::warn!(event = events::SD_NOTIFY_FAILED, error = %e);
     }
     tracing::info!(event = events::UBLKD_READY, socket = %socket.display(), devices = manager.list().len());
     for sig in signals.forever() {
         if sig == SIGHUP {
-            let _ = target_rdma::sd_notify::notify("RELOADING=1");
+            let _ = target_rdma::service::sd_notify::notify("RELOADING=1");
             // A bad config is logged by reload and changes nothing.
             let _ = runtime.reload();
-            let _ = target_rdma::sd_notify::notify("READY=1");
+            let _ = target_rdma::service::sd_notify::notify("READY=1");
             continue;
         }
         tracing::info!(event = events::UBLKD_SIGNAL, signal = sig);
         break;
     }
-    let _ = target_rdma::sd_notify::notify("STOPPING=1");
+    let _ = target_rdma::service::sd_notify::notify("STOPPING=1");
     tel.begin_shutdown();
     let on_shutdown = runtime.on_shutdown();
     match on_shutdown {

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
-use target_rdma::config_file::{invalid, ConfigError};
+use target_rdma::service::config_file::{invalid, ConfigError};
 
 /// `[etcd]`.
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use serde::Deserialize;
-use target_rdma::config_file::{invalid, ConfigError};
 use target_rdma::replica::ReplicaConfig;
+use target_rdma::service::config_file::{invalid, ConfigError};
 
 /// `[replication]`.
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]

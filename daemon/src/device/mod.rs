@@ -38,7 +38,7 @@ use target_rdma::blob::{ArenaError, ErrorKind as ArenaErrorKind};
 use target_rdma::block::DeviceSize;
 use target_rdma::client::ClientStats;
 use target_rdma::proto::Welcome;
-use target_rdma::size::{ApproxSize, HumanSize};
+use target_rdma::service::size::{ApproxSize, HumanSize};
 
 use crate::busy;
 use crate::config::{check_geometry, ConfigError, DeviceDefaults, UblkdConfig};

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use libublk::ctrl::UblkCtrl;
 use libublk::sys;
 use target_rdma::auth::Secret;
-use target_rdma::size::HumanSize;
+use target_rdma::service::size::HumanSize;
 use ublk_metrics::events;
 
 use super::thread::ublk_err;

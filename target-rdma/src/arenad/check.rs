@@ -10,8 +10,8 @@
 
 use crate::arenad::config::ArenadConfig;
 use crate::auth::Secret;
-use crate::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
 use crate::rdma::{open_provider, Isolation, RdmaMode};
+use crate::service::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
 use crate::store::{footprint, StoreConfig};
 
 /// Runs the checks of a start of `cfg`.

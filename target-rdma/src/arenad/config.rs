@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use ublk_metrics::events::LogFormat;
 
-pub use crate::config_file::ConfigError;
-use crate::config_file::{invalid, listen_setting, load_toml, parse_toml};
 use crate::proto::{valid_volume_name, MAX_INLINE};
-use crate::size::{serde_size, HumanSize};
+pub use crate::service::config_file::ConfigError;
+use crate::service::config_file::{invalid, listen_setting, load_toml, parse_toml};
+use crate::service::size::{serde_size, HumanSize};
 
 /// Where the packaged service looks for its config.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/arenad/arenad.toml";

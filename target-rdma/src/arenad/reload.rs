@@ -18,7 +18,7 @@ use crate::arenad::events;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::server::{ServedVolume, Server};
 use crate::auth::{Secret, SecretError};
-use crate::config_file::{changes, log_changes, Change};
+use crate::service::config_file::{changes, log_changes, Change};
 use crate::store::{Store, StoreError, VolumeSpec};
 
 /// Why a reload changed nothing (or, for `Store`, stopped part way: the

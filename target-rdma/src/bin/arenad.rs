@@ -26,8 +26,8 @@ use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::reload::{read_secrets, served, Runtime};
 use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
 use target_rdma::rdma::open_provider;
-use target_rdma::sd_notify;
-use target_rdma::size::parse_size;
+use target_rdma::service::sd_notify;
+use target_rdma::service::size::parse_size;
 use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 
 /// Remote RAM arena peer for ublkd: blobs in RAM, cold ones paged to a swap
@@ -166,7 +166,10 @@ fn main() -> ExitCode {
     match run(&args) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("arenad: {}", target_rdma::error_chain::one_line(e.chain()));
+            eprintln!(
+                "arenad: {}",
+                target_rdma::service::error_chain::one_line(e.chain())
+            );
             ExitCode::FAILURE
         }
     }
@@ -176,7 +179,7 @@ fn run(args: &Args) -> Result<ExitCode> {
     let cfg = load_config(args)?;
     if args.check {
         let findings = target_rdma::arenad::check::run(&cfg);
-        let code = target_rdma::preflight::print_check(&cfg, &args.config, &findings);
+        let code = target_rdma::service::preflight::print_check(&cfg, &args.config, &findings);
         return Ok(ExitCode::from(code));
     }
     let (filter, _) = effective_filter(&cfg.log_level);
@@ -277,7 +280,7 @@ fn run(args: &Args) -> Result<ExitCode> {
                 // A bad config is logged by reload and changes nothing.
                 let _ = runtime.reload(
                     load_config(&reload_args)
-                        .map_err(|e| target_rdma::error_chain::one_line(e.chain())),
+                        .map_err(|e| target_rdma::service::error_chain::one_line(e.chain())),
                 );
                 let _ = sd_notify::notify("READY=1");
                 continue;

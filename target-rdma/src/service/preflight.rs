@@ -11,7 +11,7 @@ use std::path::Path;
 
 use rustix::fs::{access, Access};
 
-use crate::size::ApproxSize;
+use super::size::ApproxSize;
 
 /// What the checks found.
 #[derive(Debug, Default)]
@@ -81,7 +81,7 @@ pub fn print_check<T: serde::Serialize>(cfg: &T, path: &Path, findings: &Finding
     print!(
         "# effective configuration of {}\n{}",
         path.display(),
-        crate::config_file::render(cfg)
+        super::config_file::render(cfg)
     );
     print!("{}", findings.report(path));
     u8::from(!findings.problems.is_empty())
