@@ -11,6 +11,8 @@
 //! keeping the `QueueIo` alive after it as a queue thread does; that is the
 //! whole adapter. The blob suite runs on the same `VolumeIo`.
 
+mod common;
+
 use std::sync::Arc;
 
 use target_rdma::blob::Transport;
@@ -20,42 +22,10 @@ use target_rdma::replica::{Coordinator, Membership, MemoryCoordinator, VolumeIo}
 use target_rdma::testing::conformance::{blob, target, Fixture};
 use target_rdma::testing::{drive, secret, Peer, PeerOpts, SECRET_A};
 use target_rdma::{blob_conformance, target_conformance};
-use ublkd::config::{TransportChoice, UblkdConfig};
+use ublkd::config::UblkdConfig;
 use ublkd::coordination::ReplicationConfig;
-use ublkd::device::{Connector, DeviceSpec, ReplicaSpec, Replicated, Resolve};
+use ublkd::device::{Connector, Replicated, Resolve};
 use ublkd::queue_io::{QueueIo, TagBuffers};
-
-/// A device of one queue on `peers` (replicated when more than one) with
-/// blobs of `blob` bytes, over TCP.
-fn spec(peers: &[String], blob: u32, size: u64) -> DeviceSpec {
-    DeviceSpec {
-        id: 0,
-        peer: peers[0].clone(),
-        volume: "a".into(),
-        secret_file: "unused: the secret is passed in".into(),
-        size,
-        queues: 1,
-        depth: 4,
-        io_buf: 256 << 10,
-        blob_size: blob.into(),
-        transport: TransportChoice::Tcp,
-        logical_block_size: 512,
-        physical_block_size: 4096,
-        max_io_size: 256 << 10,
-        discard: true,
-        max_discard_size: 1 << 30,
-        write_zeroes: true,
-        max_write_zeroes_size: 1 << 30,
-        write_cache: true,
-        fua: true,
-        read_only: false,
-        cpus: Vec::new(),
-        replicas: (peers.len() > 1).then(|| ReplicaSpec {
-            peers: peers.to_vec(),
-            ..Default::default()
-        }),
-    }
-}
 
 /// `n` peers started with `opts`, each in a directory of its own.
 fn peers(n: usize, opts: &PeerOpts) -> Vec<(Peer, tempfile::TempDir)> {
@@ -72,7 +42,13 @@ fn peers(n: usize, opts: &PeerOpts) -> Vec<(Peer, tempfile::TempDir)> {
 fn queue_io(n: usize, opts: PeerOpts, blob: u32, size: u64) -> Fixture<QueueIo> {
     let peers = peers(n, &opts);
     let names: Vec<String> = peers.iter().map(|(p, _)| p.addr.to_string()).collect();
-    let spec = spec(&names, blob, size);
+    let spec = common::device_spec(
+        &names,
+        size,
+        blob.into(),
+        256 << 10,
+        "unused: the secret is passed in".into(),
+    );
     let connector = Connector::new(&UblkdConfig::defaults(), Arc::default());
     if n == 1 {
         // The device manager's `connect_single`: driven sessions, whose

@@ -21,45 +21,25 @@ use futures::executor::block_on;
 use target_rdma::blob::BlobIo;
 use target_rdma::replica::Coordinator;
 use target_rdma::testing::pattern;
-use ublkd::config::{TransportChoice, UblkdConfig};
+use ublkd::config::UblkdConfig;
 use ublkd::coordination::{Coordination, EpochReason, PeerRecord, ReplicationConfig};
-use ublkd::device::{
-    Connector, DeviceSpec, FindSpare, ReplicaSpec, Replicated, Resolve, SpecStore,
-};
+use ublkd::device::{Connector, DeviceSpec, FindSpare, Replicated, Resolve, SpecStore};
 use ublkd::observability::Observability;
 use ublkd::queue_io::QueueIo;
 
 const BLOB: usize = 64 << 10;
 const KEYS: u64 = 64;
 
+/// The device both tests serve: `KEYS` blobs on `names`, replicated.
 fn spec(names: &[String], secret_file: std::path::PathBuf) -> DeviceSpec {
-    DeviceSpec {
-        id: 0,
-        peer: names[0].clone(),
-        volume: "a".into(),
+    assert!(names.len() > 1, "a replicated device");
+    common::device_spec(
+        names,
+        KEYS * BLOB as u64,
+        BLOB as u64,
+        BLOB as u64,
         secret_file,
-        size: KEYS * BLOB as u64,
-        queues: 1,
-        depth: 4,
-        io_buf: BLOB as u64,
-        blob_size: BLOB as u64,
-        transport: TransportChoice::Tcp,
-        logical_block_size: 512,
-        physical_block_size: 4096,
-        max_io_size: BLOB as u64,
-        discard: true,
-        max_discard_size: 1 << 30,
-        write_zeroes: true,
-        max_write_zeroes_size: 1 << 30,
-        write_cache: true,
-        fua: true,
-        read_only: false,
-        cpus: Vec::new(),
-        replicas: Some(ReplicaSpec {
-            peers: names.to_vec(),
-            ..Default::default()
-        }),
-    }
+    )
 }
 
 /// Where the rebuild thread records a device's role (a throwaway dir).
