@@ -25,7 +25,7 @@ use target_rdma::replica::{
     clock, Coordinator, MemberSessions, ReplicaConfig, ReplicaSet, ReplicatedIo, Standing,
 };
 use target_rdma::testing::{pattern, Peer, PeerOpts, SECRET_A};
-use ublkd::coordination::{Coordination, EtcdConfig};
+use ublkd::coordination::{Coordination, EtcdConfig, EtcdVolume};
 
 const KEYS: u64 = 32;
 
@@ -139,8 +139,21 @@ fn assert_fenced(peer: &Peer, epoch: u64, blob: usize) {
     );
 }
 
-#[test]
-fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write_lost() {
+/// Host A writing volume "vm" on two arena peers, and host B on the same
+/// etcd, both with writer leases of `ttl` seconds. Fields drop in order:
+/// the set and hosts before the peers, the peers before their dirs.
+struct TwoHosts {
+    a: Set,
+    a_coord: Arc<EtcdVolume>,
+    b_host: Coordination,
+    a_host: Coordination,
+    peers: Vec<Peer>,
+    blob: usize,
+    _dirs: Vec<tempfile::TempDir>,
+    etcd: EtcdServer,
+}
+
+fn two_hosts(ttl: u64) -> TwoHosts {
     let etcd = EtcdServer::start();
     let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
     let peers: Vec<Peer> = (0..2)
@@ -148,8 +161,8 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
         .collect();
     let names: Vec<String> = peers.iter().map(|p| p.addr.to_string()).collect();
     let blob = PeerOpts::default().blob_bytes as usize;
-    let a_host = host(&etcd, "host-a", dirs[2].path(), 10);
-    let b_host = host(&etcd, "host-b", dirs[3].path(), 10);
+    let a_host = host(&etcd, "host-a", dirs[2].path(), ttl);
+    let b_host = host(&etcd, "host-b", dirs[3].path(), ttl);
     let a_coord = Arc::new(
         a_host
             .open_volume("vm", &names, KEYS * blob as u64)
@@ -163,6 +176,32 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
         sessions(&peers),
     ))
     .unwrap();
+    TwoHosts {
+        a,
+        a_coord,
+        b_host,
+        a_host,
+        peers,
+        blob,
+        _dirs: dirs,
+        etcd,
+    }
+}
+
+#[test]
+fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write_lost() {
+    // Every part bound (a field left out would drop here: etcd, a host's
+    // lease, the peers' dirs), in the order they were made.
+    let TwoHosts {
+        etcd,
+        _dirs,
+        peers,
+        blob,
+        a_host: _a_host,
+        b_host,
+        a_coord,
+        a,
+    } = two_hosts(10);
     let b_coord = Arc::new(b_host.open_standby("vm").unwrap());
     let b = block_on(ReplicaSet::standby(
         "vm",
@@ -249,28 +288,16 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
 /// and every write the writer acknowledged is there.
 #[test]
 fn a_dead_writer_loses_the_role_when_its_lease_expires() {
-    let etcd = EtcdServer::start();
-    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
-    let peers: Vec<Peer> = (0..2)
-        .map(|i| Peer::start(dirs[i].path(), PeerOpts::default()))
-        .collect();
-    let names: Vec<String> = peers.iter().map(|p| p.addr.to_string()).collect();
-    let blob = PeerOpts::default().blob_bytes as usize;
-    let a_host = host(&etcd, "host-a", dirs[2].path(), 2);
-    let b_host = host(&etcd, "host-b", dirs[3].path(), 2);
-    let a_coord = Arc::new(
-        a_host
-            .open_volume("vm", &names, KEYS * blob as u64)
-            .unwrap(),
-    );
-    let a = block_on(ReplicaSet::open(
-        "vm",
-        a_coord as Arc<dyn Coordinator>,
-        clock::system(),
-        config(),
-        sessions(&peers),
-    ))
-    .unwrap();
+    let TwoHosts {
+        etcd: _etcd,
+        _dirs,
+        peers,
+        blob,
+        a_host,
+        b_host,
+        a_coord: _a_coord,
+        a,
+    } = two_hosts(2);
     let aio = a.queue(0).unwrap();
     for key in 0..KEYS {
         block_on(aio.write(key, 0, &pattern(key, 7, blob))).unwrap();
