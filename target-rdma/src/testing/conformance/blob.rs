@@ -13,7 +13,7 @@ use futures::future::join_all;
 
 use crate::blob::{BlobIo, ErrorKind, Transport, Via};
 use crate::proto::Status;
-use crate::store::{StoreConfig, VolumeSpec, DEFAULT_SWAP_READS_IN_FLIGHT};
+use crate::store::{StoreConfig, VolumeSpec};
 use crate::testing::{pattern, PeerOpts};
 
 /// Blob size of the suite's volume.
@@ -25,19 +25,7 @@ pub const ARENA_BYTES: u64 = 1 << 20;
 
 /// A store for the suite in `dir`, and its volume "a".
 pub fn store_config(dir: &Path) -> (StoreConfig, Vec<VolumeSpec>) {
-    (
-        StoreConfig {
-            dir: dir.to_owned(),
-            arena_bytes: ARENA_BYTES,
-            blob_bytes: BLOB,
-            swap_bytes: 64 << 20,
-            swap_reads_in_flight: DEFAULT_SWAP_READS_IN_FLIGHT,
-        },
-        vec![VolumeSpec {
-            name: "a".into(),
-            quota_blobs: QUOTA,
-        }],
-    )
+    super::store_of_volume_a(dir, BLOB, ARENA_BYTES, QUOTA)
 }
 
 /// An arena peer for the suite (volume "a" is the one the cases use).

@@ -21,6 +21,9 @@ pub mod blob;
 pub mod target;
 
 use std::any::Any;
+use std::path::Path;
+
+use crate::store::{StoreConfig, VolumeSpec, DEFAULT_SWAP_READS_IN_FLIGHT};
 
 /// A backend under test, plus whatever must outlive it (its peers, their
 /// directories), which is dropped after it.
@@ -138,4 +141,27 @@ macro_rules! target_conformance {
             )?
         }
     )*};
+}
+
+/// A store in `dir` for a suite: its one volume "a" with `quota_blobs`
+/// blobs of `blob_bytes`, an arena of `arena_bytes`, 64 MiB of swap.
+fn store_of_volume_a(
+    dir: &Path,
+    blob_bytes: u32,
+    arena_bytes: u64,
+    quota_blobs: u64,
+) -> (StoreConfig, Vec<VolumeSpec>) {
+    (
+        StoreConfig {
+            dir: dir.to_owned(),
+            arena_bytes,
+            blob_bytes,
+            swap_bytes: 64 << 20,
+            swap_reads_in_flight: DEFAULT_SWAP_READS_IN_FLIGHT,
+        },
+        vec![VolumeSpec {
+            name: "a".into(),
+            quota_blobs,
+        }],
+    )
 }

@@ -15,7 +15,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use super::Fixture;
 use crate::blob::{Transport, Via};
 use crate::block::{BlockTarget, MemTarget, TargetError};
-use crate::store::{StoreConfig, VolumeSpec, DEFAULT_SWAP_READS_IN_FLIGHT};
+use crate::store::{StoreConfig, VolumeSpec};
 use crate::testing::{pattern, PeerOpts};
 
 /// Blob size of the suite's volume.
@@ -27,19 +27,7 @@ pub const ARENA_BYTES: u64 = 8 * BLOB as u64;
 
 /// A store for the suite in `dir`, and its volume "a".
 pub fn store_config(dir: &Path) -> (StoreConfig, Vec<VolumeSpec>) {
-    (
-        StoreConfig {
-            dir: dir.to_owned(),
-            arena_bytes: ARENA_BYTES,
-            blob_bytes: BLOB,
-            swap_bytes: 64 << 20,
-            swap_reads_in_flight: DEFAULT_SWAP_READS_IN_FLIGHT,
-        },
-        vec![VolumeSpec {
-            name: "a".into(),
-            quota_blobs: 1 << 20,
-        }],
-    )
+    super::store_of_volume_a(dir, BLOB, ARENA_BYTES, 1 << 20)
 }
 
 /// An arena peer for the suite (volume "a" is the one the cases use).
