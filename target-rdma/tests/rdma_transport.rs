@@ -1004,6 +1004,68 @@ fn verbs_isolation_a_force_ended_lease_key_no_longer_reaches_the_slot() {
     a_force_ended_lease_key_no_longer_reaches_the_slot(rdma_device());
 }
 
+/// A revoked lease that nobody touches again is ended at its deadline,
+/// not at its holder's next use or when its slot is needed: the holder's
+/// RDMA WRITE with its key, posted once the deadline has passed and with no
+/// other request in between, is refused with a remote access error and
+/// leaves the slot as it was at the deadline; the holder's COMMIT then
+/// answers LEASE_LOST.
+fn a_revoked_lease_key_dies_at_its_deadline(p: Arc<dyn RdmaProvider>) {
+    let (peer, _dir) = isolated_peer(p.clone(), 4);
+    peer.store.set_lease_limits(LeaseLimits {
+        connection_max: Some(1),
+        revoke_deadline: std::time::Duration::from_millis(200),
+        ..LeaseLimits::default()
+    });
+    let holder = rdma_client(&peer, "a", SECRET_A);
+    let mut rail = RawRail::up(&p, &holder);
+    let (l1, k1) = keyed_alloc(&holder, 1);
+    rail.local().fill(1);
+    assert_eq!(
+        rail.one_sided(RdmaOp::Write, l1.slot_offset, k1, 4096),
+        wc_status::SUCCESS
+    );
+    // At its limit, the holder's next ALLOC is refused and its lease asked
+    // back; the holder ignores the REVOKE.
+    assert!(block_on(holder.alloc(2)).is_err());
+    assert_eq!(peer.store.stats().revocations, 1);
+    // Watch the store's counter only (no request that could end the
+    // lease on its way): the reaper ends it at the deadline.
+    let mut ended = false;
+    for _ in 0..600 {
+        if peer.store.stats().leases_force_ended == 1 {
+            ended = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(ended, "the revoked lease was not ended by force on its own");
+    rail.local().fill(2);
+    let s = rail.one_sided(RdmaOp::Write, l1.slot_offset, k1, 4096);
+    assert!(refused(s), "a key past its deadline completed with {s}");
+    let e = block_on(holder.commit(1, l1.token)).unwrap_err();
+    assert_eq!(e.status(), Some(Status::LeaseLost), "{e}");
+    let mut out = vec![0u8; 4096];
+    if block_on(holder.read_found(1, 0, &mut out)).unwrap() {
+        assert!(
+            out.iter().all(|&b| b == 1),
+            "bytes written after the deadline landed"
+        );
+    }
+    assert_eq!(peer.protocol_errors(), 0);
+}
+
+#[test]
+fn loopback_a_revoked_lease_key_dies_at_its_deadline() {
+    a_revoked_lease_key_dies_at_its_deadline(LoopbackProvider::new());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by scripts/vm/guest/rdma.sh"]
+fn verbs_isolation_a_revoked_lease_key_dies_at_its_deadline() {
+    a_revoked_lease_key_dies_at_its_deadline(rdma_device());
+}
+
 /// A writer of volume "a" at membership epoch `epoch`, offering RDMA.
 fn writer(peer: &Peer, epoch: u64) -> ArenaClient {
     let mut c = peer.config("a", SECRET_A);

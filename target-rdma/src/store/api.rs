@@ -76,6 +76,26 @@ impl Store {
                 })?
         };
         let mut workers = vec![cleaner];
+        let reaper = {
+            let core = Arc::clone(&core);
+            std::thread::Builder::new()
+                .name("arenad-reaper".into())
+                .spawn(move || engine::reap_leases(&core))
+        };
+        match reaper {
+            Ok(t) => workers.push(t),
+            Err(source) => {
+                core.stop_background();
+                for t in workers {
+                    let _ = t.join();
+                }
+                return Err(StoreError::Io {
+                    what: "starting the lease reaper thread for",
+                    path: cfg.dir.clone(),
+                    source,
+                });
+            }
+        }
         for i in 0..engine::READ_AHEAD_WORKERS {
             let worker = Arc::clone(&core);
             let spawned = std::thread::Builder::new()
@@ -85,7 +105,7 @@ impl Store {
                 Ok(t) => workers.push(t),
                 Err(source) => {
                     // Stop what already runs before reporting.
-                    core.stop_cleaner();
+                    core.stop_background();
                     for t in workers {
                         let _ = t.join();
                     }
@@ -144,7 +164,7 @@ impl Store {
         let (r, revoked) = {
             let mut g = self.core.state.lock();
             let r = f(&self.core, &mut g);
-            self.core.kick_cleaner_if_due(&mut g);
+            self.core.wake_background(&mut g);
             (r, g.take_revocations())
         };
         if !revoked.is_empty() {
@@ -556,12 +576,12 @@ impl Drop for Store {
     /// Stops the cleaner before the arena and swap go away; its in-flight
     /// write-back (if any) completes first.
     fn drop(&mut self) {
-        self.core.stop_cleaner();
+        self.core.stop_background();
         for t in self.workers.drain(..) {
             if t.join().is_err() {
                 tracing::error!(
                     event = events::CLEANER_PANICKED,
-                    "a store background thread (write-back or read-ahead) panicked"
+                    "a store background thread (write-back, read-ahead or lease reaper) panicked"
                 );
             }
         }

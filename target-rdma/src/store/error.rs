@@ -92,6 +92,22 @@ pub enum Refusal {
     },
 }
 
+/// Why a lease ended before its holder committed it (a `LEASE_LOST`
+/// answer), each with what became of the bytes written through it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LostCause {
+    /// Its blob was removed (by a REMOVE, maybe from another connection).
+    #[error("was removed while leased: the write is dropped, as if it came before the REMOVE")]
+    Removed,
+    /// It was asked back (REVOKE) and not given back within the revoke
+    /// deadline.
+    #[error("was revoked and ended by force at its deadline: bytes written into the slot before the deadline stay there uncommitted, none after it landed; write the blob again")]
+    Overdue,
+    /// A raise of the volume's epoch fenced its session out.
+    #[error("was ended by a raise of the volume's epoch: bytes written into the slot before the raise stay there uncommitted, none after it landed")]
+    Fenced,
+}
+
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -133,11 +149,10 @@ pub enum StoreError {
         /// What did not match.
         detail: String,
     },
-    /// An ALLOC lease's blob was removed (by a REMOVE, maybe from another
-    /// connection) before its COMMIT: the write is dropped, as if it had
-    /// happened before the remove. Not a client error: the lease is ended
-    /// and the writer may write again.
-    #[error("lease token {token}: volume {vol} key {key} was removed while leased; the write is dropped")]
+    /// A lease ended before its COMMIT without its holder, for `cause`.
+    /// Not a client error: the lease is ended and the writer may write
+    /// again.
+    #[error("lease token {token} (volume {vol} key {key}) {cause}")]
     LeaseLost {
         /// The token.
         token: u64,
@@ -145,6 +160,8 @@ pub enum StoreError {
         vol: u32,
         /// Blob key.
         key: u64,
+        /// Why it ended.
+        cause: LostCause,
     },
     /// Every slot is pinned and leases held past their volume's share were
     /// asked back for a requester under its own: the store retries once a

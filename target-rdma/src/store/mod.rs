@@ -51,7 +51,7 @@ pub use config::{
     footprint, StoreConfig, VolumeSpec, DEFAULT_SWAP_READS_IN_FLIGHT, MAX_SWAP_READS_IN_FLIGHT,
 };
 pub use engine::{ForceEndHook, LeaseLimits, DEFAULT_REVOKE_DEADLINE_MS};
-pub use error::{IntegrityKind, Refusal, StoreError};
+pub use error::{IntegrityKind, LostCause, Refusal, StoreError};
 pub use hooks::{IndexWrite, RevokeHook, TimingHook};
 pub use ids::{HolderId, VolumeId};
 pub use in_process::InProcess;

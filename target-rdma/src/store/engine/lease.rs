@@ -17,12 +17,12 @@
 //! ones count until it acknowledges them), which bounds the lease table
 //! per client.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::slots::Slots;
 use crate::proto::Lease;
-use crate::store::error::StoreError;
+use crate::store::error::{LostCause, StoreError};
 use crate::store::ids::{BlobKey, HolderId, VolumeId};
 
 /// How leases are shared between tenants (see the `lease` engine module and
@@ -78,8 +78,9 @@ struct LeaseInfo {
     kind: LeaseKind,
     /// When it was asked back.
     revoked: Option<Instant>,
-    /// Ended by force: its slot is no longer pinned by it.
-    lost: bool,
+    /// Why it was ended without its holder (its slot is no longer pinned
+    /// by it); `None` while live.
+    lost: Option<LostCause>,
 }
 
 /// The lease table and its accounting per volume and per connection.
@@ -104,6 +105,10 @@ pub(super) struct Leases {
     revocations: Vec<(HolderId, VolumeId, u64, u64)>,
     /// Leases asked back so far.
     revoked: u64,
+    /// The live leases asked back, by when (and token): the reaper ends
+    /// each at its deadline. An entry leaves with its lease, so this never
+    /// holds more than the table.
+    due: BTreeSet<(Instant, u64)>,
 }
 
 impl Leases {
@@ -119,6 +124,7 @@ impl Leases {
             on_force_end: None,
             revocations: Vec::new(),
             revoked: 0,
+            due: BTreeSet::new(),
         }
     }
 
@@ -196,7 +202,7 @@ impl Leases {
                 slot,
                 kind,
                 revoked: None,
-                lost: false,
+                lost: None,
             },
         );
         *l.live.entry(key.0).or_default() += 1;
@@ -220,7 +226,7 @@ impl Leases {
             let oldest = self
                 .table
                 .iter()
-                .find(|(_, l)| l.holder == holder && l.revoked.is_none() && !l.lost)
+                .find(|(_, l)| l.holder == holder && l.revoked.is_none() && l.lost.is_none())
                 .map(|(&t, _)| t);
             if let Some(t) = oldest {
                 self.revoke(t, Instant::now());
@@ -257,7 +263,7 @@ impl Leases {
     }
 
     fn overdue(&self, l: &LeaseInfo, now: Instant) -> bool {
-        !l.lost
+        l.lost.is_none()
             && l.revoked
                 .is_some_and(|at| now.duration_since(at) >= self.limits.revoke_deadline)
     }
@@ -276,23 +282,57 @@ impl Leases {
     /// Ends a revoked lease that was not given back: its slot is unpinned,
     /// the entry stays until its holder commits or releases it.
     fn force_end(&mut self, slots: &mut Slots, token: u64) {
-        if self.end_unasked(slots, token) {
+        if self.end_unasked(slots, token, LostCause::Overdue) {
             self.forced += 1;
         }
     }
 
+    /// Ends by force every revoked lease whose deadline has passed at
+    /// `now`; how many. The reaper calls it at each deadline, so a holder
+    /// that ignores REVOKE loses its remote access on time, not when it
+    /// next uses the lease or when its slot is needed.
+    pub(super) fn end_overdue(&mut self, slots: &mut Slots, now: Instant) -> usize {
+        let mut ended = 0;
+        while let Some(&(at, token)) = self.due.first() {
+            if now.saturating_duration_since(at) < self.limits.revoke_deadline {
+                break;
+            }
+            self.due.pop_first();
+            let before = self.forced;
+            self.force_end(slots, token);
+            ended += usize::from(self.forced > before);
+        }
+        ended
+    }
+
+    /// When the next revoked lease is due to be ended by force.
+    pub(super) fn next_due(&self) -> Option<Instant> {
+        self.due
+            .first()
+            .map(|&(at, _)| at + self.limits.revoke_deadline)
+    }
+
+    /// Whether leases were asked back since the revoke hook last took
+    /// them (the reaper has a new deadline to wait for).
+    pub(super) fn revoking(&self) -> bool {
+        !self.revocations.is_empty()
+    }
+
     /// Ends lease `token` without its holder: the force-end hook is told
     /// (so its remote access goes) before the slot is unpinned, and the
-    /// entry stays, lost, until its holder commits or releases it. `false`
-    /// when it was not live.
-    fn end_unasked(&mut self, slots: &mut Slots, token: u64) -> bool {
+    /// entry stays, lost for `cause`, until its holder commits or releases
+    /// it. `false` when it was not live.
+    fn end_unasked(&mut self, slots: &mut Slots, token: u64, cause: LostCause) -> bool {
         let Some(l) = self.table.get_mut(&token) else {
             return false;
         };
-        if l.lost {
+        if l.lost.is_some() {
             return false;
         }
-        l.lost = true;
+        l.lost = Some(cause);
+        if let Some(at) = l.revoked {
+            self.due.remove(&(at, token));
+        }
         let (slot, kind, vol, holder) = (l.slot, l.kind, l.vol, l.holder);
         if let Some(hook) = &self.on_force_end {
             hook(holder, token);
@@ -310,12 +350,12 @@ impl Leases {
         let tokens: Vec<u64> = self
             .table
             .iter()
-            .filter(|(_, l)| l.holder == holder && !l.lost)
+            .filter(|(_, l)| l.holder == holder && l.lost.is_none())
             .map(|(&t, _)| t)
             .collect();
         tokens
             .into_iter()
-            .filter(|&t| self.end_unasked(slots, t))
+            .filter(|&t| self.end_unasked(slots, t, LostCause::Fenced))
             .count()
     }
 
@@ -324,7 +364,10 @@ impl Leases {
     fn take(&mut self, slots: &mut Slots, token: u64) -> Option<LeaseInfo> {
         let l = self.table.remove(&token)?;
         decrement(&mut self.held, l.holder);
-        if !l.lost {
+        if let Some(at) = l.revoked {
+            self.due.remove(&(at, token));
+        }
+        if l.lost.is_none() {
             self.unpin(slots, l.slot, l.kind, l.vol);
         }
         Some(l)
@@ -357,10 +400,17 @@ impl Leases {
         let Some(l) = self.take(slots, token) else {
             return Err(StoreError::UnknownLease { token });
         };
-        if l.lost || slots.meta[l.slot as usize].owner != Some((vol, key)) {
-            return Err(StoreError::LeaseLost { token, vol, key });
-        }
-        Ok(())
+        let cause = match l.lost {
+            Some(cause) => cause,
+            None if slots.meta[l.slot as usize].owner != Some((vol, key)) => LostCause::Removed,
+            None => return Ok(()),
+        };
+        Err(StoreError::LeaseLost {
+            token,
+            vol,
+            key,
+            cause,
+        })
     }
 
     pub(super) fn release(
@@ -381,10 +431,15 @@ impl Leases {
         holder: HolderId,
     ) -> Result<u32, StoreError> {
         let l = self.find(slots, token, holder)?;
-        if l.lost {
+        if let Some(cause) = l.lost {
             let (vol, key) = (l.vol, l.key);
             self.take(slots, token);
-            return Err(StoreError::LeaseLost { token, vol, key });
+            return Err(StoreError::LeaseLost {
+                token,
+                vol,
+                key,
+                cause,
+            });
         }
         let slot = l.slot;
         slots.meta[slot as usize].pins += 1;
@@ -407,6 +462,7 @@ impl Leases {
     fn revoke(&mut self, token: u64, now: Instant) {
         if let Some(l) = self.table.get_mut(&token) {
             l.revoked = Some(now);
+            self.due.insert((now, token));
             self.revocations.push((l.holder, l.vol, l.key, token));
             self.revoked += 1;
         }
@@ -424,16 +480,7 @@ impl Leases {
         vol: VolumeId,
     ) -> Result<(), StoreError> {
         let now = Instant::now();
-        let overdue: Vec<u64> = self
-            .table
-            .iter()
-            .filter(|(_, l)| self.overdue(l, now))
-            .map(|(&t, _)| t)
-            .collect();
-        if !overdue.is_empty() {
-            for t in overdue {
-                self.force_end(slots, t);
-            }
+        if self.end_overdue(slots, now) > 0 {
             return Ok(());
         }
         let share = self.share(slots.len(), served);
@@ -449,7 +496,7 @@ impl Leases {
             let Some(left) = excess.get_mut(&l.vol).filter(|n| **n > 0) else {
                 continue;
             };
-            if l.lost {
+            if l.lost.is_some() {
                 continue;
             }
             *left -= 1;
@@ -472,7 +519,7 @@ impl Leases {
             ask = self
                 .table
                 .iter()
-                .filter(|(_, l)| l.revoked.is_none() && !l.lost)
+                .filter(|(_, l)| l.revoked.is_none() && l.lost.is_none())
                 .map(|(&t, _)| t)
                 .take(REVOKE_BATCH)
                 .collect();

@@ -80,4 +80,4 @@ pub(super) use range_read::{Direct, ReadPlan};
 #[cfg(test)]
 pub(super) use read_ahead::READ_AHEAD;
 pub(super) use shared::{Core, Guard};
-pub(super) use workers::{clean, read_ahead_worker, READ_AHEAD_WORKERS};
+pub(super) use workers::{clean, read_ahead_worker, reap_leases, READ_AHEAD_WORKERS};

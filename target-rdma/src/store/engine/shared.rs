@@ -60,6 +60,8 @@ pub(in crate::store) struct Core {
     pub(super) kick: Condvar,
     /// Wakes the read-ahead workers when blobs are queued.
     pub(super) ahead: Condvar,
+    /// Wakes the lease reaper when a lease is asked back (a new deadline).
+    pub(super) reap: Condvar,
 }
 
 impl Core {
@@ -91,25 +93,32 @@ impl Core {
             settled: Condvar::new(),
             kick: Condvar::new(),
             ahead: Condvar::new(),
+            reap: Condvar::new(),
         }
     }
 
-    /// Wakes the cleaner if clean slots ran short; called after every
-    /// locked operation so the check lives in one place.
-    pub(in crate::store) fn kick_cleaner_if_due(&self, g: &mut Guard<'_>) {
+    /// Wakes the background threads that have work: the cleaner if clean
+    /// slots ran short, the read-ahead workers if blobs are queued, the
+    /// reaper if a lease was asked back. Called after every locked
+    /// operation so the check lives in one place.
+    pub(in crate::store) fn wake_background(&self, g: &mut Guard<'_>) {
         if g.cleaner_due() {
             self.kick.notify_one();
         }
         if g.read_ahead.pending() {
             self.ahead.notify_all();
         }
+        if g.leases.revoking() {
+            self.reap.notify_one();
+        }
     }
 
-    /// Asks the cleaner and the read-ahead workers to exit.
-    pub(in crate::store) fn stop_cleaner(&self) {
+    /// Asks the background threads to exit.
+    pub(in crate::store) fn stop_background(&self) {
         self.state.lock().stop();
         self.kick.notify_all();
         self.ahead.notify_all();
+        self.reap.notify_all();
     }
 
     /// The blob's slot, faulting it in from swap if needed. Returns with the

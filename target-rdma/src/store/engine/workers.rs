@@ -1,9 +1,10 @@
 //! The engine's background threads: the cleaner, which writes dirty slots
-//! back ahead of the CLOCK hand so that eviction finds clean victims, and
-//! the read-ahead workers, which fault in the blobs a sequential reader
-//! will ask for next.
+//! back ahead of the CLOCK hand so that eviction finds clean victims, the
+//! read-ahead workers, which fault in the blobs a sequential reader will
+//! ask for next, and the reaper, which ends revoked leases at their
+//! deadline.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::MutexGuard;
 use ublk_metrics::events;
@@ -65,6 +66,27 @@ pub(in crate::store) fn clean(core: &Core) {
         if let Err(e) = core.write_back(&mut g, &plan, false, true) {
             tracing::warn!(event = events::CLEANER_FAILED, error = %e, "background write-back failed; slots stay dirty");
             MutexGuard::unlocked(&mut g, || std::thread::sleep(CLEAN_RETRY));
+        }
+    }
+}
+
+/// The lease reaper: ends each revoked lease not given back by its
+/// deadline, at the deadline. The force-end hook revokes the holder's
+/// remote access then, so a client that ignores REVOKE keeps its RDMA key
+/// no longer than the deadline, whether or not it or anyone else touches
+/// the lease or the slot again; requests waiting for a slot are woken.
+pub(in crate::store) fn reap_leases(core: &Core) {
+    let mut g = core.state.lock();
+    while !g.background.stopping {
+        let st = &mut *g;
+        if st.leases.end_overdue(&mut st.slots, Instant::now()) > 0 {
+            core.settled.notify_all();
+        }
+        match g.leases.next_due() {
+            Some(due) => {
+                let _ = core.reap.wait_until(&mut g, due);
+            }
+            None => core.reap.wait(&mut g),
         }
     }
 }

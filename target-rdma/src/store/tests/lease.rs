@@ -127,6 +127,77 @@ fn a_tenant_that_gives_revoked_leases_back_is_not_cut_off() {
     assert_eq!(s.stats().leases_force_ended, 0);
 }
 
+/// A revoked lease its holder neither gives back nor uses again is ended
+/// at its deadline by the store itself: the force-end hook (which takes the
+/// holder's RDMA key away) runs with no further call into the store.
+#[test]
+fn a_revoked_lease_is_ended_at_its_deadline_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 4, 16);
+    s.set_lease_limits(LeaseLimits {
+        connection_max: Some(1),
+        revoke_deadline: std::time::Duration::from_millis(100),
+        ..LeaseLimits::default()
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = StdMutex::new(tx);
+    s.set_force_end_hook(Box::new(move |h, t| {
+        let _ = tx.lock().unwrap().send((h, t));
+    }));
+    let a = s.alloc(0, 1, 1).unwrap();
+    s.with_lease(a.token, 1, |b| b[..4].copy_from_slice(b"mine"))
+        .unwrap();
+    // At its limit, the connection is refused and asked its oldest back.
+    let e = s.alloc(0, 2, 1).unwrap_err();
+    assert!(matches!(e, StoreError::LeaseLimit { limit: 1 }), "{e}");
+    assert_eq!(s.stats().revocations, 1);
+    let ended = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the lease is ended by force without being touched");
+    assert_eq!(ended, (1, a.token));
+    assert_eq!(s.stats().leases_force_ended, 1);
+    assert_eq!(s.stats().slots_leased, 0, "its slot is unpinned");
+    let e = s.commit(0, 1, a.token, 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::LeaseLost {
+                cause: LostCause::Overdue,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("ended by force at its deadline"),
+        "{e}"
+    );
+    assert_eq!(
+        &blob(&s, 0, 1).unwrap()[..4],
+        b"mine",
+        "what was written before the deadline stays in the slot, uncommitted"
+    );
+}
+
+/// A lease given back before its deadline is not ended by force after it.
+#[test]
+fn a_revoked_lease_given_back_in_time_is_not_ended_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), 4, 16);
+    s.set_lease_limits(LeaseLimits {
+        connection_max: Some(1),
+        revoke_deadline: std::time::Duration::from_millis(50),
+        ..LeaseLimits::default()
+    });
+    let a = s.alloc(0, 1, 1).unwrap();
+    assert!(s.alloc(0, 2, 1).is_err(), "at the limit: revoked");
+    s.release(a.token, 1).unwrap();
+    let b = s.alloc(0, 2, 1).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(s.stats().leases_force_ended, 0);
+    s.commit(0, 2, b.token, 1).unwrap();
+}
+
 #[test]
 fn a_connection_holds_at_most_its_lease_limit() {
     let dir = tempfile::tempdir().unwrap();
