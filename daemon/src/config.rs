@@ -53,7 +53,7 @@ impl std::fmt::Display for OnShutdown {
 
 /// The transport a device is configured for (`transport = tcp|rdma|auto`):
 /// a choice, of which the data path it negotiates is one outcome.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportChoice {
     /// Inline on the TCP control stream.
@@ -71,16 +71,6 @@ impl TransportChoice {
             Self::Tcp => "tcp",
             Self::Rdma => "rdma",
             Self::Auto => "auto",
-        }
-    }
-
-    /// Parses a command-line value.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "tcp" => Some(Self::Tcp),
-            "rdma" => Some(Self::Rdma),
-            "auto" => Some(Self::Auto),
-            _ => None,
         }
     }
 }

@@ -171,7 +171,7 @@ struct Add {
     #[arg(long, value_parser = parse_size)]
     blob_size: Option<u64>,
     /// Data path: tcp, rdma or auto.
-    #[arg(long, value_parser = parse_transport)]
+    #[arg(long, value_enum)]
     transport: Option<TransportChoice>,
     /// Per-request buffer (and largest I/O), e.g. 512K.
     #[arg(long, value_parser = parse_size)]
@@ -266,24 +266,42 @@ fn parse_cpus(s: &str) -> Result<CpuList, String> {
     Ok(CpuList(out))
 }
 
-fn parse_transport(s: &str) -> Result<TransportChoice, String> {
-    TransportChoice::parse(s)
-        .ok_or_else(|| format!("unknown transport {s:?}: use tcp, rdma or auto"))
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!(
-                "ublkctl: {}",
-                target_rdma::service::error_chain::one_line(e.chain())
-            );
+            let message = target_rdma::service::error_chain::one_line(e.chain());
+            if cli.json {
+                // ublkd's class when it refused, `client` when ublkctl
+                // failed on its own (no daemon, no driver, a bad config).
+                let error = match e.downcast_ref::<Refused>() {
+                    Some(r) => serde_json::json!({"kind": r.kind, "message": r.message}),
+                    None => serde_json::json!({"kind": "client", "message": message}),
+                };
+                println!("{}", serde_json::json!({ "error": error }));
+            }
+            eprintln!("ublkctl: {message}");
             ExitCode::FAILURE
         }
     }
 }
+
+/// ublkd's refusal of a request, kept typed so that `--json` prints its
+/// class; shown to people with the likely remedy.
+#[derive(Debug)]
+struct Refused {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&explain(self.kind, &self.message))
+    }
+}
+
+impl std::error::Error for Refused {}
 
 /// The control socket: --socket, else $UBLKCTL_SOCKET, else the `socket`
 /// of ublkd's config when that file exists, else the packaged default.
@@ -306,15 +324,7 @@ fn socket(cli: &Cli) -> anyhow::Result<PathBuf> {
 fn call(cli: &Cli, request: Request) -> anyhow::Result<Reply> {
     match ctl::call(&socket(cli)?, request, Duration::from_secs(cli.timeout))? {
         Response::Ok { reply } => Ok(reply),
-        Response::Error { kind, message } => {
-            if cli.json {
-                println!(
-                    "{}",
-                    serde_json::json!({"error": {"kind": kind, "message": message}})
-                );
-            }
-            bail!("{}", explain(kind, &message))
-        }
+        Response::Error { kind, message } => Err(Refused { kind, message }.into()),
     }
 }
 
@@ -735,7 +745,8 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("unknown transport \"udp\": use tcp, rdma or auto"),
+            e.contains("invalid value 'udp' for '--transport <TRANSPORT>'")
+                && e.contains("[possible values: tcp, rdma, auto]"),
             "{e}"
         );
     }
