@@ -26,6 +26,14 @@ pub enum SocketError {
     /// The group does not exist.
     #[error("socket_group {0:?} does not exist")]
     NoSuchGroup(String),
+    /// A component of the socket's directory is not a directory.
+    #[error("control socket {path}: {ancestor} is not a directory")]
+    NotADirectory {
+        /// The socket path.
+        path: String,
+        /// The first ancestor that exists and is something else.
+        ancestor: String,
+    },
     /// Filesystem trouble.
     #[error("control socket {path}: {source}")]
     Io {
@@ -61,6 +69,14 @@ pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketErro
         source,
     };
     if let Some(dir) = path.parent() {
+        // create_dir_all reports an ancestor that is a file as EEXIST,
+        // which names no cause: find the ancestor and say what it is.
+        if let Some(file) = dir.ancestors().find(|a| a.exists() && !a.is_dir()) {
+            return Err(SocketError::NotADirectory {
+                path: path.display().to_string(),
+                ancestor: file.display().to_string(),
+            });
+        }
         std::fs::create_dir_all(dir).map_err(io)?;
     }
     if path.exists() {

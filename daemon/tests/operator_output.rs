@@ -216,6 +216,21 @@ fn refusals_say_each_thing_once_without_backtraces() {
         (arenad(&[], &open, lo, &swap), "mode 0644"),
         (arenad(&[], &short, lo, &swap), "holds 1 bytes"),
         (arenad(&[], &key, &taken, &swap), "Address already in use"),
+        // With metrics on: a port in use refuses before the metrics
+        // listener is up, so no `metrics.listening` line comes first.
+        (
+            {
+                let mut c = Command::new(arenad_bin());
+                c.args(["--config", "/dev/null", "--metrics-listen", "127.0.0.1:0"])
+                    .args(["--listen", &taken, "--arena-bytes", "1M"])
+                    .args(["--blob-bytes", "64K", "--swap-bytes", "8M", "--swap-dir"])
+                    .arg(&swap)
+                    .arg("--volume")
+                    .arg(format!("a:{}:4M", key.display()));
+                c
+            },
+            "Address already in use",
+        ),
         (arenad(&[], &key, lo, &file), "swap_dir"),
         (arenad(&["--check"], &missing, lo, &swap), "problem"),
         (
@@ -252,6 +267,21 @@ fn refusals_say_each_thing_once_without_backtraces() {
             },
             "u.toml:2:10: device.io_buf: invalid type: sequence, expected a size",
         ),
+        // A control socket that cannot be bound refuses the start before
+        // the metrics listener is up.
+        (
+            {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_ublkd"));
+                let text = format!(
+                    "socket = \"{}/u.sock\"\nstate_dir = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n",
+                    file.display(),
+                    d.join("state").display()
+                );
+                c.arg("--config").arg(toml("sock.toml", &text));
+                c
+            },
+            "a-file is not a directory",
+        ),
         (
             {
                 let mut c = Command::new(env!("CARGO_BIN_EXE_ublkctl"));
@@ -278,4 +308,35 @@ fn refusals_say_each_thing_once_without_backtraces() {
         let err = refusal(&name, &mut cmd);
         assert!(err.contains(want), "{want:?} not in {err}");
     }
+}
+
+/// With `--json`, a failure is one JSON object on stdout whatever failed:
+/// ublkd's refusal carries its class, a failure of ublkctl itself (here no
+/// daemon) the class `client`; the exit status is 1 and stderr says it
+/// for people. A usage error exits 2.
+#[test]
+fn ublkctl_json_failures_are_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ublkctl"))
+        .arg("--socket")
+        .arg(dir.path().join("none.sock"))
+        .args(["--json", "list"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(v["error"]["kind"], "client", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("ublkd is not running")),
+        "{v}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("ublkctl: "));
+    let out = Command::new(env!("CARGO_BIN_EXE_ublkctl"))
+        .args(["add", "--transport", "udp"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a usage error");
 }

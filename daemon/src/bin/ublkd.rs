@@ -75,16 +75,20 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
         .scanner()
         .spawn()
         .context("starting the tracker scanner")?;
+    let runtime_cfg = cfg.clone();
+    let with_etcd = cfg.etcd.is_some();
+    // What can refuse a start comes before the metrics listener, so a
+    // refused start does not announce one first.
+    let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
+    let listener = control_socket::bind(&socket, group.as_deref())?;
     // Up before the restore, so /ready answers (503) while devices come back.
     let runtime = Runtime::start(
         args.config.clone(),
-        cfg.clone(),
+        runtime_cfg,
         log,
         Arc::clone(&tel),
         Arc::clone(&obs),
     );
-    let with_etcd = cfg.etcd.is_some();
-    let manager = Arc::new(Manager::new(cfg, Arc::clone(&obs))?);
     // --- replication ---
     let _coordination_metrics = with_etcd.then(|| {
         let m = CoordinationMetrics::new(&tel);
@@ -105,7 +109,6 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     manager
         .spawn_peer_monitor()
         .context("starting the peer monitor")?;
-    let listener = control_socket::bind(&socket, group.as_deref())?;
     manager.restore()?;
     {
         let m = Arc::clone(&manager);

@@ -210,9 +210,9 @@ fn run(args: &Args) -> Result<ExitCode> {
     // waits for the loop below instead of killing the process.
     let mut signals =
         Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
-    let (obs, _metrics) = start_observability(&cfg)?;
-    // Bound now (a port in use stops us before the work below), listening
-    // only once the server runs: until then clients are refused at once.
+    // Bound now (a port in use stops us before the metrics listener and
+    // the work below), listening only once the server runs: until then
+    // clients are refused at once.
     let listen: SocketAddr = cfg.listen.parse().context("listen")?;
     let reserved = Reserved::bind(listen).with_context(|| format!("listen on {listen}"))?;
     // 0700 whatever the umask, like the 0600 files the store creates in it.
@@ -221,6 +221,7 @@ fn run(args: &Args) -> Result<ExitCode> {
         .mode(0o700)
         .create(&cfg.swap_dir)
         .with_context(|| format!("swap_dir {}", cfg.swap_dir.display()))?;
+    let (obs, _metrics) = start_observability(&cfg)?;
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
     store.set_lease_limits(cfg.lease_limits());
     let epochs = Epochs::open(&cfg.swap_dir).context("loading the volumes' epochs")?;
