@@ -131,7 +131,13 @@ curl -s "http://$UBLKD_METRICS/metrics" >"$W/ublkd.prom"
 grep -E '^ublk_io_requests_total' "$W/ublkd.prom"
 REQS=$(awk '/^ublk_io_requests_total/ { s += $2 } END { print s + 0 }' "$W/ublkd.prom")
 show curl -s "http://$ARENAD_METRICS/metrics"
-curl -s "http://$ARENAD_METRICS/metrics" | grep -E '^arenad_ops_total\{.*outcome="ok"'
+curl -s "http://$ARENAD_METRICS/metrics" >"$W/arenad.prom"
+grep -E '^arenad_ops_total\{.*outcome="ok"' "$W/arenad.prom"
+grep -E '^arenad_ops_total\{op="read",outcome="not_found"' "$W/arenad.prom" || true
+echo "(three read counts, three layers: ublkctl stats and ublk_io_requests_total count the"
+echo " kernel's block requests; the data-path line counts payload requests to arenad, more"
+echo " when a block request spans two blobs; arenad_ops_total counts those by outcome:"
+echo " ok for a blob that exists, not_found for one never written, which reads as zeros)"
 [[ $REQS -gt 0 ]]
 
 step "the filesystem, still mounted"
