@@ -1033,6 +1033,16 @@ impl Hello {
         });
     }
 
+    /// The version a HELLO names: the first two bytes of its body, whatever
+    /// follows. The server checks it against the versions it offered
+    /// before it decodes the rest, so a HELLO of a version it does not
+    /// speak is answered `VERSION_MISMATCH` rather than a length error
+    /// of a layout it would have had to guess.
+    pub fn version_of(h: &Header, body: &[u8]) -> Result<u16, FrameError> {
+        expect(h, Opcode::Hello, false)?;
+        Cursor::new(h.opcode, body).u16()
+    }
+
     /// Decodes a HELLO frame, validating the volume name. The layout is
     /// the one of the version the HELLO names (version 2 adds `epoch`).
     pub fn decode(h: &Header, body: &[u8]) -> Result<Self, FrameError> {

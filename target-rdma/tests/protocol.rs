@@ -780,3 +780,49 @@ fn version_1_sessions_only_with_allow_v1_and_only_below_any_epoch() {
     let e = block_on(old.write(1, 0, b"late!")).unwrap_err();
     assert!(e.to_string().contains("version 2"), "{e}");
 }
+
+/// A HELLO naming a version the server does not offer is refused
+/// `VERSION_MISMATCH`, whatever layout the rest of its body has: the
+/// server reads the version field before it decodes the rest.
+#[test]
+fn a_hello_of_a_version_not_offered_is_a_version_mismatch_in_any_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    // (the layout the body has, the version its first two bytes name)
+    for (layout, named) in [(2u16, 0u16), (1, 3), (2, u16::MAX)] {
+        let mut s = TcpStream::connect(peer.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut body = Vec::new();
+        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+        let ch = Challenge::decode(&h, &body).unwrap();
+        let mut hello = Hello {
+            version: layout,
+            caps: proto::CAP_TCP_DATA,
+            blob_bytes: 0,
+            epoch: 0,
+            client_nonce: [7; proto::NONCE_LEN],
+            mac: [0; MAC_LEN],
+            volume: "a".into(),
+        };
+        hello.mac = secret(SECRET_A).sign_hello(&ch, &hello);
+        let mut f = Vec::new();
+        hello.encode(&mut f);
+        f[HEADER_LEN..HEADER_LEN + 2].copy_from_slice(&named.to_le_bytes());
+        s.write_all(&f).unwrap();
+        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+        let msg = proto::decode_error(&body);
+        assert_eq!(
+            (h.opcode, h.request_id, h.status),
+            (Opcode::Hello, 0, Status::VersionMismatch),
+            "version {named} in the version-{layout} layout: {msg}"
+        );
+        assert!(
+            msg.contains(&format!("client chose version {named}, server speaks 2..=2")),
+            "{msg}"
+        );
+    }
+    assert_eq!(
+        peer.metric("arenad_protocol_errors_total", &[("class", "version")]),
+        3
+    );
+}
