@@ -9,6 +9,8 @@
 
 use std::io::{self, Read, Write};
 
+use ublk_metrics::ProtocolErrorClass;
+
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"ARNA";
 /// Version 1: frames after the handshake are not authenticated.
@@ -294,21 +296,23 @@ pub enum FrameError {
 }
 
 impl FrameError {
-    /// Bounded class of the error, for counters and logs.
-    pub fn class(&self) -> &'static str {
+    /// The protocol-error class of the error: the one vocabulary of
+    /// arenad's `arenad_protocol_errors_total{class}` and `protocol.error`
+    /// log lines and of the client's frame-error counters and log lines
+    /// (docs/PROTOCOL.md, *Protocol error classes*). A stream that failed
+    /// (`Io`) is never counted as a protocol error by either side.
+    pub fn class(&self) -> ProtocolErrorClass {
         match self {
-            Self::Io(_) => "io",
-            Self::Truncated { .. } => "truncated",
-            Self::BadMagic(_) => "bad_magic",
-            Self::BadVersion(..) => "bad_version",
-            Self::BadOpcode(_) => "bad_opcode",
-            Self::Reserved { .. } => "reserved_bits",
-            Self::BadStatus(_) => "bad_status",
-            Self::TooLong { .. } => "oversized",
-            Self::BadBodyLength { .. } => "bad_length",
-            Self::Invalid { .. } => "invalid_field",
-            Self::Unexpected { .. } | Self::TooManyInFlight { .. } => "out_of_order",
-            Self::BadTag { .. } => "bad_tag",
+            Self::Truncated { .. }
+            | Self::BadMagic(_)
+            | Self::Reserved { .. }
+            | Self::BadStatus(_) => ProtocolErrorClass::Framing,
+            Self::BadVersion(..) => ProtocolErrorClass::Version,
+            Self::BadOpcode(_) => ProtocolErrorClass::Opcode,
+            Self::TooLong { .. } | Self::BadBodyLength { .. } => ProtocolErrorClass::Length,
+            Self::Unexpected { .. } | Self::TooManyInFlight { .. } => ProtocolErrorClass::Sequence,
+            Self::BadTag { .. } => ProtocolErrorClass::Tag,
+            Self::Io(_) | Self::Invalid { .. } => ProtocolErrorClass::Other,
         }
     }
 }
