@@ -72,22 +72,35 @@ closed_enum! {
 }
 
 closed_enum! {
-    /// Class of a protocol error.
+    /// Class of a protocol error: the one vocabulary of arenad's metric
+    /// label and log field and of the client's frame-error counters
+    /// (docs/PROTOCOL.md, *Protocol error classes*, lists it; a test
+    /// checks the two agree).
     ProtocolErrorClass {
-        /// Bad magic or frame header.
+        /// The 24-byte header is not one (bad magic, unknown flag bits, a
+        /// reserved field not zero, an unknown status code), or the stream
+        /// ended inside a frame.
         Framing => "framing",
-        /// Unsupported protocol version.
+        /// A version byte other than the session's, a HELLO naming a
+        /// version not offered, or a version-1 session's request on a
+        /// volume whose epoch was raised.
         Version => "version",
-        /// Unknown opcode.
+        /// An opcode byte with no meaning.
         Opcode => "opcode",
-        /// Length field out of bounds.
+        /// A body longer than its opcode allows, or not its layout's length.
         Length => "length",
-        /// Frame not valid in the session's state.
+        /// A frame not valid in this direction or state (a server frame
+        /// as a request, EPOCH in version 1, RAIL_CONNECT without
+        /// `CAP_RDMA`, more requests in flight than announced), or a
+        /// request naming a lease the session does not hold or a range
+        /// outside the blob.
         Sequence => "sequence",
         /// A version-2 frame whose tag does not verify (injected, replayed,
         /// reordered or altered).
         Tag => "tag",
-        /// Anything else.
+        /// A field value the protocol forbids (volume name, epoch, RELEASE
+        /// count, REMOVE range, inline length, endpoint, a request's
+        /// status), or a HELLO's blob size the volume does not use.
         Other => "other",
     }
 }

@@ -9,6 +9,8 @@
 
 use std::io::{self, Read, Write};
 
+use ublk_metrics::ProtocolErrorClass;
+
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"ARNA";
 /// Version 1: frames after the handshake are not authenticated.
@@ -294,21 +296,23 @@ pub enum FrameError {
 }
 
 impl FrameError {
-    /// Bounded class of the error, for counters and logs.
-    pub fn class(&self) -> &'static str {
+    /// The protocol-error class of the error: the one vocabulary of
+    /// arenad's `arenad_protocol_errors_total{class}` and `protocol.error`
+    /// log lines and of the client's frame-error counters and log lines
+    /// (docs/PROTOCOL.md, *Protocol error classes*). A stream that failed
+    /// (`Io`) is never counted as a protocol error by either side.
+    pub fn class(&self) -> ProtocolErrorClass {
         match self {
-            Self::Io(_) => "io",
-            Self::Truncated { .. } => "truncated",
-            Self::BadMagic(_) => "bad_magic",
-            Self::BadVersion(..) => "bad_version",
-            Self::BadOpcode(_) => "bad_opcode",
-            Self::Reserved { .. } => "reserved_bits",
-            Self::BadStatus(_) => "bad_status",
-            Self::TooLong { .. } => "oversized",
-            Self::BadBodyLength { .. } => "bad_length",
-            Self::Invalid { .. } => "invalid_field",
-            Self::Unexpected { .. } | Self::TooManyInFlight { .. } => "out_of_order",
-            Self::BadTag { .. } => "bad_tag",
+            Self::Truncated { .. }
+            | Self::BadMagic(_)
+            | Self::Reserved { .. }
+            | Self::BadStatus(_) => ProtocolErrorClass::Framing,
+            Self::BadVersion(..) => ProtocolErrorClass::Version,
+            Self::BadOpcode(_) => ProtocolErrorClass::Opcode,
+            Self::TooLong { .. } | Self::BadBodyLength { .. } => ProtocolErrorClass::Length,
+            Self::Unexpected { .. } | Self::TooManyInFlight { .. } => ProtocolErrorClass::Sequence,
+            Self::BadTag { .. } => ProtocolErrorClass::Tag,
+            Self::Io(_) | Self::Invalid { .. } => ProtocolErrorClass::Other,
         }
     }
 }
@@ -1031,6 +1035,16 @@ impl Hello {
             b.push(self.volume.len() as u8);
             b.extend_from_slice(self.volume.as_bytes());
         });
+    }
+
+    /// The version a HELLO names: the first two bytes of its body, whatever
+    /// follows. The server checks it against the versions it offered
+    /// before it decodes the rest, so a HELLO of a version it does not
+    /// speak is answered `VERSION_MISMATCH` rather than a length error
+    /// of a layout it would have had to guess.
+    pub fn version_of(h: &Header, body: &[u8]) -> Result<u16, FrameError> {
+        expect(h, Opcode::Hello, false)?;
+        Cursor::new(h.opcode, body).u16()
     }
 
     /// Decodes a HELLO frame, validating the volume name. The layout is

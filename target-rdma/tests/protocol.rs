@@ -694,7 +694,7 @@ fn a_late_answer_is_no_mismatch_and_a_bad_frame_is_a_frame_error() {
         .filter(|v| v.name == names::FRAME_ERRORS)
         .map(|v| (v.reason.as_deref().unwrap_or_default(), v.value))
         .collect();
-    assert_eq!(frame_errors, [("bad_magic", 1)]);
+    assert_eq!(frame_errors, [("framing", 1)]);
     assert_eq!(client_counter(&c, names::RESPONSE_ID_MISMATCHES), 0);
 }
 
@@ -779,4 +779,102 @@ fn version_1_sessions_only_with_allow_v1_and_only_below_any_epoch() {
     assert_eq!(block_on(new.raise_epoch(1)).unwrap(), 1);
     let e = block_on(old.write(1, 0, b"late!")).unwrap_err();
     assert!(e.to_string().contains("version 2"), "{e}");
+}
+
+/// A version-1 session refused because its volume's epoch was raised is
+/// answered under the refused request's opcode and id (its client fails
+/// that request with the reason, not an answer to nothing), and the
+/// session ends.
+#[test]
+fn a_version_1_request_refused_after_a_raise_is_answered_under_its_own_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            allow_v1: true,
+            ..PeerOpts::default()
+        },
+    );
+    let mut old = RawSession::open(peer.addr, "a", &secret(SECRET_A), 1, 0);
+    let new = peer.client("a", SECRET_A);
+    assert_eq!(block_on(new.raise_epoch(1)).unwrap(), 1);
+    let mut f = Vec::new();
+    proto::encode_request(
+        &mut f,
+        42,
+        &Request::Write {
+            key: 1,
+            offset: 0,
+            data: b"late",
+        },
+    );
+    old.send(&f).unwrap();
+    let (h, body) = old.recv().expect("an error frame");
+    let msg = proto::decode_error(&body);
+    assert_eq!(
+        (h.opcode, h.request_id, h.status),
+        (Opcode::Write, 42, Status::VersionMismatch),
+        "{msg}"
+    );
+    assert!(msg.contains("needs protocol version 2"), "{msg}");
+    assert!(old.recv().is_none(), "the session ends");
+    assert_eq!(
+        peer.metric("arenad_protocol_errors_total", &[("class", "version")]),
+        1
+    );
+    assert_eq!(
+        peer.metric(
+            "arenad_ops_total",
+            &[("op", "write"), ("outcome", "denied")]
+        ),
+        1
+    );
+}
+
+/// A HELLO naming a version the server does not offer is refused
+/// `VERSION_MISMATCH`, whatever layout the rest of its body has: the
+/// server reads the version field before it decodes the rest.
+#[test]
+fn a_hello_of_a_version_not_offered_is_a_version_mismatch_in_any_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    // (the layout the body has, the version its first two bytes name)
+    for (layout, named) in [(2u16, 0u16), (1, 3), (2, u16::MAX)] {
+        let mut s = TcpStream::connect(peer.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut body = Vec::new();
+        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+        let ch = Challenge::decode(&h, &body).unwrap();
+        let mut hello = Hello {
+            version: layout,
+            caps: proto::CAP_TCP_DATA,
+            blob_bytes: 0,
+            epoch: 0,
+            client_nonce: [7; proto::NONCE_LEN],
+            mac: [0; MAC_LEN],
+            volume: "a".into(),
+        };
+        hello.mac = secret(SECRET_A).sign_hello(&ch, &hello);
+        let mut f = Vec::new();
+        hello.encode(&mut f);
+        f[HEADER_LEN..HEADER_LEN + 2].copy_from_slice(&named.to_le_bytes());
+        s.write_all(&f).unwrap();
+        let h = proto::read_frame(&mut s, &mut body).unwrap().unwrap();
+        let msg = proto::decode_error(&body);
+        assert_eq!(
+            (h.opcode, h.request_id, h.status),
+            (Opcode::Hello, 0, Status::VersionMismatch),
+            "version {named} in the version-{layout} layout: {msg}"
+        );
+        assert!(
+            msg.contains(&format!(
+                "client chose version {named}, server speaks 2..=2"
+            )),
+            "{msg}"
+        );
+    }
+    assert_eq!(
+        peer.metric("arenad_protocol_errors_total", &[("class", "version")]),
+        3
+    );
 }

@@ -164,7 +164,7 @@ impl Dispatch {
                 Ok(())
             }
             Err(fatal) => {
-                if let Fatal::Store(op, ..) = &fatal {
+                if let Fatal::Store(op, ..) | Fatal::NeedsVersion2(op, ..) = &fatal {
                     self.shared.obs.refused(*op, started.elapsed());
                 }
                 Err(fatal)
@@ -359,8 +359,9 @@ impl Dispatch {
         }
         match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
             Ok(a) => Ok(Ok(Some(a))),
-            Err(now) if conn.version < VERSION_2 => Err(Fatal::Hello(
-                Status::VersionMismatch,
+            Err(now) if conn.version < VERSION_2 => Err(Fatal::NeedsVersion2(
+                op,
+                rid,
                 format!(
                     "volume {:?} moved to membership epoch {now}: it needs protocol version 2",
                     conn.vol.name

@@ -5,6 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use tracing::{debug, warn};
+use ublk_metrics::ProtocolErrorClass;
 
 use crate::arenad::epochs::EpochError;
 use crate::arenad::events;
@@ -21,6 +22,11 @@ pub(super) enum Fatal {
     Store(Opcode, u64, StoreError),
     Auth(&'static str),
     Hello(Status, String),
+    /// A request of a version-1 session on a volume whose epoch was raised
+    /// after its HELLO: version 1 has no `STALE_EPOCH`, so the request is
+    /// answered `VERSION_MISMATCH` (under its own opcode and id) and the
+    /// session ends.
+    NeedsVersion2(Opcode, u64, String),
     /// Closed before sending a byte.
     Probe,
     Epoch(EpochError),
@@ -52,16 +58,43 @@ impl From<io::Error> for Fatal {
 }
 
 impl Fatal {
+    /// The protocol-error class this is counted and logged as; `None` for
+    /// an end that is no protocol error (the peer went away, a probe, a
+    /// failed authentication, a fault of the server's).
+    fn class(&self) -> Option<ProtocolErrorClass> {
+        Some(match self {
+            Fatal::Frame(FrameError::Io(_)) | Fatal::Request(_, _, FrameError::Io(_)) => {
+                return None
+            }
+            Fatal::Frame(e) | Fatal::Request(_, _, e) => e.class(),
+            // A lease the session does not hold, or a range outside the blob.
+            Fatal::Store(..) => ProtocolErrorClass::Sequence,
+            Fatal::Hello(Status::VersionMismatch, _) | Fatal::NeedsVersion2(..) => {
+                ProtocolErrorClass::Version
+            }
+            Fatal::Hello(..) => ProtocolErrorClass::Other,
+            Fatal::Auth(_) | Fatal::Probe | Fatal::Epoch(_) | Fatal::Internal(_) | Fatal::Io(_) => {
+                return None
+            }
+        })
+    }
+
     /// Counts (in `obs`) and logs the error that ends a connection; returns
     /// the error frame that answers it (empty when the peer just went
-    /// away). Logs name the peer's address where an operator needs it
-    /// (refused handshakes); metrics never do.
+    /// away). A protocol error is counted and logged under one class.
+    /// Logs name the peer's address where an operator needs it (refused
+    /// handshakes); metrics never do.
     pub(super) fn report(
         self,
         obs: &ArenadObservability,
         id: HolderId,
         peer: SocketAddr,
     ) -> Vec<u8> {
+        let class = self.class();
+        if let Some(c) = class {
+            obs.protocol_error(c);
+        }
+        let class = class.map_or("", ProtocolErrorClass::as_str);
         let mut frame = Vec::new();
         match self {
             Fatal::Io(e)
@@ -74,8 +107,7 @@ impl Fatal {
                 debug!(event = events::CONNECTION_PROBE, conn = id);
             }
             Fatal::Frame(e) => {
-                obs.frame_error(&e);
-                warn!(event = events::PROTOCOL_ERROR, conn = id, class = e.class(), error = %e);
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class, error = %e);
                 proto::encode_error(
                     &mut frame,
                     Opcode::Hello,
@@ -85,13 +117,16 @@ impl Fatal {
                 );
             }
             Fatal::Request(op, request_id, e) => {
-                obs.frame_error(&e);
-                warn!(event = events::PROTOCOL_ERROR, conn = id, class = e.class(), op = op.name(), request_id, error = %e);
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class, op = op.name(), request_id, error = %e);
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
             }
             Fatal::Store(op, request_id, e) => {
-                warn!(event = events::PROTOCOL_ERROR, conn = id, class = "bad_lease_or_range", op = op.name(), error = %e);
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class, op = op.name(), request_id, error = %e);
                 proto::encode_error(&mut frame, op, request_id, Status::Protocol, &e.to_string());
+            }
+            Fatal::NeedsVersion2(op, request_id, msg) => {
+                warn!(event = events::PROTOCOL_ERROR, conn = id, class, op = op.name(), request_id, error = %msg);
+                proto::encode_error(&mut frame, op, request_id, Status::VersionMismatch, &msg);
             }
             Fatal::Auth(why) => {
                 obs.auth_failed();
@@ -106,7 +141,7 @@ impl Fatal {
             }
             Fatal::Hello(status, msg) => {
                 obs.hello_refused(status);
-                warn!(event = events::HELLO_REFUSED, conn = id, peer = %peer, status = status.name(), detail = %msg);
+                warn!(event = events::HELLO_REFUSED, conn = id, peer = %peer, status = status.name(), class, detail = %msg);
                 proto::encode_error(&mut frame, Opcode::Hello, 0, status, &msg);
             }
             Fatal::Internal(what) => {

@@ -117,17 +117,17 @@ async fn handshake_steps(
     }
     let mut body = vec![0u8; h.body_len as usize];
     stream.read_exact(&mut body).await.map_err(truncated)?;
-    let hello = Hello::decode(&h, &body)?;
-
-    if !(ch.min_version..=ch.max_version).contains(&hello.version) {
+    let chosen = Hello::version_of(&h, &body)?;
+    if !(ch.min_version..=ch.max_version).contains(&chosen) {
         return Err(Fatal::Hello(
             Status::VersionMismatch,
             format!(
-                "client chose version {}, server speaks {}..={}",
-                hello.version, ch.min_version, ch.max_version
+                "client chose version {chosen}, server speaks {}..={}",
+                ch.min_version, ch.max_version
             ),
         ));
     }
+    let hello = Hello::decode(&h, &body)?;
     // An unknown volume and a wrong secret look the same to the client,
     // so a scan cannot discover volume names.
     let volumes = Arc::clone(&shared.volumes.read());

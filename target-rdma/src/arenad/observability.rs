@@ -18,7 +18,7 @@ use ublk_metrics::{
     ProtocolErrorClass, SlotState, Telemetry, TelemetryError,
 };
 
-use crate::proto::{FrameError, Opcode, Status};
+use crate::proto::{Opcode, Status};
 use crate::store::{IndexWrite, IntegrityKind, Store, StoreStats};
 
 /// The store, once open: the metrics listener starts before it, so that
@@ -163,25 +163,6 @@ fn outcome(status: Status) -> ArenaOutcome {
     }
 }
 
-/// The protocol-error class of a frame error.
-pub fn frame_class(e: &FrameError) -> ProtocolErrorClass {
-    match e {
-        FrameError::Truncated { .. } | FrameError::BadMagic(_) | FrameError::Reserved { .. } => {
-            ProtocolErrorClass::Framing
-        }
-        FrameError::BadVersion(..) => ProtocolErrorClass::Version,
-        FrameError::BadTag { .. } => ProtocolErrorClass::Tag,
-        FrameError::BadOpcode(_) => ProtocolErrorClass::Opcode,
-        FrameError::TooLong { .. } | FrameError::BadBodyLength { .. } => ProtocolErrorClass::Length,
-        FrameError::Unexpected { .. } | FrameError::TooManyInFlight { .. } => {
-            ProtocolErrorClass::Sequence
-        }
-        FrameError::Io(_) | FrameError::BadStatus(_) | FrameError::Invalid { .. } => {
-            ProtocolErrorClass::Other
-        }
-    }
-}
-
 impl ArenadObservability {
     /// Registers the arenad families and the probes on `tel`.
     pub fn new(tel: Arc<Telemetry>) -> Arc<Self> {
@@ -269,12 +250,13 @@ impl ArenadObservability {
         }
     }
 
-    /// A request of `op` broke the protocol (bad lease or range) and ends
-    /// its connection.
+    /// A request of `op` was refused with an error that ends its
+    /// connection (a bad lease or range, a version-1 session on a volume
+    /// whose epoch was raised); its class is counted by
+    /// [`Self::protocol_error`].
     pub fn refused(&self, op: Opcode, latency: Duration) {
         self.metrics
             .record_op(arena_op(op), ArenaOutcome::Denied, latency);
-        self.metrics.protocol_error(ProtocolErrorClass::Sequence);
     }
 
     /// A session was opened (HELLO accepted) after `latency`.
@@ -290,21 +272,16 @@ impl ArenadObservability {
             .record_op(ArenaOp::Hello, ArenaOutcome::Denied, Duration::ZERO);
     }
 
-    /// A HELLO was refused for another reason (`status`).
+    /// A HELLO was refused for another reason (`status`); its class is
+    /// counted by [`Self::protocol_error`].
     pub fn hello_refused(&self, status: Status) {
-        self.metrics
-            .protocol_error(if status == Status::VersionMismatch {
-                ProtocolErrorClass::Version
-            } else {
-                ProtocolErrorClass::Other
-            });
         self.metrics
             .record_op(ArenaOp::Hello, outcome(status), Duration::ZERO);
     }
 
-    /// A malformed or unexpected frame ended a connection.
-    pub fn frame_error(&self, e: &FrameError) {
-        self.metrics.protocol_error(frame_class(e));
+    /// A protocol error of `class` ended a connection.
+    pub fn protocol_error(&self, class: ProtocolErrorClass) {
+        self.metrics.protocol_error(class);
     }
 
     /// A connection was closed right after accept, for `reason`.
@@ -419,7 +396,7 @@ mod tests {
         t.answered(Opcode::Flush, Status::Ok, Duration::from_millis(2));
         t.answered(Opcode::Get, Status::NotFound, Duration::from_micros(30));
         t.auth_failed();
-        t.frame_error(&FrameError::BadOpcode(0x77));
+        t.protocol_error(crate::proto::FrameError::BadOpcode(0x77).class());
         let text = t.telemetry().render().unwrap();
         for want in [
             "arenad_ops_total{op=\"flush\",outcome=\"ok\"} 1",

@@ -221,8 +221,8 @@ fn frame_error(shared: &Shared, e: &FrameError) {
     if matches!(e, FrameError::Io(_) | FrameError::Truncated { .. }) {
         return;
     }
-    shared.cfg.stats.frame_error(e.class());
-    ublk_metrics::events::protocol_frame_error(e.class(), e);
+    shared.cfg.stats.frame_error(e.class().as_str());
+    ublk_metrics::events::protocol_frame_error(e.class().as_str(), e);
 }
 
 /// Fails every request whose deadline has passed, remembering their ids
