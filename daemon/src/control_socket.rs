@@ -13,9 +13,20 @@ use rustix::fs::Mode;
 use rustix::process::umask;
 use ublk_metrics::events;
 
-use crate::ctl::{self, ErrorKind, PeerInfo, Reply, Request, Response, ResponseLine};
+use crate::config::ConfigError;
+use crate::ctl::{self, ConfigChange, ErrorKind, PeerInfo, Reply, Request, Response, ResponseLine};
 use crate::device::{DeviceError, Manager};
 use crate::features;
+use crate::reload::Reloaded;
+
+/// What the control socket serves: the devices, and the daemon's reload
+/// (the same one SIGHUP runs), whose outcome a `reload` request answers.
+pub struct Control {
+    /// The devices.
+    pub manager: Arc<Manager>,
+    /// Re-reads the configuration file and applies it.
+    pub reload: Box<dyn Fn() -> Result<Reloaded, ConfigError> + Send + Sync>,
+}
 
 /// Why the socket could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -104,8 +115,34 @@ pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketErro
     Ok(listener)
 }
 
-/// Runs one request against the manager.
-pub fn handle(manager: &Manager, request: Request) -> Response {
+/// Runs one request.
+pub fn handle(control: &Control, request: Request) -> Response {
+    if let Request::Reload = request {
+        return match (control.reload)() {
+            Ok(done) => {
+                let changes = |v: Vec<target_rdma::service::config_file::Change>| {
+                    v.into_iter()
+                        .map(|c| ConfigChange {
+                            key: c.key,
+                            old: c.old,
+                            new: c.new,
+                        })
+                        .collect()
+                };
+                Response::Ok {
+                    reply: Reply::Reloaded {
+                        applied: changes(done.applied),
+                        restart_needed: changes(done.restart_needed),
+                    },
+                }
+            }
+            Err(e) => Response::Error {
+                kind: ErrorKind::Config,
+                message: format!("{e}; the running configuration stays"),
+            },
+        };
+    }
+    let manager = &*control.manager;
     let result: Result<Reply, DeviceError> = match request {
         Request::Add(a) => manager.add(&a).map(|device| Reply::Device {
             device: Box::new(device),
@@ -154,6 +191,7 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
             })
         }),
         // --- end replication ---
+        Request::Reload => unreachable!("answered above"),
     };
     match result {
         Ok(reply) => Response::Ok { reply },
@@ -164,7 +202,7 @@ pub fn handle(manager: &Manager, request: Request) -> Response {
     }
 }
 
-fn serve_conn(manager: &Manager, stream: UnixStream) {
+fn serve_conn(control: &Control, stream: UnixStream) {
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
@@ -185,7 +223,7 @@ fn serve_conn(manager: &Manager, stream: UnixStream) {
             match ctl::parse_request(line.trim_end()) {
                 Ok(req) => {
                     tracing::debug!(event = events::CTL_REQUEST, request = ?req);
-                    handle(manager, req)
+                    handle(control, req)
                 }
                 Err(resp) => *resp,
             }
@@ -206,14 +244,14 @@ fn serve_conn(manager: &Manager, stream: UnixStream) {
 
 /// Accepts connections forever, one thread each (a handful of operators,
 /// never a hot path).
-pub fn serve(listener: UnixListener, manager: Arc<Manager>) {
+pub fn serve(listener: UnixListener, control: Arc<Control>) {
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
-                let m = Arc::clone(&manager);
+                let c = Arc::clone(&control);
                 if let Err(e) = std::thread::Builder::new()
                     .name("ublkd-ctl".into())
-                    .spawn(move || serve_conn(&m, stream))
+                    .spawn(move || serve_conn(&c, stream))
                 {
                     tracing::error!(event = events::CTL_SPAWN_FAILED, error = %e);
                 }
@@ -244,8 +282,11 @@ mod tests {
             &cfg.metrics,
             &cfg.tracing,
         );
-        let m = Arc::new(Manager::new(cfg, obs).unwrap());
-        std::thread::spawn(move || serve(listener, m));
+        let control = Arc::new(Control {
+            manager: Arc::new(Manager::new(cfg, obs).unwrap()),
+            reload: Box::new(|| Ok(Reloaded::default())),
+        });
+        std::thread::spawn(move || serve(listener, control));
         let r = ctl::call(&sock, Request::List, Duration::from_secs(5)).unwrap();
         assert_eq!(
             r,

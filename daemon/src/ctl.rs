@@ -95,6 +95,9 @@ pub enum Request {
     /// The placement pool.
     PeerList,
     // --- end replication ---
+    /// Re-read the configuration file and apply what can change while
+    /// running, as SIGHUP does, answering what happened.
+    Reload,
 }
 
 /// Arguments of `add`; absent fields take the daemon's `[device]` defaults.
@@ -215,6 +218,9 @@ pub enum ErrorKind {
     /// The device or the kernel's ublk driver cannot do it (e.g. resize
     /// without UPDATE_SIZE).
     Unsupported,
+    /// The configuration file does not load or validate (a refused
+    /// reload: the running configuration stays).
+    Config,
 }
 
 /// A successful reply.
@@ -255,6 +261,24 @@ pub enum Reply {
         /// Names of the set bits this build knows.
         names: Vec<String>,
     },
+    /// `reload`: the configuration was applied.
+    Reloaded {
+        /// Changed keys now in force.
+        applied: Vec<ConfigChange>,
+        /// Changed keys that take effect only at the next start.
+        restart_needed: Vec<ConfigChange>,
+    },
+}
+
+/// One key a reload found changed (`None`: unset).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigChange {
+    /// Dotted key.
+    pub key: String,
+    /// Value in force before.
+    pub old: Option<String>,
+    /// Value in the file now.
+    pub new: Option<String>,
 }
 
 /// A device as `list` and `show` describe it.

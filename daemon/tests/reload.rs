@@ -133,3 +133,81 @@ fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
         "{seen:#?}"
     );
 }
+
+/// `ublkctl reload` (the units' ExecReload) answers with the reload's
+/// outcome: exit 0 listing what it applied and what needs a restart, exit
+/// 1 naming what is wrong with a file that does not validate, after which
+/// ublkd still serves with its running configuration.
+#[test]
+fn ublkctl_reload_reports_the_outcome_and_fails_on_a_bad_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("ublkd.toml");
+    std::fs::write(&cfg, config(dir.path(), "", "listen = \"off\"")).unwrap();
+    let (child, lines) = spawn_with_log_lines(
+        Command::new(env!("CARGO_BIN_EXE_ublkd"))
+            .arg("--config")
+            .arg(&cfg)
+            .env_remove("RUST_LOG"),
+    );
+    let _daemon = Ublkd(child);
+    until(&lines, events::UBLKD_READY);
+    let ublkctl = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_ublkctl"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    std::fs::write(
+        &cfg,
+        config(dir.path(), "on_shutdown = \"remove\"", "listen = \"off\"")
+            .replace("/state\"", "/elsewhere\""),
+    )
+    .unwrap();
+    let out = ublkctl(&["reload"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("applied         on_shutdown: keep -> remove"),
+        "{text}"
+    );
+    assert!(text.contains("restart needed  state_dir: "), "{text}");
+
+    // Wrong in one key; its `socket` still leads ublkctl to ublkd.
+    std::fs::write(
+        &cfg,
+        config(
+            dir.path(),
+            "on_shutdown = \"sometimes\"",
+            "listen = \"off\"",
+        ),
+    )
+    .unwrap();
+    let out = ublkctl(&["--json", "reload"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["kind"], "config", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("on_shutdown") && message.contains("the running configuration stays"),
+        "{message}"
+    );
+    // Still serving, on the running configuration (the socket it read
+    // from the first file).
+    let out = Command::new(env!("CARGO_BIN_EXE_ublkctl"))
+        .arg("--socket")
+        .arg(dir.path().join("ublkd.sock"))
+        .arg("list")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -11,8 +11,8 @@ use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::coordination::PeerRecord;
 use ublkd::ctl::{
-    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, ReplicasInfo, Reply, Request,
-    Response, StatsReply,
+    self, AddArgs, ConfigChange, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, ReplicasInfo,
+    Reply, Request, Response, StatsReply,
 };
 use ublkd::device::DeviceSpec;
 use ublkd::features;
@@ -68,6 +68,12 @@ enum Cmd {
     /// The placement pool in etcd: arena peers replicated volumes are placed on.
     #[command(subcommand)]
     Peer(PeerCmd),
+    /// Make ublkd re-read its configuration file and apply what can change
+    /// while it runs (as SIGHUP does); prints what changed. Exits 1, with
+    /// the reason, when the file does not load or validate: ublkd keeps
+    /// its running configuration. The units' ExecReload runs it, so
+    /// `systemctl reload ublkd` fails on a bad file.
+    Reload(List),
     /// Print the volume of device N, from ublkd's device definitions (for
     /// the udev rule that makes /dev/disk/by-id/ublk-<volume>).
     #[command(hide = true)]
@@ -313,9 +319,22 @@ fn socket(cli: &Cli) -> anyhow::Result<PathBuf> {
         return Ok(PathBuf::from(s));
     }
     if cli.config.exists() {
-        let cfg = UblkdConfig::load(&cli.config)
-            .context("finding the control socket (pass --socket to skip the config)")?;
-        return Ok(cfg.socket);
+        let text = std::fs::read_to_string(&cli.config).with_context(|| {
+            format!(
+                "reading {} to find the control socket (pass --socket to skip the config)",
+                cli.config.display()
+            )
+        })?;
+        // Only `socket` is read: a file with mistakes elsewhere (or one
+        // that does not parse, then the default socket) still reaches
+        // ublkd, whose `reload` names what is wrong with it.
+        let set = text
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|t| t.get("socket")?.as_str().map(PathBuf::from));
+        if let Some(s) = set {
+            return Ok(s);
+        }
     }
     Ok(UblkdConfig::defaults().socket)
 }
@@ -440,6 +459,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             size: r.size,
         },
         Cmd::Peer(p) => peer_request(p),
+        Cmd::Reload(_) => Request::Reload,
         // Answered here, without ublkd.
         Cmd::Features(_) => {
             let (mask, names) = features::from_driver()?;
@@ -691,6 +711,25 @@ fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
         }
         (_, Reply::Peers { peers }) => print_peers(peers),
         (_, Reply::PeerDeleted { id }) => println!("unregistered peer {id}"),
+        (
+            _,
+            Reply::Reloaded {
+                applied,
+                restart_needed,
+            },
+        ) => {
+            let show = |c: &ConfigChange| {
+                let v = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".into());
+                format!("{}: {} -> {}", c.key, v(&c.old), v(&c.new))
+            };
+            println!("reloaded: {} change(s) applied", applied.len());
+            for c in applied {
+                println!("  applied         {}", show(c));
+            }
+            for c in restart_needed {
+                println!("  restart needed  {}", show(c));
+            }
+        }
         (_, Reply::Features { mask, names }) => {
             println!("ublk driver features: {mask:#x}");
             for n in names {

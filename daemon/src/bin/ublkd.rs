@@ -110,11 +110,24 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
         .spawn_peer_monitor()
         .context("starting the peer monitor")?;
     manager.restore()?;
+    let runtime = Arc::new(runtime);
+    let reload = {
+        let runtime = Arc::clone(&runtime);
+        move || {
+            let _ = target_rdma::service::sd_notify::notify("RELOADING=1");
+            let done = runtime.reload();
+            let _ = target_rdma::service::sd_notify::notify("READY=1");
+            done
+        }
+    };
     {
-        let m = Arc::clone(&manager);
+        let control = Arc::new(control_socket::Control {
+            manager: Arc::clone(&manager),
+            reload: Box::new(reload.clone()),
+        });
         std::thread::Builder::new()
             .name("ublkd-accept".into())
-            .spawn(move || control_socket::serve(listener, m))
+            .spawn(move || control_socket::serve(listener, control))
             .context("starting the control socket thread")?;
     }
     obs.set_control_socket_up(true);
@@ -124,10 +137,8 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     tracing::info!(event = events::UBLKD_READY, socket = %socket.display(), devices = manager.list().len());
     for sig in signals.forever() {
         if sig == SIGHUP {
-            let _ = target_rdma::service::sd_notify::notify("RELOADING=1");
             // A bad config is logged by reload and changes nothing.
-            let _ = runtime.reload();
-            let _ = target_rdma::service::sd_notify::notify("READY=1");
+            let _ = reload();
             continue;
         }
         tracing::info!(event = events::UBLKD_SIGNAL, signal = sig);
