@@ -106,12 +106,16 @@ closed_enum! {
 }
 
 closed_enum! {
-    /// Why arenad closed a connection right after accepting it.
+    /// Why arenad closed a connection before its handshake completed.
     ConnectionRefusal {
         /// `max_connections` connections were open.
         MaxConnections => "max_connections",
-        /// `max_unauthenticated` connections were in their handshake.
+        /// `max_unauthenticated` connections were in their handshake, and
+        /// the new one's source held as many as any other within one.
         MaxUnauthenticated => "max_unauthenticated",
+        /// A connection in its handshake, the oldest of the source holding
+        /// the most, gave its place to one from a source holding fewer.
+        Displaced => "displaced",
     }
 }
 
@@ -297,7 +301,7 @@ impl ArenaMetrics {
         self.auth_failures.increment(1);
     }
 
-    /// Counts a connection closed right after accept.
+    /// Counts a connection closed before its handshake, for `reason`.
     pub fn connection_refused(&self, reason: ConnectionRefusal) {
         self.refusals[reason.index()].increment(1);
     }

@@ -458,7 +458,7 @@ pub const ARENA: &[Family] = &[
         "arenad_connections_refused_total",
         Counter,
         &["reason"],
-        "Connections closed right after accept, by the limit that refused them.",
+        "Connections closed before their handshake: refused at accept by a limit, or displaced from a handshake place by a source holding fewer.",
     ),
     f(
         "arenad_accept_errors_total",

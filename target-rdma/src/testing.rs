@@ -187,6 +187,8 @@ impl Peer {
                 handshake_timeout: Duration::from_secs(5),
                 allow_v1: self.opts.allow_v1,
                 max_unauthenticated: self.opts.max_connections,
+                handshake_source_prefix_v4: 32,
+                handshake_source_prefix_v6: 64,
                 write_timeout: Duration::from_secs(5),
                 max_queued_frames: 4096,
                 max_queued_bytes: 16 << 20,

@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use target_rdma::client::{RdmaDriverStats, RdmaStats, TcpReason};
 use ublk_metrics::{
-    families, ArenaOp, ArenaOutcome, DriverSnapshot, DriverStats as _, EpochReason, ErrnoClass,
-    HedgeOutcome, IoOp, NotReadyReason, Outcome, Phase, ProtocolErrorClass, Reason, RebuildOutcome,
-    SlotState, Transport,
+    families, ArenaOp, ArenaOutcome, ConnectionRefusal, DriverSnapshot, DriverStats as _,
+    EpochReason, ErrnoClass, HedgeOutcome, IoOp, NotReadyReason, Outcome, Phase,
+    ProtocolErrorClass, Reason, RebuildOutcome, SlotState, Transport,
 };
 
 fn repo() -> PathBuf {
@@ -48,6 +48,10 @@ fn closed_labels() -> BTreeMap<&'static str, BTreeSet<String>> {
     add("reason", &driver_reasons);
     add("reason", &NotReadyReason::ALL.map(NotReadyReason::as_str));
     add("reason", &EpochReason::ALL.map(EpochReason::as_str));
+    add(
+        "reason",
+        &ConnectionRefusal::ALL.map(ConnectionRefusal::as_str),
+    );
     add("phase", &Phase::ALL.map(Phase::as_str));
     add("errno", &ErrnoClass::ALL.map(ErrnoClass::as_str));
     add("op", &IoOp::ALL.map(IoOp::as_str));

@@ -90,6 +90,16 @@ pub struct ArenadConfig {
     /// 64, or `max_connections` if that is smaller.
     #[serde(default)]
     pub max_unauthenticated: Option<u32>,
+    /// IPv4 peers within one prefix of this length are one source of
+    /// handshakes: when `max_unauthenticated` are all taken, a source
+    /// holding fewer takes the oldest place of the source holding the most.
+    /// 32: every address; 0: all of IPv4 one source.
+    #[serde(default = "default_handshake_source_prefix_v4")]
+    pub handshake_source_prefix_v4: u8,
+    /// The same for IPv6 peers; 64: a host's usual subnet, since one host
+    /// can easily use many of its addresses.
+    #[serde(default = "default_handshake_source_prefix_v6")]
+    pub handshake_source_prefix_v6: u8,
     /// Seconds a socket write to a client may block before the connection
     /// is ended (a client that does not read its answers).
     #[serde(default = "default_write_timeout")]
@@ -198,6 +208,12 @@ fn default_log_format() -> LogFormat {
 }
 fn default_log_level() -> String {
     "info".into()
+}
+fn default_handshake_source_prefix_v4() -> u8 {
+    32
+}
+fn default_handshake_source_prefix_v6() -> u8 {
+    64
 }
 fn default_write_timeout() -> u64 {
     5
@@ -405,6 +421,26 @@ impl ArenadConfig {
                 format!("must be in 1..=max_connections ({})", self.max_connections),
             ));
         }
+        for (key, v, bits) in [
+            (
+                "handshake_source_prefix_v4",
+                self.handshake_source_prefix_v4,
+                32,
+            ),
+            (
+                "handshake_source_prefix_v6",
+                self.handshake_source_prefix_v6,
+                128,
+            ),
+        ] {
+            if v > bits {
+                return Err(invalid(
+                    key,
+                    v,
+                    format!("must be a prefix length in 0..={bits}"),
+                ));
+            }
+        }
         if !(1..=600).contains(&self.write_timeout_secs) {
             return Err(invalid(
                 "write_timeout_secs",
@@ -569,6 +605,16 @@ quota = "10G"
             e,
             "invalid config: swap_reads_in_flight = 0: must be in 1..=4096"
         );
+        let e = err(&format!("handshake_source_prefix_v4 = 33\n{GOOD}"));
+        assert_eq!(
+            e,
+            "invalid config: handshake_source_prefix_v4 = 33: must be a prefix length in 0..=32"
+        );
+        let e = err(&format!("handshake_source_prefix_v6 = 129\n{GOOD}"));
+        assert_eq!(
+            e,
+            "invalid config: handshake_source_prefix_v6 = 129: must be a prefix length in 0..=128"
+        );
         let e = err(&format!("max_inflight = 0\n{GOOD}"));
         assert!(
             e == "invalid config: max_inflight = 0: must be in 1..=4096",
@@ -604,6 +650,14 @@ quota = "10G"
         assert_eq!(c.lease_limits(), d.lease_limits());
         assert_eq!(d.lease_limits(), crate::store::LeaseLimits::default());
         assert_eq!(c.swap_reads_in_flight, d.swap_reads_in_flight);
+        assert_eq!(
+            (c.handshake_source_prefix_v4, c.handshake_source_prefix_v6),
+            (d.handshake_source_prefix_v4, d.handshake_source_prefix_v6)
+        );
+        assert_eq!(
+            (d.handshake_source_prefix_v4, d.handshake_source_prefix_v6),
+            (32, 64)
+        );
     }
 
     #[test]

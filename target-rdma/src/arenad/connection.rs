@@ -1,8 +1,9 @@
-//! One connection's life: its handshake, then a reader that reads requests
-//! and starts each (answered inline when it touches only resident blobs,
-//! else off the task: a range read of a cold blob awaited on the swap's
-//! ring, the rest on the blocking pool, so a cold fault-in never delays
-//! the next request), and a writer that alone writes the socket
+//! One connection's life: its handshake (ended early if a source holding
+//! fewer takes its handshake place), then a reader that reads requests and
+//! starts each (answered inline when it touches only resident blobs, else
+//! off the task: a range read of a cold blob awaited on the swap's ring,
+//! the rest on the blocking pool, so a cold fault-in never delays the next
+//! request), and a writer that alone writes the socket
 //! ([`crate::arenad::outbox`]), two futures of the connection's task. It
 //! ends on the client's close, a protocol error, the write deadline or
 //! shutdown; its leases end after its last request finished.
@@ -20,7 +21,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
-use crate::arenad::admission::Counted;
+use crate::arenad::admission::{busy_frame, Counted, Handshaking, HANDSHAKES_FULL};
 use crate::arenad::barrier::WriteBarrier;
 use crate::arenad::dispatch::{place, Dispatch, Wait};
 use crate::arenad::events;
@@ -72,13 +73,23 @@ pub(super) async fn run(
     peer: SocketAddr,
     mut stream: TcpStream,
     open: Counted,
-    handshaking: Counted,
+    handshaking: Handshaking,
 ) {
     let _ = stream.set_nodelay(true);
     let started = Instant::now();
+    let Handshaking { place, displaced } = handshaking;
     let shook = tokio::select! {
-        r = handshake(&shared, id, &mut stream, handshaking) => r,
+        biased;
         () = shared.stop.stopped() => return,
+        () = displaced.notified() => None,
+        r = handshake(&shared, id, &mut stream, place) => Some(r),
+    };
+    let Some(shook) = shook else {
+        // Its place went to a source holding fewer (counted and logged
+        // by the accept loop): the BUSY frame only if it is written at
+        // once.
+        let _ = stream.try_write(&busy_frame(HANDSHAKES_FULL));
+        return;
     };
     let session = match shook {
         Ok(s) => s,

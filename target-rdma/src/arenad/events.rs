@@ -37,9 +37,13 @@ pub const RDMA_LEASE_KEY_FORCE_ENDED: &str = "rdma.lease_key_force_ended";
 // Connections.
 /// Accepting a connection failed; arenad backs off and tries again.
 pub const ACCEPT_FAILED: &str = "accept.failed";
-/// A connection was closed right after accept (reason: `max_connections` or
-/// `max_unauthenticated` reached).
+/// A connection was closed right after accept (reason: `max_connections`
+/// reached, or `max_unauthenticated` reached and its source held as many
+/// handshake places as any other within one).
 pub const CONNECTION_REFUSED: &str = "connection.refused";
+/// A connection in its handshake, the oldest of the source holding the most
+/// handshake places, was closed to give its place to a source holding fewer.
+pub const CONNECTION_DISPLACED: &str = "connection.displaced";
 /// A connection was accepted (debug).
 pub const CONNECTION_ACCEPTED: &str = "connection.accepted";
 /// An accepted connection was lost before it was served (debug).
@@ -108,6 +112,7 @@ pub const ALL: &[&str] = &[
     // Connections.
     ACCEPT_FAILED,
     CONNECTION_REFUSED,
+    CONNECTION_DISPLACED,
     CONNECTION_ACCEPTED,
     CONNECTION_LOST,
     CONNECTION_PROBE,

@@ -284,7 +284,8 @@ impl ArenadObservability {
         self.metrics.protocol_error(class);
     }
 
-    /// A connection was closed right after accept, for `reason`.
+    /// A connection was closed before its handshake, for `reason`: a
+    /// limit at accept, or displaced from its handshake place.
     pub fn connection_refused(&self, reason: ConnectionRefusal) {
         self.metrics.connection_refused(reason);
     }

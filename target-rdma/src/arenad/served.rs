@@ -40,6 +40,12 @@ pub struct ServerLimits {
     /// Most connections that have not completed their HELLO, within
     /// `max_connections`: what a flood of unauthenticated sockets can hold.
     pub max_unauthenticated: u32,
+    /// Prefix length that groups IPv4 peers into one source of
+    /// handshakes: a source holding the most of `max_unauthenticated`
+    /// gives its oldest place to a source holding fewer.
+    pub handshake_source_prefix_v4: u8,
+    /// The same for IPv6 peers.
+    pub handshake_source_prefix_v6: u8,
     /// Longest a batch of queued frames may take to reach the socket (a
     /// client that does not read its answers): past it the connection
     /// ends, and its leases with it.

@@ -253,6 +253,8 @@ fn run(args: &Args) -> Result<ExitCode> {
             handshake_timeout: Duration::from_secs(cfg.handshake_timeout_secs),
             allow_v1: cfg.allow_protocol_v1,
             max_unauthenticated: cfg.max_unauthenticated(),
+            handshake_source_prefix_v4: cfg.handshake_source_prefix_v4,
+            handshake_source_prefix_v6: cfg.handshake_source_prefix_v6,
             write_timeout: Duration::from_secs(cfg.write_timeout_secs),
             max_queued_frames: cfg.max_queued_frames as usize,
             max_queued_bytes: cfg.max_queued_bytes as usize,
