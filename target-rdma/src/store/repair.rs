@@ -51,7 +51,7 @@ pub struct RepairReport {
     pub recovered: Vec<(String, u64)>,
     /// Extents whose header was damaged (their images are lost); up to
     /// [`LISTED`] of them, with the reason.
-    pub bad_headers: Vec<(u32, &'static str)>,
+    pub bad_headers: Vec<(u32, String)>,
     /// How many there were.
     pub bad_headers_total: u64,
     /// Newest images whose bytes fail their checksum (or lie past the end of
@@ -178,7 +178,9 @@ pub(super) fn repair(
     let blob = cfg.blob_bytes;
     let mut report = RepairReport::default();
 
-    // The old index, if it still loads, tells what was lost.
+    // The old index, if it still loads, tells what was lost; one that is
+    // damaged does as far as it still reads (its checkpoint and the
+    // journal batches before the damage).
     let old = match index::load(dir, blob, extents) {
         Ok(Some(found)) => {
             report.old_index = format!(
@@ -191,10 +193,16 @@ pub(super) fn repair(
             report.old_index = "no checkpoint".into();
             None
         }
-        Err(e) => {
-            report.old_index = format!("unusable: {e}");
-            None
-        }
+        Err(e) => match index::salvage(dir, blob, extents) {
+            Some((image, read)) => {
+                report.old_index = format!("unusable: {e}; compared as far as it reads: {read}");
+                Some(image)
+            }
+            None => {
+                report.old_index = format!("unusable: {e}");
+                None
+            }
+        },
     };
 
     let meta = MetaFile::open_for_repair(dir, blob, extents)?;
