@@ -339,13 +339,14 @@ impl MetaFile {
 
     /// Opens the table for repair: a damaged header (one failing its
     /// checksum, or naming no possible layout) is rewritten (the layout
-    /// follows from `blob_bytes`), one naming another extent size or
-    /// format is refused, and the file is sized for `extents`.
+    /// follows from `blob_bytes`) and what was wrong returned, one naming
+    /// another extent size or format is refused, and the file is sized
+    /// for `extents`.
     pub(super) fn open_for_repair(
         dir: &Path,
         blob_bytes: u32,
         extents: u32,
-    ) -> Result<MetaFile, StoreError> {
+    ) -> Result<(MetaFile, Option<String>), StoreError> {
         let (file, path) = open_existing(
             dir,
             "is missing: without extent headers there is nothing to rebuild the index from",
@@ -369,12 +370,12 @@ impl MetaFile {
             },
             Err(why) => Some(why),
         };
-        if let Some(why) = damaged {
+        if let Some(why) = &damaged {
             tracing::warn!(event = events::EXTENT_TABLE_HEADER_REWRITTEN, path = %path.display(), detail = %why, "the extent table's header was damaged; rewritten");
             file.write_all_at(&header(blob_bytes, record_len(blob_bytes)), 0)
                 .map_err(io_err("writing extent table", &path))?;
         }
-        MetaFile::sized(file, path, blob_bytes, extents)
+        Ok((MetaFile::sized(file, path, blob_bytes, extents)?, damaged))
     }
 
     /// Grows `file` (never shrinks it, so it stays as long as any
@@ -642,8 +643,9 @@ mod tests {
                     .err()
                     .expect("refused");
                 assert!(e.to_string().contains(&want), "{want}: {e}");
-                // Repair rewrites what no layout explains.
-                MetaFile::open_for_repair(dir.path(), 8192, 4).unwrap();
+                // Repair rewrites what no layout explains, and says so.
+                let (_, why) = MetaFile::open_for_repair(dir.path(), 8192, 4).unwrap();
+                assert!(why.is_some_and(|w| w.contains(&want)));
                 MetaFile::open(dir.path(), 8192, 4, 4).unwrap();
                 std::fs::write(dir.path().join(META_FILE), &good).unwrap();
             }

@@ -71,6 +71,9 @@ pub struct RepairReport {
     pub lost_total: u64,
     /// What became of the old index.
     pub old_index: String,
+    /// What was wrong with the extent table's header, rewritten from the
+    /// configuration (the records it describes are read all the same).
+    pub table_header: Option<String>,
     /// The generation recorded (the next start serves the one after).
     pub generation: u64,
 }
@@ -92,6 +95,12 @@ impl fmt::Display for RepairReport {
             "index rebuilt from the extent headers (old index: {})",
             self.old_index
         )?;
+        if let Some(why) = &self.table_header {
+            writeln!(
+                f,
+                "  the extent table's header was damaged ({why}): rewritten from the configuration"
+            )?;
+        }
         for (v, n) in &self.recovered {
             writeln!(f, "  volume {v:?}: {n} blobs recovered")?;
         }
@@ -205,7 +214,8 @@ pub(super) fn repair(
         },
     };
 
-    let meta = MetaFile::open_for_repair(dir, blob, extents)?;
+    let (meta, table_header) = MetaFile::open_for_repair(dir, blob, extents)?;
+    report.table_header = table_header;
     let swap_path = dir.join(SWAP_FILE);
     let swap = OpenOptions::new()
         .read(true)

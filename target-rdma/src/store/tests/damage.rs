@@ -73,14 +73,18 @@ fn two_runs(dir: &Path) {
 }
 
 /// A start and the check both refuse the store naming `want`; a repair
-/// runs, and the store then opens with every blob.
+/// names it in its report and rebuilds, and the store then opens with
+/// every blob.
 fn refused_alike(dir: &Path, want: &str) {
     let e = open_err(dir).to_string();
     assert!(e.contains(want), "start: want {want:?} in {e}");
     let e = check(dir).expect_err("the check refuses it").to_string();
     assert!(e.contains(want), "check: want {want:?} in {e}");
     let r = repair(dir);
-    assert!(r.complete(), "{r}");
+    assert!(
+        r.complete() && r.to_string().contains(want),
+        "repair: want {want:?} in {r}"
+    );
     let s = open(dir, 4, 16);
     for k in 0..3 {
         assert_eq!(blob(&s, 0, k).unwrap(), pattern(k), "key {k} after repair");
@@ -375,9 +379,11 @@ fn an_extent_table_header_field_is_refused_by_start_and_check_and_repaired() {
         write_at(&meta, 12, &v.to_le_bytes());
         let crc = crc32c::crc32c(&read_at(&meta, 0, 16));
         write_at(&meta, 16, &crc.to_le_bytes());
+        let e = open_err(dir.path()).to_string();
+        assert!(e.contains("swap.meta: header field record_len"), "{e}");
         refused_alike(
             dir.path(),
-            &format!("swap.meta: header field record_len = {v}, but 4096-byte extents have 48-byte records"),
+            &format!("header field record_len = {v}, but 4096-byte extents have 48-byte records"),
         );
     }
 }
