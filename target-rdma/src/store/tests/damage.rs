@@ -93,10 +93,11 @@ fn refused_alike(dir: &Path, want: &str) {
 
 #[test]
 fn checkpoint_length_and_count_fields_are_refused_by_start_check_and_repair() {
-    let slot = {
+    let (slot, journal) = {
         let dir = tempfile::tempdir().unwrap();
         two_runs(dir.path());
-        slot_len(dir.path())
+        let journal = std::fs::metadata(dir.path().join(index::JOURNAL_FILE)).unwrap();
+        (slot_len(dir.path()), journal.len())
     };
     // (offset in the slot, field, values, checksum fixed): the body length
     // locates the checksum, the others are caught by their own checks.
@@ -110,7 +111,12 @@ fn checkpoint_length_and_count_fields_are_refused_by_start_check_and_repair() {
             false,
         ),
         (48, "blobs", u64s([0, 1 << 63, u64::MAX, 4]), true),
-        (32, "journal_bytes", u64s([0, 1 << 63, u64::MAX, 512]), true),
+        (
+            32,
+            "journal_bytes",
+            u64s([0, 1 << 63, u64::MAX, journal + 512]),
+            true,
+        ),
         (
             40,
             "volumes",
@@ -131,6 +137,9 @@ fn checkpoint_length_and_count_fields_are_refused_by_start_check_and_repair() {
             let want = if field == "volumes" && shown == 3 {
                 // One volume more than named: its name runs into the blobs.
                 format!("slot 1 at offset {slot}: ")
+            } else if field == "journal_bytes" && shown == journal + 512 {
+                // A journal size, past the journal's end.
+                format!("index.journal: is {journal} bytes but was preallocated to {shown}")
             } else {
                 format!("field {field} = {shown}")
             };
