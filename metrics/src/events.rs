@@ -319,9 +319,15 @@ pub const VOLUME_NOT_CONFIGURED: &str = "volume_not_configured";
 /// The journal of the previous checkpoint was ignored at open (a crash came
 /// between checkpoint and journal reset).
 pub const JOURNAL_STALE: &str = "journal_stale";
-/// A torn last journal batch was dropped at open (a commit cut short by a
-/// crash).
+/// A torn last journal batch past the synced mark was dropped at open (a
+/// commit cut short by a crash, never acknowledged).
 pub const JOURNAL_TORN_TAIL: &str = "journal_torn_tail";
+/// The journal header's synced mark could not be written or synced: a later
+/// loss of the batches it would name goes unnoticed at start.
+pub const JOURNAL_MARK_FAILED: &str = "journal_mark_failed";
+/// The checkpoint slot not in use is damaged (a checkpoint cut short, or
+/// damage); the start's checkpoint overwrites it.
+pub const CHECKPOINT_SLOT_DAMAGED: &str = "checkpoint_slot_damaged";
 /// Resetting the journal after a checkpoint failed; retried at the next append.
 pub const JOURNAL_RESET_FAILED: &str = "journal_reset_failed";
 /// The extent table's damaged header was rewritten at open.
@@ -498,6 +504,8 @@ pub const ALL: &[&str] = &[
     VOLUME_NOT_CONFIGURED,
     JOURNAL_STALE,
     JOURNAL_TORN_TAIL,
+    JOURNAL_MARK_FAILED,
+    CHECKPOINT_SLOT_DAMAGED,
     JOURNAL_RESET_FAILED,
     EXTENT_TABLE_HEADER_REWRITTEN,
     EXTENT_HEADER_CLEAR_FAILED,

@@ -325,3 +325,89 @@ fn a_store_in_the_old_format_is_refused_with_what_to_do() {
         "{err}"
     );
 }
+
+/// What `--check` printed as problems.
+fn problems(out: &Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "--check passed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("problem: "))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn a_checkpoint_length_of_2_pow_64_minus_1_is_refused_by_start_check_and_repair_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = arenad(dir.path());
+    populate(&p, 3);
+    // The first run's checkpoint is slot 0, the only one written: its body
+    // length field (bytes 56..64) past any slot.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(file(&p, "index.ckpt"))
+        .unwrap();
+    f.write_all_at(&u64::MAX.to_le_bytes(), 56).unwrap();
+    let want = "slot 0 at offset 0: field body_len = 18446744073709551615 does not fit";
+    let out = p.run(&[]);
+    assert_eq!(out.status.code(), Some(1), "a refusal, not a panic");
+    let err = refused(&out);
+    assert!(err.contains("index.ckpt") && err.contains(want), "{err}");
+    let found = problems(&p.run(&["--check"]));
+    assert!(
+        found.contains("the store in swap_dir: corrupt") && found.contains(want),
+        "{found}"
+    );
+    let out = p.run(&["--repair"]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "nothing lost: {report}");
+    assert!(
+        report.contains(want),
+        "the old index's damage is named: {report}"
+    );
+    all_readable(&p, 3);
+    // The epochs file is read as a start reads it, too.
+    let body = "arenad-epochs 1\n18446744073709551615 a\n";
+    let crc = crc32c::crc32c(body.as_bytes());
+    std::fs::write(file(&p, "epochs"), format!("{body}crc32c {crc:08x}\n")).unwrap();
+    let found = problems(&p.run(&["--check"]));
+    assert!(
+        found.contains("epochs is damaged (line 2: epoch \"18446744073709551615\" is not a number"),
+        "{found}"
+    );
+}
+
+#[test]
+fn a_lost_acknowledged_journal_batch_refuses_to_start_and_repair_restores_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = arenad(dir.path());
+    // Four FLUSHes, acknowledged, then kill -9: the last one's batch holds
+    // volume b's blob.
+    populate(&p, 3);
+    let j = file(&p, "index.journal");
+    let last = *journal_blocks(&j).last().unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&j).unwrap();
+    f.write_all_at(&[0; 512], last as u64).unwrap();
+    let want = format!("index.journal: at offset {last}: batch 4 is missing");
+    let err = refused(&p.run(&[]));
+    assert!(err.contains(&want) && err.contains("as synced"), "{err}");
+    let found = problems(&p.run(&["--check"]));
+    assert!(found.contains(&want), "{found}");
+    let out = p.run(&["--repair"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    all_readable(&p, 3);
+    let child = p.spawn();
+    let b = p.connect("b");
+    assert!(read(&b, 1000, 0, BLOB).unwrap() == pattern(1000, 9, BLOB));
+    kill9(child);
+}

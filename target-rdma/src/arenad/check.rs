@@ -4,15 +4,42 @@
 //! device (or, with `rdma_isolation = "lease"`, one that cannot make a
 //! protection domain per session), a `swap_dir` it cannot create or write
 //! or that lacks room for its files, a `swap_dir` another arenad holds,
-//! and a control address it cannot bind; it tolerates a metrics address it cannot bind and `auto`
-//! finding no RDMA device, which are warnings here. (The store's own
-//! files are verified when it opens; `--repair` is for those.)
+//! and a control address it cannot bind, a damaged or incomplete store
+//! (checkpoint, journal, extent table, swap file: read as a start reads
+//! them, nothing written) and a damaged epochs file; it tolerates a metrics
+//! address it cannot bind and `auto` finding no RDMA device, and serves a
+//! store with a damaged spare checkpoint slot or blobs whose images fail
+//! their headers, which are warnings here. (`--repair` rebuilds a store
+//! index a start refuses.)
 
 use crate::arenad::config::ArenadConfig;
+use crate::arenad::epochs::Epochs;
 use crate::auth::Secret;
 use crate::rdma::{open_provider, Isolation, RdmaMode};
 use crate::service::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
-use crate::store::{footprint, StoreConfig};
+use crate::store::{footprint, Store, StoreConfig, VolumeSpec};
+
+/// The store a start of `cfg` opens (what `--check` reads and `--repair`
+/// rebuilds): where and how big, and its volumes with their quotas in
+/// blobs.
+pub fn store_of(cfg: &ArenadConfig) -> (StoreConfig, Vec<VolumeSpec>) {
+    let store = StoreConfig {
+        dir: cfg.swap_dir.clone(),
+        arena_bytes: cfg.arena_bytes,
+        blob_bytes: cfg.blob_bytes as u32,
+        swap_bytes: cfg.swap_bytes,
+        swap_reads_in_flight: cfg.swap_reads_in_flight,
+    };
+    let specs = cfg
+        .volumes
+        .iter()
+        .map(|v| VolumeSpec {
+            name: v.name.clone(),
+            quota_blobs: v.quota.div_ceil(cfg.blob_bytes),
+        })
+        .collect();
+    (store, specs)
+}
 
 /// Runs the checks of a start of `cfg`.
 pub fn run(cfg: &ArenadConfig) -> Findings {
@@ -57,22 +84,16 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
         (_, Err(e)) => f.problem(format!("rdma = \"on\": {e}")),
     }
     let dir = &cfg.swap_dir;
+    let (store, specs) = store_of(cfg);
     match dir_usable("swap_dir", dir) {
         Ok(l) => {
             f.ok(l);
-            let store = StoreConfig {
-                dir: dir.clone(),
-                arena_bytes: cfg.arena_bytes,
-                blob_bytes: cfg.blob_bytes as u32,
-                swap_bytes: cfg.swap_bytes,
-                swap_reads_in_flight: cfg.swap_reads_in_flight,
-            };
             f.check(room_for("swap_dir", dir, &footprint(&store)));
         }
         Err(l) => f.problem(l),
     }
     match lock_held(&dir.join("lock")) {
-        Ok(false) => {}
+        Ok(false) => check_store(&mut f, &store, &specs),
         Ok(true) => f.problem(format!(
             "swap_dir {}: another arenad has it open (its lock file is held)",
             dir.display()
@@ -90,4 +111,26 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
         None => f.ok("metrics listener disabled (metrics_listen = \"off\")"),
     }
     f
+}
+
+/// The store's files as a start reads them, and the epochs file.
+fn check_store(f: &mut Findings, store: &StoreConfig, specs: &[VolumeSpec]) {
+    match Store::check(store, specs) {
+        Ok(c) => {
+            f.ok(c.summary);
+            for w in c.warnings {
+                f.warn(w);
+            }
+        }
+        Err(e) => f.problem(format!(
+            "the store in swap_dir: {e} (a start refuses it; see arenad --repair in docs/OPERATIONS.md)"
+        )),
+    }
+    match Epochs::open(&store.dir) {
+        Ok(_) => f.ok(format!(
+            "the volumes' epochs file in {} is readable (or absent: every volume at epoch 0)",
+            store.dir.display()
+        )),
+        Err(e) => f.problem(e.to_string()),
+    }
 }

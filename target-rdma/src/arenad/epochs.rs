@@ -22,16 +22,22 @@
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::proto::MAX_EPOCH;
+
 /// The file's name in the swap directory.
 pub const EPOCHS_FILE: &str = "epochs";
 const HEADER: &str = "arenad-epochs 1";
+/// The largest file read: a line (epoch, space, name, newline) for each of
+/// 64 Ki volumes, with room to spare; more is damage, and reading it
+/// would cost memory without bound.
+const MAX_FILE_BYTES: u64 = 16 << 20;
 
 /// Why the epochs could not be loaded or saved.
 #[derive(Debug, thiserror::Error)]
@@ -149,11 +155,23 @@ impl Drop for Admitted<'_> {
     }
 }
 
-fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, u64>, EpochError> {
+/// Decodes the epochs file `bytes` (read from `path`): the header line,
+/// one `"<epoch> <volume>"` line per volume (each volume once, each epoch
+/// a number up to [`MAX_EPOCH`]), the checksum line. An error names the
+/// line and what is wrong with it.
+fn parse(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, u64>, EpochError> {
     let corrupt = |detail: String| EpochError::Corrupt {
         path: path.to_owned(),
         detail,
     };
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(corrupt(format!(
+            "{} bytes, more than the {MAX_FILE_BYTES} a file of every volume's epoch can be",
+            bytes.len()
+        )));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| corrupt(format!("not UTF-8 at byte {}", e.valid_up_to())))?;
     let body_end = text
         .trim_end_matches('\n')
         .rfind('\n')
@@ -163,6 +181,7 @@ fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, u64>, EpochError> {
     let want = last
         .trim_end()
         .strip_prefix("crc32c ")
+        .filter(|h| h.len() == 8)
         .and_then(|h| u32::from_str_radix(h, 16).ok())
         .ok_or_else(|| corrupt(format!("bad checksum line {:?}", last.trim_end())))?;
     let got = crc32c::crc32c(body.as_bytes());
@@ -177,12 +196,25 @@ fn parse(path: &Path, text: &str) -> Result<BTreeMap<String, u64>, EpochError> {
     }
     let mut map = BTreeMap::new();
     for (n, line) in lines.enumerate() {
+        let n = n + 2;
         let (epoch, name) = line
             .split_once(' ')
-            .and_then(|(e, n)| Some((e.parse::<u64>().ok()?, n)))
-            .filter(|(_, n)| crate::proto::valid_volume_name(n))
-            .ok_or_else(|| corrupt(format!("line {} is not \"<epoch> <volume>\"", n + 2)))?;
-        map.insert(name.to_owned(), epoch);
+            .ok_or_else(|| corrupt(format!("line {n} is not \"<epoch> <volume>\"")))?;
+        let epoch = epoch
+            .parse::<u64>()
+            .ok()
+            .filter(|&e| e <= MAX_EPOCH)
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "line {n}: epoch {epoch:?} is not a number from 0 to {MAX_EPOCH}"
+                ))
+            })?;
+        if !crate::proto::valid_volume_name(name) {
+            return Err(corrupt(format!("line {n}: {name:?} is not a volume name")));
+        }
+        if map.insert(name.to_owned(), epoch).is_some() {
+            return Err(corrupt(format!("line {n}: volume {name:?} appears twice")));
+        }
     }
     Ok(map)
 }
@@ -201,8 +233,13 @@ impl Epochs {
     /// Loads the epochs of `dir` (none yet is every volume at 0).
     pub fn open(dir: &Path) -> Result<Epochs, EpochError> {
         let path = dir.join(EPOCHS_FILE);
-        let map = match fs::read_to_string(&path) {
-            Ok(text) => parse(&path, &text)?,
+        let read = File::open(&path).and_then(|f| {
+            let mut bytes = Vec::new();
+            f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
+            Ok(bytes)
+        });
+        let map = match read {
+            Ok(bytes) => parse(&path, &bytes)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
             Err(source) => {
                 return Err(EpochError::Io {
@@ -364,6 +401,60 @@ mod tests {
         );
         fs::write(&path, "garbage").unwrap();
         assert!(Epochs::open(dir.path()).is_err());
+    }
+
+    /// `lines` under the header, with the checksum a writer computes.
+    fn file_of(lines: &str) -> String {
+        let body = format!("{HEADER}\n{lines}");
+        let crc = crc32c::crc32c(body.as_bytes());
+        format!("{body}crc32c {crc:08x}\n")
+    }
+
+    #[test]
+    fn epochs_and_lines_out_of_range_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(EPOCHS_FILE);
+        let open = |bytes: &[u8]| {
+            fs::write(&path, bytes).unwrap();
+            Epochs::open(dir.path()).map(|e| e.volume("a").current())
+        };
+        for epoch in [0, 1 << 63, MAX_EPOCH] {
+            assert_eq!(
+                open(file_of(&format!("{epoch} a\n")).as_bytes()).unwrap(),
+                epoch
+            );
+        }
+        let refused = |bytes: &[u8]| open(bytes).expect_err("refused").to_string();
+        for epoch in ["18446744073709551615", "18446744073709551616", "-1", ""] {
+            let e = refused(file_of(&format!("{epoch} a\n")).as_bytes());
+            assert!(
+                e.contains(&format!(
+                    "line 2: epoch {epoch:?} is not a number from 0 to {MAX_EPOCH}"
+                )),
+                "{epoch}: {e}"
+            );
+        }
+        let e = refused(file_of("3 a\n4 b\n5 a\n").as_bytes());
+        assert!(e.contains("line 4: volume \"a\" appears twice"), "{e}");
+        let e = refused(file_of("3 a/b\n").as_bytes());
+        assert!(e.contains("line 2: \"a/b\" is not a volume name"), "{e}");
+        let e = refused(file_of("7\n").as_bytes());
+        assert!(e.contains("line 2 is not \"<epoch> <volume>\""), "{e}");
+        let mut bytes = file_of("3 a\n").into_bytes();
+        let at = bytes.len() - 3;
+        bytes[at] = 0xff;
+        let e = refused(&bytes);
+        assert!(e.contains(&format!("not UTF-8 at byte {at}")), "{e}");
+        let text = file_of("3 a\n");
+        let e = refused(text.replace("crc32c ", "crc32c 0").as_bytes());
+        assert!(e.contains("bad checksum line"), "{e}");
+        // A file too large for every volume's epoch is not read whole.
+        let big = vec![b'1'; MAX_FILE_BYTES as usize + 1];
+        let e = refused(&big);
+        assert!(
+            e.contains(&format!("more than the {MAX_FILE_BYTES}")),
+            "{e}"
+        );
     }
 
     #[test]

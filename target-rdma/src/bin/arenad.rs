@@ -28,7 +28,7 @@ use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
 use target_rdma::rdma::open_provider;
 use target_rdma::service::sd_notify;
 use target_rdma::service::size::parse_size;
-use target_rdma::store::{Store, StoreConfig, VolumeSpec};
+use target_rdma::store::Store;
 
 /// Remote RAM arena peer for ublkd: blobs in RAM, cold ones paged to a swap
 /// file, FLUSHed data durable across crashes.
@@ -75,11 +75,12 @@ pub(crate) struct Args {
     /// Same as --log-format json (kept for existing scripts).
     #[arg(long, hide = true, conflicts_with = "log_format")]
     log_json: bool,
-    /// Run every check a start makes before it opens the store (config,
-    /// secret files, RDMA device for rdma = "on", swap_dir writable with
-    /// room for its files and not in use, ports), print the effective
-    /// configuration and the findings, and exit: non-zero when a start
-    /// would refuse.
+    /// Run every check a start makes (config, secret files, RDMA device
+    /// for rdma = "on", swap_dir writable with room for its files and not
+    /// in use, the store's index, journal, extent table and swap file read
+    /// as a start reads them and nothing written, the epochs file, ports),
+    /// print the effective configuration and the findings, and exit:
+    /// non-zero when a start would refuse.
     #[arg(long)]
     check: bool,
     /// Rebuild the index of swap_dir from its extent headers (after arenad
@@ -184,23 +185,8 @@ fn run(args: &Args) -> Result<ExitCode> {
     }
     let (filter, _) = effective_filter(&cfg.log_level);
     let log = init_logging(cfg.log_format, &filter).context("setting up logging")?;
-    let blob = cfg.blob_bytes;
     let secrets = read_secrets(&cfg.volumes)?;
-    let specs: Vec<VolumeSpec> = cfg
-        .volumes
-        .iter()
-        .map(|v| VolumeSpec {
-            name: v.name.clone(),
-            quota_blobs: v.quota.div_ceil(blob),
-        })
-        .collect();
-    let store_cfg = StoreConfig {
-        dir: cfg.swap_dir.clone(),
-        arena_bytes: cfg.arena_bytes,
-        blob_bytes: blob as u32,
-        swap_bytes: cfg.swap_bytes,
-        swap_reads_in_flight: cfg.swap_reads_in_flight,
-    };
+    let (store_cfg, specs) = target_rdma::arenad::check::store_of(&cfg);
     if args.repair {
         let report = Store::repair(&store_cfg, &specs).context("repairing the arena store")?;
         println!("{report}");

@@ -11,6 +11,7 @@ use parking_lot::RwLock;
 use ublk_metrics::events;
 
 use super::arena::Arena;
+use super::check::{self, StoreCheck};
 use super::config::{invalid, validate, StoreConfig, VolumeSpec};
 use super::dir::{check_new, lock_dir};
 use super::engine::{self, Core, Direct, ForceEndHook, Guard, LeaseLimits, ReadPlan};
@@ -133,6 +134,13 @@ impl Store {
     /// be recovered is in the report.
     pub fn repair(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<RepairReport, StoreError> {
         repair::repair(cfg, volumes)
+    }
+
+    /// Reads and checks the store in `cfg.dir` as [`Store::open`] would,
+    /// writing nothing (`arenad --check`): the error a start would refuse
+    /// it with, or what it holds and what a start would warn about.
+    pub fn check(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<StoreCheck, StoreError> {
+        check::check(cfg, volumes)
     }
 
     /// Bumped on every open, so clients can tell that leases did not survive.

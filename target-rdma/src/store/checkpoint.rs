@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use super::error::{corrupt, io_err, refused, swap_shrunk, Refusal, StoreError};
 use super::format::{Image, Snapshot, Version, FORMAT_VERSION, MAX_VOLUMES};
 use super::space::{self, sync_dir};
+use crate::proto::MAX_VOLUME_NAME;
 
 pub(super) const CKPT_FILE: &str = "index.ckpt";
 const MAGIC: [u8; 4] = *b"ARNC";
@@ -254,7 +255,7 @@ pub(super) fn load(
         .len();
     // Largest file this configuration can have written.
     let max = 2
-        * ((HEADER_LEN + MAX_VOLUMES * (2 + crate::proto::MAX_VOLUME_NAME) + 4) as u64
+        * ((HEADER_LEN + MAX_VOLUMES * (2 + MAX_VOLUME_NAME) + 4) as u64
             + u64::from(extents) * ENTRY_LEN as u64)
             .next_multiple_of(SLOT_ALIGN);
     if len > max {
@@ -324,10 +325,11 @@ pub(super) fn load(
     }))
 }
 
-/// One slot: `Ok(None)` when it was never written, `Err` with the reason
-/// when it does not parse (a torn write, or damage); configuration
-/// mismatches are errors of the whole load.
-fn parse_slot(
+/// Decodes one slot `s`: `Ok(None)` when it was never written, `Err` with
+/// the reason (naming the field) when it does not parse (a torn write, or
+/// damage); configuration mismatches are errors of the whole load.
+/// `extents` is the configured number of swap extents.
+pub(super) fn parse_slot(
     s: &[u8],
     blob_bytes: u32,
     extents: u32,
@@ -356,7 +358,7 @@ fn parse_slot(
             c.u64()?,
             c.u64()?,
             c.u64()?,
-            c.u32()? as usize,
+            c.u32()?,
             c.u32()?,
             c.u64()?,
             c.u64()?,
@@ -369,17 +371,24 @@ fn parse_slot(
         epoch,
         journal_bytes,
         nvols,
-        _,
+        reserved,
         nblobs,
-        body,
+        body_len,
     )) = fixed
     else {
         return Ok(Err("truncated header".into()));
     };
-    if body < HEADER_LEN as u64 || body + 4 > s.len() as u64 {
-        return Ok(Err(format!("body length {body} does not fit the slot")));
-    }
-    let body = body as usize;
+    // The body length locates the checksum, so it is checked before it.
+    let Some(body) = usize::try_from(body_len)
+        .ok()
+        .filter(|&b| b >= HEADER_LEN && b.checked_add(4).is_some_and(|end| end <= s.len()))
+    else {
+        return Ok(Err(format!(
+            "field body_len = {body_len} does not fit the {}-byte slot (it must be from {HEADER_LEN} to {})",
+            s.len(),
+            s.len().saturating_sub(4)
+        )));
+    };
     if crc32c::crc32c(&s[..body])
         != u32::from_le_bytes(s[body..body + 4].try_into().unwrap_or_default())
     {
@@ -393,28 +402,46 @@ fn parse_slot(
             ),
         });
     }
+    if reserved != 0 {
+        return Ok(Err(format!("field reserved = {reserved}, expected 0")));
+    }
+    let nvols = nvols as usize;
     if nvols > MAX_VOLUMES {
-        return Ok(Err(format!("{nvols} volumes, the limit is {MAX_VOLUMES}")));
+        return Ok(Err(format!(
+            "field volumes = {nvols}, the limit is {MAX_VOLUMES}"
+        )));
     }
     let mut c = Cur {
         buf: &s[HEADER_LEN..body],
     };
     let rest = (|| -> Result<Image, String> {
-        let mut volumes = Vec::with_capacity(nvols);
-        for _ in 0..nvols {
+        let mut volumes: Vec<String> = Vec::with_capacity(nvols);
+        for i in 0..nvols {
             let n = c.u16()? as usize;
-            let name = std::str::from_utf8(c.take(n)?)
-                .map_err(|_| "volume name is not UTF-8".to_string())?;
+            let name = c
+                .take(n)
+                .map_err(|_| format!("volume {i}: name length = {n} runs past field body_len"))?;
+            let name = std::str::from_utf8(name)
+                .map_err(|_| format!("volume {i}: the name is not UTF-8"))?;
+            if name.is_empty() || name.len() > MAX_VOLUME_NAME {
+                return Err(format!(
+                    "volume {i}: name length = {n} is not 1 to {MAX_VOLUME_NAME}"
+                ));
+            }
+            if volumes.iter().any(|v| v == name) {
+                return Err(format!("volume {i}: {name:?} is named twice"));
+            }
             volumes.push(name.to_owned());
         }
-        if (c.buf.len() as u64) != nblobs.saturating_mul(ENTRY_LEN as u64) {
+        if nblobs.checked_mul(ENTRY_LEN as u64) != Some(c.buf.len() as u64) {
             return Err(format!(
-                "{nblobs} blobs announced, {} bytes of entries",
+                "field blobs = {nblobs} does not match the {} bytes of entries between the names \
+                 of field volumes = {nvols} and the checksum",
                 c.buf.len()
             ));
         }
         let mut blobs = BTreeMap::new();
-        for _ in 0..nblobs {
+        for i in 0..nblobs {
             let vol = c.u32()?;
             let key = c.u64()?;
             let extent = c.u32()?;
@@ -423,9 +450,22 @@ fn parse_slot(
                 seq: c.u64()?,
             };
             if vol as usize >= nvols {
-                return Err(format!("a blob names volume {vol}, there are {nvols}"));
+                return Err(format!(
+                    "blob entry {i} names volume {vol}, field volumes = {nvols}"
+                ));
             }
-            blobs.insert((vol, key), (extent, version));
+            if extent >= written_extents {
+                return Err(format!(
+                    "blob entry {i} (volume {:?} key {key}) names swap extent {extent}, past field extents = {written_extents}",
+                    volumes[vol as usize]
+                ));
+            }
+            if blobs.insert((vol, key), (extent, version)).is_some() {
+                return Err(format!(
+                    "blob entry {i} repeats volume {:?} key {key}",
+                    volumes[vol as usize]
+                ));
+            }
         }
         Ok(Image {
             generation,
@@ -440,10 +480,208 @@ fn parse_slot(
         Err(e) => return Ok(Err(e)),
     };
     if let Some((_, &(extent, _))) = image.blobs.iter().find(|(_, &(e, _))| e >= extents) {
-        return Err(swap_shrunk(extent, extents));
+        return Err(swap_shrunk(extent, extents, written_extents));
     }
     Ok(Ok(Some(Slot {
         image,
         journal_bytes,
     })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOB: u32 = 4096;
+
+    /// A checkpoint of volumes "a" and "b" and three blobs in 16 extents,
+    /// written as epoch 3 into slot 0 of a new file; the file's bytes.
+    fn written(dir: &Path) -> Vec<u8> {
+        let blobs = [(0, 1, 0), (0, 2, 5), (1, 1, 7)].map(|(vol, key, extent)| {
+            let v = Version {
+                generation: 1,
+                seq: key,
+            };
+            (vol, key, extent, v)
+        });
+        let snap = Snapshot {
+            generation: 1,
+            blob_bytes: BLOB,
+            extents: 16,
+            volumes: &["a", "b"],
+            blob_count: 3,
+            blobs: blobs.into_iter(),
+        };
+        let len = slot_len(&["a", "b"], 16);
+        CheckpointFile::create(dir, len, 3, 8192, snap).unwrap();
+        fs::read(dir.join(CKPT_FILE)).unwrap()
+    }
+
+    /// The first slot of `file` with `value` at `at`, its checksum fixed
+    /// when `fix`: a writer's bug, or damage the checksum cannot catch.
+    fn slot_with(file: &[u8], at: usize, value: &[u8], fix: bool) -> Vec<u8> {
+        let mut s = file[..file.len() / 2].to_vec();
+        s[at..at + value.len()].copy_from_slice(value);
+        if fix {
+            let body = u64::from_le_bytes(s[56..64].try_into().unwrap()) as usize;
+            let crc = crc32c::crc32c(&s[..body]);
+            s[body..body + 4].copy_from_slice(&crc.to_le_bytes());
+        }
+        s
+    }
+
+    fn refused(s: &[u8]) -> String {
+        match parse_slot(s, BLOB, 16) {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => panic!("a damaged slot parsed"),
+            Err(e) => panic!("the whole load failed: {e}"),
+        }
+    }
+
+    #[test]
+    fn a_written_slot_parses_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = written(dir.path());
+        let s = parse_slot(&file[..file.len() / 2], BLOB, 16)
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.image.volumes, ["a", "b"]);
+        assert_eq!(s.image.blobs.get(&(1, 1)).map(|b| b.0), Some(7));
+        assert_eq!(
+            (s.image.epoch, s.image.extents, s.journal_bytes),
+            (3, 16, 8192)
+        );
+        assert!(parse_slot(&file[file.len() / 2..], BLOB, 16)
+            .unwrap()
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn every_length_and_count_field_out_of_range_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = written(dir.path());
+        let slot = file.len() / 2;
+        let body = u64::from_le_bytes(file[56..64].try_into().unwrap());
+        // body_len (u64) locates the checksum: checked before it, so its
+        // damage is named even though the checksum cannot be trusted.
+        for v in [0, 1 << 63, u64::MAX, slot as u64 - 3, body + 1, 63] {
+            let e = refused(&slot_with(&file, 56, &v.to_le_bytes(), false));
+            let named = e.contains(&format!(
+                "field body_len = {v} does not fit the {slot}-byte slot"
+            ));
+            // A length in range but wrong fails the checksum instead.
+            assert!(
+                named || (v == body + 1 && e == "checksum mismatch"),
+                "{v}: {e}"
+            );
+        }
+        // The blob count (u64), with the checksum fixed.
+        for v in [0, 1 << 63, u64::MAX, 4] {
+            let e = refused(&slot_with(&file, 48, &v.to_le_bytes(), true));
+            assert!(
+                e.contains(&format!("field blobs = {v} does not match")),
+                "{v}: {e}"
+            );
+        }
+        // The volume count (u32).
+        for v in [1u32 << 31, u32::MAX, MAX_VOLUMES as u32 + 1] {
+            let e = refused(&slot_with(&file, 40, &v.to_le_bytes(), true));
+            assert!(
+                e.contains(&format!("field volumes = {v}, the limit is")),
+                "{v}: {e}"
+            );
+        }
+        for v in [0u32, 1, 3] {
+            let e = refused(&slot_with(&file, 40, &v.to_le_bytes(), true));
+            assert!(
+                e.contains("field blobs") || e.contains("volume 2: name length = 0"),
+                "{v}: {e}"
+            );
+        }
+        // A name's length (u16) past the body.
+        for v in [0u16, 1 << 15, u16::MAX] {
+            let e = refused(&slot_with(&file, 64, &v.to_le_bytes(), true));
+            assert!(e.starts_with("volume 0:"), "{v}: {e}");
+        }
+        // The swap extents (u32) the blobs must lie in, and a blob's extent.
+        for v in [0u32, 7] {
+            let e = refused(&slot_with(&file, 12, &v.to_le_bytes(), true));
+            assert!(e.contains(&format!("past field extents = {v}")), "{v}: {e}");
+        }
+        let entry = 64 + 3 + 3 + 12;
+        for v in [16u32, 1 << 31, u32::MAX] {
+            let e = refused(&slot_with(&file, entry, &v.to_le_bytes(), true));
+            assert!(
+                e.contains(&format!("swap extent {v}, past field extents = 16")),
+                "{v}: {e}"
+            );
+        }
+        // A volume number (u32) past the volumes, and the reserved field.
+        for v in [2u32, 1 << 31, u32::MAX] {
+            let e = refused(&slot_with(&file, 64 + 6, &v.to_le_bytes(), true));
+            assert!(
+                e.contains(&format!("names volume {v}, field volumes = 2")),
+                "{v}: {e}"
+            );
+        }
+        assert!(refused(&slot_with(&file, 44, &[1], true)).contains("field reserved = 1"));
+    }
+
+    #[test]
+    fn a_smaller_swap_now_is_the_configuration_and_damage_never_panics() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = written(dir.path());
+        let s = &file[..file.len() / 2];
+        let e = parse_slot(s, BLOB, 6)
+            .err()
+            .expect("extent 7 past 6 extents")
+            .to_string();
+        assert!(
+            e.contains("invalid config swap_bytes") && e.contains("swap extent 7"),
+            "{e}"
+        );
+        // Every prefix of a slot, and every byte flipped: refused or not,
+        // never a panic.
+        for n in 0..s.len().min(300) {
+            let _ = parse_slot(&s[..n], BLOB, 16);
+            let mut b = s.to_vec();
+            b[n] ^= 0xff;
+            let _ = parse_slot(&b, BLOB, 16);
+        }
+    }
+
+    #[test]
+    fn a_body_length_past_either_slot_is_refused_by_load_naming_the_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = written(dir.path());
+        let slot = file.len() / 2;
+        let path = dir.path().join(CKPT_FILE);
+        // The only slot: nothing to start from.
+        let mut b = file.clone();
+        b[56..64].copy_from_slice(&u64::MAX.to_le_bytes());
+        fs::write(&path, &b).unwrap();
+        let e = load(dir.path(), BLOB, 16)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("neither slot holds a valid checkpoint (slot 0 at offset 0: field body_len = 18446744073709551615"),
+            "{e}"
+        );
+        // The other slot damaged: the valid one loads, the other's damage
+        // is told.
+        let mut b = file.clone();
+        b[slot..slot + 64].copy_from_slice(&file[..64]);
+        b[slot + 56..slot + 64].copy_from_slice(&u64::MAX.to_le_bytes());
+        fs::write(&path, &b).unwrap();
+        let l = load(dir.path(), BLOB, 16).unwrap().unwrap();
+        assert_eq!(l.slot, 0);
+        let other = l.other.expect_err("the other slot is damaged");
+        assert!(
+            other.contains(&format!("slot 1 at offset {slot}: field body_len")),
+            "{other}"
+        );
+    }
 }

@@ -40,6 +40,35 @@ pub(super) fn lock_dir(dir: &Path) -> Result<File, StoreError> {
     }
 }
 
+/// Takes the directory's lock shared, without creating the lock file,
+/// for a reader that writes nothing (`arenad --check`): refused while a
+/// store has it open; `None` when no store ever took it.
+pub(super) fn lock_shared(dir: &Path) -> Result<Option<File>, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(StoreError::Io {
+                what: "opening lock file",
+                path,
+                source,
+            })
+        }
+    };
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared) {
+        Ok(()) => Ok(Some(file)),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(StoreError::Locked {
+            path: dir.to_path_buf(),
+        }),
+        Err(e) => Err(StoreError::Io {
+            what: "locking",
+            path,
+            source: e.into(),
+        }),
+    }
+}
+
 /// With no checkpoint the directory must hold a new store: no other store
 /// file, or only those of a creation cut short (they describe no extent and
 /// journal nothing). Anything else is an index lost, and starting empty

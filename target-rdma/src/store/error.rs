@@ -334,9 +334,16 @@ pub(super) fn corrupt(file: &Path, detail: impl Into<String>) -> StoreError {
     }
 }
 
-pub(super) fn swap_shrunk(extent: u32, extents: u32) -> StoreError {
+/// A blob the index names lies in an extent the swap had when the index
+/// was written (`written` extents) but past the `extents` configured now:
+/// `swap_bytes` was lowered.
+pub(super) fn swap_shrunk(extent: u32, extents: u32, written: u32) -> StoreError {
     StoreError::InvalidConfig {
         key: "swap_bytes",
-        detail: format!("the index references swap extent {extent} but swap_bytes now holds only {extents} extents"),
+        detail: format!(
+            "the index references swap extent {extent} but swap_bytes now holds only {extents} extents \
+             (the store was written with {written}): set swap_bytes back to at least {} extents",
+            u64::from(extent) + 1
+        ),
     }
 }

@@ -143,8 +143,9 @@ pub(super) fn first_bad_block(id: &Ident, first: u32, bytes: &[u8], crcs: &[u32]
 pub(super) enum Record {
     /// Never written, or cleared when the extent was freed.
     Empty,
-    /// Its own checksum fails or its fields are impossible.
-    Invalid(&'static str),
+    /// Its own checksum fails or its fields are impossible: why, naming
+    /// the field.
+    Invalid(String),
     /// A valid header.
     Valid(Ident, Vec<u32>),
 }
@@ -186,21 +187,96 @@ struct Header {
     rec_len: u32,
 }
 
-fn read_header(file: &File) -> Option<Header> {
-    let mut h = [0u8; 20];
-    file.read_exact_at(&mut h, 0).ok()?;
-    (h[..4] == META_MAGIC && crc32c::crc32c(&h[..16]) == le32(&h[16..])).then(|| Header {
+/// Decodes the table's header from the start of `b`; an error says why
+/// it is unusable.
+fn decode_header(b: &[u8]) -> Result<Header, String> {
+    let Some(h) = b.get(..20) else {
+        return Err(format!("{} bytes, shorter than its header", b.len()));
+    };
+    if h[..4] != META_MAGIC {
+        return Err("bad magic at offset 0, expected \"ARNM\"".into());
+    }
+    if crc32c::crc32c(&h[..16]) != le32(&h[16..]) {
+        return Err("header checksum mismatch at offset 0".into());
+    }
+    Ok(Header {
         version: le32(&h[4..8]),
         blob_bytes: le32(&h[8..12]),
         rec_len: le32(&h[12..16]),
     })
 }
 
-/// Opens the table for reading and writing; a missing one is `Corrupt`
-/// with `missing` as the detail.
-fn open_existing(dir: &Path, missing: &str) -> Result<(File, PathBuf), StoreError> {
+fn read_header(file: &File) -> Result<Header, String> {
+    let mut h = [0u8; 20];
+    let n = file
+        .read_at(&mut h, 0)
+        .map_err(|e| format!("reading its header: {e}"))?;
+    decode_header(&h[..n])
+}
+
+/// Whether a checksummed header is one this build can have written: a
+/// blob size the configuration allows and the record length it implies.
+fn plausible(h: &Header) -> Result<(), String> {
+    if !h.blob_bytes.is_power_of_two() || !(BLOCK as u32..=16 << 20).contains(&h.blob_bytes) {
+        return Err(format!(
+            "header field blob_bytes = {} is not a blob size (a power of two from 4096 to 16777216)",
+            h.blob_bytes
+        ));
+    }
+    if h.rec_len as usize != record_len(h.blob_bytes) {
+        return Err(format!(
+            "header field record_len = {}, but {}-byte extents have {}-byte records",
+            h.rec_len,
+            h.blob_bytes,
+            record_len(h.blob_bytes)
+        ));
+    }
+    Ok(())
+}
+
+/// Checks an existing table (open as `file`) against `blob_bytes` and the
+/// `expect` extents the index was written with.
+fn check_table(file: &File, path: &Path, blob_bytes: u32, expect: u32) -> Result<(), StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt {
+        file: path.to_path_buf(),
+        detail,
+    };
+    let h = read_header(file).map_err(|e| corrupt(format!("bad header: {e}")))?;
+    if h.version != META_VERSION {
+        return Err(StoreError::OldFormat {
+            file: path.to_path_buf(),
+            version: h.version,
+        });
+    }
+    plausible(&h).map_err(corrupt)?;
+    if h.blob_bytes != blob_bytes {
+        return Err(corrupt(format!(
+            "written for {}-byte extents, configured {blob_bytes}",
+            h.blob_bytes
+        )));
+    }
+    let len = file
+        .metadata()
+        .map_err(io_err("reading metadata of extent table", path))?
+        .len();
+    let want = meta_len(blob_bytes, expect);
+    if len < want {
+        return Err(corrupt(format!(
+            "is {len} bytes, the index needs {want} (headers of {expect} extents): truncated"
+        )));
+    }
+    Ok(())
+}
+
+/// What a start says of a missing table.
+const MISSING: &str = "is missing: the index names extents whose headers it held; \
+                       restore it (arenad --repair cannot work without it)";
+
+/// Opens the table (for writing too when `write`); a missing one is
+/// `Corrupt` with `missing` as the detail.
+fn open_existing(dir: &Path, missing: &str, write: bool) -> Result<(File, PathBuf), StoreError> {
     let path = dir.join(META_FILE);
-    match OpenOptions::new().read(true).write(true).open(&path) {
+    match OpenOptions::new().read(true).write(write).open(&path) {
         Ok(f) => Ok((f, path)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(StoreError::Corrupt {
             file: path,
@@ -239,73 +315,67 @@ impl MetaFile {
         expect: u32,
         extents: u32,
     ) -> Result<MetaFile, StoreError> {
-        let (file, path) = open_existing(
-            dir,
-            "is missing: the index names extents whose headers it held; \
-             restore it (arenad --repair cannot work without it)",
-        )?;
-        let corrupt = |detail: String| StoreError::Corrupt {
-            file: path.clone(),
-            detail,
-        };
-        let h = read_header(&file).ok_or_else(|| corrupt("bad header at offset 0".into()))?;
-        if h.version != META_VERSION {
-            return Err(StoreError::OldFormat {
-                file: path,
-                version: h.version,
-            });
-        }
-        if h.blob_bytes != blob_bytes || h.rec_len as usize != record_len(blob_bytes) {
-            return Err(corrupt(format!(
-                "written for {}-byte extents, configured {blob_bytes}",
-                h.blob_bytes
-            )));
-        }
-        let len = file
-            .metadata()
-            .map_err(io_err("reading metadata of extent table", &path))?
-            .len();
-        let want = meta_len(blob_bytes, expect);
-        if len < want {
-            return Err(corrupt(format!(
-                "is {len} bytes, the index needs {want} (headers of {expect} extents): truncated"
-            )));
-        }
+        let (file, path) = open_existing(dir, MISSING, true)?;
+        check_table(&file, &path, blob_bytes, expect)?;
         MetaFile::sized(file, path, blob_bytes, extents)
     }
 
-    /// Opens the table for repair: a damaged header is rewritten (the
-    /// layout follows from `blob_bytes`), one naming another extent size or
-    /// format is refused, and the file is sized for `extents`.
+    /// Opens an existing table as [`MetaFile::open`] does, without
+    /// writing (for `arenad --check`): never grown, never to be written.
+    pub(super) fn open_read_only(
+        dir: &Path,
+        blob_bytes: u32,
+        expect: u32,
+    ) -> Result<MetaFile, StoreError> {
+        let (file, path) = open_existing(dir, MISSING, false)?;
+        check_table(&file, &path, blob_bytes, expect)?;
+        Ok(MetaFile {
+            file,
+            path,
+            blocks: blob_bytes as usize / BLOCK,
+            rec_len: record_len(blob_bytes),
+        })
+    }
+
+    /// Opens the table for repair: a damaged header (one failing its
+    /// checksum, or naming no possible layout) is rewritten (the layout
+    /// follows from `blob_bytes`) and what was wrong returned, one naming
+    /// another extent size or format is refused, and the file is sized
+    /// for `extents`.
     pub(super) fn open_for_repair(
         dir: &Path,
         blob_bytes: u32,
         extents: u32,
-    ) -> Result<MetaFile, StoreError> {
+    ) -> Result<(MetaFile, Option<String>), StoreError> {
         let (file, path) = open_existing(
             dir,
             "is missing: without extent headers there is nothing to rebuild the index from",
+            true,
         )?;
-        match read_header(&file) {
-            Some(h) if h.blob_bytes != blob_bytes || h.version != META_VERSION => {
-                return Err(StoreError::InvalidConfig {
-                    key: "blob_bytes",
-                    detail: format!(
-                        "configured {blob_bytes} but {} was written for {}-byte extents (format {})",
-                        path.display(),
-                        h.blob_bytes,
-                        h.version
-                    ),
-                })
-            }
-            Some(_) => {}
-            None => {
-                tracing::warn!(event = events::EXTENT_TABLE_HEADER_REWRITTEN, path = %path.display(), "the extent table's header was damaged; rewritten");
-                file.write_all_at(&header(blob_bytes, record_len(blob_bytes)), 0)
-                    .map_err(io_err("writing extent table", &path))?;
-            }
+        let other = |h: &Header| StoreError::InvalidConfig {
+            key: "blob_bytes",
+            detail: format!(
+                "configured {blob_bytes} but {} was written for {}-byte extents (format {})",
+                path.display(),
+                h.blob_bytes,
+                h.version
+            ),
+        };
+        let damaged = match read_header(&file) {
+            Ok(h) if h.version != META_VERSION => return Err(other(&h)),
+            Ok(h) => match plausible(&h) {
+                Err(why) => Some(why),
+                Ok(()) if h.blob_bytes != blob_bytes => return Err(other(&h)),
+                Ok(()) => None,
+            },
+            Err(why) => Some(why),
+        };
+        if let Some(why) = &damaged {
+            tracing::warn!(event = events::EXTENT_TABLE_HEADER_REWRITTEN, path = %path.display(), detail = %why, "the extent table's header was damaged; rewritten");
+            file.write_all_at(&header(blob_bytes, record_len(blob_bytes)), 0)
+                .map_err(io_err("writing extent table", &path))?;
         }
-        MetaFile::sized(file, path, blob_bytes, extents)
+        Ok((MetaFile::sized(file, path, blob_bytes, extents)?, damaged))
     }
 
     /// Grows `file` (never shrinks it, so it stays as long as any
@@ -406,19 +476,28 @@ fn le64(b: &[u8]) -> u64 {
     u64::from_le_bytes(b[..8].try_into().unwrap_or_default())
 }
 
-fn parse(r: &[u8], blocks: usize) -> Record {
+/// Decodes one record `r` of a table of `blocks`-block extents.
+pub(super) fn parse(r: &[u8], blocks: usize) -> Record {
     if r.iter().all(|&b| b == 0) {
         return Record::Empty;
     }
-    let end = RECORD_FIXED + 4 * blocks;
+    let end = RECORD_FIXED.saturating_add(blocks.saturating_mul(4));
+    if r.len() < end.saturating_add(4) {
+        return Record::Invalid(format!(
+            "a record of {} bytes, {blocks} blocks need {}",
+            r.len(),
+            end.saturating_add(4)
+        ));
+    }
     if r[..4] != RECORD_MAGIC {
-        return Record::Invalid("bad magic");
+        return Record::Invalid("bad magic".into());
     }
     if crc32c::crc32c(&r[..end]) != le32(&r[end..]) {
-        return Record::Invalid("checksum mismatch");
+        return Record::Invalid("checksum mismatch".into());
     }
-    if le32(&r[4..8]) as usize != blocks {
-        return Record::Invalid("wrong block count");
+    let n = le32(&r[4..8]);
+    if n as usize != blocks {
+        return Record::Invalid(format!("field blocks = {n}, extents here have {blocks}"));
     }
     let id = Ident {
         volume: le64(&r[8..16]),
@@ -430,6 +509,30 @@ fn parse(r: &[u8], blocks: usize) -> Record {
     };
     let crcs = r[RECORD_FIXED..end].chunks(4).map(le32).collect();
     Record::Valid(id, crcs)
+}
+
+/// The block CRCs of `rec` when it is the header of image `want`, else
+/// why not; `volume` names an on-disk volume id.
+pub(super) fn verify<'a>(
+    rec: &'a Record,
+    want: &Ident,
+    volume: impl Fn(u64) -> String,
+) -> Result<&'a [u32], String> {
+    match rec {
+        Record::Valid(id, c) if id == want => Ok(c),
+        Record::Valid(id, _) => Err(format!(
+            "its header names volume {} key {} version {}.{}, the index expects key {} version {}.{}",
+            volume(id.volume),
+            id.key,
+            id.version.generation,
+            id.version.seq,
+            want.key,
+            want.version.generation,
+            want.version.seq
+        )),
+        Record::Empty => Err("it has no header".to_string()),
+        Record::Invalid(why) => Err(format!("its header is damaged ({why})")),
+    }
 }
 
 #[cfg(test)]
@@ -498,9 +601,102 @@ mod tests {
         let m = MetaFile::open(dir.path(), 8192, 4, 4).unwrap();
         assert_eq!(
             m.read_all(4).unwrap()[2],
-            Record::Invalid("checksum mismatch")
+            Record::Invalid("checksum mismatch".into())
         );
         let e = MetaFile::open(dir.path(), 8192, 8, 8).err().unwrap();
         assert!(e.to_string().contains("truncated"), "{e}");
+    }
+
+    /// Sets `value` at `at` of the table's header and fixes its checksum.
+    fn set_header_field(dir: &Path, at: usize, value: u32) {
+        let p = dir.join(META_FILE);
+        let mut b = std::fs::read(&p).unwrap();
+        b[at..at + 4].copy_from_slice(&value.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..16]);
+        b[16..20].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&p, b).unwrap();
+    }
+
+    #[test]
+    fn table_header_fields_out_of_range_are_refused_by_name_and_repaired() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(MetaFile::create(dir.path(), 8192, 4).unwrap());
+        let good = std::fs::read(dir.path().join(META_FILE)).unwrap();
+        let cases = [
+            (8, "blob_bytes", [0, 1 << 31, u32::MAX, 8192 + 1]),
+            (
+                12,
+                "record_len",
+                [0, 1 << 31, u32::MAX, record_len(8192) as u32 + 8],
+            ),
+        ];
+        for (at, field, values) in cases {
+            for v in values {
+                set_header_field(dir.path(), at, v);
+                let want = format!("header field {field} = {v}");
+                let e = MetaFile::open(dir.path(), 8192, 4, 4)
+                    .err()
+                    .expect("refused")
+                    .to_string();
+                assert!(e.contains("swap.meta") && e.contains(&want), "{want}: {e}");
+                let e = MetaFile::open_read_only(dir.path(), 8192, 4)
+                    .err()
+                    .expect("refused");
+                assert!(e.to_string().contains(&want), "{want}: {e}");
+                // Repair rewrites what no layout explains, and says so.
+                let (_, why) = MetaFile::open_for_repair(dir.path(), 8192, 4).unwrap();
+                assert!(why.is_some_and(|w| w.contains(&want)));
+                MetaFile::open(dir.path(), 8192, 4, 4).unwrap();
+                std::fs::write(dir.path().join(META_FILE), &good).unwrap();
+            }
+        }
+        // Another possible blob size is the configuration's, not damage.
+        set_header_field(dir.path(), 8, 16384);
+        set_header_field(dir.path(), 12, record_len(16384) as u32);
+        let e = MetaFile::open_for_repair(dir.path(), 8192, 4)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                e,
+                StoreError::InvalidConfig {
+                    key: "blob_bytes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_record_block_count_out_of_range_is_invalid_by_name_and_nothing_panics() {
+        let m = |blocks: u32| {
+            let mut r = vec![0u8; record_len(8192)];
+            r[..4].copy_from_slice(&RECORD_MAGIC);
+            r[4..8].copy_from_slice(&blocks.to_le_bytes());
+            let end = RECORD_FIXED + 8;
+            let crc = crc32c::crc32c(&r[..end]);
+            r[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+            r
+        };
+        assert!(matches!(parse(&m(2), 2), Record::Valid(..)));
+        for v in [0, 1 << 31, u32::MAX, 3] {
+            assert_eq!(
+                parse(&m(v), 2),
+                Record::Invalid(format!("field blocks = {v}, extents here have 2"))
+            );
+        }
+        let r = m(2);
+        // Shorter than the fixed fields, two CRCs and its own.
+        for n in 0..RECORD_FIXED + 12 {
+            assert!(matches!(
+                parse(&r[..n], 2),
+                Record::Empty | Record::Invalid(_)
+            ));
+        }
+        assert!(matches!(parse(&r, usize::MAX), Record::Invalid(_)));
+        for n in 0..24 {
+            let _ = decode_header(&vec![0x41; n]);
+        }
     }
 }

@@ -24,6 +24,7 @@
 mod aligned;
 mod api;
 mod arena;
+mod check;
 mod checkpoint;
 mod config;
 mod dir;
@@ -47,6 +48,7 @@ mod swap_reads;
 mod tests;
 
 pub use api::Store;
+pub use check::StoreCheck;
 pub use config::{
     footprint, StoreConfig, VolumeSpec, DEFAULT_SWAP_READS_IN_FLIGHT, MAX_SWAP_READS_IN_FLIGHT,
 };

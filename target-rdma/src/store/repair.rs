@@ -51,7 +51,7 @@ pub struct RepairReport {
     pub recovered: Vec<(String, u64)>,
     /// Extents whose header was damaged (their images are lost); up to
     /// [`LISTED`] of them, with the reason.
-    pub bad_headers: Vec<(u32, &'static str)>,
+    pub bad_headers: Vec<(u32, String)>,
     /// How many there were.
     pub bad_headers_total: u64,
     /// Newest images whose bytes fail their checksum (or lie past the end of
@@ -71,6 +71,9 @@ pub struct RepairReport {
     pub lost_total: u64,
     /// What became of the old index.
     pub old_index: String,
+    /// What was wrong with the extent table's header, rewritten from the
+    /// configuration (the records it describes are read all the same).
+    pub table_header: Option<String>,
     /// The generation recorded (the next start serves the one after).
     pub generation: u64,
 }
@@ -92,6 +95,12 @@ impl fmt::Display for RepairReport {
             "index rebuilt from the extent headers (old index: {})",
             self.old_index
         )?;
+        if let Some(why) = &self.table_header {
+            writeln!(
+                f,
+                "  the extent table's header was damaged ({why}): rewritten from the configuration"
+            )?;
+        }
         for (v, n) in &self.recovered {
             writeln!(f, "  volume {v:?}: {n} blobs recovered")?;
         }
@@ -178,7 +187,9 @@ pub(super) fn repair(
     let blob = cfg.blob_bytes;
     let mut report = RepairReport::default();
 
-    // The old index, if it still loads, tells what was lost.
+    // The old index, if it still loads, tells what was lost; one that is
+    // damaged does as far as it still reads (its checkpoint and the
+    // journal batches before the damage).
     let old = match index::load(dir, blob, extents) {
         Ok(Some(found)) => {
             report.old_index = format!(
@@ -191,13 +202,20 @@ pub(super) fn repair(
             report.old_index = "no checkpoint".into();
             None
         }
-        Err(e) => {
-            report.old_index = format!("unusable: {e}");
-            None
-        }
+        Err(e) => match index::salvage(dir, blob, extents) {
+            Some((image, read)) => {
+                report.old_index = format!("unusable: {e}; compared as far as it reads: {read}");
+                Some(image)
+            }
+            None => {
+                report.old_index = format!("unusable: {e}");
+                None
+            }
+        },
     };
 
-    let meta = MetaFile::open_for_repair(dir, blob, extents)?;
+    let (meta, table_header) = MetaFile::open_for_repair(dir, blob, extents)?;
+    report.table_header = table_header;
     let swap_path = dir.join(SWAP_FILE);
     let swap = OpenOptions::new()
         .read(true)

@@ -123,6 +123,36 @@ enum Op {
     },
 }
 
+/// Checks that an existing store's swap file is there and holds the
+/// `expect` extents of `extent_bytes` its index was written with (it
+/// never shrinks, so a shorter one was cut); returns its length.
+pub(super) fn check_file(dir: &Path, extent_bytes: u32, expect: u32) -> Result<u64, StoreError> {
+    let path = dir.join(SWAP_FILE);
+    let len = match std::fs::metadata(&path) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(StoreError::Corrupt {
+                file: path,
+                detail: "is missing, but the index names blobs in it; restore it \
+                         (or move the whole store directory aside to start empty)"
+                    .into(),
+            })
+        }
+        Err(e) => return Err(io_err("reading metadata of swap file", &path)(e)),
+    };
+    let want = u64::from(expect) * u64::from(extent_bytes);
+    if len < want {
+        return Err(StoreError::Corrupt {
+            file: path,
+            detail: format!(
+                "is {len} bytes, the index was written for {want} ({expect} extents of {extent_bytes}, \
+                 the checkpoint's extents field): truncated; the extents past byte {len} are lost"
+            ),
+        });
+    }
+    Ok(len)
+}
+
 impl Swap {
     /// Creates the swap file of `total` extents in `dir` (space reserved)
     /// and its extent table. `probe` is page-aligned scratch memory (a free
@@ -155,33 +185,12 @@ impl Swap {
         reads_in_flight: u32,
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
+        let len = check_file(dir, extent_bytes, expect)?;
         let path = dir.join(SWAP_FILE);
-        let file = match OpenOptions::new().write(true).open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(StoreError::Corrupt {
-                    file: path,
-                    detail: "is missing, but the index names blobs in it; restore it \
-                             (or move the whole store directory aside to start empty)"
-                        .into(),
-                })
-            }
-            Err(e) => return Err(io_err("opening swap file", &path)(e)),
-        };
-        let len = file
-            .metadata()
-            .map_err(io_err("reading metadata of swap file", &path))?
-            .len();
-        let want = u64::from(expect) * u64::from(extent_bytes);
-        if len < want {
-            return Err(StoreError::Corrupt {
-                file: path,
-                detail: format!(
-                    "is {len} bytes, the index was written for {want} ({expect} extents of {extent_bytes}): \
-                     truncated; the extents past byte {len} are lost"
-                ),
-            });
-        }
+        let file = OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(io_err("opening swap file", &path))?;
         let size = u64::from(total) * u64::from(extent_bytes);
         if len < size {
             space::reserve(&file, &path, size)?;

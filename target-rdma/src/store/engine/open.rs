@@ -20,7 +20,7 @@ use crate::store::config::{StoreConfig, VolumeSpec};
 use crate::store::error::StoreError;
 use crate::store::extent::{self, Ident, BLOCK};
 use crate::store::format::Snapshot;
-use crate::store::index::{self, Found, Index};
+use crate::store::index::{Found, Index};
 use crate::store::swap::{Extents, Swap};
 
 /// Most damaged extents logged one by one at open; the rest are counted.
@@ -78,12 +78,8 @@ pub(in crate::store) fn open(
                 .collect();
             for (&(pv, key), &(extent, version)) in &img.blobs {
                 let vol = ids[pv as usize];
-                if std::mem::replace(&mut used[extent as usize], true) {
-                    return Err(StoreError::Corrupt {
-                        file: cfg.dir.join(index::CKPT_FILE),
-                        detail: format!("swap extent {extent} is mapped by two blobs"),
-                    });
-                }
+                // The load saw to it that no extent is mapped twice.
+                used[extent as usize] = true;
                 volumes[vol as usize].blobs += 1;
                 let placed = Some(Placed { extent, version });
                 blobs.insert(
@@ -124,24 +120,19 @@ pub(in crate::store) fn open(
                 key,
                 version: p.version,
             };
-            let why = match &records[p.extent as usize] {
-                extent::Record::Valid(id, c) if *id == want => {
+            let name = |id: u64| {
+                vol_ids.iter().position(|&v| v == id).map_or_else(
+                    || format!("{id:#018x}"),
+                    |i| format!("{:?}", volumes[i].name),
+                )
+            };
+            let why = match extent::verify(&records[p.extent as usize], &want, name) {
+                Ok(c) => {
                     let at = p.extent as usize * blocks;
                     crcs[at..at + blocks].copy_from_slice(c);
                     continue;
                 }
-                extent::Record::Valid(id, _) => {
-                    let name = vol_ids.iter().position(|&v| v == id.volume).map_or_else(
-                        || format!("{:#018x}", id.volume),
-                        |i| format!("{:?}", volumes[i].name),
-                    );
-                    format!(
-                        "its header names volume {name} key {} version {}.{}, the index expects key {key} version {}.{}",
-                        id.key, id.version.generation, id.version.seq, p.version.generation, p.version.seq
-                    )
-                }
-                extent::Record::Empty => "it has no header".to_string(),
-                extent::Record::Invalid(why) => format!("its header is damaged ({why})"),
+                Err(why) => why,
             };
             if damaged < DAMAGE_LOGGED {
                 tracing::warn!(event = events::SWAP_EXTENT_HEADER_INVALID, file = %swap.meta().path().display(), extent = p.extent, volume = %volumes[vol as usize].name, key, detail = %why, "a blob's swap image does not match its header: its reads fail until it is rewritten, removed or repaired");

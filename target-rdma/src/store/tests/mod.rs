@@ -5,6 +5,7 @@ use super::*;
 
 mod cold_reads;
 mod config;
+mod damage;
 mod eviction;
 mod integrity;
 mod io;

@@ -66,26 +66,74 @@ fn repeated_flushes_checkpoint_and_free_superseded_extents() {
 }
 
 #[test]
-fn a_torn_last_batch_is_dropped() {
+fn a_torn_last_batch_past_the_synced_mark_is_dropped() {
     let dir = tempfile::tempdir().unwrap();
-    three_flushes(dir.path());
-    // The crash came before the last batch's block reached the disk.
     let p = dir.path().join(index::JOURNAL_FILE);
-    let mut b = std::fs::read(&p).unwrap();
-    b[1536..2048].fill(0);
-    std::fs::write(&p, b).unwrap();
-    let s = open(dir.path(), 4, 16);
+    let s = open(dir.path(), 4, 64);
+    for k in 0..2 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+        s.flush().unwrap();
+    }
+    // The journal as it was when the second FLUSH returned.
+    let before = std::fs::read(&p).unwrap();
+    // A commit of 20 blobs: a batch of two blocks, at 1536 and 2048.
+    for k in 10..30 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.flush().unwrap();
+    drop(s);
+    let after = std::fs::read(&p).unwrap();
+    // The crash came while that batch was being written: its first block
+    // reached the disk, its second did not, and the header still marks
+    // batch 2 as the last synced. Never acknowledged: a start drops it.
+    let mut torn = before.clone();
+    torn[1536..2048].copy_from_slice(&after[1536..2048]);
+    std::fs::write(&p, &torn).unwrap();
+    let c = Store::check(&cfg(dir.path(), 4, 64), &vols(1000)).unwrap();
+    assert!(
+        c.summary.contains(
+            "2 journal batches (2 marked synced), and a torn batch 3 at offset 1536 past the synced mark"
+        ) && c.warnings.is_empty(),
+        "{c:?}"
+    );
+    let s = open(dir.path(), 4, 64);
     assert_eq!(blob(&s, 0, 0).unwrap(), pattern(0));
     assert_eq!(blob(&s, 0, 1).unwrap(), pattern(1));
     assert!(
-        blob(&s, 0, 2).is_none(),
+        blob(&s, 0, 10).is_none() && blob(&s, 0, 29).is_none(),
         "the unacknowledged commit is dropped"
     );
-    s.write(0, 2, 0, &pattern(2)).unwrap();
+    s.write(0, 10, 0, &pattern(10)).unwrap();
     s.flush().unwrap();
     drop(s);
-    let s = open(dir.path(), 4, 16);
-    assert_eq!(blob(&s, 0, 2).unwrap(), pattern(2), "later commits survive");
+    let s = open(dir.path(), 4, 64);
+    assert_eq!(
+        blob(&s, 0, 10).unwrap(),
+        pattern(10),
+        "later commits survive"
+    );
+    drop(s);
+    // The same batch torn after its append returned (the header marks it
+    // synced): an acknowledged commit lost, refused.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join(index::JOURNAL_FILE);
+    let s = open(dir.path(), 4, 64);
+    for k in 10..30 {
+        s.write(0, k, 0, &pattern(k)).unwrap();
+    }
+    s.flush().unwrap();
+    drop(s);
+    let mut b = std::fs::read(&p).unwrap();
+    b[1024..1536].fill(0);
+    std::fs::write(&p, &b).unwrap();
+    let e = Store::open(cfg(dir.path(), 4, 64), &vols(1000))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains("at offset 512: batch 1 is incomplete (its block at offset 1024 is zeros)"),
+        "{e}"
+    );
 }
 
 #[test]
