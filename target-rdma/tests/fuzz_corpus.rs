@@ -8,6 +8,7 @@
 //! `cargo test -p target-rdma --test fuzz_corpus -- --ignored` writes the
 //! seeds again from the real encoders (after a format change).
 
+use std::cell::RefCell;
 use std::fs;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -35,16 +36,32 @@ fn files(kind: &str, target: &str) -> Vec<PathBuf> {
     out
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
+thread_local! {
+    /// Where the last panic on this thread happened, for the report.
+    static PANICKED_AT: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Runs `f`; where and why it panicked, if it did. The panic hook (set
+/// by the test) records the location, which the payload does not carry.
+fn panic_of(f: impl FnOnce()) -> Option<String> {
+    let payload = catch_unwind(AssertUnwindSafe(f)).err()?;
+    let msg = payload
         .downcast_ref::<String>()
         .cloned()
         .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_else(|| "a panic without a message".into())
+        .unwrap_or_else(|| "a panic without a message".into());
+    Some(format!("{}: {msg}", PANICKED_AT.with(|p| p.take())))
 }
 
 #[test]
 fn every_corpus_and_regression_input_decodes_without_a_panic() {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if let Some(l) = info.location() {
+            PANICKED_AT.with(|p| *p.borrow_mut() = format!("{}:{}", l.file(), l.line()));
+        }
+        hook(info);
+    }));
     let mut failures = Vec::new();
     let mut inputs = 0;
     for target in TARGETS {
@@ -57,12 +74,9 @@ fn every_corpus_and_regression_input_decodes_without_a_panic() {
             inputs += 1;
             let bytes = fs::read(path).unwrap();
             let scratch = tempfile::tempdir().unwrap();
-            let run = catch_unwind(AssertUnwindSafe(|| {
-                fuzzing::run(target, scratch.path(), &bytes)
-            }));
-            if let Err(payload) = run {
+            if let Some(why) = panic_of(|| fuzzing::run(target, scratch.path(), &bytes)) {
                 let rel = path.strip_prefix(fuzz_dir()).unwrap_or(path);
-                failures.push(format!("{}: {}", rel.display(), panic_message(&*payload)));
+                failures.push(format!("{}: {why}", rel.display()));
             }
         }
     }
