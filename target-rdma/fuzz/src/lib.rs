@@ -7,9 +7,13 @@ use std::sync::OnceLock;
 
 use ublkd::config::UblkdConfig;
 
+const PREFIX: &str = "target-rdma-fuzz-";
+
 /// The directory the file formats are written into, one per fuzzing
-/// process and kept for its life: in memory where `/dev/shm` exists, since
-/// every input is written as a file before it is decoded.
+/// process (libFuzzer's `-fork` runs many): in memory where `/dev/shm`
+/// exists, since every input is written as a file before it is decoded.
+/// A process cannot remove its own when libFuzzer ends it, so each new one
+/// removes those of processes that are gone.
 pub fn scratch() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -19,7 +23,14 @@ pub fn scratch() -> &'static Path {
         } else {
             std::env::temp_dir()
         };
-        let dir = base.join(format!("target-rdma-fuzz-{}", std::process::id()));
+        for entry in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let pid = name.to_str().and_then(|n| n.strip_prefix(PREFIX));
+            if pid.is_some_and(|pid| !Path::new("/proc").join(pid).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let dir = base.join(format!("{PREFIX}{}", std::process::id()));
         std::fs::create_dir_all(&dir)
             .unwrap_or_else(|e| panic!("scratch directory {}: {e}", dir.display()));
         dir
