@@ -20,6 +20,7 @@ pub mod auth;
 pub mod blob;
 pub mod block;
 pub mod client;
+pub mod fuzzing;
 pub mod proto;
 pub mod rdma;
 pub mod replica;

@@ -729,8 +729,9 @@ fn side(top: &str) -> &'static str {
     match top {
         "client" | "block" | "replica" => "client",
         "store" | "arenad" => "server",
-        // Test support assembles both sides on purpose.
-        "testing" => "harness",
+        // Test support and the fuzz targets' entry points assemble both
+        // sides on purpose.
+        "testing" | "fuzzing" => "harness",
         _ => "shared",
     }
 }

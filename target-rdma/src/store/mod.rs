@@ -33,6 +33,7 @@ mod error;
 mod eviction;
 mod extent;
 mod format;
+pub mod fuzzing;
 mod hooks;
 mod ids;
 mod in_process;

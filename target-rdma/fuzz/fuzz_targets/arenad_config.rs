@@ -1,0 +1,5 @@
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    target_rdma::fuzzing::run("arenad_config", target_rdma_fuzz::scratch(), data);
+});
