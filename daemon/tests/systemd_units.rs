@@ -3,7 +3,8 @@
 //! (the hardening exposure score does not get worse than recorded). The
 //! units name the installed paths (/usr/local/bin/...); verify insists that
 //! executables exist, so the test rewrites that prefix to a temp dir holding
-//! the built `ublkd` and a stand-in `arenad` (arenad lives in another crate).
+//! the built `ublkd` and `ublkctl` (ublkd's ExecReload) and a stand-in
+//! `arenad` (arenad lives in another crate).
 //! Whether the `Documentation=` man pages and files exist is checked where
 //! they are installed: the package test (scripts/test-package).
 
@@ -30,6 +31,7 @@ fn installed_units() -> (tempfile::TempDir, Vec<std::path::PathBuf>) {
     let bin = dir.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ublkd"), bin.join("ublkd")).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ublkctl"), bin.join("ublkctl")).unwrap();
     std::fs::write(bin.join("arenad"), "#!/bin/sh\nexit 0\n").unwrap();
     std::fs::set_permissions(bin.join("arenad"), std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut paths = Vec::new();
