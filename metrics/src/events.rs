@@ -335,6 +335,9 @@ pub const EXTENT_TABLE_HEADER_REWRITTEN: &str = "extent_table_header_rewritten";
 /// A freed extent's header could not be cleared: `arenad --repair` might bring
 /// back its old image.
 pub const EXTENT_HEADER_CLEAR_FAILED: &str = "extent_header_clear_failed";
+/// A sync of the swap file or its extent table failed: no FLUSH succeeds until
+/// arenad restarts.
+pub const SWAP_SYNC_FAILED: &str = "swap.sync_failed";
 /// The swap file cannot use direct I/O; it goes through the page cache.
 pub const SWAP_DIRECT_IO_UNAVAILABLE: &str = "swap_direct_io_unavailable";
 /// A blob's swap image does not match its header: its reads fail until it is
@@ -509,6 +512,7 @@ pub const ALL: &[&str] = &[
     JOURNAL_RESET_FAILED,
     EXTENT_TABLE_HEADER_REWRITTEN,
     EXTENT_HEADER_CLEAR_FAILED,
+    SWAP_SYNC_FAILED,
     SWAP_DIRECT_IO_UNAVAILABLE,
     SWAP_EXTENT_HEADER_INVALID,
     SWAP_EXTENT_HEADERS_INVALID,

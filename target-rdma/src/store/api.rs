@@ -14,6 +14,7 @@ use super::arena::Arena;
 use super::check::{self, StoreCheck};
 use super::config::{invalid, validate, StoreConfig, VolumeSpec};
 use super::dir::{check_new, lock_dir};
+use super::disk::{Disk, OsDisk, StoreDir};
 use super::engine::{self, Core, Direct, ForceEndHook, Guard, LeaseLimits, ReadPlan};
 use super::error::StoreError;
 use super::hooks::{RevokeHook, TimingHook};
@@ -45,16 +46,26 @@ impl Store {
     /// with an empty journal whose volume numbers are this run's. A new
     /// store reserves the space of all its files.
     pub fn open(cfg: StoreConfig, volumes: &[VolumeSpec]) -> Result<Store, StoreError> {
+        Store::open_on(Arc::new(OsDisk), cfg, volumes)
+    }
+
+    /// [`Store::open`] with the files on `disk`.
+    pub(crate) fn open_on(
+        disk: Arc<dyn Disk>,
+        cfg: StoreConfig,
+        volumes: &[VolumeSpec],
+    ) -> Result<Store, StoreError> {
         let (slots, extents) = validate(&cfg, volumes)?;
+        let dir = StoreDir::new(&cfg.dir, disk);
         fs::create_dir_all(&cfg.dir).map_err(|source| StoreError::Io {
             what: "creating store directory",
             path: cfg.dir.clone(),
             source,
         })?;
         let lock = lock_dir(&cfg.dir)?;
-        let found = index::load(&cfg.dir, cfg.blob_bytes, extents)?;
+        let found = index::load(&dir, cfg.blob_bytes, extents)?;
         if found.is_none() {
-            check_new(&cfg.dir)?;
+            check_new(&dir)?;
         }
         let arena = Arena::new(slots as usize, cfg.blob_bytes as usize).map_err(|source| {
             StoreError::ArenaMap {
@@ -62,7 +73,7 @@ impl Store {
                 source,
             }
         })?;
-        let (state, swap) = engine::open(&cfg, &arena, slots, extents, volumes, found)?;
+        let (state, swap) = engine::open(&dir, &cfg, &arena, slots, extents, volumes, found)?;
         let generation = state.generation();
         let core = Arc::new(Core::new(arena, swap, state));
         let cleaner = {

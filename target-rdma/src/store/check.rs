@@ -11,6 +11,7 @@
 
 use super::config::{validate, StoreConfig, VolumeSpec};
 use super::dir::{check_new, lock_shared};
+use super::disk::StoreDir;
 use super::error::StoreError;
 use super::extent::{self, Ident, MetaFile};
 use super::index::{self, Seen};
@@ -33,7 +34,7 @@ pub struct StoreCheck {
 /// See the module docs.
 pub(super) fn check(cfg: &StoreConfig, volumes: &[VolumeSpec]) -> Result<StoreCheck, StoreError> {
     let (_, extents) = validate(cfg, volumes)?;
-    let dir = &cfg.dir;
+    let dir = &StoreDir::os(&cfg.dir);
     let blob = cfg.blob_bytes;
     if !dir.exists() {
         return Ok(StoreCheck {

@@ -11,9 +11,11 @@
 //! damaged newest slot is refused, never silently replaced by the older.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::path::PathBuf;
+
+use super::disk::{DiskFile, Role, StoreDir};
 
 use super::error::{corrupt, io_err, refused, swap_shrunk, Refusal, StoreError};
 use super::format::{Image, Snapshot, Version, FORMAT_VERSION, MAX_VOLUMES};
@@ -55,7 +57,7 @@ pub(super) fn slot_len(volumes: &[&str], extents: u32) -> u64 {
 
 /// The checkpoint file, open for writing slots.
 pub(super) struct CheckpointFile {
-    file: File,
+    file: DiskFile,
     path: PathBuf,
     slot_len: u64,
     /// The slot holding the newest checkpoint.
@@ -72,7 +74,7 @@ impl CheckpointFile {
     /// for `slot_len`-byte slots, and puts it in place of any old file.
     /// Used at creation and when a larger index needs larger slots (at open).
     pub(super) fn create<I>(
-        dir: &Path,
+        dir: &StoreDir,
         slot_len: u64,
         epoch: u64,
         journal_bytes: u64,
@@ -82,7 +84,7 @@ impl CheckpointFile {
         I: Iterator<Item = (u32, u64, u32, Version)>,
     {
         let tmp = dir.join(format!("{CKPT_FILE}.tmp"));
-        let file = space::create(&tmp, 2 * slot_len)?;
+        let file = space::create(dir, Role::Checkpoint, &tmp, 2 * slot_len)?;
         let mut c = CheckpointFile {
             file,
             path: tmp.clone(),
@@ -91,7 +93,8 @@ impl CheckpointFile {
         };
         c.write(epoch, journal_bytes, snap)?;
         let path = dir.join(CKPT_FILE);
-        fs::rename(&tmp, &path).map_err(io_err("renaming checkpoint into", &path))?;
+        dir.rename(Role::Checkpoint, &tmp, &path)
+            .map_err(io_err("renaming checkpoint into", &path))?;
         sync_dir(dir)?;
         c.path = path;
         Ok(c)
@@ -100,15 +103,17 @@ impl CheckpointFile {
     /// Opens the file [`load`] read (slots of `slot_len`, the newest in
     /// `current`), to write its other slot next.
     pub(super) fn reopen(
-        dir: &Path,
+        dir: &StoreDir,
         slot_len: u64,
         current: usize,
     ) -> Result<CheckpointFile, StoreError> {
         let path = dir.join(CKPT_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
+        let file = dir
+            .open(
+                Role::Checkpoint,
+                &path,
+                OpenOptions::new().read(true).write(true),
+            )
             .map_err(io_err("opening checkpoint", &path))?;
         Ok(CheckpointFile {
             file,
@@ -143,10 +148,12 @@ impl CheckpointFile {
         }
         // The outer error is the file's, the inner the snapshot's.
         let write = || -> io::Result<Result<(), Refusal>> {
-            let mut f = &self.file;
-            f.seek(SeekFrom::Start(slot as u64 * self.slot_len))?;
             let mut w = CrcWriter {
-                inner: BufWriter::with_capacity(1 << 20, f),
+                inner: AtWriter {
+                    file: &self.file,
+                    offset: slot as u64 * self.slot_len,
+                    buf: Vec::with_capacity(1 << 20),
+                },
                 crc: 0,
             };
             w.put(&MAGIC)?;
@@ -206,6 +213,37 @@ impl<W: Write> CrcWriter<W> {
     }
 }
 
+/// Writes through a buffer to consecutive offsets of a file from `offset`.
+struct AtWriter<'a> {
+    file: &'a DiskFile,
+    offset: u64,
+    buf: Vec<u8>,
+}
+
+impl Write for AtWriter<'_> {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        if self.buf.len() + b.len() > self.buf.capacity() {
+            self.flush()?;
+        }
+        if b.len() >= self.buf.capacity() {
+            self.file.write_all_at(b, self.offset)?;
+            self.offset += b.len() as u64;
+        } else {
+            self.buf.extend_from_slice(b);
+        }
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.buf.is_empty() {
+            self.file.write_all_at(&self.buf, self.offset)?;
+            self.offset += self.buf.len() as u64;
+            self.buf.clear();
+        }
+        Ok(())
+    }
+}
+
 /// Little-endian reader over a slot that reports truncation.
 struct Cur<'a> {
     buf: &'a [u8],
@@ -239,12 +277,12 @@ impl Cur<'_> {
 
 /// Reads the checkpoint file; `None` when there is none.
 pub(super) fn load(
-    dir: &Path,
+    dir: &StoreDir,
     blob_bytes: u32,
     extents: u32,
 ) -> Result<Option<Loaded>, StoreError> {
     let path = dir.join(CKPT_FILE);
-    let mut file = match File::open(&path) {
+    let file = match dir.open(Role::Checkpoint, &path, OpenOptions::new().read(true)) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_err("opening checkpoint", &path)(e)),
@@ -264,8 +302,8 @@ pub(super) fn load(
             format!("{len} bytes, more than the {max} this configuration can write"),
         ));
     }
-    let mut buf = Vec::with_capacity(len as usize);
-    file.read_to_end(&mut buf)
+    let mut buf = vec![0u8; len as usize];
+    file.read_exact_at(&mut buf, 0)
         .map_err(io_err("reading checkpoint", &path))?;
     // An older build's checkpoint: one image from offset 0, another version.
     let foreign = (buf.len() >= 8 && buf[..4] == MAGIC)
@@ -491,6 +529,8 @@ pub(super) fn parse_slot(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+    use std::path::Path;
 
     const BLOB: u32 = 4096;
 
@@ -513,7 +553,7 @@ mod tests {
             blobs: blobs.into_iter(),
         };
         let len = slot_len(&["a", "b"], 16);
-        CheckpointFile::create(dir, len, 3, 8192, snap).unwrap();
+        CheckpointFile::create(&StoreDir::os(dir), len, 3, 8192, snap).unwrap();
         fs::read(dir.join(CKPT_FILE)).unwrap()
     }
 
@@ -662,7 +702,7 @@ mod tests {
         let mut b = file.clone();
         b[56..64].copy_from_slice(&u64::MAX.to_le_bytes());
         fs::write(&path, &b).unwrap();
-        let e = load(dir.path(), BLOB, 16)
+        let e = load(&StoreDir::os(dir.path()), BLOB, 16)
             .err()
             .expect("refused")
             .to_string();
@@ -676,7 +716,7 @@ mod tests {
         b[slot..slot + 64].copy_from_slice(&file[..64]);
         b[slot + 56..slot + 64].copy_from_slice(&u64::MAX.to_le_bytes());
         fs::write(&path, &b).unwrap();
-        let l = load(dir.path(), BLOB, 16).unwrap().unwrap();
+        let l = load(&StoreDir::os(dir.path()), BLOB, 16).unwrap().unwrap();
         assert_eq!(l.slot, 0);
         let other = l.other.expect_err("the other slot is damaged");
         assert!(

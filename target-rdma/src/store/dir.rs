@@ -6,6 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use ublk_metrics::events;
 
+use super::disk::StoreDir;
 use super::error::StoreError;
 use super::{extent, index, swap};
 
@@ -73,7 +74,7 @@ pub(super) fn lock_shared(dir: &Path) -> Result<Option<File>, StoreError> {
 /// file, or only those of a creation cut short (they describe no extent and
 /// journal nothing). Anything else is an index lost, and starting empty
 /// would overwrite the blobs it named.
-pub(super) fn check_new(dir: &Path) -> Result<(), StoreError> {
+pub(super) fn check_new(dir: &StoreDir) -> Result<(), StoreError> {
     let exists = |name: &str| dir.join(name).exists();
     let present: Vec<&str> = [index::JOURNAL_FILE, extent::META_FILE, swap::SWAP_FILE]
         .into_iter()

@@ -69,6 +69,13 @@ pub enum Refusal {
     /// kernel's hands: no further swap I/O until arenad restarts.
     #[error("an earlier io_uring submission failed; restart arenad")]
     SwapBroken,
+    /// A sync of the swap file or its extent table failed. The kernel may
+    /// have dropped what it could not write and a later sync would not
+    /// say so, so the images written since the last good sync are never
+    /// called durable: no FLUSH succeeds again until a restart, which
+    /// starts from the index as last acknowledged.
+    #[error("an earlier sync failed, so what was written since may be lost whatever a later sync reports; restart arenad")]
+    SwapSyncFailed,
     /// A failed journal append could not be zeroed again; appends wait
     /// for the next checkpoint to reset the journal.
     #[error("an earlier append could not be rolled back; the next checkpoint clears it")]

@@ -19,14 +19,14 @@
 //! buffered I/O when an extent is written back and synced with the swap
 //! file before any journal record names the extent.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 use ublk_metrics::events;
 
+use super::disk::{DiskFile, Role, StoreDir};
 use super::error::{io_err, StoreError};
 use super::format::Version;
 use super::space;
@@ -152,7 +152,7 @@ pub(super) enum Record {
 
 /// The side table file.
 pub(super) struct MetaFile {
-    file: File,
+    file: DiskFile,
     path: PathBuf,
     blocks: usize,
     rec_len: usize,
@@ -206,10 +206,14 @@ fn decode_header(b: &[u8]) -> Result<Header, String> {
     })
 }
 
-fn read_header(file: &File) -> Result<Header, String> {
+fn read_header(file: &DiskFile) -> Result<Header, String> {
     let mut h = [0u8; 20];
-    let n = file
-        .read_at(&mut h, 0)
+    let len = file
+        .metadata()
+        .map_err(|e| format!("reading its length: {e}"))?
+        .len();
+    let n = h.len().min(usize::try_from(len).unwrap_or(usize::MAX));
+    file.read_exact_at(&mut h[..n], 0)
         .map_err(|e| format!("reading its header: {e}"))?;
     decode_header(&h[..n])
 }
@@ -236,7 +240,12 @@ fn plausible(h: &Header) -> Result<(), String> {
 
 /// Checks an existing table (open as `file`) against `blob_bytes` and the
 /// `expect` extents the index was written with.
-fn check_table(file: &File, path: &Path, blob_bytes: u32, expect: u32) -> Result<(), StoreError> {
+fn check_table(
+    file: &DiskFile,
+    path: &Path,
+    blob_bytes: u32,
+    expect: u32,
+) -> Result<(), StoreError> {
     let corrupt = |detail: String| StoreError::Corrupt {
         file: path.to_path_buf(),
         detail,
@@ -274,9 +283,17 @@ const MISSING: &str = "is missing: the index names extents whose headers it held
 
 /// Opens the table (for writing too when `write`); a missing one is
 /// `Corrupt` with `missing` as the detail.
-fn open_existing(dir: &Path, missing: &str, write: bool) -> Result<(File, PathBuf), StoreError> {
+fn open_existing(
+    dir: &StoreDir,
+    missing: &str,
+    write: bool,
+) -> Result<(DiskFile, PathBuf), StoreError> {
     let path = dir.join(META_FILE);
-    match OpenOptions::new().read(true).write(write).open(&path) {
+    match dir.open(
+        Role::ExtentTable,
+        &path,
+        OpenOptions::new().read(true).write(write),
+    ) {
         Ok(f) => Ok((f, path)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(StoreError::Corrupt {
             file: path,
@@ -289,12 +306,12 @@ fn open_existing(dir: &Path, missing: &str, write: bool) -> Result<(File, PathBu
 impl MetaFile {
     /// Creates the table for `extents` extents, its space reserved.
     pub(super) fn create(
-        dir: &Path,
+        dir: &StoreDir,
         blob_bytes: u32,
         extents: u32,
     ) -> Result<MetaFile, StoreError> {
         let path = dir.join(META_FILE);
-        let file = space::create(&path, meta_len(blob_bytes, extents))?;
+        let file = space::create(dir, Role::ExtentTable, &path, meta_len(blob_bytes, extents))?;
         let rec_len = record_len(blob_bytes);
         file.write_all_at(&header(blob_bytes, rec_len), 0)
             .and_then(|()| file.sync_all())
@@ -310,7 +327,7 @@ impl MetaFile {
     /// Opens an existing table that must describe at least `expect`
     /// extents of `blob_bytes`, and grows it for `extents` if needed.
     pub(super) fn open(
-        dir: &Path,
+        dir: &StoreDir,
         blob_bytes: u32,
         expect: u32,
         extents: u32,
@@ -323,7 +340,7 @@ impl MetaFile {
     /// Opens an existing table as [`MetaFile::open`] does, without
     /// writing (for `arenad --check`): never grown, never to be written.
     pub(super) fn open_read_only(
-        dir: &Path,
+        dir: &StoreDir,
         blob_bytes: u32,
         expect: u32,
     ) -> Result<MetaFile, StoreError> {
@@ -343,7 +360,7 @@ impl MetaFile {
     /// another extent size or format is refused, and the file is sized
     /// for `extents`.
     pub(super) fn open_for_repair(
-        dir: &Path,
+        dir: &StoreDir,
         blob_bytes: u32,
         extents: u32,
     ) -> Result<(MetaFile, Option<String>), StoreError> {
@@ -381,7 +398,7 @@ impl MetaFile {
     /// Grows `file` (never shrinks it, so it stays as long as any
     /// checkpoint still on disk says) to hold `extents` records.
     fn sized(
-        file: File,
+        file: DiskFile,
         path: PathBuf,
         blob_bytes: u32,
         extents: u32,
@@ -461,9 +478,11 @@ impl MetaFile {
 }
 
 /// Whether the table describes no extent (every record empty).
-pub(super) fn table_is_blank(dir: &Path) -> Result<bool, StoreError> {
+pub(super) fn table_is_blank(dir: &StoreDir) -> Result<bool, StoreError> {
     let path = dir.join(META_FILE);
-    let b = std::fs::read(&path).map_err(io_err("reading extent table", &path))?;
+    let b = dir
+        .read(Role::ExtentTable, &path)
+        .map_err(io_err("reading extent table", &path))?;
     Ok(b.get(META_HEADER as usize..)
         .is_none_or(|t| t.iter().all(|&x| x == 0)))
 }
@@ -584,7 +603,7 @@ mod tests {
     #[test]
     fn records_round_trip_and_damage_is_invalid() {
         let dir = tempfile::tempdir().unwrap();
-        let m = MetaFile::create(dir.path(), 8192, 4).unwrap();
+        let m = MetaFile::create(&StoreDir::os(dir.path()), 8192, 4).unwrap();
         let crcs = vec![11, 22];
         m.write(2, &id(9, 4), &crcs).unwrap();
         m.write(3, &id(8, 5), &crcs).unwrap();
@@ -598,12 +617,14 @@ mod tests {
         let mut b = std::fs::read(&p).unwrap();
         b[META_HEADER as usize + 2 * record_len(8192) + 17] ^= 1;
         std::fs::write(&p, b).unwrap();
-        let m = MetaFile::open(dir.path(), 8192, 4, 4).unwrap();
+        let m = MetaFile::open(&StoreDir::os(dir.path()), 8192, 4, 4).unwrap();
         assert_eq!(
             m.read_all(4).unwrap()[2],
             Record::Invalid("checksum mismatch".into())
         );
-        let e = MetaFile::open(dir.path(), 8192, 8, 8).err().unwrap();
+        let e = MetaFile::open(&StoreDir::os(dir.path()), 8192, 8, 8)
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("truncated"), "{e}");
     }
 
@@ -620,7 +641,7 @@ mod tests {
     #[test]
     fn table_header_fields_out_of_range_are_refused_by_name_and_repaired() {
         let dir = tempfile::tempdir().unwrap();
-        drop(MetaFile::create(dir.path(), 8192, 4).unwrap());
+        drop(MetaFile::create(&StoreDir::os(dir.path()), 8192, 4).unwrap());
         let good = std::fs::read(dir.path().join(META_FILE)).unwrap();
         let cases = [
             (8, "blob_bytes", [0, 1 << 31, u32::MAX, 8192 + 1]),
@@ -634,26 +655,27 @@ mod tests {
             for v in values {
                 set_header_field(dir.path(), at, v);
                 let want = format!("header field {field} = {v}");
-                let e = MetaFile::open(dir.path(), 8192, 4, 4)
+                let e = MetaFile::open(&StoreDir::os(dir.path()), 8192, 4, 4)
                     .err()
                     .expect("refused")
                     .to_string();
                 assert!(e.contains("swap.meta") && e.contains(&want), "{want}: {e}");
-                let e = MetaFile::open_read_only(dir.path(), 8192, 4)
+                let e = MetaFile::open_read_only(&StoreDir::os(dir.path()), 8192, 4)
                     .err()
                     .expect("refused");
                 assert!(e.to_string().contains(&want), "{want}: {e}");
                 // Repair rewrites what no layout explains, and says so.
-                let (_, why) = MetaFile::open_for_repair(dir.path(), 8192, 4).unwrap();
+                let (_, why) =
+                    MetaFile::open_for_repair(&StoreDir::os(dir.path()), 8192, 4).unwrap();
                 assert!(why.is_some_and(|w| w.contains(&want)));
-                MetaFile::open(dir.path(), 8192, 4, 4).unwrap();
+                MetaFile::open(&StoreDir::os(dir.path()), 8192, 4, 4).unwrap();
                 std::fs::write(dir.path().join(META_FILE), &good).unwrap();
             }
         }
         // Another possible blob size is the configuration's, not damage.
         set_header_field(dir.path(), 8, 16384);
         set_header_field(dir.path(), 12, record_len(16384) as u32);
-        let e = MetaFile::open_for_repair(dir.path(), 8192, 4)
+        let e = MetaFile::open_for_repair(&StoreDir::os(dir.path()), 8192, 4)
             .err()
             .unwrap();
         assert!(

@@ -16,6 +16,7 @@ use std::fs;
 use std::path::Path;
 
 use super::checkpoint::{self, CheckpointFile, CKPT_FILE};
+use super::disk::StoreDir;
 use super::extent::{self, Ident, MetaFile, META_FILE};
 use super::format::{Record, Snapshot, Version};
 use super::journal::{self, Journal, JOURNAL_FILE};
@@ -59,6 +60,7 @@ fn read(dir: &Path, name: &str) -> Vec<u8> {
 /// Input: configured `blob_bytes` (u32), `extents` (u32), then the
 /// checkpoint file.
 pub fn check_checkpoint(dir: &Path, input: &[u8]) {
+    let dir = &StoreDir::os(dir);
     let mut t = Take(input);
     let (blob_bytes, extents) = (t.u32(), t.u32());
     write(dir, CKPT_FILE, t.0);
@@ -68,6 +70,7 @@ pub fn check_checkpoint(dir: &Path, input: &[u8]) {
 /// Writes a checkpoint twice (both slots) with the values the input
 /// spells, loads it and asserts the newer slot comes back as written.
 pub fn checkpoint_round_trip(dir: &Path, input: &[u8]) -> Vec<u8> {
+    let dir = &StoreDir::os(dir);
     const BLOB_BYTES: u32 = 4096;
     let mut t = Take(input);
     let epoch = t.u64() >> 1;
@@ -122,6 +125,7 @@ pub fn checkpoint_round_trip(dir: &Path, input: &[u8]) -> Vec<u8> {
 /// Input: the epoch replay wants (u64), the journal capacity the
 /// checkpoint names (u64), then the journal file.
 pub fn check_journal(dir: &Path, input: &[u8]) {
+    let dir = &StoreDir::os(dir);
     let mut t = Take(input);
     let (want, capacity) = (t.u64(), t.u64());
     write(dir, JOURNAL_FILE, t.0);
@@ -131,6 +135,7 @@ pub fn check_journal(dir: &Path, input: &[u8]) {
 /// Appends batches of the records the input spells to a new journal,
 /// replays it and asserts every appended record comes back in order.
 pub fn journal_round_trip(dir: &Path, input: &[u8]) -> Vec<u8> {
+    let dir = &StoreDir::os(dir);
     let mut t = Take(input);
     let epoch = t.u64();
     let capacity = journal::capacity(u32::from(t.u8()));
@@ -174,6 +179,7 @@ pub fn journal_round_trip(dir: &Path, input: &[u8]) -> Vec<u8> {
 /// whole record in it is read, as an index naming that many extents
 /// would.
 pub fn check_extent_table(dir: &Path, input: &[u8]) {
+    let dir = &StoreDir::os(dir);
     let mut t = Take(input);
     let blob_bytes = t.u32();
     write(dir, META_FILE, t.0);
@@ -188,6 +194,7 @@ pub fn check_extent_table(dir: &Path, input: &[u8]) {
 /// Writes the headers the input spells into a new table, reads them back
 /// and asserts each written one is valid and as written, the rest empty.
 pub fn extent_table_round_trip(dir: &Path, input: &[u8]) -> Vec<u8> {
+    let dir = &StoreDir::os(dir);
     let mut t = Take(input);
     let blob_bytes = 4096 << (t.u8() % 4);
     let extents = u32::from(t.u8() % 16) + 1;

@@ -16,10 +16,11 @@
 //! is damaged: refused, not replaced by the older one.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use ublk_metrics::events;
 
 use super::checkpoint::{self, CheckpointFile};
+use super::disk::StoreDir;
 use super::error::{corrupt, swap_shrunk, StoreError};
 use super::format::{Image, Record, Snapshot, Version};
 use super::journal::{self, Journal, Place};
@@ -57,7 +58,7 @@ pub(super) struct Seen {
 
 /// The open index files and the checkpoint bookkeeping.
 pub(super) struct Index {
-    dir: PathBuf,
+    dir: StoreDir,
     checkpoint: CheckpointFile,
     journal: Journal,
     pub(super) journal_records: u64,
@@ -79,7 +80,7 @@ struct Base {
 
 /// Loads the newest checkpoint slot and checks what its checksum cannot:
 /// that its journal size is one, and that no extent is mapped twice.
-fn base(dir: &Path, blob_bytes: u32, extents: u32) -> Result<Option<Base>, StoreError> {
+fn base(dir: &StoreDir, blob_bytes: u32, extents: u32) -> Result<Option<Base>, StoreError> {
     let Some(loaded) = checkpoint::load(dir, blob_bytes, extents)? else {
         return Ok(None);
     };
@@ -211,7 +212,11 @@ fn apply(
 /// acknowledged); any other damage, a journal cut short or missing, or a
 /// journal that needs a checkpoint slot that is damaged, is an error
 /// naming the file, the slot or batch, and the offset or field.
-pub(super) fn load(dir: &Path, blob_bytes: u32, extents: u32) -> Result<Option<Found>, StoreError> {
+pub(super) fn load(
+    dir: &StoreDir,
+    blob_bytes: u32,
+    extents: u32,
+) -> Result<Option<Found>, StoreError> {
     let Some(mut base) = base(dir, blob_bytes, extents)? else {
         return Ok(None);
     };
@@ -263,7 +268,7 @@ pub(super) fn load(dir: &Path, blob_bytes: u32, extents: u32) -> Result<Option<F
 /// valid checkpoint slot and the journal records before the first damage
 /// (none when the journal extends another slot), and what that covers;
 /// `None` when no checkpoint slot is usable.
-pub(super) fn salvage(dir: &Path, blob_bytes: u32, extents: u32) -> Option<(Image, String)> {
+pub(super) fn salvage(dir: &StoreDir, blob_bytes: u32, extents: u32) -> Option<(Image, String)> {
     let mut base = base(dir, blob_bytes, extents).ok()??;
     let epoch = base.image.epoch;
     let (replayed, damage) = journal::salvage(dir, base.journal_bytes, epoch);
@@ -287,7 +292,7 @@ pub(super) fn salvage(dir: &Path, blob_bytes: u32, extents: u32) -> Option<(Imag
 
 /// Whether the journal file holds nothing but a header: a store whose
 /// creation was cut short before its checkpoint existed.
-pub(super) fn journal_is_blank(dir: &Path) -> Result<bool, StoreError> {
+pub(super) fn journal_is_blank(dir: &StoreDir) -> Result<bool, StoreError> {
     journal::is_blank(dir)
 }
 
@@ -295,7 +300,7 @@ impl Index {
     /// The index of a new store: an empty journal, then the first
     /// checkpoint, whose appearance is what makes the store exist.
     pub(super) fn create<I>(
-        dir: &Path,
+        dir: &StoreDir,
         extents: u32,
         snap: Snapshot<'_, I>,
     ) -> Result<Index, StoreError>
@@ -314,7 +319,7 @@ impl Index {
     /// (what was found, renumbered for this run) with the next epoch, then
     /// an empty journal for it.
     pub(super) fn reopen<I>(
-        dir: &Path,
+        dir: &StoreDir,
         found: Found,
         extents: u32,
         snap: Snapshot<'_, I>,
@@ -339,9 +344,9 @@ impl Index {
         Ok(Index::new(dir, checkpoint, journal))
     }
 
-    fn new(dir: &Path, checkpoint: CheckpointFile, journal: Journal) -> Index {
+    fn new(dir: &StoreDir, checkpoint: CheckpointFile, journal: Journal) -> Index {
         Index {
-            dir: dir.to_path_buf(),
+            dir: dir.clone(),
             checkpoint,
             journal,
             journal_records: 0,

@@ -25,11 +25,12 @@
 //!   is dropped as a tear. A header without a mark (all zeros there, as
 //!   written by builds before the mark) protects nothing more than before.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use ublk_metrics::events;
+
+use super::disk::{DiskFile, Role, StoreDir};
 
 use super::error::{io_err, refused, Refusal, StoreError};
 use super::format::{Record, Version, FORMAT_VERSION};
@@ -156,7 +157,7 @@ fn le64(b: &[u8]) -> u64 {
 
 /// The open journal.
 pub(super) struct Journal {
-    file: File,
+    file: DiskFile,
     path: PathBuf,
     capacity: u64,
     epoch: u64,
@@ -203,9 +204,9 @@ pub(super) struct Replayed {
 
 impl Journal {
     /// Creates the file with `capacity` bytes reserved, empty, for `epoch`.
-    pub(super) fn create(dir: &Path, epoch: u64, capacity: u64) -> Result<Journal, StoreError> {
+    pub(super) fn create(dir: &StoreDir, epoch: u64, capacity: u64) -> Result<Journal, StoreError> {
         let path = dir.join(JOURNAL_FILE);
-        let file = space::create(&path, capacity)?;
+        let file = space::create(dir, Role::Journal, &path, capacity)?;
         file.write_all_at(&header(epoch, 0), 0)
             .and_then(|()| file.sync_all())
             .map_err(io_err("writing journal", &path))?;
@@ -229,16 +230,18 @@ impl Journal {
     /// (see [`grow`]). Never shrinks the file: a longer journal is read to
     /// its end, and its tail is zeros.
     pub(super) fn reopen(
-        dir: &Path,
+        dir: &StoreDir,
         dirty: u64,
         epoch: u64,
         capacity: u64,
     ) -> Result<Journal, StoreError> {
         let path = dir.join(JOURNAL_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
+        let file = dir
+            .open(
+                Role::Journal,
+                &path,
+                OpenOptions::new().read(true).write(true),
+            )
             .map_err(io_err("opening journal", &path))?;
         let mut j = Journal {
             file,
@@ -366,9 +369,9 @@ impl Drop for Journal {
 }
 
 /// Whether the journal holds no block (missing, or a header over zeros).
-pub(super) fn is_blank(dir: &Path) -> Result<bool, StoreError> {
+pub(super) fn is_blank(dir: &StoreDir) -> Result<bool, StoreError> {
     let path = dir.join(JOURNAL_FILE);
-    match std::fs::read(&path) {
+    match dir.read(Role::Journal, &path) {
         Ok(b) => Ok(b
             .get(HEADER as usize..)
             .is_none_or(|t| t.iter().all(|&x| x == 0))),
@@ -380,11 +383,10 @@ pub(super) fn is_blank(dir: &Path) -> Result<bool, StoreError> {
 /// Makes the journal at least `capacity` bytes long (the added tail is
 /// zeros); done before a checkpoint names the larger size, so the file is
 /// never shorter than the newest checkpoint says.
-pub(super) fn grow(dir: &Path, capacity: u64) -> Result<(), StoreError> {
+pub(super) fn grow(dir: &StoreDir, capacity: u64) -> Result<(), StoreError> {
     let path = dir.join(JOURNAL_FILE);
-    let file = OpenOptions::new()
-        .write(true)
-        .open(&path)
+    let file = dir
+        .open(Role::Journal, &path, OpenOptions::new().write(true))
         .map_err(io_err("opening journal", &path))?;
     let len = file
         .metadata()
@@ -586,9 +588,9 @@ pub(super) fn decode_records(
 /// epoch `want` (none when the journal is of another epoch). Damage
 /// anywhere but a torn last batch past the synced mark is an error naming
 /// the offset and the batch; the torn batch is dropped with a note.
-pub(super) fn replay(dir: &Path, capacity: u64, want: u64) -> Result<Replayed, StoreError> {
+pub(super) fn replay(dir: &StoreDir, capacity: u64, want: u64) -> Result<Replayed, StoreError> {
     let path = dir.join(JOURNAL_FILE);
-    let buf = read(&path)?;
+    let buf = read(dir, &path)?;
     let (replayed, damage) = scan(&path, &buf, capacity, want);
     if let Some(e) = damage {
         return Err(e);
@@ -602,9 +604,9 @@ pub(super) fn replay(dir: &Path, capacity: u64, want: u64) -> Result<Replayed, S
 /// What replay reads of a damaged journal: what it read before the
 /// damage (the records of the complete batches, when the journal is of
 /// epoch `want`), and the damage (none when it is whole).
-pub(super) fn salvage(dir: &Path, capacity: u64, want: u64) -> (Replayed, Option<StoreError>) {
+pub(super) fn salvage(dir: &StoreDir, capacity: u64, want: u64) -> (Replayed, Option<StoreError>) {
     let path = dir.join(JOURNAL_FILE);
-    match read(&path) {
+    match read(dir, &path) {
         Ok(buf) => scan(&path, &buf, capacity, want),
         Err(e) => {
             let nothing = Replayed {
@@ -620,8 +622,8 @@ pub(super) fn salvage(dir: &Path, capacity: u64, want: u64) -> (Replayed, Option
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, StoreError> {
-    match std::fs::read(path) {
+fn read(dir: &StoreDir, path: &Path) -> Result<Vec<u8>, StoreError> {
+    match dir.read(Role::Journal, path) {
         Ok(b) => Ok(b),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(StoreError::Corrupt {
             file: path.to_path_buf(),
@@ -826,7 +828,7 @@ mod tests {
     fn three_batches(dir: &Path) -> (u64, [Vec<u8>; 3]) {
         let cap = capacity(64);
         let p = dir.join(JOURNAL_FILE);
-        let mut j = Journal::create(dir, 5, cap).unwrap();
+        let mut j = Journal::create(&StoreDir::os(dir), 5, cap).unwrap();
         j.append(&[put(100)]).unwrap();
         let one = std::fs::read(&p).unwrap();
         j.append(&(0..20).map(put).collect::<Vec<_>>()).unwrap();
@@ -861,7 +863,7 @@ mod tests {
     fn batches_replay_with_their_places_and_the_synced_mark() {
         let dir = tempfile::tempdir().unwrap();
         let (cap, [one, two, good]) = three_batches(dir.path());
-        let r = replay(dir.path(), cap, 5).unwrap();
+        let r = replay(&StoreDir::os(dir.path()), cap, 5).unwrap();
         assert_eq!(r.records.len(), 22);
         assert_eq!((r.batches, r.synced, r.torn), (3, 3, None));
         assert_eq!(
@@ -876,7 +878,10 @@ mod tests {
         );
         assert_eq!(r.records[21].0.offset, 2048);
         assert_eq!(
-            replay(dir.path(), cap, 6).unwrap().records.len(),
+            replay(&StoreDir::os(dir.path()), cap, 6)
+                .unwrap()
+                .records
+                .len(),
             0,
             "another epoch"
         );
@@ -1137,7 +1142,7 @@ mod tests {
     fn reset_clears_the_old_epoch_and_full_journals_say_so() {
         let dir = tempfile::tempdir().unwrap();
         let cap = capacity(64);
-        let mut j = Journal::create(dir.path(), 1, cap).unwrap();
+        let mut j = Journal::create(&StoreDir::os(dir.path()), 1, cap).unwrap();
         let all: Vec<Record> = (0..64).map(put).collect();
         assert!(j.fits(&all));
         j.append(&all).unwrap();
@@ -1163,6 +1168,12 @@ mod tests {
         j.append(&[put(1)]).unwrap();
         let b = std::fs::read(dir.path().join(JOURNAL_FILE)).unwrap();
         assert!(b[1024..].iter().all(|&x| x == 0), "old blocks zeroed");
-        assert_eq!(replay(dir.path(), cap, 2).unwrap().records.len(), 1);
+        assert_eq!(
+            replay(&StoreDir::os(dir.path()), cap, 2)
+                .unwrap()
+                .records
+                .len(),
+            1
+        );
     }
 }

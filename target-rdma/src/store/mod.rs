@@ -28,10 +28,13 @@ mod check;
 mod checkpoint;
 mod config;
 mod dir;
+mod disk;
 mod engine;
 mod error;
 mod eviction;
 mod extent;
+#[cfg(test)]
+mod faults;
 mod format;
 pub mod fuzzing;
 mod hooks;

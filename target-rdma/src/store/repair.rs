@@ -18,11 +18,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::OpenOptions;
 use std::io;
-use std::os::unix::fs::FileExt;
 use ublk_metrics::events;
 
 use super::config::{validate, StoreConfig, VolumeSpec};
 use super::dir::lock_dir;
+use super::disk::{DiskFile, Role, StoreDir};
 use super::error::StoreError;
 use super::extent::{self, Ident, MetaFile, Record, BLOCK};
 use super::format::{Snapshot, Version};
@@ -182,7 +182,7 @@ pub(super) fn repair(
     volumes: &[VolumeSpec],
 ) -> Result<RepairReport, StoreError> {
     let (_, extents) = validate(cfg, volumes)?;
-    let dir = &cfg.dir;
+    let dir = &StoreDir::os(&cfg.dir);
     let _lock = lock_dir(dir)?;
     let blob = cfg.blob_bytes;
     let mut report = RepairReport::default();
@@ -217,10 +217,12 @@ pub(super) fn repair(
     let (meta, table_header) = MetaFile::open_for_repair(dir, blob, extents)?;
     report.table_header = table_header;
     let swap_path = dir.join(SWAP_FILE);
-    let swap = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&swap_path)
+    let swap = dir
+        .open(
+            Role::Swap,
+            &swap_path,
+            OpenOptions::new().read(true).write(true),
+        )
         .map_err(|source| StoreError::Io {
             what: "opening swap file",
             path: swap_path.clone(),
@@ -378,7 +380,7 @@ pub(super) fn repair(
     Ok(report)
 }
 
-fn read_full(f: &std::fs::File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+fn read_full(f: &DiskFile, buf: &mut [u8], offset: u64) -> io::Result<()> {
     debug_assert!(buf.len().is_multiple_of(BLOCK));
     f.read_exact_at(buf, offset)
 }

@@ -10,27 +10,36 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
+use super::disk::{DiskFile, Role, StoreDir};
 use super::error::{io_err, StoreError};
 
 /// Zeros written per call where the filesystem cannot allocate (and when
 /// clearing a range).
 const ZERO_CHUNK: usize = 1 << 20;
 
-/// Creates (or empties) `path` for reading and writing, `len` bytes
-/// allocated, 0600 whatever the umask (the index names volumes, the swap
-/// holds their data).
-pub(super) fn create(path: &Path, len: u64) -> Result<File, StoreError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
+/// Creates (or empties) `path`, a file of `dir`, as `role` for reading and
+/// writing, `len` bytes allocated, 0600 whatever the umask (the index names
+/// volumes, the swap holds their data).
+pub(super) fn create(
+    dir: &StoreDir,
+    role: Role,
+    path: &Path,
+    len: u64,
+) -> Result<DiskFile, StoreError> {
+    let file = dir
+        .open(
+            role,
+            path,
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600),
+        )
         .map_err(|source| StoreError::Io {
             what: "creating",
             path: path.to_path_buf(),
@@ -43,20 +52,19 @@ pub(super) fn create(path: &Path, len: u64) -> Result<File, StoreError> {
 /// Allocates `file`'s blocks up to `len` bytes (extending it to `len`).
 /// Filesystems without `fallocate` get the missing tail written as zeros,
 /// which allocates it just the same.
-pub(super) fn reserve(file: &File, path: &Path, len: u64) -> Result<(), StoreError> {
+pub(super) fn reserve(file: &DiskFile, path: &Path, len: u64) -> Result<(), StoreError> {
     let err = |source| StoreError::Io {
         what: "reserving disk space for",
         path: path.to_path_buf(),
         source,
     };
-    let off_len =
-        libc::off_t::try_from(len).map_err(|_| err(io::Error::from_raw_os_error(libc::EFBIG)))?;
-    // SAFETY: fallocate on a descriptor we own, with no memory passed.
-    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, off_len) };
-    if r == 0 {
-        return Ok(());
+    if i64::try_from(len).is_err() {
+        return Err(err(io::Error::from_raw_os_error(libc::EFBIG)));
     }
-    let e = io::Error::last_os_error();
+    let e = match file.allocate(len) {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
     if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
         return Err(err(e));
     }
@@ -69,7 +77,7 @@ pub(super) fn reserve(file: &File, path: &Path, len: u64) -> Result<(), StoreErr
 
 /// Overwrites `len` bytes at `offset` with zeros (allocated space stays
 /// allocated).
-pub(super) fn write_zeros(file: &File, mut offset: u64, len: u64) -> io::Result<()> {
+pub(super) fn write_zeros(file: &DiskFile, mut offset: u64, len: u64) -> io::Result<()> {
     let zeros = vec![0u8; ZERO_CHUNK.min(len as usize)];
     let end = offset + len;
     while offset < end {

@@ -19,7 +19,7 @@
 //! an existing store's file must be as long as its index says: a missing or
 //! truncated swap file is refused, never silently recreated as zeros.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -32,6 +32,7 @@ use parking_lot::Mutex;
 use ublk_metrics::events;
 
 use super::aligned::AlignedBuf;
+use super::disk::{DiskFile, Role, StoreDir, Transfer};
 use super::error::{io_err, refused, Refusal, StoreError};
 use super::extent::{MetaFile, BLOCK};
 use super::space;
@@ -51,7 +52,7 @@ pub(super) const SWAP_FILE: &str = "swap.dat";
 pub(super) struct Swap {
     /// First, so that it drops (waiting for its reads) before the file.
     reads: Reads,
-    file: File,
+    file: DiskFile,
     path: PathBuf,
     /// The extent headers, synced with the file.
     meta: Arc<MetaFile>,
@@ -67,6 +68,8 @@ pub(super) struct Swap {
     /// Set when a submission failed half-way: queued entries might still run
     /// later against buffers we no longer own, so no more I/O may start.
     broken: AtomicBool,
+    /// Set when a sync failed (see [`Refusal::SwapSyncFailed`]).
+    sync_failed: AtomicBool,
     /// The rings that failed so, kept open (never reused) until the store
     /// closes rather than torn down under entries that may still run.
     wrecks: Mutex<Vec<IoUring>>,
@@ -158,7 +161,7 @@ impl Swap {
     /// and its extent table. `probe` is page-aligned scratch memory (a free
     /// slot) used to check that the filesystem accepts O_DIRECT.
     pub(super) fn create(
-        dir: &Path,
+        dir: &StoreDir,
         extent_bytes: u32,
         total: u32,
         reads_in_flight: u32,
@@ -166,11 +169,12 @@ impl Swap {
     ) -> Result<Swap, StoreError> {
         let meta = MetaFile::create(dir, extent_bytes, total)?;
         let path = dir.join(SWAP_FILE);
-        let file = space::create(&path, u64::from(total) * u64::from(extent_bytes))?;
+        let size = u64::from(total) * u64::from(extent_bytes);
+        let file = space::create(dir, Role::Swap, &path, size)?;
         file.sync_all()
             .map_err(io_err("syncing swap file", &path))?;
         drop(file);
-        Swap::start(&path, meta, extent_bytes, reads_in_flight, probe)
+        Swap::start(dir, &path, meta, extent_bytes, reads_in_flight, probe)
     }
 
     /// Opens an existing store's swap file, which must hold at least the
@@ -178,7 +182,7 @@ impl Swap {
     /// extent table) to `total` if needed. Never shrinks them: a lower
     /// `swap_bytes` leaves the tail unused.
     pub(super) fn open(
-        dir: &Path,
+        dir: &StoreDir,
         extent_bytes: u32,
         expect: u32,
         total: u32,
@@ -187,9 +191,8 @@ impl Swap {
     ) -> Result<Swap, StoreError> {
         let len = check_file(dir, extent_bytes, expect)?;
         let path = dir.join(SWAP_FILE);
-        let file = OpenOptions::new()
-            .write(true)
-            .open(&path)
+        let file = dir
+            .open(Role::Swap, &path, OpenOptions::new().write(true))
             .map_err(io_err("opening swap file", &path))?;
         let size = u64::from(total) * u64::from(extent_bytes);
         if len < size {
@@ -197,10 +200,11 @@ impl Swap {
         }
         drop(file);
         let meta = MetaFile::open(dir, extent_bytes, expect, total)?;
-        Swap::start(&path, meta, extent_bytes, reads_in_flight, probe)
+        Swap::start(dir, &path, meta, extent_bytes, reads_in_flight, probe)
     }
 
     fn start(
+        dir: &StoreDir,
         path: &Path,
         meta: MetaFile,
         extent_bytes: u32,
@@ -208,10 +212,10 @@ impl Swap {
         probe: &mut [u8],
     ) -> Result<Swap, StoreError> {
         let ring = IoUring::new(RING_ENTRIES).map_err(|source| StoreError::Uring { source })?;
-        let (file, direct) = match open_file(path, true) {
+        let (file, direct) = match open_file(dir, path, true) {
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
-                open_file(path, false).map_err(io_err("opening swap file", path))?,
+                open_file(dir, path, false).map_err(io_err("opening swap file", path))?,
                 false,
             ),
             Err(e) => return Err(io_err("opening swap file", path)(e)),
@@ -229,6 +233,7 @@ impl Swap {
             pooled: reads_in_flight as usize,
             rings: Mutex::new(vec![ring]),
             broken: AtomicBool::new(false),
+            sync_failed: AtomicBool::new(false),
             wrecks: Mutex::new(Vec::new()),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
@@ -241,7 +246,7 @@ impl Swap {
                     if source.raw_os_error() == Some(libc::EINVAL) =>
                 {
                     swap.file =
-                        open_file(path, false).map_err(io_err("opening swap file", path))?;
+                        open_file(dir, path, false).map_err(io_err("opening swap file", path))?;
                     swap.direct = false;
                     swap.reads = Reads::start(&swap.file, path, reads_in_flight)
                         .map_err(|source| StoreError::Uring { source })?;
@@ -428,12 +433,27 @@ impl Swap {
         self.run_while(&ops, Some(work))
     }
 
-    /// Makes every completed write durable, with the headers written.
+    /// Makes every completed write durable, with the headers written. Once
+    /// a sync failed, every later one fails too (see
+    /// [`Refusal::SwapSyncFailed`]).
     pub(super) fn sync(&self) -> Result<(), StoreError> {
-        self.file
+        if self.sync_failed.load(Ordering::Acquire) {
+            return Err(refused(
+                "syncing swap file",
+                &self.path,
+                Refusal::SwapSyncFailed,
+            ));
+        }
+        let synced = self
+            .file
             .sync_data()
-            .map_err(io_err("syncing swap file", &self.path))?;
-        self.meta.sync()
+            .map_err(io_err("syncing swap file", &self.path))
+            .and_then(|()| self.meta.sync());
+        if synced.is_err() {
+            self.sync_failed.store(true, Ordering::Release);
+            tracing::error!(event = events::SWAP_SYNC_FAILED, path = %self.path.display(), "a sync of the swap file or its extent table failed: no FLUSH succeeds until arenad restarts");
+        }
+        synced
     }
 
     /// Runs transfers through a ring of this call's own, and keeps the ring
@@ -472,7 +492,34 @@ impl Swap {
         }
         let fd = types::Fd(self.file.as_raw_fd());
         for chunk in ops.chunks(RING_ENTRIES as usize) {
+            let mut results: Vec<Option<i32>> = vec![None; chunk.len()];
+            let mut done = 0;
+            let mut queued = 0;
             for (i, op) in chunk.iter().enumerate() {
+                let transfer = match *op {
+                    Op::Read { offset, len, .. } => Transfer {
+                        offset,
+                        len,
+                        data: None,
+                    },
+                    Op::Write { offset, len, buf } => {
+                        // SAFETY: as for the entry below: the buffer holds
+                        // `len` initialised bytes that stay valid and
+                        // unchanged until `run_on` returns.
+                        let data = unsafe { std::slice::from_raw_parts(buf, len as usize) };
+                        Transfer {
+                            offset,
+                            len,
+                            data: Some(data),
+                        }
+                    }
+                };
+                if let Some(res) = self.file.queue(transfer) {
+                    results[i] = Some(res);
+                    done += 1;
+                    continue;
+                }
+                queued += 1;
                 let entry = match *op {
                     Op::Read { offset, len, buf } => {
                         opcode::Read::new(fd, buf, len).offset(offset).build()
@@ -500,14 +547,14 @@ impl Swap {
                 }
             }
             if let Some(work) = work.take() {
-                if let Err(e) = ring.submit() {
-                    self.broken.store(true, Ordering::Release);
-                    return Err(io_err("submitting swap I/O for", &self.path)(e));
+                if queued > 0 {
+                    if let Err(e) = ring.submit() {
+                        self.broken.store(true, Ordering::Release);
+                        return Err(io_err("submitting swap I/O for", &self.path)(e));
+                    }
                 }
                 work();
             }
-            let mut results: Vec<Option<i32>> = vec![None; chunk.len()];
-            let mut done = 0;
             while done < chunk.len() {
                 match ring.submit_and_wait(chunk.len() - done) {
                     Ok(_) => {}
@@ -554,13 +601,13 @@ impl Swap {
     }
 }
 
-fn open_file(path: &Path, direct: bool) -> io::Result<File> {
+fn open_file(dir: &StoreDir, path: &Path, direct: bool) -> io::Result<DiskFile> {
     let mut o = OpenOptions::new();
     o.read(true).write(true);
     if direct {
         o.custom_flags(libc::O_DIRECT);
     }
-    o.open(path)
+    dir.open(Role::Swap, path, &o)
 }
 
 #[cfg(test)]
@@ -575,7 +622,8 @@ mod tests {
         let extent = 64 << 10;
         let mut probe = AlignedBuf::new(extent).unwrap();
         probe.len = extent;
-        let swap = Swap::create(dir.path(), extent as u32, 4, 3, &mut probe).unwrap();
+        let swap =
+            Swap::create(&StoreDir::os(dir.path()), extent as u32, 4, 3, &mut probe).unwrap();
         let taken: Vec<AlignedBuf> = (0..8).map(|_| swap.take_buffer(4096).unwrap()).collect();
         for b in taken {
             swap.give_buffer(b);

@@ -28,9 +28,8 @@
 //! for its reads to complete.
 
 use std::cell::RefCell;
-use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -46,6 +45,7 @@ use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use ublk_metrics::events;
 
 use super::aligned::AlignedBuf;
+use super::disk::{DiskFile, Transfer};
 use super::error::{io_err, refused, Refusal, StoreError};
 
 /// The completion marking a close: the completion thread exits once every
@@ -95,7 +95,7 @@ impl Table {
 struct Common {
     id: u64,
     /// The swap file, kept open while any lane may still submit a read of it.
-    fd: OwnedFd,
+    file: DiskFile,
     /// Its path, for errors.
     path: PathBuf,
     capacity: u32,
@@ -126,11 +126,11 @@ pub(super) struct Reads {
 impl Reads {
     /// Reads of `file` (at `path`) with at most `capacity` reads in flight
     /// over all lanes.
-    pub(super) fn start(file: &File, path: &Path, capacity: u32) -> io::Result<Reads> {
+    pub(super) fn start(file: &DiskFile, path: &Path, capacity: u32) -> io::Result<Reads> {
         let capacity = capacity.max(1);
         let common = Arc::new(Common {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            fd: file.try_clone()?.into(),
+            file: file.try_clone()?,
             path: path.to_path_buf(),
             capacity,
             room: Arc::new(Semaphore::new(capacity as usize)),
@@ -305,7 +305,18 @@ impl Lane {
                 Refusal::SwapReadTableFull,
             ));
         };
-        let fd = types::Fd(self.common.fd.as_raw_fd());
+        let transfer = Transfer {
+            offset,
+            len,
+            data: None,
+        };
+        if let Some(res) = self.common.file.queue(transfer) {
+            t.free.push(i);
+            drop(t);
+            let _ = tx.send(self.common.outcome(res, buf));
+            return Ok(());
+        }
+        let fd = types::Fd(self.common.file.as_raw_fd());
         let entry = opcode::Read::new(fd, buf.as_mut_ptr(), len)
             .offset(offset)
             .build()
@@ -378,25 +389,29 @@ impl Lane {
             t.closing && t.in_flight() == 0
         };
         for (p, res) in done {
-            let want = p.buf.len();
-            let out = if res < 0 {
-                Err(io_err(READING, &self.common.path)(
-                    io::Error::from_raw_os_error(-res),
-                ))
-            } else if res as usize != want {
-                Err(io_err(READING, &self.common.path)(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("short read of {res} of {want} bytes"),
-                )))
-            } else {
-                self.common
-                    .bytes_read
-                    .fetch_add(want as u64, Ordering::Relaxed);
-                Ok(p.buf)
-            };
-            let _ = p.tx.send(out);
+            let _ = p.tx.send(self.common.outcome(res, p.buf));
         }
         finished
+    }
+}
+
+impl Common {
+    /// What a read into `buf` that completed with `res` gives its task.
+    fn outcome(&self, res: i32, buf: AlignedBuf) -> Done {
+        let want = buf.len();
+        if res < 0 {
+            Err(io_err(READING, &self.path)(io::Error::from_raw_os_error(
+                -res,
+            )))
+        } else if res as usize != want {
+            Err(io_err(READING, &self.path)(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("short read of {res} of {want} bytes"),
+            )))
+        } else {
+            self.bytes_read.fetch_add(want as u64, Ordering::Relaxed);
+            Ok(buf)
+        }
     }
 }
 

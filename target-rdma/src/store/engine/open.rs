@@ -17,6 +17,7 @@ use super::transit::Transit;
 use super::volumes::{names, Volume, Volumes};
 use crate::store::arena::Arena;
 use crate::store::config::{StoreConfig, VolumeSpec};
+use crate::store::disk::StoreDir;
 use crate::store::error::StoreError;
 use crate::store::extent::{self, Ident, BLOCK};
 use crate::store::format::Snapshot;
@@ -30,6 +31,7 @@ const DAMAGE_LOGGED: usize = 16;
 /// `None`) and opens its swap; checks every extent the index names
 /// against its header, marking the blobs whose header fails.
 pub(in crate::store) fn open(
+    dir: &StoreDir,
     cfg: &StoreConfig,
     arena: &Arena,
     slots: u32,
@@ -56,7 +58,7 @@ pub(in crate::store) fn open(
         None => (
             1,
             Swap::create(
-                &cfg.dir,
+                dir,
                 cfg.blob_bytes,
                 extents,
                 cfg.swap_reads_in_flight,
@@ -93,7 +95,7 @@ pub(in crate::store) fn open(
                 );
             }
             let swap = Swap::open(
-                &cfg.dir,
+                dir,
                 cfg.blob_bytes,
                 img.extents,
                 extents,
@@ -158,8 +160,8 @@ pub(in crate::store) fn open(
                 .filter_map(|(k, b)| b.durable.map(|d| (k.0, k.1, d.extent, d.version))),
         };
         match found {
-            None => Index::create(&cfg.dir, extents, snap)?,
-            Some(f) => Index::reopen(&cfg.dir, f, extents, snap)?,
+            None => Index::create(dir, extents, snap)?,
+            Some(f) => Index::reopen(dir, f, extents, snap)?,
         }
     };
     let state = State {

@@ -7,6 +7,7 @@ mod cold_reads;
 mod config;
 mod damage;
 mod eviction;
+mod faults;
 mod integrity;
 mod io;
 mod lease;
