@@ -177,6 +177,7 @@ impl Peer {
                 .expect("register the arena for RDMA")
         });
         let epochs = Epochs::open(&self.dir).expect("load the volumes' epochs");
+        epochs.prepare().expect("allocate the volumes' epochs file");
         let server = Server::new(
             Arc::clone(&self.store),
             volumes,

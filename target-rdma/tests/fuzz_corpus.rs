@@ -285,6 +285,10 @@ fn write_the_seed_corpus() {
     epoch_seeds.push(("three", file()));
     raise("vm1", proto::MAX_EPOCH);
     epoch_seeds.push(("max", file()));
+    // Format 1: what an operator writes by hand.
+    let body = "arenad-epochs 1\n7 vm1\n12 vm2\n";
+    let format1 = format!("{body}crc32c {:08x}\n", crc32c::crc32c(body.as_bytes()));
+    epoch_seeds.push(("format1", format1.into_bytes()));
     write_seeds("epochs", &epoch_seeds);
 
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

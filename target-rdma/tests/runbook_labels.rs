@@ -177,7 +177,7 @@ const NOT_EVENTS: &[&str] = &["metrics.per_device_labels"];
 
 /// How file names in the docs end: `accept.rs`, `swap.meta`, ...
 const FILE_EXTENSIONS: &[&str] = &[
-    "rs", "sh", "toml", "service", "log", "json", "env", "dat", "meta", "ckpt", "journal",
+    "rs", "sh", "toml", "service", "log", "json", "env", "dat", "meta", "ckpt", "journal", "tmp",
 ];
 
 /// Every event name of both daemons, each with the list that defines it.

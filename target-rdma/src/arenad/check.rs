@@ -13,7 +13,7 @@
 //! index a start refuses.)
 
 use crate::arenad::config::ArenadConfig;
-use crate::arenad::epochs::Epochs;
+use crate::arenad::epochs::{self, Epochs, EPOCHS_FILE};
 use crate::auth::Secret;
 use crate::rdma::{open_provider, Isolation, RdmaMode};
 use crate::service::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
@@ -88,7 +88,9 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
     match dir_usable("swap_dir", dir) {
         Ok(l) => {
             f.ok(l);
-            f.check(room_for("swap_dir", dir, &footprint(&store)));
+            let mut files = footprint(&store);
+            files.push((EPOCHS_FILE, epochs::file_bytes(specs.len())));
+            f.check(room_for("swap_dir", dir, &files));
         }
         Err(l) => f.problem(l),
     }

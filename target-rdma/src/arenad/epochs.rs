@@ -5,10 +5,10 @@
 //!
 //! The epochs live in a small file of their own, `epochs` in the swap
 //! directory (the store's index is the storage engine's format): one line
-//! per volume ever raised, configured or not, and a CRC32C of the whole.
-//! It is replaced atomically (written to `epochs.tmp`, synced, renamed,
-//! directory synced) before a raise is answered. A damaged file refuses to
-//! start, like a damaged index: trusting it could let a stale writer in.
+//! per volume ever raised, configured or not, checksummed, saved in place
+//! before a raise is answered (see [`super::epochs_file`]). A damaged file
+//! refuses to start, like a damaged index: trusting it could let a stale
+//! writer in.
 //!
 //! A raise is strict: once it returns, no data operation admitted under a
 //! lower epoch is still running and the sessions it fenced out hold no
@@ -21,46 +21,14 @@
 //! raise, since a writer at it could not be fenced out.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::proto::MAX_EPOCH;
-
-/// The file's name in the swap directory.
-pub const EPOCHS_FILE: &str = "epochs";
-const HEADER: &str = "arenad-epochs 1";
-/// The largest file read: a line (epoch, space, name, newline) for each of
-/// 64 Ki volumes, with room to spare; more is damage, and reading it
-/// would cost memory without bound.
-const MAX_FILE_BYTES: u64 = 16 << 20;
-
-/// Why the epochs could not be loaded or saved.
-#[derive(Debug, thiserror::Error)]
-pub enum EpochError {
-    /// The file could not be read or written.
-    #[error("{what} {}: {source}", path.display())]
-    Io {
-        /// The operation, phrased to precede the path.
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-    /// The file does not parse or fails its checksum.
-    #[error("{} is damaged ({detail}): refusing to start, since lost epochs would let fenced-out writers back in; restore it, or move it aside to start every volume at epoch 0", path.display())]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        detail: String,
-    },
-}
+use super::epochs_file::EpochsFile;
+pub use super::epochs_file::{file_bytes, EpochError, EPOCHS_FILE};
+use crate::store::disk::StoreDir;
 
 /// One volume's epoch and the data operations running under it.
 #[derive(Default)]
@@ -123,7 +91,13 @@ pub struct Epochs {
     volumes: Mutex<BTreeMap<String, Arc<VolumeEpoch>>>,
     /// Every epoch the file holds, unconfigured volumes' included; the
     /// lock also orders the file's replacements.
-    file: Mutex<BTreeMap<String, u64>>,
+    file: Mutex<Persisted>,
+}
+
+/// The epochs as saved, and their file.
+struct Persisted {
+    map: BTreeMap<String, u64>,
+    file: EpochsFile,
 }
 
 impl std::fmt::Debug for Epochs {
@@ -155,105 +129,33 @@ impl Drop for Admitted<'_> {
     }
 }
 
-/// Decodes the epochs file `bytes` (read from `path`): the header line,
-/// one `"<epoch> <volume>"` line per volume (each volume once, each epoch
-/// a number up to [`MAX_EPOCH`]), the checksum line. An error names the
-/// line and what is wrong with it.
-fn parse(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, u64>, EpochError> {
-    let corrupt = |detail: String| EpochError::Corrupt {
-        path: path.to_owned(),
-        detail,
-    };
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(corrupt(format!(
-            "{} bytes, more than the {MAX_FILE_BYTES} a file of every volume's epoch can be",
-            bytes.len()
-        )));
-    }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| corrupt(format!("not UTF-8 at byte {}", e.valid_up_to())))?;
-    let body_end = text
-        .trim_end_matches('\n')
-        .rfind('\n')
-        .map(|i| i + 1)
-        .ok_or_else(|| corrupt("no checksum line".into()))?;
-    let (body, last) = text.split_at(body_end);
-    let want = last
-        .trim_end()
-        .strip_prefix("crc32c ")
-        .filter(|h| h.len() == 8)
-        .and_then(|h| u32::from_str_radix(h, 16).ok())
-        .ok_or_else(|| corrupt(format!("bad checksum line {:?}", last.trim_end())))?;
-    let got = crc32c::crc32c(body.as_bytes());
-    if got != want {
-        return Err(corrupt(format!(
-            "checksum {got:08x}, the file says {want:08x}"
-        )));
-    }
-    let mut lines = body.lines();
-    if lines.next() != Some(HEADER) {
-        return Err(corrupt(format!("the first line is not {HEADER:?}")));
-    }
-    let mut map = BTreeMap::new();
-    for (n, line) in lines.enumerate() {
-        let n = n + 2;
-        let (epoch, name) = line
-            .split_once(' ')
-            .ok_or_else(|| corrupt(format!("line {n} is not \"<epoch> <volume>\"")))?;
-        let epoch = epoch
-            .parse::<u64>()
-            .ok()
-            .filter(|&e| e <= MAX_EPOCH)
-            .ok_or_else(|| {
-                corrupt(format!(
-                    "line {n}: epoch {epoch:?} is not a number from 0 to {MAX_EPOCH}"
-                ))
-            })?;
-        if !crate::proto::valid_volume_name(name) {
-            return Err(corrupt(format!("line {n}: {name:?} is not a volume name")));
-        }
-        if map.insert(name.to_owned(), epoch).is_some() {
-            return Err(corrupt(format!("line {n}: volume {name:?} appears twice")));
-        }
-    }
-    Ok(map)
-}
-
-fn render(map: &BTreeMap<String, u64>) -> String {
-    let mut text = format!("{HEADER}\n");
-    for (name, epoch) in map {
-        text.push_str(&format!("{epoch} {name}\n"));
-    }
-    let crc = crc32c::crc32c(text.as_bytes());
-    text.push_str(&format!("crc32c {crc:08x}\n"));
-    text
-}
-
 impl Epochs {
-    /// Loads the epochs of `dir` (none yet is every volume at 0).
+    /// Loads the epochs of `dir` (none yet is every volume at 0), writing
+    /// nothing (see [`Epochs::prepare`]).
     pub fn open(dir: &Path) -> Result<Epochs, EpochError> {
-        let path = dir.join(EPOCHS_FILE);
-        let read = File::open(&path).and_then(|f| {
-            let mut bytes = Vec::new();
-            f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
-            Ok(bytes)
-        });
-        let map = match read {
-            Ok(bytes) => parse(&path, &bytes)?,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(source) => {
-                return Err(EpochError::Io {
-                    what: "reading",
-                    path,
-                    source,
-                })
-            }
-        };
+        Epochs::open_on(&StoreDir::os(dir))
+    }
+
+    /// [`Epochs::open`] with the file on `dir`'s disk.
+    pub(crate) fn open_on(dir: &StoreDir) -> Result<Epochs, EpochError> {
+        let (map, file) = EpochsFile::load(dir)?;
         Ok(Epochs {
-            path,
+            path: dir.join(EPOCHS_FILE),
             volumes: Mutex::new(BTreeMap::new()),
-            file: Mutex::new(map),
+            file: Mutex::new(Persisted { map, file }),
         })
+    }
+
+    /// Makes the file (or turns one of format 1 into format 2) with its
+    /// space allocated, so that no raise needs new space: done at start,
+    /// where a full filesystem is a refusal to start naming the file.
+    pub fn prepare(&self) -> Result<(), EpochError> {
+        let mut p = self.file.lock();
+        if p.file.in_place() {
+            return Ok(());
+        }
+        let Persisted { map, file } = &mut *p;
+        file.save(map)
     }
 
     /// Volume `name`'s epoch: the one its sessions share, starting from
@@ -263,7 +165,7 @@ impl Epochs {
         if let Some(v) = volumes.get(name) {
             return Arc::clone(v);
         }
-        let epoch = self.file.lock().get(name).copied().unwrap_or(0);
+        let epoch = self.file.lock().map.get(name).copied().unwrap_or(0);
         let v = Arc::new(VolumeEpoch {
             name: name.to_owned(),
             fence: Mutex::new(Fence {
@@ -306,10 +208,11 @@ impl Epochs {
             f.draining += std::mem::take(&mut f.active);
         }
         let saved = {
-            let mut map = self.file.lock();
+            let mut p = self.file.lock();
+            let Persisted { map, file } = &mut *p;
             let now = map.get(&volume.name).copied().unwrap_or(0).max(epoch);
             map.insert(volume.name.clone(), now);
-            self.save(&map)
+            file.save(map)
         };
         // Even when the file could not be replaced the raise is in force in
         // memory (sessions below it are refused already): it is finished
@@ -327,34 +230,14 @@ impl Epochs {
         volume.drained.notify_all();
         saved.map(|()| f.epoch)
     }
-
-    fn save(&self, map: &BTreeMap<String, u64>) -> Result<(), EpochError> {
-        let io = |what: &'static str, path: &Path| {
-            let path = path.to_owned();
-            move |source| EpochError::Io { what, path, source }
-        };
-        let tmp = self.path.with_extension("tmp");
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(io("creating", &tmp))?;
-        f.write_all(render(map).as_bytes())
-            .and_then(|()| f.sync_all())
-            .map_err(io("writing", &tmp))?;
-        fs::rename(&tmp, &self.path).map_err(io("renaming into place", &self.path))?;
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("syncing the directory of", &self.path))
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::epochs_file::{HEADER_V1 as HEADER, MAX_FILE_BYTES};
     use super::*;
+    use crate::proto::MAX_EPOCH;
+    use std::fs;
     use std::time::Duration;
 
     #[test]
@@ -379,7 +262,8 @@ mod tests {
         drop((a, c, e));
         let e = Epochs::open(dir.path()).unwrap();
         assert_eq!((e.volume("a").current(), e.volume("c").current()), (7, 2));
-        let text = fs::read_to_string(dir.path().join(EPOCHS_FILE)).unwrap();
+        let text =
+            String::from_utf8_lossy(&fs::read(dir.path().join(EPOCHS_FILE)).unwrap()).into_owned();
         assert!(
             text.contains("7 a\n") && text.contains("4 b\n") && text.contains("2 c\n"),
             "{text}"
@@ -392,11 +276,14 @@ mod tests {
         let e = Epochs::open(dir.path()).unwrap();
         e.raise(&e.volume("b"), 12, || {}).unwrap();
         let path = dir.path().join(EPOCHS_FILE);
-        let text = fs::read_to_string(&path).unwrap();
+        let text = String::from_utf8(fs::read(&path).unwrap()).unwrap();
+        // Both slots: one would be survived (see epochs_file).
         fs::write(&path, text.replace("12 b", "11 b")).unwrap();
         let err = Epochs::open(dir.path()).unwrap_err().to_string();
         assert!(
-            err.contains("is damaged (checksum") && err.contains("epochs"),
+            err.contains(
+                "is damaged (neither slot holds valid epochs (slot 0 at offset 0: checksum"
+            ) && err.contains("epochs"),
             "{err}"
         );
         fs::write(&path, "garbage").unwrap();

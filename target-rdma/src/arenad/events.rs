@@ -76,6 +76,11 @@ pub const EPOCH_LEASES_FENCED: &str = "epoch.leases_fenced";
 /// A raised epoch could not be persisted: the request or HELLO that raised it
 /// is refused.
 pub const EPOCH_PERSIST_FAILED: &str = "epoch.persist_failed";
+/// One slot of the epochs file is damaged; the other holds the last saved
+/// epochs, and the next save rewrites both.
+pub const EPOCHS_SLOT_DAMAGED: &str = "epochs.slot_damaged";
+/// A raise was saved in slot 0 of the epochs file but not copied to slot 1.
+pub const EPOCHS_COPY_FAILED: &str = "epochs.copy_failed";
 
 // Volumes at a reload.
 /// A volume added to the configuration is served.
@@ -126,6 +131,8 @@ pub const ALL: &[&str] = &[
     // Epochs.
     EPOCH_LEASES_FENCED,
     EPOCH_PERSIST_FAILED,
+    EPOCHS_SLOT_DAMAGED,
+    EPOCHS_COPY_FAILED,
     // Volumes at a reload.
     VOLUME_SERVED,
     VOLUME_UNSERVED,

@@ -11,6 +11,7 @@ pub mod config;
 mod connection;
 mod dispatch;
 pub mod epochs;
+mod epochs_file;
 pub mod events;
 mod fatal;
 mod fenced;

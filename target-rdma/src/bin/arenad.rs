@@ -211,6 +211,9 @@ fn run(args: &Args) -> Result<ExitCode> {
     let store = Arc::new(Store::open(store_cfg, &specs).context("opening the arena store")?);
     store.set_lease_limits(cfg.lease_limits());
     let epochs = Epochs::open(&cfg.swap_dir).context("loading the volumes' epochs")?;
+    epochs
+        .prepare()
+        .context("allocating the volumes' epochs file")?;
     obs.store_opened(&store, cfg.volumes.len());
     let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
         Ok(provider) => {

@@ -28,6 +28,9 @@ pub(crate) enum Role {
     Journal,
     /// `index.ckpt` (and the temporary file it is created as).
     Checkpoint,
+    /// arenad's `epochs`, beside the store's files (and the temporary
+    /// file a new one is made as).
+    Epochs,
 }
 
 /// A transfer the swap queues on an io_uring.

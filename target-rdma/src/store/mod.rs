@@ -28,13 +28,13 @@ mod check;
 mod checkpoint;
 mod config;
 mod dir;
-mod disk;
+pub(crate) mod disk;
 mod engine;
 mod error;
 mod eviction;
 mod extent;
 #[cfg(test)]
-mod faults;
+pub(crate) mod faults;
 mod format;
 pub mod fuzzing;
 mod hooks;
