@@ -88,7 +88,10 @@ AllowIsolate=yes
 UNIT
 
 log "starting systemd"
-unshare --pid --fork --mount-proc env -i container=ublk-vm PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+# With a /tmp of its own: its boot empties /tmp (tmpfiles.d `D /tmp`), and
+# the guest's /tmp holds a checkout or results dir under the host's /tmp.
+unshare --pid --fork --mount-proc sh -c 'mount -t tmpfs -o mode=1777 tmpfs /tmp && exec "$@"' sh \
+    env -i container=ublk-vm PATH=/usr/sbin:/usr/bin:/sbin:/bin \
     /lib/systemd/systemd --system --unit=ublk-units-test.target --log-target=console --log-level=info --show-status=no \
     >"$R/units-systemd.log" 2>&1 </dev/null &
 UNSHARE=$!
