@@ -16,7 +16,10 @@ use crate::arenad::config::ArenadConfig;
 use crate::arenad::epochs::{self, Epochs, EPOCHS_FILE};
 use crate::auth::Secret;
 use crate::rdma::{open_provider, Isolation, RdmaMode};
-use crate::service::preflight::{bindable, dir_usable, lock_held, room_for, Findings};
+use crate::service::preflight::{
+    bindable, dir_usable, lock_held, lockable, mapping_fits, room_for, Findings, Memory,
+};
+use crate::service::size::ApproxSize;
 use crate::store::{footprint, Store, StoreConfig, VolumeSpec};
 
 /// The store a start of `cfg` opens (what `--check` reads and `--repair`
@@ -57,6 +60,23 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
     match (cfg.rdma, open_provider(cfg.rdma, &cfg.rdma_selector())) {
         (_, Ok(Ok(p))) => {
             f.ok(format!("RDMA device {} usable", p.device_name()));
+            // Registering memory pins it: the whole arena at start when
+            // shared, the leased slots as they are leased otherwise.
+            match (cfg.rdma_isolation, lockable(cfg.arena_bytes)) {
+                (_, None) => f.ok(format!(
+                    "the arena ({}) can be locked for RDMA registration",
+                    ApproxSize(cfg.arena_bytes)
+                )),
+                (Isolation::Shared, Some(why)) => f.problem(format!(
+                    "registering the {} arena for RDMA pins it, and {why}",
+                    ApproxSize(cfg.arena_bytes)
+                )),
+                (Isolation::Lease, Some(why)) => f.warn(format!(
+                    "each RDMA lease pins its slot (up to the {} arena), and {why}: \
+                     leases past the limit get no RDMA key and move their payload by TCP",
+                    ApproxSize(cfg.arena_bytes)
+                )),
+            }
             match (cfg.rdma_isolation, p.limits(), p.new_domain()) {
                 (Isolation::Lease, Ok(l), Ok(_)) => f.ok(format!(
                     "rdma_isolation = \"lease\": a protection domain per RDMA session and a \
@@ -82,6 +102,24 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
             "no usable RDMA device ({why}): rdma = \"auto\" serves TCP only"
         )),
         (_, Err(e)) => f.problem(format!("rdma = \"on\": {e}")),
+    }
+    match Memory::of_host() {
+        Ok(m) => mapping_fits(&mut f, "arena_bytes", cfg.arena_bytes, &m),
+        Err(e) => f.warn(format!("the host's memory could not be read: {e}")),
+    }
+    let quotas = cfg
+        .volumes
+        .iter()
+        .map(|v| v.quota)
+        .fold(0u64, u64::saturating_add);
+    let capacity = cfg.arena_bytes.saturating_add(cfg.swap_bytes);
+    if quotas > capacity {
+        f.warn(format!(
+            "the volumes' quotas add up to {}, more than the arena and swap hold ({}): \
+             volumes can run out of space (NO_SPACE) below their quotas",
+            ApproxSize(quotas),
+            ApproxSize(capacity)
+        ));
     }
     let dir = &cfg.swap_dir;
     let (store, specs) = store_of(cfg);

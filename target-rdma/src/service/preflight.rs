@@ -93,7 +93,9 @@ fn existing(dir: &Path) -> Option<&Path> {
     dir.ancestors().find(|p| p.exists())
 }
 
-/// Whether the daemon could create (or use) directory `dir` as `key`.
+/// Whether the daemon could create (or use) directory `dir` as `key`:
+/// the nearest existing ancestor must be a directory, on a filesystem
+/// that stores files and is writable, and writable by this user.
 pub fn dir_usable(key: &str, dir: &Path) -> Result<String, String> {
     if dir.exists() && !dir.is_dir() {
         return Err(format!("{key} {}: not a directory", dir.display()));
@@ -101,6 +103,38 @@ pub fn dir_usable(key: &str, dir: &Path) -> Result<String, String> {
     let Some(base) = existing(dir) else {
         return Err(format!("{key} {}: no existing parent", dir.display()));
     };
+    if !base.is_dir() {
+        return Err(format!(
+            "{key} {}: {} is not a directory",
+            dir.display(),
+            base.display()
+        ));
+    }
+    match rustix::fs::statvfs(base) {
+        Ok(st) if st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY) => {
+            return Err(format!(
+                "{key} {}: {} is on a read-only filesystem",
+                dir.display(),
+                base.display()
+            ))
+        }
+        Ok(st) if st.f_blocks == 0 => {
+            return Err(format!(
+                "{key} {}: {} is on a filesystem that stores no files (such as /proc or /sys)",
+                dir.display(),
+                base.display()
+            ))
+        }
+        Ok(_) => {}
+        Err(e) => {
+            return Err(format!(
+                "{key} {}: {}: {}",
+                dir.display(),
+                base.display(),
+                io::Error::from(e)
+            ))
+        }
+    }
     if let Err(e) = access(base, Access::WRITE_OK | Access::EXEC_OK) {
         return Err(format!(
             "{key} {}: {} is not writable: {}",
@@ -118,6 +152,108 @@ pub fn dir_usable(key: &str, dir: &Path) -> Result<String, String> {
             base.display()
         )
     })
+}
+
+/// The host's memory as the kernel's overcommit policy counts it
+/// (`/proc/meminfo`, `vm.overcommit_memory`).
+#[derive(Clone, Copy, Debug)]
+pub struct Memory {
+    pub total: u64,
+    pub swap: u64,
+    pub available: u64,
+    pub commit_limit: u64,
+    pub committed: u64,
+    /// `vm.overcommit_memory`: 0 heuristic, 1 always, 2 strict.
+    pub overcommit: u8,
+}
+
+impl Memory {
+    /// This host's.
+    pub fn of_host() -> io::Result<Memory> {
+        let info = std::fs::read_to_string("/proc/meminfo")?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|v| v.trim().trim_end_matches(" kB").parse::<u64>().ok())
+                .map(|kib| kib.saturating_mul(1024))
+                .ok_or_else(|| io::Error::other(format!("/proc/meminfo has no {name}")))
+        };
+        let overcommit = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")?
+            .trim()
+            .parse()
+            .map_err(|_| io::Error::other("vm.overcommit_memory is not a number"))?;
+        Ok(Memory {
+            total: field("MemTotal")?,
+            swap: field("SwapTotal")?,
+            available: field("MemAvailable")?,
+            commit_limit: field("CommitLimit")?,
+            committed: field("Committed_AS")?,
+            overcommit,
+        })
+    }
+}
+
+/// Whether an anonymous mapping of `bytes` (an arena, as `key`) can be made
+/// under `m`'s overcommit policy (a problem when the start's mmap would
+/// fail), and whether the host has the RAM to fill it (a warning).
+pub fn mapping_fits(f: &mut Findings, key: &str, bytes: u64, m: &Memory) {
+    let size = ApproxSize(bytes);
+    let refused = match m.overcommit {
+        // The heuristic refuses one mapping larger than RAM and swap.
+        0 => (bytes > m.total.saturating_add(m.swap)).then(|| {
+            format!(
+                "{key} {size} is more than the host's RAM and swap ({}): mapping it fails \
+                 (vm.overcommit_memory = 0)",
+                ApproxSize(m.total.saturating_add(m.swap))
+            )
+        }),
+        2 => (bytes > m.commit_limit.saturating_sub(m.committed)).then(|| {
+            format!(
+                "{key} {size} is more than the memory left to commit ({} of CommitLimit {}): \
+                 mapping it fails (vm.overcommit_memory = 2)",
+                ApproxSize(m.commit_limit.saturating_sub(m.committed)),
+                ApproxSize(m.commit_limit)
+            )
+        }),
+        _ => None,
+    };
+    match refused {
+        Some(why) => f.problem(why),
+        None if bytes > m.available => f.warn(format!(
+            "{key} {size} is more than the host's available memory ({}): the arena fills as \
+             blobs are written, and the host swaps or kills processes before it is full",
+            ApproxSize(m.available)
+        )),
+        None => f.ok(format!(
+            "{key} {size} fits the host's available memory ({})",
+            ApproxSize(m.available)
+        )),
+    }
+}
+
+/// Whether this process may lock `bytes` of memory (RDMA registration
+/// pins what it registers): CAP_IPC_LOCK, or RLIMIT_MEMLOCK at least
+/// `bytes`. `None` when it may, else the shortfall.
+pub fn lockable(bytes: u64) -> Option<String> {
+    const CAP_IPC_LOCK: u32 = 14;
+    let cap = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|eff| eff & (1 << CAP_IPC_LOCK) != 0);
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+    match (cap, limit) {
+        (true, _) | (_, None) => None,
+        (false, Some(l)) if l >= bytes => None,
+        (false, Some(l)) => Some(format!(
+            "RLIMIT_MEMLOCK is {} and the process lacks CAP_IPC_LOCK (the unit sets \
+             LimitMEMLOCK=infinity; run the check as the service runs)",
+            ApproxSize(l)
+        )),
+    }
 }
 
 /// Free bytes (for unprivileged users) on the filesystem holding `dir`.
