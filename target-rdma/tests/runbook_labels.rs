@@ -273,3 +273,52 @@ fn every_event_is_described_in_the_docs() {
         );
     }
 }
+
+/// Every dashboard panel the runbook cites (dashboard "X", panel *X*) is
+/// a panel of `dashboards/ublk.json`.
+#[test]
+fn the_runbook_cites_only_panels_of_the_dashboard() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&read("dashboards/ublk.json")).expect("the dashboard is JSON");
+    let mut titles = BTreeSet::new();
+    let mut todo = vec![&dashboard];
+    while let Some(v) = todo.pop() {
+        match v {
+            serde_json::Value::Object(m) => {
+                if let Some(serde_json::Value::String(t)) = m.get("title") {
+                    titles.insert(t.clone());
+                }
+                todo.extend(m.values());
+            }
+            serde_json::Value::Array(a) => todo.extend(a),
+            _ => {}
+        }
+    }
+    let runbook = read("docs/RUNBOOK.md").replace('\n', " ");
+    // A title follows each of these and ends at the quote or star after it.
+    let mut cited = Vec::new();
+    for (open, close) in [
+        ("panel *", '*'),
+        ("ashboard \"", '"'),
+        ("\" (or \"", '"'),
+        (" lines) and \"", '"'),
+        ("dashboard's \"", '"'),
+        ("`tcp`: \"", '"'),
+        ("retransmissions\" and \"", '"'),
+    ] {
+        let mut rest = runbook.as_str();
+        while let Some(i) = rest.find(open) {
+            rest = &rest[i + open.len()..];
+            let Some(j) = rest.find(close) else { break };
+            cited.push(rest[..j].to_owned());
+            rest = &rest[j..];
+        }
+    }
+    assert!(cited.len() >= 8, "only {cited:?} cited");
+    for c in &cited {
+        assert!(
+            titles.contains(c),
+            "docs/RUNBOOK.md cites the panel {c:?}, which dashboards/ublk.json lacks"
+        );
+    }
+}
