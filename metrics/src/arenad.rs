@@ -129,6 +129,16 @@ closed_enum! {
     }
 }
 
+closed_enum! {
+    /// Where blobs live: the RAM arena or the swap file behind it.
+    Tier {
+        /// The RAM arena.
+        Arena => "arena",
+        /// The swap file.
+        Swap => "swap",
+    }
+}
+
 /// Store state sampled periodically; plain numbers so arenad can fill it
 /// from its store without this crate depending on it. Cumulative counters
 /// are totals since the store started.
@@ -160,6 +170,8 @@ pub struct ArenaStats {
     pub arena_used_bytes: u64,
     /// Arena capacity in bytes.
     pub arena_capacity_bytes: u64,
+    /// Authenticated sessions open.
+    pub sessions: u64,
     /// Reads refused since start, indexed by [`IntegrityCheck::index`].
     pub integrity_errors: [u64; IntegrityCheck::COUNT],
 }
@@ -179,6 +191,9 @@ pub struct ArenaMetrics {
     swap_written: Counter,
     swap_util: Gauge,
     arena_util: Gauge,
+    used: [Gauge; Tier::COUNT],
+    capacity: [Gauge; Tier::COUNT],
+    sessions: Gauge,
     journal: Arc<LatencyHistogram>,
     checkpoint: Arc<LatencyHistogram>,
     flush: Arc<LatencyHistogram>,
@@ -239,6 +254,10 @@ impl ArenaMetrics {
             swap_written: c0("arenad_swap_written_bytes_total"),
             swap_util: t.gauge("arenad_swap_utilisation_ratio", &[]),
             arena_util: t.gauge("arenad_arena_utilisation_ratio", &[]),
+            used: Tier::ALL.map(|tier| t.gauge("arenad_used_bytes", &[("tier", tier.as_str())])),
+            capacity: Tier::ALL
+                .map(|tier| t.gauge("arenad_capacity_bytes", &[("tier", tier.as_str())])),
+            sessions: t.gauge("arenad_sessions", &[]),
             journal: t.histogram("arenad_journal_latency_seconds", &[]),
             checkpoint: t.histogram("arenad_checkpoint_latency_seconds", &[]),
             flush: t.histogram("arenad_flush_latency_seconds", &[]),
@@ -350,6 +369,14 @@ impl ArenaMetrics {
             .set(ratio(s.swap_used_bytes, s.swap_capacity_bytes));
         self.arena_util
             .set(ratio(s.arena_used_bytes, s.arena_capacity_bytes));
+        for (tier, used, capacity) in [
+            (Tier::Arena, s.arena_used_bytes, s.arena_capacity_bytes),
+            (Tier::Swap, s.swap_used_bytes, s.swap_capacity_bytes),
+        ] {
+            self.used[tier.index()].set(used as f64);
+            self.capacity[tier.index()].set(capacity as f64);
+        }
+        self.sessions.set(s.sessions as f64);
     }
 
     /// Sets a function sampled at every scrape to refresh the store gauges

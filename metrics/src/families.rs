@@ -413,6 +413,24 @@ pub const ARENA: &[Family] = &[
         "Used fraction of the RAM arena (0-1).",
     ),
     f(
+        "arenad_used_bytes",
+        Gauge,
+        &["tier"],
+        "Bytes of blobs held, in the RAM arena or in the swap file.",
+    ),
+    f(
+        "arenad_capacity_bytes",
+        Gauge,
+        &["tier"],
+        "Bytes the RAM arena or the swap file can hold.",
+    ),
+    f(
+        "arenad_sessions",
+        Gauge,
+        &[],
+        "Authenticated paging-protocol sessions open.",
+    ),
+    f(
         "arenad_journal_latency_seconds",
         Histogram,
         &[],

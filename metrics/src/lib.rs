@@ -45,7 +45,7 @@ pub mod tracker;
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
 pub use arenad::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, IntegrityCheck,
-    ProtocolErrorClass, SlotState,
+    ProtocolErrorClass, SlotState, Tier,
 };
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use coordination::{CoordinationMetrics, CoordinationStats, EpochReason};

@@ -187,6 +187,7 @@ fn arenad_exposition() -> String {
         swap_capacity_bytes: 100,
         arena_used_bytes: 10,
         arena_capacity_bytes: 20,
+        sessions: 3,
         integrity_errors: [1, 0],
     });
     t.render().unwrap()

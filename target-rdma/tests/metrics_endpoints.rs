@@ -102,6 +102,12 @@ fn arenad_serves_metrics_readiness_and_redacted_diagnostics() {
         // The FLUSH journaled the write: one journal append was timed.
         "arenad_journal_latency_seconds_count 1",
         "arenad_slots{state=\"dirty\"}",
+        // The client's session, and the sizes configured above.
+        "arenad_sessions 1",
+        "arenad_capacity_bytes{tier=\"arena\"} 4194304",
+        "arenad_capacity_bytes{tier=\"swap\"} 16777216",
+        // The one blob written: one 64K slot.
+        "arenad_used_bytes{tier=\"arena\"} 65536",
         "arenad_ready 1",
         "arenad_build_info{version=",
         "process_start_time_seconds ",

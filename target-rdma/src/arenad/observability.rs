@@ -127,6 +127,8 @@ pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
             .saturating_sub(s.slots_free)
             .saturating_mul(blob),
         arena_capacity_bytes: s.slots_total.saturating_mul(blob),
+        // Not the store's: filled in by the metrics source.
+        sessions: 0,
         integrity_errors,
     }
 }
@@ -199,10 +201,14 @@ impl ArenadObservability {
             store: Arc::clone(store),
         });
         let weak = Arc::downgrade(store);
+        let shared = Arc::clone(&self.shared);
         self.metrics.set_source(move || {
-            weak.upgrade()
+            let mut stats = weak
+                .upgrade()
                 .map(|s| arena_stats(&s.stats(), s.blob_bytes()))
-                .unwrap_or_default()
+                .unwrap_or_default();
+            stats.sessions = shared.connections.load(Ordering::Relaxed) as u64;
+            stats
         });
         let metrics = Arc::clone(&self.metrics);
         store.set_timing_hook(Box::new(move |write, latency| match write {

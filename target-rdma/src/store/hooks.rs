@@ -8,7 +8,7 @@ use super::ids::{HolderId, VolumeId};
 pub enum IndexWrite {
     /// A journal append, fsync included (once per FLUSH that had records).
     Journal,
-    /// A checkpoint: written, fsynced and renamed into place.
+    /// A checkpoint: a slot written in place and fsynced.
     Checkpoint,
 }
 
