@@ -40,14 +40,166 @@ fn create(path: &Path) -> std::io::Result<BufWriter<File>> {
     File::create(path).map(BufWriter::new)
 }
 
+/// The sections of a command's page that its arguments do not give:
+/// (heading, roff body). Facts from docs/OPERATIONS.md.
+fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
+    match name {
+        "ublkd" => &[
+            (
+                "EXIT STATUS",
+                "0 after a stop by SIGTERM or SIGINT, or when \\fB--check-config\\fR finds \
+                 no problem; 1 when the start is refused or \\fB--check-config\\fR finds a \
+                 problem (the reason on stderr); 2 for a usage error.",
+            ),
+            (
+                "SIGNALS",
+                ".TP\n\\fBSIGHUP\\fR\nRe-reads the configuration and applies what it can \
+                 without a restart (\\fBublkctl reload\\fR does the same and reports the \
+                 outcome).\n.TP\n\\fBSIGTERM\\fR, \\fBSIGINT\\fR\nStops: with \
+                 \\fIon_shutdown = \"keep\"\\fR every device's arena session is flushed and \
+                 the devices stay in the kernel for the next ublkd to recover; with \
+                 \\fI\"remove\"\\fR they are deleted.",
+            ),
+            (
+                "FILES",
+                ".TP\n\\fI/etc/ublkd/ublkd.toml\\fR\nThe configuration (\\fB--config\\fR).\n\
+                 .TP\n\\fI/var/lib/ublkd/devices/\\fR\nOne definition per device \
+                 (\\fIstate_dir\\fR), brought back at start.\n.TP\n\
+                 \\fI/run/ublkd/ublkd.sock\\fR\nThe control socket \\fBublkctl\\fR talks to \
+                 (\\fIsocket\\fR).",
+            ),
+            (
+                "EXAMPLES",
+                "Check a configuration without starting:\n.PP\n.nf\n\
+                 ublkd --config /etc/ublkd/ublkd.toml --check-config\n.fi\n.PP\n\
+                 Run as the packaged unit does:\n.PP\n.nf\nsystemctl enable --now ublkd\n.fi",
+            ),
+            (
+                "SEE ALSO",
+                "\\fBublkctl\\fR(8), \\fBarenad\\fR(8); /usr/share/doc/ublkd/OPERATIONS.md",
+            ),
+        ],
+        "arenad" => &[
+            (
+                "EXIT STATUS",
+                "0 after a stop by SIGTERM or SIGINT (the store flushed), when \\fB--check\\fR \
+                 finds no problem, or when \\fB--repair\\fR lost nothing; 1 when the start is \
+                 refused, \\fB--check\\fR finds a problem or \\fB--repair\\fR fails (the \
+                 reason on stderr); 2 when \\fB--repair\\fR reports losses, or for a usage \
+                 error.",
+            ),
+            (
+                "SIGNALS",
+                ".TP\n\\fBSIGHUP\\fR\nRe-reads the configuration and the command line: \
+                 volumes added, removed and re-keyed, the log level; the outcome is logged \
+                 (\\fIconfig.reloaded\\fR or \\fIconfig.reload_failed\\fR).\n.TP\n\
+                 \\fBSIGTERM\\fR, \\fBSIGINT\\fR\nStops accepting, lets the requests \
+                 already read finish (up to \\fIshutdown_timeout_secs\\fR), flushes the \
+                 store and exits.",
+            ),
+            (
+                "FILES",
+                ".TP\n\\fI/etc/arenad/arenad.toml\\fR\nThe configuration (\\fB--config\\fR).\n\
+                 .TP\n\\fIswap_dir\\fR (\\fI/var/lib/arenad\\fR)\nThe store: \
+                 \\fIswap.dat\\fR (the extents), \\fIswap.meta\\fR (their headers), \
+                 \\fIindex.ckpt\\fR and \\fIindex.journal\\fR (the index), \\fIepochs\\fR \
+                 (the volumes' membership epochs), \\fIlock\\fR.",
+            ),
+            (
+                "EXAMPLES",
+                "Check a configuration and the store without starting:\n.PP\n.nf\n\
+                 arenad --config /etc/arenad/arenad.toml --check\n.fi\n.PP\n\
+                 Rebuild a damaged index from the extent headers (arenad stopped):\n.PP\n.nf\n\
+                 arenad --config /etc/arenad/arenad.toml --repair\n.fi",
+            ),
+            (
+                "SEE ALSO",
+                "\\fBublkd\\fR(8), \\fBublkctl\\fR(8); /usr/share/doc/arenad/OPERATIONS.md",
+            ),
+        ],
+        "ublkctl" => &[
+            (
+                "EXIT STATUS",
+                "0 on success; 1 when the request fails (the reason on stderr; with \
+                 \\fB--json\\fR also one line {\"error\":{\"kind\":...,\"message\":...}} on \
+                 stdout); 2 for a usage error.",
+            ),
+            (
+                "ENVIRONMENT",
+                ".TP\n\\fBUBLKCTL_SOCKET\\fR\nThe control socket, when \\fB--socket\\fR is not \
+                 given.",
+            ),
+            (
+                "FILES",
+                ".TP\n\\fI/etc/ublkd/ublkd.toml\\fR\nWhere the socket is found (its \
+                 \\fIsocket\\fR key) when neither \\fB--socket\\fR nor \
+                 \\fBUBLKCTL_SOCKET\\fR is given.\n.TP\n\\fI/run/ublkd/ublkd.sock\\fR\n\
+                 The default socket.",
+            ),
+            (
+                "EXAMPLES",
+                "A device on an arena peer, and its state:\n.PP\n.nf\n\
+                 ublkctl add --peer 10.0.0.5:7070 --volume vm1 --secret-file /etc/ublkd/vm1.key \\\\\n\
+                 \\ \\ \\ \\ --size 10G\nublkctl list\n.fi",
+            ),
+            ("SEE ALSO", "\\fBublkd\\fR(8), \\fBarenad\\fR(8)"),
+        ],
+        _ => &[],
+    }
+}
+
 fn man_page(dir: &Path, cmd: Command) -> std::io::Result<()> {
-    let man = clap_mangen::Man::new(cmd)
+    let extra = sections(cmd.get_name());
+    let man = clap_mangen::Man::new(cmd.clone())
         .section("8")
         .manual("ublk-arena")
         .source(format!("ublk-arena {}", env!("CARGO_PKG_VERSION")));
     let mut out = create(&dir.join(man.get_filename()))?;
-    man.render(&mut out)?;
+    if extra.is_empty() {
+        man.render(&mut out)?;
+        return out.flush();
+    }
+    man.render_title(&mut out)?;
+    man.render_name_section(&mut out)?;
+    man.render_synopsis_section(&mut out)?;
+    man.render_description_section(&mut out)?;
+    man.render_options_section(&mut out)?;
+    if cmd.get_subcommands().next().is_some() {
+        man.render_subcommands_section(&mut out)?;
+    }
+    for (heading, body) in extra {
+        writeln!(out, ".SH \"{heading}\"\n{body}")?;
+    }
+    man.render_version_section(&mut out)?;
     out.flush()
+}
+
+/// `cmd` with no `help` subcommand at any depth.
+fn without_help(mut cmd: Command) -> Command {
+    let names: Vec<String> = cmd
+        .get_subcommands()
+        .map(|s| s.get_name().to_owned())
+        .collect();
+    for n in names {
+        cmd = cmd.mut_subcommand(n, without_help);
+    }
+    cmd.disable_help_subcommand(true)
+}
+
+/// The page of `cmd` (named `page`, run as `bin`) and of each of its
+/// subcommands, at any depth: a page that lists a subcommand has it.
+fn man_pages(dir: &Path, cmd: &Command, page: &str, bin: &str) -> std::io::Result<()> {
+    man_page(dir, cmd.clone().display_name(page).bin_name(bin))?;
+    for sub in cmd.get_subcommands() {
+        let name = sub.get_name();
+        man_pages(
+            dir,
+            sub,
+            &format!("{page}-{name}"),
+            &format!("{bin} {name}"),
+        )?;
+    }
+    Ok(())
 }
 
 fn main() -> std::io::Result<()> {
@@ -59,19 +211,14 @@ fn main() -> std::io::Result<()> {
     let man = out.join("man8");
     create_dir_all(&man)?;
     for mut cmd in commands() {
-        // Propagates global options into the subcommands' pages.
+        // The pages list no `help` subcommand (none is shipped as a page);
+        // the completions still offer it. Building propagates global
+        // options into the subcommands' pages.
+        let mut page = without_help(cmd.clone());
+        page.build();
         cmd.build();
         let name = cmd.get_name().to_string();
-        man_page(&man, cmd.clone())?;
-        for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
-            let page = format!("{name}-{}", sub.get_name());
-            man_page(
-                &man,
-                sub.clone()
-                    .display_name(&page)
-                    .bin_name(format!("{name} {}", sub.get_name())),
-            )?;
-        }
+        man_pages(&man, &page, &name, &name)?;
         for (shell, file) in [
             (Shell::Bash, name.clone()),
             (Shell::Zsh, format!("_{name}")),
