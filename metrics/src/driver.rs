@@ -318,11 +318,8 @@ impl DriverStatsRegistry {
         if !Self::admit_family(inner, &family) {
             return None;
         }
-        self.telemetry.describe(
-            family.clone(),
-            Kind::Counter,
-            "Driver statistic reported by the data path; see docs/METRICS.md.",
-        );
+        self.telemetry
+            .describe(family.clone(), Kind::Counter, names::help(base));
         let mut labels: Vec<(&'static str, &str)> = vec![("driver", driver)];
         if let Some(r) = reason {
             labels.push(("reason", r));
@@ -344,11 +341,8 @@ impl DriverStatsRegistry {
         if !Self::admit_family(inner, &family) {
             return None;
         }
-        self.telemetry.describe(
-            family.clone(),
-            Kind::Gauge,
-            "Driver level reported by the data path; see docs/METRICS.md.",
-        );
+        self.telemetry
+            .describe(family.clone(), Kind::Gauge, names::help(name));
         let g = self.telemetry.gauge(family, &[("driver", driver)]);
         inner.gauges.insert(key, g.clone());
         Some(g)

@@ -713,6 +713,112 @@ pub mod driver_names {
     ];
     /// Every well-known gauge name.
     pub const GAUGES: &[&str] = &[BUFFER_POOL_FREE, BUFFER_POOL_IN_USE, BUFFER_POOL_PEAK];
+
+    /// The `# HELP` text of each well-known name's family.
+    const HELP: &[(&str, &str)] = &[
+        (RDMA_REQUESTS, "RDMA requests posted, by op."),
+        (
+            RDMA_TRANSFERRED,
+            "RDMA requests whose payload moved by RDMA, by op.",
+        ),
+        (
+            RDMA_DECLINED_SERVED_TCP,
+            "RDMA requests the peer declined (no key), served over TCP instead, by op.",
+        ),
+        (
+            RDMA_DECLINED_FAILED,
+            "RDMA requests the peer declined that then failed, by op.",
+        ),
+        (
+            RDMA_FAILED,
+            "RDMA requests that failed (a work completion error or a failed post).",
+        ),
+        (
+            RDMA_PROTOCOL_ERRORS,
+            "RDMA requests the peer answered with a protocol error.",
+        ),
+        (RDMA_TIMED_OUT, "RDMA requests that timed out."),
+        (
+            TCP_PAYLOAD_REQUESTS,
+            "Requests whose payload moved inline on the TCP stream, by op and reason.",
+        ),
+        (
+            TCP_PAYLOAD_BYTES,
+            "Payload bytes moved inline on the TCP stream, by op and reason.",
+        ),
+        (
+            REGISTRATIONS_POOLED,
+            "RDMA buffers taken from the registered pool.",
+        ),
+        (
+            REGISTRATIONS_PER_OP,
+            "RDMA buffers registered for one operation (the pool was empty).",
+        ),
+        (
+            REGISTRATION_FAILURES,
+            "RDMA memory registrations that failed.",
+        ),
+        (ALLOCATION_FAILURES, "Buffer allocations that failed."),
+        (LEASE_FAILURES, "Lease (token) failures."),
+        (
+            BUFFER_POOL_FREE,
+            "Registered RDMA buffers free in the pool.",
+        ),
+        (BUFFER_POOL_IN_USE, "Registered RDMA buffers in use."),
+        (
+            BUFFER_POOL_PEAK,
+            "Most registered RDMA buffers ever in use at once.",
+        ),
+        (
+            RECONNECTS,
+            "Control connections re-established after a loss.",
+        ),
+        (
+            REQUEST_TIMEOUTS,
+            "Requests that got no answer within the request timeout.",
+        ),
+        (
+            REQUEST_RETRIES,
+            "Idempotent requests sent again over a new connection.",
+        ),
+        (
+            LATE_ANSWERS,
+            "Answers that arrived after their request had timed out.",
+        ),
+        (
+            PEER_RESTARTS,
+            "Reconnects that found the peer restarted (a new store generation).",
+        ),
+        (
+            REVOCATIONS_RECEIVED,
+            "Lease revocations (REVOKE) the peer sent.",
+        ),
+        (
+            REVOCATIONS_DROPPED,
+            "Revocations dropped because the lease's owner did not collect them.",
+        ),
+        (
+            FRAME_ERRORS,
+            "Answer frames that could not be parsed, by the frame error's class.",
+        ),
+        (
+            RESPONSE_ID_MISMATCHES,
+            "Answers naming a request not in flight, or with another opcode.",
+        ),
+        (
+            LENGTH_MISMATCHES,
+            "Answers whose length differs from what their request asked for.",
+        ),
+    ];
+
+    /// The `# HELP` text of the family of statistic `name` (a well-known
+    /// one; others get a text that points to the documentation).
+    pub fn help(name: &str) -> &'static str {
+        HELP.iter().find(|(n, _)| *n == name).map_or(
+            "A statistic reported by the data path's driver; see docs/METRICS.md.",
+            |(_, h)| h,
+        )
+    }
     /// Counters that indicate a problem: the summary prints one line for
     /// each that is non-zero.
     pub const PROBLEMS: &[&str] = &[

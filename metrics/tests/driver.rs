@@ -217,3 +217,38 @@ ublkb2: warning: no driver statistics reported
 ";
     assert_eq!(text, expected);
 }
+
+/// Each family has a HELP text of its own: every well-known statistic,
+/// reported, renders a distinct, non-empty `# HELP` line.
+#[test]
+fn every_family_has_its_own_help_text() {
+    let t = Telemetry::isolated(Daemon::Ublkd, "test");
+    let reg = DriverStatsRegistry::new(&t);
+    let a = Fake::new("rdma");
+    for name in names::COUNTERS {
+        a.set(name, Some(IoOp::Read), None, 1);
+    }
+    for name in names::GAUGES {
+        a.gauge(name, 1.0);
+    }
+    reg.add_device(0, Transport::Rdma, a.clone());
+    let text = t.render().unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("# HELP ") else {
+            continue;
+        };
+        let (family, help) = rest.split_once(' ').unwrap_or((rest, ""));
+        assert!(!help.trim().is_empty(), "{family} has no HELP text");
+        if let Some(other) = seen.insert(help.to_owned(), family.to_owned()) {
+            panic!("{family} and {other} share the HELP text {help:?}");
+        }
+    }
+    for name in names::COUNTERS {
+        let family = format!("ublk_driver_{name}_total");
+        assert!(
+            seen.values().any(|f| *f == family),
+            "{family} not rendered:\n{text}"
+        );
+    }
+}
