@@ -34,6 +34,7 @@ pub(super) fn route(head: &[u8], openmetrics: bool) -> Route {
         return Route::Now(plain(405, "method not allowed\n"));
     }
     let what = match path {
+        "/metrics" if openmetrics && prefers_openmetrics(head) => Rendered::OpenMetrics,
         "/metrics" => Rendered::Metrics,
         "/metrics/openmetrics" if openmetrics => Rendered::OpenMetrics,
         "/ready" => Rendered::Ready,
@@ -49,6 +50,34 @@ pub(super) fn route(head: &[u8], openmetrics: bool) -> Route {
         _ => return Route::Now(response(404, "text/plain", b"not found\n", head_only)),
     };
     Route::Render { what, head_only }
+}
+
+/// Whether the request's `Accept` header ranks the OpenMetrics text format
+/// above the Prometheus text format (as Prometheus itself asks: OpenMetrics
+/// first, `text/plain` at a lower `q`). No header, or a tie, is text.
+fn prefers_openmetrics(head: &[u8]) -> bool {
+    let head = String::from_utf8_lossy(head);
+    let Some(accept) = head.split("\r\n").skip(1).find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.trim().eq_ignore_ascii_case("accept").then_some(value)
+    }) else {
+        return false;
+    };
+    let (mut om, mut text) = (0.0f32, 0.0f32);
+    for range in accept.split(',') {
+        let mut parts = range.split(';').map(str::trim);
+        let media = parts.next().unwrap_or_default().to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| p.strip_prefix("q="))
+            .find_map(|v| v.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        match media.as_str() {
+            "application/openmetrics-text" => om = om.max(q),
+            "text/plain" | "text/*" | "*/*" => text = text.max(q),
+            _ => {}
+        }
+    }
+    om > text
 }
 
 /// Builds the answer of a [`Route::Render`] (on a render worker).
@@ -115,4 +144,37 @@ fn response(status: u16, ctype: &str, body: &[u8], head_only: bool) -> Vec<u8> {
         out.extend_from_slice(body);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn what(head: &str, openmetrics: bool) -> Option<Rendered> {
+        match route(head.as_bytes(), openmetrics) {
+            Route::Render { what, .. } => Some(what),
+            Route::Now(_) => None,
+        }
+    }
+
+    #[test]
+    fn metrics_answers_openmetrics_to_a_client_that_prefers_it() {
+        // What Prometheus sends.
+        let prometheus = "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: \
+            application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+            version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n\r\n";
+        assert_eq!(what(prometheus, true), Some(Rendered::OpenMetrics));
+        // Not when the daemon does not serve OpenMetrics.
+        assert_eq!(what(prometheus, false), Some(Rendered::Metrics));
+        for head in [
+            "GET /metrics HTTP/1.1\r\n\r\n",
+            "GET /metrics HTTP/1.1\r\naccept: */*\r\n\r\n",
+            "GET /metrics HTTP/1.1\r\nAccept: text/plain, application/openmetrics-text\r\n\r\n",
+            "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;q=0.2, text/plain\r\n\r\n",
+        ] {
+            assert_eq!(what(head, true), Some(Rendered::Metrics), "{head:?}");
+        }
+        let om = "GET /metrics HTTP/1.1\r\nACCEPT: Application/OpenMetrics-Text\r\n\r\n";
+        assert_eq!(what(om, true), Some(Rendered::OpenMetrics));
+    }
 }
