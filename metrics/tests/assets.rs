@@ -555,6 +555,20 @@ fn dashboard_is_a_fleet_dashboard_with_variables_units_and_descriptions() {
         );
         let targets = p["targets"].as_array().expect("targets");
         assert!(!targets.is_empty(), "{title}: no query");
+        // A byte count and a byte rate are two units: two panels.
+        let rates = targets
+            .iter()
+            .filter(|t| str_at(t, &["expr"]).contains("rate("))
+            .count();
+        match unit {
+            "bytes" => assert_eq!(rates, 0, "{title}: unit bytes, but a query is a rate"),
+            "Bps" | "binBps" => assert_eq!(
+                rates,
+                targets.len(),
+                "{title}: unit bytes/s, but a query is not a rate"
+            ),
+            _ => {}
+        }
         for t in targets {
             assert_eq!(
                 str_at(t, &["datasource", "uid"]),
