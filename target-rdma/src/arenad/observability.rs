@@ -200,14 +200,18 @@ impl ArenadObservability {
         let _ = self.shared.opened.set(Opened {
             store: Arc::clone(store),
         });
+        // Weak both: the store holds the metrics (its timing hook), and
+        // `shared` holds the store.
         let weak = Arc::downgrade(store);
-        let shared = Arc::clone(&self.shared);
+        let shared = Arc::downgrade(&self.shared);
         self.metrics.set_source(move || {
             let mut stats = weak
                 .upgrade()
                 .map(|s| arena_stats(&s.stats(), s.blob_bytes()))
                 .unwrap_or_default();
-            stats.sessions = shared.connections.load(Ordering::Relaxed) as u64;
+            stats.sessions = shared
+                .upgrade()
+                .map_or(0, |s| s.connections.load(Ordering::Relaxed) as u64);
             stats
         });
         let metrics = Arc::clone(&self.metrics);
