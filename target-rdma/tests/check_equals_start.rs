@@ -92,6 +92,14 @@ fn meminfo(field: &str) -> u64 {
         * 1024
 }
 
+/// An arenad in `dir` whose arena (and swap, which must be as large) is
+/// 2 GiB above `bytes`, and that size in GiB.
+fn arena_above(dir: &Path, bytes: u64) -> (u64, Arenad) {
+    let gib = (bytes >> 30) + 2;
+    let size = format!("{gib}G");
+    (gib, Arenad::new(dir, &size, "16M", &size, None))
+}
+
 #[test]
 fn an_arena_the_kernel_will_not_map_is_refused_by_both() {
     let dir = tempfile::tempdir().unwrap();
@@ -108,14 +116,7 @@ fn an_arena_the_kernel_will_not_map_is_refused_by_both() {
         // Any mapping is made: a start would go on and fill the host, so
         // it is not run; the check warns.
         _ => {
-            let arena = (meminfo("MemAvailable") >> 30) + 2;
-            let a = Arenad::new(
-                dir.path(),
-                &format!("{arena}G"),
-                "16M",
-                &format!("{arena}G"),
-                None,
-            );
+            let (_, a) = arena_above(dir.path(), meminfo("MemAvailable"));
             let out = said(&a.run(&["--check"]));
             assert!(
                 out.contains("is more than the host's available memory"),
@@ -124,14 +125,7 @@ fn an_arena_the_kernel_will_not_map_is_refused_by_both() {
             return;
         }
     };
-    let arena = (limit >> 30) + 2;
-    let a = Arenad::new(
-        dir.path(),
-        &format!("{arena}G"),
-        "16M",
-        &format!("{arena}G"),
-        None,
-    );
+    let (arena, a) = arena_above(dir.path(), limit);
     both_refuse(
         &a,
         &format!("arena_bytes {arena}G {check_says}"),

@@ -22,7 +22,6 @@
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::events;
@@ -300,16 +299,7 @@ impl EpochsFile {
         let tmp = self.path.with_extension("tmp");
         let file = self
             .dir
-            .open(
-                Role::Epochs,
-                &tmp,
-                OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(0o600),
-            )
+            .create(Role::Epochs, &tmp)
             .map_err(io("creating", &tmp))?;
         // Both slots written whole: every block allocated now.
         let mut buf = text.as_bytes().to_vec();
@@ -337,7 +327,7 @@ mod tests {
 
     use super::*;
     use crate::store::disk::Disk;
-    use crate::store::faults::{Fault, FaultyDisk, Op};
+    use crate::store::faults::{FaultyDisk, Op, EVERY_FAULT};
 
     fn on(disk: &Arc<FaultyDisk>, dir: &Path) -> StoreDir {
         StoreDir::new(dir, Arc::clone(disk) as Arc<dyn Disk>)
@@ -493,23 +483,9 @@ mod tests {
             disk
         };
         let mut cases = 0;
-        for (op, faults) in [
-            (Op::Open, vec![Fault::Errno(libc::EIO)]),
-            (Op::Read, vec![Fault::Errno(libc::EIO)]),
-            (
-                Op::Write,
-                vec![
-                    Fault::Errno(libc::EIO),
-                    Fault::Errno(libc::ENOSPC),
-                    Fault::Short,
-                    Fault::Torn,
-                ],
-            ),
-            (Op::Sync, vec![Fault::Errno(libc::EIO)]),
-            (Op::Rename, vec![Fault::Errno(libc::EIO)]),
-        ] {
+        for &(op, faults) in EVERY_FAULT {
             for n in 1..=clean.calls(Role::Epochs, op) {
-                for &fault in &faults {
+                for &fault in faults {
                     let dir = tempfile::tempdir().unwrap();
                     let disk = Arc::new(FaultyDisk::default());
                     disk.fail_once(Role::Epochs, op, n, fault);

@@ -13,7 +13,7 @@ use std::fs::{File, Metadata, OpenOptions};
 use std::io;
 use std::ops::Deref;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -138,6 +138,21 @@ impl StoreDir {
             role,
             disk: Arc::clone(&self.disk),
         })
+    }
+
+    /// Creates (or empties) `path` as `role` for reading and writing, 0600
+    /// whatever the umask (the files name volumes and hold their data).
+    pub(crate) fn create(&self, role: Role, path: &Path) -> io::Result<DiskFile> {
+        self.open(
+            role,
+            path,
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600),
+        )
     }
 
     /// The whole of `path`, read as `role`.

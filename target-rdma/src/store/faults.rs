@@ -48,6 +48,24 @@ pub(crate) enum Fault {
     Torn,
 }
 
+/// Every fault the sweeps inject, by the operation it is put on.
+pub(crate) const EVERY_FAULT: &[(Op, &[Fault])] = &[
+    (Op::Open, &[Fault::Errno(libc::EIO)]),
+    (Op::Read, &[Fault::Errno(libc::EIO)]),
+    (
+        Op::Write,
+        &[
+            Fault::Errno(libc::EIO),
+            Fault::Errno(libc::ENOSPC),
+            Fault::Short,
+            Fault::Torn,
+        ],
+    ),
+    (Op::Sync, &[Fault::Errno(libc::EIO)]),
+    (Op::Allocate, &[Fault::Errno(libc::ENOSPC)]),
+    (Op::Rename, &[Fault::Errno(libc::EIO)]),
+];
+
 #[derive(Clone, Copy, Debug)]
 struct Rule {
     role: Role,

@@ -8,9 +8,8 @@
 //! checkpoint fail with ENOSPC, and a restart on a full filesystem needs no
 //! new space.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use super::disk::{DiskFile, Role, StoreDir};
@@ -20,31 +19,19 @@ use super::error::{io_err, StoreError};
 /// clearing a range).
 const ZERO_CHUNK: usize = 1 << 20;
 
-/// Creates (or empties) `path`, a file of `dir`, as `role` for reading and
-/// writing, `len` bytes allocated, 0600 whatever the umask (the index names
-/// volumes, the swap holds their data).
+/// Creates (or empties) `path`, a file of `dir`, as `role` (see
+/// [`StoreDir::create`]), `len` bytes allocated.
 pub(super) fn create(
     dir: &StoreDir,
     role: Role,
     path: &Path,
     len: u64,
 ) -> Result<DiskFile, StoreError> {
-    let file = dir
-        .open(
-            role,
-            path,
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600),
-        )
-        .map_err(|source| StoreError::Io {
-            what: "creating",
-            path: path.to_path_buf(),
-            source,
-        })?;
+    let file = dir.create(role, path).map_err(|source| StoreError::Io {
+        what: "creating",
+        path: path.to_path_buf(),
+        source,
+    })?;
     reserve(&file, path, len)?;
     Ok(file)
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use super::support::*;
 use super::*;
 use crate::store::disk::{Disk, Role};
-use crate::store::faults::{Fault, FaultyDisk, Op};
+use crate::store::faults::{Fault, FaultyDisk, Op, EVERY_FAULT};
 
 const SLOTS: u64 = 4;
 const EXTENTS: u64 = 24;
@@ -186,30 +186,14 @@ fn sample(total: u64) -> Vec<u64> {
         .collect()
 }
 
-/// Each fault of `faults` on each sampled call of each operation of the
-/// `role` file.
+/// Each fault of [`EVERY_FAULT`] on each sampled call of each operation
+/// of the `role` file.
 fn sweep(role: Role) {
-    let ops = [
-        (Op::Open, vec![Fault::Errno(libc::EIO)]),
-        (Op::Read, vec![Fault::Errno(libc::EIO)]),
-        (
-            Op::Write,
-            vec![
-                Fault::Errno(libc::EIO),
-                Fault::Errno(libc::ENOSPC),
-                Fault::Short,
-                Fault::Torn,
-            ],
-        ),
-        (Op::Sync, vec![Fault::Errno(libc::EIO)]),
-        (Op::Allocate, vec![Fault::Errno(libc::ENOSPC)]),
-        (Op::Rename, vec![Fault::Errno(libc::EIO)]),
-    ];
     let (mut cases, mut answered) = (0, 0);
-    for (op, faults) in ops {
+    for &(op, faults) in EVERY_FAULT {
         let total = calls(role, op);
         for n in sample(total) {
-            for &fault in &faults {
+            for &fault in faults {
                 let dir = tempfile::tempdir().unwrap();
                 let disk = Arc::new(FaultyDisk::default());
                 disk.fail_once(role, op, n, fault);
