@@ -22,7 +22,9 @@ use super::ids::{HolderId, VolumeId};
 use super::index;
 use super::repair::{self, RepairReport};
 use super::residency::{Immediate, Residency};
-use super::stats::StoreStats;
+#[cfg(test)]
+use super::stats::BlobCounts;
+use super::stats::{StoreStats, VolumeUsage};
 use crate::proto::{Lease, MAX_VOLUME_NAME};
 
 /// The arena peer's storage engine. `Send + Sync`; call it from any thread.
@@ -350,6 +352,30 @@ impl Store {
     /// Counters and gauges for metrics.
     pub fn stats(&self) -> StoreStats {
         self.locked(|c, g| c.stats(g))
+    }
+
+    /// Every volume's blobs, residency and leases, by volume id.
+    pub fn volume_usage(&self) -> Vec<VolumeUsage> {
+        self.locked(|_, g| g.volume_usage())
+    }
+
+    /// Each volume's (blobs, resident, on swap) as kept and as counted
+    /// from the blobs, taken under one hold of the lock.
+    #[cfg(test)]
+    pub(in crate::store) fn usage_and_recount(&self) -> (Vec<BlobCounts>, Vec<BlobCounts>) {
+        self.locked(|_, g| {
+            let kept: Vec<BlobCounts> = g
+                .volume_usage()
+                .iter()
+                .map(|u| (u.blobs, u.resident, u.on_swap))
+                .collect();
+            (kept, g.recounted_usage())
+        })
+    }
+
+    /// The leases `holder` holds.
+    pub fn leases_held_by(&self, holder: HolderId) -> usize {
+        self.locked(|_, g| g.leases_held_by(holder))
     }
 }
 

@@ -63,7 +63,7 @@ pub use ids::{HolderId, VolumeId};
 pub use in_process::InProcess;
 pub use repair::{BlobRef, RepairReport};
 pub use residency::{Immediate, Residency};
-pub use stats::StoreStats;
+pub use stats::{StoreStats, VolumeUsage};
 
 /// What the benchmarks time inside the store (feature `bench-hooks`, which
 /// only benches and tests turn on).

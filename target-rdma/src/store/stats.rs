@@ -48,3 +48,30 @@ pub struct StoreStats {
     /// [`IntegrityKind::index`].
     pub integrity_errors: [u64; IntegrityKind::COUNT],
 }
+
+/// A volume's (blobs, resident, on swap), as the store's tests compare
+/// them.
+#[cfg(test)]
+pub(crate) type BlobCounts = (u64, u64, u64);
+
+/// One volume's share of the store, for `arenactl volumes` and the
+/// per-volume metrics: counted as blobs move, so reading it costs one
+/// entry per volume, whatever the store holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VolumeUsage {
+    /// The volume's name.
+    pub name: String,
+    /// Configured; `false` for a volume kept only from the persisted index.
+    pub served: bool,
+    /// Most distinct blobs it may hold.
+    pub quota_blobs: u64,
+    /// Blobs it holds.
+    pub blobs: u64,
+    /// Of those, blobs with a slot in the arena.
+    pub resident: u64,
+    /// Of those, blobs with a complete swap image (a clean resident blob
+    /// is both).
+    pub on_swap: u64,
+    /// Leases pinning one of its slots.
+    pub leases: u64,
+}

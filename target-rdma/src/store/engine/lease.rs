@@ -143,7 +143,13 @@ impl Leases {
         self.ends
     }
 
-    fn live(&self, vol: VolumeId) -> usize {
+    /// Leases in the table held by `holder`.
+    pub(super) fn held_by(&self, holder: HolderId) -> usize {
+        self.held.get(&holder).copied().unwrap_or(0)
+    }
+
+    /// Leases pinning a slot of `vol`.
+    pub(super) fn live(&self, vol: VolumeId) -> usize {
         self.live.get(&vol).copied().unwrap_or(0)
     }
 

@@ -45,6 +45,8 @@ pub(in crate::store) fn open(
             name: v.name.clone(),
             quota: v.quota_blobs,
             blobs: 0,
+            resident: 0,
+            on_swap: 0,
             served: true,
         })
         .collect();
@@ -73,7 +75,7 @@ pub(in crate::store) fn open(
                 .map(|name| {
                     *by_name.entry(name.clone()).or_insert_with(|| {
                         tracing::warn!(event = events::VOLUME_NOT_CONFIGURED, volume = %name, "keeping the blobs of a persisted volume that is no longer configured");
-                        volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0, served: false });
+                        volumes.push(Volume { name: name.clone(), quota: 0, blobs: 0, resident: 0, on_swap: 0, served: false });
                         (volumes.len() - 1) as u32
                     })
                 })
@@ -83,6 +85,7 @@ pub(in crate::store) fn open(
                 // The load saw to it that no extent is mapped twice.
                 used[extent as usize] = true;
                 volumes[vol as usize].blobs += 1;
+                volumes[vol as usize].on_swap += 1;
                 let placed = Some(Placed { extent, version });
                 blobs.insert(
                     (vol, key),

@@ -159,6 +159,7 @@ impl Core {
             let placed = match st.blobs.get_mut(&key) {
                 Some(b) if b.slot.is_none() && (stage || b.damaged.is_none()) => {
                     b.slot = Some(slot);
+                    st.volumes.get_mut(key.0).resident += 1;
                     // A whole-blob write replaces a damaged image.
                     b.damaged = None;
                     b.extent.expect("a blob without a slot has a swap extent")
@@ -253,7 +254,9 @@ impl Core {
                     damaged: None,
                 },
             );
-            st.volumes.get_mut(key.0).blobs += 1;
+            let v = st.volumes.get_mut(key.0);
+            v.blobs += 1;
+            v.resident += 1;
             return Ok(if stage {
                 Staged::Staged(slot)
             } else {

@@ -27,7 +27,9 @@ use crate::store::format::{Snapshot, Version, MAX_VOLUMES};
 use crate::store::hooks::TimingHook;
 use crate::store::ids::{BlobKey, HolderId, VolumeId};
 use crate::store::residency::Residency;
-use crate::store::stats::StoreStats;
+#[cfg(test)]
+use crate::store::stats::BlobCounts;
+use crate::store::stats::{StoreStats, VolumeUsage};
 use crate::store::swap::Swap;
 
 #[derive(Default)]
@@ -162,6 +164,7 @@ impl State {
             m.owner = None;
             if let Some(b) = self.blobs.get_mut(&key) {
                 b.slot = None;
+                self.volumes.get_mut(key.0).resident -= 1;
             }
         }
         self.slots.free_if_orphaned(slot);
@@ -241,7 +244,10 @@ impl State {
         let Some(blob) = self.blobs.remove(&key) else {
             return;
         };
-        self.volumes.get_mut(key.0).blobs -= 1;
+        let v = self.volumes.get_mut(key.0);
+        v.blobs -= 1;
+        v.resident -= u64::from(blob.slot.is_some());
+        v.on_swap -= u64::from(blob.extent.is_some());
         // An extent an in-flight write-back targets is freed when that ends.
         let mut writing = None;
         if let Some(s) = blob.slot {
@@ -292,6 +298,28 @@ impl State {
         self.durable.index.timing = Some(hook);
     }
 
+    pub(in crate::store) fn volume_usage(&self) -> Vec<VolumeUsage> {
+        self.volumes.usage(|vol| self.leases.live(vol))
+    }
+
+    /// Each volume's counts from the blobs themselves, to hold the kept
+    /// counts to.
+    #[cfg(test)]
+    pub(in crate::store) fn recounted_usage(&self) -> Vec<BlobCounts> {
+        let mut out = vec![(0, 0, 0); self.volumes.len()];
+        for (&(vol, _), b) in &self.blobs {
+            let c = &mut out[vol as usize];
+            c.0 += 1;
+            c.1 += u64::from(b.slot.is_some());
+            c.2 += u64::from(b.extent.is_some());
+        }
+        out
+    }
+
+    pub(in crate::store) fn leases_held_by(&self, holder: HolderId) -> usize {
+        self.leases.held_by(holder)
+    }
+
     pub(in crate::store) fn stats(&self, swap: &Swap) -> StoreStats {
         let mut s = StoreStats {
             slots_total: self.slots.len() as u64,
@@ -329,6 +357,7 @@ impl State {
         if let Some(key) = m.owner.take() {
             if let Some(b) = self.blobs.get_mut(&key) {
                 b.slot = None;
+                self.volumes.get_mut(key.0).resident -= 1;
             }
         }
         *m = SlotMeta::default();

@@ -4,11 +4,17 @@
 use crate::store::error::StoreError;
 use crate::store::extent;
 use crate::store::ids::VolumeId;
+use crate::store::stats::VolumeUsage;
 
 pub(super) struct Volume {
     pub(super) name: String,
     pub(super) quota: u64,
     pub(super) blobs: u64,
+    /// Its blobs with a slot in the arena.
+    pub(super) resident: u64,
+    /// Its blobs with a complete swap image (a clean resident blob is
+    /// both).
+    pub(super) on_swap: u64,
     /// Configured (served); a volume found only in the persisted index is
     /// kept, unserved, so its blobs survive.
     pub(super) served: bool,
@@ -68,6 +74,23 @@ impl Volumes {
         names(&self.list)
     }
 
+    /// Every volume's usage, by id; `leases` counts a volume's leases.
+    pub(super) fn usage(&self, leases: impl Fn(VolumeId) -> usize) -> Vec<VolumeUsage> {
+        self.list
+            .iter()
+            .enumerate()
+            .map(|(id, v)| VolumeUsage {
+                name: v.name.clone(),
+                served: v.served,
+                quota_blobs: v.quota,
+                blobs: v.blobs,
+                resident: v.resident,
+                on_swap: v.on_swap,
+                leases: leases(id as VolumeId) as u64,
+            })
+            .collect()
+    }
+
     /// Volumes served.
     pub(super) fn served(&self) -> usize {
         self.list.iter().filter(|v| v.served).count()
@@ -80,6 +103,8 @@ impl Volumes {
             name: name.to_owned(),
             quota,
             blobs: 0,
+            resident: 0,
+            on_swap: 0,
             served: true,
         });
         self.ids.push(extent::volume_id(name));

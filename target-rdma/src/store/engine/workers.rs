@@ -134,6 +134,7 @@ fn read_ahead_one(core: &Core, g: &mut Guard<'_>, key: BlobKey) {
     };
     if let Some(b) = st.blobs.get_mut(&key) {
         b.slot = Some(slot);
+        st.volumes.get_mut(key.0).resident += 1;
     }
     st.slots.meta[slot as usize] = SlotMeta {
         owner: Some(key),

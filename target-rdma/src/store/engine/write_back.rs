@@ -120,10 +120,12 @@ impl WriteBack {
             if let Some(crcs) = crcs {
                 st.images.set_crcs(w.extent, &crcs[i]);
                 if let Some(b) = st.blobs.get_mut(&w.key) {
+                    let had = b.extent.is_some();
                     b.extent = Some(Placed {
                         extent: w.extent,
                         version: w.ident.version,
                     });
+                    st.volumes.get_mut(w.key.0).on_swap += u64::from(!had);
                 }
                 st.durable.unjournaled.insert(w.key);
                 st.counters.write_backs += 1;
@@ -137,7 +139,8 @@ impl WriteBack {
                     // Possibly half-written: the blob no longer has a valid
                     // swap image, only its (dirty) slot.
                     if let Some(b) = st.blobs.get_mut(&w.key) {
-                        b.extent = None;
+                        let had = b.extent.take().is_some();
+                        st.volumes.get_mut(w.key.0).on_swap -= u64::from(had);
                     }
                     st.durable.unjournaled.remove(&w.key);
                 }

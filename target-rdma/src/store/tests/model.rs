@@ -123,6 +123,8 @@ proptest! {
         let mut cur: Model = HashMap::new();
         let mut flushed = cur.clone();
         for op in ops {
+            let (kept, counted) = s.usage_and_recount();
+            prop_assert_eq!(kept, counted, "per-volume usage before {:?}", op);
             match op {
                 Op::Write { key, offset, len, byte } => {
                     let want = apply(&mut cur, key, offset, len, byte);
