@@ -2,15 +2,11 @@
 //! `socket_group` is configured (0660, that group). Each connection may send
 //! several request lines; each gets one response line.
 
-use std::ffi::CString;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::Arc;
 
-use rustix::fs::Mode;
-use rustix::process::umask;
+use target_rdma::service::local_socket::{self, Limits, Line};
 use ublk_metrics::events;
 
 use crate::config::ConfigError;
@@ -18,6 +14,10 @@ use crate::ctl::{self, ConfigChange, ErrorKind, PeerInfo, Reply, Request, Respon
 use crate::device::{DeviceError, Manager};
 use crate::features;
 use crate::reload::Reloaded;
+
+/// Operators' connections served at once: beyond it a connection is
+/// closed at accept (a script that leaks them cannot exhaust threads).
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// What the control socket serves: the devices, and the daemon's reload
 /// (the same one SIGHUP runs), whose outcome a `reload` request answers.
@@ -28,91 +28,11 @@ pub struct Control {
     pub reload: Box<dyn Fn() -> Result<Reloaded, ConfigError> + Send + Sync>,
 }
 
-/// Why the socket could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum SocketError {
-    /// Another daemon answers on the path.
-    #[error("another ublkd is already listening on {0}")]
-    InUse(String),
-    /// The group does not exist.
-    #[error("socket_group {0:?} does not exist")]
-    NoSuchGroup(String),
-    /// A component of the socket's directory is not a directory.
-    #[error("control socket {path}: {ancestor} is not a directory")]
-    NotADirectory {
-        /// The socket path.
-        path: String,
-        /// The first ancestor that exists and is something else.
-        ancestor: String,
-    },
-    /// Filesystem trouble.
-    #[error("control socket {path}: {source}")]
-    Io {
-        /// The path.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-}
+pub use target_rdma::service::local_socket::{group_exists, SocketError};
 
-fn gid_of(group: &str) -> Option<u32> {
-    let name = CString::new(group).ok()?;
-    // SAFETY: getgrnam reads a NUL-terminated string we own; the result is
-    // only dereferenced when non-null, before any other getgr* call.
-    let gr = unsafe { libc::getgrnam(name.as_ptr()) };
-    if gr.is_null() {
-        None
-    } else {
-        // SAFETY: non-null pointer to libc's static group record.
-        Some(unsafe { (*gr).gr_gid })
-    }
-}
-
-/// Whether `group` names a group of this host (`socket_group`).
-pub fn group_exists(group: &str) -> bool {
-    gid_of(group).is_some()
-}
-
-/// Binds the socket with the configured ownership and mode.
+/// Binds the control socket with the configured ownership and mode.
 pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketError> {
-    let io = |source| SocketError::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        // create_dir_all reports an ancestor that is a file as EEXIST,
-        // which names no cause: find the ancestor and say what it is.
-        if let Some(file) = dir.ancestors().find(|a| a.exists() && !a.is_dir()) {
-            return Err(SocketError::NotADirectory {
-                path: path.display().to_string(),
-                ancestor: file.display().to_string(),
-            });
-        }
-        std::fs::create_dir_all(dir).map_err(io)?;
-    }
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            return Err(SocketError::InUse(path.display().to_string()));
-        }
-        // Left behind by a crashed ublkd.
-        std::fs::remove_file(path).map_err(io)?;
-    }
-    let gid = match group {
-        Some(g) => Some(gid_of(g).ok_or_else(|| SocketError::NoSuchGroup(g.to_owned()))?),
-        None => None,
-    };
-    // Bind with a umask that leaves no window where others could connect.
-    let old = umask(Mode::from_raw_mode(0o177));
-    let bound = UnixListener::bind(path);
-    umask(old);
-    let listener = bound.map_err(io)?;
-    if let Some(gid) = gid {
-        std::os::unix::fs::chown(path, None, Some(gid)).map_err(io)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(io)?;
-    } else {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
-    }
-    Ok(listener)
+    local_socket::bind("ublkd", path, group)
 }
 
 /// Runs one request.
@@ -202,68 +122,52 @@ pub fn handle(control: &Control, request: Request) -> Response {
     }
 }
 
-fn serve_conn(control: &Control, stream: UnixStream) {
-    let Ok(mut writer) = stream.try_clone() else {
-        return;
+fn answer(control: &Control, line: Line<'_>) -> String {
+    let response = match line {
+        Line::TooLong => Response::Error {
+            kind: ErrorKind::BadRequest,
+            message: format!("request longer than {} bytes", ctl::MAX_LINE),
+        },
+        Line::Request(line) => match ctl::parse_request(line) {
+            Ok(req) => {
+                tracing::debug!(event = events::CTL_REQUEST, request = ?req);
+                handle(control, req)
+            }
+            Err(resp) => *resp,
+        },
     };
-    let mut reader = BufReader::new(stream.take(u64::MAX));
-    loop {
-        let mut line = String::new();
-        reader.get_mut().set_limit(ctl::MAX_LINE as u64);
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        let response = if !line.ends_with('\n') && line.len() >= ctl::MAX_LINE {
-            Response::Error {
-                kind: ErrorKind::BadRequest,
-                message: format!("request longer than {} bytes", ctl::MAX_LINE),
-            }
-        } else {
-            match ctl::parse_request(line.trim_end()) {
-                Ok(req) => {
-                    tracing::debug!(event = events::CTL_REQUEST, request = ?req);
-                    handle(control, req)
-                }
-                Err(resp) => *resp,
-            }
-        };
-        let mut out = match serde_json::to_string(&ResponseLine {
-            version: ctl::VERSION,
-            response,
-        }) {
-            Ok(s) => s,
-            Err(_) => return,
-        };
-        out.push('\n');
-        if writer.write_all(out.as_bytes()).is_err() {
-            return;
-        }
-    }
+    serde_json::to_string(&ResponseLine {
+        version: ctl::VERSION,
+        response,
+    })
+    .unwrap_or_else(|e| {
+        serde_json::json!({ "version": ctl::VERSION, "error": e.to_string() }).to_string()
+    })
 }
 
 /// Accepts connections forever, one thread each (a handful of operators,
 /// never a hot path).
 pub fn serve(listener: UnixListener, control: Arc<Control>) {
-    for conn in listener.incoming() {
-        match conn {
-            Ok(stream) => {
-                let c = Arc::clone(&control);
-                if let Err(e) = std::thread::Builder::new()
-                    .name("ublkd-ctl".into())
-                    .spawn(move || serve_conn(&c, stream))
-                {
-                    tracing::error!(event = events::CTL_SPAWN_FAILED, error = %e);
-                }
-            }
-            Err(e) => tracing::warn!(event = events::CTL_ACCEPT_FAILED, error = %e),
-        }
-    }
+    local_socket::serve(
+        listener,
+        "ublkd-ctl",
+        Limits {
+            max_line: ctl::MAX_LINE,
+            max_connections: MAX_CONNECTIONS,
+        },
+        Arc::new(move |line| answer(&control, line)),
+        |what, e| match what {
+            "spawn" => tracing::error!(event = events::CTL_SPAWN_FAILED, error = %e),
+            _ => tracing::warn!(event = events::CTL_ACCEPT_FAILED, error = %e),
+        },
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use std::os::unix::fs::PermissionsExt;
 
     use super::*;
     use crate::config::UblkdConfig;
@@ -318,7 +222,7 @@ mod tests {
                 message: "no device 3 (see `ublkctl list`)".into()
             }
         );
-        assert!(matches!(bind(&sock, None), Err(SocketError::InUse(_))));
+        assert!(matches!(bind(&sock, None), Err(SocketError::InUse { .. })));
         assert_eq!(
             bind(&dir.path().join("x.sock"), Some("no-such-group-here"))
                 .unwrap_err()

@@ -4,8 +4,6 @@
 //! with an `unsupported_version` error instead of guessing, so old and new
 //! tools fail clearly. `docs/OPERATIONS.md` shows the wire format.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -14,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
+use target_rdma::service::local_socket;
 use target_rdma::service::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
 
@@ -525,62 +524,21 @@ pub struct DeviceStatsInfo {
     pub oldest_inflight_ms: u64,
 }
 
-/// Why talking to the daemon failed (before any answer).
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// No socket file.
-    #[error("ublkd is not running: control socket {0} does not exist (start it with `systemctl start ublkd`)")]
-    NotRunning(PathBuf),
-    /// The file exists but nobody listens.
-    #[error("ublkd is not running: nothing listens on {0} (stale socket; start it with `systemctl start ublkd`)")]
-    Refused(PathBuf),
-    /// Socket permissions.
-    #[error("permission denied on {0}: run as root or as a member of the daemon's socket_group")]
-    PermissionDenied(PathBuf),
-    /// Any other I/O failure.
-    #[error("talking to ublkd on {path}: {source}")]
-    Io {
-        /// Socket path.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The daemon's answer was not understood.
-    #[error("ublkd sent an answer this ublkctl does not understand: {0}")]
-    BadAnswer(String),
-}
+pub use target_rdma::service::local_socket::ClientError;
 
 /// Sends one request and waits for its response.
 pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
-    let io = |source: std::io::Error| ClientError::Io {
-        path: socket.to_owned(),
-        source,
+    let bad = |detail: String| ClientError::BadAnswer {
+        daemon: "ublkd",
+        detail,
     };
-    let mut stream = UnixStream::connect(socket).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ClientError::NotRunning(socket.to_owned()),
-        std::io::ErrorKind::ConnectionRefused => ClientError::Refused(socket.to_owned()),
-        std::io::ErrorKind::PermissionDenied => ClientError::PermissionDenied(socket.to_owned()),
-        _ => io(e),
-    })?;
-    stream.set_read_timeout(Some(timeout)).map_err(io)?;
-    let mut line = serde_json::to_string(&RequestLine {
+    let line = serde_json::to_string(&RequestLine {
         version: VERSION,
         request,
     })
-    .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
-    line.push('\n');
-    stream.write_all(line.as_bytes()).map_err(io)?;
-    let mut answer = String::new();
-    BufReader::new(stream.take(MAX_LINE as u64))
-        .read_line(&mut answer)
-        .map_err(io)?;
-    if answer.is_empty() {
-        return Err(ClientError::BadAnswer(
-            "connection closed without an answer".into(),
-        ));
-    }
-    let r: ResponseLine =
-        serde_json::from_str(&answer).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    .map_err(|e| bad(e.to_string()))?;
+    let answer = local_socket::call("ublkd", socket, &line, MAX_LINE, timeout)?;
+    let r: ResponseLine = serde_json::from_str(&answer).map_err(|e| bad(e.to_string()))?;
     Ok(r.response)
 }
 
