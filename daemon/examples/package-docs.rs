@@ -1,5 +1,5 @@
-//! Writes the man pages and shell completions of `ublkd`, `ublkctl` and
-//! `arenad` from their clap definitions, for the .deb packages
+//! Writes the man pages and shell completions of `ublkd`, `ublkctl`,
+//! `arenad` and `arenactl` from their clap definitions, for the .deb packages
 //! (scripts/package):
 //!
 //!     cargo run -p ublkd --example package-docs -- OUT_DIR
@@ -21,6 +21,10 @@ mod ublkctl_bin;
 #[path = "../../target-rdma/src/bin/arenad.rs"]
 mod arenad_bin;
 
+#[allow(dead_code)]
+#[path = "../../target-rdma/src/bin/arenactl.rs"]
+mod arenactl_bin;
+
 use std::fs::{create_dir_all, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -28,11 +32,12 @@ use std::path::{Path, PathBuf};
 use clap::{Command, CommandFactory};
 use clap_complete::Shell;
 
-fn commands() -> [Command; 3] {
+fn commands() -> [Command; 4] {
     [
         ublkd_bin::Args::command().name("ublkd"),
         ublkctl_bin::Cli::command().name("ublkctl"),
         arenad_bin::Args::command().name("arenad"),
+        arenactl_bin::Cli::command().name("arenactl"),
     ]
 }
 
@@ -92,7 +97,8 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
                 "SIGNALS",
                 ".TP\n\\fBSIGHUP\\fR\nRe-reads the configuration and the command line: \
                  volumes added, removed and re-keyed, the log level; the outcome is logged \
-                 (\\fIconfig.reloaded\\fR or \\fIconfig.reload_failed\\fR).\n.TP\n\
+                 (\\fIconfig.reloaded\\fR or \\fIconfig.reload_failed\\fR); \
+                 \\fBarenactl reload\\fR does the same and reports the outcome.\n.TP\n\
                  \\fBSIGTERM\\fR, \\fBSIGINT\\fR\nStops accepting, lets the requests \
                  already read finish (up to \\fIshutdown_timeout_secs\\fR), flushes the \
                  store and exits.",
@@ -103,7 +109,9 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
                  .TP\n\\fIswap_dir\\fR (\\fI/var/lib/arenad\\fR)\nThe store: \
                  \\fIswap.dat\\fR (the extents), \\fIswap.meta\\fR (their headers), \
                  \\fIindex.ckpt\\fR and \\fIindex.journal\\fR (the index), \\fIepochs\\fR \
-                 (the volumes' membership epochs), \\fIlock\\fR.",
+                 (the volumes' membership epochs), \\fIlock\\fR.\n.TP\n\
+                 \\fI/run/arenad/admin.sock\\fR\nThe admin socket \\fBarenactl\\fR talks to \
+                 (\\fIadmin_socket\\fR).",
             ),
             (
                 "EXAMPLES",
@@ -114,8 +122,39 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
             ),
             (
                 "SEE ALSO",
-                "\\fBublkd\\fR(8), \\fBublkctl\\fR(8); /usr/share/doc/arenad/OPERATIONS.md",
+                "\\fBarenactl\\fR(8), \\fBublkd\\fR(8), \\fBublkctl\\fR(8); \
+                 /usr/share/doc/arenad/OPERATIONS.md",
             ),
+        ],
+        "arenactl" => &[
+            (
+                "EXIT STATUS",
+                "0 on success; 1 when the request fails or arenad refuses it (the reason \
+                 on stderr; with \\fB--json\\fR also one line \
+                 {\"error\":{\"kind\":...,\"message\":...}} on stdout), among them a \
+                 \\fBreload\\fR or \\fBcheck\\fR of a configuration arenad does not \
+                 accept; 2 for a usage error.",
+            ),
+            (
+                "ENVIRONMENT",
+                ".TP\n\\fBARENACTL_SOCKET\\fR\nThe admin socket, when \\fB--socket\\fR is \
+                 not given.",
+            ),
+            (
+                "FILES",
+                ".TP\n\\fI/etc/arenad/arenad.toml\\fR\nWhere the socket is found (its \
+                 \\fIadmin_socket\\fR key) when neither \\fB--socket\\fR nor \
+                 \\fBARENACTL_SOCKET\\fR is given.\n.TP\n\\fI/run/arenad/admin.sock\\fR\n\
+                 The default socket.",
+            ),
+            (
+                "EXAMPLES",
+                "Which hosts hold sessions on volume vm1, and end one host's:\n.PP\n.nf\n\
+                 arenactl sessions --volume vm1\narenactl disconnect --peer 10.0.0.7\n.fi\n.PP\n\
+                 Apply a changed configuration, failing on a bad one:\n.PP\n.nf\n\
+                 arenactl check && arenactl reload\n.fi",
+            ),
+            ("SEE ALSO", "\\fBarenad\\fR(8), \\fBublkctl\\fR(8)"),
         ],
         "ublkctl" => &[
             (

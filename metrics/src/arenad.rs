@@ -204,6 +204,7 @@ pub struct ArenaMetrics {
     probes: Counter,
     lease_key_failures: Counter,
     leases_fenced: Counter,
+    disconnected: Counter,
     integrity_errors: [Counter; IntegrityCheck::COUNT],
     source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
 }
@@ -276,6 +277,7 @@ impl ArenaMetrics {
             probes: c0("arenad_probes_total"),
             lease_key_failures: c0("arenad_rdma_lease_key_failures_total"),
             leases_fenced: c0("arenad_leases_fenced_total"),
+            disconnected: c0("arenad_sessions_disconnected_total"),
             integrity_errors: IntegrityCheck::ALL.map(|c| {
                 let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
                 counter.increment(0);
@@ -345,6 +347,11 @@ impl ArenaMetrics {
     /// holders were fenced out.
     pub fn leases_fenced(&self, n: u64) {
         self.leases_fenced.increment(n);
+    }
+
+    /// Counts a session ended by an operator.
+    pub fn session_disconnected(&self) {
+        self.disconnected.increment(1);
     }
 
     /// Publishes store state. Cumulative fields are applied as absolute

@@ -18,6 +18,7 @@
 
 pub mod accounting;
 pub mod arenad;
+pub mod arenad_volumes;
 pub mod clock;
 pub mod coordination;
 pub mod correlation;
@@ -47,6 +48,7 @@ pub use arenad::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, IntegrityCheck,
     ProtocolErrorClass, SlotState, Tier,
 };
+pub use arenad_volumes::{VolumeCounters, VolumeLabels, VolumeMetrics, VolumeSample};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use coordination::{CoordinationMetrics, CoordinationStats, EpochReason};
 pub use correlation::CorrelationId;

@@ -190,6 +190,19 @@ fn arenad_exposition() -> String {
         sessions: 3,
         integrity_errors: [1, 0],
     });
+    let v = ublk_metrics::VolumeMetrics::new(&t, ublk_metrics::VolumeLabels::default());
+    let vm1 = v.counters("vm1");
+    vm1.session_opened();
+    vm1.answered(ArenaOp::Write, ArenaOutcome::Ok, 4096 + 24);
+    v.set_source(|| {
+        vec![ublk_metrics::VolumeSample {
+            name: "vm1".into(),
+            resident_bytes: 1 << 20,
+            swap_bytes: 2 << 20,
+            leases: 1,
+            quota_bytes: 1 << 30,
+        }]
+    });
     t.render().unwrap()
 }
 

@@ -3,7 +3,9 @@
 //! - Shared vocabulary: [`blob`] (`BlobIo`, the one `ArenaError`, `Via`),
 //!   [`proto`] (the wire codec), [`auth`], [`rdma`] (the verbs layer),
 //!   [`service`] (what a daemon process needs around its service: config
-//!   file, preflight checks, sd_notify, error chains, sizes).
+//!   file, preflight checks, sd_notify, error chains, sizes, the local
+//!   admin socket), [`admin`] (arenad's admin protocol, which `arenactl`
+//!   speaks).
 //! - Client side (ublkd): [`client`] (the TCP client, the RDMA transport, a
 //!   queue's `Session`), [`replica`] (a volume on N peers as one `BlobIo`)
 //!   and [`block`] (the block target).
@@ -15,6 +17,7 @@
 //! (`tests/tests/layout.rs` checks it); `testing` (feature `test-utils`) is
 //! the harness that puts both together for tests and benchmarks.
 
+pub mod admin;
 pub mod arenad;
 pub mod auth;
 pub mod blob;

@@ -144,7 +144,10 @@ impl Peer {
             )
             .expect("open the store"),
         );
-        let obs = ArenadObservability::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        let obs = ArenadObservability::new(
+            Telemetry::isolated(Daemon::Arenad, "test"),
+            ublk_metrics::VolumeLabels::default(),
+        );
         obs.store_opened(&store, opts.volumes.len());
         let listener = TcpListener::bind(addr).expect("bind the peer's address");
         let mut peer = Peer {

@@ -140,7 +140,32 @@ pub struct ArenadConfig {
     /// built and read; then the connection is closed.
     #[serde(default = "default_metrics_write_timeout")]
     pub metrics_write_timeout_secs: u64,
+    /// Label the per-volume families (`arenad_volume_*`) with each
+    /// volume's name; `false` counts every volume under `_other`, for
+    /// hosts whose volume names must not leave the host.
+    #[serde(default = "default_true")]
+    pub metrics_volume_labels: bool,
+    /// Most volumes labelled by name, in the order they are first served
+    /// (the configuration's order at start); the rest are counted together
+    /// under `_other`, so the series stay bounded however many tenants
+    /// there are.
+    #[serde(default = "default_metrics_max_volume_labels")]
+    pub metrics_max_volume_labels: usize,
     // --- End of the metrics listener limits. ---
+    // --- Admin socket (arenactl). ---
+    /// Path of the Unix socket `arenactl` talks to; `""` or `"off"`
+    /// disables it. A socket that cannot be set up is logged and arenad
+    /// serves without it.
+    #[serde(default = "default_admin_socket")]
+    pub admin_socket: String,
+    /// Group whose members may use the admin socket (mode 0660); unset,
+    /// root (or arenad's own user) only (0600).
+    #[serde(default)]
+    pub admin_socket_group: Option<String>,
+    /// Admin connections served at once; more are closed at accept.
+    #[serde(default = "default_admin_max_connections")]
+    pub admin_max_connections: usize,
+    // --- End of the admin socket keys. ---
     // --- Tenant fairness: how leases are shared. ---
     /// Leases a volume holds before its further leases are the first asked
     /// back for a volume under its own share. Unset: arena slots / served
@@ -242,6 +267,18 @@ fn default_metrics_write_timeout() -> u64 {
 fn default_revoke_deadline() -> u64 {
     crate::store::DEFAULT_REVOKE_DEADLINE_MS
 }
+fn default_true() -> bool {
+    true
+}
+fn default_metrics_max_volume_labels() -> usize {
+    32
+}
+fn default_admin_socket() -> String {
+    crate::admin::DEFAULT_SOCKET.into()
+}
+fn default_admin_max_connections() -> usize {
+    16
+}
 fn default_metrics_listen() -> String {
     "127.0.0.1:9478".into()
 }
@@ -285,6 +322,22 @@ impl ArenadConfig {
             .flatten()
     }
 
+    /// How the per-volume families label volumes.
+    pub fn volume_labels(&self) -> ublk_metrics::VolumeLabels {
+        ublk_metrics::VolumeLabels {
+            enabled: self.metrics_volume_labels,
+            max: self.metrics_max_volume_labels,
+        }
+    }
+
+    /// The admin socket's path, `None` when it is disabled.
+    pub fn admin_socket_path(&self) -> Option<PathBuf> {
+        match self.admin_socket.as_str() {
+            "" | "off" => None,
+            p => Some(PathBuf::from(p)),
+        }
+    }
+
     /// The metrics listener limits the `metrics_*` keys set.
     pub fn metrics_http(&self) -> ublk_metrics::HttpConfig {
         ublk_metrics::HttpConfig::with_limits(
@@ -325,6 +378,29 @@ impl ArenadConfig {
             ));
         }
         listen_setting("metrics_listen", &self.metrics_listen, "127.0.0.1:9478")?;
+        if !(1..=1024).contains(&self.admin_max_connections) {
+            return Err(invalid(
+                "admin_max_connections",
+                self.admin_max_connections,
+                "must be in 1..=1024",
+            ));
+        }
+        if self.metrics_max_volume_labels > 4096 {
+            return Err(invalid(
+                "metrics_max_volume_labels",
+                self.metrics_max_volume_labels,
+                "must be at most 4096",
+            ));
+        }
+        if let Some(p) = self.admin_socket_path() {
+            if !p.is_absolute() {
+                return Err(invalid(
+                    "admin_socket",
+                    p.display(),
+                    "must be an absolute path, or \"off\"",
+                ));
+            }
+        }
         if !(1..=65_536).contains(&self.metrics_max_connections) {
             return Err(invalid(
                 "metrics_max_connections",

@@ -31,7 +31,7 @@ use crate::arenad::handshake::handshake;
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
 use crate::arenad::request::Decoded;
 use crate::arenad::served::Rail;
-use crate::arenad::session::Session;
+use crate::arenad::session::{Session, Traffic};
 use crate::arenad::shared::Shared;
 use crate::proto::{FrameError, Header, HEADER_LEN, MAX_INLINE, TAG_LEN};
 use crate::store::HolderId;
@@ -112,6 +112,7 @@ pub(super) async fn run(
         version: session.version,
         key: server_key,
     };
+    let traffic = Traffic::new(shared.obs.volume(&session.vol.name));
     let conn = Arc::new(Session {
         id,
         peer,
@@ -129,6 +130,7 @@ pub(super) async fn run(
             tagger,
         ),
         barrier: WriteBarrier::default(),
+        traffic,
     });
     shared.sessions.insert(&conn);
     shared.obs.session_opened();
@@ -180,6 +182,7 @@ pub(super) async fn run(
     conn.rail.close();
     shared.sessions.remove(id);
     shared.obs.session_closed();
+    conn.traffic.closed();
     // Every request of the connection has finished: no lease can be
     // granted to it after this.
     let store = Arc::clone(&shared.store);

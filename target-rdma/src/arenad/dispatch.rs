@@ -157,6 +157,12 @@ impl Dispatch {
                 self.shared
                     .obs
                     .answered(h.opcode, a.status, started.elapsed());
+                conn.traffic.answered(
+                    h.opcode,
+                    a.status,
+                    (proto::HEADER_LEN + h.body_len as usize) as u64,
+                    a.frame.len() as u64,
+                );
                 // A large answer goes now whatever follows: its own
                 // syscall is nothing beside its bytes.
                 let direct = direct || a.frame.len() >= DIRECT_ALWAYS;

@@ -99,6 +99,16 @@ pub const VOLUME_SECRET_CHANGED: &str = "volume.secret_changed";
 /// shared ring.
 pub const SWAP_READ_RING_UNAVAILABLE: &str = "swap.read_ring_unavailable";
 
+// The admin socket.
+/// The admin socket listens (`arenactl` can reach this arenad).
+pub const ADMIN_LISTENING: &str = "admin.listening";
+/// The admin socket could not be set up: arenad serves without it.
+pub const ADMIN_UNAVAILABLE: &str = "admin.unavailable";
+/// An admin connection could not be accepted or given a thread.
+pub const ADMIN_CONNECTION_FAILED: &str = "admin.connection_failed";
+/// An operator ended a session (`arenactl disconnect`).
+pub const SESSION_DISCONNECTED: &str = "session.disconnected";
+
 /// Every event name above.
 pub const ALL: &[&str] = &[
     // arenad's process.
@@ -140,4 +150,9 @@ pub const ALL: &[&str] = &[
     VOLUME_SECRET_CHANGED,
     // Swap reads of the workers.
     SWAP_READ_RING_UNAVAILABLE,
+    // The admin socket.
+    ADMIN_LISTENING,
+    ADMIN_UNAVAILABLE,
+    ADMIN_CONNECTION_FAILED,
+    SESSION_DISCONNECTED,
 ];

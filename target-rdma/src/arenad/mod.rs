@@ -3,6 +3,7 @@
 //! engine it serves lives in [`crate::store`].
 
 mod accept;
+pub mod admin_socket;
 mod admission;
 mod barrier;
 mod blocking;

@@ -15,7 +15,8 @@ use std::time::Duration;
 use ublk_metrics::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, Daemon, HttpConfig,
     HttpError, IntegrityCheck, MetricsServer, NotReadyReason, NotReadySet, Probes,
-    ProtocolErrorClass, SlotState, Telemetry, TelemetryError,
+    ProtocolErrorClass, SlotState, Telemetry, TelemetryError, VolumeCounters, VolumeLabels,
+    VolumeMetrics, VolumeSample,
 };
 
 use crate::proto::{Opcode, Status};
@@ -44,6 +45,7 @@ struct Shared {
 pub struct ArenadObservability {
     tel: Arc<Telemetry>,
     metrics: Arc<ArenaMetrics>,
+    volumes: Arc<VolumeMetrics>,
     shared: Arc<Shared>,
 }
 
@@ -133,7 +135,7 @@ pub fn arena_stats(s: &StoreStats, blob_bytes: u32) -> ArenaStats {
     }
 }
 
-fn arena_op(op: Opcode) -> ArenaOp {
+pub(super) fn arena_op(op: Opcode) -> ArenaOp {
     match op {
         // RAIL_CONNECT completes an RDMA session's setup, so it counts with HELLO.
         Opcode::Challenge | Opcode::Hello | Opcode::RailConnect => ArenaOp::Hello,
@@ -149,7 +151,7 @@ fn arena_op(op: Opcode) -> ArenaOp {
     }
 }
 
-fn outcome(status: Status) -> ArenaOutcome {
+pub(super) fn outcome(status: Status) -> ArenaOutcome {
     match status {
         Status::Ok => ArenaOutcome::Ok,
         Status::NotFound => ArenaOutcome::NotFound,
@@ -166,20 +168,33 @@ fn outcome(status: Status) -> ArenaOutcome {
 }
 
 impl ArenadObservability {
-    /// Registers the arenad families and the probes on `tel`.
-    pub fn new(tel: Arc<Telemetry>) -> Arc<Self> {
+    /// Registers the arenad families and the probes on `tel`; volumes are
+    /// labelled as `labels` says.
+    pub fn new(tel: Arc<Telemetry>, labels: VolumeLabels) -> Arc<Self> {
         let shared = Arc::new(Shared::default());
         tel.set_probes(Arc::new(ArenadProbes(Arc::clone(&shared))));
         Arc::new(Self {
             metrics: ArenaMetrics::new(&tel),
+            volumes: VolumeMetrics::new(&tel, labels),
             tel,
             shared,
         })
     }
 
     /// Installs the process-global recorder and registers the families.
-    pub fn install(version: &'static str) -> Result<Arc<Self>, TelemetryError> {
-        Ok(Self::new(Telemetry::install(Daemon::Arenad, version)?))
+    pub fn install(
+        version: &'static str,
+        labels: VolumeLabels,
+    ) -> Result<Arc<Self>, TelemetryError> {
+        Ok(Self::new(
+            Telemetry::install(Daemon::Arenad, version)?,
+            labels,
+        ))
+    }
+
+    /// The counters of `volume`'s sessions.
+    pub fn volume(&self, volume: &str) -> Arc<VolumeCounters> {
+        self.volumes.counters(volume)
     }
 
     /// Starts the metrics listener on `addr` with `limits`; it serves
@@ -213,6 +228,28 @@ impl ArenadObservability {
                 .upgrade()
                 .map_or(0, |s| s.connections.load(Ordering::Relaxed) as u64);
             stats
+        });
+        // The configured volumes take their labels first, in order.
+        for v in store.volume_usage() {
+            self.volumes.label(&v.name);
+        }
+        let weak = Arc::downgrade(store);
+        self.volumes.set_source(move || {
+            let Some(store) = weak.upgrade() else {
+                return Vec::new();
+            };
+            let blob = u64::from(store.blob_bytes());
+            store
+                .volume_usage()
+                .into_iter()
+                .map(|u| VolumeSample {
+                    resident_bytes: u.resident * blob,
+                    swap_bytes: u.on_swap * blob,
+                    leases: u.leases,
+                    quota_bytes: u.quota_blobs * blob,
+                    name: u.name,
+                })
+                .collect()
         });
         let metrics = Arc::clone(&self.metrics);
         store.set_timing_hook(Box::new(move |write, latency| match write {
@@ -316,6 +353,11 @@ impl ArenadObservability {
         self.metrics.lease_key_failure();
     }
 
+    /// An operator ended a session (`arenactl disconnect`).
+    pub fn session_disconnected(&self) {
+        self.metrics.session_disconnected();
+    }
+
     /// A raise ended `n` leases of a session it fenced out.
     pub fn leases_fenced(&self, n: u64) {
         self.metrics.leases_fenced(n);
@@ -357,7 +399,10 @@ mod tests {
 
     #[test]
     fn readiness_waits_for_the_store_and_shutdown() {
-        let t = ArenadObservability::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        let t = ArenadObservability::new(
+            Telemetry::isolated(Daemon::Arenad, "test"),
+            VolumeLabels::default(),
+        );
         let r = t.telemetry().readiness();
         assert!(r.failing.contains(NotReadyReason::SwapNotOpen));
         assert!(r.failing.contains(NotReadyReason::IndexNotOpen));
@@ -403,7 +448,10 @@ mod tests {
 
     #[test]
     fn the_answered_status_decides_the_outcome_and_flush_latency() {
-        let t = ArenadObservability::new(Telemetry::isolated(Daemon::Arenad, "test"));
+        let t = ArenadObservability::new(
+            Telemetry::isolated(Daemon::Arenad, "test"),
+            VolumeLabels::default(),
+        );
         t.answered(Opcode::Flush, Status::Ok, Duration::from_millis(2));
         t.answered(Opcode::Get, Status::NotFound, Duration::from_micros(30));
         t.auth_failed();

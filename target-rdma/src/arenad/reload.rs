@@ -60,6 +60,17 @@ pub enum VolumeChange {
     Secret(String),
 }
 
+impl std::fmt::Display for VolumeChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VolumeChange::Added(v) => write!(f, "volume {v:?} added"),
+            VolumeChange::Removed(v) => write!(f, "volume {v:?} no longer served (its blobs stay)"),
+            VolumeChange::Quota(v, blobs) => write!(f, "volume {v:?} quota now {blobs} blobs"),
+            VolumeChange::Secret(v) => write!(f, "volume {v:?} has a new secret"),
+        }
+    }
+}
+
 /// What a reload did.
 #[derive(Debug, Default)]
 pub struct Reloaded {
@@ -156,25 +167,22 @@ impl Runtime {
         result
     }
 
+    /// What a reload of `new` would do, changing nothing (`arenactl
+    /// check`): the config and every secret file are read as a reload
+    /// reads them.
+    pub fn check(&self, new: Result<ArenadConfig, String>) -> Result<Reloaded, ReloadError> {
+        let new = new.map_err(ReloadError::Config)?;
+        let secrets = read_secrets(&new.volumes)?;
+        let running = self.running.lock();
+        Ok(plan(&running.0, &running.1, &new, &secrets))
+    }
+
     fn apply(&self, new: Result<ArenadConfig, String>) -> Result<Reloaded, ReloadError> {
         let new = new.map_err(ReloadError::Config)?;
         let secrets = read_secrets(&new.volumes)?;
         let mut running = self.running.lock();
         let (old, old_secrets) = &*running;
-        let mut done = Reloaded {
-            volumes: volume_changes(old, old_secrets, &new, &secrets),
-            ..Reloaded::default()
-        };
-        for change in changes(old, &new) {
-            if change.key.starts_with("volume[") {
-                continue;
-            }
-            if change.key == "log_level" {
-                done.applied.push(change);
-            } else {
-                done.restart_needed.push(change);
-            }
-        }
+        let done = plan(old, old_secrets, &new, &secrets);
         // Volumes with the new blob size would need a restart (refused
         // above as restart_needed); quotas are counted in the running one.
         let mut in_force = old.clone();
@@ -219,6 +227,30 @@ impl Runtime {
         );
         Ok(done)
     }
+}
+
+/// What applying `new` (with `secrets`) over `old` does.
+fn plan(
+    old: &ArenadConfig,
+    old_secrets: &[Secret],
+    new: &ArenadConfig,
+    secrets: &[Secret],
+) -> Reloaded {
+    let mut done = Reloaded {
+        volumes: volume_changes(old, old_secrets, new, secrets),
+        ..Reloaded::default()
+    };
+    for change in changes(old, new) {
+        if change.key.starts_with("volume[") {
+            continue;
+        }
+        if change.key == "log_level" {
+            done.applied.push(change);
+        } else {
+            done.restart_needed.push(change);
+        }
+    }
+    done
 }
 
 /// Per volume name: added, removed, quota or secret changed.

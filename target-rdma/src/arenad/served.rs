@@ -233,6 +233,11 @@ impl Rail {
         }
     }
 
+    /// Whether its queue pair is connected (RAIL_CONNECT done).
+    pub(super) fn is_connected(&self) -> bool {
+        self.qp.lock().is_some()
+    }
+
     /// Ends the rail: every lease key deregistered, then the QP failed and
     /// destroyed (its domain goes with the last of them). Called when the
     /// session ends, before its leases are released (a RAIL_CONNECT does

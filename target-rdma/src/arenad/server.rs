@@ -36,7 +36,7 @@ pub use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
 
 /// The server. Create with [`Server::new`], run with [`Server::serve`].
 pub struct Server {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     /// The accept loop's runtime and the connections' worker threads,
     /// started with the server and taken by [`Server::serve`].
     cores: Mutex<Option<(Runtime, Workers)>>,

@@ -34,6 +34,11 @@ impl Sessions {
         self.conns.lock().insert(conn.id, Arc::clone(conn));
     }
 
+    /// Every session, copied out of the table.
+    pub(super) fn all(&self) -> Vec<Arc<Session>> {
+        self.conns.lock().values().cloned().collect()
+    }
+
     /// Takes `id` out of the sessions (its connection ended).
     pub(super) fn remove(&self, id: HolderId) {
         self.conns.lock().remove(&id);

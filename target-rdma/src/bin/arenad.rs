@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::os::unix::fs::DirBuilderExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +18,7 @@ use tracing::{error, info};
 use ublk_metrics::events::{effective_filter, init_logging, LogFormat};
 use ublk_metrics::MetricsServer;
 
+use target_rdma::arenad::admin_socket::{self, Admin};
 use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
 use target_rdma::arenad::epochs::Epochs;
 use target_rdma::arenad::events;
@@ -26,6 +27,7 @@ use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::reload::{read_secrets, served, Runtime};
 use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
 use target_rdma::rdma::open_provider;
+use target_rdma::service::local_socket;
 use target_rdma::service::sd_notify;
 use target_rdma::service::size::parse_size;
 use target_rdma::store::Store;
@@ -146,7 +148,7 @@ fn load_config(args: &Args) -> Result<ArenadConfig> {
 fn start_observability(
     cfg: &ArenadConfig,
 ) -> Result<(Arc<ArenadObservability>, Option<MetricsServer>)> {
-    let obs = ArenadObservability::install(env!("CARGO_PKG_VERSION"))?;
+    let obs = ArenadObservability::install(env!("CARGO_PKG_VERSION"), cfg.volume_labels())?;
     let listener =
         cfg.metrics_listen_addr()
             .and_then(|addr| match obs.listen(addr, cfg.metrics_http()) {
@@ -160,6 +162,63 @@ fn start_observability(
                 }
             });
     Ok((obs, listener))
+}
+
+/// The config read again for a reload, or why it could not be.
+fn reload_config(args: &Args) -> Result<ArenadConfig, String> {
+    load_config(args).map_err(|e| target_rdma::service::error_chain::one_line(e.chain()))
+}
+
+/// Binds the admin socket and serves it on a thread of its own. One that
+/// cannot be set up is logged, not fatal (like the metrics listener): the
+/// arena matters more than its admin socket. The socket file is removed
+/// when the returned guard drops, at a clean stop.
+fn start_admin(
+    path: &Path,
+    group: Option<&str>,
+    max_connections: usize,
+    server: &Arc<Server>,
+    runtime: &Arc<Runtime>,
+    args: &Args,
+) -> Option<SocketFile> {
+    let listener = match local_socket::bind("arenad", path, group) {
+        Ok(l) => l,
+        Err(e) => {
+            error!(event = events::ADMIN_UNAVAILABLE, error = %e, "serving without the admin socket: arenactl cannot reach this arenad");
+            return None;
+        }
+    };
+    let (runtime, args) = (Arc::clone(runtime), args.clone());
+    let admin = Arc::new(Admin {
+        server: Arc::clone(server),
+        reload: Box::new(move |apply| {
+            let cfg = reload_config(&args);
+            if apply {
+                runtime.reload(cfg)
+            } else {
+                runtime.check(cfg)
+            }
+        }),
+        max_connections,
+    });
+    let spawned = std::thread::Builder::new()
+        .name("arenad-admin".into())
+        .spawn(move || admin_socket::serve(listener, admin));
+    if let Err(e) = spawned {
+        error!(event = events::ADMIN_UNAVAILABLE, error = %e, "serving without the admin socket: arenactl cannot reach this arenad");
+        return None;
+    }
+    info!(event = events::ADMIN_LISTENING, path = %path.display());
+    Some(SocketFile(path.to_owned()))
+}
+
+/// Removes the admin socket's file when dropped.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn main() -> ExitCode {
@@ -254,14 +313,31 @@ fn run(args: &Args) -> Result<ExitCode> {
         Arc::clone(&obs),
     )
     .context("starting the server")?;
-    let runtime = Runtime::new(
+    let admin = cfg.admin_socket_path().map(|path| {
+        (
+            path,
+            cfg.admin_socket_group.clone(),
+            cfg.admin_max_connections,
+        )
+    });
+    let runtime = Arc::new(Runtime::new(
         cfg,
         secrets,
         log,
         Arc::clone(&store),
         Arc::clone(&server),
         Arc::clone(&obs),
-    );
+    ));
+    let _admin = admin.and_then(|(path, group, max_connections)| {
+        start_admin(
+            &path,
+            group.as_deref(),
+            max_connections,
+            &server,
+            &runtime,
+            args,
+        )
+    });
     let stopper = Arc::clone(&server);
     let stopping = Arc::clone(&obs);
     let reload_args = args.clone();
@@ -270,10 +346,7 @@ fn run(args: &Args) -> Result<ExitCode> {
             if sig == SIGHUP {
                 let _ = sd_notify::notify("RELOADING=1");
                 // A bad config is logged by reload and changes nothing.
-                let _ = runtime.reload(
-                    load_config(&reload_args)
-                        .map_err(|e| target_rdma::service::error_chain::one_line(e.chain())),
-                );
+                let _ = runtime.reload(reload_config(&reload_args));
                 let _ = sd_notify::notify("READY=1");
                 continue;
             }

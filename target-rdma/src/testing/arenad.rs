@@ -98,6 +98,8 @@ pub struct Arenad {
     pub swap_dir: PathBuf,
     pub port: u16,
     pub metrics_port: u16,
+    /// Its admin socket (`arenactl --socket`).
+    pub admin: PathBuf,
 }
 
 impl Arenad {
@@ -109,14 +111,17 @@ impl Arenad {
         let swap_dir = swap_dir.map_or_else(|| dir.join("swap"), Path::to_path_buf);
         let (port, metrics_port) = (free_port(), free_port());
         let cfg = dir.join("arenad.toml");
+        let admin = dir.join("admin.sock");
         std::fs::write(
             &cfg,
             format!(
                 "listen = \"127.0.0.1:{port}\"\narena_bytes = \"{arena}\"\nblob_bytes = \"{blob}\"\n\
-                 swap_dir = \"{}\"\nswap_bytes = \"{swap}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\n\
+                 swap_dir = \"{}\"\nswap_bytes = \"{swap}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n\
+                 admin_socket = \"{}\"\n\n\
                  [[volume]]\nname = \"a\"\nsecret_file = \"{}\"\nquota = \"1G\"\n\n\
                  [[volume]]\nname = \"b\"\nsecret_file = \"{}\"\nquota = \"1G\"\n",
                 swap_dir.display(),
+                admin.display(),
                 a.display(),
                 b.display()
             ),
@@ -127,6 +132,7 @@ impl Arenad {
             swap_dir,
             port,
             metrics_port,
+            admin,
         }
     }
 
