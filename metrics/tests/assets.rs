@@ -11,9 +11,9 @@ use ublk_metrics::families;
 use ublk_metrics::testing::{parse_openmetrics, run_promtool};
 use ublk_metrics::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, CorrelationId, Daemon, DriverSnapshot,
-    DriverStats, DriverStatsRegistry, IoMetrics, IoOp, ManualClock, Phase, ProtocolErrorClass,
-    Reason, RequestAccounting, Scanner, ScannerConfig, TcpInfoSample, TcpLinks, Telemetry, TraceId,
-    TrackerConfig, TrackerTable, Transport,
+    DriverStats, DriverStatsRegistry, FailureCause, IoMetrics, IoOp, ManualClock,
+    ProtocolErrorClass, RequestAccounting, Scanner, ScannerConfig, TcpInfoSample, TcpLinks,
+    Telemetry, TraceId, TrackerConfig, TrackerTable, Transport,
 };
 
 fn repo() -> PathBuf {
@@ -116,15 +116,14 @@ fn ublkd_expositions() -> Expositions {
     let acct = RequestAccounting::new(&t);
     let corr = CorrelationId::next();
     let mut r = acct.start_request(IoOp::Read, Transport::Rdma, corr);
-    r.attempt(Transport::Rdma)
-        .fail(Phase::Completion, Reason::WcError, Some(2_000_000));
+    let rdma = r.attempt(Transport::Rdma);
+    let tcp = r.fail_over(rdma, Some(2_000_000), Transport::Tcp);
     acct.attempt_latency(IoOp::Read, Transport::Rdma)
         .exemplar(2_000_000, corr);
-    r.failover(Transport::Tcp);
-    r.attempt(Transport::Tcp).succeed(3_000_000);
+    tcp.succeed(3_000_000);
     r.succeed();
     acct.start_request(IoOp::Write, Transport::Tcp, CorrelationId::next())
-        .fail(Phase::Commit, Reason::Timeout);
+        .fail(FailureCause::PollTimeout);
     let coord = ublk_metrics::CoordinationMetrics::new(&t);
     coord.update_from(&ublk_metrics::CoordinationStats {
         epoch_changes: [1, 2, 0, 1, 1, 0, 1],
