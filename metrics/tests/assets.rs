@@ -456,10 +456,52 @@ fn identifiers(expr: &str) -> Vec<(String, usize)> {
     out
 }
 
-/// Every selector of a series must follow the dashboard's variables, and
-/// every aggregation keep `instance`: a fleet dashboard shows each host,
-/// never one sum over all of them.
+/// The families with a `device` label (optional or not), from the
+/// catalogue.
+fn per_device_families() -> BTreeSet<&'static str> {
+    [
+        families::IO,
+        families::ACCOUNTING,
+        families::TCP,
+        families::DRIVER,
+        families::COORDINATION,
+        families::ARENA,
+        families::PROCESS,
+        families::SELF,
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|f| {
+        f.labels
+            .iter()
+            .any(|l| l.trim_matches(['[', ']']) == "device")
+    })
+    .map(|f| f.name)
+    .collect()
+}
+
+/// The family a sample name belongs to (a histogram's `_bucket`, `_sum`
+/// and `_count` belong to the histogram).
+fn family_of(sample: &str) -> &str {
+    ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| sample.strip_suffix(s))
+        .filter(|f| {
+            families::IO
+                .iter()
+                .chain(families::ACCOUNTING)
+                .chain(families::ARENA)
+                .any(|fam| fam.name == *f && fam.kind == families::Kind::Histogram)
+        })
+        .unwrap_or(sample)
+}
+
+/// Every selector of a series must follow the dashboard's variables (and
+/// a per-device family its `$device` too), and every aggregation keep
+/// `instance`: a fleet dashboard shows each host, never one sum over all of
+/// them.
 fn check_fleet_expr(title: &str, expr: &str) {
+    let per_device = per_device_families();
     const AGGREGATIONS: [&str; 6] = ["sum", "max", "min", "avg", "count", "quantile"];
     let mut series = 0;
     for (ident, end) in identifiers(expr) {
@@ -474,7 +516,13 @@ fn check_fleet_expr(title: &str, expr: &str) {
                 .and_then(|r| r.split_once('}'))
                 .map(|(m, _)| m)
                 .unwrap_or_else(|| panic!("{title}: {ident} has no label matchers in {expr:?}"));
-            for want in [r#"job=~"$job""#, r#"instance=~"$instance""#] {
+            let device = per_device
+                .contains(family_of(&ident))
+                .then_some(r#"device=~"$device""#);
+            for want in [r#"job=~"$job""#, r#"instance=~"$instance""#]
+                .into_iter()
+                .chain(device)
+            {
                 assert!(
                     matchers.contains(want),
                     "{title}: {ident} lacks {want} in {expr:?}"
@@ -531,6 +579,27 @@ fn dashboard_is_a_fleet_dashboard_with_variables_units_and_descriptions() {
         );
     }
     assert!(str_at(var("instance"), &["query", "query"]).contains(r#"job=~"$job""#));
+    let device = var("device");
+    assert_eq!(device["type"], "query");
+    assert_eq!(str_at(device, &["datasource", "uid"]), "${datasource}");
+    assert!(device["multi"] == true && device["includeAll"] == true);
+    // Devices have a label only with `metrics.per_device_labels`; `.*`
+    // (unlike `.+`) also matches series without one, so All shows them.
+    assert_eq!(device["allValue"], ".*");
+    let query = str_at(device, &["query", "query"]);
+    let family = query
+        .strip_prefix("label_values(")
+        .and_then(|q| q.split_once('{'))
+        .map(|(f, _)| f)
+        .unwrap_or_else(|| panic!("$device: {query:?} is not label_values(family{{..}}, device)"));
+    assert!(
+        per_device_families().contains(family),
+        "$device reads {family}, which has no device label"
+    );
+    assert!(
+        query.ends_with(", device)") && query.contains(r#"instance=~"$instance""#),
+        "$device: {query:?}"
+    );
 
     let panels = data_panels(&dash);
     assert!(panels.len() >= 20, "{} panels", panels.len());
@@ -594,7 +663,8 @@ fn dashboard_queries_are_valid_promql() {
             let expr = str_at(t, &["expr"])
                 .replace("$__rate_interval", "1m")
                 .replace("$job", ".+")
-                .replace("$instance", ".+");
+                .replace("$instance", ".+")
+                .replace("$device", ".*");
             n += 1;
             rules.push_str(&format!(
                 "      - record: dashboard:query{n}\n        expr: {}\n",
