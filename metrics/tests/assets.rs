@@ -941,3 +941,55 @@ fn every_alert_links_to_a_runbook_section() {
     }
     assert!(links >= 9, "{links} alert runbook links");
 }
+
+/// A panel or alert over a family with no series reads "No data" (or never
+/// fires) on a healthy host: every family they read renders on an idle
+/// ublkd and arenad, at zero. The `ublk_driver_*` families are the
+/// drivers' own snapshots, rendered once a device reports one.
+#[test]
+fn every_family_the_dashboard_and_alerts_read_renders_when_idle() {
+    let t = Telemetry::isolated(Daemon::Ublkd, "0.1.0");
+    let _io = IoMetrics::new(&t, "arena", None).unwrap();
+    let tab = Arc::new(
+        TrackerTable::new(
+            TrackerConfig {
+                target: "arena".into(),
+                device: None,
+                queues: 1,
+                depth: 8,
+                slow_threshold: None,
+            },
+            Some(0),
+            Arc::new(ManualClock::new()),
+        )
+        .unwrap(),
+    );
+    let scanner = Scanner::new(t.clone(), ScannerConfig::default());
+    scanner.register(&tab);
+    scanner.scan();
+    let _links = TcpLinks::new(&t);
+    let _drivers = DriverStatsRegistry::new(&t);
+    let _acct = RequestAccounting::new(&t);
+    let _coord = ublk_metrics::CoordinationMetrics::new(&t);
+    let _replicas = ublk_metrics::ReplicaMetrics::new(&t);
+    let a = Telemetry::isolated(Daemon::Arenad, "0.1.0");
+    let _arena = ArenaMetrics::new(&a);
+    let mut rendered = sample_names(&t.render().unwrap());
+    rendered.extend(sample_names(&a.render().unwrap()));
+
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard(), &mut exprs);
+    exprs.extend(alerts().into_iter().map(|a| a.expr));
+    let mut read = 0;
+    for name in exprs.iter().flat_map(|e| our_metric_names(e)) {
+        if name.starts_with("ublk_driver_") {
+            continue;
+        }
+        read += 1;
+        assert!(
+            rendered.contains(&name),
+            "{name} has no series until it first moves"
+        );
+    }
+    assert!(read >= 40, "only {read} families read");
+}
