@@ -7,7 +7,7 @@
 use libublk::sys;
 use target_rdma::blob::Via;
 use target_rdma::block::{BlockTarget, TargetError};
-use ublk_metrics::{IoOp, Phase, Reason};
+use ublk_metrics::{FailureCause, IoOp};
 
 use crate::observability::{DeviceObs, Failure};
 
@@ -131,8 +131,8 @@ pub fn metrics_op(op_flags: u32) -> Option<IoOp> {
 /// How a failed request failed: its errno, where it belongs in the failure
 /// taxonomy of `docs/METRICS.md`, and whether the arena connection is gone.
 pub fn classify(e: &TargetError) -> Failure {
-    let (phase, reason) = match e {
-        TargetError::OutOfRange { .. } => (Phase::Post, Reason::Protocol),
+    let cause = match e {
+        TargetError::OutOfRange { .. } => FailureCause::PostProtocol,
         TargetError::Arena { op, source } => source.kind().blame(*op),
     };
     let peer_gone = match e {
@@ -141,8 +141,7 @@ pub fn classify(e: &TargetError) -> Failure {
     };
     Failure {
         errno: e.errno(),
-        phase,
-        reason,
+        cause,
         peer_gone,
     }
 }
@@ -223,7 +222,7 @@ mod tests {
     use target_rdma::block::MemTarget;
     use ublk_metrics::testing::sample;
     use ublk_metrics::Transport as MetricsTransport;
-    use ublk_metrics::{Daemon, Telemetry};
+    use ublk_metrics::{Daemon, Phase, Reason, Telemetry};
 
     use super::*;
     use crate::config::{MetricsConfig, TransportChoice};

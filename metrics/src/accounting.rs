@@ -13,79 +13,135 @@
 //! `cancelled`). Attempts that end (succeed or fail) also record their
 //! duration, when the observer measured it, by the transport they ran on
 //! (`ublk_attempt_latency_seconds`).
+//!
+//! A daemon's exposition holds the series it can move and no others: the
+//! transports a ublkd serves ([`Transport::SERVED`]), the failover it makes
+//! (RDMA to TCP) and the failure causes the taxonomy places
+//! ([`FailureCause`]) are registered when the accounting is created, so
+//! every family, failures included, renders at zero from the first scrape;
+//! anything else (the in-process transport of tests and benchmarks)
+//! registers on its first request. The I/O path finds the handles through
+//! a `OnceLock`, a load once it is set, never a lock.
 
 use crate::correlation::CorrelationId;
 use crate::events;
 use crate::histogram::LatencyHistogram;
-use crate::labels::{IoOp, Outcome, Phase, Reason, Transport};
+use crate::labels::{FailureCause, IoOp, Outcome, Phase, Reason, Transport};
 use crate::shard::{ShardedCounter, ShardedGauge};
 use crate::telemetry::Telemetry;
 use metrics::Counter;
-use parking_lot::Mutex;
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 const T: usize = Transport::COUNT;
 const O: usize = IoOp::COUNT;
 
-/// Started, finished and in flight, per op and transport. Every request
-/// touches these from its queue's thread, so they are sharded per thread
-/// (registered series render from the start, at zero).
+/// The failovers a ublkd makes: a payload that cannot go over RDMA goes
+/// over the TCP control connection. Nothing moves the other way.
+const FAILOVERS: [(Transport, Transport); 1] = [(Transport::Rdma, Transport::Tcp)];
+
+/// Started, finished and in flight, per op, of one transport. Every
+/// request touches these from its queue's thread, so they are sharded per
+/// thread (registered series render from the start, at zero).
 struct Flow {
-    started: [[Arc<ShardedCounter>; T]; O],
-    outcomes: [[[Arc<ShardedCounter>; Outcome::COUNT]; T]; O],
-    inflight: [[Arc<ShardedGauge>; T]; O],
+    started: [Arc<ShardedCounter>; O],
+    outcomes: [[Arc<ShardedCounter>; Outcome::COUNT]; O],
+    inflight: [Arc<ShardedGauge>; O],
 }
 
 impl Flow {
     fn new(
         tel: &Telemetry,
+        t: Transport,
         started: &'static str,
         outcomes: &'static str,
         inflight: &'static str,
     ) -> Flow {
-        let labels = |op: IoOp, t: Transport| vec![("op", op.as_str()), ("transport", t.as_str())];
+        let labels = |op: IoOp| vec![("op", op.as_str()), ("transport", t.as_str())];
         Flow {
-            started: IoOp::ALL
-                .map(|op| Transport::ALL.map(|t| tel.sharded_counter(started, &labels(op, t)))),
+            started: IoOp::ALL.map(|op| tel.sharded_counter(started, &labels(op))),
             outcomes: IoOp::ALL.map(|op| {
-                Transport::ALL.map(|t| {
-                    Outcome::ALL.map(|o| {
-                        let mut l = labels(op, t);
-                        l.push(("outcome", o.as_str()));
-                        tel.sharded_counter(outcomes, &l)
-                    })
+                Outcome::ALL.map(|o| {
+                    let mut l = labels(op);
+                    l.push(("outcome", o.as_str()));
+                    tel.sharded_counter(outcomes, &l)
                 })
             }),
-            inflight: IoOp::ALL
-                .map(|op| Transport::ALL.map(|t| tel.sharded_gauge(inflight, &labels(op, t)))),
+            inflight: IoOp::ALL.map(|op| tel.sharded_gauge(inflight, &labels(op))),
         }
     }
 
     #[inline]
-    fn start(&self, op: IoOp, t: Transport) {
-        self.started[op.index()][t.index()].increment(1);
-        self.inflight[op.index()][t.index()].increment();
+    fn start(&self, op: IoOp) {
+        self.started[op.index()].increment(1);
+        self.inflight[op.index()].increment();
     }
 
     #[inline]
-    fn finish(&self, op: IoOp, t: Transport, outcome: Outcome) {
-        self.outcomes[op.index()][t.index()][outcome.index()].increment(1);
-        self.inflight[op.index()][t.index()].decrement();
+    fn finish(&self, op: IoOp, outcome: Outcome) {
+        self.outcomes[op.index()][outcome.index()].increment(1);
+        self.inflight[op.index()].decrement();
+    }
+}
+
+/// Every series of one transport.
+struct TransportSeries {
+    requests: Flow,
+    attempts: Flow,
+    attempt_latency: [Arc<LatencyHistogram>; O],
+    request_failures: [Counter; FailureCause::COUNT],
+    attempt_failures: [Counter; FailureCause::COUNT],
+}
+
+impl TransportSeries {
+    fn new(tel: &Telemetry, t: Transport) -> Self {
+        let failures = |family: &'static str| {
+            FailureCause::ALL.map(|c| {
+                tel.counter(
+                    family,
+                    &[
+                        ("transport", t.as_str()),
+                        ("phase", c.phase().as_str()),
+                        ("reason", c.reason().as_str()),
+                    ],
+                )
+            })
+        };
+        TransportSeries {
+            requests: Flow::new(
+                tel,
+                t,
+                "ublk_requests_started_total",
+                "ublk_request_outcomes_total",
+                "ublk_requests_inflight",
+            ),
+            attempts: Flow::new(
+                tel,
+                t,
+                "ublk_attempts_started_total",
+                "ublk_attempt_outcomes_total",
+                "ublk_attempts_inflight",
+            ),
+            attempt_latency: IoOp::ALL.map(|op| {
+                tel.histogram(
+                    "ublk_attempt_latency_seconds",
+                    &[("op", op.as_str()), ("transport", t.as_str())],
+                )
+            }),
+            request_failures: failures("ublk_request_failures_total"),
+            attempt_failures: failures("ublk_attempt_failures_total"),
+        }
     }
 }
 
 /// The request/attempt accounting of one daemon (create one, share it).
 pub struct RequestAccounting {
-    telemetry: std::sync::Arc<Telemetry>,
-    requests: Flow,
-    attempts: Flow,
-    attempt_latency: [[Arc<LatencyHistogram>; T]; O],
-    failovers: [[[Counter; T]; T]; O],
-    // Failure counters are registered on first use: the full phase x reason
-    // x transport product is large, the set that occurs is small, and the
-    // failure path can afford a lock.
-    failures: Mutex<BTreeMap<(bool, Transport, Phase, Reason), Counter>>,
+    telemetry: Arc<Telemetry>,
+    transports: [OnceLock<TransportSeries>; T],
+    /// `ublk_failovers_total` by op, of each (from, to).
+    failovers: [[OnceLock<[Counter; O]>; T]; T],
+    /// `ublk_attempt_failures_total{phase="completion",reason="wc_error"}`
+    /// of each transport: the attempts that failed over.
+    wc_errors: [OnceLock<Counter>; T],
 }
 
 impl std::fmt::Debug for RequestAccounting {
@@ -95,47 +151,56 @@ impl std::fmt::Debug for RequestAccounting {
 }
 
 impl RequestAccounting {
-    /// Registers the families.
-    pub fn new(telemetry: &std::sync::Arc<Telemetry>) -> Self {
-        let tel = &**telemetry;
-        RequestAccounting {
-            telemetry: std::sync::Arc::clone(telemetry),
-            requests: Flow::new(
-                tel,
-                "ublk_requests_started_total",
-                "ublk_request_outcomes_total",
-                "ublk_requests_inflight",
-            ),
-            attempts: Flow::new(
-                tel,
-                "ublk_attempts_started_total",
-                "ublk_attempt_outcomes_total",
-                "ublk_attempts_inflight",
-            ),
-            attempt_latency: IoOp::ALL.map(|op| {
-                Transport::ALL.map(|t| {
-                    tel.histogram(
-                        "ublk_attempt_latency_seconds",
-                        &[("op", op.as_str()), ("transport", t.as_str())],
-                    )
-                })
-            }),
-            failovers: IoOp::ALL.map(|op| {
-                Transport::ALL.map(|from| {
-                    Transport::ALL.map(|to| {
-                        tel.counter(
-                            "ublk_failovers_total",
-                            &[
-                                ("op", op.as_str()),
-                                ("from", from.as_str()),
-                                ("to", to.as_str()),
-                            ],
-                        )
-                    })
-                })
-            }),
-            failures: Mutex::new(BTreeMap::new()),
+    /// Registers the families of what a ublkd serves (see the module
+    /// documentation).
+    pub fn new(telemetry: &Arc<Telemetry>) -> Self {
+        let acct = RequestAccounting {
+            telemetry: Arc::clone(telemetry),
+            transports: Default::default(),
+            failovers: Default::default(),
+            wc_errors: Default::default(),
+        };
+        for t in Transport::SERVED {
+            acct.series(t);
         }
+        for (from, to) in FAILOVERS {
+            acct.failovers(from, to);
+            acct.wc_errors(from);
+        }
+        acct
+    }
+
+    #[inline]
+    fn series(&self, t: Transport) -> &TransportSeries {
+        self.transports[t.index()].get_or_init(|| TransportSeries::new(&self.telemetry, t))
+    }
+
+    fn failovers(&self, from: Transport, to: Transport) -> &[Counter; O] {
+        self.failovers[from.index()][to.index()].get_or_init(|| {
+            IoOp::ALL.map(|op| {
+                self.telemetry.counter(
+                    "ublk_failovers_total",
+                    &[
+                        ("op", op.as_str()),
+                        ("from", from.as_str()),
+                        ("to", to.as_str()),
+                    ],
+                )
+            })
+        })
+    }
+
+    fn wc_errors(&self, t: Transport) -> &Counter {
+        self.wc_errors[t.index()].get_or_init(|| {
+            self.telemetry.counter(
+                "ublk_attempt_failures_total",
+                &[
+                    ("transport", t.as_str()),
+                    ("phase", Phase::Completion.as_str()),
+                    ("reason", Reason::WcError.as_str()),
+                ],
+            )
+        })
     }
 
     /// Starts a logical request. `transport` is the transport of its first
@@ -149,9 +214,11 @@ impl RequestAccounting {
         transport: Transport,
         corr: CorrelationId,
     ) -> RequestSpan<'_> {
-        self.requests.start(op, transport);
+        let series = self.series(transport);
+        series.requests.start(op);
         RequestSpan {
             acct: self,
+            series,
             op,
             transport,
             corr,
@@ -162,27 +229,7 @@ impl RequestAccounting {
 
     /// The attempt latency histogram of (`op`, `transport`), for exemplars.
     pub fn attempt_latency(&self, op: IoOp, transport: Transport) -> &LatencyHistogram {
-        &self.attempt_latency[op.index()][transport.index()]
-    }
-
-    fn failure(&self, request: bool, t: Transport, phase: Phase, reason: Reason) {
-        let mut map = self.failures.lock();
-        let c = map.entry((request, t, phase, reason)).or_insert_with(|| {
-            let family = if request {
-                "ublk_request_failures_total"
-            } else {
-                "ublk_attempt_failures_total"
-            };
-            self.telemetry.counter(
-                family,
-                &[
-                    ("transport", t.as_str()),
-                    ("phase", phase.as_str()),
-                    ("reason", reason.as_str()),
-                ],
-            )
-        });
-        c.increment(1);
+        &self.series(transport).attempt_latency[op.index()]
     }
 }
 
@@ -190,6 +237,7 @@ impl RequestAccounting {
 #[must_use = "dropping the span records the request as cancelled"]
 pub struct RequestSpan<'a> {
     acct: &'a RequestAccounting,
+    series: &'a TransportSeries,
     op: IoOp,
     transport: Transport,
     corr: CorrelationId,
@@ -211,9 +259,10 @@ impl<'a> RequestSpan<'a> {
     /// Starts a physical attempt on `transport`.
     #[inline]
     pub fn attempt(&self, transport: Transport) -> AttemptSpan<'a> {
-        self.acct.attempts.start(self.op, transport);
+        let series = self.acct.series(transport);
+        series.attempts.start(self.op);
         AttemptSpan {
-            acct: self.acct,
+            series,
             op: self.op,
             transport,
             corr: self.corr,
@@ -221,16 +270,27 @@ impl<'a> RequestSpan<'a> {
         }
     }
 
-    /// Records that the request moved from its first transport to `to`.
-    /// Counted once per request however many times it is called, so a
-    /// request that retries on TCP several times is still one failover.
-    pub fn failover(&mut self, to: Transport) {
-        if self.failed_over || to == self.transport {
-            return;
+    /// The payload of `attempt` could not go over its transport (an RDMA
+    /// work request failed or timed out) and goes over `to` instead:
+    /// `attempt` fails in `completion` for `wc_error` after `latency_ns`
+    /// (`None`: only the transport saw its end, and it stays out of the
+    /// histogram), and the attempt on `to` starts. The failover is counted
+    /// once per request however often its payload moves, so a request that
+    /// retries on TCP several times is still one failover.
+    pub fn fail_over(
+        &mut self,
+        attempt: AttemptSpan<'a>,
+        latency_ns: Option<u64>,
+        to: Transport,
+    ) -> AttemptSpan<'a> {
+        let failed = self.acct.wc_errors(attempt.transport);
+        attempt.failed(failed, Phase::Completion, Reason::WcError, latency_ns);
+        if !self.failed_over && to != self.transport {
+            self.failed_over = true;
+            self.acct.failovers(self.transport, to)[self.op.index()].increment(1);
+            events::transport_failover(self.corr, self.op, self.transport, to);
         }
-        self.failed_over = true;
-        self.acct.failovers[self.op.index()][self.transport.index()][to.index()].increment(1);
-        events::transport_failover(self.corr, self.op, self.transport, to);
+        self.attempt(to)
     }
 
     /// The request completed successfully.
@@ -238,18 +298,18 @@ impl<'a> RequestSpan<'a> {
         self.finish(Outcome::Success);
     }
 
-    /// The request failed terminally in `phase` for `reason`. The caller
-    /// logs `request.failed` ([`events::request_failed`]) because only it
-    /// knows the errno returned to the kernel.
-    pub fn fail(mut self, phase: Phase, reason: Reason) {
-        self.acct.failure(true, self.transport, phase, reason);
+    /// The request failed terminally for `cause`. The caller logs
+    /// `request.failed` ([`events::request_failed`]) because only it knows
+    /// the errno returned to the kernel.
+    pub fn fail(mut self, cause: FailureCause) {
+        self.series.request_failures[cause.index()].increment(1);
         self.finish(Outcome::Failure);
     }
 
     fn finish(&mut self, outcome: Outcome) {
         if !self.done {
             self.done = true;
-            self.acct.requests.finish(self.op, self.transport, outcome);
+            self.series.requests.finish(self.op, outcome);
         }
     }
 }
@@ -263,7 +323,7 @@ impl Drop for RequestSpan<'_> {
 /// A physical attempt in flight; records exactly one outcome.
 #[must_use = "dropping the span records the attempt as cancelled"]
 pub struct AttemptSpan<'a> {
-    acct: &'a RequestAccounting,
+    series: &'a TransportSeries,
     op: IoOp,
     transport: Transport,
     corr: CorrelationId,
@@ -286,12 +346,16 @@ impl AttemptSpan<'_> {
         self.finish(Outcome::Success);
     }
 
-    /// The attempt failed in `phase` for `reason` after `latency_ns`
-    /// (`None`: its end was seen only by the transport, as for the RDMA
-    /// attempt of a failover, and it stays out of the histogram); logs
-    /// `attempt.failed`.
-    pub fn fail(mut self, phase: Phase, reason: Reason, latency_ns: Option<u64>) {
-        self.acct.failure(false, self.transport, phase, reason);
+    /// The attempt failed for `cause` after `latency_ns` (`None`: its end
+    /// was seen only by the transport, and it stays out of the histogram);
+    /// logs `attempt.failed`.
+    pub fn fail(self, cause: FailureCause, latency_ns: Option<u64>) {
+        let counter = &self.series.attempt_failures[cause.index()];
+        self.failed(counter, cause.phase(), cause.reason(), latency_ns);
+    }
+
+    fn failed(mut self, counter: &Counter, phase: Phase, reason: Reason, latency_ns: Option<u64>) {
+        counter.increment(1);
         events::attempt_failed(self.corr, self.op, self.transport, phase, reason);
         if let Some(ns) = latency_ns {
             self.observe(ns);
@@ -300,15 +364,13 @@ impl AttemptSpan<'_> {
     }
 
     fn observe(&self, latency_ns: u64) {
-        self.acct
-            .attempt_latency(self.op, self.transport)
-            .record_ns(latency_ns);
+        self.series.attempt_latency[self.op.index()].record_ns(latency_ns);
     }
 
     fn finish(&mut self, outcome: Outcome) {
         if !self.done {
             self.done = true;
-            self.acct.attempts.finish(self.op, self.transport, outcome);
+            self.series.attempts.finish(self.op, outcome);
         }
     }
 }

@@ -171,6 +171,13 @@ closed_enum! {
     }
 }
 
+impl Transport {
+    /// The transports a ublkd serves block requests over. Its accounting
+    /// registers their series up front; the in-process one serves only
+    /// tests and benchmarks, so a daemon's exposition never carries it.
+    pub const SERVED: [Transport; 2] = [Transport::Rdma, Transport::Tcp];
+}
+
 closed_enum! {
     /// Terminal state of a logical request or a physical attempt.
     Outcome {
@@ -237,6 +244,86 @@ closed_enum! {
     }
 }
 
+macro_rules! failure_causes {
+    (
+        $(#[$meta:meta])*
+        $name:ident { $( $(#[$vmeta:meta])* $variant:ident => ($phase:ident, $reason:ident) ),+ $(,)? }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant ),+
+        }
+
+        impl $name {
+            /// Every cause, in declaration order; the index of a cause in
+            /// this slice is [`Self::index`].
+            pub const ALL: [$name; count_variants!($($variant)+)] = [$($name::$variant),+];
+            /// Number of causes.
+            pub const COUNT: usize = count_variants!($($variant)+);
+
+            /// The `phase` label of the cause.
+            pub const fn phase(self) -> Phase {
+                match self { $($name::$variant => Phase::$phase),+ }
+            }
+
+            /// The `reason` label of the cause.
+            pub const fn reason(self) -> Reason {
+                match self { $($name::$variant => Reason::$reason),+ }
+            }
+
+            /// Dense index into the fixed arrays of failure counters.
+            pub const fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+
+failure_causes! {
+    /// Where and why a block request (or one of its attempts) failed: the
+    /// (`phase`, `reason`) pairs a failure can carry. The failure families
+    /// register exactly these pairs, so they render at zero from the start
+    /// without the 110 pairs of `Phase` x `Reason` that nothing records;
+    /// a failure the taxonomy cannot place needs a row here first. (The
+    /// `completion`/`wc_error` pair of an RDMA attempt that failed over is
+    /// not a request failure; [`crate::RequestSpan::fail_over`] counts it.)
+    FailureCause {
+        /// The arena could not be reached, or no member of a replicated
+        /// volume could.
+        ConnectUnavailable => (Connect, Unavailable),
+        /// The peer refused our credentials or could not prove its own.
+        HandshakeAuth => (Handshake, Auth),
+        /// The peer refused the session at the handshake.
+        HandshakeUnavailable => (Handshake, Unavailable),
+        /// The peer had no slot, quota or capacity for the request.
+        AllocExhausted => (Alloc, ResourceExhausted),
+        /// The request itself was malformed (outside the device, or a
+        /// descriptor that does not make sense).
+        PostProtocol => (Post, Protocol),
+        /// No answer in time.
+        PollTimeout => (Poll, Timeout),
+        /// The connection broke before the answer.
+        PollPeerClosed => (Poll, PeerClosed),
+        /// The answer broke the protocol.
+        PollProtocol => (Poll, Protocol),
+        /// A replicated write whose missing member could not be recorded
+        /// in time.
+        CompletionTimeout => (Completion, Timeout),
+        /// The peer answered that we are not allowed (a fenced or standby
+        /// writer, or a refused credential).
+        CompletionAuth => (Completion, Auth),
+        /// The peer answered with a protocol or version error.
+        CompletionProtocol => (Completion, Protocol),
+        /// The peer answered that it is shutting down.
+        CompletionUnavailable => (Completion, Unavailable),
+        /// The peer answered a data request with an error.
+        CompletionIo => (Completion, Io),
+        /// A flush failed, or the peer lost acknowledged, unflushed writes.
+        FlushIo => (Flush, Io),
+    }
+}
+
 /// The `device` label value of device `id`: its kernel name (`ublkb0`), so
 /// per-device series join with node_exporter's `node_disk_*{device="ublkb0"}`.
 pub fn device_label(id: u32) -> String {
@@ -285,6 +372,20 @@ mod tests {
         assert!(validate_target("Arena").is_err());
         assert!(validate_target("a\"b").is_err());
         assert!(validate_target(&"x".repeat(33)).is_err());
+    }
+
+    /// Two causes with one (phase, reason) would be one series counted
+    /// under two names in the code.
+    #[test]
+    fn failure_causes_are_distinct_pairs() {
+        let pairs: std::collections::BTreeSet<_> = FailureCause::ALL
+            .iter()
+            .map(|c| (c.phase(), c.reason()))
+            .collect();
+        assert_eq!(pairs.len(), FailureCause::COUNT);
+        for (i, c) in FailureCause::ALL.iter().enumerate() {
+            assert_eq!(c.index(), i);
+        }
     }
 
     #[test]

@@ -58,7 +58,9 @@ pub use families::Daemon;
 pub use health::{NotReadyReason, NotReadySet, Probes};
 pub use histogram::{Exemplar, LatencyHistogram, LATENCY_BUCKETS_SECONDS};
 pub use http::{HttpConfig, HttpError, MetricsServer};
-pub use labels::{device_label, ErrnoClass, IoOp, LabelError, Outcome, Phase, Reason, Transport};
+pub use labels::{
+    device_label, ErrnoClass, FailureCause, IoOp, LabelError, Outcome, Phase, Reason, Transport,
+};
 pub use replicas::{HandoverDirection, HedgeOutcome, RebuildOutcome, ReplicaMetrics, ReplicaStats};
 pub use scanner::{ScanSummary, Scanner, ScannerConfig, ScannerThread};
 pub use shard::{ShardedCounter, ShardedGauge};

@@ -11,9 +11,9 @@ use ublk_metrics::families;
 use ublk_metrics::testing::{parse_openmetrics, run_promtool};
 use ublk_metrics::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, CorrelationId, Daemon, DriverSnapshot,
-    DriverStats, DriverStatsRegistry, IoMetrics, IoOp, ManualClock, Phase, ProtocolErrorClass,
-    Reason, RequestAccounting, Scanner, ScannerConfig, TcpInfoSample, TcpLinks, Telemetry, TraceId,
-    TrackerConfig, TrackerTable, Transport,
+    DriverStats, DriverStatsRegistry, FailureCause, IoMetrics, IoOp, ManualClock,
+    ProtocolErrorClass, RequestAccounting, Scanner, ScannerConfig, TcpInfoSample, TcpLinks,
+    Telemetry, TraceId, TrackerConfig, TrackerTable, Transport,
 };
 
 fn repo() -> PathBuf {
@@ -116,15 +116,14 @@ fn ublkd_expositions() -> Expositions {
     let acct = RequestAccounting::new(&t);
     let corr = CorrelationId::next();
     let mut r = acct.start_request(IoOp::Read, Transport::Rdma, corr);
-    r.attempt(Transport::Rdma)
-        .fail(Phase::Completion, Reason::WcError, Some(2_000_000));
+    let rdma = r.attempt(Transport::Rdma);
+    let tcp = r.fail_over(rdma, Some(2_000_000), Transport::Tcp);
     acct.attempt_latency(IoOp::Read, Transport::Rdma)
         .exemplar(2_000_000, corr);
-    r.failover(Transport::Tcp);
-    r.attempt(Transport::Tcp).succeed(3_000_000);
+    tcp.succeed(3_000_000);
     r.succeed();
     acct.start_request(IoOp::Write, Transport::Tcp, CorrelationId::next())
-        .fail(Phase::Commit, Reason::Timeout);
+        .fail(FailureCause::PollTimeout);
     let coord = ublk_metrics::CoordinationMetrics::new(&t);
     coord.update_from(&ublk_metrics::CoordinationStats {
         epoch_changes: [1, 2, 0, 1, 1, 0, 1],
@@ -470,10 +469,52 @@ fn identifiers(expr: &str) -> Vec<(String, usize)> {
     out
 }
 
-/// Every selector of a series must follow the dashboard's variables, and
-/// every aggregation keep `instance`: a fleet dashboard shows each host,
-/// never one sum over all of them.
+/// The families with a `device` label (optional or not), from the
+/// catalogue.
+fn per_device_families() -> BTreeSet<&'static str> {
+    [
+        families::IO,
+        families::ACCOUNTING,
+        families::TCP,
+        families::DRIVER,
+        families::COORDINATION,
+        families::ARENA,
+        families::PROCESS,
+        families::SELF,
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|f| {
+        f.labels
+            .iter()
+            .any(|l| l.trim_matches(['[', ']']) == "device")
+    })
+    .map(|f| f.name)
+    .collect()
+}
+
+/// The family a sample name belongs to (a histogram's `_bucket`, `_sum`
+/// and `_count` belong to the histogram).
+fn family_of(sample: &str) -> &str {
+    ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| sample.strip_suffix(s))
+        .filter(|f| {
+            families::IO
+                .iter()
+                .chain(families::ACCOUNTING)
+                .chain(families::ARENA)
+                .any(|fam| fam.name == *f && fam.kind == families::Kind::Histogram)
+        })
+        .unwrap_or(sample)
+}
+
+/// Every selector of a series must follow the dashboard's variables (and
+/// a per-device family its `$device` too), and every aggregation keep
+/// `instance`: a fleet dashboard shows each host, never one sum over all of
+/// them.
 fn check_fleet_expr(title: &str, expr: &str) {
+    let per_device = per_device_families();
     const AGGREGATIONS: [&str; 6] = ["sum", "max", "min", "avg", "count", "quantile"];
     let mut series = 0;
     for (ident, end) in identifiers(expr) {
@@ -488,7 +529,13 @@ fn check_fleet_expr(title: &str, expr: &str) {
                 .and_then(|r| r.split_once('}'))
                 .map(|(m, _)| m)
                 .unwrap_or_else(|| panic!("{title}: {ident} has no label matchers in {expr:?}"));
-            for want in [r#"job=~"$job""#, r#"instance=~"$instance""#] {
+            let device = per_device
+                .contains(family_of(&ident))
+                .then_some(r#"device=~"$device""#);
+            for want in [r#"job=~"$job""#, r#"instance=~"$instance""#]
+                .into_iter()
+                .chain(device)
+            {
                 assert!(
                     matchers.contains(want),
                     "{title}: {ident} lacks {want} in {expr:?}"
@@ -545,6 +592,27 @@ fn dashboard_is_a_fleet_dashboard_with_variables_units_and_descriptions() {
         );
     }
     assert!(str_at(var("instance"), &["query", "query"]).contains(r#"job=~"$job""#));
+    let device = var("device");
+    assert_eq!(device["type"], "query");
+    assert_eq!(str_at(device, &["datasource", "uid"]), "${datasource}");
+    assert!(device["multi"] == true && device["includeAll"] == true);
+    // Devices have a label only with `metrics.per_device_labels`; `.*`
+    // (unlike `.+`) also matches series without one, so All shows them.
+    assert_eq!(device["allValue"], ".*");
+    let query = str_at(device, &["query", "query"]);
+    let family = query
+        .strip_prefix("label_values(")
+        .and_then(|q| q.split_once('{'))
+        .map(|(f, _)| f)
+        .unwrap_or_else(|| panic!("$device: {query:?} is not label_values(family{{..}}, device)"));
+    assert!(
+        per_device_families().contains(family),
+        "$device reads {family}, which has no device label"
+    );
+    assert!(
+        query.ends_with(", device)") && query.contains(r#"instance=~"$instance""#),
+        "$device: {query:?}"
+    );
 
     let panels = data_panels(&dash);
     assert!(panels.len() >= 20, "{} panels", panels.len());
@@ -608,7 +676,8 @@ fn dashboard_queries_are_valid_promql() {
             let expr = str_at(t, &["expr"])
                 .replace("$__rate_interval", "1m")
                 .replace("$job", ".+")
-                .replace("$instance", ".+");
+                .replace("$instance", ".+")
+                .replace("$device", ".*");
             n += 1;
             rules.push_str(&format!(
                 "      - record: dashboard:query{n}\n        expr: {}\n",
@@ -884,4 +953,56 @@ fn every_alert_links_to_a_runbook_section() {
         }
     }
     assert!(links >= 9, "{links} alert runbook links");
+}
+
+/// A panel or alert over a family with no series reads "No data" (or never
+/// fires) on a healthy host: every family they read renders on an idle
+/// ublkd and arenad, at zero. The `ublk_driver_*` families are the
+/// drivers' own snapshots, rendered once a device reports one.
+#[test]
+fn every_family_the_dashboard_and_alerts_read_renders_when_idle() {
+    let t = Telemetry::isolated(Daemon::Ublkd, "0.1.0");
+    let _io = IoMetrics::new(&t, "arena", None).unwrap();
+    let tab = Arc::new(
+        TrackerTable::new(
+            TrackerConfig {
+                target: "arena".into(),
+                device: None,
+                queues: 1,
+                depth: 8,
+                slow_threshold: None,
+            },
+            Some(0),
+            Arc::new(ManualClock::new()),
+        )
+        .unwrap(),
+    );
+    let scanner = Scanner::new(t.clone(), ScannerConfig::default());
+    scanner.register(&tab);
+    scanner.scan();
+    let _links = TcpLinks::new(&t);
+    let _drivers = DriverStatsRegistry::new(&t);
+    let _acct = RequestAccounting::new(&t);
+    let _coord = ublk_metrics::CoordinationMetrics::new(&t);
+    let _replicas = ublk_metrics::ReplicaMetrics::new(&t);
+    let a = Telemetry::isolated(Daemon::Arenad, "0.1.0");
+    let _arena = ArenaMetrics::new(&a);
+    let mut rendered = sample_names(&t.render().unwrap());
+    rendered.extend(sample_names(&a.render().unwrap()));
+
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard(), &mut exprs);
+    exprs.extend(alerts().into_iter().map(|a| a.expr));
+    let mut read = 0;
+    for name in exprs.iter().flat_map(|e| our_metric_names(e)) {
+        if name.starts_with("ublk_driver_") {
+            continue;
+        }
+        read += 1;
+        assert!(
+            rendered.contains(&name),
+            "{name} has no series until it first moves"
+        );
+    }
+    assert!(read >= 40, "only {read} families read");
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use target_rdma::client::{RdmaDriverStats, RdmaStats, TcpReason};
 use ublk_metrics::{
     families, ArenaOp, ArenaOutcome, ConnectionRefusal, DriverSnapshot, DriverStats as _,
-    EpochReason, ErrnoClass, HedgeOutcome, IoOp, NotReadyReason, Outcome, Phase,
+    EpochReason, ErrnoClass, FailureCause, HedgeOutcome, IoOp, NotReadyReason, Outcome, Phase,
     ProtocolErrorClass, Reason, RebuildOutcome, SlotState, Transport,
 };
 
@@ -37,7 +37,10 @@ fn closed_labels() -> BTreeMap<&'static str, BTreeSet<String>> {
             .or_default()
             .extend(values.iter().map(|v| v.to_string()));
     };
-    add("reason", &Reason::ALL.map(Reason::as_str));
+    // The failure families carry the taxonomy's causes and the failed-over
+    // RDMA attempt's completion/wc_error; no other phase or reason.
+    add("reason", &FailureCause::ALL.map(|c| c.reason().as_str()));
+    add("reason", &[Reason::WcError.as_str()]);
     add("reason", &TcpReason::ALL.map(TcpReason::name));
     let snap = rdma_snapshot();
     let driver_reasons: Vec<&str> = snap
@@ -52,7 +55,8 @@ fn closed_labels() -> BTreeMap<&'static str, BTreeSet<String>> {
         "reason",
         &ConnectionRefusal::ALL.map(ConnectionRefusal::as_str),
     );
-    add("phase", &Phase::ALL.map(Phase::as_str));
+    add("phase", &FailureCause::ALL.map(|c| c.phase().as_str()));
+    add("phase", &[Phase::Completion.as_str()]);
     add("errno", &ErrnoClass::ALL.map(ErrnoClass::as_str));
     add("op", &IoOp::ALL.map(IoOp::as_str));
     add("op", &ArenaOp::ALL.map(ArenaOp::as_str));
@@ -65,7 +69,7 @@ fn closed_labels() -> BTreeMap<&'static str, BTreeSet<String>> {
         &ProtocolErrorClass::ALL.map(ProtocolErrorClass::as_str),
     );
     add("state", &SlotState::ALL.map(SlotState::as_str));
-    add("transport", &Transport::ALL.map(Transport::as_str));
+    add("transport", &Transport::SERVED.map(Transport::as_str));
     m
 }
 

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use target_rdma::blob::Via;
 use ublk_metrics::{
-    events, AttemptRecord, AttemptSpan, CorrelationId, ErrnoClass, IoOp, Phase, Reason,
-    RequestRecord, RequestSpan, SpanEnd, TrackerGuard, TrackerTable, Transport,
+    events, AttemptRecord, AttemptSpan, CorrelationId, ErrnoClass, FailureCause, IoOp, Phase,
+    Reason, RequestRecord, RequestSpan, SpanEnd, TrackerGuard, TrackerTable, Transport,
 };
 
 use super::{DeviceObs, TARGET};
@@ -33,10 +33,8 @@ use crate::device_stats::InFlight;
 pub struct Failure {
     /// Positive errno (the kernel gets it negated).
     pub errno: i32,
-    /// Where it failed.
-    pub phase: Phase,
-    /// Why.
-    pub reason: Reason,
+    /// Where it failed and why.
+    pub cause: FailureCause,
     /// The arena connection is gone: readiness reports `peer_disconnected`
     /// until it is back.
     pub peer_gone: bool,
@@ -135,7 +133,8 @@ impl<'a> RequestObs<'a> {
     /// before reaching the target): a failure in `post`, `protocol`.
     pub fn rejected(mut self, errno: i32, op_flags: u32, start_sector: u64, nr_sectors: u32) {
         self.dev.stats.failed();
-        let (phase, reason) = (Phase::Post, Reason::Protocol);
+        let cause = FailureCause::PostProtocol;
+        let (phase, reason) = (cause.phase(), cause.reason());
         events::request_failed(
             self.corr,
             Some(self.dev.id()),
@@ -155,7 +154,7 @@ impl<'a> RequestObs<'a> {
         let end = SpanEnd::Failure { phase, reason };
         self.slot
             .complete(0, Err(errno), end, errno.unsigned_abs(), [None, None]);
-        self.span.fail(phase, reason);
+        self.span.fail(cause);
     }
 
     /// The request goes to its target: its first attempt starts.
@@ -316,9 +315,7 @@ impl AttemptObs<'_> {
             // The RDMA attempt failed (its work request errored or timed
             // out, counted by the driver) and TCP carried the payload.
             let (phase, reason) = (Phase::Completion, Reason::WcError);
-            attempt.fail(phase, reason, None);
-            self.req.span.failover(Transport::Tcp);
-            attempt = self.req.span.attempt(Transport::Tcp);
+            attempt = self.req.span.fail_over(attempt, None, Transport::Tcp);
             attempts = [
                 Some(AttemptRecord {
                     end: SpanEnd::Failure { phase, reason },
@@ -345,10 +342,10 @@ impl AttemptObs<'_> {
     pub fn failed(mut self, failure: &Failure, error: &dyn std::fmt::Display) {
         let Failure {
             errno,
-            phase,
-            reason,
+            cause,
             peer_gone,
         } = *failure;
+        let (phase, reason) = (cause.phase(), cause.reason());
         let req = &mut self.req;
         if peer_gone {
             req.dev.peer_lost(phase, reason);
@@ -376,8 +373,8 @@ impl AttemptObs<'_> {
             errno.unsigned_abs(),
             [Some(attempt), None],
         );
-        self.attempt.fail(phase, reason, attempt_ns);
+        self.attempt.fail(cause, attempt_ns);
         let RequestObs { span, .. } = self.req;
-        span.fail(phase, reason);
+        span.fail(cause);
     }
 }

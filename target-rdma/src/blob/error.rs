@@ -7,7 +7,7 @@ use std::io;
 use std::time::Duration;
 
 use crate::proto::{FrameError, Opcode, Status};
-use ublk_metrics::{IoOp, Phase, Reason};
+use ublk_metrics::{FailureCause, IoOp};
 
 /// What kind of failure an [`ArenaError`] is: the closed set callers match
 /// on (errno, failure taxonomy, readiness, control-socket error class),
@@ -61,20 +61,20 @@ impl ErrorKind {
 
     /// Where a request of `op` failed and why, in the failure taxonomy of
     /// docs/METRICS.md (`ublk_request_failures_total{phase,reason}`).
-    pub fn blame(self, op: IoOp) -> (Phase, Reason) {
+    pub fn blame(self, op: IoOp) -> FailureCause {
         match self {
-            Self::Connect => (Phase::Connect, Reason::Unavailable),
-            Self::AuthFailed | Self::PeerNotAuthentic => (Phase::Handshake, Reason::Auth),
-            Self::Refused(_) => (Phase::Handshake, Reason::Unavailable),
-            Self::TimedOut => (Phase::Poll, Reason::Timeout),
-            Self::Disconnected => (Phase::Poll, Reason::PeerClosed),
-            Self::Protocol => (Phase::Poll, Reason::Protocol),
-            Self::UnflushedDataLost => (Phase::Flush, Reason::Io),
-            Self::Replica(ReplicaFailure::Unrecorded) => (Phase::Completion, Reason::Timeout),
+            Self::Connect => FailureCause::ConnectUnavailable,
+            Self::AuthFailed | Self::PeerNotAuthentic => FailureCause::HandshakeAuth,
+            Self::Refused(_) => FailureCause::HandshakeUnavailable,
+            Self::TimedOut => FailureCause::PollTimeout,
+            Self::Disconnected => FailureCause::PollPeerClosed,
+            Self::Protocol => FailureCause::PollProtocol,
+            Self::UnflushedDataLost => FailureCause::FlushIo,
+            Self::Replica(ReplicaFailure::Unrecorded) => FailureCause::CompletionTimeout,
             Self::Replica(ReplicaFailure::Fenced | ReplicaFailure::Standby) => {
-                (Phase::Completion, Reason::Auth)
+                FailureCause::CompletionAuth
             }
-            Self::Replica(ReplicaFailure::NoMember) => (Phase::Connect, Reason::Unavailable),
+            Self::Replica(ReplicaFailure::NoMember) => FailureCause::ConnectUnavailable,
             Self::Status(s) => status_blame(s, op),
         }
     }
@@ -113,22 +113,20 @@ fn status_errno(s: Status) -> i32 {
 }
 
 /// Where a request of `op` the peer answered with `s` failed.
-fn status_blame(s: Status, op: IoOp) -> (Phase, Reason) {
+fn status_blame(s: Status, op: IoOp) -> FailureCause {
     match s {
-        Status::NoSpace | Status::QuotaExceeded | Status::Busy => {
-            (Phase::Alloc, Reason::ResourceExhausted)
-        }
-        Status::Protocol | Status::VersionMismatch => (Phase::Completion, Reason::Protocol),
-        Status::AuthFailed => (Phase::Completion, Reason::Auth),
-        Status::ShuttingDown => (Phase::Completion, Reason::Unavailable),
+        Status::NoSpace | Status::QuotaExceeded | Status::Busy => FailureCause::AllocExhausted,
+        Status::Protocol | Status::VersionMismatch => FailureCause::CompletionProtocol,
+        Status::AuthFailed => FailureCause::CompletionAuth,
+        Status::ShuttingDown => FailureCause::CompletionUnavailable,
         Status::Ok
         | Status::NotFound
         | Status::Internal
         | Status::LeaseLost
         | Status::StaleEpoch => match op {
-            IoOp::Flush => (Phase::Flush, Reason::Io),
+            IoOp::Flush => FailureCause::FlushIo,
             IoOp::Read | IoOp::Write | IoOp::Discard | IoOp::WriteZeroes => {
-                (Phase::Completion, Reason::Io)
+                FailureCause::CompletionIo
             }
         },
     }
