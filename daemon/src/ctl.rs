@@ -649,7 +649,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             format!(
-                "ublkd is not running: control socket {} does not exist (start it with `systemctl start ublkd`)",
+                "ublkd is not running: its socket {} does not exist (start it with `systemctl start ublkd`)",
                 missing.display()
             )
         );

@@ -987,6 +987,10 @@ fn every_family_the_dashboard_and_alerts_read_renders_when_idle() {
     let _replicas = ublk_metrics::ReplicaMetrics::new(&t);
     let a = Telemetry::isolated(Daemon::Arenad, "0.1.0");
     let _arena = ArenaMetrics::new(&a);
+    // One configured volume, no session yet (arenad registers its
+    // configured volumes' series at start).
+    let volumes = ublk_metrics::VolumeMetrics::new(&a, ublk_metrics::VolumeLabels::default());
+    volumes.counters("vm1");
     let mut rendered = sample_names(&t.render().unwrap());
     rendered.extend(sample_names(&a.render().unwrap()));
 

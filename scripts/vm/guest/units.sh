@@ -11,6 +11,10 @@
 #     that carries ext4 and fio verify, payloads moved by RDMA;
 #   - files of both daemons are private (UMask=0077 and the code's modes);
 #   - descriptors per queue fit the LimitNOFILE= arithmetic of ublkd.service;
+#   - `arenactl` (the unit's admin socket) lists the ublkd host's sessions
+#     on the volume with their leases; `arenactl disconnect` ends one and
+#     the device goes on (fio verify); `systemctl reload arenad` (ExecReload
+#     = arenactl reload) fails on a broken config and arenad keeps serving;
 #   - `systemctl kill -s KILL ublkd`: systemd restarts it and the device is
 #     recovered with its data;
 #   - the journal holds no "Operation not permitted" (a filtered syscall).
@@ -41,7 +45,7 @@ ublkd_pid() {
     done
 }
 
-for b in arenad ublkd ublkctl; do
+for b in arenad arenactl ublkd ublkctl; do
     [[ -x "$BIN/$b" ]] || { echo "FAIL setup (missing $BIN/$b: run scripts/vm/units)"; exit 1; }
 done
 
@@ -60,7 +64,7 @@ for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; do
 grep -E ' (ublk-char|infiniband_verbs|blkext)$' /proc/devices >"$R/units-proc-devices.txt"
 
 # The by-hand install of docs/OPERATIONS.md.
-install -m 0755 "$BIN"/{ublkd,ublkctl,arenad} /usr/local/bin/
+install -m 0755 "$BIN"/{ublkd,ublkctl,arenad,arenactl} /usr/local/bin/
 install -d -m 0755 /etc/ublkd /etc/arenad
 install -m 0644 "$REPO/systemd/ublkd.toml" /etc/ublkd/ublkd.toml
 cat >/etc/arenad/arenad.toml <<'TOML'
@@ -75,6 +79,9 @@ secret_file = "/etc/arenad/vm1.key"
 quota = "1G"
 TOML
 (umask 077 && head -c 32 /dev/urandom | base64 >/etc/arenad/vm1.key && cp /etc/arenad/vm1.key /etc/ublkd/vm1.key)
+# arenad's system user, and its secret readable by it.
+timeout 30 systemd-sysusers "$REPO/systemd/arenad.sysusers" && chown arenad: /etc/arenad/vm1.key ||
+    { echo "FAIL setup (systemd-sysusers)"; exit 1; }
 install -m 0644 "$REPO/systemd/ublkd.service" "$REPO/systemd/arenad.service" /etc/systemd/system/
 systemctl enable arenad ublkd >/dev/null 2>&1 || { echo "FAIL setup (systemctl enable)"; exit 1; }
 # Boot only what the services need, not the host's whole multi-user.target.
@@ -131,6 +138,17 @@ else
 fi
 if [[ $(sc is-active ublkd) == active ]]; then pass ublkd-unit-starts; else fail ublkd-unit-starts "see units-status.txt"; fi
 
+# arenad as its own user, with CAP_IPC_LOCK (bit 14) as its only capability.
+apid=''
+for p in /proc/[0-9]*; do [[ $(cat "$p/comm" 2>/dev/null) == arenad ]] && apid=${p#/proc/}; done
+auser=$(ps -o user= -p "$apid" 2>/dev/null | tr -d ' ')
+acaps=$(awk '/^CapEff:/ { print $2 }' "/proc/$apid/status" 2>/dev/null)
+if [[ $auser == arenad && $acaps == 0000000000004000 ]]; then
+    pass arenad-runs-unprivileged
+else
+    fail arenad-runs-unprivileged "user '$auser' CapEff '$acaps'"
+fi
+
 # Not ours (where the device's filesystem gets mounted), not systemd's.
 pid=$(ublkd_pid)
 ns=$(readlink "/proc/$pid/ns/mnt")
@@ -184,7 +202,44 @@ fi
 rdma=$(curl -s http://127.0.0.1:9477/metrics | awk '/^ublk_driver_rdma_transferred_total/ { s += $2 } END { print s + 0 }')
 if [[ $rdma -gt 0 ]]; then pass payloads-moved-by-rdma; else fail payloads-moved-by-rdma "$rdma"; fi
 
-bad=$(find /var/lib/arenad /var/lib/ublkd /run/ublkd -mindepth 1 \( -type f -o -type s \) -perm /077 -printf '%m %p\n')
+# arenactl, as an operator on the memory node runs it.
+actl() { timeout 60 /usr/local/bin/arenactl "$@"; }
+field() { python3 -c 'import json, sys; d = json.load(sys.stdin); print(eval(sys.argv[1]))' "$1"; }
+sessions=$(actl --json sessions --volume vm1 2>"$W/arenactl.err")
+n=$(field 'len(d["sessions"])' <<<"$sessions" 2>/dev/null)
+rdma_sessions=$(field 'sum(s["transport"] == "rdma" and s["rails"] == 1 for s in d["sessions"])' <<<"$sessions" 2>/dev/null)
+vol_sessions=$(actl --json volumes 2>>"$W/arenactl.err" | field '[v["sessions"] for v in d["volumes"] if v["name"] == "vm1"][0]' 2>/dev/null)
+echo "arenactl: $n sessions on vm1 ($rdma_sessions over RDMA), volumes says $vol_sessions"
+actl sessions >"$R/units-arenactl-sessions.txt" 2>&1
+if [[ ${n:-0} -ge 2 && $rdma_sessions == "$n" && $vol_sessions == "$n" ]] &&
+    field 'all("leases" in s for s in d["sessions"])' <<<"$sessions" | grep -q True; then
+    pass arenactl-shows-the-hosts-sessions
+else
+    fail arenactl-shows-the-hosts-sessions "$(cat "$W/arenactl.err") $sessions"
+fi
+victim=$(field 'd["sessions"][0]["id"]' <<<"$sessions" 2>/dev/null)
+if [[ -n "$victim" ]] && actl disconnect "$victim" >"$W/disconnect.out" 2>&1 &&
+    timeout 300 fio --name=d --filename="$DEV" --rw=randwrite --bs=64k --size=16M --offset=160M \
+        --direct=1 --verify=crc32c --do_verify=1 --output="$R/units-fio-disconnect.txt" >/dev/null 2>&1 &&
+    jc -u arenad | grep -q 'session.disconnected'; then
+    pass arenactl-disconnect-and-the-device-goes-on
+else
+    fail arenactl-disconnect-and-the-device-goes-on "$(cat "$W/disconnect.out" 2>/dev/null); see units-fio-disconnect.txt"
+fi
+# A broken config: the reload fails, arenad keeps serving the running one.
+cp /etc/arenad/arenad.toml "$W/arenad.toml.good"
+echo 'blob_bytes = "3K"' >>/etc/arenad/arenad.toml
+apid=$(sc show -p MainPID --value arenad)
+if ! sc reload arenad 2>"$W/reload.err" && [[ $(sc is-active arenad) == active ]] &&
+    [[ $(sc show -p MainPID --value arenad) == "$apid" ]] && actl volumes >/dev/null &&
+    jc -u arenad | grep -q 'config.reload_failed'; then
+    pass systemctl-reload-arenad-fails-on-a-broken-config
+else
+    fail systemctl-reload-arenad-fails-on-a-broken-config "$(cat "$W/reload.err")"
+fi
+cp "$W/arenad.toml.good" /etc/arenad/arenad.toml
+
+bad=$(find /var/lib/arenad /var/lib/ublkd /run/ublkd /run/arenad -mindepth 1 \( -type f -o -type s \) -perm /077 -printf '%m %p\n')
 if [[ -z "$bad" ]]; then pass daemons-files-private; else fail daemons-files-private "$bad"; fi
 
 # systemctl reload: SIGHUP re-reads the configs; same processes, still

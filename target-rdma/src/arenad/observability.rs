@@ -229,9 +229,10 @@ impl ArenadObservability {
                 .map_or(0, |s| s.connections.load(Ordering::Relaxed) as u64);
             stats
         });
-        // The configured volumes take their labels first, in order.
+        // The configured volumes take their labels first, in order, and
+        // render at zero before their first request.
         for v in store.volume_usage() {
-            self.volumes.label(&v.name);
+            self.volumes.counters(&v.name);
         }
         let weak = Arc::downgrade(store);
         self.volumes.set_source(move || {
