@@ -240,9 +240,21 @@ fn reload_reports_its_outcome_and_check_changes_nothing() {
             "{cmd}: {err}"
         );
     }
-    let out = arenactl(&p, &["--json", "reload"]);
+    // Found through the broken file itself (its admin_socket line), as
+    // the unit's ExecReload does: the reason is arenad's.
+    let out = Command::new(env!("CARGO_BIN_EXE_arenactl"))
+        .arg("--config")
+        .arg(&p.cfg)
+        .args(["--json", "reload"])
+        .env_remove("ARENACTL_SOCKET")
+        .output()
+        .unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["error"]["kind"], "config", "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("running configuration stays"));
     drop(p.connect("a"));
 
     // A volume added: check says so and changes nothing; reload applies it.

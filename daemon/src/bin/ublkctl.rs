@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
+use target_rdma::service::local_socket;
 use target_rdma::service::size::{parse_size, HumanSize};
 use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
@@ -318,25 +319,13 @@ fn socket(cli: &Cli) -> anyhow::Result<PathBuf> {
     if let Some(s) = std::env::var_os("UBLKCTL_SOCKET").filter(|s| !s.is_empty()) {
         return Ok(PathBuf::from(s));
     }
-    if cli.config.exists() {
-        let text = std::fs::read_to_string(&cli.config).with_context(|| {
-            format!(
-                "reading {} to find the control socket (pass --socket to skip the config)",
-                cli.config.display()
-            )
-        })?;
-        // Only `socket` is read: a file with mistakes elsewhere (or one
-        // that does not parse, then the default socket) still reaches
-        // ublkd, whose `reload` names what is wrong with it.
-        let set = text
-            .parse::<toml::Table>()
-            .ok()
-            .and_then(|t| t.get("socket")?.as_str().map(PathBuf::from));
-        if let Some(s) = set {
-            return Ok(s);
-        }
-    }
-    Ok(UblkdConfig::defaults().socket)
+    let set = local_socket::configured_socket(&cli.config, "socket").with_context(|| {
+        format!(
+            "reading {} to find the control socket (pass --socket to skip the config)",
+            cli.config.display()
+        )
+    })?;
+    Ok(set.map_or_else(|| UblkdConfig::defaults().socket, PathBuf::from))
 }
 
 /// One request, its answer or the daemon's error (explained).

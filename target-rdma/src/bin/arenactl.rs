@@ -12,7 +12,8 @@ use target_rdma::admin::{
     self, ConfigChange, DisconnectTarget, ErrorKind, Reply, Request, Response, SessionInfo,
     VolumeInfo,
 };
-use target_rdma::arenad::config::{ArenadConfig, DEFAULT_CONFIG_PATH};
+use target_rdma::arenad::config::DEFAULT_CONFIG_PATH;
+use target_rdma::service::local_socket;
 use target_rdma::service::size::{ApproxSize, HumanSize};
 
 /// Look into and operate a running arenad.
@@ -122,8 +123,9 @@ fn main() -> ExitCode {
 }
 
 /// The admin socket: --socket, else $ARENACTL_SOCKET, else the
-/// `admin_socket` of arenad's config when that file exists, else the
-/// packaged default.
+/// `admin_socket` of arenad's config when that file sets it, else the
+/// packaged default. Only that key is read: `arenactl reload` of a broken
+/// file must reach arenad, which names what is wrong.
 fn socket(cli: &Cli) -> anyhow::Result<PathBuf> {
     if let Some(s) = &cli.socket {
         return Ok(s.clone());
@@ -131,16 +133,20 @@ fn socket(cli: &Cli) -> anyhow::Result<PathBuf> {
     if let Some(s) = std::env::var_os("ARENACTL_SOCKET") {
         return Ok(s.into());
     }
-    if cli.config.exists() {
-        let cfg = ArenadConfig::load(&cli.config)?;
-        return cfg.admin_socket_path().with_context(|| {
-            format!(
-                "{} sets admin_socket = \"off\": this arenad has no admin socket",
-                cli.config.display()
-            )
-        });
+    let set = local_socket::configured_socket(&cli.config, "admin_socket").with_context(|| {
+        format!(
+            "reading {} to find the admin socket (pass --socket to skip the config)",
+            cli.config.display()
+        )
+    })?;
+    match set.as_deref() {
+        None => Ok(admin::DEFAULT_SOCKET.into()),
+        Some("" | "off") => anyhow::bail!(
+            "{} sets admin_socket = \"off\": this arenad has no admin socket",
+            cli.config.display()
+        ),
+        Some(path) => Ok(path.into()),
     }
-    Ok(admin::DEFAULT_SOCKET.into())
 }
 
 fn run(cli: &Cli) -> anyhow::Result<()> {

@@ -195,6 +195,22 @@ pub fn serve(
     }
 }
 
+/// The socket path the daemon's config file at `config` sets under `key`,
+/// for its client tool: `None` when the file does not exist, does not
+/// parse or does not set it. Only that key is read, so a file with
+/// mistakes elsewhere still leads the tool to the daemon, whose reload
+/// then names what is wrong with it.
+pub fn configured_socket(config: &Path, key: &str) -> std::io::Result<Option<String>> {
+    if !config.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(config)?;
+    Ok(text
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|t| t.get(key)?.as_str().map(str::to_owned)))
+}
+
 /// Why a client's call failed before any answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
