@@ -10,7 +10,7 @@ use target_rdma::service::local_socket::{self, Limits, Line};
 use ublk_metrics::events;
 
 use crate::config::ConfigError;
-use crate::ctl::{self, ConfigChange, ErrorKind, PeerInfo, Reply, Request, Response, ResponseLine};
+use crate::ctl::{self, ConfigChange, ErrorKind, PeerInfo, Reply, Request, Response};
 use crate::device::{DeviceError, Manager};
 use crate::features;
 use crate::reload::Reloaded;
@@ -136,13 +136,7 @@ fn answer(control: &Control, line: Line<'_>) -> String {
             Err(resp) => *resp,
         },
     };
-    serde_json::to_string(&ResponseLine {
-        version: ctl::VERSION,
-        response,
-    })
-    .unwrap_or_else(|e| {
-        serde_json::json!({ "version": ctl::VERSION, "error": e.to_string() }).to_string()
-    })
+    local_socket::answer_line(ctl::VERSION, response)
 }
 
 /// Accepts connections forever, one thread each (a handful of operators,

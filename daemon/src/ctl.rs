@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
-use target_rdma::service::local_socket;
+use target_rdma::service::local_socket::{self, LineError, Versioned};
 use target_rdma::service::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
 
@@ -22,14 +22,7 @@ pub const VERSION: u32 = 1;
 pub const MAX_LINE: usize = 1 << 20;
 
 /// A request line.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RequestLine {
-    /// Protocol version of the sender.
-    pub version: u32,
-    /// The request.
-    #[serde(flatten)]
-    pub request: Request,
-}
+pub type RequestLine = Versioned<Request>;
 
 /// What a client can ask.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -160,14 +153,7 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
 }
 
 /// A response line.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ResponseLine {
-    /// Protocol version of the daemon.
-    pub version: u32,
-    /// Success or failure.
-    #[serde(flatten)]
-    pub response: Response,
-}
+pub type ResponseLine = Versioned<Response>;
 
 /// Success with a reply, or an error of a closed kind with a message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -528,49 +514,25 @@ pub use target_rdma::service::local_socket::ClientError;
 
 /// Sends one request and waits for its response.
 pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
-    let bad = |detail: String| ClientError::BadAnswer {
-        daemon: "ublkd",
-        detail,
-    };
-    let line = serde_json::to_string(&RequestLine {
-        version: VERSION,
-        request,
-    })
-    .map_err(|e| bad(e.to_string()))?;
-    let answer = local_socket::call("ublkd", socket, &line, MAX_LINE, timeout)?;
-    let r: ResponseLine = serde_json::from_str(&answer).map_err(|e| bad(e.to_string()))?;
-    Ok(r.response)
+    local_socket::call_versioned("ublkd", socket, VERSION, request, MAX_LINE, timeout)
 }
 
 /// Parses one request line, answering protocol problems as responses.
 pub fn parse_request(line: &str) -> Result<Request, Box<Response>> {
-    #[derive(Deserialize)]
-    struct VersionOnly {
-        version: Option<u32>,
-    }
-    let bad = |message: String| {
-        Box::new(Response::Error {
-            kind: ErrorKind::BadRequest,
-            message,
-        })
-    };
-    let v: VersionOnly =
-        serde_json::from_str(line).map_err(|e| bad(format!("not a JSON object: {e}")))?;
-    match v.version {
-        None => return Err(bad("missing \"version\"".into())),
-        Some(VERSION) => {}
-        Some(other) => {
-            return Err(Box::new(Response::Error {
-                kind: ErrorKind::UnsupportedVersion,
-                message: format!(
-                    "protocol version {other} is not supported; this ublkd speaks version {VERSION}"
+    local_socket::parse_versioned(line, VERSION).map_err(|e| {
+        let (kind, message) = match e {
+            LineError::NotJson(e) => (ErrorKind::BadRequest, format!("not a JSON object: {e}")),
+            LineError::NoVersion => (ErrorKind::BadRequest, "missing \"version\"".into()),
+            LineError::Unsupported(v) => (
+                ErrorKind::UnsupportedVersion,
+                format!(
+                    "protocol version {v} is not supported; this ublkd speaks version {VERSION}"
                 ),
-            }))
-        }
-    }
-    serde_json::from_str::<RequestLine>(line)
-        .map(|r| r.request)
-        .map_err(|e| bad(format!("invalid request: {e}")))
+            ),
+            LineError::Invalid(e) => (ErrorKind::BadRequest, format!("invalid request: {e}")),
+        };
+        Box::new(Response::Error { kind, message })
+    })
 }
 
 #[cfg(test)]
@@ -581,11 +543,11 @@ mod tests {
     fn requests_round_trip_with_a_version_field() {
         let r = RequestLine {
             version: VERSION,
-            request: Request::Del { id: 3, force: true },
+            body: Request::Del { id: 3, force: true },
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(s, r#"{"version":1,"op":"del","id":3,"force":true}"#);
-        assert_eq!(parse_request(&s).unwrap(), r.request);
+        assert_eq!(parse_request(&s).unwrap(), r.body);
         assert_eq!(
             parse_request(r#"{"version":1,"op":"resize","id":0,"size":134217728}"#).unwrap(),
             Request::Resize {
@@ -630,7 +592,7 @@ mod tests {
     fn responses_carry_status_and_kind() {
         let r = ResponseLine {
             version: VERSION,
-            response: Response::Error {
+            body: Response::Error {
                 kind: ErrorKind::UnknownDevice,
                 message: "no device 9".into(),
             },

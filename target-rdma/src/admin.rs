@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::service::local_socket::{self, ClientError};
+use crate::service::local_socket::{
+    call_versioned, parse_versioned, ClientError, LineError, Versioned,
+};
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
@@ -19,14 +21,7 @@ pub const MAX_LINE: usize = 4 << 20;
 pub const DEFAULT_SOCKET: &str = "/run/arenad/admin.sock";
 
 /// A request line.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RequestLine {
-    /// Protocol version of the sender.
-    pub version: u32,
-    /// The request.
-    #[serde(flatten)]
-    pub request: Request,
-}
+pub type RequestLine = Versioned<Request>;
 
 /// What an operator can ask.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -67,14 +62,7 @@ pub enum DisconnectTarget {
 }
 
 /// An answer line.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ResponseLine {
-    /// Protocol version of the daemon.
-    pub version: u32,
-    /// The answer.
-    #[serde(flatten)]
-    pub response: Response,
-}
+pub type ResponseLine = Versioned<Response>;
 
 /// The answer to one request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -212,44 +200,25 @@ pub struct ConfigChange {
 
 /// Parses one request line; a problem is answered as a response.
 pub fn parse_request(line: &str) -> Result<Request, Box<Response>> {
-    #[derive(Deserialize)]
-    struct VersionOnly {
-        version: Option<u32>,
-    }
-    let bad = |kind, message: String| Box::new(Response::Error { kind, message });
-    let v: VersionOnly = serde_json::from_str(line)
-        .map_err(|e| bad(ErrorKind::BadRequest, format!("not a JSON object: {e}")))?;
-    match v.version {
-        Some(VERSION) => {}
-        Some(other) => {
-            return Err(bad(
+    parse_versioned(line, VERSION).map_err(|e| {
+        let (kind, message) = match e {
+            LineError::NotJson(e) => (ErrorKind::BadRequest, format!("not a JSON object: {e}")),
+            LineError::NoVersion => (ErrorKind::BadRequest, "no \"version\" field".into()),
+            LineError::Unsupported(v) => (
                 ErrorKind::UnsupportedVersion,
                 format!(
-                "admin protocol version {other} is not spoken here (this arenad speaks {VERSION})"
+                    "admin protocol version {v} is not spoken here (this arenad speaks {VERSION})"
+                ),
             ),
-            ))
-        }
-        None => return Err(bad(ErrorKind::BadRequest, "no \"version\" field".into())),
-    }
-    let r: RequestLine = serde_json::from_str(line)
-        .map_err(|e| bad(ErrorKind::BadRequest, format!("not a request: {e}")))?;
-    Ok(r.request)
+            LineError::Invalid(e) => (ErrorKind::BadRequest, format!("not a request: {e}")),
+        };
+        Box::new(Response::Error { kind, message })
+    })
 }
 
 /// Sends one request to the arenad on `socket` and waits for its answer.
 pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Response, ClientError> {
-    let bad = |detail: String| ClientError::BadAnswer {
-        daemon: "arenad",
-        detail,
-    };
-    let line = serde_json::to_string(&RequestLine {
-        version: VERSION,
-        request,
-    })
-    .map_err(|e| bad(e.to_string()))?;
-    let answer = local_socket::call("arenad", socket, &line, MAX_LINE, timeout)?;
-    let r: ResponseLine = serde_json::from_str(&answer).map_err(|e| bad(e.to_string()))?;
-    Ok(r.response)
+    call_versioned("arenad", socket, VERSION, request, MAX_LINE, timeout)
 }
 
 #[cfg(test)]
@@ -270,7 +239,7 @@ mod tests {
         ] {
             let line = serde_json::to_string(&RequestLine {
                 version: VERSION,
-                request: request.clone(),
+                body: request.clone(),
             })
             .unwrap();
             assert_eq!(parse_request(&line).unwrap(), request);

@@ -1287,7 +1287,7 @@ mod tests {
     fn old_add_requests_still_parse() {
         let line = r#"{"version":1,"op":"add","peer":"h:1","volume":"v","secret_file":"/s","size":4096,"queues":null,"depth":null,"blob_size":null,"transport":null,"io_buf":null}"#;
         let r: crate::ctl::RequestLine = serde_json::from_str(line).unwrap();
-        let crate::ctl::Request::Add(a) = r.request else {
+        let crate::ctl::Request::Add(a) = r.body else {
             panic!("{r:?}")
         };
         assert_eq!((a.peers, a.replicas), (vec!["h:1".to_string()], None));

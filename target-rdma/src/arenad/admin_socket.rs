@@ -12,8 +12,8 @@ use std::sync::Arc;
 use tracing::{error, warn};
 
 use crate::admin::{
-    self, ConfigChange, DisconnectTarget, ErrorKind, Reply, Request, Response, ResponseLine,
-    SessionInfo, VolumeInfo,
+    self, ConfigChange, DisconnectTarget, ErrorKind, Reply, Request, Response, SessionInfo,
+    VolumeInfo,
 };
 use crate::arenad::events;
 use crate::arenad::reload::{ReloadError, Reloaded};
@@ -223,13 +223,7 @@ fn answer(admin: &Admin, line: Line<'_>) -> String {
             Err(resp) => *resp,
         },
     };
-    serde_json::to_string(&ResponseLine {
-        version: admin::VERSION,
-        response,
-    })
-    .unwrap_or_else(|e| {
-        serde_json::json!({ "version": admin::VERSION, "error": e.to_string() }).to_string()
-    })
+    local_socket::answer_line(admin::VERSION, response)
 }
 
 /// Answers admin connections until the listener fails (on a thread of

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use rustix::fs::Mode;
 use rustix::process::umask;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 /// Why the socket could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -195,6 +197,82 @@ pub fn serve(
     }
 }
 
+/// One line of a daemon's protocol: the sender's protocol version, with
+/// the body's fields beside it (`{"version":1,"op":"list"}`), so a daemon
+/// and a tool of different versions fail clearly instead of guessing.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Versioned<T> {
+    /// The sender's protocol version.
+    pub version: u32,
+    /// The request or the answer.
+    #[serde(flatten)]
+    pub body: T,
+}
+
+/// Why a request line was not read as a request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LineError {
+    /// Not a JSON object.
+    NotJson(String),
+    /// No `version` field.
+    NoVersion,
+    /// A version this daemon does not speak.
+    Unsupported(u32),
+    /// Of this version, but not a request.
+    Invalid(String),
+}
+
+/// Reads `line` as a request of protocol `version`. The version is looked
+/// at first, so a newer tool hears that its version is not spoken rather
+/// than which field was not understood.
+pub fn parse_versioned<T: DeserializeOwned>(line: &str, version: u32) -> Result<T, LineError> {
+    #[derive(Deserialize)]
+    struct VersionOnly {
+        version: Option<u32>,
+    }
+    let v: VersionOnly =
+        serde_json::from_str(line).map_err(|e| LineError::NotJson(e.to_string()))?;
+    match v.version {
+        None => return Err(LineError::NoVersion),
+        Some(v) if v != version => return Err(LineError::Unsupported(v)),
+        Some(_) => {}
+    }
+    serde_json::from_str::<Versioned<T>>(line)
+        .map(|r| r.body)
+        .map_err(|e| LineError::Invalid(e.to_string()))
+}
+
+/// The answer line of protocol `version` for `body`.
+pub fn answer_line<T: Serialize>(version: u32, body: T) -> String {
+    // Answers are plain data: serializing one fails only by a bug, and
+    // even then the tool gets a line that says so.
+    serde_json::to_string(&Versioned { version, body }).unwrap_or_else(|e| {
+        serde_json::json!({ "version": version, "error": e.to_string() }).to_string()
+    })
+}
+
+/// Sends `request` of protocol `version` to `daemon` on `socket` and waits
+/// up to `timeout` for its answer.
+pub fn call_versioned<Q: Serialize, A: DeserializeOwned>(
+    daemon: &'static str,
+    socket: &Path,
+    version: u32,
+    request: Q,
+    max_line: usize,
+    timeout: Duration,
+) -> Result<A, ClientError> {
+    let bad = |detail: String| ClientError::BadAnswer { daemon, detail };
+    let line = serde_json::to_string(&Versioned {
+        version,
+        body: request,
+    })
+    .map_err(|e| bad(e.to_string()))?;
+    let answer = call(daemon, socket, &line, max_line, timeout)?;
+    serde_json::from_str::<Versioned<A>>(&answer)
+        .map(|a| a.body)
+        .map_err(|e| bad(e.to_string()))
+}
+
 /// The socket path the daemon's config file at `config` sets under `key`,
 /// for its client tool: `None` when the file does not exist, does not
 /// parse or does not set it. Only that key is read, so a file with
@@ -255,7 +333,7 @@ pub enum ClientError {
 
 /// Sends `line` (one JSON object, no newline) to `daemon` on `socket` and
 /// waits up to `timeout` for its one-line answer.
-pub fn call(
+fn call(
     daemon: &'static str,
     socket: &Path,
     line: &str,
