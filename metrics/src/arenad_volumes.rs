@@ -16,6 +16,7 @@ use metrics::{Counter, Gauge};
 use parking_lot::Mutex;
 
 use crate::arenad::{ArenaOp, ArenaOutcome};
+use crate::shard::ShardedCounter;
 use crate::telemetry::{Collector, Telemetry};
 
 /// The label value of the volumes not labelled by name.
@@ -43,8 +44,11 @@ impl Default for VolumeLabels {
 /// The counters of one label value, shared by the sessions of every volume
 /// counted under it.
 pub struct VolumeCounters {
-    requests: [Counter; ArenaOp::COUNT],
-    bytes: [Counter; ArenaOp::COUNT],
+    // Every answer of every session of the volume adds to these, from
+    // every worker thread: sharded, or the threads fight over one cache
+    // line (4 KiB reads over 8 connections of one volume lost 8% so).
+    requests: [Arc<ShardedCounter>; ArenaOp::COUNT],
+    bytes: [Arc<ShardedCounter>; ArenaOp::COUNT],
     errors: Counter,
     sessions: Gauge,
 }
@@ -165,12 +169,9 @@ impl VolumeMetrics {
         }
         let t = &*self.tel;
         let v = [("volume", label)];
-        let per_op = |family: &str| {
-            ArenaOp::ALL.map(|op| {
-                let c = t.counter(family.to_owned(), &[("volume", label), ("op", op.as_str())]);
-                c.increment(0);
-                c
-            })
+        let per_op = |family: &'static str| {
+            ArenaOp::ALL
+                .map(|op| t.sharded_counter(family, &[("volume", label), ("op", op.as_str())]))
         };
         let errors = t.counter("arenad_volume_errors_total", &v);
         errors.increment(0);
