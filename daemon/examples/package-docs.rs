@@ -5,9 +5,13 @@
 //!     cargo run -p ublkd --example package-docs -- OUT_DIR
 //!
 //! writes `OUT_DIR/man8/*.8` (one page per command and per `ublkctl`
-//! subcommand) and `OUT_DIR/completions/{bash,zsh,fish}/`. The daemons'
-//! argument structs are compiled in from the binaries' own sources, so a
-//! page cannot describe another CLI than the one the binary parses.
+//! subcommand), `OUT_DIR/man5/{arenad,ublkd}.toml.5` (the config files) and
+//! `OUT_DIR/completions/{bash,zsh,fish}/`. The daemons' argument structs
+//! are compiled in from the binaries' own sources, so a page cannot
+//! describe another CLI than the one the binary parses; the config pages
+//! are rendered from the key tables next to the configs
+//! (`arenad::config_doc`, `ublkd::config_doc`), whose keys, defaults and
+//! reload behaviour come from the configs' code.
 
 #[allow(dead_code)]
 #[path = "../src/bin/ublkd.rs"]
@@ -31,6 +35,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Command, CommandFactory};
 use clap_complete::Shell;
+use target_rdma::service::config_doc::{Entry, Reload};
 
 fn commands() -> [Command; 4] {
     [
@@ -67,7 +72,8 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
             ),
             (
                 "FILES",
-                ".TP\n\\fI/etc/ublkd/ublkd.toml\\fR\nThe configuration (\\fB--config\\fR).\n\
+                ".TP\n\\fI/etc/ublkd/ublkd.toml\\fR\nThe configuration (\\fB--config\\fR); \
+                 \\fBublkd.toml\\fR(5) describes every key.\n\
                  .TP\n\\fI/var/lib/ublkd/devices/\\fR\nOne definition per device \
                  (\\fIstate_dir\\fR), brought back at start.\n.TP\n\
                  \\fI/run/ublkd/ublkd.sock\\fR\nThe control socket \\fBublkctl\\fR talks to \
@@ -81,7 +87,8 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
             ),
             (
                 "SEE ALSO",
-                "\\fBublkctl\\fR(8), \\fBarenad\\fR(8); /usr/share/doc/ublkd/OPERATIONS.md",
+                "\\fBublkd.toml\\fR(5), \\fBublkctl\\fR(8), \\fBarenad\\fR(8);\n.br\n\
+                 \\%/usr/share/doc/ublkd/OPERATIONS.md",
             ),
         ],
         "arenad" => &[
@@ -105,7 +112,8 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
             ),
             (
                 "FILES",
-                ".TP\n\\fI/etc/arenad/arenad.toml\\fR\nThe configuration (\\fB--config\\fR).\n\
+                ".TP\n\\fI/etc/arenad/arenad.toml\\fR\nThe configuration (\\fB--config\\fR); \
+                 \\fBarenad.toml\\fR(5) describes every key.\n\
                  .TP\n\\fIswap_dir\\fR (\\fI/var/lib/arenad\\fR)\nThe store: \
                  \\fIswap.dat\\fR (the extents), \\fIswap.meta\\fR (their headers), \
                  \\fIindex.ckpt\\fR and \\fIindex.journal\\fR (the index), \\fIepochs\\fR \
@@ -122,8 +130,8 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
             ),
             (
                 "SEE ALSO",
-                "\\fBarenactl\\fR(8), \\fBublkd\\fR(8), \\fBublkctl\\fR(8); \
-                 /usr/share/doc/arenad/OPERATIONS.md",
+                "\\fBarenad.toml\\fR(5), \\fBarenactl\\fR(8), \\fBublkd\\fR(8), \\fBublkctl\\fR(8);\n.br\n\
+                 \\%/usr/share/doc/arenad/OPERATIONS.md",
             ),
         ],
         "arenactl" => &[
@@ -185,6 +193,189 @@ fn sections(name: &str) -> &'static [(&'static str, &'static str)] {
         ],
         _ => &[],
     }
+}
+
+/// A config file's page (section 5): the prose around its keys. The keys
+/// come from the config's key table (`entries`).
+struct ConfigPage {
+    /// `arenad.toml`.
+    name: &'static str,
+    /// The NAME line's summary.
+    summary: &'static str,
+    /// Where the packaged daemon reads it.
+    path: &'static str,
+    /// DESCRIPTION, roff.
+    description: &'static str,
+    /// The tables, in page order: (header as written in the file, `[t]`
+    /// or `[[t]]`; roff introduction). A key `t.k` is listed under table
+    /// `t`, which must be here; keys without a dot come first.
+    tables: &'static [(&'static str, &'static str)],
+    /// FILES, roff.
+    files: &'static str,
+    /// SEE ALSO, roff.
+    see_also: &'static str,
+}
+
+const RELOAD_TEXT: &str =
+    "A key whose change is \\fIapplied by a reload\\fR is put in force by \\fBsystemctl \
+    reload\\fR (SIGHUP) while the daemon runs; a change of any other key is logged as \
+    \\fIconfig.restart_needed\\fR and takes effect at the next \\fBsystemctl restart\\fR. \
+    A file that does not parse or validate changes nothing: the running configuration stays.";
+
+const SIZE_TEXT: &str = "A \\fIsize\\fR is a number of bytes or a string with a binary unit \
+    (K = 1024): \\fB4096\\fR, \\fB\"512K\"\\fR, \\fB\"1M\"\\fR, \\fB\"64G\"\\fR.";
+
+fn config_pages() -> [ConfigPage; 2] {
+    [
+        ConfigPage {
+            name: "arenad.toml",
+            summary: "configuration of arenad, the remote RAM arena peer",
+            path: "/etc/arenad/arenad.toml",
+            description: "\\fBarenad\\fR(8) reads its configuration from a TOML file: flat keys, \
+                 then one \\fB[[volume]]\\fR table per volume it serves. Every flat key has a \
+                 default; a volume's keys do not, and at least one volume is required (from \
+                 the file or \\fB\\-\\-volume\\fR). An unknown key, a value of the wrong type \
+                 or out of range stops arenad at start with a message naming the key; \
+                 \\fBarenad \\-\\-check\\fR runs the checks of a start and prints the effective \
+                 configuration. Command-line flags override the keys they name.",
+            tables: &[(
+                "[[volume]]",
+                "One table per volume served: clients open it by name and prove its secret. \
+                 A reload serves a volume added, refuses a removed one to new sessions (its \
+                 blobs stay), applies a changed quota to new blobs and reads every secret \
+                 file again.",
+            )],
+            files: ".TP\n\\fI/etc/arenad/arenad.toml\\fR\nThe configuration (\\fBarenad \
+                 \\-\\-config\\fR); the packaged one sets the defaults and one example volume.\n\
+                 .TP\n\\fI/var/lib/arenad\\fR\nThe store (\\fIswap_dir\\fR).\n.TP\n\
+                 \\fI/run/arenad/admin.sock\\fR\nThe admin socket (\\fIadmin_socket\\fR).",
+            see_also: "\\fBarenad\\fR(8), \\fBarenactl\\fR(8), \\fBublkd.toml\\fR(5); \
+                 \\%/usr/share/doc/arenad/OPERATIONS.md",
+        },
+        ConfigPage {
+            name: "ublkd.toml",
+            summary: "configuration of ublkd, the ublk block device daemon",
+            path: "/etc/ublkd/ublkd.toml",
+            description: "\\fBublkd\\fR(8) reads its configuration from a TOML file: keys \
+                 outside any table, then the tables below. Every key is optional but those \
+                 marked required within a table that is present. An unknown key, a value of \
+                 the wrong type or out of range stops ublkd at start with a message naming \
+                 the key; \\fBublkd \\-\\-check\\-config\\fR runs the checks and prints the \
+                 effective configuration.",
+            tables: &[
+                (
+                    "[device]",
+                    "Parameters of new devices. \\fBublkctl add\\fR overrides \\fIqueues\\fR, \
+                     \\fIdepth\\fR, \\fIio_buf\\fR, \\fIblob_size\\fR and \\fItransport\\fR per \
+                     device; existing devices keep the parameters recorded in their definition.",
+                ),
+                (
+                    "[metrics]",
+                    "The metrics and health listener, and the request trackers.",
+                ),
+                (
+                    "[rdma]",
+                    "The local RDMA device of \\fBrdma\\fR and \\fBauto\\fR devices.",
+                ),
+                (
+                    "[etcd]",
+                    "The coordination service of replicated volumes. Without this table ublkd \
+                     coordinates alone: memberships in the state directory, one host only.",
+                ),
+                (
+                    "[replication]",
+                    "How replicated devices wait, hedge and rebuild.",
+                ),
+                ("[tracing]", "Sampled spans of block requests."),
+            ],
+            files: ".TP\n\\fI/etc/ublkd/ublkd.toml\\fR\nThe configuration (\\fBublkd \
+                 \\-\\-config\\fR); \\fBublkctl\\fR reads its \\fIsocket\\fR key.\n.TP\n\
+                 \\fI/var/lib/ublkd/devices/\\fR\nOne definition per device (\\fIstate_dir\\fR).\n\
+                 .TP\n\\fI/run/ublkd/ublkd.sock\\fR\nThe control socket (\\fIsocket\\fR).",
+            see_also: "\\fBublkd\\fR(8), \\fBublkctl\\fR(8), \\fBarenad.toml\\fR(5); \
+                 \\%/usr/share/doc/ublkd/OPERATIONS.md, \\%/usr/share/doc/ublkd/REPLICATION.md",
+        },
+    ]
+}
+
+/// Operator prose as roff: `` `x` `` in bold, backslashes and hyphens
+/// escaped, no line taken for a request.
+fn roff(text: &str) -> String {
+    let escaped = text.replace('\\', "\\e").replace('-', "\\-");
+    let mut out = String::new();
+    for (i, part) in escaped.split('`').enumerate() {
+        if i % 2 == 1 {
+            out.push_str(&format!("\\fB{part}\\fR"));
+        } else {
+            out.push_str(part);
+        }
+    }
+    if out.starts_with('.') || out.starts_with('\'') {
+        out.insert_str(0, "\\&");
+    }
+    out
+}
+
+fn config_page(dir: &Path, page: &ConfigPage, entries: &[Entry]) -> std::io::Result<()> {
+    fn table_of(key: &str) -> Option<&str> {
+        key.split_once('.').map(|(t, _)| t)
+    }
+    for e in entries {
+        if let Some(t) = table_of(e.key) {
+            let header = |name: &&str| name.trim_matches(|c| c == '[' || c == ']') == t;
+            if !page.tables.iter().any(|(name, _)| header(name)) {
+                return Err(std::io::Error::other(format!(
+                    "{}: key {} is in table [{t}], which the page does not introduce",
+                    page.name, e.key
+                )));
+            }
+        }
+    }
+    let mut out = create(&dir.join(format!("{}.5", page.name)))?;
+    writeln!(
+        out,
+        ".TH {} 5 \"\" \"ublk-arena {}\" ublk-arena\n.nh\n.ad l",
+        page.name,
+        env!("CARGO_PKG_VERSION")
+    )?;
+    writeln!(out, ".SH NAME\n{} \\- {}", page.name, page.summary)?;
+    writeln!(out, ".SH SYNOPSIS\n\\fI{}\\fR", page.path)?;
+    writeln!(
+        out,
+        ".SH DESCRIPTION\n{}\n.PP\n{RELOAD_TEXT}\n.PP\n{SIZE_TEXT}",
+        page.description
+    )?;
+    writeln!(out, ".SH KEYS")?;
+    let mut groups: Vec<(Option<&str>, &str)> = vec![(None, "")];
+    groups.extend(page.tables.iter().map(|(t, intro)| (Some(*t), *intro)));
+    for (table, intro) in groups {
+        if let Some(t) = table {
+            writeln!(out, ".SS \"{t}\"\n{intro}")?;
+        }
+        let table = table.map(|t| t.trim_matches(|c| c == '[' || c == ']'));
+        for e in entries.iter().filter(|e| table_of(e.key) == table) {
+            let short = e.key.rsplit('.').next().unwrap_or(e.key);
+            let default = match e.default.as_str() {
+                "required" => "Required.".to_string(),
+                "unset" => "Default: unset.".to_string(),
+                d => format!("Default: \\fB{}\\fR.", roff(d)),
+            };
+            let reload = match e.reload {
+                Reload::Applied => "A change is applied by a \\fIreload\\fR.",
+                Reload::Restart => "A change needs a restart.",
+            };
+            writeln!(
+                out,
+                ".TP\n\\fB{}\\fR (\\fI{}\\fR)\n{}\n.br\n{default} {reload}",
+                roff(short),
+                roff(&e.ty),
+                roff(e.meaning)
+            )?;
+        }
+    }
+    writeln!(out, ".SH FILES\n{}", page.files)?;
+    writeln!(out, ".SH \"SEE ALSO\"\n{}", page.see_also)?;
+    out.flush()
 }
 
 fn man_page(dir: &Path, cmd: Command) -> std::io::Result<()> {
@@ -249,6 +440,16 @@ fn main() -> std::io::Result<()> {
     );
     let man = out.join("man8");
     create_dir_all(&man)?;
+    let man5 = out.join("man5");
+    create_dir_all(&man5)?;
+    let [arenad_page, ublkd_page] = config_pages();
+    for (page, entries) in [
+        (arenad_page, target_rdma::arenad::config_doc::entries()),
+        (ublkd_page, ublkd::config_doc::entries()),
+    ] {
+        let entries = entries.map_err(|e| std::io::Error::other(format!("{}: {e}", page.name)))?;
+        config_page(&man5, &page, &entries)?;
+    }
     for mut cmd in commands() {
         // The pages list no `help` subcommand (none is shipped as a page);
         // the completions still offer it. Building propagates global

@@ -15,6 +15,7 @@
 pub mod busy;
 pub mod check;
 pub mod config;
+pub mod config_doc;
 pub mod control_socket;
 pub mod coordination;
 pub mod ctl;

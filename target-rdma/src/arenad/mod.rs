@@ -9,6 +9,7 @@ mod barrier;
 mod blocking;
 pub mod check;
 pub mod config;
+pub mod config_doc;
 mod connection;
 mod dispatch;
 pub mod epochs;

@@ -47,6 +47,24 @@ pub enum ReloadError {
     },
 }
 
+/// Keys a reload applies; a change of any other key (but those of
+/// [`RELOADABLE_TABLES`]) is logged as needing a restart.
+pub const RELOADABLE: &[&str] = &["log_level"];
+
+/// Arrays of tables a reload applies, every key of every table: the
+/// volumes (added, removed, re-quoted, re-keyed; see [`VolumeChange`]).
+pub const RELOADABLE_TABLES: &[&str] = &["volume"];
+
+/// Whether a reload applies a change of `key`, spelled as
+/// [`changes`] spells it (`log_level`, `volume[2].quota`).
+pub fn applies(key: &str) -> bool {
+    RELOADABLE.contains(&key)
+        || RELOADABLE_TABLES.iter().any(|t| {
+            key.strip_prefix(t)
+                .is_some_and(|rest| rest.starts_with('['))
+        })
+}
+
 /// What a reload did to one volume.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VolumeChange {
@@ -241,14 +259,12 @@ fn plan(
         ..Reloaded::default()
     };
     for change in changes(old, new) {
-        if change.key.starts_with("volume[") {
-            continue;
-        }
-        if change.key == "log_level" {
-            done.applied.push(change);
-        } else {
+        if !applies(&change.key) {
             done.restart_needed.push(change);
+        } else if RELOADABLE.contains(&change.key.as_str()) {
+            done.applied.push(change);
         }
+        // A volume's keys are reported as `done.volumes`.
     }
     done
 }
