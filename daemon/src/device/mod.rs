@@ -1026,8 +1026,16 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        // The peer's places are free again: a client gets in.
-        drop(peer.client("a", SECRET_A));
+        // The peer's places are free again once those connections' tasks
+        // end (a moment after their sessions are counted closed): a client
+        // gets in.
+        loop {
+            match target_rdma::client::ArenaClient::connect(peer.config("a", SECRET_A)) {
+                Ok(c) => break drop(c),
+                Err(e) => assert!(std::time::Instant::now() < deadline, "no place freed: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[test]
