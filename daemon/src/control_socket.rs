@@ -10,7 +10,7 @@ use target_rdma::service::local_socket::{self, Limits, Line};
 use ublk_metrics::events;
 
 use crate::config::ConfigError;
-use crate::ctl::{self, ConfigChange, ErrorKind, PeerInfo, Reply, Request, Response};
+use crate::ctl::{self, ErrorKind, PeerInfo, Reply, Request, Response};
 use crate::device::{DeviceError, Manager};
 use crate::features;
 use crate::reload::Reloaded;
@@ -39,23 +39,12 @@ pub fn bind(path: &Path, group: Option<&str>) -> Result<UnixListener, SocketErro
 pub fn handle(control: &Control, request: Request) -> Response {
     if let Request::Reload = request {
         return match (control.reload)() {
-            Ok(done) => {
-                let changes = |v: Vec<target_rdma::service::config_file::Change>| {
-                    v.into_iter()
-                        .map(|c| ConfigChange {
-                            key: c.key,
-                            old: c.old,
-                            new: c.new,
-                        })
-                        .collect()
-                };
-                Response::Ok {
-                    reply: Reply::Reloaded {
-                        applied: changes(done.applied),
-                        restart_needed: changes(done.restart_needed),
-                    },
-                }
-            }
+            Ok(done) => Response::Ok {
+                reply: Reply::Reloaded {
+                    applied: done.applied,
+                    restart_needed: done.restart_needed,
+                },
+            },
             Err(e) => Response::Error {
                 kind: ErrorKind::Config,
                 message: format!("{e}; the running configuration stays"),

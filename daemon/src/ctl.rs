@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
+use target_rdma::service::config_file::Change;
 use target_rdma::service::local_socket::{self, LineError, Versioned};
 use target_rdma::service::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
@@ -249,21 +250,10 @@ pub enum Reply {
     /// `reload`: the configuration was applied.
     Reloaded {
         /// Changed keys now in force.
-        applied: Vec<ConfigChange>,
+        applied: Vec<Change>,
         /// Changed keys that take effect only at the next start.
-        restart_needed: Vec<ConfigChange>,
+        restart_needed: Vec<Change>,
     },
-}
-
-/// One key a reload found changed (`None`: unset).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConfigChange {
-    /// Dotted key.
-    pub key: String,
-    /// Value in force before.
-    pub old: Option<String>,
-    /// Value in the file now.
-    pub new: Option<String>,
 }
 
 /// A device as `list` and `show` describe it.

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::service::config_file::Change;
 use crate::service::local_socket::{
     call_versioned, parse_versioned, ClientError, LineError, Versioned,
 };
@@ -124,9 +125,9 @@ pub enum Reply {
         /// Per volume: added, removed, quota or secret.
         volumes: Vec<String>,
         /// Other keys in force (or that would be).
-        changed: Vec<ConfigChange>,
+        changed: Vec<Change>,
         /// Keys that take effect only after a restart.
-        restart_needed: Vec<ConfigChange>,
+        restart_needed: Vec<Change>,
     },
     /// `stats`: what `/diagnostics` shows.
     Stats {
@@ -185,17 +186,6 @@ pub struct SessionInfo {
     pub bytes_in: u64,
     /// Control-stream bytes sent.
     pub bytes_out: u64,
-}
-
-/// A configuration key that changed.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConfigChange {
-    /// Dotted key.
-    pub key: String,
-    /// Before (`None`: unset).
-    pub old: Option<String>,
-    /// After.
-    pub new: Option<String>,
 }
 
 /// Parses one request line; a problem is answered as a response.

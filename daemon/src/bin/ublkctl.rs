@@ -12,8 +12,8 @@ use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::coordination::PeerRecord;
 use ublkd::ctl::{
-    self, AddArgs, ConfigChange, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, ReplicasInfo,
-    Reply, Request, Response, StatsReply,
+    self, AddArgs, DeviceInfo, DeviceStatsInfo, ErrorKind, PeerInfo, ReplicasInfo, Reply, Request,
+    Response, StatsReply,
 };
 use ublkd::device::DeviceSpec;
 use ublkd::features;
@@ -707,16 +707,12 @@ fn print_human(cmd: &Cmd, reply: &Reply) -> anyhow::Result<()> {
                 restart_needed,
             },
         ) => {
-            let show = |c: &ConfigChange| {
-                let v = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".into());
-                format!("{}: {} -> {}", c.key, v(&c.old), v(&c.new))
-            };
             println!("reloaded: {} change(s) applied", applied.len());
             for c in applied {
-                println!("  applied         {}", show(c));
+                println!("  applied         {c}");
             }
             for c in restart_needed {
-                println!("  restart needed  {}", show(c));
+                println!("  restart needed  {c}");
             }
         }
         (_, Reply::Features { mask, names }) => {

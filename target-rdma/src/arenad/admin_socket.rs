@@ -12,14 +12,12 @@ use std::sync::Arc;
 use tracing::{error, warn};
 
 use crate::admin::{
-    self, ConfigChange, DisconnectTarget, ErrorKind, Reply, Request, Response, SessionInfo,
-    VolumeInfo,
+    self, DisconnectTarget, ErrorKind, Reply, Request, Response, SessionInfo, VolumeInfo,
 };
 use crate::arenad::events;
 use crate::arenad::reload::{ReloadError, Reloaded};
 use crate::arenad::server::Server;
 use crate::arenad::session::Session;
-use crate::service::config_file::Change;
 use crate::service::local_socket::{self, Limits, Line};
 
 /// Reads the configuration again and applies it (`true`) or only says what
@@ -195,20 +193,11 @@ fn not_found(message: String) -> Response {
 }
 
 fn reloaded(applied: bool, done: Reloaded) -> Reply {
-    let changes = |v: Vec<Change>| {
-        v.into_iter()
-            .map(|c| ConfigChange {
-                key: c.key,
-                old: c.old,
-                new: c.new,
-            })
-            .collect()
-    };
     Reply::Reloaded {
         applied,
         volumes: done.volumes.iter().map(ToString::to_string).collect(),
-        changed: changes(done.applied),
-        restart_needed: changes(done.restart_needed),
+        changed: done.applied,
+        restart_needed: done.restart_needed,
     }
 }
 

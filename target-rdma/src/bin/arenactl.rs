@@ -9,10 +9,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::admin::{
-    self, ConfigChange, DisconnectTarget, ErrorKind, Reply, Request, Response, SessionInfo,
-    VolumeInfo,
+    self, DisconnectTarget, ErrorKind, Reply, Request, Response, SessionInfo, VolumeInfo,
 };
 use target_rdma::arenad::config::DEFAULT_CONFIG_PATH;
+use target_rdma::service::config_file::Change;
 use target_rdma::service::local_socket;
 use target_rdma::service::size::{ApproxSize, HumanSize};
 
@@ -253,17 +253,9 @@ fn sessions_table(sessions: &[SessionInfo]) -> String {
 fn reloaded(
     applied: bool,
     volumes: &[String],
-    changed: &[ConfigChange],
-    restart_needed: &[ConfigChange],
+    changed: &[Change],
+    restart_needed: &[Change],
 ) -> String {
-    let show = |c: &ConfigChange| {
-        format!(
-            "{}: {} -> {}",
-            c.key,
-            c.old.as_deref().unwrap_or("(unset)"),
-            c.new.as_deref().unwrap_or("(unset)")
-        )
-    };
     let mut out = String::new();
     let verb = if applied { "applied" } else { "would apply" };
     if volumes.is_empty() && changed.is_empty() && restart_needed.is_empty() {
@@ -277,10 +269,10 @@ fn reloaded(
         out += &format!("{verb}: {v}\n");
     }
     for c in changed {
-        out += &format!("{verb}: {}\n", show(c));
+        out += &format!("{verb}: {c}\n");
     }
     for c in restart_needed {
-        out += &format!("needs a restart: {}\n", show(c));
+        out += &format!("needs a restart: {c}\n");
     }
     out
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A config that could not be loaded or failed validation.
 #[derive(Debug, thiserror::Error)]
@@ -171,8 +171,9 @@ pub fn flatten<T: Serialize>(cfg: &T) -> BTreeMap<String, String> {
     out
 }
 
-/// One key whose value differs between two configs (`None`: unset).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One key whose value differs between two configs (`None`: unset); as
+/// such also in the reload answers of ublkctl's and arenactl's protocols.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Change {
     /// Dotted key.
     pub key: String,
