@@ -13,7 +13,7 @@ use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
 use target_rdma::service::config_file::Change;
-use target_rdma::service::local_socket::{self, LineError, Versioned};
+use target_rdma::service::local_socket::{self, Answer, LineError, Versioned};
 use target_rdma::service::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
 
@@ -157,22 +157,7 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
 pub type ResponseLine = Versioned<Response>;
 
 /// Success with a reply, or an error of a closed kind with a message.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "status", rename_all = "snake_case")]
-pub enum Response {
-    /// The request succeeded.
-    Ok {
-        /// What it produced.
-        reply: Reply,
-    },
-    /// The request failed.
-    Error {
-        /// Machine-readable class.
-        kind: ErrorKind,
-        /// Human-readable explanation.
-        message: String,
-    },
-}
+pub type Response = Answer<Reply, ErrorKind>;
 
 /// Error classes a script can branch on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

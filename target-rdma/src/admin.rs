@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::service::config_file::Change;
 use crate::service::local_socket::{
-    call_versioned, parse_versioned, ClientError, LineError, Versioned,
+    call_versioned, parse_versioned, Answer, ClientError, LineError, Versioned,
 };
 
 /// The protocol version this build speaks.
@@ -66,22 +66,7 @@ pub enum DisconnectTarget {
 pub type ResponseLine = Versioned<Response>;
 
 /// The answer to one request.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "status", rename_all = "snake_case")]
-pub enum Response {
-    /// Done.
-    Ok {
-        /// What it answered.
-        reply: Reply,
-    },
-    /// Refused or failed; nothing changed.
-    Error {
-        /// Why, for scripts.
-        kind: ErrorKind,
-        /// Why, for people.
-        message: String,
-    },
-}
+pub type Response = Answer<Reply, ErrorKind>;
 
 /// Why a request failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

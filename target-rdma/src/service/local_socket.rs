@@ -209,6 +209,26 @@ pub struct Versioned<T> {
     pub body: T,
 }
 
+/// The answer to one request: `{"status":"ok","reply":...}` or
+/// `{"status":"error","kind":...,"message":...}`, the reply and the closed
+/// set of error kinds being each protocol's own.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Answer<R, K> {
+    /// The request succeeded.
+    Ok {
+        /// What it produced.
+        reply: R,
+    },
+    /// The request failed; nothing changed.
+    Error {
+        /// Why, for scripts.
+        kind: K,
+        /// Why, for people.
+        message: String,
+    },
+}
+
 /// Why a request line was not read as a request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum LineError {
