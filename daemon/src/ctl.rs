@@ -13,7 +13,7 @@ use crate::config::TransportChoice;
 use crate::coordination::PeerRecord;
 use crate::device_stats::StatsSnapshot;
 use target_rdma::service::config_file::Change;
-use target_rdma::service::local_socket::{self, Answer, LineError, Versioned};
+use target_rdma::service::local_socket::{self, Answer, Versioned};
 use target_rdma::service::size::{ApproxSize, HumanSize};
 use ublk_metrics::DeviceDriverReport;
 
@@ -494,20 +494,13 @@ pub fn call(socket: &Path, request: Request, timeout: Duration) -> Result<Respon
 
 /// Parses one request line, answering protocol problems as responses.
 pub fn parse_request(line: &str) -> Result<Request, Box<Response>> {
-    local_socket::parse_versioned(line, VERSION).map_err(|e| {
-        let (kind, message) = match e {
-            LineError::NotJson(e) => (ErrorKind::BadRequest, format!("not a JSON object: {e}")),
-            LineError::NoVersion => (ErrorKind::BadRequest, "missing \"version\"".into()),
-            LineError::Unsupported(v) => (
-                ErrorKind::UnsupportedVersion,
-                format!(
-                    "protocol version {v} is not supported; this ublkd speaks version {VERSION}"
-                ),
-            ),
-            LineError::Invalid(e) => (ErrorKind::BadRequest, format!("invalid request: {e}")),
-        };
-        Box::new(Response::Error { kind, message })
-    })
+    local_socket::parse_request(
+        "ublkd",
+        line,
+        VERSION,
+        ErrorKind::BadRequest,
+        ErrorKind::UnsupportedVersion,
+    )
 }
 
 #[cfg(test)]

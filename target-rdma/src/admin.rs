@@ -10,9 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::service::config_file::Change;
-use crate::service::local_socket::{
-    call_versioned, parse_versioned, Answer, ClientError, LineError, Versioned,
-};
+use crate::service::local_socket::{self, call_versioned, Answer, ClientError, Versioned};
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
@@ -175,20 +173,13 @@ pub struct SessionInfo {
 
 /// Parses one request line; a problem is answered as a response.
 pub fn parse_request(line: &str) -> Result<Request, Box<Response>> {
-    parse_versioned(line, VERSION).map_err(|e| {
-        let (kind, message) = match e {
-            LineError::NotJson(e) => (ErrorKind::BadRequest, format!("not a JSON object: {e}")),
-            LineError::NoVersion => (ErrorKind::BadRequest, "no \"version\" field".into()),
-            LineError::Unsupported(v) => (
-                ErrorKind::UnsupportedVersion,
-                format!(
-                    "admin protocol version {v} is not spoken here (this arenad speaks {VERSION})"
-                ),
-            ),
-            LineError::Invalid(e) => (ErrorKind::BadRequest, format!("not a request: {e}")),
-        };
-        Box::new(Response::Error { kind, message })
-    })
+    local_socket::parse_request(
+        "arenad",
+        line,
+        VERSION,
+        ErrorKind::BadRequest,
+        ErrorKind::UnsupportedVersion,
+    )
 }
 
 /// Sends one request to the arenad on `socket` and waits for its answer.

@@ -4,7 +4,7 @@
 //! and the store under their own locks, one at a time; nothing here holds
 //! a lock across the socket.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -121,17 +121,10 @@ impl Admin {
     /// logged and counted.
     fn disconnect(&self, target: &DisconnectTarget) -> Result<Vec<u64>, String> {
         let shared = &self.server.shared;
-        let peer_matches = |peer: &SocketAddr, want: &str| match want.parse::<SocketAddr>() {
-            Ok(addr) => *peer == addr,
-            Err(_) => want
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| peer.ip() == ip),
+        let peer = match target {
+            DisconnectTarget::Peer(p) => Some(PeerFilter::parse(p)?),
+            _ => None,
         };
-        if let DisconnectTarget::Peer(p) = target {
-            if p.parse::<SocketAddr>().is_err() && p.parse::<std::net::IpAddr>().is_err() {
-                return Err(format!("{p:?} is neither an IP address nor IP:port"));
-            }
-        }
         if let DisconnectTarget::Volume(v) = target {
             if !self.knows_volume(v) {
                 return Err(format!("no volume {v:?} (see `arenactl volumes`)"));
@@ -144,7 +137,7 @@ impl Admin {
             .filter(|s| match target {
                 DisconnectTarget::Session(id) => s.id == *id,
                 DisconnectTarget::Volume(v) => s.vol.name == *v,
-                DisconnectTarget::Peer(p) => peer_matches(&s.peer, p),
+                DisconnectTarget::Peer(_) => peer.is_some_and(|p| p.matches(s.peer)),
             })
             .collect();
         if let (DisconnectTarget::Session(id), true) = (target, chosen.is_empty()) {
@@ -165,6 +158,32 @@ impl Admin {
         }
         ids.sort_unstable();
         Ok(ids)
+    }
+}
+
+/// The sessions `disconnect --peer` names: every one of a host (an IP),
+/// or one connection (IP:port).
+#[derive(Clone, Copy)]
+enum PeerFilter {
+    Host(IpAddr),
+    Connection(SocketAddr),
+}
+
+impl PeerFilter {
+    fn parse(p: &str) -> Result<Self, String> {
+        if let Ok(addr) = p.parse() {
+            return Ok(Self::Connection(addr));
+        }
+        p.parse()
+            .map(Self::Host)
+            .map_err(|_| format!("{p:?} is neither an IP address nor IP:port"))
+    }
+
+    fn matches(self, peer: SocketAddr) -> bool {
+        match self {
+            Self::Host(ip) => peer.ip() == ip,
+            Self::Connection(addr) => peer == addr,
+        }
     }
 }
 

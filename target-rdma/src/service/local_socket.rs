@@ -231,7 +231,7 @@ pub enum Answer<R, K> {
 
 /// Why a request line was not read as a request.
 #[derive(Debug, PartialEq, Eq)]
-pub enum LineError {
+enum LineError {
     /// Not a JSON object.
     NotJson(String),
     /// No `version` field.
@@ -245,7 +245,7 @@ pub enum LineError {
 /// Reads `line` as a request of protocol `version`. The version is looked
 /// at first, so a newer tool hears that its version is not spoken rather
 /// than which field was not understood.
-pub fn parse_versioned<T: DeserializeOwned>(line: &str, version: u32) -> Result<T, LineError> {
+fn parse_versioned<T: DeserializeOwned>(line: &str, version: u32) -> Result<T, LineError> {
     #[derive(Deserialize)]
     struct VersionOnly {
         version: Option<u32>,
@@ -260,6 +260,32 @@ pub fn parse_versioned<T: DeserializeOwned>(line: &str, version: u32) -> Result<
     serde_json::from_str::<Versioned<T>>(line)
         .map(|r| r.body)
         .map_err(|e| LineError::Invalid(e.to_string()))
+}
+
+/// Reads `line` as a request of `daemon`'s protocol `version`; a line
+/// that is not one is answered: error kind `unsupported` for another
+/// version, `bad` for anything else, with a message naming the problem.
+pub fn parse_request<Q: DeserializeOwned, R, K>(
+    daemon: &str,
+    line: &str,
+    version: u32,
+    bad: K,
+    unsupported: K,
+) -> Result<Q, Box<Answer<R, K>>> {
+    parse_versioned(line, version).map_err(|e| {
+        let (kind, message) = match e {
+            LineError::NotJson(e) => (bad, format!("not a JSON object: {e}")),
+            LineError::NoVersion => (bad, "missing \"version\"".into()),
+            LineError::Unsupported(v) => (
+                unsupported,
+                format!(
+                    "protocol version {v} is not supported; this {daemon} speaks version {version}"
+                ),
+            ),
+            LineError::Invalid(e) => (bad, format!("invalid request: {e}")),
+        };
+        Box::new(Answer::Error { kind, message })
+    })
 }
 
 /// The answer line of protocol `version` for `body`.
