@@ -70,11 +70,9 @@ struct Expositions {
     attempt_trace: TraceId,
 }
 
-fn ublkd_expositions() -> Expositions {
-    let t = Telemetry::isolated(Daemon::Ublkd, "0.1.0");
-    let clock = Arc::new(ManualClock::new());
-    let io = IoMetrics::new(&t, "arena", None).unwrap();
-    let tab = Arc::new(
+/// The tracker table of one queue of depth 8 of an "arena" device.
+fn tracker_table(clock: Arc<ManualClock>) -> Arc<TrackerTable> {
+    Arc::new(
         TrackerTable::new(
             TrackerConfig {
                 target: "arena".into(),
@@ -84,10 +82,17 @@ fn ublkd_expositions() -> Expositions {
                 slow_threshold: None,
             },
             Some(0),
-            clock.clone(),
+            clock,
         )
         .unwrap(),
-    );
+    )
+}
+
+fn ublkd_expositions() -> Expositions {
+    let t = Telemetry::isolated(Daemon::Ublkd, "0.1.0");
+    let clock = Arc::new(ManualClock::new());
+    let io = IoMetrics::new(&t, "arena", None).unwrap();
+    let tab = tracker_table(clock.clone());
     let scanner = Scanner::new(t.clone(), ScannerConfig::default());
     scanner.register(&tab);
     let mut io_trace = None;
@@ -963,20 +968,7 @@ fn every_alert_links_to_a_runbook_section() {
 fn every_family_the_dashboard_and_alerts_read_renders_when_idle() {
     let t = Telemetry::isolated(Daemon::Ublkd, "0.1.0");
     let _io = IoMetrics::new(&t, "arena", None).unwrap();
-    let tab = Arc::new(
-        TrackerTable::new(
-            TrackerConfig {
-                target: "arena".into(),
-                device: None,
-                queues: 1,
-                depth: 8,
-                slow_threshold: None,
-            },
-            Some(0),
-            Arc::new(ManualClock::new()),
-        )
-        .unwrap(),
-    );
+    let tab = tracker_table(Arc::new(ManualClock::new()));
     let scanner = Scanner::new(t.clone(), ScannerConfig::default());
     scanner.register(&tab);
     scanner.scan();
