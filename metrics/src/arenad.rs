@@ -48,12 +48,27 @@ closed_enum! {
         Ok => "ok",
         /// The key does not exist.
         NotFound => "not_found",
+        /// GET_RESIDENT of a blob in swap only: no lease (the client reads the
+        /// range inline).
+        Cold => "cold",
         /// Arena and swap are full.
         NoSpace => "no_space",
         /// Refused: bad lease, quota, or not authorised.
         Denied => "denied",
         /// Failed (I/O error, internal error).
         Error => "error",
+    }
+}
+
+closed_enum! {
+    /// What became of a cold blob due to be faulted in in the background.
+    Promotion {
+        /// Faulted in: its reads go by RDMA again.
+        Promoted => "promoted",
+        /// Not tried: the most fault-ins of this kind were running.
+        Skipped => "skipped",
+        /// Tried and failed (arena and swap full, or a disk error).
+        Failed => "failed",
     }
 }
 
@@ -205,6 +220,7 @@ pub struct ArenaMetrics {
     lease_key_failures: Counter,
     leases_fenced: Counter,
     disconnected: Counter,
+    promotions: [Counter; Promotion::COUNT],
     integrity_errors: [Counter; IntegrityCheck::COUNT],
     source: Mutex<Option<Box<dyn Fn() -> ArenaStats + Send + Sync>>>,
 }
@@ -278,6 +294,11 @@ impl ArenaMetrics {
             lease_key_failures: c0("arenad_rdma_lease_key_failures_total"),
             leases_fenced: c0("arenad_leases_fenced_total"),
             disconnected: c0("arenad_sessions_disconnected_total"),
+            promotions: Promotion::ALL.map(|p| {
+                let c = t.counter("arenad_promotions_total", &[("outcome", p.as_str())]);
+                c.increment(0);
+                c
+            }),
             integrity_errors: IntegrityCheck::ALL.map(|c| {
                 let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
                 counter.increment(0);
@@ -352,6 +373,11 @@ impl ArenaMetrics {
     /// Counts a session ended by an operator.
     pub fn session_disconnected(&self) {
         self.disconnected.increment(1);
+    }
+
+    /// Counts a cold blob's background fault-in by what became of it.
+    pub fn promotion(&self, outcome: Promotion) {
+        self.promotions[outcome.index()].increment(1);
     }
 
     /// Publishes store state. Cumulative fields are applied as absolute

@@ -521,6 +521,12 @@ pub const ARENA: &[Family] = &[
         "Leases answered without their RDMA key: registering it failed.",
     ),
     f(
+        "arenad_promotions_total",
+        Counter,
+        &["outcome"],
+        "Cold blobs read often enough to be faulted into the arena in the background, by outcome.",
+    ),
+    f(
         "arenad_leases_fenced_total",
         Counter,
         &[],

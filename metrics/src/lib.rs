@@ -45,7 +45,7 @@ pub mod tracker;
 
 pub use accounting::{AttemptSpan, RequestAccounting, RequestSpan};
 pub use arenad::{
-    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, IntegrityCheck,
+    ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, IntegrityCheck, Promotion,
     ProtocolErrorClass, SlotState, Tier,
 };
 pub use arenad_volumes::{VolumeCounters, VolumeLabels, VolumeMetrics, VolumeSample};

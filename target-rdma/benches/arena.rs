@@ -188,7 +188,7 @@ fn start(dir: &Path, arena: u64, swap: u64) -> Bench {
             rdma_isolation: Default::default(),
             volumes: vec![("bench".into(), SECRET.into())],
             allow_v1: false,
-            max_connections: 64,
+            ..PeerOpts::default()
         },
     );
     Bench {
@@ -363,7 +363,7 @@ fn mac_cost(tmp: &tempfile::TempDir) {
             rdma_isolation: Default::default(),
             volumes: vec![("bench".into(), SECRET.into())],
             allow_v1: true,
-            max_connections: 64,
+            ..PeerOpts::default()
         },
     );
     let session = |version: u8| {

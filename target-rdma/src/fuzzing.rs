@@ -137,7 +137,7 @@ fn check_response(h: &Header, body: &[u8]) {
                 assert_eq!(RailAccept::decode(&h2, &b2).ok(), Some(r));
             }
         }
-        Opcode::Alloc | Opcode::Get => {
+        Opcode::Alloc | Opcode::Get | Opcode::GetResident => {
             if let Ok(lease) = proto::decode_lease(h, body) {
                 let (h2, b2) = reencoded_body(|out| proto::encode_lease(out, h.opcode, id, lease));
                 assert_eq!(proto::decode_lease(&h2, &b2).ok(), Some(lease));

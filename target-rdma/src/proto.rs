@@ -58,6 +58,9 @@ pub const CAP_RDMA: u32 = 1 << 1;
 /// arena. A server isolating RDMA per lease grants it and refuses
 /// RAIL_CONNECT to a client that did not offer it.
 pub const CAP_RDMA_LEASE_KEYS: u32 = 1 << 2;
+/// Capability bit: the server knows [`Opcode::GetResident`] (the client
+/// offers it to learn that).
+pub const CAP_COLD_GET: u32 = 1 << 3;
 
 /// Operation carried by a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,6 +92,11 @@ pub enum Opcode {
     /// Raise the session's (and maybe the volume's) membership epoch
     /// (version 2).
     Epoch = 0x18,
+    /// Lease a slot for reading if the blob is in it; [`Status::Cold`] if
+    /// the blob is in swap only (nothing is faulted in: the client reads
+    /// the range it wants inline, which is served at that size from swap),
+    /// or NOT_FOUND. With [`CAP_COLD_GET`].
+    GetResident = 0x19,
     /// Server → client: give a lease back.
     Revoke = 0x20,
 }
@@ -109,6 +117,7 @@ impl Opcode {
             0x16 => Self::Write,
             0x17 => Self::Read,
             0x18 => Self::Epoch,
+            0x19 => Self::GetResident,
             0x20 => Self::Revoke,
             _ => return None,
         })
@@ -129,6 +138,7 @@ impl Opcode {
             Self::Write => "write",
             Self::Read => "read",
             Self::Epoch => "epoch",
+            Self::GetResident => "get_resident",
             Self::Revoke => "revoke",
         }
     }
@@ -165,6 +175,9 @@ pub enum Status {
     /// The session's epoch is below the volume's: a newer writer took the
     /// volume over. The connection stays (version 2).
     StaleEpoch = 11,
+    /// GET_RESIDENT of a blob that is in swap only: no lease; READ the
+    /// range wanted.
+    Cold = 12,
 }
 
 impl Status {
@@ -183,6 +196,7 @@ impl Status {
             9 => Self::Internal,
             10 => Self::LeaseLost,
             11 => Self::StaleEpoch,
+            12 => Self::Cold,
             _ => return None,
         })
     }
@@ -202,6 +216,7 @@ impl Status {
             Self::Internal => "internal",
             Self::LeaseLost => "lease_lost",
             Self::StaleEpoch => "stale_epoch",
+            Self::Cold => "cold",
         }
     }
 }
@@ -418,7 +433,7 @@ impl Header {
 /// are not requests.
 pub fn max_request_body(op: Opcode, max_inline: u32) -> Option<u32> {
     Some(match op {
-        Opcode::Alloc | Opcode::Get | Opcode::Epoch => 8,
+        Opcode::Alloc | Opcode::Get | Opcode::GetResident | Opcode::Epoch => 8,
         Opcode::Commit | Opcode::Remove | Opcode::Read => 16,
         Opcode::Release => 4 + 8 * MAX_RELEASE_BATCH,
         Opcode::Flush => 0,
@@ -662,6 +677,11 @@ pub enum Request<'a> {
         /// Blob key.
         key: u64,
     },
+    /// See [`Opcode::GetResident`].
+    GetResident {
+        /// Blob key.
+        key: u64,
+    },
     /// See [`Opcode::Release`].
     Release {
         /// Lease tokens to drop.
@@ -710,6 +730,7 @@ impl Request<'_> {
             Self::Alloc { .. } => Opcode::Alloc,
             Self::Commit { .. } => Opcode::Commit,
             Self::Get { .. } => Opcode::Get,
+            Self::GetResident { .. } => Opcode::GetResident,
             Self::Release { .. } => Opcode::Release,
             Self::Remove { .. } => Opcode::Remove,
             Self::Flush => Opcode::Flush,
@@ -757,7 +778,9 @@ pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request<'_>
         request_id,
         Status::Ok,
         |b| match req {
-            Request::Alloc { key } | Request::Get { key } => put_u64(b, *key),
+            Request::Alloc { key } | Request::Get { key } | Request::GetResident { key } => {
+                put_u64(b, *key)
+            }
             Request::Epoch { epoch } => put_u64(b, *epoch),
             Request::Commit { key, token } => {
                 put_u64(b, *key);
@@ -817,6 +840,7 @@ pub fn decode_request<'a>(h: &Header, body: &'a [u8]) -> Result<Request<'a>, Fra
     let req = match h.opcode {
         Opcode::Alloc => Request::Alloc { key: c.u64()? },
         Opcode::Get => Request::Get { key: c.u64()? },
+        Opcode::GetResident => Request::GetResident { key: c.u64()? },
         Opcode::Commit => Request::Commit {
             key: c.u64()?,
             token: c.u64()?,
@@ -1319,6 +1343,7 @@ mod tests {
         roundtrip(Request::Alloc { key: 7 });
         roundtrip(Request::Commit { key: 7, token: 99 });
         roundtrip(Request::Get { key: u64::MAX });
+        roundtrip(Request::GetResident { key: 3 });
         roundtrip(Request::Release {
             tokens: vec![1, 2, 3],
         });

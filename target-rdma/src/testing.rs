@@ -81,6 +81,8 @@ pub struct PeerOpts {
     pub allow_v1: bool,
     /// Most connections at once.
     pub max_connections: u32,
+    /// Cold GETs of a blob after which it is faulted in in the background.
+    pub promote_cold_after: u32,
 }
 
 impl Default for PeerOpts {
@@ -96,6 +98,7 @@ impl Default for PeerOpts {
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
             allow_v1: false,
             max_connections: 64,
+            promote_cold_after: 2,
         }
     }
 }
@@ -197,6 +200,7 @@ impl Peer {
                 max_queued_frames: 4096,
                 max_queued_bytes: 16 << 20,
                 blocking_threads: 4,
+                promote_cold_after: self.opts.promote_cold_after,
                 shutdown_timeout: Duration::from_secs(10),
             },
             rdma,

@@ -121,6 +121,12 @@ pub struct ArenadConfig {
     /// started with the server, so a thread limit cannot stop it later.
     #[serde(default = "default_blocking_threads")]
     pub blocking_threads: u32,
+    /// A blob in swap that RDMA clients' GET_RESIDENTs find cold this many times
+    /// while it is among the last blobs found cold is faulted into the
+    /// arena in the background, so its reads go by RDMA again; until then
+    /// each read is served inline at its own size from swap. 0: never.
+    #[serde(default = "default_promote_cold_after")]
+    pub promote_cold_after: u32,
     /// Seconds SIGTERM gives the connections to finish their requests and
     /// drain their answers before they are cut; the final flush follows.
     #[serde(default = "default_shutdown_timeout")]
@@ -251,6 +257,9 @@ fn default_max_queued_bytes() -> u64 {
 }
 fn default_blocking_threads() -> u32 {
     16
+}
+fn default_promote_cold_after() -> u32 {
+    2
 }
 fn default_shutdown_timeout() -> u64 {
     20
@@ -575,6 +584,13 @@ impl ArenadConfig {
                 "max_queued_bytes",
                 HumanSize(self.max_queued_bytes),
                 "must be from 64K to 1G",
+            ));
+        }
+        if self.promote_cold_after > 1024 {
+            return Err(invalid(
+                "promote_cold_after",
+                self.promote_cold_after,
+                "must be in 0..=1024",
             ));
         }
         if !(1..=1024).contains(&self.blocking_threads) {

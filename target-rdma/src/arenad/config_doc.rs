@@ -139,6 +139,11 @@ pub const KEYS: &[KeyDoc] = &[
         meaning: "Threads, 1 to 1024, that run the store calls that may block (a fault-in from swap, FLUSH, EPOCH, REMOVE, RAIL_CONNECT, a write that needs a slot); started with the server.",
     },
     KeyDoc {
+        key: "promote_cold_after",
+        ty: Type::Int,
+        meaning: "0 to 1024. An RDMA client reading part of a blob that is in swap only gets COLD for its GET_RESIDENT at once, and reads the range it wants inline, served at that size from swap. A blob found cold this many times while it is among the last 64 blobs found cold is faulted into the arena in the background (at most 2 at once), so its later reads go by RDMA. 0: never (cold blobs stay in swap until written or read whole).",
+    },
+    KeyDoc {
         key: "shutdown_timeout_secs",
         ty: Type::Int,
         meaning: "Seconds, 1 to 50, SIGTERM gives the connections to finish their requests and drain their answers before they are cut; the final flush follows, within the unit's TimeoutStopSec=60s.",

@@ -14,12 +14,14 @@ use crate::arenad::epochs::Admitted;
 use crate::arenad::events;
 use crate::arenad::fatal::Fatal;
 use crate::arenad::lease_keys::{Grant, Keyed, LeaseKeys};
+use crate::arenad::promotion::Touch;
 use crate::arenad::request::Decoded;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
 use crate::rdma::Isolation;
 use crate::store::{Immediate, StoreError};
+use ublk_metrics::Promotion;
 
 /// Answers this large are written straight to the socket (when it is
 /// free) even when more requests wait to be answered.
@@ -57,9 +59,12 @@ pub(super) struct Answer {
 /// change before the call); COMMIT and RELEASE inline too, as they only end
 /// leases; the rest off the task. Only the opcode decides.
 pub(super) fn place(op: Opcode) -> Placed {
-    use Opcode::{Alloc, Commit, Flush, Get, Read, Release, Remove, Write};
+    use Opcode::{Alloc, Commit, Flush, Get, GetResident, Read, Release, Remove, Write};
     Placed {
-        inline: matches!(op, Read | Get | Write | Alloc | Commit | Release),
+        inline: matches!(
+            op,
+            Read | Get | GetResident | Write | Alloc | Commit | Release
+        ),
         mutates: matches!(op, Write | Alloc | Commit | Release | Remove),
         flush: op == Flush,
     }
@@ -279,13 +284,21 @@ impl Dispatch {
                     Err(e) => Err(e),
                 }
             }
-            Request::Get { key } => {
+            Request::Get { key } | Request::GetResident { key } => {
+                let resident_only = op == Opcode::GetResident;
                 let grant = self.start_grant();
                 let leased = match wait {
-                    Wait::Yes => self.shared.store.get(vol, key, holder).map(Immediate::Done),
-                    Wait::No => self.shared.store.get_now(vol, key, holder),
+                    Wait::Yes if !resident_only => {
+                        self.shared.store.get(vol, key, holder).map(Immediate::Done)
+                    }
+                    _ => self.shared.store.get_now(vol, key, holder),
                 };
                 match leased {
+                    Ok(Immediate::WouldWait) if resident_only => {
+                        self.found_cold(key);
+                        proto::encode_error(&mut out, op, rid, Status::Cold, "");
+                        Ok(Status::Cold)
+                    }
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(Some(lease))) => {
                         let lease = self.key_lease(grant, lease, false);
@@ -348,6 +361,44 @@ impl Dispatch {
             }
         };
         self.finish(op, rid, result, out).map(Some)
+    }
+
+    /// A GET_RESIDENT found blob `key` in swap only and was answered COLD: when the
+    /// blob is due ([`Promotion`](crate::arenad::promotion)), it is faulted
+    /// in on the blocking pool in the background (a lease taken and given
+    /// back), so later GET_RESIDENTs find it resident.
+    fn found_cold(&self, key: u64) {
+        let obs = &self.shared.obs;
+        let vol = self.conn.vol.id;
+        let ticket = match self.shared.promotion.found_cold(vol, key) {
+            Touch::Noted => return,
+            Touch::Skipped => return obs.promotion(Promotion::Skipped),
+            Touch::Promote(t) => t,
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return obs.promotion(Promotion::Skipped);
+        };
+        let shared = Arc::clone(&self.shared);
+        let holder = self.conn.id;
+        runtime.spawn(async move {
+            let store = Arc::clone(&shared.store);
+            let faulted = shared
+                .pool
+                .run(move || {
+                    let _ticket = ticket;
+                    let lease = store.get(vol, key, holder)?;
+                    lease.map_or(Ok(()), |l| store.release(l.token, holder))
+                })
+                .await;
+            match faulted {
+                Ok(Ok(())) => shared.obs.promotion(Promotion::Promoted),
+                Ok(Err(e)) => {
+                    debug!(key, error = %e, "a cold blob's background fault-in failed");
+                    shared.obs.promotion(Promotion::Failed);
+                }
+                Err(_) => shared.obs.promotion(Promotion::Failed),
+            }
+        });
     }
 
     /// Every data operation runs admitted under the volume's epoch, so a

@@ -20,9 +20,9 @@ use crate::arenad::served::ServedVolume;
 use crate::arenad::shared::Shared;
 use crate::auth::{self, SessionKeys};
 use crate::proto::{
-    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_RDMA, CAP_RDMA_LEASE_KEYS,
-    CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY, MAX_INLINE, VERSION,
-    VERSION_1, VERSION_2,
+    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_COLD_GET, CAP_RDMA,
+    CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY,
+    MAX_INLINE, VERSION, VERSION_1, VERSION_2,
 };
 use crate::rdma::Isolation;
 use crate::store::HolderId;
@@ -184,13 +184,14 @@ async fn handshake_steps(
         generation: shared.store.generation(),
         blob_bytes: blob,
         caps: hello.caps
-            & if granted && isolated {
-                CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
-            } else if granted {
-                CAP_TCP_DATA | CAP_RDMA
-            } else {
-                CAP_TCP_DATA
-            },
+            & (CAP_COLD_GET
+                | if granted && isolated {
+                    CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
+                } else if granted {
+                    CAP_TCP_DATA | CAP_RDMA
+                } else {
+                    CAP_TCP_DATA
+                }),
         quota_blobs: vol.quota_blobs,
         epoch,
         mac: [0; MAC_LEN],

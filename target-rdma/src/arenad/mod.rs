@@ -23,6 +23,7 @@ mod lease_keys;
 pub mod listener;
 pub mod observability;
 mod outbox;
+mod promotion;
 pub mod reload;
 mod request;
 mod served;

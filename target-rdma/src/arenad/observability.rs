@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use ublk_metrics::{
     ArenaMetrics, ArenaOp, ArenaOutcome, ArenaStats, ConnectionRefusal, Daemon, HttpConfig,
-    HttpError, IntegrityCheck, MetricsServer, NotReadyReason, NotReadySet, Probes,
+    HttpError, IntegrityCheck, MetricsServer, NotReadyReason, NotReadySet, Probes, Promotion,
     ProtocolErrorClass, SlotState, Telemetry, TelemetryError, VolumeCounters, VolumeLabels,
     VolumeMetrics, VolumeSample,
 };
@@ -141,7 +141,7 @@ pub(super) fn arena_op(op: Opcode) -> ArenaOp {
         Opcode::Challenge | Opcode::Hello | Opcode::RailConnect => ArenaOp::Hello,
         Opcode::Alloc => ArenaOp::Alloc,
         Opcode::Commit => ArenaOp::Commit,
-        Opcode::Get => ArenaOp::Get,
+        Opcode::Get | Opcode::GetResident => ArenaOp::Get,
         Opcode::Release | Opcode::Revoke => ArenaOp::Release,
         Opcode::Remove => ArenaOp::Remove,
         Opcode::Flush => ArenaOp::Flush,
@@ -155,6 +155,7 @@ pub(super) fn outcome(status: Status) -> ArenaOutcome {
     match status {
         Status::Ok => ArenaOutcome::Ok,
         Status::NotFound => ArenaOutcome::NotFound,
+        Status::Cold => ArenaOutcome::Cold,
         Status::NoSpace => ArenaOutcome::NoSpace,
         Status::QuotaExceeded
         | Status::Busy
@@ -357,6 +358,11 @@ impl ArenadObservability {
     /// An operator ended a session (`arenactl disconnect`).
     pub fn session_disconnected(&self) {
         self.metrics.session_disconnected();
+    }
+
+    /// What became of a cold blob due to be faulted in in the background.
+    pub fn promotion(&self, outcome: Promotion) {
+        self.metrics.promotion(outcome);
     }
 
     /// A raise ended `n` leases of a session it fenced out.

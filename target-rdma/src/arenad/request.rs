@@ -70,6 +70,7 @@ impl Decoded {
             Request::Alloc { key } => Request::Alloc { key },
             Request::Commit { key, token } => Request::Commit { key, token },
             Request::Get { key } => Request::Get { key },
+            Request::GetResident { key } => Request::GetResident { key },
             Request::Release { tokens } => Request::Release { tokens },
             Request::Remove { start, end } => Request::Remove { start, end },
             Request::Flush => Request::Flush,

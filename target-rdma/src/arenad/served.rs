@@ -57,6 +57,10 @@ pub struct ServerLimits {
     pub max_queued_bytes: usize,
     /// Threads of the blocking pool.
     pub blocking_threads: usize,
+    /// GET_RESIDENTs that found a blob in swap only, while it is among the
+    /// last found so, after which it is faulted in in the background (0:
+    /// never).
+    pub promote_cold_after: u32,
     /// Longest shutdown gives connections to finish and drain.
     pub shutdown_timeout: Duration,
 }

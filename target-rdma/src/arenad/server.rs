@@ -26,6 +26,7 @@ use crate::arenad::epochs::Epochs;
 use crate::arenad::events;
 use crate::arenad::fenced::Fencing;
 use crate::arenad::observability::ArenadObservability;
+use crate::arenad::promotion::Promotion;
 use crate::arenad::sessions::Sessions;
 use crate::arenad::shared::Shared;
 use crate::arenad::stop::Stop;
@@ -77,6 +78,7 @@ impl Server {
             Arc::clone(&store),
             Arc::clone(&obs),
         );
+        let promotion = Promotion::new(limits.promote_cold_after);
         let shared = Arc::new(Shared {
             rdma,
             store,
@@ -85,6 +87,7 @@ impl Server {
             limits,
             sessions,
             admission: Admission::new(),
+            promotion,
             stop: Stop::new(),
             pool,
             obs,

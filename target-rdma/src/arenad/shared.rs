@@ -2,8 +2,9 @@
 //! task: the store, the volumes served, the limits, and each mechanism's
 //! own state as a field of its own type: the connection counters
 //! ([`Admission`]), the authenticated sessions, where REVOKEs are queued
-//! ([`Sessions`]), the epochs and their fence ([`Fencing`]), the blocking
-//! pool and the stop signal ([`Stop`]).
+//! ([`Sessions`]), the epochs and their fence ([`Fencing`]), the cold
+//! blobs due to be faulted in ([`Promotion`]), the blocking pool and the
+//! stop signal ([`Stop`]).
 
 use std::sync::Arc;
 
@@ -13,6 +14,7 @@ use crate::arenad::admission::Admission;
 use crate::arenad::blocking::Blocking;
 use crate::arenad::fenced::Fencing;
 use crate::arenad::observability::ArenadObservability;
+use crate::arenad::promotion::Promotion;
 use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
 use crate::arenad::sessions::Sessions;
 use crate::arenad::stop::Stop;
@@ -33,6 +35,7 @@ pub(super) struct Shared {
     pub(super) sessions: Arc<Sessions>,
     /// The connection counters and ids.
     pub(super) admission: Admission,
+    pub(super) promotion: Promotion,
     pub(super) stop: Stop,
     pub(super) pool: Blocking,
     pub(super) obs: Arc<ArenadObservability>,

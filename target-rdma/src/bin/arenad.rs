@@ -307,6 +307,7 @@ fn run(args: &Args) -> Result<ExitCode> {
             max_queued_frames: cfg.max_queued_frames as usize,
             max_queued_bytes: cfg.max_queued_bytes as usize,
             blocking_threads: cfg.blocking_threads as usize,
+            promote_cold_after: cfg.promote_cold_after,
             shutdown_timeout: Duration::from_secs(cfg.shutdown_timeout_secs),
         },
         rdma,

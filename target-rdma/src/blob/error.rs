@@ -108,7 +108,8 @@ fn status_errno(s: Status) -> i32 {
         | Status::ShuttingDown
         | Status::Internal
         | Status::LeaseLost
-        | Status::StaleEpoch => libc::EIO,
+        | Status::StaleEpoch
+        | Status::Cold => libc::EIO,
     }
 }
 
@@ -123,7 +124,8 @@ fn status_blame(s: Status, op: IoOp) -> FailureCause {
         | Status::NotFound
         | Status::Internal
         | Status::LeaseLost
-        | Status::StaleEpoch => match op {
+        | Status::StaleEpoch
+        | Status::Cold => match op {
             IoOp::Flush => FailureCause::FlushIo,
             IoOp::Read | IoOp::Write | IoOp::Discard | IoOp::WriteZeroes => {
                 FailureCause::CompletionIo

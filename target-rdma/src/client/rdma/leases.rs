@@ -31,6 +31,18 @@ pub(super) trait Member: Send + Sync {
     fn others(&self) -> Vec<Arc<dyn Member>>;
 }
 
+/// What a lease is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Want {
+    /// Writing (ALLOC).
+    Write,
+    /// Reading (GET): a blob in swap is faulted in first.
+    Read,
+    /// Reading part of the blob, if it is in the peer's RAM
+    /// (GET_RESIDENT): a blob in swap only answers [`Status::Cold`].
+    ReadIfResident,
+}
+
 /// The leases of one transport.
 pub(super) struct Leases {
     cache: Mutex<LeaseCache>,
@@ -105,15 +117,18 @@ impl Leases {
         r
     }
 
-    /// A lease on `key` good for reading (any) or writing (ALLOC), for
-    /// `me`, the transport that holds these leases.
-    /// `Ok(None)`: a read of a blob that does not exist.
+    /// A lease on `key` as `want` says, for `me`, the transport that holds
+    /// these leases (a cached one for reading serves any read).
+    /// `Ok(None)`: a read of a blob that does not exist; a
+    /// [`Status::Cold`] error: [`Want::ReadIfResident`] of a blob in swap
+    /// only, which the peer leases no slot for (its range is read inline).
     pub(super) async fn lease(
         &self,
         me: &dyn Member,
         key: u64,
-        write: bool,
+        want: Want,
     ) -> Result<Option<HeldLease>, ArenaError> {
+        let write = want == Want::Write;
         let client = me.client();
         let epoch = client.connection_epoch().unwrap_or(0);
         let checkout = self.cache.lock().checkout(key, write, epoch);
@@ -134,16 +149,21 @@ impl Leases {
         };
         let mut busy = self.busy_start(true);
         let lease = loop {
-            let r = if write {
-                client.alloc(key).await.map(Some)
-            } else {
-                client.get(key).await
+            let r = match want {
+                Want::Write => client.alloc(key).await.map(Some),
+                Want::Read => client.get(key).await,
+                Want::ReadIfResident => client.get_resident(key).await,
             };
             let e = match r {
                 Ok(Some(l)) => break l,
                 Ok(None) => {
                     self.lease_ended();
                     return Ok(None);
+                }
+                // In swap only: the caller reads its range inline.
+                Err(e) if e.status() == Some(Status::Cold) => {
+                    self.lease_ended();
+                    return Err(e);
                 }
                 Err(e) if e.status() == Some(Status::Busy) => {
                     if self.busy_retry(me, &mut busy).await {
@@ -265,7 +285,8 @@ impl Leases {
     ) -> Option<HeldLease> {
         let key = held.key;
         self.give_back(me.client(), held).await;
-        self.lease(me, key, write).await.ok().flatten()
+        let want = if write { Want::Write } else { Want::Read };
+        self.lease(me, key, want).await.ok().flatten()
     }
 
     /// Ends a request's use of its lease; `wrote` after a successful write.

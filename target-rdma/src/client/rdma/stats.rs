@@ -42,11 +42,14 @@ pub enum TcpReason {
     /// The peer had no slot to lease (BUSY even after our idle cached
     /// leases were given back); an inline request needs no lease.
     ArenaBusy,
+    /// A read of a blob that is in swap only: the peer reads just the
+    /// range from swap rather than faulting the whole blob in first.
+    ColdBlob,
 }
 
 impl TcpReason {
     /// Every reason, for exporters that pre-create series.
-    pub const ALL: [TcpReason; 7] = [
+    pub const ALL: [TcpReason; 8] = [
         Self::BelowThreshold,
         Self::TooLarge,
         Self::Declined,
@@ -54,6 +57,7 @@ impl TcpReason {
         Self::QpError,
         Self::NoLocalDevice,
         Self::ArenaBusy,
+        Self::ColdBlob,
     ];
 
     /// Stable lower-case name.
@@ -66,6 +70,7 @@ impl TcpReason {
             Self::QpError => "qp_error",
             Self::NoLocalDevice => "no_local_device",
             Self::ArenaBusy => "arena_busy",
+            Self::ColdBlob => "cold_blob",
         }
     }
 }
@@ -86,9 +91,9 @@ pub struct OpCounters {
     /// Work requests that timed out.
     pub timed_out: AtomicU64,
     /// Payload requests sent inline on TCP, by reason ([`TcpReason::ALL`] order).
-    pub tcp: [AtomicU64; 7],
+    pub tcp: [AtomicU64; TcpReason::ALL.len()],
     /// Bytes of those payloads, by reason.
-    pub tcp_bytes: [AtomicU64; 7],
+    pub tcp_bytes: [AtomicU64; TcpReason::ALL.len()],
 }
 
 /// Counters and gauges of one RDMA transport (one queue's connection).
@@ -109,7 +114,7 @@ pub struct RdmaStats {
     /// Work requests that got no completion in time.
     pub rdma_timed_out: AtomicU64,
     /// Payload requests sent inline on TCP, by reason (see [`TcpReason::ALL`]).
-    pub tcp_payload: [AtomicU64; 7],
+    pub tcp_payload: [AtomicU64; TcpReason::ALL.len()],
     /// Transfers served from pre-registered memory (the pool or a registered I/O region).
     pub registrations_pooled: AtomicU64,
     /// Transfers that registered the caller's memory just for themselves.

@@ -17,14 +17,14 @@ use super::config::RdmaTransportConfig;
 use super::driver::CqDriver;
 use super::group::{Removing, TransportGroup};
 use super::lease_cache::HeldLease;
-use super::leases::{Leases, Member};
+use super::leases::{Leases, Member, Want};
 use super::pool::{Local, Memory, Pool};
 use super::rail::{Rail, RailState};
 use super::rails::Rails;
 use super::stats::{RdmaStats, TcpReason};
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::client::tcp::{ArenaClient, ClientConfig};
-use crate::proto::{Lease, Opcode, Status, CAP_RDMA};
+use crate::proto::{Lease, Opcode, Status, CAP_COLD_GET, CAP_RDMA};
 use crate::rdma::{RdmaError, RdmaOp, RdmaProvider, WorkRequest};
 
 /// Why an RDMA transport could not be set up.
@@ -69,6 +69,9 @@ pub struct RdmaTransport {
     slots: Semaphore,
     peer: String,
     group: OnceLock<Arc<TransportGroup>>,
+    /// The peer granted `CAP_COLD_GET`: part of a blob it holds in swap
+    /// only is read inline at its size (GET_RESIDENT answers COLD).
+    cold_get: bool,
 }
 
 /// Times a write is done again because a racing REMOVE took its blob
@@ -127,7 +130,8 @@ impl RdmaTransport {
             ),
         };
         let mut state = state;
-        if provider.is_some() && client.welcome()?.caps & CAP_RDMA == 0 {
+        let caps = client.welcome()?.caps;
+        if provider.is_some() && caps & CAP_RDMA == 0 {
             state = RailState::Off(
                 TcpReason::Declined,
                 "the arena peer declined RDMA (no RDMA device there)".into(),
@@ -161,6 +165,7 @@ impl RdmaTransport {
             stats,
             peer,
             group: OnceLock::new(),
+            cold_get: caps & CAP_COLD_GET != 0,
         };
         if t.rails.is_down() {
             if let Err(e) = futures::executor::block_on(t.rails.establish(&t.client, &t.leases)) {
@@ -331,12 +336,27 @@ impl RdmaTransport {
                 failover: false,
             })?;
         let write = op == RdmaOp::Write;
-        let held = match self.leases.lease(self, key, write).await {
+        let want = match op {
+            RdmaOp::Write => Want::Write,
+            // Part of a blob in swap only is read inline at its size; the
+            // whole of one is faulted in and read by RDMA.
+            RdmaOp::Read if self.cold_get && len < self.blob_bytes() as usize => {
+                Want::ReadIfResident
+            }
+            RdmaOp::Read => Want::Read,
+        };
+        let held = match self.leases.lease(self, key, want).await {
             Ok(Some(h)) => h,
             Ok(None) => return Ok(None),
             Err(e) if e.status() == Some(Status::Busy) => {
                 return Err(Carry::Tcp {
                     reason: TcpReason::ArenaBusy,
+                    failover: false,
+                })
+            }
+            Err(e) if e.status() == Some(Status::Cold) => {
+                return Err(Carry::Tcp {
+                    reason: TcpReason::ColdBlob,
                     failover: false,
                 })
             }

@@ -354,10 +354,22 @@ impl ArenaClient {
 
     /// Leases blob `key` for reading; `None` when it holds nothing.
     pub async fn get(&self, key: u64) -> Result<Option<Lease>, ArenaError> {
-        match self.call(&Request::Get { key }).await? {
+        self.lease_for_reading(Request::Get { key }).await
+    }
+
+    /// Leases blob `key` for reading if it is in the peer's RAM: a
+    /// [`Status::Cold`](crate::proto::Status::Cold) error when it is in swap
+    /// only (read the range inline), `None` when it does not exist. Needs
+    /// the peer to have granted [`CAP_COLD_GET`](crate::proto::CAP_COLD_GET).
+    pub async fn get_resident(&self, key: u64) -> Result<Option<Lease>, ArenaError> {
+        self.lease_for_reading(Request::GetResident { key }).await
+    }
+
+    async fn lease_for_reading(&self, req: Request<'_>) -> Result<Option<Lease>, ArenaError> {
+        match self.call(&req).await? {
             Reply::Lease(l) => Ok(Some(l)),
             Reply::NotFound => Ok(None),
-            _ => Err(self.unexpected(Opcode::Get)),
+            _ => Err(self.unexpected(req.opcode())),
         }
     }
 

@@ -334,7 +334,7 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
     }
     let frame = Broken::Frame;
     let reply = match (h.status, h.opcode) {
-        (Status::Ok, Opcode::Alloc | Opcode::Get) => Ok(Reply::Lease(
+        (Status::Ok, Opcode::Alloc | Opcode::Get | Opcode::GetResident) => Ok(Reply::Lease(
             proto::decode_lease(h, body.bytes()).map_err(frame)?,
         )),
         (Status::Ok, Opcode::Remove | Opcode::Epoch) => Ok(Reply::Count(
@@ -348,7 +348,7 @@ fn dispatch(shared: &Shared, conn: &Conn, h: &Header, body: Body<'_>) -> Result<
             RailAccept::decode(h, body.bytes()).map_err(frame)?,
         )),
         (Status::Ok, _) => Ok(Reply::Empty),
-        (Status::NotFound, Opcode::Read | Opcode::Get) => Ok(Reply::NotFound),
+        (Status::NotFound, Opcode::Read | Opcode::Get | Opcode::GetResident) => Ok(Reply::NotFound),
         (status, op) => Err(ArenaError::Status {
             op,
             peer: shared.cfg.peer.clone(),
