@@ -22,7 +22,8 @@
 # rdma; around its cold and resident jobs the script prints the deltas of
 # ublkd's ublk_driver_tcp_payload_requests_total{driver="rdma"} by reason, of
 # ublk_driver_rdma_transferred_total and of arenad's swap read bytes (the
-# counters include fio's 2 s ramp, the IOPS do not).
+# counters include fio's 2 s ramp, the IOPS do not). BENCH_PROMOTE_COLD_AFTER
+# sets arenad's promote_cold_after (default: arenad's own).
 set -u
 
 BIN=${UBLK_E2E_BIN:-${UBLK_VM_REPO:-$PWD}/target/release}
@@ -118,6 +119,7 @@ blob_bytes = "1M"
 swap_dir = "$2"
 swap_bytes = "$((SIZE_MIB * 2))M"
 metrics_listen = "127.0.0.1:9470"
+${BENCH_PROMOTE_COLD_AFTER:+promote_cold_after = $BENCH_PROMOTE_COLD_AFTER}
 $(if [[ $3 == rdma ]]; then
     printf 'rdma = "on"\nrdma_device = "%s"\nrdma_gid_index = %s\n' "$RDMA_DEV" "$GID"
 else

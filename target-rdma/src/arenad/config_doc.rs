@@ -141,7 +141,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "promote_cold_after",
         ty: Type::Int,
-        meaning: "0 to 1024. An RDMA client reading part of a blob that is in swap only gets COLD for its GET_RESIDENT at once, and reads the range it wants inline, served at that size from swap. A blob found cold this many times while it is among the last 64 blobs found cold is faulted into the arena in the background (at most 2 at once), so its later reads go by RDMA. 0: never (cold blobs stay in swap until written or read whole).",
+        meaning: "0 to 1024. An RDMA client reading part of a blob that is in swap only gets COLD for its GET_RESIDENT at once, and reads the range it wants inline, served at that size from swap. A blob found cold this many times while it is among the last blobs found cold (an eighth of the arena's slots, at most 64) is faulted into the arena in the background (at most 2 at once), so its later reads go by RDMA. 0: never (cold blobs stay in swap until written or read whole).",
     },
     KeyDoc {
         key: "shutdown_timeout_secs",

@@ -6,12 +6,14 @@
 //! serves at that size from swap: a 4 KiB read costs a 4 KiB disk read,
 //! not a fault-in of the whole blob on the request's path. A blob that
 //! keeps being read that way is worth a slot: when GET_RESIDENTs find it cold
-//! `after` times while it is among the last [`WINDOW`] blobs found cold,
-//! it is faulted in on the blocking pool (at most [`MAX_IN_FLIGHT`] at
-//! once, so foreground requests keep the pool), and its later reads go by
-//! RDMA again. Random reads over a volume much larger than the arena
-//! rarely find a blob twice within the window, so they do not churn the
-//! arena; reads that stay within a few blobs do.
+//! `after` times while it is among the last blobs found cold (an eighth of
+//! the arena's slots, at most [`MAX_WINDOW`]), it is faulted in on the
+//! blocking pool (at most [`MAX_IN_FLIGHT`] at once, so foreground
+//! requests keep the pool), and its later reads go by RDMA again. Random
+//! reads over a volume larger than the arena rarely find a blob twice
+//! within so short a window, so they do not churn the arena (a fault-in
+//! costs a whole blob's disk read and evicts another); reads that stay
+//! within a blob or a few do.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,8 +23,9 @@ use parking_lot::Mutex;
 
 use crate::store::VolumeId;
 
-/// Blobs found cold that are remembered (the first found is forgotten first).
-pub(super) const WINDOW: usize = 64;
+/// Most blobs found cold that are remembered (the first found is
+/// forgotten first).
+pub(super) const MAX_WINDOW: usize = 64;
 /// Background fault-ins running at once.
 pub(super) const MAX_IN_FLIGHT: usize = 2;
 
@@ -31,6 +34,7 @@ type Blob = (VolumeId, u64);
 /// The blobs found cold lately and the fault-ins running.
 pub(super) struct Promotion {
     after: u32,
+    window: usize,
     recent: Mutex<Recent>,
     in_flight: Arc<AtomicUsize>,
 }
@@ -66,10 +70,14 @@ impl Drop for Ticket {
 }
 
 impl Promotion {
-    /// Faults in a blob found cold `after` times (0: never).
-    pub(super) fn new(after: u32) -> Self {
+    /// Faults in a blob found cold `after` times (0: never) while among
+    /// the last found cold, remembering an eighth of `arena_slots`.
+    pub(super) fn new(after: u32, arena_slots: u64) -> Self {
         Self {
             after,
+            window: usize::try_from(arena_slots / 8)
+                .unwrap_or(MAX_WINDOW)
+                .clamp(1, MAX_WINDOW),
             recent: Mutex::default(),
             in_flight: Arc::default(),
         }
@@ -89,7 +97,7 @@ impl Promotion {
                     *n
                 }
                 None => {
-                    if r.order.len() >= WINDOW {
+                    if r.order.len() >= self.window {
                         if let Some(old) = r.order.pop_front() {
                             r.finds.remove(&old);
                         }
@@ -127,7 +135,7 @@ mod tests {
 
     #[test]
     fn a_blob_is_due_on_its_nth_cold_find_and_counts_again_after() {
-        let p = Promotion::new(2);
+        let p = Promotion::new(2, 1024);
         assert!(!promoted(p.found_cold(1, 7)));
         assert!(!promoted(p.found_cold(1, 8)));
         assert!(!promoted(p.found_cold(2, 7)), "another volume's blob 7");
@@ -137,9 +145,9 @@ mod tests {
 
     #[test]
     fn a_blob_pushed_out_of_the_window_starts_from_one() {
-        let p = Promotion::new(2);
+        let p = Promotion::new(2, 1024);
         assert!(!promoted(p.found_cold(1, 0)));
-        for k in 1..=WINDOW as u64 {
+        for k in 1..=MAX_WINDOW as u64 {
             assert!(!promoted(p.found_cold(1, k)));
         }
         assert!(
@@ -147,12 +155,24 @@ mod tests {
             "forgotten: this is its first find again"
         );
         assert!(promoted(p.found_cold(1, 0)));
-        assert!(p.recent.lock().finds.len() <= WINDOW);
+        assert!(p.recent.lock().finds.len() <= MAX_WINDOW);
+    }
+
+    #[test]
+    fn the_window_is_an_eighth_of_the_arena() {
+        let p = Promotion::new(2, 32);
+        assert!(!promoted(p.found_cold(1, 0)));
+        for k in 1..=4 {
+            assert!(!promoted(p.found_cold(1, k)));
+        }
+        assert!(!promoted(p.found_cold(1, 0)), "four others pushed it out");
+        assert!(promoted(p.found_cold(1, 0)));
+        assert_eq!(Promotion::new(2, 3).window, 1);
     }
 
     #[test]
     fn at_most_max_in_flight_fault_ins_and_a_dropped_ticket_frees_its_place() {
-        let p = Promotion::new(1);
+        let p = Promotion::new(1, 1024);
         let running: Vec<_> = (0..MAX_IN_FLIGHT as u64)
             .map(|k| p.found_cold(1, k))
             .collect();
@@ -164,7 +184,7 @@ mod tests {
 
     #[test]
     fn zero_never_promotes() {
-        let p = Promotion::new(0);
+        let p = Promotion::new(0, 1024);
         for _ in 0..10 {
             assert!(matches!(p.found_cold(1, 1), Touch::Noted));
         }

@@ -78,7 +78,7 @@ impl Server {
             Arc::clone(&store),
             Arc::clone(&obs),
         );
-        let promotion = Promotion::new(limits.promote_cold_after);
+        let promotion = Promotion::new(limits.promote_cold_after, store.stats().slots_total);
         let shared = Arc::new(Shared {
             rdma,
             store,
