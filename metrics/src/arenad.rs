@@ -244,11 +244,12 @@ impl ArenaMetrics {
     /// `telemetry` (see [`ArenaMetrics::set_source`]).
     pub fn new(telemetry: &Arc<Telemetry>) -> Arc<Self> {
         let t = &**telemetry;
-        let c0 = |name: &str| {
-            let c = t.counter(name, &[]);
+        // A counter that renders at zero from the start.
+        fn c0(t: &Telemetry, name: &str, labels: &[(&'static str, &str)]) -> Counter {
+            let c = t.counter(name, labels);
             c.increment(0);
             c
-        };
+        }
         let m = Arc::new(ArenaMetrics {
             ops: ArenaOp::ALL.map(|op| {
                 ArenaOutcome::ALL.map(|o| {
@@ -262,13 +263,13 @@ impl ArenaMetrics {
                 .map(|op| t.histogram("arenad_op_latency_seconds", &[("op", op.as_str())])),
             slots: SlotState::ALL.map(|s| t.gauge("arenad_slots", &[("state", s.as_str())])),
             leases: t.gauge("arenad_leases_held", &[]),
-            evictions: c0("arenad_evictions_total"),
-            revocations: c0("arenad_lease_revocations_total"),
-            force_ended: c0("arenad_leases_force_ended_total"),
-            writebacks: c0("arenad_writebacks_total"),
-            fault_ins: c0("arenad_fault_ins_total"),
-            swap_read: c0("arenad_swap_read_bytes_total"),
-            swap_written: c0("arenad_swap_written_bytes_total"),
+            evictions: c0(t, "arenad_evictions_total", &[]),
+            revocations: c0(t, "arenad_lease_revocations_total", &[]),
+            force_ended: c0(t, "arenad_leases_force_ended_total", &[]),
+            writebacks: c0(t, "arenad_writebacks_total", &[]),
+            fault_ins: c0(t, "arenad_fault_ins_total", &[]),
+            swap_read: c0(t, "arenad_swap_read_bytes_total", &[]),
+            swap_written: c0(t, "arenad_swap_written_bytes_total", &[]),
             swap_util: t.gauge("arenad_swap_utilisation_ratio", &[]),
             arena_util: t.gauge("arenad_arena_utilisation_ratio", &[]),
             used: Tier::ALL.map(|tier| t.gauge("arenad_used_bytes", &[("tier", tier.as_str())])),
@@ -280,30 +281,23 @@ impl ArenaMetrics {
             flush: t.histogram("arenad_flush_latency_seconds", &[]),
             protocol_errors: ProtocolErrorClass::ALL
                 .map(|c| t.counter("arenad_protocol_errors_total", &[("class", c.as_str())])),
-            auth_failures: c0("arenad_auth_failures_total"),
+            auth_failures: c0(t, "arenad_auth_failures_total", &[]),
             refusals: ConnectionRefusal::ALL.map(|r| {
-                let c = t.counter(
+                c0(
+                    t,
                     "arenad_connections_refused_total",
                     &[("reason", r.as_str())],
-                );
-                c.increment(0);
-                c
+                )
             }),
-            accept_errors: c0("arenad_accept_errors_total"),
-            probes: c0("arenad_probes_total"),
-            lease_key_failures: c0("arenad_rdma_lease_key_failures_total"),
-            leases_fenced: c0("arenad_leases_fenced_total"),
-            disconnected: c0("arenad_sessions_disconnected_total"),
-            promotions: Promotion::ALL.map(|p| {
-                let c = t.counter("arenad_promotions_total", &[("outcome", p.as_str())]);
-                c.increment(0);
-                c
-            }),
-            integrity_errors: IntegrityCheck::ALL.map(|c| {
-                let counter = t.counter("arenad_integrity_errors_total", &[("kind", c.as_str())]);
-                counter.increment(0);
-                counter
-            }),
+            accept_errors: c0(t, "arenad_accept_errors_total", &[]),
+            probes: c0(t, "arenad_probes_total", &[]),
+            lease_key_failures: c0(t, "arenad_rdma_lease_key_failures_total", &[]),
+            leases_fenced: c0(t, "arenad_leases_fenced_total", &[]),
+            disconnected: c0(t, "arenad_sessions_disconnected_total", &[]),
+            promotions: Promotion::ALL
+                .map(|p| c0(t, "arenad_promotions_total", &[("outcome", p.as_str())])),
+            integrity_errors: IntegrityCheck::ALL
+                .map(|c| c0(t, "arenad_integrity_errors_total", &[("kind", c.as_str())])),
             source: Mutex::new(None),
         });
         m.update_from(&ArenaStats::default());

@@ -86,6 +86,13 @@ fn read_4k(t: &RdmaTransport, k: u64, offset: u32) -> Via {
     via
 }
 
+/// The first blob, by key, whose 4 KiB read at offset 0 went cold.
+fn first_cold(t: &RdmaTransport) -> u64 {
+    (0..KEYS)
+        .find(|&k| read_4k(t, k, 0) == Via::Tcp)
+        .expect("a blob in swap only")
+}
+
 #[test]
 fn a_cold_blob_is_read_at_size_without_a_fault_in() {
     let (peer, t, _dir) = peer_with_cold_blobs(0);
@@ -121,9 +128,7 @@ fn a_cold_blob_is_read_at_size_without_a_fault_in() {
 fn a_blob_read_cold_twice_is_faulted_in_and_then_read_by_rdma() {
     let (peer, t, _dir) = peer_with_cold_blobs(2);
     // A blob in swap only: its first read goes cold.
-    let k = (0..KEYS)
-        .find(|&k| read_4k(&t, k, 0) == Via::Tcp)
-        .expect("a blob in swap only");
+    let k = first_cold(&t);
     let first = cold_reads(&t);
     let faults = peer.store.stats().fault_ins;
     assert_eq!(
@@ -145,9 +150,7 @@ fn a_blob_read_cold_twice_is_faulted_in_and_then_read_by_rdma() {
 #[test]
 fn a_client_without_cold_get_still_gets_its_lease() {
     let (peer, t, _dir) = peer_with_cold_blobs(0);
-    let k = (0..KEYS)
-        .find(|&k| read_4k(&t, k, 0) == Via::Tcp)
-        .expect("a blob in swap only");
+    let k = first_cold(&t);
     let faults = peer.store.stats().fault_ins;
     let tcp_only = peer.client("a", SECRET_A);
     let lease = block_on(tcp_only.get(k)).unwrap().expect("a lease");
