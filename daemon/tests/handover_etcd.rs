@@ -223,9 +223,10 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
     assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Standby), "{e}");
     assert_eq!(block_on(a_coord.load()).unwrap().epoch, epoch);
 
-    // B takes the role while A writes.
-    let stop = Arc::new(AtomicBool::new(false));
-    let a_sup = supervise(&a, &stop);
+    // B takes the role while A writes. A's supervisor runs throughout, as
+    // in ublkd: it must not give back a role A takes later.
+    let a_stop = Arc::new(AtomicBool::new(false));
+    let a_sup = supervise(&a, &a_stop);
     let a_load = load(&a, blob);
     std::thread::sleep(Duration::from_millis(300));
     let started = Instant::now();
@@ -264,16 +265,19 @@ fn the_writer_role_is_handed_over_and_back_under_load_with_no_acknowledged_write
     assert_eq!(e.kind(), ErrorKind::Replica(ReplicaFailure::Standby), "{e}");
 
     // And back: B hands over to A under B's load.
-    stop.store(true, Ordering::Release);
-    a_sup.join().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let b_sup = supervise(&b, &stop);
+    let b_stop = Arc::new(AtomicBool::new(false));
+    let b_sup = supervise(&b, &b_stop);
     let b_load = load(&b, blob);
     std::thread::sleep(Duration::from_millis(300));
     block_on(a.activate()).unwrap();
     let (acked, refused) = b_load.join().unwrap();
-    stop.store(true, Ordering::Release);
-    b_sup.join().unwrap();
+    // Many hand-over polls later, A still holds the role: what its polls
+    // found while it was the writer the first time asks for nothing now.
+    std::thread::sleep(Duration::from_millis(500));
+    for (sup, stop) in [(a_sup, a_stop), (b_sup, b_stop)] {
+        stop.store(true, Ordering::Release);
+        sup.join().unwrap();
+    }
     assert_eq!(a.standing(), Standing::Confirmed);
     assert_eq!(b.standing(), Standing::Standby);
     verify(&aio, &acked, refused, blob);

@@ -252,16 +252,9 @@ impl VolumeWriter {
     /// flushed and acknowledges nothing more). On an error the key is
     /// still ours.
     pub(super) async fn give_up(&self, etcd: &Etcd) -> Result<(), CoordinationError> {
-        let lease = self.lease.swap(0, Ordering::AcqRel);
-        if lease == 0 {
+        let Some((lease, to)) = self.let_go() else {
             return Ok(());
-        }
-        let to = self
-            .asked_by
-            .lock()
-            .take()
-            .unwrap_or_else(|| "no standby yet".into());
-        self.taken_by(to.clone());
+        };
         let deleted = etcd
             .delete_if(self.shared.keys.writer(&self.volume), Expect::Lease(lease))
             .await;
@@ -275,8 +268,38 @@ impl VolumeWriter {
         Ok(())
     }
 
-    /// The key is ours again under `lease`: a new term.
+    /// Stops holding the key locally, before it is deleted in etcd: the
+    /// lease it was bound to and the standby it goes to; `None` when it
+    /// was not held.
+    fn let_go(&self) -> Option<(i64, String)> {
+        let lease = self.lease.swap(0, Ordering::AcqRel);
+        if lease == 0 {
+            return None;
+        }
+        let to = self
+            .asked_by
+            .lock()
+            .take()
+            .unwrap_or_else(|| "no standby yet".into());
+        self.taken_by(to.clone());
+        Some((lease, to))
+    }
+
+    /// Records what a poll of the hand-over requests found, unless the key
+    /// changed hands since the poll looked: a request read while an
+    /// earlier term held the key (the one this writer handed over on)
+    /// would give the new term's role away the moment it starts.
+    fn note_asked(&self, term: u64, who: Option<String>) {
+        let mut asked = self.asked_by.lock();
+        if self.held() && self.term.load(Ordering::Acquire) == term {
+            *asked = who;
+        }
+    }
+
+    /// The key is ours again under `lease`: a new term, which nobody has
+    /// asked for yet.
     fn held_again(&self, lease: i64) {
+        *self.asked_by.lock() = None;
         *self.taken_by.lock() = None;
         self.taken.store(false, Ordering::Release);
         self.term.fetch_add(1, Ordering::AcqRel);
@@ -729,12 +752,12 @@ async fn poll_handovers(
 ) {
     loop {
         tokio::time::sleep(interval).await;
-        let held: Vec<Arc<VolumeWriter>> = shared
+        let held: Vec<(Arc<VolumeWriter>, u64)> = shared
             .volumes
             .lock()
             .values()
             .filter(|v| v.held())
-            .cloned()
+            .map(|v| (Arc::clone(v), v.term.load(Ordering::Acquire)))
             .collect();
         if held.is_empty() {
             continue;
@@ -751,15 +774,94 @@ async fn poll_handovers(
         let asks: BTreeMap<Vec<u8>, String> = r
             .kvs()
             .iter()
-            .map(|kv| {
-                let who = serde_json::from_slice::<WriterRecord>(kv.value())
-                    .map_or_else(|_| "a standby".to_string(), |w| w.to_string());
-                (kv.key().to_vec(), who)
+            .filter_map(|kv| {
+                let who = match serde_json::from_slice::<WriterRecord>(kv.value()) {
+                    // This ublkd's own request, left by a take whose
+                    // clean-up failed: nobody else is asking.
+                    Ok(w) if w.same_installation(&shared.me) => return None,
+                    Ok(w) => w.to_string(),
+                    Err(_) => "a standby".to_string(),
+                };
+                Some((kv.key().to_vec(), who))
             })
             .collect();
-        for v in held {
+        for (v, term) in held {
             let key = shared.keys.handover(&v.volume).into_bytes();
-            *v.asked_by.lock() = asks.get(&key).cloned();
+            v.note_asked(term, asks.get(&key).cloned());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held_writer() -> VolumeWriter {
+        let shared = Arc::new(Shared {
+            base: Instant::now(),
+            valid_until: AtomicU64::new(0),
+            lease: AtomicI64::new(7),
+            ttl: Duration::from_secs(4),
+            margin: Duration::from_millis(500),
+            keys: Keys::new("/ublk"),
+            me: WriterRecord {
+                host: "host-a".into(),
+                state_dir: "/var/lib/ublkd".into(),
+                pid: 1,
+                since: 0,
+            },
+            volumes: Mutex::new(BTreeMap::new()),
+            lease_path: PathBuf::from("/nonexistent/writer-lease"),
+            lost: AtomicU64::new(0),
+        });
+        VolumeWriter {
+            volume: "vm".into(),
+            lease: AtomicI64::new(7),
+            term: AtomicU64::new(0),
+            taken: AtomicBool::new(false),
+            taken_by: Mutex::new(None),
+            asked_by: Mutex::new(None),
+            shared,
+        }
+    }
+
+    fn term(v: &VolumeWriter) -> u64 {
+        v.term.load(Ordering::Acquire)
+    }
+
+    /// A poll that read the standby's request while this writer held the
+    /// key, and recorded it after the writer had handed the role over,
+    /// must not make the writer give the role away again the moment it
+    /// takes it back.
+    #[test]
+    fn a_request_found_in_an_earlier_term_does_not_ask_for_the_next() {
+        let v = held_writer();
+        let first = term(&v);
+        v.note_asked(first, Some("host-b".into()));
+        assert_eq!(v.handover_asked().as_deref(), Some("host-b"));
+        assert_eq!(v.let_go(), Some((7, "host-b".to_string())));
+        assert!(matches!(v.lease(), Lease::Taken { holder } if holder == "host-b"));
+
+        // The poll's late finding about the term just handed over.
+        v.note_asked(first, Some("host-b".into()));
+        assert_eq!(v.handover_asked(), None, "not held: nothing recorded");
+
+        // Taken back: a new term nobody asked for, whatever a poll that
+        // looked during the last one recorded.
+        v.held_again(8);
+        assert_eq!(v.handover_asked(), None);
+        v.note_asked(first, Some("host-b".into()));
+        assert_eq!(v.handover_asked(), None, "a finding about the old term");
+        v.note_asked(term(&v), Some("host-c".into()));
+        assert_eq!(v.handover_asked().as_deref(), Some("host-c"));
+        v.note_asked(term(&v), None);
+        assert_eq!(v.handover_asked(), None, "the request was withdrawn");
+    }
+
+    #[test]
+    fn letting_go_of_a_key_not_held_gives_nothing_away() {
+        let v = held_writer();
+        assert!(v.let_go().is_some());
+        assert_eq!(v.let_go(), None);
     }
 }
