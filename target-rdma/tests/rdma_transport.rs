@@ -316,6 +316,51 @@ fn a_failed_completion_rebuilds_the_rail_and_retries_once() {
     assert_eq!(count(&s.t, "rdma_requests"), 3 + 1);
 }
 
+/// After the peer restarts, the rail comes up on the new control
+/// connection and payloads move by RDMA again: none is sent to TCP
+/// (`qp_error`) because the rail set up by the request that reconnected
+/// looked older than its connection.
+#[test]
+fn after_a_peer_restart_payloads_go_by_rdma_again() {
+    let p = LoopbackProvider::new();
+    let dir = tempfile::tempdir().unwrap();
+    let opts = || PeerOpts {
+        arena_bytes: 4 << 20,
+        blob_bytes: BLOB,
+        rdma: Some(p.clone()),
+        ..PeerOpts::default()
+    };
+    let peer = Peer::start(dir.path(), opts());
+    let addr = peer.addr.to_string();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p.clone()), cfg()).unwrap();
+    for key in 0..4 {
+        block_on(t.write(key, 0, &pattern(key, 1, 4096))).unwrap();
+    }
+    block_on(t.flush()).unwrap();
+    peer.stop();
+    let _peer = Peer::start_at(dir.path(), opts(), &addr);
+    let mut out = vec![0; 4096];
+    for key in 0..4 {
+        block_on(t.read(key, 0, &mut out)).unwrap();
+        assert!(out == pattern(key, 1, 4096), "key {key}");
+    }
+    for key in 0..4 {
+        assert_eq!(
+            block_on(t.write(key, 0, &pattern(key, 2, 4096))).unwrap(),
+            Via::Rdma
+        );
+    }
+    // The restarted peer holds the blobs on swap: a read of part of one is
+    // served inline at its size (cold), which is not a fallback.
+    assert_eq!(
+        tcp_total(&t),
+        tcp(&t, TcpReason::ColdBlob),
+        "{:?}",
+        report(&t)
+    );
+    assert_eq!(count(&t, "rail_connects"), 2);
+}
+
 #[test]
 fn a_second_failure_fails_over_to_tcp_counted_and_the_data_is_right() {
     let (p, s) = loopback();

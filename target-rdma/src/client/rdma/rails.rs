@@ -135,13 +135,16 @@ impl Rails {
             .create_qp(self.cfg.sq_depth)
             .map_err(|e| e.to_string())?
             .into();
-        let before = client.connection_epoch();
+        // Connected first: after the peer restarted, the connection the
+        // RAIL_CONNECT goes on is made here, not inside the call (which
+        // would make the rail look older than its connection).
+        let before = client.connected_epoch().map_err(|e| e.to_string())?;
         let acc = client
             .rail_connect(qp.endpoint())
             .await
             .map_err(|e| e.to_string())?;
         let epoch = client.connection_epoch();
-        if before != epoch || epoch.is_none() {
+        if epoch != Some(before) {
             return Err("the control connection changed during the rail setup".into());
         }
         let blob = u64::from(client.session_blob_bytes());
@@ -176,7 +179,7 @@ impl Rails {
         Ok(Arc::new(Rail {
             engine,
             remote: acc,
-            epoch: epoch.unwrap_or(0),
+            epoch: before,
         }))
     }
 

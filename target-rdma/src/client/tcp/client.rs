@@ -88,6 +88,12 @@ impl ArenaClient {
             .map(|c| c.epoch)
     }
 
+    /// The current connection's epoch, connecting first when there is no
+    /// live connection: a rail set up next belongs to it.
+    pub(crate) fn connected_epoch(&self) -> Result<u64, ArenaError> {
+        self.conn().map(|c| c.epoch)
+    }
+
     /// Counts a write another data path made (RDMA into a leased slot;
     /// inline WRITE, COMMIT and REMOVE count themselves), so that a peer
     /// restart before the next FLUSH makes that FLUSH fail instead of
