@@ -16,19 +16,7 @@ RUNTIME=${BENCH_RUNTIME:-10}
 SIZE=${BENCH_SIZE:-64M}
 mkdir -p "$R" "$W"/{state,arena,run}
 
-devices=(/sys/class/infiniband/*)
-if [[ -e "${devices[0]}" ]]; then
-    RDMA_DEV=$(basename "${devices[0]}")
-    echo "bench: using RDMA device $RDMA_DEV (no soft-RoCE setup)"
-    GID=${BENCH_GID_INDEX:-0}
-else
-    timeout 10 /usr/sbin/ip link set lo up
-    timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo || { echo "bench: rdma link add failed"; exit 1; }
-    for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; done
-    RDMA_DEV=rxe0
-    GID=1
-    echo "bench: no RDMA device; using soft-RoCE rxe0 on lo"
-fi
+rdma_device || exit 1
 
 printf 'bench-volume-secret-0123456789abcdef\n' >"$W/vol.key"
 chmod 600 "$W/vol.key"

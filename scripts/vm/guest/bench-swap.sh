@@ -45,24 +45,11 @@ swap_disk "$W/nvme" || { echo "bench: no NVMe disk"; exit 1; }
 printf 'bench-volume-secret-0123456789abcdef\n' >"$W/vol.key"
 chmod 600 "$W/vol.key"
 
-# RDMA: a real device when one exists, else soft-RoCE on lo (as bench-rdma.sh).
+# RDMA: a real device when one exists, else soft-RoCE on lo (rdma_device).
 RDMA_DEV=
 UBLKD_METRICS=off
 if [[ " $TRANSPORTS " == *" rdma "* ]]; then
-    devices=(/sys/class/infiniband/*)
-    if [[ -e "${devices[0]}" ]]; then
-        RDMA_DEV=$(basename "${devices[0]}")
-        GID=${BENCH_GID_INDEX:-0}
-        echo "bench: using RDMA device $RDMA_DEV (no soft-RoCE setup)"
-    else
-        if [[ -n "${UBLK_VM_MODDIR:-}" ]]; then modprobe -d "$UBLK_VM_MODDIR" rdma_rxe; else modprobe rdma_rxe; fi 2>/dev/null
-        timeout 10 /usr/sbin/ip link set lo up
-        timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo || { echo "bench: rdma link add failed"; exit 1; }
-        for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; done
-        RDMA_DEV=rxe0
-        GID=1
-        echo "bench: no RDMA device; using soft-RoCE rxe0 on lo"
-    fi
+    rdma_device || exit 1
     # ublkd's driver counters are read from its /metrics.
     UBLKD_METRICS=127.0.0.1:9477
 fi

@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, replicas,
-# handover, guest-vm, bench-rdma, bench-swap, bench-replicas, bench-rebuild,
-# bench-guest).
+# handover, guest-vm, bench-rdma, bench-swap, bench-latency, bench-replicas,
+# bench-rebuild, bench-guest).
 # Source it after setting BIN (the release binaries), SOCK (ublkd's control
 # socket) and W (the scenario's work dir holding ublkd.toml).
 
@@ -43,6 +43,27 @@ swap_disk() {
     mkdir -p "$1"
     timeout 300 mkfs.ext4 -q -F -E nodiscard "$dev" >&2 || return 1
     timeout 60 mount "$dev" "$1"
+}
+
+# rdma_device: sets RDMA_DEV and GID to the first RDMA device the machine
+# has (GID index BENCH_GID_INDEX, default 0), else to soft-RoCE rxe0 on lo
+# (GID index 1, the IPv4-mapped entry); says which on stderr. Fails, saying
+# why, when neither can be had.
+rdma_device() {
+    local devices=(/sys/class/infiniband/*)
+    if [[ -e "${devices[0]}" ]]; then
+        RDMA_DEV=$(basename "${devices[0]}")
+        GID=${BENCH_GID_INDEX:-0}
+        echo "using RDMA device $RDMA_DEV (no soft-RoCE setup)" >&2
+        return 0
+    fi
+    if [[ -n "${UBLK_VM_MODDIR:-}" ]]; then modprobe -d "$UBLK_VM_MODDIR" rdma_rxe; else modprobe rdma_rxe; fi 2>/dev/null
+    timeout 10 /usr/sbin/ip link set lo up
+    timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo || { echo "rdma link add failed: no RDMA device" >&2; return 1; }
+    for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; done
+    RDMA_DEV=rxe0
+    GID=1
+    echo "no RDMA device; using soft-RoCE rxe0 on lo" >&2
 }
 
 # wait_listen PORT PID: until something listens on 127.0.0.1:PORT (up to
