@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Benchmark (not a test), run by scripts/bench-latency in the VM or on a
 # host with ublk_drv: the same fio jobs on null_blk, loop on tmpfs, kernel
-# NBD -> nbdkit memory, and ublkd over TCP and RDMA, interleaved per job in
-# one boot; prints a table and the ublkd/NBD and ublkd/loop ratios.
+# NBD -> nbdkit memory, libublk's `ramdisk` example (BENCH_RAMDISK_BIN, the
+# ceiling of a ublk device with no network), and ublkd over TCP and RDMA,
+# interleaved per job in one boot; prints a table, the ublkd/NBD and
+# ublkd/loop ratios and the share of the ramdisk ceiling.
 # Env: BENCH_RUNTIME (s per job, default 10), BENCH_SIZE (default 128M),
-# BENCH_DEVICES (subset of "null loop nbd tcp rdma"), BENCH_PERF=1,
+# BENCH_DEVICES (subset of "null loop nbd ramdisk tcp rdma"), BENCH_PERF=1,
 # BENCH_BUSY_POLL_US / BENCH_LEASE_CACHE (busy_poll_us, [rdma] lease_cache of
 # this build's ublkd),
 # BENCH_BASELINE_BIN (a directory with another build's ublkd and ublkctl:
@@ -19,7 +21,10 @@ SOCK=$W/run/ublkd.sock
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 RUNTIME=${BENCH_RUNTIME:-10}
 SIZE=${BENCH_SIZE:-128M}
-WANT=" ${BENCH_DEVICES:-null loop nbd tcp rdma} "
+WANT=" ${BENCH_DEVICES:-null loop nbd ramdisk tcp rdma} "
+# The ramdisk example takes the device id it is given; ublkd numbers its
+# devices from 0.
+RAMDISK_ID=9
 mkdir -p "$R" "$W"/{state,arena,run}
 log() { printf '%s bench: %s\n' "$(date +%T)" "$*" >&2; }
 want() { [[ "$WANT" == *" $1 "* ]]; }
@@ -35,6 +40,7 @@ cleanup() {
     set +e
     [[ -n "${DEVS[nbd]:-}" ]] && nbd-client -d "${DEVS[nbd]}" >/dev/null 2>&1
     [[ -n "${DEVS[loop]:-}" ]] && losetup -d "${DEVS[loop]}"
+    [[ -n "${DEVS[ramdisk]:-}" ]] && "$BENCH_RAMDISK_BIN" del "$RAMDISK_ID"
     [[ -n "${UBLKD_PID:-}" ]] && kill "$UBLKD_PID" && sleep 1
     [[ -n "${BASE_PID:-}" ]] && kill "$BASE_PID" && sleep 1
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
@@ -68,24 +74,18 @@ if want nbd; then
     fi
 fi
 
+if want ramdisk; then
+    if [[ -x "${BENCH_RAMDISK_BIN:-}" ]] &&
+        timeout 60 "$BENCH_RAMDISK_BIN" add "$RAMDISK_ID" "$size_mib" >"$R/ramdisk.log" 2>&1 &&
+        wait_node "/dev/ublkb$RAMDISK_ID"; then
+        DEVS[ramdisk]=/dev/ublkb$RAMDISK_ID
+    else
+        log "libublk ramdisk unavailable (BENCH_RAMDISK_BIN=${BENCH_RAMDISK_BIN:-}): $(tail -3 "$R/ramdisk.log" 2>/dev/null)"
+    fi
+fi
 RDMA_DEV=
 if want rdma; then
-    devices=(/sys/class/infiniband/*)
-    if [[ -e "${devices[0]}" ]]; then
-        RDMA_DEV=$(basename "${devices[0]}")
-        GID=${BENCH_GID_INDEX:-0}
-        log "using RDMA device $RDMA_DEV"
-    else
-        timeout 10 /usr/sbin/ip link set lo up
-        if timeout 20 /usr/bin/rdma link add rxe0 type rxe netdev lo; then
-            for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs0 ]] && break; sleep 0.1; done
-            RDMA_DEV=rxe0
-            GID=1
-            log "no RDMA device; using soft-RoCE rxe0 on lo"
-        else
-            log "rdma link add failed: no RDMA device"
-        fi
-    fi
+    rdma_device || RDMA_DEV=
 fi
 BASE=${BENCH_BASELINE_BIN:-}
 VOLUMES=(tcp rdma)
@@ -175,7 +175,7 @@ TOML
 fi
 
 ORDER=()
-for d in null loop nbd tcp rdma tcp-base rdma-base; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
+for d in null loop nbd ramdisk tcp rdma tcp-base rdma-base; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
 log "devices: $(for d in "${ORDER[@]}"; do printf '%s=%s ' "$d" "${DEVS[$d]}"; done)"
 for d in "${ORDER[@]}"; do
     # Prefill, so reads move real payloads (an unwritten blob reads as zeros without one).
@@ -252,6 +252,14 @@ for n in jobs:
         a, c = res[n, u], res[n, b]
         cells.append(f"{a['iops'] / c['iops']:>9.2f}x" if a and c and c["iops"] else f"{'-':>10}")
     print(f"{n:<18} " + " ".join(cells))
+ublk = [u for u in ("tcp", "rdma", "tcp-base", "rdma-base") if u in order]
+if "ramdisk" in order and ublk:
+    print()
+    print(f"{'of the ceiling':<18} " + " ".join(f"{u + '/ramdisk':>14}" for u in ublk))
+    for n in jobs:
+        c = res[n, "ramdisk"]
+        cells = [f"{res[n, u]['iops'] / c['iops']:>13.2f}x" if res[n, u] and c and c["iops"] else f"{'-':>14}" for u in ublk]
+        print(f"{n:<18} " + " ".join(cells))
 PY
 for f in "$R"/perf-*.txt; do
     [[ -f "$f" ]] || continue
