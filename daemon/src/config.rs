@@ -88,6 +88,11 @@ pub struct UblkdConfig {
     /// Group allowed to use the socket (mode 0660); root only (0600) when unset.
     #[serde(default)]
     pub socket_group: Option<String>,
+    /// Control-socket connections served at once (a thread each); more
+    /// are closed at accept, so a script that leaks connections cannot
+    /// exhaust threads.
+    #[serde(default = "default_socket_max_connections")]
+    pub socket_max_connections: usize,
     /// What SIGTERM does with devices.
     #[serde(default = "default_on_shutdown")]
     pub on_shutdown: OnShutdown,
@@ -422,6 +427,9 @@ fn default_state_dir() -> PathBuf {
 fn default_socket() -> PathBuf {
     PathBuf::from("/run/ublkd/ublkd.sock")
 }
+fn default_socket_max_connections() -> usize {
+    64
+}
 fn default_on_shutdown() -> OnShutdown {
     OnShutdown::Keep
 }
@@ -542,6 +550,13 @@ impl UblkdConfig {
                     "must name a group; leave the key out for root-only access",
                 ));
             }
+        }
+        if !(1..=1024).contains(&self.socket_max_connections) {
+            return Err(invalid(
+                "socket_max_connections",
+                self.socket_max_connections,
+                "must be in 1..=1024",
+            ));
         }
         if let Err(why) = ublk_metrics::events::check_filter(&self.log_level) {
             return Err(invalid("log_level", format!("{:?}", self.log_level), why));
@@ -872,6 +887,10 @@ mod tests {
         assert_eq!(
             err("socket_group = \"\""),
             "invalid config: socket_group = \"\": must name a group; leave the key out for root-only access"
+        );
+        assert_eq!(
+            err("socket_max_connections = 0"),
+            "invalid config: socket_max_connections = 0: must be in 1..=1024"
         );
         let e = err("log_format = \"xml\"");
         assert!(

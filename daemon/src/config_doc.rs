@@ -31,6 +31,11 @@ pub const KEYS: &[KeyDoc] = &[
         meaning: "A group allowed to use the control socket (mode 0660); unset, root only (mode 0600).",
     },
     KeyDoc {
+        key: "socket_max_connections",
+        ty: Type::Int,
+        meaning: "Control-socket connections served at once, 1 to 1024; more are closed at accept.",
+    },
+    KeyDoc {
         key: "on_shutdown",
         ty: Type::Choice,
         meaning: "What SIGTERM does with devices: `keep` flushes each device's arena session and leaves the device in the kernel (I/O waits) for the next ublkd to recover; `remove` deletes the devices and their definitions.",

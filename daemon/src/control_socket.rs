@@ -15,10 +15,6 @@ use crate::device::{DeviceError, Manager};
 use crate::features;
 use crate::reload::Reloaded;
 
-/// Operators' connections served at once: beyond it a connection is
-/// closed at accept (a script that leaks them cannot exhaust threads).
-pub const MAX_CONNECTIONS: usize = 64;
-
 /// What the control socket serves: the devices, and the daemon's reload
 /// (the same one SIGHUP runs), whose outcome a `reload` request answers.
 pub struct Control {
@@ -129,14 +125,15 @@ fn answer(control: &Control, line: Line<'_>) -> String {
 }
 
 /// Accepts connections forever, one thread each (a handful of operators,
-/// never a hot path).
-pub fn serve(listener: UnixListener, control: Arc<Control>) {
+/// never a hot path), at most `max_connections` at once: beyond it a
+/// connection is closed at accept.
+pub fn serve(listener: UnixListener, control: Arc<Control>, max_connections: usize) {
     local_socket::serve(
         listener,
         "ublkd-ctl",
         Limits {
             max_line: ctl::MAX_LINE,
-            max_connections: MAX_CONNECTIONS,
+            max_connections,
         },
         Arc::new(move |line| answer(&control, line)),
         |what, e| match what {
@@ -155,25 +152,34 @@ mod tests {
     use super::*;
     use crate::config::UblkdConfig;
 
-    #[test]
-    fn a_daemon_answers_over_its_socket_and_refuses_a_second_bind() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A control socket served from a fresh state directory, at most
+    /// `max_connections` connections at once.
+    fn serving(dir: &Path, max_connections: usize) -> std::path::PathBuf {
         let mut cfg = UblkdConfig::defaults();
-        cfg.state_dir = dir.path().join("state");
-        let sock = dir.path().join("run/ublkd.sock");
+        cfg.state_dir = dir.join("state");
+        cfg.socket_max_connections = max_connections;
+        let sock = dir.join("run/ublkd.sock");
         let listener = bind(&sock, None).unwrap();
-        let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
         let obs = crate::observability::Observability::new(
             ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
             &cfg.metrics,
             &cfg.tracing,
         );
+        let max = cfg.socket_max_connections;
         let control = Arc::new(Control {
             manager: Arc::new(Manager::new(cfg, obs).unwrap()),
             reload: Box::new(|| Ok(Reloaded::default())),
         });
-        std::thread::spawn(move || serve(listener, control));
+        std::thread::spawn(move || serve(listener, control, max));
+        sock
+    }
+
+    #[test]
+    fn a_daemon_answers_over_its_socket_and_refuses_a_second_bind() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = serving(dir.path(), 64);
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
         let r = ctl::call(&sock, Request::List, Duration::from_secs(5)).unwrap();
         assert_eq!(
             r,
@@ -212,5 +218,37 @@ mod tests {
                 .to_string(),
             "socket_group \"no-such-group-here\" does not exist"
         );
+    }
+
+    #[test]
+    fn connections_beyond_the_configured_limit_are_closed_at_accept() {
+        use std::io::{BufRead, BufReader, Write};
+        use std::os::unix::net::UnixStream;
+
+        let dir = tempfile::tempdir().unwrap();
+        let sock = serving(dir.path(), 1);
+        // One connection, answered, so it holds the only place.
+        let mut held = UnixStream::connect(&sock).unwrap();
+        writeln!(held, r#"{{"version":{},"op":"list"}}"#, ctl::VERSION).unwrap();
+        let mut answer = String::new();
+        BufReader::new(&held).read_line(&mut answer).unwrap();
+        assert!(answer.contains("\"ok\""), "{answer}");
+        let refused = ctl::call(&sock, Request::List, Duration::from_secs(5));
+        assert!(
+            refused.is_err(),
+            "a second connection was served: {refused:?}"
+        );
+        // The place frees when the first ends (its thread sees EOF).
+        drop(held);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match ctl::call(&sock, Request::List, Duration::from_secs(5)) {
+                Ok(r) => break assert!(matches!(r, Response::Ok { .. })),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("no place freed after the first connection ended: {e}"),
+            }
+        }
     }
 }

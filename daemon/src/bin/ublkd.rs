@@ -64,6 +64,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
     let log = init_logging(cfg.log_format, &filter).context("setting up logging")?;
     let socket = cfg.socket.clone();
     let group = cfg.socket_group.clone();
+    let socket_max_connections = cfg.socket_max_connections;
     // Signals first, so a SIGTERM during a long restore is not lost, and a
     // SIGHUP meanwhile waits for the loop below instead of killing us.
     let mut signals =
@@ -127,7 +128,7 @@ fn run(args: &Args) -> anyhow::Result<ExitCode> {
         });
         std::thread::Builder::new()
             .name("ublkd-accept".into())
-            .spawn(move || control_socket::serve(listener, control))
+            .spawn(move || control_socket::serve(listener, control, socket_max_connections))
             .context("starting the control socket thread")?;
     }
     obs.set_control_socket_up(true);
