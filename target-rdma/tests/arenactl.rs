@@ -92,6 +92,7 @@ fn an_operator_sees_volumes_and_sessions_and_ends_them() {
         block_on(a1.write(key, 0, &pattern(key, 1, BLOB))).unwrap();
     }
     block_on(b.write(1, 0, &pattern(1, 2, BLOB))).unwrap();
+    assert_eq!(block_on(b.raise_epoch(3)).unwrap(), 3);
     block_on(a1.flush()).unwrap();
 
     let all = json(&p, &["volumes"]);
@@ -110,6 +111,10 @@ fn an_operator_sees_volumes_and_sessions_and_ends_them() {
         "every blob is in RAM or on swap: {a}"
     );
     assert_eq!(volume(&all, "b")["blobs"], 1);
+    assert_eq!(
+        (a["epoch"].as_u64(), volume(&all, "b")["epoch"].as_u64()),
+        (Some(0), Some(3))
+    );
     // The same per volume in /metrics.
     let a_ = [("volume", "a")];
     assert_eq!(p.metric("arenad_volume_sessions", &a_), 2.0);

@@ -87,7 +87,7 @@ impl Admin {
             .into_iter()
             .map(|u| VolumeInfo {
                 sessions: sessions.iter().filter(|s| s.vol.name == u.name).count() as u64,
-                epoch: shared.fencing.epochs.volume(&u.name).current(),
+                epoch: shared.fencing.epochs.epoch_of(&u.name),
                 name: u.name,
                 served: u.served,
                 quota_bytes: u.quota_blobs * blob_bytes,
