@@ -165,8 +165,13 @@ impl Epochs {
         let known = self.volumes.lock().get(name).map(Arc::clone);
         match known {
             Some(v) => v.current(),
-            None => self.file.lock().map.get(name).copied().unwrap_or(0),
+            None => self.filed(name),
         }
+    }
+
+    /// `name`'s epoch as the file has it (0 for a volume never raised).
+    fn filed(&self, name: &str) -> u64 {
+        self.file.lock().map.get(name).copied().unwrap_or(0)
     }
 
     /// Volume `name`'s epoch: the one its sessions share, starting from
@@ -176,7 +181,7 @@ impl Epochs {
         if let Some(v) = volumes.get(name) {
             return Arc::clone(v);
         }
-        let epoch = self.file.lock().map.get(name).copied().unwrap_or(0);
+        let epoch = self.filed(name);
         let v = Arc::new(VolumeEpoch {
             name: name.to_owned(),
             fence: Mutex::new(Fence {
