@@ -157,7 +157,6 @@ mod tests {
     fn serving(dir: &Path, max_connections: usize) -> std::path::PathBuf {
         let mut cfg = UblkdConfig::defaults();
         cfg.state_dir = dir.join("state");
-        cfg.socket_max_connections = max_connections;
         let sock = dir.join("run/ublkd.sock");
         let listener = bind(&sock, None).unwrap();
         let obs = crate::observability::Observability::new(
@@ -165,12 +164,11 @@ mod tests {
             &cfg.metrics,
             &cfg.tracing,
         );
-        let max = cfg.socket_max_connections;
         let control = Arc::new(Control {
             manager: Arc::new(Manager::new(cfg, obs).unwrap()),
             reload: Box::new(|| Ok(Reloaded::default())),
         });
-        std::thread::spawn(move || serve(listener, control, max));
+        std::thread::spawn(move || serve(listener, control, max_connections));
         sock
     }
 
