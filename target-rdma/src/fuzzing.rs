@@ -139,7 +139,9 @@ fn check_response(h: &Header, body: &[u8]) {
         }
         Opcode::Alloc | Opcode::Get | Opcode::GetResident => {
             if let Ok(lease) = proto::decode_lease(h, body) {
-                let (h2, b2) = reencoded_body(|out| proto::encode_lease(out, h.opcode, id, lease));
+                let per_rail = body.len() == proto::LEASE_PER_RAIL_BODY;
+                let (h2, b2) =
+                    reencoded_body(|out| proto::encode_lease(out, h.opcode, id, lease, per_rail));
                 assert_eq!(proto::decode_lease(&h2, &b2).ok(), Some(lease));
             }
         }

@@ -61,6 +61,13 @@ pub const CAP_RDMA_LEASE_KEYS: u32 = 1 << 2;
 /// Capability bit: the server knows [`Opcode::GetResident`] (the client
 /// offers it to learn that).
 pub const CAP_COLD_GET: u32 = 1 << 3;
+/// Capability bit (with [`CAP_RDMA`]): RAIL_CONNECT names a rail index
+/// (one RDMA device of the server each), a session may have a QP on each
+/// rail, and every lease answer carries a key per rail (the 28-byte lease
+/// body). Granted to a client that offers it whenever RDMA is.
+pub const CAP_RAILS: u32 = 1 << 4;
+/// Rails a server serves and a session may connect, at most.
+pub const MAX_RAILS: usize = 2;
 
 /// Operation carried by a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -438,13 +445,16 @@ pub fn max_request_body(op: Opcode, max_inline: u32) -> Option<u32> {
         Opcode::Release => 4 + 8 * MAX_RELEASE_BATCH,
         Opcode::Flush => 0,
         Opcode::Write => 16 + max_inline.min(MAX_INLINE),
-        Opcode::RailConnect => ENDPOINT_LEN as u32,
+        Opcode::RailConnect => RAIL_CONNECT_BODY as u32,
         Opcode::Challenge | Opcode::Hello | Opcode::Revoke => return None,
     })
 }
 
 /// Bytes of an RDMA endpoint on the wire.
 pub const ENDPOINT_LEN: usize = 28;
+/// Bytes of a RAIL_CONNECT body that names its rail ([`CAP_RAILS`]): the
+/// endpoint, the rail index and three reserved zero bytes.
+pub const RAIL_CONNECT_BODY: usize = ENDPOINT_LEN + 4;
 /// Largest HELLO body (version 2, longest volume name): what a server reads
 /// before authentication, at most.
 pub const MAX_HELLO_BODY: u32 =
@@ -650,10 +660,22 @@ pub struct Lease {
     pub slot_offset: u64,
     /// Token that COMMIT and RELEASE name.
     pub token: u64,
-    /// The rkey of the memory region registered over exactly this slot in
-    /// the session's protection domain (`CAP_RDMA_LEASE_KEYS` sessions with
-    /// a rail); it dies with the lease.
-    pub rkey: Option<u32>,
+    /// Per rail, the rkey of the memory region registered over exactly
+    /// this slot in the session's protection domain on that rail
+    /// (`CAP_RDMA_LEASE_KEYS` sessions with the rail connected); each dies
+    /// with the lease. Without [`CAP_RAILS`] only rail 0 exists.
+    pub rkeys: [Option<u32>; MAX_RAILS],
+}
+
+impl Lease {
+    /// A lease without RDMA keys.
+    pub fn unkeyed(slot_offset: u64, token: u64) -> Self {
+        Self {
+            slot_offset,
+            token,
+            rkeys: [None; MAX_RAILS],
+        }
+    }
 }
 
 /// A request a client sends after the handshake. A WRITE borrows its
@@ -714,8 +736,14 @@ pub enum Request<'a> {
         /// Bytes wanted.
         len: u32,
     },
-    /// See [`Opcode::RailConnect`]: the client's QP endpoint.
-    RailConnect(Endpoint),
+    /// See [`Opcode::RailConnect`]: the client's QP endpoint, on a rail.
+    RailConnect {
+        /// The client's QP.
+        endpoint: Endpoint,
+        /// The rail ([`CAP_RAILS`] sessions; `None`: the 28-byte body of
+        /// other sessions, which is rail 0).
+        rail: Option<u8>,
+    },
     /// See [`Opcode::Epoch`]: the epoch the session moves to.
     Epoch {
         /// The writer's membership epoch.
@@ -736,7 +764,7 @@ impl Request<'_> {
             Self::Flush => Opcode::Flush,
             Self::Write { .. } => Opcode::Write,
             Self::Read { .. } => Opcode::Read,
-            Self::RailConnect(_) => Opcode::RailConnect,
+            Self::RailConnect { .. } => Opcode::RailConnect,
             Self::Epoch { .. } => Opcode::Epoch,
         }
     }
@@ -806,7 +834,12 @@ pub fn encode_request_head(out: &mut Vec<u8>, request_id: u64, req: &Request<'_>
                 put_u32(b, *offset);
                 put_u32(b, *len);
             }
-            Request::RailConnect(ep) => put_endpoint(b, ep),
+            Request::RailConnect { endpoint, rail } => {
+                put_endpoint(b, endpoint);
+                if let Some(r) = rail {
+                    b.extend_from_slice(&[*r, 0, 0, 0]);
+                }
+            }
         },
     );
     let body_len = (out.len() - HEADER_LEN + payload) as u32;
@@ -885,7 +918,28 @@ pub fn decode_request<'a>(h: &Header, body: &'a [u8]) -> Result<Request<'a>, Fra
             check_inline_len(len)?;
             Request::Read { key, offset, len }
         }
-        Opcode::RailConnect => Request::RailConnect(c.endpoint()?),
+        Opcode::RailConnect => {
+            let endpoint = c.endpoint()?;
+            let rail = if body.len() > ENDPOINT_LEN {
+                let [r, reserved @ ..] = c.array::<4>()?;
+                if reserved != [0; 3] {
+                    return Err(FrameError::Invalid {
+                        field: "rail_connect reserved bytes",
+                        detail: format!("{reserved:?} must be zero"),
+                    });
+                }
+                if usize::from(r) >= MAX_RAILS {
+                    return Err(FrameError::Invalid {
+                        field: "rail index",
+                        detail: format!("{r} is not below {MAX_RAILS}"),
+                    });
+                }
+                Some(r)
+            } else {
+                None
+            };
+            Request::RailConnect { endpoint, rail }
+        }
         Opcode::Epoch => Request::Epoch {
             epoch: check_epoch(c.u64()?)?,
         },
@@ -1216,33 +1270,74 @@ pub fn decode_error(body: &[u8]) -> String {
     String::from_utf8_lossy(&body[..end]).into_owned()
 }
 
-/// Encodes a successful response with a lease body (ALLOC, GET).
-pub fn encode_lease(out: &mut Vec<u8>, opcode: Opcode, request_id: u64, lease: Lease) {
+/// Encodes a successful response with a lease body (ALLOC, GET,
+/// GET_RESIDENT): in a [`CAP_RAILS`] session (`per_rail`) the 28-byte body
+/// with a key per rail, otherwise 16 bytes, or 20 with rail 0's key.
+pub fn encode_lease(
+    out: &mut Vec<u8>,
+    opcode: Opcode,
+    request_id: u64,
+    lease: Lease,
+    per_rail: bool,
+) {
     encode_frame(out, opcode, FLAG_RESPONSE, request_id, Status::Ok, |b| {
         put_u64(b, lease.slot_offset);
         put_u64(b, lease.token);
-        if let Some(rkey) = lease.rkey {
+        if per_rail {
+            let mask = lease
+                .rkeys
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| k.is_some())
+                .fold(0u8, |m, (i, _)| m | 1 << i);
+            b.extend_from_slice(&[mask, 0, 0, 0]);
+            for k in lease.rkeys {
+                put_u32(b, k.unwrap_or(0));
+            }
+        } else if let Some(rkey) = lease.rkeys[0] {
             put_u32(b, rkey);
         }
     });
 }
 
-/// Decodes a lease body: 16 bytes, or 20 with a per-lease rkey.
+/// Bytes of a lease body with a key per rail ([`CAP_RAILS`]).
+pub const LEASE_PER_RAIL_BODY: usize = 16 + 4 + 4 * MAX_RAILS;
+
+/// Decodes a lease body: 16 bytes, 20 with rail 0's key, or
+/// [`LEASE_PER_RAIL_BODY`] with a key per rail (a mask byte saying which
+/// rails have one, three reserved zero bytes, then each rail's key, 0 for
+/// none).
 pub fn decode_lease(h: &Header, body: &[u8]) -> Result<Lease, FrameError> {
     let mut c = Cursor::new(h.opcode, body);
-    let slot_offset = c.u64()?;
-    let token = c.u64()?;
-    let rkey = if body.len() > 16 {
-        Some(c.u32()?)
-    } else {
-        None
-    };
+    let mut lease = Lease::unkeyed(c.u64()?, c.u64()?);
+    if body.len() == LEASE_PER_RAIL_BODY {
+        let [mask, reserved @ ..] = c.array::<4>()?;
+        if reserved != [0; 3] || mask >> MAX_RAILS != 0 {
+            return Err(FrameError::Invalid {
+                field: "lease key mask",
+                detail: format!(
+                    "mask {mask:#x} names rails past {MAX_RAILS} or reserved bytes {reserved:?} are not zero"
+                ),
+            });
+        }
+        for (i, slot) in lease.rkeys.iter_mut().enumerate() {
+            let k = c.u32()?;
+            match (mask >> i & 1 == 1, k) {
+                (true, k) => *slot = Some(k),
+                (false, 0) => {}
+                (false, k) => {
+                    return Err(FrameError::Invalid {
+                        field: "lease key",
+                        detail: format!("rail {i} has key {k:#x} but the mask names none"),
+                    })
+                }
+            }
+        }
+    } else if body.len() > 16 {
+        lease.rkeys[0] = Some(c.u32()?);
+    }
     c.finish()?;
-    Ok(Lease {
-        slot_offset,
-        token,
-        rkey,
-    })
+    Ok(lease)
 }
 
 /// Encodes a successful response with a single `u64` (REMOVE: blobs removed).
@@ -1359,7 +1454,14 @@ mod tests {
             offset: 0,
             len: 4096,
         });
-        roundtrip(Request::RailConnect(test_endpoint()));
+        roundtrip(Request::RailConnect {
+            endpoint: test_endpoint(),
+            rail: None,
+        });
+        roundtrip(Request::RailConnect {
+            endpoint: test_endpoint(),
+            rail: Some(1),
+        });
     }
 
     fn test_endpoint() -> Endpoint {
@@ -1389,8 +1491,39 @@ mod tests {
         );
         assert_eq!(b.len(), 48);
 
+        // A rail index makes the body 32 bytes; an index past the last
+        // rail, or reserved bytes set, are refused.
+        let mut railed = Vec::new();
+        encode_request(
+            &mut railed,
+            1,
+            &Request::RailConnect {
+                endpoint: test_endpoint(),
+                rail: Some(1),
+            },
+        );
+        assert_eq!(railed.len(), HEADER_LEN + RAIL_CONNECT_BODY);
+        for (at, val, field) in [
+            (HEADER_LEN + 28, MAX_RAILS as u8, "rail index"),
+            (HEADER_LEN + 30, 1, "rail_connect reserved bytes"),
+        ] {
+            let mut bad = railed.clone();
+            bad[at] = val;
+            assert!(
+                matches!(frame_error(&bad), FrameError::Invalid { field: f, .. } if f == field),
+                "{field}"
+            );
+        }
+
         let mut req = Vec::new();
-        encode_request(&mut req, 1, &Request::RailConnect(test_endpoint()));
+        encode_request(
+            &mut req,
+            1,
+            &Request::RailConnect {
+                endpoint: test_endpoint(),
+                rail: None,
+            },
+        );
         assert_eq!(req.len(), HEADER_LEN + 28);
         for (at, val, field) in [
             (HEADER_LEN + 3, 0x01, "endpoint"), // qpn above 24 bits
@@ -1476,25 +1609,46 @@ mod tests {
     #[test]
     fn responses_round_trip() {
         let mut buf = Vec::new();
-        let lease = Lease {
-            slot_offset: 1 << 30,
-            token: 77,
-            rkey: None,
-        };
-        encode_lease(&mut buf, Opcode::Get, 9, lease);
+        let lease = Lease::unkeyed(1 << 30, 77);
+        encode_lease(&mut buf, Opcode::Get, 9, lease, false);
         let (h, b) = decode_one(&buf);
         assert!(h.is_response());
         assert_eq!((h.request_id, decode_lease(&h, &b).unwrap()), (9, lease));
         // A keyed lease carries its rkey (20 bytes); other lengths are refused.
         let keyed = Lease {
-            rkey: Some(0xabcd_ef01),
+            rkeys: [Some(0xabcd_ef01), None],
             ..lease
         };
-        encode_lease(&mut buf, Opcode::Alloc, 8, keyed);
+        encode_lease(&mut buf, Opcode::Alloc, 8, keyed, false);
         let (h, b) = decode_one(&buf);
         assert_eq!((b.len(), decode_lease(&h, &b).unwrap()), (20, keyed));
         assert!(decode_lease(&h, &b[..18]).is_err());
         assert!(decode_lease(&h, &[b.as_slice(), &[0]].concat()).is_err());
+        // Per rail: 28 bytes whatever is keyed, a key 0 on a rail the mask
+        // names is a key, a key on a rail it does not name is refused.
+        for rkeys in [[None, None], [None, Some(0)], [Some(5), Some(6)]] {
+            let l = Lease { rkeys, ..lease };
+            encode_lease(&mut buf, Opcode::Get, 7, l, true);
+            let (h, b) = decode_one(&buf);
+            assert_eq!((b.len(), decode_lease(&h, &b).unwrap()), (28, l));
+        }
+        let l = Lease {
+            rkeys: [None, Some(6)],
+            ..lease
+        };
+        encode_lease(&mut buf, Opcode::Get, 7, l, true);
+        let (h, mut b) = decode_one(&buf);
+        b[20..24].copy_from_slice(&9u32.to_le_bytes());
+        assert!(
+            decode_lease(&h, &b).is_err(),
+            "a key the mask does not name"
+        );
+        b[20..24].fill(0);
+        b[16] = 0b110;
+        assert!(decode_lease(&h, &b).is_err(), "a rail past the last");
+        b[16] = 0b010;
+        b[17] = 1;
+        assert!(decode_lease(&h, &b).is_err(), "a reserved byte set");
 
         encode_count(&mut buf, Opcode::Remove, 10, 12);
         let (h, b) = decode_one(&buf);

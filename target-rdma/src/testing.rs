@@ -10,10 +10,12 @@ pub mod conformance;
 mod echo;
 pub mod log_lines;
 mod raw;
+mod raw_rail;
 mod uring;
 
 pub use echo::EchoPeer;
 pub use raw::{RawSession, Refusal};
+pub use raw_rail::RawRail;
 pub use uring::UringLoop;
 
 use std::net::{SocketAddr, TcpListener};
@@ -28,7 +30,7 @@ use ublk_metrics::{Daemon, Telemetry};
 
 use crate::arenad::epochs::Epochs;
 use crate::arenad::observability::ArenadObservability;
-use crate::arenad::server::{ServedVolume, Server, ServerLimits, ServerRdma};
+use crate::arenad::server::{ServedRails, ServedVolume, Server, ServerLimits, ServerRdma};
 use crate::auth::Secret;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::client::{ArenaClient, ClientConfig, FlushDomain, RdmaTransport, RdmaTransportConfig};
@@ -71,8 +73,9 @@ pub struct PeerOpts {
     pub quota_blobs: u64,
     /// Pipeline depth announced to clients.
     pub max_inflight: u32,
-    /// Register the arena on this device and grant RDMA to clients.
-    pub rdma: Option<Arc<dyn RdmaProvider>>,
+    /// Register the arena on these devices, one rail each, and grant RDMA
+    /// to clients (none: TCP only).
+    pub rdma: Vec<Arc<dyn RdmaProvider>>,
     /// What the RDMA keys handed to sessions reach.
     pub rdma_isolation: Isolation,
     /// Volumes served, as (name, secret); by default "a" and "b".
@@ -93,7 +96,7 @@ impl Default for PeerOpts {
             swap_bytes: 64 << 20,
             quota_blobs: 1 << 20,
             max_inflight: 64,
-            rdma: None,
+            rdma: Vec::new(),
             rdma_isolation: Isolation::default(),
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
             allow_v1: false,
@@ -178,10 +181,13 @@ impl Peer {
                 quota_blobs: self.opts.quota_blobs,
             })
             .collect();
-        let rdma = self.opts.rdma.clone().map(|p| {
-            ServerRdma::register(p, &self.store, 64, self.opts.rdma_isolation)
-                .expect("register the arena for RDMA")
+        let rails = self.opts.rdma.iter().map(|p| {
+            Some(
+                ServerRdma::register(Arc::clone(p), &self.store, 64, self.opts.rdma_isolation)
+                    .expect("register the arena for RDMA"),
+            )
         });
+        let rdma = ServedRails::new(rails.collect()).expect("at most two rails");
         let epochs = Epochs::open(&self.dir).expect("load the volumes' epochs");
         epochs.prepare().expect("allocate the volumes' epochs file");
         let server = Server::new(

@@ -161,7 +161,20 @@ fn frame_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 len: 4096,
             },
         ),
-        ("rail-connect", Request::RailConnect(ep)),
+        (
+            "rail-connect",
+            Request::RailConnect {
+                endpoint: ep,
+                rail: None,
+            },
+        ),
+        (
+            "rail-connect-rail",
+            Request::RailConnect {
+                endpoint: ep,
+                rail: Some(1),
+            },
+        ),
         ("epoch", Request::Epoch { epoch: 12 }),
     ];
     let mut seeds: Vec<(&str, Vec<u8>)> = requests
@@ -184,10 +197,10 @@ fn frame_seeds() -> Vec<(&'static str, Vec<u8>)> {
         epoch: 3,
         mac: [8; MAC_LEN],
     };
-    let lease = |rkey| Lease {
+    let lease = |rkeys| Lease {
         slot_offset: 1 << 20,
         token: 77,
-        rkey,
+        rkeys,
     };
     let accept = RailAccept {
         endpoint: ep,
@@ -202,11 +215,15 @@ fn frame_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("rail-accept", frame(|o| accept.encode(o, 41))),
         (
             "lease",
-            frame(|o| proto::encode_lease(o, Opcode::Alloc, 41, lease(None))),
+            frame(|o| proto::encode_lease(o, Opcode::Alloc, 41, lease([None, None]), false)),
         ),
         (
             "lease-rkey",
-            frame(|o| proto::encode_lease(o, Opcode::Get, 41, lease(Some(5)))),
+            frame(|o| proto::encode_lease(o, Opcode::Get, 41, lease([Some(5), None]), false)),
+        ),
+        (
+            "lease-rail-keys",
+            frame(|o| proto::encode_lease(o, Opcode::Get, 41, lease([None, Some(6)]), true)),
         ),
         (
             "count",

@@ -47,7 +47,7 @@ fn peer_with_cold_blobs(promote_cold_after: u32) -> (Peer, RdmaTransport, tempfi
         PeerOpts {
             arena_bytes: SLOTS * u64::from(BLOB),
             blob_bytes: BLOB,
-            rdma: Some(p.clone()),
+            rdma: vec![p.clone()],
             promote_cold_after,
             ..PeerOpts::default()
         },

@@ -54,7 +54,7 @@ fn driven_with(busy_poll: Duration, delay: Duration) -> Setup {
         PeerOpts {
             arena_bytes: 4 << 20,
             blob_bytes: BLOB,
-            rdma: Some(provider.clone() as Arc<dyn RdmaProvider>),
+            rdma: vec![provider.clone() as Arc<dyn RdmaProvider>],
             ..PeerOpts::default()
         },
     );

@@ -15,9 +15,7 @@ use target_rdma::proto::{
     VERSION_2,
 };
 use target_rdma::rdma::loopback::LoopbackProvider;
-use target_rdma::rdma::{
-    wc_status, Access, Isolation, MemoryRegion, QueuePair, RdmaOp, RdmaProvider, WorkRequest,
-};
+use target_rdma::rdma::{wc_status, Access, Isolation, RdmaOp, RdmaProvider};
 use target_rdma::store::LeaseLimits;
 use target_rdma::testing::*;
 use ublk_metrics::driver::names;
@@ -91,7 +89,7 @@ fn setup(
         PeerOpts {
             arena_bytes: 4 << 20,
             blob_bytes: BLOB,
-            rdma: server,
+            rdma: server.into_iter().collect(),
             ..PeerOpts::default()
         },
     );
@@ -327,7 +325,7 @@ fn after_a_peer_restart_payloads_go_by_rdma_again() {
     let opts = || PeerOpts {
         arena_bytes: 4 << 20,
         blob_bytes: BLOB,
-        rdma: Some(p.clone()),
+        rdma: vec![p.clone()],
         ..PeerOpts::default()
     };
     let peer = Peer::start(dir.path(), opts());
@@ -404,7 +402,7 @@ fn small_peer(slots: u64) -> (Arc<LoopbackProvider>, Peer, tempfile::TempDir) {
         PeerOpts {
             arena_bytes: slots * u64::from(BLOB),
             blob_bytes: BLOB,
-            rdma: Some(p.clone()),
+            rdma: vec![p.clone()],
             ..PeerOpts::default()
         },
     );
@@ -655,76 +653,6 @@ fn writes_on_one_queue_survive_removes_and_flushes_on_another() {
     assert_eq!(peer.protocol_errors(), 0);
 }
 
-/// A session's own rail, set up by hand as a hostile client would: its QP,
-/// the server's RAIL_CONNECT answer and a registered local buffer. Bringing
-/// one up replaces the session's previous rail at the server (and, isolated
-/// per lease, deregisters every key the session had).
-struct RawRail {
-    qp: Box<dyn QueuePair>,
-    accept: RailAccept,
-    mr: MemoryRegion,
-    buf: Vec<u8>,
-}
-
-impl RawRail {
-    fn up(p: &Arc<dyn RdmaProvider>, c: &ArenaClient) -> RawRail {
-        let qp = p.domain().create_qp(16).unwrap();
-        let accept = block_on(c.rail_connect(qp.endpoint())).unwrap();
-        qp.connect(&accept.endpoint).unwrap();
-        let mut buf = vec![0u8; BLOB as usize];
-        // SAFETY: `buf` lives as long as the region (declared after it, so
-        // dropped later; its heap block never moves) and is only touched by
-        // the device while a request this test waits for is in flight.
-        let mr = unsafe {
-            p.domain()
-                .register(buf.as_mut_ptr(), buf.len(), Access::Local)
-        }
-        .unwrap();
-        RawRail {
-            qp,
-            accept,
-            mr,
-            buf,
-        }
-    }
-
-    /// One signaled READ or WRITE of `len` bytes at arena offset `offset`
-    /// with `rkey`; returns its completion status. A completion must come
-    /// within 20 s (a refused key is NAKed at once; a responder that drops
-    /// requests makes the requester's retries run out well before).
-    fn one_sided(&self, op: RdmaOp, offset: u64, rkey: u32, len: u32) -> u32 {
-        self.qp
-            .post(&WorkRequest {
-                wr_id: 7,
-                op,
-                local_addr: self.mr.addr as u64,
-                lkey: self.mr.lkey,
-                len,
-                remote_addr: self.accept.arena_base + offset,
-                rkey,
-            })
-            .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            let mut done = Vec::new();
-            self.qp.poll(&mut done).unwrap();
-            if let Some(c) = done.iter().find(|c| c.wr_id == 7) {
-                return c.status;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no completion within 20 s"
-            );
-            self.qp.wait(std::time::Duration::from_millis(100)).unwrap();
-        }
-    }
-
-    /// The local buffer (what a READ brought, or what a WRITE sends).
-    fn local(&mut self) -> &mut [u8] {
-        &mut self.buf
-    }
-}
-
 /// The completion status of an access the peer refused (`IBV_WC_REM_ACCESS_ERR`):
 /// a NAK, not a timeout.
 fn refused(status: u32) -> bool {
@@ -742,7 +670,7 @@ fn peer_with(
         PeerOpts {
             arena_bytes: slots * u64::from(BLOB),
             blob_bytes: BLOB,
-            rdma: Some(p),
+            rdma: vec![p],
             rdma_isolation: isolation,
             ..PeerOpts::default()
         },
@@ -781,7 +709,7 @@ fn victim_intact(victim: &ArenaClient) {
 /// An ALLOC lease of `key`, with its key (isolated per lease, on a rail).
 fn keyed_alloc(c: &ArenaClient, key: u64) -> (Lease, u32) {
     let l = block_on(c.alloc(key)).unwrap();
-    let k = l.rkey.expect("an ALLOC answer on a rail carries its key");
+    let k = l.rkeys[0].expect("an ALLOC answer on a rail carries its key");
     (l, k)
 }
 
@@ -803,7 +731,7 @@ fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
     let len = 4096;
 
     // Its own slot, with its own key: the path works, both ways.
-    let mut rail = RawRail::up(&p, &attacker);
+    let mut rail = RawRail::up(&p, &attacker, 0, BLOB);
     assert_eq!(rail.accept.rkey, 0, "no key to the whole arena");
     let (own, key) = keyed_alloc(&attacker, 1);
     assert_ne!(own.slot_offset, theirs);
@@ -832,7 +760,7 @@ fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
 
     // A remote access error fails the QPs: each case on a fresh rail (and
     // a fresh lease: the new rail's domain has none of the old keys).
-    let rail = RawRail::up(&p, &attacker);
+    let rail = RawRail::up(&p, &attacker, 0, BLOB);
     let (_, key) = keyed_alloc(&attacker, 2);
     let s = rail.one_sided(RdmaOp::Write, theirs, key, len);
     assert!(
@@ -841,7 +769,7 @@ fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
     );
     victim_intact(&victim);
     // Past the end of its own slot (into the next one) with its own key.
-    let rail = RawRail::up(&p, &attacker);
+    let rail = RawRail::up(&p, &attacker, 0, BLOB);
     let (own, key) = keyed_alloc(&attacker, 3);
     let s = rail.one_sided(
         RdmaOp::Read,
@@ -851,17 +779,17 @@ fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
     );
     assert!(refused(s), "READ across its slot's end completed with {s}");
     // With the key RAIL_CONNECT named.
-    let rail = RawRail::up(&p, &attacker);
+    let rail = RawRail::up(&p, &attacker, 0, BLOB);
     let s = rail.one_sided(RdmaOp::Write, theirs, rail.accept.rkey, len);
     assert!(refused(s), "WRITE with the rail's key completed with {s}");
     victim_intact(&victim);
 
     // b's own live key to its slot, guessed or stolen, over a's rail:
     // refused (b's domain is not a's), while it works over b's own rail.
-    let mut b_rail = RawRail::up(&p, &victim);
+    let mut b_rail = RawRail::up(&p, &victim, 0, BLOB);
     let (b_lease, b_key) = keyed_alloc(&victim, 7);
     assert_eq!(b_lease.slot_offset, theirs);
-    let rail = RawRail::up(&p, &attacker);
+    let rail = RawRail::up(&p, &attacker, 0, BLOB);
     let s = rail.one_sided(RdmaOp::Write, theirs, b_key, len);
     assert!(
         refused(s),
@@ -879,14 +807,14 @@ fn a_session_key_reaches_only_its_leased_slots(p: Arc<dyn RdmaProvider>) {
     victim_intact(&victim);
 
     // A GET lease's key reads, and does not write.
-    let mut rail = RawRail::up(&p, &attacker);
+    let mut rail = RawRail::up(&p, &attacker, 0, BLOB);
     assert!(
         block_on(attacker.get(7)).unwrap().is_none(),
         "volume a has no key 7"
     );
     block_on(attacker.write(5, 0, &[5; 4096])).unwrap();
     let ro = block_on(attacker.get(5)).unwrap().unwrap();
-    let ro_key = ro.rkey.expect("a GET answer on a rail carries its key");
+    let ro_key = ro.rkeys[0].expect("a GET answer on a rail carries its key");
     assert_eq!(
         rail.one_sided(RdmaOp::Read, ro.slot_offset, ro_key, len),
         wc_status::SUCCESS
@@ -926,7 +854,7 @@ fn keys_die_with_their_leases(p: Arc<dyn RdmaProvider>) {
     };
 
     // COMMIT.
-    let mut rail = RawRail::up(&p, &c);
+    let mut rail = RawRail::up(&p, &c, 0, BLOB);
     let (l, k) = keyed_alloc(&c, 3);
     rail.local().fill(3);
     assert_eq!(
@@ -940,9 +868,9 @@ fn keys_die_with_their_leases(p: Arc<dyn RdmaProvider>) {
     assert_eq!(read_back(3), vec![3; 4096], "the committed bytes stay");
 
     // RELEASE (of a GET lease).
-    let mut rail = RawRail::up(&p, &c);
+    let mut rail = RawRail::up(&p, &c, 0, BLOB);
     let ro = block_on(c.get(3)).unwrap().unwrap();
-    let k = ro.rkey.unwrap();
+    let k = ro.rkeys[0].unwrap();
     assert_eq!(
         rail.one_sided(RdmaOp::Read, ro.slot_offset, k, len),
         wc_status::SUCCESS
@@ -953,7 +881,7 @@ fn keys_die_with_their_leases(p: Arc<dyn RdmaProvider>) {
     assert!(refused(s), "READ after RELEASE completed with {s}");
 
     // A REMOVE makes the lease's COMMIT lost, and its key dies with it.
-    let rail = RawRail::up(&p, &c);
+    let rail = RawRail::up(&p, &c, 0, BLOB);
     let (l, k) = keyed_alloc(&c, 4);
     block_on(c.remove(4, 5)).unwrap();
     let e = block_on(c.commit(4, l.token)).unwrap_err();
@@ -962,9 +890,9 @@ fn keys_die_with_their_leases(p: Arc<dyn RdmaProvider>) {
     assert!(refused(s), "READ after a lost COMMIT completed with {s}");
 
     // A new rail: the keys of the old one are dead over it.
-    let _old = RawRail::up(&p, &c);
+    let _old = RawRail::up(&p, &c, 0, BLOB);
     let (l, k) = keyed_alloc(&c, 6);
-    let mut rail = RawRail::up(&p, &c);
+    let mut rail = RawRail::up(&p, &c, 0, BLOB);
     rail.local().fill(6);
     let s = rail.one_sided(RdmaOp::Write, l.slot_offset, k, len);
     assert!(
@@ -1000,7 +928,7 @@ fn a_force_ended_lease_key_no_longer_reaches_the_slot(p: Arc<dyn RdmaProvider>) 
         ..LeaseLimits::default()
     });
     let hoarder = rdma_client(&peer, "a", SECRET_A);
-    let mut rail = RawRail::up(&p, &hoarder);
+    let mut rail = RawRail::up(&p, &hoarder, 0, BLOB);
     let (l1, k1) = keyed_alloc(&hoarder, 1);
     let (l2, k2) = keyed_alloc(&hoarder, 2);
     // Volume b needs a slot: a's leases past its share are revoked, ignored,
@@ -1063,7 +991,7 @@ fn a_revoked_lease_key_dies_at_its_deadline(p: Arc<dyn RdmaProvider>) {
         ..LeaseLimits::default()
     });
     let holder = rdma_client(&peer, "a", SECRET_A);
-    let mut rail = RawRail::up(&p, &holder);
+    let mut rail = RawRail::up(&p, &holder, 0, BLOB);
     let (l1, k1) = keyed_alloc(&holder, 1);
     rail.local().fill(1);
     assert_eq!(
@@ -1140,9 +1068,9 @@ fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
     let (peer, _dir) = isolated_peer(p.clone(), 16);
     let len = 4096;
     let (q0, q1, q2) = (writer(&peer, 1), writer(&peer, 1), writer(&peer, 1));
-    let mut rail0 = RawRail::up(&p, &q0);
-    let mut rail1 = RawRail::up(&p, &q1);
-    let rail2 = RawRail::up(&p, &q2);
+    let mut rail0 = RawRail::up(&p, &q0, 0, BLOB);
+    let mut rail1 = RawRail::up(&p, &q1, 0, BLOB);
+    let rail2 = RawRail::up(&p, &q2, 0, BLOB);
     let (l0, k0) = keyed_alloc(&q0, 3);
     let (l1, k1) = keyed_alloc(&q1, 3);
     assert_eq!(l0.slot_offset, l1.slot_offset, "one slot per key");
@@ -1155,7 +1083,7 @@ fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
     );
     block_on(q0.write(4, 0, &[4; 4096])).unwrap();
     let ro = block_on(q2.get(4)).unwrap().unwrap();
-    let ro_key = ro.rkey.unwrap();
+    let ro_key = ro.rkeys[0].unwrap();
 
     // The new writer connects at the volume's epoch and raises it.
     let new = writer(&peer, 1);
@@ -1177,7 +1105,7 @@ fn a_raise_kills_the_fenced_writers_rdma_keys(p: Arc<dyn RdmaProvider>) {
     assert!(refused(s), "a fenced writer's GET key still read: {s}");
 
     // The new writer takes the same slot, writes, commits, flushes.
-    let mut rail = RawRail::up(&p, &new);
+    let mut rail = RawRail::up(&p, &new, 0, BLOB);
     let (nl, nk) = keyed_alloc(&new, 3);
     assert_eq!(nl.slot_offset, slot, "the same slot");
     rail.local().fill(2);
@@ -1230,7 +1158,7 @@ fn loopback_a_raise_by_hello_kills_the_fenced_writers_rdma_keys() {
     let p: Arc<dyn RdmaProvider> = LoopbackProvider::new();
     let (peer, _dir) = isolated_peer(p.clone(), 16);
     let old = writer(&peer, 1);
-    let mut rail = RawRail::up(&p, &old);
+    let mut rail = RawRail::up(&p, &old, 0, BLOB);
     let (l, k) = keyed_alloc(&old, 3);
     let new = writer(&peer, 2);
     assert_eq!(new.welcome().unwrap().epoch, 2);
@@ -1268,7 +1196,14 @@ fn an_old_client_is_refused_a_rail_when_keys_are_per_lease() {
         assert_eq!(s.welcome.caps, CAP_TCP_DATA | CAP_RDMA);
         let qp = p.domain().create_qp(4).unwrap();
         let mut f = Vec::new();
-        proto::encode_request(&mut f, 1, &Request::RailConnect(qp.endpoint()));
+        proto::encode_request(
+            &mut f,
+            1,
+            &Request::RailConnect {
+                endpoint: qp.endpoint(),
+                rail: None,
+            },
+        );
         s.send(&f).unwrap();
         let (h, body) = s.recv().expect("an answer");
         assert_eq!(h.opcode, Opcode::RailConnect);
@@ -1299,14 +1234,14 @@ fn a_closed_session_leaves_no_key_and_no_domain() {
     let (peer, _dir) = isolated_peer(dynp.clone(), 16);
     let (regions, domains) = (p.live_regions(), p.live_domains());
     let c = rdma_client(&peer, "a", SECRET_A);
-    let rail = RawRail::up(&dynp, &c);
+    let rail = RawRail::up(&dynp, &c, 0, BLOB);
     for k in 0..4 {
         keyed_alloc(&c, k);
     }
     // The rail's local buffer, the four keys; the session's domain.
     assert_eq!(p.live_regions(), regions + 5);
     assert_eq!(p.live_domains(), domains + 1);
-    let again = RawRail::up(&dynp, &c);
+    let again = RawRail::up(&dynp, &c, 0, BLOB);
     assert_eq!(p.live_regions(), regions + 2, "two local buffers, no key");
     assert_eq!(p.live_domains(), domains + 1, "the old domain is freed");
     keyed_alloc(&c, 9);
@@ -1368,10 +1303,10 @@ fn the_shared_region_is_an_explicit_choice_and_still_serves(p: Arc<dyn RdmaProvi
     let theirs = victim_blob(&victim);
     let raw = rdma_client(&peer, "a", SECRET_A);
     assert_eq!(raw.welcome().unwrap().caps & CAP_RDMA_LEASE_KEYS, 0);
-    let mut rail = RawRail::up(&p, &raw);
+    let mut rail = RawRail::up(&p, &raw, 0, BLOB);
     assert_ne!(rail.accept.rkey, 0);
     let l = block_on(raw.alloc(1)).unwrap();
-    assert_eq!(l.rkey, None);
+    assert_eq!(l.rkeys[0], None);
     block_on(raw.commit(1, l.token)).unwrap();
     assert_eq!(
         rail.one_sided(RdmaOp::Read, theirs, rail.accept.rkey, BLOB),
@@ -1459,7 +1394,7 @@ fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
                 PeerOpts {
                     arena_bytes: slots as u64 * u64::from(blob),
                     blob_bytes: blob,
-                    rdma: Some(p.clone()),
+                    rdma: vec![p.clone()],
                     rdma_isolation: isolation,
                     ..PeerOpts::default()
                 },
@@ -1468,7 +1403,7 @@ fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
             cc.offer_rdma = true;
             cc.blob_bytes = blob;
             let c = ArenaClient::connect(cc).unwrap();
-            let rail = with_rail.then(|| RawRail::up(&p, &c));
+            let rail = with_rail.then(|| RawRail::up(&p, &c, 0, BLOB));
             let keyed = isolation == Isolation::Lease && with_rail;
             (keyed, c, rail, peer, dir)
         })
@@ -1486,7 +1421,7 @@ fn isolation_cost(p: Arc<dyn RdmaProvider>, n: u32) {
                 for j in 0..n {
                     let key = u64::from(j) % slots as u64;
                     let l = block_on(c.alloc(key)).unwrap();
-                    assert_eq!(l.rkey.is_some(), *keyed);
+                    assert_eq!(l.rkeys[0].is_some(), *keyed);
                     block_on(c.commit(key, l.token)).unwrap();
                 }
                 round[i] = t.elapsed() / n;

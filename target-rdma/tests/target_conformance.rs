@@ -74,7 +74,7 @@ fn arena_rdma_loopback() -> Fixture<ArenaTarget<RdmaTransport>> {
     let peer = Peer::start(
         dir.path(),
         PeerOpts {
-            rdma: Some(provider.clone()),
+            rdma: vec![provider.clone()],
             ..peer_opts()
         },
     );

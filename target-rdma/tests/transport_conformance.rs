@@ -128,7 +128,7 @@ fn rdma_over(provider: Arc<dyn RdmaProvider>, driven: bool) -> Fixture<RdmaTrans
     let peer = Peer::start(
         dir.path(),
         PeerOpts {
-            rdma: Some(Arc::clone(&provider)),
+            rdma: vec![Arc::clone(&provider)],
             ..peer_opts()
         },
     );

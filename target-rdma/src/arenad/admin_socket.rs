@@ -188,7 +188,7 @@ impl PeerFilter {
 }
 
 fn info(s: &Session, leases: u64) -> SessionInfo {
-    let rails = u32::from(s.rail.is_connected());
+    let rails = s.rails.connected();
     SessionInfo {
         id: s.id,
         peer: s.peer.to_string(),

@@ -57,51 +57,54 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
             Err(e) => f.problem(format!("volume {:?}: {e}", v.name)),
         }
     }
-    match (cfg.rdma, open_provider(cfg.rdma, &cfg.rdma_selector())) {
-        (_, Ok(Ok(p))) => {
-            f.ok(format!("RDMA device {} usable", p.device_name()));
-            // Registering memory pins it: the whole arena at start when
-            // shared, the leased slots as they are leased otherwise.
-            match (cfg.rdma_isolation, lockable(cfg.arena_bytes)) {
-                (_, None) => f.ok(format!(
-                    "the arena ({}) can be locked for RDMA registration",
-                    ApproxSize(cfg.arena_bytes)
-                )),
-                (Isolation::Shared, Some(why)) => f.problem(format!(
-                    "registering the {} arena for RDMA pins it, and {why}",
-                    ApproxSize(cfg.arena_bytes)
-                )),
-                (Isolation::Lease, Some(why)) => f.warn(format!(
-                    "each RDMA lease pins its slot (up to the {} arena), and {why}: \
-                     leases past the limit get no RDMA key and move their payload by TCP",
-                    ApproxSize(cfg.arena_bytes)
-                )),
-            }
-            match (cfg.rdma_isolation, p.limits(), p.new_domain()) {
-                (Isolation::Lease, Ok(l), Ok(_)) => f.ok(format!(
-                    "rdma_isolation = \"lease\": a protection domain per RDMA session and a \
-                     memory region per lease (device max_pd {}, max_mr {}): an RDMA key reaches \
-                     only the slot its session leases",
-                    l.max_pd, l.max_mr
-                )),
-                (Isolation::Lease, Err(e), _) | (Isolation::Lease, _, Err(e)) => {
-                    f.problem(format!(
-                        "rdma_isolation = \"lease\": {e} (rdma_isolation = \"shared\" would \
-                         trust every RDMA client with every volume)"
-                    ))
+    let selectors = cfg.rdma_selectors();
+    let mut pinning_checked = false;
+    for (i, sel) in selectors.iter().enumerate() {
+        let rail = if selectors.len() > 1 {
+            format!("rail {i}: ")
+        } else {
+            String::new()
+        };
+        match (cfg.rdma, open_provider(cfg.rdma, sel)) {
+            (_, Ok(Ok(p))) => {
+                f.ok(format!("{rail}RDMA device {} usable", p.device_name()));
+                if !std::mem::replace(&mut pinning_checked, true) {
+                    pinning(&mut f, cfg);
                 }
-                (Isolation::Shared, _, _) => f.warn(
-                    "rdma_isolation = \"shared\": one key to the whole arena for every RDMA \
-                     session: any authenticated RDMA client can read and write every volume's \
-                     slots (see OPERATIONS.md, RDMA isolation)",
-                ),
+                match (cfg.rdma_isolation, p.limits(), p.new_domain()) {
+                    (Isolation::Lease, Ok(l), Ok(_)) => f.ok(format!(
+                        "{rail}rdma_isolation = \"lease\": a protection domain per RDMA session and a \
+                         memory region per lease (device max_pd {}, max_mr {}): an RDMA key reaches \
+                         only the slot its session leases",
+                        l.max_pd, l.max_mr
+                    )),
+                    (Isolation::Lease, Err(e), _) | (Isolation::Lease, _, Err(e)) => {
+                        f.problem(format!(
+                            "{rail}rdma_isolation = \"lease\": {e} (rdma_isolation = \"shared\" would \
+                             trust every RDMA client with every volume)"
+                        ))
+                    }
+                    (Isolation::Shared, _, _) => f.warn(format!(
+                        "{rail}rdma_isolation = \"shared\": one key to the whole arena for every RDMA \
+                         session: any authenticated RDMA client can read and write every volume's \
+                         slots (see OPERATIONS.md, RDMA isolation)"
+                    )),
+                }
             }
+            (RdmaMode::Off, _) => {
+                f.ok("RDMA off (rdma = \"off\")");
+                break;
+            }
+            (_, Ok(Err(why))) => f.warn(format!(
+                "{rail}no usable RDMA device ({why}): rdma = \"auto\" serves {}",
+                if selectors.len() > 1 {
+                    "the other rail, or TCP only"
+                } else {
+                    "TCP only"
+                }
+            )),
+            (_, Err(e)) => f.problem(format!("{rail}rdma = \"on\": {e}")),
         }
-        (RdmaMode::Off, _) => f.ok("RDMA off (rdma = \"off\")"),
-        (_, Ok(Err(why))) => f.warn(format!(
-            "no usable RDMA device ({why}): rdma = \"auto\" serves TCP only"
-        )),
-        (_, Err(e)) => f.problem(format!("rdma = \"on\": {e}")),
     }
     match Memory::of_host() {
         Ok(m) => mapping_fits(&mut f, "arena_bytes", cfg.arena_bytes, &m),
@@ -151,6 +154,26 @@ pub fn run(cfg: &ArenadConfig) -> Findings {
         None => f.ok("metrics listener disabled (metrics_listen = \"off\")"),
     }
     f
+}
+
+/// Registering memory pins it: the whole arena at start when shared, the
+/// leased slots as they are leased otherwise.
+fn pinning(f: &mut Findings, cfg: &ArenadConfig) {
+    match (cfg.rdma_isolation, lockable(cfg.arena_bytes)) {
+        (_, None) => f.ok(format!(
+            "the arena ({}) can be locked for RDMA registration",
+            ApproxSize(cfg.arena_bytes)
+        )),
+        (Isolation::Shared, Some(why)) => f.problem(format!(
+            "registering the {} arena for RDMA pins it, and {why}",
+            ApproxSize(cfg.arena_bytes)
+        )),
+        (Isolation::Lease, Some(why)) => f.warn(format!(
+            "each RDMA lease pins its slot (up to the {} arena), and {why}: \
+             leases past the limit get no RDMA key and move their payload by TCP",
+            ApproxSize(cfg.arena_bytes)
+        )),
+    }
 }
 
 /// The store's files as a start reads them, and the epochs file.

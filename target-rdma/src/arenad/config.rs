@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use ublk_metrics::events::LogFormat;
 
-use crate::proto::{valid_volume_name, MAX_INLINE};
+use crate::proto::{valid_volume_name, MAX_INLINE, MAX_RAILS};
 pub use crate::service::config_file::ConfigError;
 use crate::service::config_file::{invalid, listen_setting, load_toml, parse_toml};
 use crate::service::size::{serde_size, HumanSize};
@@ -55,6 +55,10 @@ pub struct ArenadConfig {
     /// RDMA device name (`rxe0`, `mlx5_0`); unset takes the first with an active port.
     #[serde(default)]
     pub rdma_device: Option<String>,
+    /// Two RDMA devices, one per rail (a client names the rail its QP is
+    /// for), instead of `rdma_device`; empty: one rail on `rdma_device`.
+    #[serde(default)]
+    pub rdma_rails: Vec<String>,
     /// RDMA port; unset takes the device's first active port.
     #[serde(default)]
     pub rdma_port: Option<u8>,
@@ -314,12 +318,22 @@ impl ArenadConfig {
             .unwrap_or(64.min(self.max_connections))
     }
 
-    /// The device selection the `rdma_*` keys describe.
-    pub fn rdma_selector(&self) -> crate::rdma::DeviceSelector {
-        crate::rdma::DeviceSelector {
-            device: self.rdma_device.clone(),
+    /// The device of each rail the `rdma_*` keys describe, by rail index.
+    pub fn rdma_selectors(&self) -> Vec<crate::rdma::DeviceSelector> {
+        let select = |device| crate::rdma::DeviceSelector {
+            device,
             port: self.rdma_port,
             gid_index: self.rdma_gid_index,
+        };
+        if self.rdma_rails.is_empty() {
+            vec![select(self.rdma_device.clone())]
+        } else {
+            self.rdma_rails
+                .iter()
+                .cloned()
+                .map(Some)
+                .map(select)
+                .collect()
         }
     }
 
@@ -387,6 +401,7 @@ impl ArenadConfig {
             ));
         }
         listen_setting("metrics_listen", &self.metrics_listen, "127.0.0.1:9478")?;
+        self.validate_rails()?;
         if !(1..=1024).contains(&self.admin_max_connections) {
             return Err(invalid(
                 "admin_max_connections",
@@ -571,6 +586,36 @@ impl ArenadConfig {
 
 impl ArenadConfig {
     /// The serving core's keys (see their block above).
+    fn validate_rails(&self) -> Result<(), ConfigError> {
+        let rails = &self.rdma_rails;
+        let shown = || format!("{rails:?}");
+        if rails.is_empty() {
+            return Ok(());
+        }
+        if self.rdma_device.is_some() {
+            return Err(invalid(
+                "rdma_rails",
+                shown(),
+                "names the rails' devices: leave rdma_device unset",
+            ));
+        }
+        if rails.len() != MAX_RAILS {
+            return Err(invalid(
+                "rdma_rails",
+                shown(),
+                "must name two devices, one per rail (one rail: set rdma_device)",
+            ));
+        }
+        if rails.iter().any(String::is_empty) || rails[0] == rails[1] {
+            return Err(invalid(
+                "rdma_rails",
+                shown(),
+                "must name two different devices",
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_serving_core(&self) -> Result<(), ConfigError> {
         if !(16..=1 << 20).contains(&self.max_queued_frames) {
             return Err(invalid(
@@ -761,6 +806,34 @@ quota = "10G"
         for off in ["", "off"] {
             let c = parse(&format!("metrics_listen = \"{off}\"\n{GOOD}")).unwrap();
             assert_eq!(c.metrics_listen_addr(), None);
+        }
+    }
+
+    #[test]
+    fn rdma_rails_name_two_different_devices_instead_of_rdma_device() {
+        let devices = |c: ArenadConfig| -> Vec<Option<String>> {
+            c.rdma_selectors().into_iter().map(|s| s.device).collect()
+        };
+        assert_eq!(devices(parse(GOOD).unwrap()), [None]);
+        let one = parse(&format!("rdma_device = \"rxe0\"\n{GOOD}")).unwrap();
+        assert_eq!(devices(one), [Some("rxe0".to_owned())]);
+        let two = parse(&format!("rdma_rails = [\"rxe0\", \"rxe1\"]\n{GOOD}")).unwrap();
+        assert_eq!(
+            devices(two),
+            [Some("rxe0".to_owned()), Some("rxe1".to_owned())]
+        );
+        for (bad, says) in [
+            ("rdma_rails = [\"rxe0\"]", "two devices"),
+            ("rdma_rails = [\"a\", \"b\", \"c\"]", "two devices"),
+            ("rdma_rails = [\"rxe0\", \"rxe0\"]", "different"),
+            ("rdma_rails = [\"rxe0\", \"\"]", "different"),
+            (
+                "rdma_device = \"rxe0\"\nrdma_rails = [\"a\", \"b\"]",
+                "leave rdma_device unset",
+            ),
+        ] {
+            let e = err(&format!("{bad}\n{GOOD}"));
+            assert!(e.contains("rdma_rails") && e.contains(says), "{bad}: {e}");
         }
     }
 

@@ -69,6 +69,11 @@ pub const KEYS: &[KeyDoc] = &[
         meaning: "RDMA device name (`rxe0`, `mlx5_0`); unset takes the first device with an active port.",
     },
     KeyDoc {
+        key: "rdma_rails",
+        ty: Type::Strings,
+        meaning: "Two RDMA devices, one per rail, instead of `rdma_device`: `[\"mlx5_0\", \"mlx5_1\"]`. A client connects a QP on each rail and names the rail; each lease answer carries a key per rail. `rdma_port` and `rdma_gid_index` apply to both. With `rdma = \"auto\"` a device that does not open leaves its rail unserved (the other keeps its index); with `on` both must open.",
+    },
+    KeyDoc {
         key: "rdma_port",
         ty: Type::Int,
         meaning: "RDMA port number; unset takes the device's first active port.",

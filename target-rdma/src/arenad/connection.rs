@@ -30,7 +30,7 @@ use crate::arenad::frames::{FrameCheck, Incoming, Tagger};
 use crate::arenad::handshake::handshake;
 use crate::arenad::outbox::{self, Outbox, QueueLimits, WriterEnd};
 use crate::arenad::request::Decoded;
-use crate::arenad::served::Rail;
+use crate::arenad::served::SessionRails;
 use crate::arenad::session::{Session, Traffic};
 use crate::arenad::shared::Shared;
 use crate::proto::{FrameError, Header, HEADER_LEN, MAX_INLINE, TAG_LEN};
@@ -120,7 +120,7 @@ pub(super) async fn run(
         fence: session.fence,
         version: session.version,
         epoch: AtomicU64::new(session.epoch),
-        rail: Rail::new(session.granted, session.lease_keys),
+        rails: SessionRails::new(session.granted, session.lease_keys, session.per_rail),
         outbox: Outbox::new(
             QueueLimits {
                 frames: shared.limits.max_queued_frames,
@@ -179,7 +179,7 @@ pub(super) async fn run(
         WriterEnd::Drained => {}
     }
     // Its RDMA lease keys are deregistered before its leases are released.
-    conn.rail.close();
+    conn.rails.close();
     shared.sessions.remove(id);
     shared.obs.session_closed();
     conn.traffic.closed();

@@ -19,7 +19,7 @@ use crate::arenad::request::Decoded;
 use crate::arenad::session::Session;
 use crate::arenad::shared::Shared;
 use crate::proto::{self, FrameError, Header, Lease, Opcode, Request, Status, TAG_LEN, VERSION_2};
-use crate::rdma::Isolation;
+use crate::rdma::{Isolation, RdmaError};
 use crate::store::{Immediate, StoreError};
 use ublk_metrics::Promotion;
 
@@ -278,7 +278,7 @@ impl Dispatch {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(lease)) => {
                         let lease = self.key_lease(grant, lease, true);
-                        proto::encode_lease(&mut out, op, rid, lease);
+                        proto::encode_lease(&mut out, op, rid, lease, self.conn.rails.per_rail);
                         Ok(Status::Ok)
                     }
                     Err(e) => Err(e),
@@ -302,7 +302,7 @@ impl Dispatch {
                     Ok(Immediate::WouldWait) => return Ok(None),
                     Ok(Immediate::Done(Some(lease))) => {
                         let lease = self.key_lease(grant, lease, false);
-                        proto::encode_lease(&mut out, op, rid, lease);
+                        proto::encode_lease(&mut out, op, rid, lease, self.conn.rails.per_rail);
                         Ok(Status::Ok)
                     }
                     Ok(Immediate::Done(None)) => {
@@ -354,9 +354,9 @@ impl Dispatch {
                     r => r.map(|_| proto::encode_ok(&mut out, op, rid)).map(ok),
                 }
             }
-            Request::RailConnect(ref client) => {
+            Request::RailConnect { ref endpoint, rail } => {
                 return self
-                    .rail_connect(op, rid, client)
+                    .rail_connect(op, rid, endpoint, rail)
                     .map(|(s, f)| Some(answer(f, s)))
             }
         };
@@ -411,7 +411,7 @@ impl Dispatch {
         rid: u64,
     ) -> Result<Result<Option<Admitted<'_>>, Answer>, Fatal> {
         let conn = &self.conn;
-        if matches!(req, Request::Release { .. } | Request::RailConnect(_)) {
+        if matches!(req, Request::Release { .. } | Request::RailConnect { .. }) {
             return Ok(Ok(None));
         }
         match conn.fence.admit(conn.epoch.load(Ordering::Acquire)) {
@@ -462,29 +462,56 @@ impl Dispatch {
         Ok(Answer { status, frame: out })
     }
 
-    /// RAIL_CONNECT: one QP per connection, a new one replacing the old
-    /// (isolated per lease, in a new protection domain: the old rail's
-    /// lease keys are deregistered first).
+    /// RAIL_CONNECT: one QP per rail of the connection (rail 0 unless the
+    /// session names rails), a new one replacing the old (isolated per
+    /// lease, in a new protection domain: the old rail's lease keys are
+    /// deregistered first; the other rail's stay).
     fn rail_connect(
         &self,
         op: Opcode,
         rid: u64,
         client: &proto::Endpoint,
+        rail: Option<u8>,
     ) -> Result<(Status, Vec<u8>), Fatal> {
         let conn = &self.conn;
         let mut out = Vec::new();
-        let rail = &conn.rail;
-        let Some(rdma) = self.shared.rdma.as_ref().filter(|_| rail.granted) else {
-            return Err(Fatal::Request(
+        let rails = &conn.rails;
+        let unexpected = |detail| {
+            Fatal::Request(
                 op,
                 rid,
                 FrameError::Unexpected {
                     op: op.name(),
-                    detail: "RAIL_CONNECT on a session that was not granted CAP_RDMA",
+                    detail,
                 },
-            ));
+            )
         };
-        if rdma.isolation() == Isolation::Lease && !rail.lease_keys {
+        if !rails.granted {
+            return Err(unexpected(
+                "RAIL_CONNECT on a session that was not granted CAP_RDMA",
+            ));
+        }
+        if rail.is_some() && !rails.per_rail {
+            return Err(unexpected(
+                "RAIL_CONNECT naming a rail on a session that was not granted CAP_RAILS",
+            ));
+        }
+        let index = usize::from(rail.unwrap_or(0));
+        let Some(rdma) = self.shared.rdma.rail(index) else {
+            let served = self.shared.rdma.served().count();
+            proto::encode_error(
+                &mut out,
+                op,
+                rid,
+                Status::NotFound,
+                &format!(
+                    "RDMA rail {index} is not served: this arenad serves {served} of its {} configured rails",
+                    self.shared.rdma.configured()
+                ),
+            );
+            return Ok((Status::NotFound, out));
+        };
+        if rdma.isolation() == Isolation::Lease && !rails.lease_keys {
             proto::encode_error(
                 &mut out,
                 op,
@@ -496,29 +523,29 @@ impl Dispatch {
             );
             return Ok((Status::Internal, out));
         }
-        // One RAIL_CONNECT of the session at a time; the old rail goes
+        // One RAIL_CONNECT of the session at a time; the rail's old QP goes
         // first, keys before QP (the client gives back leases cached from
         // it).
-        let mut qp = rail.qp.lock();
-        LeaseKeys::clear(&rail.keys);
-        if let Some(old) = qp.take() {
+        let mut qps = rails.qps.lock();
+        LeaseKeys::clear(&rails.keys, index);
+        if let Some(old) = qps[index].take() {
             old.fail();
         }
         match rdma.accept(client) {
             Ok(acc) => {
-                rail.keys.lock().set_domain(acc.domain);
-                *qp = Some(acc.qp);
+                rails.keys.lock().set_domain(index, acc.domain);
+                qps[index] = Some(acc.qp);
                 acc.answer.encode(&mut out, rid);
                 Ok((Status::Ok, out))
             }
             Err(e) => {
-                warn!(event = events::RDMA_DECLINED, conn = conn.id, error = %e);
+                warn!(event = events::RDMA_DECLINED, conn = conn.id, rail = index, error = %e);
                 proto::encode_error(
                     &mut out,
                     op,
                     rid,
                     Status::Internal,
-                    &format!("RDMA rail refused: {e}"),
+                    &format!("RDMA rail {index} refused: {e}"),
                 );
                 Ok((Status::Internal, out))
             }
@@ -528,40 +555,50 @@ impl Dispatch {
     /// A session whose RDMA keys are per lease: the ticket of a grant about
     /// to ask the store (see [`LeaseKeys::start`]).
     fn start_grant(&self) -> Option<Grant<'_>> {
-        let conn = &self.conn;
-        conn.rail
-            .lease_keys
-            .then(|| LeaseKeys::start(&conn.rail.keys))
+        let rails = &self.conn.rails;
+        rails.lease_keys.then(|| LeaseKeys::start(&rails.keys))
     }
 
     /// A granted lease as answered: with a `grant` ticket its key is
-    /// registered (over exactly its slot, in the session's domain) and its
-    /// rkey goes with it. A lease that cannot be keyed (no rail, a failed
-    /// registration, ended meanwhile) goes without a key: over a rail
-    /// isolated per lease the client then moves that payload inline.
+    /// registered on each connected rail (over exactly its slot, in the
+    /// session's domain of that rail) and each rkey goes with it. A rail
+    /// where the lease cannot be keyed (not connected, a failed
+    /// registration, ended meanwhile) has no key in the answer: over a
+    /// rail isolated per lease the client then moves that payload on
+    /// another rail or inline.
     fn key_lease(&self, grant: Option<Grant<'_>>, mut lease: Lease, write: bool) -> Lease {
         let conn = &self.conn;
-        if let (Some(g), Some(rdma)) = (grant, self.shared.rdma.as_ref()) {
-            match g.key(lease.token, |d| rdma.key_slot(d, lease.slot_offset, write)) {
-                Ok(Keyed::Key(rkey)) => lease.rkey = Some(rkey),
-                Ok(Keyed::NoRail) => {}
-                Ok(Keyed::Ended) => debug!(
-                    event = events::RDMA_LEASE_ENDED_UNKEYED,
+        let Some(g) = grant else { return lease };
+        let rails = &self.shared.rdma;
+        let keyed = g.key(
+            lease.token,
+            |rail, d| match rails.rail(rail) {
+                Some(rdma) => rdma.key_slot(d, lease.slot_offset, write),
+                None => Err(RdmaError::NoDevice {
+                    detail: format!("rail {rail} is not served"),
+                }),
+            },
+            |rail, e| {
+                self.shared.obs.lease_key_failed();
+                warn!(
+                    event = events::RDMA_LEASE_KEY_FAILED,
                     conn = conn.id,
                     token = lease.token,
-                    "the lease ended before its key was registered: answered without one"
-                ),
-                Err(e) => {
-                    self.shared.obs.lease_key_failed();
-                    warn!(
-                        event = events::RDMA_LEASE_KEY_FAILED,
-                        conn = conn.id,
-                        token = lease.token,
-                        error = %e,
-                        "registering the lease's key failed: answered without one (the client moves its payload over TCP)"
-                    );
-                }
-            }
+                    rail,
+                    error = %e,
+                    "registering the lease's key failed: answered without one on this rail"
+                );
+            },
+        );
+        match keyed {
+            Keyed::Keys(rkeys) => lease.rkeys = rkeys,
+            Keyed::NoRail => {}
+            Keyed::Ended => debug!(
+                event = events::RDMA_LEASE_ENDED_UNKEYED,
+                conn = conn.id,
+                token = lease.token,
+                "the lease ended before its key was registered: answered without one"
+            ),
         }
         lease
     }
@@ -571,9 +608,9 @@ impl Dispatch {
     /// One lock per key, so the force-end hook waits for one at most.
     fn unkey(&self, tokens: &[u64]) {
         let conn = &self.conn;
-        if conn.rail.lease_keys {
+        if conn.rails.lease_keys {
             for &t in tokens {
-                conn.rail.keys.lock().end(t);
+                conn.rails.keys.lock().end(t);
             }
         }
     }

@@ -20,7 +20,7 @@ use crate::arenad::served::ServedVolume;
 use crate::arenad::shared::Shared;
 use crate::auth::{self, SessionKeys};
 use crate::proto::{
-    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_COLD_GET, CAP_RDMA,
+    Challenge, FrameError, Header, Hello, Status, Welcome, CAP_COLD_GET, CAP_RAILS, CAP_RDMA,
     CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY,
     MAX_INLINE, VERSION, VERSION_1, VERSION_2,
 };
@@ -36,6 +36,8 @@ pub(super) struct Session {
     /// Granted `CAP_RDMA` by a server isolating RDMA per lease, and
     /// offered `CAP_RDMA_LEASE_KEYS`.
     pub(super) lease_keys: bool,
+    /// Granted `CAP_RDMA` and offered `CAP_RAILS`.
+    pub(super) per_rail: bool,
     pub(super) version: u8,
     pub(super) keys: Option<SessionKeys>,
     /// The writer's membership epoch.
@@ -167,18 +169,16 @@ async fn handshake_steps(
         .raise_epoch(&shared.pool, &fence, hello.epoch)
         .await?;
     let rdma = hello.caps & CAP_RDMA != 0;
-    if rdma && shared.rdma.is_none() {
+    let isolation = shared.rdma.isolation();
+    if rdma && isolation.is_none() {
         info!(
             event = events::RDMA_DECLINED,
             conn = id,
             reason = "no RDMA device on this peer"
         );
     }
-    let granted = rdma && shared.rdma.is_some();
-    let isolated = shared
-        .rdma
-        .as_ref()
-        .is_some_and(|r| r.isolation() == Isolation::Lease);
+    let granted = rdma && isolation.is_some();
+    let isolated = isolation == Some(Isolation::Lease);
     let mut welcome = Welcome {
         session_id: id,
         generation: shared.store.generation(),
@@ -186,9 +186,9 @@ async fn handshake_steps(
         caps: hello.caps
             & (CAP_COLD_GET
                 | if granted && isolated {
-                    CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS
+                    CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS | CAP_RAILS
                 } else if granted {
-                    CAP_TCP_DATA | CAP_RDMA
+                    CAP_TCP_DATA | CAP_RDMA | CAP_RAILS
                 } else {
                     CAP_TCP_DATA
                 }),
@@ -205,6 +205,7 @@ async fn handshake_steps(
         fence,
         granted,
         lease_keys: granted && isolated && hello.caps & CAP_RDMA_LEASE_KEYS != 0,
+        per_rail: granted && hello.caps & CAP_RAILS != 0,
         version,
         keys: (version >= VERSION_2).then(|| vol.secret.session_keys(&ch, &hello)),
         epoch: hello.epoch,

@@ -1,19 +1,20 @@
 //! Per-lease RDMA isolation (`rdma_isolation = "lease"`): one session's
-//! lease keys. Each RDMA session has a protection domain of its own (its
-//! rail's QP is created in it); each lease granted while the rail is up is
-//! registered in it as a memory region over exactly its slot, and the
-//! lease answer carries that region's rkey. The device checks a key against
-//! the domain of the QP an access arrives on and against the region's
-//! bounds and access, so a session's keys reach only the slots it leases,
-//! only through its own QP.
+//! lease keys. Each rail of an RDMA session has a protection domain of its
+//! own (the rail's QP is created in it); each lease granted while a rail is
+//! up is registered in that rail's domain as a memory region over exactly
+//! its slot, and the lease answer carries that region's rkey, one per rail.
+//! The device checks a key against the domain of the QP an access arrives
+//! on and against the region's bounds and access, so a session's keys
+//! reach only the slots it leases, only through its own QPs.
 //!
-//! The invariant: a lease's region is deregistered before the store can
+//! The invariant: a lease's regions are deregistered before the store can
 //! give its slot to anyone else. The holder's COMMIT and RELEASE drop the
-//! key before the store ends the lease; a lease ended by force is reported
-//! by the store (under its lock, before the slot is unpinned) and its key
-//! dropped there; a rail replacement or the session's end drops them all
-//! (before its leases are released). Deregistration is synchronous: once
-//! it returned the device refuses the key (a remote access error).
+//! keys before the store ends the lease; a lease ended by force is reported
+//! by the store (under its lock, before the slot is unpinned) and its keys
+//! dropped there; a rail's replacement drops that rail's keys, the
+//! session's end all of them (before its leases are released).
+//! Deregistration is synchronous: once it returned the device refuses the
+//! key (a remote access error).
 //!
 //! A lease may end before its grant registered it (ended by force, or
 //! released by a client that guessed its token): the grant then must not
@@ -28,10 +29,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::proto::MAX_RAILS;
 use crate::rdma::{Domain, MemoryRegion, RdmaError};
 
-/// A lease's key: a region over exactly its slot in its session's domain.
-/// Dropping it deregisters the region.
+/// A lease's key on one rail: a region over exactly its slot in its
+/// session's domain of that rail. Dropping it deregisters the region.
 pub(super) struct LeaseKey {
     // Field order is drop order: the region is deregistered before the
     // arena's owner may go.
@@ -49,8 +51,10 @@ impl LeaseKey {
 /// What [`Grant::key`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Keyed {
-    /// Registered: the rkey travels in the answer.
-    Key(u32),
+    /// Registered on the rails that have a domain: each rail's rkey
+    /// travels in the answer (`None` on a rail without a domain, or whose
+    /// registration failed).
+    Keys([Option<u32>; MAX_RAILS]),
     /// The session has no rail (no domain): the lease serves inline
     /// transfers only.
     NoRail,
@@ -58,13 +62,16 @@ pub(super) enum Keyed {
     Ended,
 }
 
-/// One session's lease keys and its domain.
+/// One lease's keys, by rail.
+type RailKeys = [Option<LeaseKey>; MAX_RAILS];
+
+/// One session's lease keys and its rails' domains.
 #[derive(Default)]
 pub(super) struct LeaseKeys {
-    /// The rail's protection domain, where keys are registered; `None`
-    /// before RAIL_CONNECT and after the session's end.
-    domain: Option<Arc<dyn Domain>>,
-    keys: HashMap<u64, LeaseKey>,
+    /// Each rail's protection domain, where its keys are registered;
+    /// `None` before the rail's RAIL_CONNECT and after the session's end.
+    domains: [Option<Arc<dyn Domain>>; MAX_RAILS],
+    keys: HashMap<u64, RailKeys>,
     /// Orders grant tickets and ends.
     seq: u64,
     /// Tickets of the grants in flight.
@@ -98,7 +105,7 @@ impl LeaseKeys {
         }
     }
 
-    /// Lease `token` ended (COMMIT, RELEASE, ended by force): its key is
+    /// Lease `token` ended (COMMIT, RELEASE, ended by force): its keys are
     /// deregistered before this returns. `true` when it had one.
     pub(super) fn end(&mut self, token: u64) -> bool {
         if self.keys.remove(&token).is_some() {
@@ -111,38 +118,56 @@ impl LeaseKeys {
         false
     }
 
-    /// Sets the domain keys are registered in (RAIL_CONNECT: the new
-    /// rail's, after [`Self::clear`]). Any key of the old one is
+    /// Sets the domain `rail`'s keys are registered in (RAIL_CONNECT: the
+    /// new rail's, after [`Self::clear`]). Any key of the old one is
     /// deregistered first.
-    pub(super) fn set_domain(&mut self, domain: Option<Arc<dyn Domain>>) {
-        self.keys.clear();
-        self.domain = domain;
+    pub(super) fn set_domain(&mut self, rail: usize, domain: Option<Arc<dyn Domain>>) {
+        for k in self.keys.values_mut() {
+            k[rail] = None;
+        }
+        self.keys.retain(|_, k| k.iter().any(Option::is_some));
+        self.domains[rail] = domain;
     }
 
-    /// The rail goes (replaced, or the session ends): no key is registered
-    /// from now on, and every key is deregistered, each under its own
-    /// short hold of `keys` (so the force-end hook, which takes it under
-    /// the store lock, waits for one deregistration at most).
-    pub(super) fn clear(keys: &Mutex<LeaseKeys>) {
-        let domain = keys.lock().domain.take();
-        Self::drop_keys(keys);
+    /// `rail` goes (replaced, or the session ends): no key is registered
+    /// on it from now on, and every key on it is deregistered, each under
+    /// its own short hold of `keys` (so the force-end hook, which takes it
+    /// under the store lock, waits for one deregistration at most).
+    pub(super) fn clear(keys: &Mutex<LeaseKeys>, rail: usize) {
+        let domain = keys.lock().domains[rail].take();
+        Self::drop_keys_where(keys, |r| r == rail);
         drop(domain);
     }
 
-    /// Every key registered now is deregistered, each under its own short
-    /// hold of `keys` (see [`Self::clear`]); the rail stays, so a lease
-    /// granted later is keyed as before. A raise of the volume's epoch does
-    /// this to the sessions it fences out, before their leases end.
+    /// Every key registered now, on every rail, is deregistered, each
+    /// under its own short hold of `keys` (see [`Self::clear`]); the rails
+    /// stay, so a lease granted later is keyed as before. A raise of the
+    /// volume's epoch does this to the sessions it fences out, before
+    /// their leases end.
     pub(super) fn drop_keys(keys: &Mutex<LeaseKeys>) {
+        Self::drop_keys_where(keys, |_| true);
+    }
+
+    fn drop_keys_where(keys: &Mutex<LeaseKeys>, on: impl Fn(usize) -> bool) {
         let tokens: Vec<u64> = keys.lock().keys.keys().copied().collect();
         for t in tokens {
             // Dropped (deregistered) under the lock: a key out of the map
             // is a dead key.
-            keys.lock().keys.remove(&t);
+            let mut k = keys.lock();
+            if let Some(held) = k.keys.get_mut(&t) {
+                for (rail, key) in held.iter_mut().enumerate() {
+                    if on(rail) {
+                        *key = None;
+                    }
+                }
+                if held.iter().all(Option::is_none) {
+                    k.keys.remove(&t);
+                }
+            }
         }
     }
 
-    /// Keys registered now.
+    /// Leases keyed now.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.keys.len()
@@ -158,25 +183,38 @@ pub(super) struct Grant<'a> {
 }
 
 impl Grant<'_> {
-    /// The store granted lease `token`: registers its key in the session's
-    /// domain with `register`, unless the lease already ended or there is
-    /// no rail.
+    /// The store granted lease `token`: registers its key in each rail's
+    /// domain with `register(rail, domain)`, unless the lease already
+    /// ended or there is no rail. A registration that fails is handed to
+    /// `failed` and leaves that rail without a key.
     pub(super) fn key(
         mut self,
         token: u64,
-        register: impl FnOnce(&dyn Domain) -> Result<LeaseKey, RdmaError>,
-    ) -> Result<Keyed, RdmaError> {
+        mut register: impl FnMut(usize, &dyn Domain) -> Result<LeaseKey, RdmaError>,
+        mut failed: impl FnMut(usize, RdmaError),
+    ) -> Keyed {
         let mut k = self.keys.lock();
         let r = if k.ended.contains_key(&token) {
-            Ok(Keyed::Ended)
-        } else if let Some(domain) = k.domain.clone() {
-            register(domain.as_ref()).map(|key| {
-                let rkey = key.mr.rkey;
-                k.keys.insert(token, key);
-                Keyed::Key(rkey)
-            })
+            Keyed::Ended
+        } else if k.domains.iter().all(Option::is_none) {
+            Keyed::NoRail
         } else {
-            Ok(Keyed::NoRail)
+            let mut held: RailKeys = Default::default();
+            let mut rkeys = [None; MAX_RAILS];
+            for (rail, domain) in k.domains.iter().enumerate() {
+                let Some(d) = domain else { continue };
+                match register(rail, d.as_ref()) {
+                    Ok(key) => {
+                        rkeys[rail] = Some(key.mr.rkey);
+                        held[rail] = Some(key);
+                    }
+                    Err(e) => failed(rail, e),
+                }
+            }
+            if held.iter().any(Option::is_some) {
+                k.keys.insert(token, held);
+            }
+            Keyed::Keys(rkeys)
         };
         k.finish(self.ticket);
         self.done = true;
@@ -207,7 +245,7 @@ mod tests {
     fn setup() -> Setup {
         let p = LoopbackProvider::new();
         let keys = Mutex::new(LeaseKeys::default());
-        keys.lock().set_domain(Some(p.new_domain().unwrap()));
+        keys.lock().set_domain(0, Some(p.new_domain().unwrap()));
         Setup {
             p,
             keys,
@@ -216,22 +254,34 @@ mod tests {
     }
 
     impl Setup {
-        fn register(&self) -> impl FnOnce(&dyn Domain) -> Result<LeaseKey, RdmaError> + '_ {
+        fn register(&self) -> impl FnMut(usize, &dyn Domain) -> Result<LeaseKey, RdmaError> + '_ {
             let addr = self.mem.as_ptr().cast_mut();
-            move |d| {
+            move |_, d| {
                 // SAFETY: `mem` outlives every key (the setup drops it
                 // last) and nothing posts to it.
                 let mr = unsafe { d.register(addr, 64, Access::RemoteReadWrite) }?;
                 Ok(LeaseKey::new(mr, Arc::new(())))
             }
         }
+
+        fn key(&self, token: u64) -> Keyed {
+            LeaseKeys::start(&self.keys).key(token, self.register(), |r, e| {
+                panic!("registering on rail {r} failed: {e}")
+            })
+        }
+    }
+
+    fn keyed_on(k: &Keyed) -> [bool; MAX_RAILS] {
+        match k {
+            Keyed::Keys(rkeys) => rkeys.map(|k| k.is_some()),
+            other => panic!("not keyed: {other:?}"),
+        }
     }
 
     #[test]
     fn a_key_lives_from_its_grant_to_its_lease_end() {
         let s = setup();
-        let g = LeaseKeys::start(&s.keys);
-        assert!(matches!(g.key(1, s.register()).unwrap(), Keyed::Key(_)));
+        assert_eq!(keyed_on(&s.key(1)), [true, false]);
         assert_eq!((s.keys.lock().len(), s.p.live_regions()), (1, 1));
         assert!(s.keys.lock().end(1));
         assert_eq!((s.keys.lock().len(), s.p.live_regions()), (0, 0));
@@ -249,11 +299,16 @@ mod tests {
         assert!(!s.keys.lock().end(2));
         assert!(!s.keys.lock().end(9));
         let mut called = false;
-        let r = g.key(2, |d| {
-            called = true;
-            s.register()(d)
-        });
-        assert_eq!(r.unwrap(), Keyed::Ended);
+        let mut register = s.register();
+        let r = g.key(
+            2,
+            |rail, d| {
+                called = true;
+                register(rail, d)
+            },
+            |_, _| {},
+        );
+        assert_eq!(r, Keyed::Ended);
         assert!(!called, "nothing may be registered for an ended lease");
         assert_eq!(s.p.live_regions(), 0);
         // The grant that started first still sees both ends.
@@ -282,42 +337,72 @@ mod tests {
     #[test]
     fn no_rail_no_key_and_a_new_rail_drops_the_old_keys() {
         let s = setup();
-        s.keys.lock().set_domain(None);
-        assert_eq!(
-            LeaseKeys::start(&s.keys).key(1, s.register()).unwrap(),
-            Keyed::NoRail
-        );
-        s.keys.lock().set_domain(Some(s.p.new_domain().unwrap()));
+        s.keys.lock().set_domain(0, None);
+        assert_eq!(s.key(1), Keyed::NoRail);
+        s.keys.lock().set_domain(0, Some(s.p.new_domain().unwrap()));
         for t in 2..5 {
-            assert!(matches!(
-                LeaseKeys::start(&s.keys).key(t, s.register()).unwrap(),
-                Keyed::Key(_)
-            ));
+            assert_eq!(keyed_on(&s.key(t)), [true, false]);
         }
         assert_eq!((s.p.live_regions(), s.p.live_domains()), (3, 2));
-        LeaseKeys::clear(&s.keys);
+        LeaseKeys::clear(&s.keys, 0);
         assert_eq!(s.p.live_regions(), 0, "the old rail's keys are gone");
         assert_eq!(s.p.live_domains(), 1, "and its domain with them");
         assert_eq!(
-            LeaseKeys::start(&s.keys).key(5, s.register()).unwrap(),
+            s.key(5),
             Keyed::NoRail,
             "nothing is registered once cleared"
         );
-        s.keys.lock().set_domain(Some(s.p.new_domain().unwrap()));
-        assert!(matches!(
-            LeaseKeys::start(&s.keys).key(6, s.register()).unwrap(),
-            Keyed::Key(_)
-        ));
-        s.keys.lock().set_domain(None);
+        s.keys.lock().set_domain(0, Some(s.p.new_domain().unwrap()));
+        assert_eq!(keyed_on(&s.key(6)), [true, false]);
+        s.keys.lock().set_domain(0, None);
         assert_eq!((s.p.live_regions(), s.p.live_domains()), (0, 1));
     }
 
     #[test]
-    fn a_failed_registration_is_an_error_and_keeps_nothing() {
+    fn each_rail_has_its_keys_and_losing_one_keeps_the_other() {
         let s = setup();
+        let other = LoopbackProvider::new();
+        s.keys
+            .lock()
+            .set_domain(1, Some(other.new_domain().unwrap()));
+        let both = s.key(1);
+        assert_eq!(keyed_on(&both), [true, true]);
+        assert_eq!((s.p.live_regions(), other.live_regions()), (1, 1));
+        // Rail 1 replaced: its key goes, rail 0's stays, and a lease
+        // granted meanwhile is keyed on rail 0 only.
+        LeaseKeys::clear(&s.keys, 1);
+        assert_eq!((s.p.live_regions(), other.live_regions()), (1, 0));
+        assert_eq!(keyed_on(&s.key(2)), [true, false]);
+        s.keys
+            .lock()
+            .set_domain(1, Some(other.new_domain().unwrap()));
+        assert_eq!(keyed_on(&s.key(3)), [true, true]);
+        // The lease's end takes its keys on both rails; the fence every key.
+        assert!(s.keys.lock().end(3));
+        assert_eq!((s.p.live_regions(), other.live_regions()), (2, 0));
+        LeaseKeys::drop_keys(&s.keys);
+        assert_eq!((s.p.live_regions(), other.live_regions()), (0, 0));
+        assert_eq!(s.keys.lock().len(), 0);
+        assert_eq!(keyed_on(&s.key(4)), [true, true], "the rails stay");
+    }
+
+    #[test]
+    fn a_failed_registration_leaves_that_rail_unkeyed() {
+        let s = setup();
+        let other = LoopbackProvider::new();
+        s.keys
+            .lock()
+            .set_domain(1, Some(other.new_domain().unwrap()));
         s.p.refuse_registrations_of(64);
-        assert!(LeaseKeys::start(&s.keys).key(1, s.register()).is_err());
-        assert_eq!((s.keys.lock().len(), s.p.live_regions()), (0, 0));
+        let mut failed = Vec::new();
+        let k = LeaseKeys::start(&s.keys).key(1, s.register(), |r, _| failed.push(r));
+        assert_eq!((keyed_on(&k), failed), ([false, true], vec![0]));
+        assert_eq!((s.p.live_regions(), other.live_regions()), (0, 1));
+        other.refuse_registrations_of(64);
+        let mut failed = Vec::new();
+        let k = LeaseKeys::start(&s.keys).key(2, s.register(), |r, _| failed.push(r));
+        assert_eq!((k, failed), (Keyed::Keys([None, None]), vec![0, 1]));
+        assert_eq!(s.keys.lock().len(), 1, "lease 2 holds nothing");
         assert!(s.keys.lock().granting.is_empty());
     }
 }

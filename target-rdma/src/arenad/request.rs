@@ -75,7 +75,7 @@ impl Decoded {
             Request::Remove { start, end } => Request::Remove { start, end },
             Request::Flush => Request::Flush,
             Request::Read { key, offset, len } => Request::Read { key, offset, len },
-            Request::RailConnect(client) => Request::RailConnect(client),
+            Request::RailConnect { endpoint, rail } => Request::RailConnect { endpoint, rail },
             Request::Epoch { epoch } => Request::Epoch { epoch },
         };
         (req, 0)

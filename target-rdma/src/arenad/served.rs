@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use crate::arenad::lease_keys::{LeaseKey, LeaseKeys};
 use crate::auth::Secret;
-use crate::proto::{Endpoint, RailAccept};
+use crate::proto::{Endpoint, RailAccept, MAX_RAILS};
 use crate::rdma::{Access, Domain, Isolation, MemoryRegion, QueuePair, RdmaError, RdmaProvider};
 use crate::store::{Store, VolumeId};
 
@@ -212,43 +212,104 @@ pub(super) struct Accepted {
     pub(super) answer: RailAccept,
 }
 
-/// A connection's RDMA state: whether its HELLO was granted `CAP_RDMA`
-/// (and whether its keys are per lease), its one QP (replaced when the
-/// client re-establishes the rail) and its lease keys with the rail's
-/// protection domain. Each has its own lock: the store's force-end hook
-/// takes `keys` (under the store lock), never `qp`.
-pub(super) struct Rail {
-    pub(super) granted: bool,
-    /// Isolated per lease, and the client offered `CAP_RDMA_LEASE_KEYS`:
-    /// each lease granted while the rail is up gets a key of its own.
-    pub(super) lease_keys: bool,
-    pub(super) keys: Mutex<LeaseKeys>,
-    pub(super) qp: Mutex<Option<Box<dyn QueuePair>>>,
+/// The arena served over one RDMA device per rail (`rdma_device` names one
+/// or two). A rail keeps its configured index when its device did not open
+/// (`rdma = "auto"`), so a client's rail on a link still meets the
+/// server's rail on that link.
+#[derive(Default)]
+pub struct ServedRails {
+    rails: Vec<Option<ServerRdma>>,
 }
 
-impl Rail {
-    /// A session's rail before RAIL_CONNECT.
-    pub(super) fn new(granted: bool, lease_keys: bool) -> Self {
+impl ServedRails {
+    /// Rails by index; `None` where the configured device did not open.
+    /// At most [`MAX_RAILS`].
+    pub fn new(rails: Vec<Option<ServerRdma>>) -> Result<Self, String> {
+        if rails.len() > MAX_RAILS {
+            return Err(format!(
+                "{} RDMA devices named: at most {MAX_RAILS} rails are served",
+                rails.len()
+            ));
+        }
+        Ok(Self { rails })
+    }
+
+    /// One rail on `rdma`.
+    pub fn one(rdma: ServerRdma) -> Self {
         Self {
-            granted,
-            lease_keys,
-            keys: Mutex::default(),
-            qp: Mutex::new(None),
+            rails: vec![Some(rdma)],
         }
     }
 
-    /// Whether its queue pair is connected (RAIL_CONNECT done).
-    pub(super) fn is_connected(&self) -> bool {
-        self.qp.lock().is_some()
+    /// Rail `index`, when it is served.
+    pub fn rail(&self, index: usize) -> Option<&ServerRdma> {
+        self.rails.get(index)?.as_ref()
     }
 
-    /// Ends the rail: every lease key deregistered, then the QP failed and
-    /// destroyed (its domain goes with the last of them). Called when the
-    /// session ends, before its leases are released (a RAIL_CONNECT does
-    /// the same to the rail it replaces).
+    /// The rails served, with their indexes.
+    pub fn served(&self) -> impl Iterator<Item = (usize, &ServerRdma)> {
+        self.rails
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((i, r.as_ref()?)))
+    }
+
+    /// Rails configured (served or not).
+    pub fn configured(&self) -> usize {
+        self.rails.len()
+    }
+
+    /// What the keys handed to sessions reach (one setting for every
+    /// rail); `None` when no rail is served (no RDMA).
+    pub fn isolation(&self) -> Option<Isolation> {
+        self.served().next().map(|(_, r)| r.isolation())
+    }
+}
+
+/// A connection's RDMA state: whether its HELLO was granted `CAP_RDMA`
+/// (whether its keys are per lease, whether it names rails), its QP on
+/// each rail (replaced when the client re-establishes that rail) and its
+/// lease keys with the rails' protection domains. Each has its own lock:
+/// the store's force-end hook takes `keys` (under the store lock), never
+/// `qps`.
+pub(super) struct SessionRails {
+    pub(super) granted: bool,
+    /// Isolated per lease, and the client offered `CAP_RDMA_LEASE_KEYS`:
+    /// each lease granted while a rail is up gets a key of its own there.
+    pub(super) lease_keys: bool,
+    /// Granted `CAP_RAILS`: RAIL_CONNECT names a rail, and lease answers
+    /// carry a key per rail.
+    pub(super) per_rail: bool,
+    pub(super) keys: Mutex<LeaseKeys>,
+    pub(super) qps: Mutex<[Option<Box<dyn QueuePair>>; MAX_RAILS]>,
+}
+
+impl SessionRails {
+    /// A session's rails before RAIL_CONNECT.
+    pub(super) fn new(granted: bool, lease_keys: bool, per_rail: bool) -> Self {
+        Self {
+            granted,
+            lease_keys,
+            per_rail,
+            keys: Mutex::default(),
+            qps: Mutex::default(),
+        }
+    }
+
+    /// How many of its queue pairs are connected (RAIL_CONNECT done).
+    pub(super) fn connected(&self) -> u32 {
+        self.qps.lock().iter().filter(|q| q.is_some()).count() as u32
+    }
+
+    /// Ends every rail: every lease key deregistered, then the QPs failed
+    /// and destroyed (their domains go with the last of them). Called when
+    /// the session ends, before its leases are released (a RAIL_CONNECT
+    /// does the same to the one rail it replaces).
     pub(super) fn close(&self) {
-        LeaseKeys::clear(&self.keys);
-        if let Some(qp) = self.qp.lock().take() {
+        for rail in 0..MAX_RAILS {
+            LeaseKeys::clear(&self.keys, rail);
+        }
+        for qp in self.qps.lock().iter_mut().filter_map(Option::take) {
             qp.fail();
         }
     }

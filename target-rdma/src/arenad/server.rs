@@ -33,7 +33,7 @@ use crate::arenad::stop::Stop;
 use crate::arenad::workers::Workers;
 use crate::store::Store;
 
-pub use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
+pub use crate::arenad::served::{ServedRails, ServedVolume, ServerLimits, ServerRdma};
 
 /// The server. Create with [`Server::new`], run with [`Server::serve`].
 pub struct Server {
@@ -46,14 +46,14 @@ pub struct Server {
 impl Server {
     /// Builds a server over an open store, starts its worker threads and
     /// blocking pool and installs its revoke hook. Clients that ask for RDMA are granted it
-    /// when `rdma` is set. The volumes' epochs are `epochs`. Every answer,
+    /// when `rdma` serves a rail. The volumes' epochs are `epochs`. Every answer,
     /// refusal and session is reported to `obs`.
     pub fn new(
         store: Arc<Store>,
         volumes: Vec<ServedVolume>,
         epochs: Epochs,
         limits: ServerLimits,
-        rdma: Option<ServerRdma>,
+        rdma: ServedRails,
         obs: Arc<ArenadObservability>,
     ) -> io::Result<Arc<Self>> {
         let pool = Blocking::start(limits.blocking_threads)?;

@@ -1,7 +1,7 @@
 //! An authenticated connection's shared state: what it is bound to (its
 //! volume, its epoch fence and the writer epoch it presented), its RDMA
-//! rail, its outbound queue and its FLUSH barrier. Each lock here is the
-//! connection's own (the rail's lease keys are also taken by the store's
+//! rails, its outbound queue and its FLUSH barrier. Each lock here is the
+//! connection's own (the rails' lease keys are also taken by the store's
 //! force-end hook).
 
 use std::net::SocketAddr;
@@ -15,7 +15,7 @@ use ublk_metrics::VolumeCounters;
 use crate::arenad::epochs::VolumeEpoch;
 use crate::arenad::observability::{arena_op, outcome};
 use crate::arenad::outbox::Outbox;
-use crate::arenad::served::{Rail, ServedVolume};
+use crate::arenad::served::{ServedVolume, SessionRails};
 use crate::proto::{Opcode, Status};
 use crate::store::HolderId;
 
@@ -29,7 +29,7 @@ pub(super) struct Session {
     pub(super) version: u8,
     /// The writer's membership epoch (raised by EPOCH requests).
     pub(super) epoch: AtomicU64,
-    pub(super) rail: Rail,
+    pub(super) rails: SessionRails,
     pub(super) outbox: Outbox,
     pub(super) barrier: WriteBarrier,
     /// What `arenactl sessions` shows of its traffic.

@@ -71,7 +71,7 @@ impl Sessions {
         let Some(conn) = self.conns.lock().get(&holder).cloned() else {
             return;
         };
-        if conn.rail.lease_keys && conn.rail.keys.lock().end(token) {
+        if conn.rails.lease_keys && conn.rails.keys.lock().end(token) {
             warn!(
                 event = events::RDMA_LEASE_KEY_FORCE_ENDED,
                 conn = holder,
@@ -102,8 +102,8 @@ impl Sessions {
             .cloned()
             .collect();
         for s in older {
-            if s.rail.lease_keys {
-                LeaseKeys::drop_keys(&s.rail.keys);
+            if s.rails.lease_keys {
+                LeaseKeys::drop_keys(&s.rails.keys);
             }
             let ended = store.end_leases_of(s.id);
             if ended > 0 {

@@ -15,7 +15,7 @@ use crate::arenad::blocking::Blocking;
 use crate::arenad::fenced::Fencing;
 use crate::arenad::observability::ArenadObservability;
 use crate::arenad::promotion::Promotion;
-use crate::arenad::served::{ServedVolume, ServerLimits, ServerRdma};
+use crate::arenad::served::{ServedRails, ServedVolume, ServerLimits};
 use crate::arenad::sessions::Sessions;
 use crate::arenad::stop::Stop;
 use crate::store::Store;
@@ -23,7 +23,7 @@ use crate::store::Store;
 /// The server's state, shared by the accept loop and every connection
 /// task (the server is a handle on it).
 pub(super) struct Shared {
-    pub(super) rdma: Option<ServerRdma>,
+    pub(super) rdma: ServedRails,
     pub(super) store: Arc<Store>,
     /// Replaced whole by [`Server::set_volumes`] (SIGHUP): a handshake
     /// takes the list in force when it starts, sessions never look again.

@@ -25,7 +25,7 @@ use target_rdma::arenad::events;
 use target_rdma::arenad::listener::Reserved;
 use target_rdma::arenad::observability::ArenadObservability;
 use target_rdma::arenad::reload::{read_secrets, served, Runtime};
-use target_rdma::arenad::server::{Server, ServerLimits, ServerRdma};
+use target_rdma::arenad::server::{ServedRails, Server, ServerLimits, ServerRdma};
 use target_rdma::rdma::open_provider;
 use target_rdma::service::local_socket;
 use target_rdma::service::sd_notify;
@@ -274,23 +274,30 @@ fn run(args: &Args) -> Result<ExitCode> {
         .prepare()
         .context("allocating the volumes' epochs file")?;
     obs.store_opened(&store, cfg.volumes.len());
-    let rdma = match open_provider(cfg.rdma, &cfg.rdma_selector()).context("rdma = \"on\"")? {
-        Ok(provider) => {
-            let r = ServerRdma::register(
-                provider,
-                &store,
-                cfg.max_inflight.max(16),
-                cfg.rdma_isolation,
-            )
-            .context("registering the arena for RDMA")?;
-            info!(event = events::RDMA_ENABLED, device = %r.device_name(), isolation = r.isolation().name());
-            Some(r)
-        }
-        Err(why) => {
-            info!(event = events::RDMA_DISABLED, reason = %why, "clients asking for RDMA are declined and use TCP");
-            None
-        }
-    };
+    let selectors = cfg.rdma_selectors();
+    let mut rails = Vec::with_capacity(selectors.len());
+    for (rail, sel) in selectors.iter().enumerate() {
+        let opened =
+            open_provider(cfg.rdma, sel).with_context(|| format!("rdma = \"on\": rail {rail}"))?;
+        rails.push(match opened {
+            Ok(provider) => {
+                let r = ServerRdma::register(
+                    provider,
+                    &store,
+                    cfg.max_inflight.max(16),
+                    cfg.rdma_isolation,
+                )
+                .with_context(|| format!("registering the arena for RDMA on rail {rail}"))?;
+                info!(event = events::RDMA_ENABLED, rail, device = %r.device_name(), isolation = r.isolation().name());
+                Some(r)
+            }
+            Err(why) => {
+                info!(event = events::RDMA_DISABLED, rail, reason = %why, "RDMA on this rail is declined; clients use the other rail or TCP");
+                None
+            }
+        });
+    }
+    let rdma = ServedRails::new(rails).map_err(anyhow::Error::msg)?;
     let server = Server::new(
         Arc::clone(&store),
         served(&store, &cfg, &secrets)?,

@@ -263,11 +263,7 @@ mod tests {
     use futures::FutureExt;
 
     fn lease(token: u64) -> Lease {
-        Lease {
-            slot_offset: token * 4096,
-            token,
-            rkey: None,
-        }
+        Lease::unkeyed(token * 4096, token)
     }
 
     fn hit(c: Checkout) -> HeldLease {

@@ -140,7 +140,7 @@ impl Rails {
         // would make the rail look older than its connection).
         let before = client.connected_epoch().map_err(|e| e.to_string())?;
         let acc = client
-            .rail_connect(qp.endpoint())
+            .rail_connect(0, qp.endpoint())
             .await
             .map_err(|e| e.to_string())?;
         let epoch = client.connection_epoch();

@@ -258,7 +258,7 @@ impl RdmaTransport {
         // Isolated per lease, the lease's own key (`keyed` saw to it);
         // otherwise the arena's (a shared-region server names it in
         // RAIL_CONNECT).
-        let rkey = match (lease.rkey, rail.remote.rkey) {
+        let rkey = match (lease.rkeys[0], rail.remote.rkey) {
             (Some(k), _) => k,
             (None, k) if k != 0 => k,
             (None, _) => {
@@ -448,7 +448,7 @@ impl RdmaTransport {
         } else {
             held
         };
-        if held.lease.rkey.is_none() {
+        if held.lease.rkeys[0].is_none() {
             self.leases.give_back(&self.client, held).await;
             return Err(TcpReason::Declined);
         }

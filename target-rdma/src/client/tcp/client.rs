@@ -22,7 +22,9 @@ use super::ring::Driver;
 use super::shared::Shared;
 use super::stats::ClientStats;
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
-use crate::proto::{self, Endpoint, FrameError, Lease, Opcode, RailAccept, Request, Welcome};
+use crate::proto::{
+    self, Endpoint, FrameError, Lease, Opcode, RailAccept, Request, Status, Welcome, CAP_RAILS,
+};
 
 /// A client of one volume on one `arenad`. Cheap to clone; clones share the
 /// connection.
@@ -109,10 +111,28 @@ impl ArenaClient {
         self.shared.cfg.flush_domain.lost()
     }
 
-    /// Exchanges QP endpoints on the current connection (RAIL_CONNECT);
-    /// only valid when its WELCOME granted `CAP_RDMA`.
-    pub async fn rail_connect(&self, endpoint: Endpoint) -> Result<RailAccept, ArenaError> {
-        match self.call(&Request::RailConnect(endpoint)).await? {
+    /// Exchanges QP endpoints for `rail` on the current connection
+    /// (RAIL_CONNECT); only valid when its WELCOME granted `CAP_RDMA`. A
+    /// peer that did not grant `CAP_RAILS` has rail 0 only.
+    pub async fn rail_connect(
+        &self,
+        rail: u8,
+        endpoint: Endpoint,
+    ) -> Result<RailAccept, ArenaError> {
+        let rail = match (self.welcome()?.caps & CAP_RAILS != 0, rail) {
+            (true, r) => Some(r),
+            (false, 0) => None,
+            // As a peer with rails answers for one it does not serve.
+            (false, r) => {
+                return Err(ArenaError::Status {
+                    op: Opcode::RailConnect,
+                    peer: self.shared.cfg.peer.clone(),
+                    status: Status::NotFound,
+                    message: format!("RDMA rail {r} is not served: the peer serves one rail (it did not grant CAP_RAILS)"),
+                })
+            }
+        };
+        match self.call(&Request::RailConnect { endpoint, rail }).await? {
             Reply::Rail(r) => Ok(r),
             _ => Err(self.unexpected(Opcode::RailConnect)),
         }

@@ -25,8 +25,8 @@ use crate::blob::ArenaError;
 use crate::client::driven::{Handoff, TICK};
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Status, Welcome,
-    CAP_COLD_GET, CAP_RDMA, CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN,
-    MAC_LEN, VERSION, VERSION_2,
+    CAP_COLD_GET, CAP_RAILS, CAP_RDMA, CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION,
+    HEADER_LEN, MAC_LEN, VERSION, VERSION_2,
 };
 
 /// A successful answer.
@@ -250,7 +250,7 @@ pub(super) fn handshake(
     let mut hello = Hello {
         version,
         caps: if cfg.offer_rdma {
-            CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS | CAP_COLD_GET
+            CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS | CAP_COLD_GET | CAP_RAILS
         } else {
             CAP_TCP_DATA
         },

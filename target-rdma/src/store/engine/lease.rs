@@ -213,11 +213,7 @@ impl Leases {
         );
         *l.live.entry(key.0).or_default() += 1;
         *l.held.entry(holder).or_default() += 1;
-        Lease {
-            slot_offset: u64::from(slot) * u64::from(blob_bytes),
-            token,
-            rkey: None,
-        }
+        Lease::unkeyed(u64::from(slot) * u64::from(blob_bytes), token)
     }
 
     /// A connection at its limit is refused, and asked back its oldest
