@@ -60,15 +60,28 @@ pub fn run(cfg: &UblkdConfig) -> Findings {
              /ready answers 503 ublk_driver_missing and no device can be added"
         ));
     }
-    let wants_rdma = cfg.device.transport != TransportChoice::Tcp || cfg.rdma.device.is_some();
+    let wants_rdma = cfg.device.transport != TransportChoice::Tcp
+        || cfg.rdma.device.is_some()
+        || !cfg.rdma.rails.is_empty();
     if wants_rdma {
-        match open_provider(RdmaMode::On, &cfg.rdma.selector()) {
-            Ok(Ok(p)) => f.ok(format!("RDMA device {} usable", p.device_name())),
-            Ok(Err(why)) => f.warn(why),
-            Err(why) => f.warn(format!(
-                "no usable RDMA device ({why}): devices with transport = \"rdma\" cannot be added, \
-                 \"auto\" ones serve TCP"
-            )),
+        let selectors = cfg.rdma.selectors();
+        for (i, sel) in selectors.iter().enumerate() {
+            let rail = if selectors.len() > 1 {
+                format!("rail {i}: ")
+            } else {
+                String::new()
+            };
+            match open_provider(RdmaMode::On, sel) {
+                Ok(Ok(p)) => f.ok(format!("{rail}RDMA device {} usable", p.device_name())),
+                Ok(Err(why)) => f.warn(format!("{rail}{why}")),
+                Err(why) if selectors.len() > 1 => f.warn(format!(
+                    "{rail}no usable RDMA device ({why}): this rail stays off, devices use the other"
+                )),
+                Err(why) => f.warn(format!(
+                    "no usable RDMA device ({why}): devices with transport = \"rdma\" cannot be added, \
+                     \"auto\" ones serve TCP"
+                )),
+            }
         }
     }
     f

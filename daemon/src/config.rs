@@ -192,6 +192,19 @@ pub struct RdmaConfig {
     /// soft-RoCE; index 0, link-local, fails at connect).
     #[serde(default)]
     pub gid_index: Option<u8>,
+    /// Two devices, one per rail (each on the link to the arena peer's
+    /// device of the same rail), instead of `device`; empty: one rail.
+    #[serde(default)]
+    pub rails: Vec<String>,
+    /// With two rails up, a payload of at least this many bytes is split
+    /// across both.
+    #[serde(default = "default_stripe_bytes", with = "serde_size")]
+    pub stripe_bytes: u64,
+    /// How long one RDMA transfer may take before its rail counts as lost
+    /// (its QP is failed; the transfer moves to the other rail, or to
+    /// TCP), in ms; unset: `request_timeout_ms`, at most 5000.
+    #[serde(default)]
+    pub transfer_timeout_ms: Option<u64>,
     /// Leases each queue keeps across requests: a READ or WRITE of a blob
     /// whose lease is cached moves its payload with no control round trip.
     /// Each pins an arena slot at the peer (which revokes them under
@@ -206,6 +219,9 @@ impl Default for RdmaConfig {
             device: None,
             port: None,
             gid_index: None,
+            rails: Vec::new(),
+            stripe_bytes: default_stripe_bytes(),
+            transfer_timeout_ms: None,
             lease_cache: DEFAULT_LEASE_CACHE,
         }
     }
@@ -213,6 +229,15 @@ impl Default for RdmaConfig {
 
 fn default_lease_cache() -> usize {
     DEFAULT_LEASE_CACHE
+}
+
+fn default_stripe_bytes() -> u64 {
+    128 << 10
+}
+
+/// An RDMA device name as sysfs holds it.
+fn valid_device(d: &str) -> bool {
+    !d.is_empty() && d.len() <= 64 && !d.contains('/')
 }
 
 /// Longest `busy_poll_us`: a spin past it costs more than it saves.
@@ -223,20 +248,33 @@ pub const DEFAULT_LEASE_CACHE: usize = 256;
 pub const MAX_LEASE_CACHE: usize = 65_536;
 
 impl RdmaConfig {
-    /// The device selection these keys describe.
-    pub fn selector(&self) -> target_rdma::rdma::DeviceSelector {
+    /// The device of each rail these keys describe, by rail index.
+    pub fn selectors(&self) -> Vec<target_rdma::rdma::DeviceSelector> {
         let d = target_rdma::rdma::DeviceSelector::default();
-        target_rdma::rdma::DeviceSelector {
-            device: self.device.clone().or(d.device),
+        let select = |device: Option<String>| target_rdma::rdma::DeviceSelector {
+            device: device.or(d.device.clone()),
             port: self.port.or(d.port),
             gid_index: self.gid_index.unwrap_or(d.gid_index),
+        };
+        if self.rails.is_empty() {
+            vec![select(self.device.clone())]
+        } else {
+            self.rails.iter().cloned().map(Some).map(select).collect()
         }
+    }
+
+    /// The limit for one RDMA transfer, given the request timeout.
+    pub fn transfer_timeout(&self, request_timeout: std::time::Duration) -> std::time::Duration {
+        self.transfer_timeout_ms.map_or(
+            request_timeout.min(std::time::Duration::from_secs(5)),
+            std::time::Duration::from_millis,
+        )
     }
 
     /// Checks every `[rdma]` key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if let Some(d) = &self.device {
-            if d.is_empty() || d.len() > 64 || d.contains('/') {
+            if !valid_device(d) {
                 return Err(invalid(
                     "rdma.device",
                     d,
@@ -247,6 +285,24 @@ impl RdmaConfig {
         if self.port == Some(0) {
             return Err(invalid("rdma.port", 0, "must be between 1 and 255"));
         }
+        self.validate_rails()?;
+        if !(4096..=16 << 20).contains(&self.stripe_bytes) {
+            return Err(invalid(
+                "rdma.stripe_bytes",
+                HumanSize(self.stripe_bytes),
+                "must be from 4K to 16M",
+            ));
+        }
+        if let Some(ms) = self
+            .transfer_timeout_ms
+            .filter(|ms| !(10..=60_000).contains(ms))
+        {
+            return Err(invalid(
+                "rdma.transfer_timeout_ms",
+                ms,
+                "must be in 10..=60000",
+            ));
+        }
         if self.lease_cache > MAX_LEASE_CACHE {
             return Err(invalid(
                 "rdma.lease_cache",
@@ -255,6 +311,27 @@ impl RdmaConfig {
             ));
         }
         Ok(())
+    }
+
+    fn validate_rails(&self) -> Result<(), ConfigError> {
+        let rails = &self.rails;
+        if rails.is_empty() {
+            return Ok(());
+        }
+        let shown = format!("{rails:?}");
+        let problem = if self.device.is_some() {
+            Some("names the rails' devices: leave rdma.device unset")
+        } else if rails.len() != target_rdma::proto::MAX_RAILS {
+            Some("must name two devices, one per rail (one rail: set rdma.device)")
+        } else if rails.iter().any(|d| !valid_device(d)) || rails[0] == rails[1] {
+            Some("must name two different RDMA devices such as [\"mlx5_0\", \"mlx5_1\"]")
+        } else {
+            None
+        };
+        match problem {
+            Some(p) => Err(invalid("rdma.rails", shown, p)),
+            None => Ok(()),
+        }
     }
 
     /// Leases each queue caches.
@@ -763,15 +840,15 @@ mod tests {
     fn the_rdma_device_keys_select_and_are_checked() {
         let c = UblkdConfig::parse("", Path::new("x")).unwrap();
         assert_eq!(
-            c.rdma.selector(),
-            target_rdma::rdma::DeviceSelector::default()
+            c.rdma.selectors(),
+            [target_rdma::rdma::DeviceSelector::default()]
         );
         let c = UblkdConfig::parse(
             "[rdma]\ndevice = \"rxe0\"\nport = 1\ngid_index = 3\n",
             Path::new("x"),
         )
         .unwrap();
-        let sel = c.rdma.selector();
+        let sel = &c.rdma.selectors()[0];
         assert_eq!(
             (sel.device.as_deref(), sel.port, sel.gid_index),
             (Some("rxe0"), Some(1), 3)
@@ -782,6 +859,43 @@ mod tests {
         );
         assert!(err("[rdma]\ndevice = \"\"\n").starts_with("invalid config: rdma.device = : "));
         assert!(err("[rdma]\nspeed = 1\n").contains("speed"));
+    }
+
+    #[test]
+    fn two_rails_name_two_devices_and_their_keys_are_checked() {
+        let c = UblkdConfig::parse(
+            "[rdma]\nrails = [\"rxe0\", \"rxe1\"]\ngid_index = 1\nstripe_bytes = \"256K\"\ntransfer_timeout_ms = 500\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let devices: Vec<_> = c.rdma.selectors().into_iter().map(|s| s.device).collect();
+        assert_eq!(devices, [Some("rxe0".into()), Some("rxe1".into())]);
+        assert_eq!(c.rdma.stripe_bytes, 256 << 10);
+        let request = std::time::Duration::from_secs(30);
+        assert_eq!(
+            c.rdma.transfer_timeout(request),
+            std::time::Duration::from_millis(500)
+        );
+        let one = UblkdConfig::parse("", Path::new("x")).unwrap();
+        assert_eq!(
+            one.rdma.transfer_timeout(request),
+            std::time::Duration::from_secs(5),
+            "unset: the request timeout, at most 5 s"
+        );
+        for (bad, says) in [
+            ("rails = [\"rxe0\"]", "two devices"),
+            ("rails = [\"rxe0\", \"rxe0\"]", "two different"),
+            ("rails = [\"rxe0\", \"a/b\"]", "two different"),
+            (
+                "device = \"rxe0\"\nrails = [\"a\", \"b\"]",
+                "leave rdma.device unset",
+            ),
+            ("stripe_bytes = 100", "from 4K to 16M"),
+            ("transfer_timeout_ms = 5", "10..=60000"),
+        ] {
+            let e = err(&format!("[rdma]\n{bad}\n"));
+            assert!(e.contains("rdma.") && e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -196,6 +196,21 @@ pub const KEYS: &[KeyDoc] = &[
         meaning: "GID table index; unset means 1, the IPv4-mapped RoCEv2 GID on soft-RoCE (index 0, link-local, fails at connect). On RoCE hardware pick the RoCEv2 entry of `show_gids`.",
     },
     KeyDoc {
+        key: "rdma.rails",
+        ty: Type::Strings,
+        meaning: "Two RDMA devices, one per rail, instead of `rdma.device`: `[\"mlx5_0\", \"mlx5_1\"]`, each on the link to the arena peer's device of the same rail (its `rdma_rails`). Each queue connects a QP on both; a payload goes on the rail with fewer bytes outstanding, one of at least `rdma.stripe_bytes` is split across both, and a rail that fails moves its transfers to the other and rejoins by itself. A device that does not open leaves its rail off.",
+    },
+    KeyDoc {
+        key: "rdma.stripe_bytes",
+        ty: Type::Size,
+        meaning: "With two rails up, payloads of at least this size (4K to 16M, default 128K) are split in two halves moved on both rails at once.",
+    },
+    KeyDoc {
+        key: "rdma.transfer_timeout_ms",
+        ty: Type::Int,
+        meaning: "How long one RDMA transfer may take, 10 to 60000 ms, before its rail counts as lost: its QP is failed and the transfer moves to the other rail (or to TCP). Unset: `request_timeout_ms`, at most 5000. With two rails this bounds the pause a dead link causes.",
+    },
+    KeyDoc {
         key: "rdma.lease_cache",
         ty: Type::Int,
         meaning: "Leases each queue keeps across requests, 0 to 65536: a READ or WRITE of a blob whose lease is cached moves its payload with no control round trip. Each pins an arena slot at the peer, which revokes leases beyond a volume's share under pressure. 0 caches none.",
@@ -410,6 +425,7 @@ socket_group = "ublk"
 device = "rxe0"
 port = 1
 gid_index = 3
+transfer_timeout_ms = 500
 [etcd]
 endpoints = ["http://127.0.0.1:2379"]
 host_id = "host1"

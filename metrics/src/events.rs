@@ -81,6 +81,10 @@ pub const RDMA_RAIL_UP: &str = "rdma.rail_up";
 /// Connecting an RDMA rail to a peer failed; payloads go over TCP until it
 /// reconnects.
 pub const RDMA_RAIL_FAILED: &str = "rdma.rail_failed";
+/// An RDMA rail's QP failed under load (an error completion, a timeout): its
+/// transfers move to the other rail, or over TCP; it is tried again after
+/// a wait that doubles while it keeps failing.
+pub const RDMA_RAIL_LOST: &str = "rdma.rail_lost";
 /// An RDMA transfer failed; it is retried once, then the request moves to TCP.
 pub const RDMA_ATTEMPT_FAILED: &str = "rdma.attempt_failed";
 /// A write's lease was taken back by the server (a racing DISCARD): the write
@@ -399,6 +403,7 @@ pub const ALL: &[&str] = &[
     RDMA_UNAVAILABLE,
     RDMA_RAIL_UP,
     RDMA_RAIL_FAILED,
+    RDMA_RAIL_LOST,
     RDMA_ATTEMPT_FAILED,
     RDMA_LEASE_LOST,
     RDMA_POLL_FAILED,

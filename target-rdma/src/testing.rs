@@ -300,7 +300,7 @@ impl Peer {
     ) -> RdmaTransport {
         RdmaTransport::connect(
             self.config("a", SECRET_A),
-            Ok(provider),
+            vec![Ok(provider)],
             RdmaTransportConfig {
                 min_rdma_bytes: 1,
                 buffer_bytes: blob,

@@ -70,7 +70,7 @@ fn peer_with_cold_blobs(promote_cold_after: u32) -> (Peer, RdmaTransport, tempfi
         lease_cache: 0,
         ..RdmaTransportConfig::default()
     };
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![Ok(p)], cfg).unwrap();
     (peer, t, dir)
 }
 

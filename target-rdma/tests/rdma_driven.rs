@@ -69,7 +69,7 @@ fn driven_with(busy_poll: Duration, delay: Duration) -> Setup {
     };
     let t = RdmaTransport::connect(
         peer.config("a", SECRET_A),
-        Ok(provider.clone() as Arc<dyn RdmaProvider>),
+        vec![Ok(provider.clone() as Arc<dyn RdmaProvider>)],
         cfg,
     )
     .unwrap();
@@ -202,4 +202,61 @@ fn the_driver_ends_with_its_transport() {
     });
     drop(s);
     lp.block_on(driver.run(&lp));
+}
+
+/// Two rails driven on one loop: the driver reaps both rails'
+/// completions, payloads (striped ones included) move on both, and a rail
+/// lost under load hands its transfers to the other.
+#[test]
+fn two_driven_rails_share_the_loop_and_survive_losing_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let [a, b] = [LoopbackProvider::new(), LoopbackProvider::new()];
+    let devices: Vec<Arc<dyn RdmaProvider>> = vec![a.clone(), b.clone()];
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            arena_bytes: 4 << 20,
+            blob_bytes: BLOB,
+            rdma: devices.clone(),
+            ..PeerOpts::default()
+        },
+    );
+    let cfg = RdmaTransportConfig {
+        min_rdma_bytes: 512,
+        buffer_bytes: BLOB,
+        pool_buffers: 4,
+        stripe_bytes: 32 << 10,
+        lease_cache: 8,
+        driven: true,
+        ..RdmaTransportConfig::default()
+    };
+    let t = RdmaTransport::connect(
+        peer.config("a", SECRET_A),
+        devices.into_iter().map(Ok).collect(),
+        cfg,
+    )
+    .unwrap();
+    let lp = UringLoop::new().unwrap();
+    on_loop(&lp, &t, workload(&t));
+    let carried = |i: usize| {
+        t.stats().rails[i]
+            .transfers
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert!(
+        carried(0) > 0 && carried(1) > 0,
+        "{} {}",
+        carried(0),
+        carried(1)
+    );
+    b.inject(wc_status::RETRY_EXC_ERR);
+    let whole = pattern(40, 1, BLOB as usize);
+    on_loop(&lp, &t, async {
+        assert_eq!(t.write(40, 0, &whole).await.unwrap(), Via::Rdma);
+        let mut out = vec![0; BLOB as usize];
+        assert_eq!(t.read(40, 0, &mut out).await.unwrap(), Via::Rdma);
+        assert!(out == whole);
+    });
+    on_loop(&lp, &t, workload(&t));
+    assert_eq!(count(&t, "tcp_payload_requests"), 0);
 }

@@ -1,13 +1,17 @@
-//! arenad serving two rails (`rdma_rails`): a session connects a QP on
-//! each, every lease answer carries a key per rail, each key works only
-//! through its own rail, losing one rail keeps the other's keys, and
-//! single-rail peers and clients keep the formats they had.
+//! Two RDMA rails. arenad (`rdma_rails`): a session connects a QP on each,
+//! every lease answer carries a key per rail, each key works only through
+//! its own rail, losing one rail keeps the other's keys, and single-rail
+//! peers and clients keep the formats they had. The client (a transport on
+//! two devices): both rails carry payloads, large ones striped, a lost
+//! rail's transfers move to the other and the rail comes back.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::executor::block_on;
-use target_rdma::blob::ArenaError;
-use target_rdma::client::ArenaClient;
+use target_rdma::blob::{ArenaError, BlobIo, Via};
+use target_rdma::client::{ArenaClient, RdmaTransport, RdmaTransportConfig};
 use target_rdma::proto::{
     self, Opcode, Request, Status, CAP_RAILS, CAP_RDMA, CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA,
     RAIL_CONNECT_BODY, VERSION_2,
@@ -218,4 +222,206 @@ fn a_client_without_rails_keeps_its_formats() {
     assert!(msg.contains("CAP_RAILS"), "{msg}");
     assert!(s.recv().is_none(), "the session ended");
     assert_eq!(peer.protocol_errors(), 1);
+}
+
+// --- The client: a transport on two rails ---
+
+fn transport_cfg() -> RdmaTransportConfig {
+    RdmaTransportConfig {
+        min_rdma_bytes: 512,
+        buffer_bytes: BLOB,
+        pool_buffers: 4,
+        stripe_bytes: 32 << 10,
+        lease_cache: 0,
+        op_timeout: Duration::from_secs(2),
+        ..RdmaTransportConfig::default()
+    }
+}
+
+fn rail(t: &RdmaTransport, i: usize) -> (u64, u64, u64) {
+    let r = &t.stats().rails[i];
+    (
+        r.transfers.load(Ordering::Relaxed),
+        r.bytes.load(Ordering::Relaxed),
+        r.lost.load(Ordering::Relaxed),
+    )
+}
+
+fn tcp_payloads(t: &RdmaTransport) -> u64 {
+    t.stats()
+        .per_op
+        .iter()
+        .flat_map(|o| o.tcp.iter())
+        .map(|c| c.load(Ordering::Relaxed))
+        .sum()
+}
+
+fn two_rail_transport(
+    devices: &[Arc<dyn RdmaProvider>; 2],
+    served: Vec<Arc<dyn RdmaProvider>>,
+) -> (Peer, RdmaTransport, tempfile::TempDir) {
+    let (peer, dir) = peer_on(served);
+    let t = RdmaTransport::connect(
+        peer.config("a", SECRET_A),
+        devices.iter().cloned().map(Ok).collect(),
+        transport_cfg(),
+    )
+    .unwrap();
+    (peer, t, dir)
+}
+
+/// Small payloads take turns on the two rails; one of at least
+/// `stripe_bytes` moves half on each; everything reads back.
+#[test]
+fn both_rails_carry_payloads_and_large_ones_are_striped() {
+    let devices = two_devices();
+    let (_peer, t, _dir) = two_rail_transport(&devices, devices.to_vec());
+    assert_eq!(
+        t.rdma_status().unwrap(),
+        format!("{}+{}", devices[0].device_name(), devices[1].device_name())
+    );
+    for k in 0..8u64 {
+        assert_eq!(
+            block_on(t.write(k, 0, &pattern(k, 1, 4096))).unwrap(),
+            Via::Rdma
+        );
+    }
+    let (small0, small1) = (rail(&t, 0).0, rail(&t, 1).0);
+    assert!(
+        small0 >= 2 && small1 >= 2,
+        "both rails carried 4 KiB payloads: {small0} {small1}"
+    );
+
+    let whole = pattern(9, 1, BLOB as usize);
+    assert_eq!(block_on(t.write(9, 0, &whole)).unwrap(), Via::Rdma);
+    let mut out = vec![0; BLOB as usize];
+    assert_eq!(block_on(t.read(9, 0, &mut out)).unwrap(), Via::Rdma);
+    assert!(out == whole, "the striped blob reads back");
+    assert_eq!(t.stats().striped.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        (rail(&t, 0).1 - 8 * 4096 + rail(&t, 1).1) % 4096,
+        0,
+        "halves are whole pages"
+    );
+    for k in 0..8u64 {
+        let mut out = vec![0; 4096];
+        assert_eq!(block_on(t.read(k, 0, &mut out)).unwrap(), Via::Rdma);
+        assert!(out == pattern(k, 1, 4096), "key {k}");
+    }
+    assert_eq!(tcp_payloads(&t), 0, "nothing went over TCP");
+}
+
+/// A rail whose transfers fail is lost: what it carried moves to the other
+/// rail (no request fails, none goes over TCP), and it comes back by
+/// itself: brought up again by a later request, proven by one transfer,
+/// then carrying its share again.
+#[test]
+fn a_lost_rail_hands_its_transfers_to_the_other_and_comes_back() {
+    let [a, b] = [LoopbackProvider::new(), LoopbackProvider::new()];
+    let devices = [
+        a as Arc<dyn RdmaProvider>,
+        b.clone() as Arc<dyn RdmaProvider>,
+    ];
+    let (_peer, t, _dir) = two_rail_transport(&devices, devices.to_vec());
+    // Rail 1's next post fails as on a dead link (retries exhausted).
+    b.inject(wc_status::RETRY_EXC_ERR);
+    for k in 0..8u64 {
+        assert_eq!(
+            block_on(t.write(k, 0, &pattern(k, 2, 4096))).unwrap(),
+            Via::Rdma,
+            "key {k}"
+        );
+    }
+    let whole = pattern(20, 2, BLOB as usize);
+    assert_eq!(block_on(t.write(20, 0, &whole)).unwrap(), Via::Rdma);
+    assert!(rail(&t, 1).2 >= 1, "rail 1 was lost");
+    assert_eq!(
+        tcp_payloads(&t),
+        0,
+        "no payload went over TCP while rail 0 was up"
+    );
+    // It comes back: its QP is brought up again and carries payloads.
+    let before = rail(&t, 1).0;
+    for k in 30..60u64 {
+        block_on(t.write(k, 0, &pattern(k, 2, 4096))).unwrap();
+        if rail(&t, 1).0 > before + 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(rail(&t, 1).0 > before + 2, "rail 1 carries payloads again");
+    let mut out = vec![0; BLOB as usize];
+    block_on(t.read(20, 0, &mut out)).unwrap();
+    assert!(out == whole);
+    for k in 0..8u64 {
+        let mut out = vec![0; 4096];
+        block_on(t.read(k, 0, &mut out)).unwrap();
+        assert!(out == pattern(k, 2, 4096), "key {k}");
+    }
+    assert_eq!(tcp_payloads(&t), 0);
+}
+
+/// A peer with one rail gives a two-rail client one rail: rail 1 is off
+/// (counted as a failed rail setup, its reason shown), payloads go by
+/// rail 0, none by TCP.
+#[test]
+fn a_one_rail_peer_gives_a_two_rail_client_one_rail() {
+    let devices = two_devices();
+    let (_peer, t, _dir) = two_rail_transport(&devices, vec![devices[0].clone()]);
+    assert_eq!(t.rdma_status().unwrap(), devices[0].device_name());
+    assert_eq!(t.stats().rail_connect_failures.load(Ordering::Relaxed), 1);
+    let whole = pattern(1, 3, BLOB as usize);
+    assert_eq!(block_on(t.write(1, 0, &whole)).unwrap(), Via::Rdma);
+    let mut out = vec![0; BLOB as usize];
+    assert_eq!(block_on(t.read(1, 0, &mut out)).unwrap(), Via::Rdma);
+    assert!(out == whole);
+    assert_eq!((rail(&t, 1).0, tcp_payloads(&t)), (0, 0));
+    assert_eq!(t.stats().striped.load(Ordering::Relaxed), 0);
+}
+
+/// Both rails lost: payloads go over TCP, counted as a failover, and the
+/// data is right.
+#[test]
+fn with_both_rails_lost_payloads_fail_over_to_tcp() {
+    let [a, b] = [LoopbackProvider::new(), LoopbackProvider::new()];
+    let devices = [
+        a.clone() as Arc<dyn RdmaProvider>,
+        b.clone() as Arc<dyn RdmaProvider>,
+    ];
+    let (_peer, t, _dir) = two_rail_transport(&devices, devices.to_vec());
+    for _ in 0..8 {
+        a.inject(wc_status::RETRY_EXC_ERR);
+        b.inject(wc_status::RETRY_EXC_ERR);
+    }
+    let data = pattern(5, 4, 4096);
+    let via = block_on(t.write(5, 0, &data)).unwrap();
+    assert!(matches!(via, Via::Failover | Via::Rdma), "{via:?}");
+    let mut out = vec![0; 4096];
+    block_on(t.read(5, 0, &mut out)).unwrap();
+    assert!(out == data);
+}
+
+/// A striped payload whose half fails on one rail moves that half on the
+/// other rail: the request succeeds by RDMA and reads back whole.
+#[test]
+fn a_striped_half_that_fails_moves_on_the_other_rail() {
+    let [a, b] = [LoopbackProvider::new(), LoopbackProvider::new()];
+    let devices = [
+        a as Arc<dyn RdmaProvider>,
+        b.clone() as Arc<dyn RdmaProvider>,
+    ];
+    let (_peer, t, _dir) = two_rail_transport(&devices, devices.to_vec());
+    for k in 0..4u64 {
+        block_on(t.write(k, 0, &pattern(k, 5, 4096))).unwrap();
+    }
+    assert!(rail(&t, 0).0 > 0 && rail(&t, 1).0 > 0, "both rails proven");
+    b.inject(wc_status::RETRY_EXC_ERR);
+    let whole = pattern(7, 5, BLOB as usize);
+    assert_eq!(block_on(t.write(7, 0, &whole)).unwrap(), Via::Rdma);
+    assert_eq!(t.stats().striped.load(Ordering::Relaxed), 1);
+    assert_eq!(rail(&t, 1).2, 1, "rail 1 was lost");
+    let mut out = vec![0; BLOB as usize];
+    assert_eq!(block_on(t.read(7, 0, &mut out)).unwrap(), Via::Rdma);
+    assert!(out == whole);
+    assert_eq!(tcp_payloads(&t), 0);
 }

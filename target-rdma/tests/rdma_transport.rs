@@ -93,7 +93,7 @@ fn setup(
             ..PeerOpts::default()
         },
     );
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), client, cfg).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![client], cfg).unwrap();
     Setup {
         t,
         _peer: peer,
@@ -206,7 +206,9 @@ fn transport_rdma_refuses_to_start_without_rdma() {
     let peer = Peer::start(dir.path(), PeerOpts::default());
     let e = RdmaTransport::connect(
         peer.config("a", SECRET_A),
-        Err("no RDMA device: listing RDMA devices failed: Function not implemented".into()),
+        vec![Err(
+            "no RDMA device: listing RDMA devices failed: Function not implemented".into(),
+        )],
         RdmaTransportConfig {
             require_rdma: true,
             ..cfg()
@@ -222,8 +224,12 @@ fn transport_rdma_refuses_to_start_without_rdma() {
 fn no_local_device_is_counted_by_its_reason() {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(dir.path(), PeerOpts::default());
-    let t =
-        RdmaTransport::connect(peer.config("a", SECRET_A), Err("ENOSYS".into()), cfg()).unwrap();
+    let t = RdmaTransport::connect(
+        peer.config("a", SECRET_A),
+        vec![Err("ENOSYS".into())],
+        cfg(),
+    )
+    .unwrap();
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
     assert_eq!(tcp(&t, TcpReason::NoLocalDevice), 1);
 }
@@ -330,7 +336,7 @@ fn after_a_peer_restart_payloads_go_by_rdma_again() {
     };
     let peer = Peer::start(dir.path(), opts());
     let addr = peer.addr.to_string();
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p.clone()), cfg()).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![Ok(p.clone())], cfg()).unwrap();
     for key in 0..4 {
         block_on(t.write(key, 0, &pattern(key, 1, 4096))).unwrap();
     }
@@ -413,7 +419,7 @@ fn small_peer(slots: u64) -> (Arc<LoopbackProvider>, Peer, tempfile::TempDir) {
 fn revoked_leases_are_given_back() {
     // Two slots: a cached lease on one, then a second client's demand revokes it.
     let (p, peer, _dir) = small_peer(2);
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![Ok(p)], cfg()).unwrap();
     block_on(t.write(1, 0, &[1; 4096])).unwrap();
     block_on(t.write(2, 0, &[2; 4096])).unwrap();
     assert_eq!(peer.store.stats().leases_held, 2);
@@ -440,7 +446,7 @@ fn revoked_leases_are_given_back() {
 #[test]
 fn more_requests_in_flight_than_arena_slots_all_complete() {
     let (p, peer, _dir) = small_peer(4);
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![Ok(p)], cfg()).unwrap();
     block_on(async {
         for round in 0..4u64 {
             let writes = (0..48u64).map(|k| {
@@ -475,7 +481,7 @@ fn an_arena_pinned_by_another_client_answers_busy() {
     let held: Vec<_> = (10..12u64)
         .map(|k| (k, block_on(other.alloc(k)).unwrap()))
         .collect();
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![Ok(p)], cfg()).unwrap();
     let e = block_on(t.write(1, 0, &[1; 4096])).unwrap_err();
     assert_eq!(e.status(), Some(target_rdma::proto::Status::Busy), "{e}");
     for (k, lease) in held {
@@ -495,7 +501,7 @@ fn a_write_racing_a_remove_on_another_connection_is_done_again() {
     let (p, peer, _dir) = small_peer(8);
     let t = RdmaTransport::connect(
         peer.config("a", SECRET_A),
-        Ok(p.clone()),
+        vec![Ok(p.clone())],
         RdmaTransportConfig {
             lease_cache: 0,
             ..cfg()
@@ -539,7 +545,7 @@ fn two_queues(
     let queue = || {
         let mut cc = peer.config("a", SECRET_A);
         cc.flush_domain = Arc::clone(&domain);
-        let t = Arc::new(RdmaTransport::connect(cc, Ok(p.clone()), cfg()).unwrap());
+        let t = Arc::new(RdmaTransport::connect(cc, vec![Ok(p.clone())], cfg()).unwrap());
         t.join(&group);
         t
     };
@@ -1314,7 +1320,7 @@ fn the_shared_region_is_an_explicit_choice_and_still_serves(p: Arc<dyn RdmaProvi
         "shared: the arena key reaches another volume's slot"
     );
     assert!(rail.local() == pattern(7, 1, BLOB as usize));
-    let t = RdmaTransport::connect(peer.config("a", SECRET_A), Ok(p), cfg()).unwrap();
+    let t = RdmaTransport::connect(peer.config("a", SECRET_A), vec![Ok(p)], cfg()).unwrap();
     payloads_go_by_rdma_and_a_forced_fallback_is_counted(&t);
 }
 

@@ -111,8 +111,22 @@ impl Connector {
                 }
             }
             Some(mode) => {
-                let provider = open_provider(mode, &self.rdma.selector())
-                    .map_err(|e| DeviceError::RdmaUnavailable(e.to_string()))?;
+                // Each rail's device; a missing one leaves its rail off
+                // (`rdma` needs one rail at least).
+                let mut devices = Vec::new();
+                for sel in self.rdma.selectors() {
+                    devices.push(
+                        open_provider(RdmaMode::Auto, &sel)
+                            .map_err(|e| DeviceError::RdmaUnavailable(e.to_string()))?,
+                    );
+                }
+                if mode == RdmaMode::On && devices.iter().all(Result::is_err) {
+                    let why: Vec<String> = devices.into_iter().filter_map(Result::err).collect();
+                    return Err(DeviceError::RdmaUnavailable(format!(
+                        "no RDMA device: {}",
+                        why.join("; ")
+                    )));
+                }
                 let cfg = RdmaTransportConfig {
                     // Every payload ublkd moves comes from a tag buffer:
                     // larger ones cannot exist, and the bounce pool only
@@ -121,7 +135,8 @@ impl Connector {
                     buffer_bytes: spec.io_buf as u32,
                     pool_buffers: 4,
                     sq_depth: (spec.depth * 2).clamp(16, 256),
-                    op_timeout: self.request_timeout.min(Duration::from_secs(5)),
+                    op_timeout: self.rdma.transfer_timeout(self.request_timeout),
+                    stripe_bytes: self.rdma.stripe_bytes as u32,
                     require_rdma: spec.transport == TransportChoice::Rdma,
                     // A replicated writer's lanes present a new epoch one
                     // by one, and a raise ends the leases of every session
@@ -144,7 +159,7 @@ impl Connector {
                         driven: driven && i < bufs.len(),
                         ..cfg.clone()
                     };
-                    let t = RdmaTransport::connect(client_cfg(), provider.clone(), cfg).map_err(
+                    let t = RdmaTransport::connect(client_cfg(), devices.clone(), cfg).map_err(
                         |e| match e {
                             RdmaConnectError::Arena(e) => DeviceError::Arena(e),
                             e @ RdmaConnectError::Unavailable { .. } => {

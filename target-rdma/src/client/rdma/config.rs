@@ -10,6 +10,9 @@ pub struct RdmaTransportConfig {
     pub min_rdma_bytes: u32,
     /// Size of one pool buffer; larger payloads go inline on TCP.
     pub buffer_bytes: u32,
+    /// With two rails up, a payload of at least this many bytes is split
+    /// in two halves moved on both at once.
+    pub stripe_bytes: u32,
     /// Pool buffers (registered once, as one region).
     pub pool_buffers: u32,
     /// Send queue depth: RDMA requests in flight at once.
@@ -35,6 +38,7 @@ impl Default for RdmaTransportConfig {
         Self {
             min_rdma_bytes: 512,
             buffer_bytes: 1 << 20,
+            stripe_bytes: 128 << 10,
             pool_buffers: 32,
             sq_depth: 64,
             op_timeout: Duration::from_secs(5),

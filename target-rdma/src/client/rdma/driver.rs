@@ -13,7 +13,8 @@
 //! A rail replaced by a new one (a reconnect, a broken QP) hands its engine
 //! over through [`CqHandoff`]; the driver finishes what the old engine
 //! still has in flight (bounded by the request deadline, which it sweeps),
-//! then moves on.
+//! then moves on. A transport with two rails has a hand-off per rail, each
+//! served by its own pair of futures on the same loop.
 
 use std::future::poll_fn;
 use std::sync::Arc;
@@ -29,16 +30,27 @@ use crate::client::driven::{CqHandoff, Engine, Ring};
 /// Runs a driven RDMA transport's completions on its owner's loop; see
 /// [`RdmaTransport::cq_driver`](super::RdmaTransport::cq_driver).
 pub struct CqDriver {
+    pub(super) rails: Vec<RailDriver>,
+}
+
+impl CqDriver {
+    /// Reaps completions and expires requests, on every rail, until the
+    /// transport is dropped. Without it running, a driven transport's RDMA
+    /// transfers never complete (their deadlines are the sweep's, so they
+    /// would not even time out).
+    pub async fn run(&self, ring: &impl Ring) {
+        futures::future::join_all(self.rails.iter().map(|r| r.run(ring))).await;
+    }
+}
+
+/// The driver of one rail's engines.
+pub(super) struct RailDriver {
     pub(super) handoff: Arc<CqHandoff<CompletionEngine>>,
     pub(super) busy_poll: Duration,
 }
 
-impl CqDriver {
-    /// Reaps completions and expires requests until the transport is
-    /// dropped. Without it running, a driven transport's RDMA transfers
-    /// never complete (their deadlines are the sweep's, so they would not
-    /// even time out).
-    pub async fn run(&self, ring: &impl Ring) {
+impl RailDriver {
+    async fn run(&self, ring: &impl Ring) {
         futures::future::join(self.reap(ring), self.sweep(ring)).await;
     }
 

@@ -2,8 +2,9 @@
 //! with the control stream ([`ArenaClient`](super::ArenaClient)) for
 //! leases and the counted TCP inline path as fallback.
 //!
-//! One transport per ublk queue: one control connection, one QP (a *rail*),
-//! one registered buffer pool. A request leases the blob's slot (GET/ALLOC,
+//! One transport per ublk queue: one control connection, one QP per *rail*
+//! (one or two: a local device each, on the link to the peer's device of
+//! the same index), a registered buffer pool per rail. A request leases the blob's slot (GET/ALLOC,
 //! or a cached lease), moves its byte range with RDMA READ/WRITE at
 //! `arena_base + slot_offset + offset`, then ends the lease (RELEASE/COMMIT)
 //! unless it is cached. Many requests are in flight at once, bounded by the
@@ -23,8 +24,10 @@
 //!
 //! One type per mechanism, each held by the transport and each in its
 //! file: `transport` (`RdmaTransport`, the data path that uses the
-//! others), `rails` (`Rails`: the QP over time, set up and replaced) over
-//! `rail` (one QP and the per-payload route), `leases` (`Leases`: asking
+//! others), `rails` (`Rails`: which rail a payload takes, and striping)
+//! over `rail_slot` (`RailSlot`: one rail's QP over time, set up, lost and
+//! replaced, and its memory) over `rail` (one QP and the per-payload
+//! route), `leases` (`Leases`: asking
 //! for, caching and ending leases, waiting out BUSY) over `lease_cache`
 //! (the cache's state machine) and `busy` (our own leases, as BUSY answers
 //! see them), `group` (`TransportGroup`, the device's transports), `pool`
@@ -42,6 +45,7 @@ mod lease_cache;
 mod leases;
 mod pool;
 mod rail;
+mod rail_slot;
 mod rails;
 mod stats;
 mod transport;

@@ -1,214 +1,236 @@
-//! [`Rails`]: a transport's QP against the peer over time. It holds the
-//! current [`RailState`], brings a rail up on the live control connection
-//! (RAIL_CONNECT) when a payload's route asks for one, hands each new
-//! rail's completion engine to its reaper (a completion thread, or the
-//! driver of a driven transport), and says whether and why payloads go
-//! over TCP instead.
+//! [`Rails`]: the one or two rails of a transport, and which one a payload
+//! takes. A payload goes on a rail whose QP is up, the one with fewer bytes
+//! outstanding; a rail that was lost is brought up again by the first
+//! request that finds it due, and its first transfer is the only one on it
+//! until it gets through, so a rail that comes back onto a dead link
+//! delays one request, not all of them. A payload of at least
+//! `stripe_bytes` is split across both rails when both carry traffic.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
-use tracing::{info, warn};
-use ublk_metrics::events;
-
-use super::completion::CompletionEngine;
-use super::config::RdmaTransportConfig;
-use super::driver::CqDriver;
+use super::driver::{CqDriver, RailDriver};
 use super::leases::Leases;
-use super::rail::{Rail, RailState, Route, Sizes};
-use super::stats::{RdmaStats, TcpReason};
-use crate::client::driven::CqHandoff;
+use super::rail::Rail;
+use super::rail_slot::RailSlot;
+use super::stats::TcpReason;
 use crate::client::tcp::ArenaClient;
-use crate::rdma::{QueuePair, RdmaProvider};
+use crate::rdma::RdmaError;
 
-/// The rails of one transport.
+/// The rails of one transport (one or two).
 pub(super) struct Rails {
-    state: Mutex<RailState>,
-    provider: Option<Arc<dyn RdmaProvider>>,
-    cfg: RdmaTransportConfig,
-    stats: Arc<RdmaStats>,
-    peer: String,
-    /// Driven: where each new rail's completion engine goes to the driver.
-    cq: Option<Arc<CqHandoff<CompletionEngine>>>,
+    slots: Vec<RailSlot>,
+    busy_poll: std::time::Duration,
+    min_bytes: usize,
+    max_bytes: usize,
+}
+
+/// A rail chosen for a payload, and its QP.
+pub(super) struct Chosen<'a> {
+    pub(super) slot: &'a RailSlot,
+    pub(super) rail: Arc<Rail>,
 }
 
 impl Rails {
-    /// Rails on `provider` (none: payloads go over TCP), starting in
-    /// `state`.
+    /// Rails over `slots`, rail `i` at index `i`.
     pub(super) fn new(
-        provider: Option<Arc<dyn RdmaProvider>>,
-        state: RailState,
-        cfg: RdmaTransportConfig,
-        stats: Arc<RdmaStats>,
-        peer: String,
+        slots: Vec<RailSlot>,
+        busy_poll: std::time::Duration,
+        min_bytes: u32,
+        max_bytes: u32,
     ) -> Self {
         Self {
-            state: Mutex::new(state),
-            provider,
-            cq: cfg.driven.then(Arc::default),
-            cfg,
-            stats,
-            peer,
+            slots,
+            busy_poll,
+            min_bytes: min_bytes as usize,
+            max_bytes: max_bytes as usize,
         }
     }
 
-    /// Whether no rail is up yet and one may be brought up.
-    pub(super) fn is_down(&self) -> bool {
-        matches!(*self.state.lock(), RailState::Down(_))
+    /// Every rail.
+    pub(super) fn slots(&self) -> &[RailSlot] {
+        &self.slots
     }
 
-    /// RDMA will not be used: payloads go over TCP for `reason`.
-    pub(super) fn turn_off(&self, reason: TcpReason, why: String) {
-        *self.state.lock() = RailState::Off(reason, why);
-    }
-
-    /// Why payloads go over TCP, when RDMA will not be used.
-    pub(super) fn off(&self) -> Option<String> {
-        match &*self.state.lock() {
-            RailState::Off(_, why) => Some(why.clone()),
-            _ => None,
+    /// Why payloads go over TCP, when no rail will be used: the first
+    /// rail's reason and every rail's explanation.
+    pub(super) fn off(&self) -> Option<(TcpReason, String)> {
+        let mut reason = None;
+        let mut why = Vec::new();
+        for s in &self.slots {
+            let (r, w) = s.off()?;
+            reason.get_or_insert(r);
+            why.push(if self.slots.len() > 1 {
+                format!("rail {}: {w}", s.index)
+            } else {
+                w
+            });
         }
+        reason.map(|r| (r, why.join("; ")))
     }
 
-    /// `Ok(device)` while payloads go by RDMA, or why they go over TCP.
+    /// `Ok(devices)` while payloads go by RDMA (the devices of the rails
+    /// that may carry them, `+`-joined), or why they go over TCP.
     pub(super) fn status(&self) -> Result<String, String> {
-        match &*self.state.lock() {
-            RailState::Off(_, why) => Err(why.clone()),
-            _ => Ok(self
-                .provider
-                .as_ref()
-                .map(|p| p.device_name())
-                .unwrap_or_default()),
+        if let Some((_, why)) = self.off() {
+            return Err(why);
         }
+        Ok(self
+            .slots
+            .iter()
+            .filter(|s| s.uses_rdma())
+            .map(RailSlot::device)
+            .collect::<Vec<_>>()
+            .join("+"))
     }
 
-    /// Whether payloads go by RDMA (the rail is up, or down and being
-    /// re-established). Cheap: no allocation, one short lock.
+    /// Whether payloads go by RDMA on some rail. Cheap: no allocation, a
+    /// short lock per rail.
     pub(super) fn uses_rdma(&self) -> bool {
-        !matches!(*self.state.lock(), RailState::Off(..))
+        self.slots.iter().any(RailSlot::uses_rdma)
     }
 
     /// The completion driver of driven rails; `None` otherwise.
     pub(super) fn cq_driver(&self) -> Option<CqDriver> {
-        self.cq.as_ref().map(|handoff| CqDriver {
-            handoff: Arc::clone(handoff),
-            busy_poll: self.cfg.busy_poll,
-        })
+        let rails: Option<Vec<RailDriver>> = self
+            .slots
+            .iter()
+            .map(|s| {
+                s.cq.as_ref().map(|handoff| RailDriver {
+                    handoff: Arc::clone(handoff),
+                    busy_poll: self.busy_poll,
+                })
+            })
+            .collect();
+        rails.map(|rails| CqDriver { rails })
     }
 
-    /// The transport is dropped: the QP is torn down (before the memory
-    /// it may touch) and the driver ends.
+    /// Registers `[addr, addr + len)` on every rail's device. A rail whose
+    /// device refuses it is turned off (its payloads would all bounce);
+    /// an error only when no rail is left.
+    ///
+    /// # Safety
+    ///
+    /// As [`RdmaTransport::register_io_buffers`](super::RdmaTransport::register_io_buffers).
+    pub(super) unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        stats: &super::stats::RdmaStats,
+    ) -> Result<(), RdmaError> {
+        let mut last = None;
+        for s in &self.slots {
+            // SAFETY: forwarded contract.
+            if let Err(e) = unsafe { s.memory.register(addr, len, stats) } {
+                if self.slots.len() > 1 {
+                    s.turn_off(TcpReason::RegistrationFailed, e.to_string());
+                }
+                last = Some(e);
+            }
+        }
+        match last {
+            Some(e) if !self.uses_rdma() || self.slots.len() == 1 => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// The transport is dropped: every QP is torn down and the drivers end.
     pub(super) fn shut_down(&self) {
-        *self.state.lock() = RailState::Down(Instant::now());
-        if let Some(cq) = &self.cq {
-            cq.close();
+        for s in &self.slots {
+            s.shut_down();
         }
     }
 
-    /// Brings up a new rail on `client`'s current control connection.
-    pub(super) async fn establish(
-        &self,
-        client: &ArenaClient,
-        leases: &Leases,
-    ) -> Result<Arc<Rail>, String> {
-        let r = self.try_establish(client, leases).await;
-        match &r {
-            Ok(_) => self.stats.inc(|s| &s.rail_connects),
-            Err(e) => {
-                self.stats.inc(|s| &s.rail_connect_failures);
-                warn!(event = events::RDMA_RAIL_FAILED, peer = %self.peer, error = %e);
-            }
-        }
-        self.state.lock().settle(&r, Instant::now());
-        r
-    }
-
-    async fn try_establish(
-        &self,
-        client: &ArenaClient,
-        leases: &Leases,
-    ) -> Result<Arc<Rail>, String> {
-        let provider = self.provider.as_ref().ok_or("no local RDMA device")?;
-        let qp: Arc<dyn QueuePair> = provider
-            .domain()
-            .create_qp(self.cfg.sq_depth)
-            .map_err(|e| e.to_string())?
-            .into();
-        // Connected first: after the peer restarted, the connection the
-        // RAIL_CONNECT goes on is made here, not inside the call (which
-        // would make the rail look older than its connection).
-        let before = client.connected_epoch().map_err(|e| e.to_string())?;
-        let acc = client
-            .rail_connect(0, qp.endpoint())
-            .await
-            .map_err(|e| e.to_string())?;
-        let epoch = client.connection_epoch();
-        if epoch != Some(before) {
-            return Err("the control connection changed during the rail setup".into());
-        }
-        let blob = u64::from(client.session_blob_bytes());
-        if acc.arena_len < blob {
-            self.stats.inc(|s| &s.rdma_protocol_errors);
-            return Err(format!(
-                "peer's arena region of {} bytes is smaller than a blob",
-                acc.arena_len
-            ));
-        }
-        qp.connect(&acc.endpoint).map_err(|e| e.to_string())?;
-        let engine = CompletionEngine::new(
-            qp,
-            self.cfg.sq_depth,
-            self.cfg.op_timeout,
-            Arc::clone(&self.stats),
-        );
-        match &self.cq {
-            Some(handoff) => handoff.install(&engine),
-            None => engine.spawn().map_err(|e| e.to_string())?,
-        }
-        // Isolated per lease (no key to the whole arena), the keys of the
-        // leases cached so far died with the peer's old rail: those leases
-        // are given back rather than tried.
-        if acc.rkey == 0 {
-            let stale = leases.retire_all();
-            for (key, e) in stale {
-                let _ = leases.end_cached(client, key, e).await;
-            }
-        }
-        info!(event = events::RDMA_RAIL_UP, peer = %self.peer, device = %provider.device_name());
-        Ok(Arc::new(Rail {
-            engine,
-            remote: acc,
-            epoch: before,
-        }))
-    }
-
-    /// The rail to use for a payload of `len` bytes, or why to use TCP.
-    pub(super) async fn route(
-        &self,
+    /// The rail for a payload of `len` bytes, or why it goes over TCP.
+    /// Rails other than `after` come first (a retry after a failure on
+    /// `after`); a rail that is due is brought up on the way.
+    pub(super) async fn pick<'a>(
+        &'a self,
         len: usize,
         client: &ArenaClient,
         leases: &Leases,
-    ) -> Result<Arc<Rail>, TcpReason> {
-        let sizes = Sizes {
-            min: self.cfg.min_rdma_bytes as usize,
-            max: self.cfg.buffer_bytes as usize,
-        };
+        after: Option<u8>,
+    ) -> Result<Chosen<'a>, TcpReason> {
+        if len < self.min_bytes {
+            return Err(TcpReason::BelowThreshold);
+        }
+        // Every rail off: their reason, whatever the size.
+        if let Some(reason) = self.all_off() {
+            return Err(reason);
+        }
+        if len > self.max_bytes {
+            return Err(TcpReason::TooLarge);
+        }
         let epoch = client.connection_epoch();
-        let route = self.state.lock().route(len, sizes, epoch, Instant::now());
-        match route {
-            Route::Use(rail) => Ok(rail),
-            Route::Tcp(reason) => Err(reason),
-            Route::Establish => {
-                let rail = self
-                    .establish(client, leases)
-                    .await
-                    .map_err(|_| TcpReason::QpError)?;
-                if len > sizes.max {
-                    return Err(TcpReason::TooLarge);
-                }
-                Ok(rail)
+        let now = Instant::now();
+        // A lost rail comes back through the request that finds it due
+        // (one at a time: it is `Connecting` meanwhile), unless this is
+        // the retry of a transfer that just failed.
+        if after.is_none() && self.slots.len() > 1 {
+            if let Some(s) = self.slots.iter().find(|s| s.due(epoch, now)) {
+                let _ = s.route(len, client, leases).await;
             }
         }
+        if let Some(chosen) = self.ready(after, client.connection_epoch()) {
+            return Ok(chosen);
+        }
+        let mut reason = None;
+        let order = self
+            .slots
+            .iter()
+            .filter(|s| Some(s.index) != after)
+            .chain(self.slots.iter().filter(|s| Some(s.index) == after));
+        for slot in order {
+            match slot.route(len, client, leases).await {
+                Ok(rail) => return Ok(Chosen { slot, rail }),
+                Err(r) => {
+                    reason.get_or_insert(r);
+                }
+            }
+        }
+        Err(reason.unwrap_or(TcpReason::QpError))
+    }
+
+    /// The first rail's reason when no rail will be used (no allocation).
+    fn all_off(&self) -> Option<TcpReason> {
+        let mut first = None;
+        for s in &self.slots {
+            first = Some(first.unwrap_or(s.off_reason()?));
+        }
+        first
+    }
+
+    /// A rail whose QP is up, other than `after`: an unproven one when its
+    /// one try is free (the request that takes it proves it), else the
+    /// proven one with fewer bytes outstanding (or, even, fewer transfers).
+    fn ready(&self, after: Option<u8>, epoch: Option<u64>) -> Option<Chosen<'_>> {
+        let up: Vec<Chosen<'_>> = self
+            .slots
+            .iter()
+            .filter(|s| Some(s.index) != after)
+            .filter_map(|slot| slot.ready(epoch).map(|rail| Chosen { slot, rail }))
+            .collect();
+        if up.iter().any(|c| c.slot.proven()) {
+            if let Some(i) = up
+                .iter()
+                .position(|c| !c.slot.proven() && c.slot.try_probe())
+            {
+                return up.into_iter().nth(i);
+            }
+        }
+        up.into_iter()
+            .filter(|c| c.slot.proven() || !self.slots.iter().any(RailSlot::proven))
+            // Fewer bytes outstanding; when even, fewer transfers so far
+            // (idle rails take turns).
+            .min_by_key(|c| (c.slot.outstanding(), c.slot.transfers()))
+    }
+
+    /// The other rail, to carry half of a payload with `first`: only a
+    /// proven one that is up.
+    pub(super) fn partner(&self, first: &RailSlot, epoch: Option<u64>) -> Option<Chosen<'_>> {
+        self.slots
+            .iter()
+            .filter(|s| s.index != first.index && s.proven())
+            .find_map(|slot| slot.ready(epoch).map(|rail| Chosen { slot, rail }))
     }
 }

@@ -22,6 +22,7 @@ use ublk_metrics::driver::{names, CounterValue, GaugeValue};
 use ublk_metrics::{DriverSnapshot, IoOp};
 
 use crate::client::tcp::ClientStats;
+use crate::proto::MAX_RAILS;
 use crate::rdma::{RdmaOp, WcCategory};
 
 /// Why a payload went over the TCP stream instead of RDMA: a closed set.
@@ -143,12 +144,29 @@ pub struct RdmaStats {
     pub bytes_read: AtomicU64,
     /// Bytes moved by RDMA WRITE.
     pub bytes_written: AtomicU64,
+    /// Payloads split across two rails.
+    pub striped: AtomicU64,
     /// Gauge: pool buffers.
     pub pool_buffers: AtomicU64,
     /// Gauge: pool buffers in use now.
     pub pool_in_use: AtomicU64,
     /// Gauge: most pool buffers ever in use at once.
     pub pool_peak: AtomicU64,
+    /// Per rail (index: the rail's).
+    pub rails: [RailCounters; MAX_RAILS],
+}
+
+/// What one rail of a transport carried.
+#[derive(Default, Debug)]
+pub struct RailCounters {
+    /// Transfers it moved (each chunk of a striped payload counts).
+    pub transfers: AtomicU64,
+    /// Payload bytes it moved.
+    pub bytes: AtomicU64,
+    /// Gauge: payload bytes posted on it and not completed yet.
+    pub outstanding: AtomicU64,
+    /// Its QP failed under load (an error completion or a timeout).
+    pub lost: AtomicU64,
 }
 
 pub(crate) const WC_ORDER: [WcCategory; 6] = [

@@ -19,12 +19,13 @@ use super::group::{Removing, TransportGroup};
 use super::lease_cache::HeldLease;
 use super::leases::{Leases, Member, Want};
 use super::pool::{Local, Memory, Pool};
-use super::rail::{Rail, RailState};
-use super::rails::Rails;
+use super::rail::RailState;
+use super::rail_slot::RailSlot;
+use super::rails::{Chosen, Rails};
 use super::stats::{RdmaStats, TcpReason};
 use crate::blob::{ArenaError, BlobIo, Transport, Via};
 use crate::client::tcp::{ArenaClient, ClientConfig};
-use crate::proto::{Lease, Opcode, Status, CAP_COLD_GET, CAP_RDMA};
+use crate::proto::{Lease, Opcode, Status, CAP_COLD_GET, CAP_RDMA, MAX_RAILS};
 use crate::rdma::{RdmaError, RdmaOp, RdmaProvider, WorkRequest};
 
 /// Why an RDMA transport could not be set up.
@@ -62,11 +63,12 @@ impl Drop for InFlight<'_> {
 pub struct RdmaTransport {
     client: ArenaClient,
     stats: Arc<RdmaStats>,
+    // Each rail's QP is torn down (Drop) before its memory is dropped.
     rails: Rails,
     leases: Leases,
-    // Dropped after `rails` (its QP) is gone: the device may touch it until then.
-    memory: Memory,
     slots: Semaphore,
+    /// Payloads of at least this many bytes are split across two rails.
+    stripe_bytes: usize,
     peer: String,
     group: OnceLock<Arc<TransportGroup>>,
     /// The peer granted `CAP_COLD_GET`: part of a blob it holds in swap
@@ -79,10 +81,39 @@ pub struct RdmaTransport {
 const MAX_LEASE_LOST: u32 = 3;
 
 /// A transfer that moved its payload: the lease to end and the local
-/// memory (kept until a READ's bytes are copied out of a pool buffer).
+/// memory of each part (kept until a READ's bytes are copied out of a pool
+/// buffer), with the part's start in the payload.
 struct MoveDone<'a> {
     held: HeldLease,
-    local: Local<'a>,
+    parts: Vec<(usize, Local<'a>)>,
+}
+
+impl MoveDone<'_> {
+    /// After a READ: each part's bytes into `out`.
+    fn copy_out(&self, out: &mut [u8]) {
+        let mut starts: Vec<usize> = self.parts.iter().map(|(at, _)| *at).collect();
+        starts.push(out.len());
+        starts.sort_unstable();
+        for (at, local) in &self.parts {
+            let end = starts[starts.partition_point(|s| s <= at)];
+            local.copy_out(&mut out[*at..end]);
+        }
+    }
+}
+
+/// One part of a payload: `len` bytes at `at` in it.
+#[derive(Clone, Copy)]
+struct Part {
+    at: usize,
+    len: usize,
+}
+
+/// Why a part of a payload did not move.
+enum PartError {
+    /// No local memory for it: the payload goes over TCP for this reason.
+    Local(TcpReason),
+    /// The transfer failed (the rail is lost).
+    Transfer,
 }
 
 /// Why a payload did not move by RDMA.
@@ -107,79 +138,112 @@ fn tcp_via(failover: bool) -> Via {
 
 impl RdmaTransport {
     /// Connects the control stream and, when both sides can, brings up the
-    /// rail. `provider` is the local device, or why there is none.
-    /// With `require_rdma` a missing rail is an error; otherwise the
-    /// transport serves TCP and says why in [`rdma_status`](Self::rdma_status).
+    /// rails. `devices` are the local devices, rail `i` on `devices[i]` (one
+    /// or two), or why a device is missing. With `require_rdma` no rail up
+    /// is an error; otherwise the transport serves TCP and says why in
+    /// [`rdma_status`](Self::rdma_status). With two rails, one that the
+    /// peer does not serve is off (counted) and one that could not come up
+    /// is tried again later.
     pub fn connect(
         mut client_cfg: ClientConfig,
-        provider: Result<Arc<dyn RdmaProvider>, String>,
+        devices: Vec<Result<Arc<dyn RdmaProvider>, String>>,
         cfg: RdmaTransportConfig,
     ) -> Result<Self, RdmaConnectError> {
         let peer = client_cfg.peer.clone();
-        client_cfg.offer_rdma = provider.is_ok();
+        client_cfg.offer_rdma = devices.iter().any(Result::is_ok);
         let client = ArenaClient::connect(client_cfg)?;
         let stats = Arc::new(RdmaStats::default());
-        let (provider, state) = match provider {
-            Ok(p) => (Some(p), RailState::Down(Instant::now())),
-            Err(why) => (
-                None,
-                RailState::Off(
-                    TcpReason::NoLocalDevice,
-                    format!("no local RDMA device: {why}"),
-                ),
-            ),
-        };
-        let mut state = state;
         let caps = client.welcome()?.caps;
-        if provider.is_some() && caps & CAP_RDMA == 0 {
-            state = RailState::Off(
-                TcpReason::Declined,
-                "the arena peer declined RDMA (no RDMA device there)".into(),
-            );
-        }
-        let pool = match (&provider, &state) {
-            (Some(p), RailState::Down(_)) => {
-                match Pool::new(p.as_ref(), cfg.pool_buffers, cfg.buffer_bytes) {
-                    Ok(pool) => {
-                        stats
-                            .pool_buffers
-                            .store(cfg.pool_buffers.into(), Ordering::Relaxed);
-                        Some(pool)
+        let declined = caps & CAP_RDMA == 0;
+        let slots = devices
+            .into_iter()
+            .take(MAX_RAILS)
+            .enumerate()
+            .map(|(i, device)| {
+                let (provider, state) = match device {
+                    Ok(_) if declined => (
+                        None,
+                        RailState::Off(
+                            TcpReason::Declined,
+                            "the arena peer declined RDMA (no RDMA device there)".into(),
+                        ),
+                    ),
+                    Ok(p) => (Some(p), RailState::Down(Instant::now())),
+                    Err(why) => (
+                        None,
+                        RailState::Off(
+                            TcpReason::NoLocalDevice,
+                            format!("no local RDMA device: {why}"),
+                        ),
+                    ),
+                };
+                let mut state = state;
+                let pool = match (&provider, &state) {
+                    (Some(p), RailState::Down(_)) => {
+                        match Pool::new(p.as_ref(), cfg.pool_buffers, cfg.buffer_bytes) {
+                            Ok(pool) => {
+                                stats
+                                    .pool_buffers
+                                    .fetch_add(cfg.pool_buffers.into(), Ordering::Relaxed);
+                                Some(pool)
+                            }
+                            Err(e) => {
+                                stats.inc(|s| &s.registration_failures);
+                                state =
+                                    RailState::Off(TcpReason::RegistrationFailed, e.to_string());
+                                None
+                            }
+                        }
                     }
-                    Err(e) => {
-                        stats.inc(|s| &s.registration_failures);
-                        state = RailState::Off(TcpReason::RegistrationFailed, e.to_string());
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
+                    _ => None,
+                };
+                RailSlot::new(
+                    i as u8,
+                    provider.clone(),
+                    Memory::new(provider, pool),
+                    state,
+                    cfg.clone(),
+                    Arc::clone(&stats),
+                    peer.clone(),
+                )
+            })
+            .collect();
         let require_rdma = cfg.require_rdma;
         let t = Self {
             client,
-            memory: Memory::new(provider.clone(), pool),
             slots: Semaphore::new(cfg.sq_depth as usize),
+            stripe_bytes: cfg.stripe_bytes as usize,
             leases: Leases::new(cfg.lease_cache, Arc::clone(&stats)),
-            rails: Rails::new(provider, state, cfg, Arc::clone(&stats), peer.clone()),
+            rails: Rails::new(slots, cfg.busy_poll, cfg.min_rdma_bytes, cfg.buffer_bytes),
             stats,
             peer,
             group: OnceLock::new(),
             cold_get: caps & CAP_COLD_GET != 0,
         };
-        if t.rails.is_down() {
-            if let Err(e) = futures::executor::block_on(t.rails.establish(&t.client, &t.leases)) {
-                t.rails.turn_off(TcpReason::Declined, e);
+        let mut failed = Vec::new();
+        for slot in t.rails.slots().iter().filter(|s| s.is_down()) {
+            if let Err(e) = futures::executor::block_on(slot.establish(&t.client, &t.leases)) {
+                failed.push((slot, e));
+            }
+        }
+        // No rail came up: as with one rail, payloads go over TCP for good.
+        if t.rails
+            .slots()
+            .iter()
+            .all(|s| s.off().is_some() || s.is_down())
+        {
+            for (slot, e) in failed {
+                slot.turn_off(TcpReason::Declined, e);
             }
         }
         match (t.rails.off(), require_rdma) {
-            (Some(why), true) => {
+            (Some((_, why)), true) => {
                 return Err(RdmaConnectError::Unavailable {
                     peer: t.peer.clone(),
                     reason: why,
                 })
             }
-            (Some(why), false) => {
+            (Some((_, why)), false) => {
                 info!(event = events::RDMA_UNAVAILABLE, peer = %t.peer, reason = %why, "payloads go over TCP");
             }
             _ => {}
@@ -196,8 +260,9 @@ impl RdmaTransport {
     /// and the caller must not touch a buffer while a request using it runs.
     pub unsafe fn register_io_buffers(&self, addr: *mut u8, len: usize) -> Result<(), RdmaError> {
         // SAFETY: forwarded contract: valid until the transport (which owns
-        // the region in `memory`, dropped after its QP) is dropped.
-        unsafe { self.memory.register(addr, len, &self.stats) }
+        // the regions in its rails' memory, dropped after their QPs) is
+        // dropped.
+        unsafe { self.rails.register(addr, len, &self.stats) }
     }
 
     /// The driver statistics (shared; cheap to read at any time).
@@ -237,16 +302,18 @@ impl RdmaTransport {
         }
     }
 
-    /// One RDMA transfer of `len` bytes between `local` and the leased slot.
+    /// One RDMA transfer of `len` bytes between `local` and the leased slot,
+    /// on `chosen`'s QP.
     async fn transfer(
         &self,
-        rail: &Rail,
+        chosen: &Chosen<'_>,
         op: RdmaOp,
         lease: &Lease,
         offset: u32,
         local: &Local<'_>,
         len: usize,
     ) -> Result<(), OpError> {
+        let rail = &chosen.rail;
         let remote = lease.slot_offset + u64::from(offset);
         if remote.saturating_add(len as u64) > rail.remote.arena_len {
             self.stats.inc(|s| &s.rdma_protocol_errors);
@@ -255,15 +322,16 @@ impl RdmaTransport {
                 lease.slot_offset, rail.remote.arena_len
             )));
         }
-        // Isolated per lease, the lease's own key (`keyed` saw to it);
-        // otherwise the arena's (a shared-region server names it in
-        // RAIL_CONNECT).
-        let rkey = match (lease.rkeys[0], rail.remote.rkey) {
+        // Isolated per lease, the lease's own key on this rail (`keyed`
+        // saw to it); otherwise the arena's (a shared-region server names
+        // it in RAIL_CONNECT).
+        let index = usize::from(chosen.slot.index);
+        let rkey = match (lease.rkeys[index], rail.remote.rkey) {
             (Some(k), _) => k,
             (None, k) if k != 0 => k,
             (None, _) => {
                 return Err(OpError::QpDown(format!(
-                    "lease token {} carries no RDMA key and the peer names none for its arena",
+                    "lease token {} carries no RDMA key for rail {index} and the peer names none for its arena",
                     lease.token
                 )))
             }
@@ -287,6 +355,7 @@ impl RdmaTransport {
             .engine
             .submit(wr)
             .inspect_err(|_| self.stats.inc_op(op, |s| &s.rdma_failed, |o| &o.failed))?;
+        chosen.slot.posted(len);
         let mut guard = InFlight {
             engine: &rail.engine,
             done: false,
@@ -295,10 +364,9 @@ impl RdmaTransport {
             .await
             .unwrap_or_else(|_| Err(OpError::QpDown("completion thread gone".into())));
         guard.done = true;
+        chosen.slot.completed(len, r.is_ok());
         match &r {
             Ok(()) => {
-                self.stats
-                    .inc_op(op, |s| &s.rdma_transferred, |o| &o.transferred);
                 let bytes = if op == RdmaOp::Read {
                     &self.stats.bytes_read
                 } else {
@@ -315,7 +383,48 @@ impl RdmaTransport {
         r
     }
 
-    /// Moves a range by RDMA, retrying once over a re-established rail.
+    /// Moves one part of a payload on `chosen`'s rail: local memory on that
+    /// rail's device (filled from `copy_in` for a WRITE), then the
+    /// transfer. On failure the rail is lost (see [`RailSlot::lost`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn move_part<'a>(
+        &'a self,
+        chosen: &Chosen<'a>,
+        op: RdmaOp,
+        lease: &Lease,
+        offset: u32,
+        addr: usize,
+        part: Part,
+        copy_in: Option<&[u8]>,
+    ) -> Result<Local<'a>, PartError> {
+        let local = chosen
+            .slot
+            .memory
+            .local(addr + part.at, part.len, &self.stats)
+            .map_err(PartError::Local)?;
+        if let Some(src) = copy_in {
+            local.copy_in(&src[part.at..part.at + part.len]);
+        }
+        match self
+            .transfer(chosen, op, lease, offset + part.at as u32, &local, part.len)
+            .await
+        {
+            Ok(()) => {
+                chosen.slot.carried();
+                Ok(local)
+            }
+            Err(e) => {
+                warn!(event = events::RDMA_ATTEMPT_FAILED, op = ?op, rail = chosen.slot.index, error = %e);
+                chosen.slot.lost(&chosen.rail, Instant::now());
+                Err(PartError::Transfer)
+            }
+        }
+    }
+
+    /// Moves a range by RDMA: on one rail, or split across two when it is
+    /// large and both carry traffic. A part that fails is tried once more,
+    /// on the other rail when it is up (striped: the rail that carried the
+    /// other part), else on its own rail brought up again.
     /// `Err(reason)` sends the request to TCP (a failover after an attempt
     /// was made is counted as declined).
     async fn rdma_move(
@@ -327,9 +436,9 @@ impl RdmaTransport {
         len: usize,
         copy_in: Option<&[u8]>,
     ) -> Result<Option<MoveDone<'_>>, Carry> {
-        let mut rail = self
+        let first = self
             .rails
-            .route(len, &self.client, &self.leases)
+            .pick(len, &self.client, &self.leases, None)
             .await
             .map_err(|reason| Carry::Tcp {
                 reason,
@@ -362,39 +471,71 @@ impl RdmaTransport {
             }
             Err(e) => return Err(Carry::Failed(e)),
         };
-        let mut held = self
-            .keyed(held, &rail, write, false)
+        let held = self
+            .keyed(held, &first, write, false)
             .await
             .map_err(|reason| Carry::Tcp {
                 reason,
                 failover: false,
             })?;
+        let epoch = self.client.connection_epoch();
+        let partner = (len >= self.stripe_bytes)
+            .then(|| self.rails.partner(first.slot, epoch))
+            .flatten()
+            .filter(|p| Self::keys_reach(&held.lease, p));
+        match partner {
+            Some(second) => {
+                self.striped(op, held, offset, addr, len, copy_in, [first, second])
+                    .await
+            }
+            None => {
+                self.whole(op, held, offset, addr, len, copy_in, first)
+                    .await
+            }
+        }
+    }
+
+    /// The payload on one rail, tried once more after a failure.
+    #[allow(clippy::too_many_arguments)]
+    async fn whole<'a>(
+        &'a self,
+        op: RdmaOp,
+        mut held: HeldLease,
+        offset: u32,
+        addr: usize,
+        len: usize,
+        copy_in: Option<&[u8]>,
+        mut chosen: Chosen<'a>,
+    ) -> Result<Option<MoveDone<'a>>, Carry> {
+        let write = op == RdmaOp::Write;
+        let whole = Part { at: 0, len };
         let mut attempted = false;
         let result = loop {
-            let local = match self.memory.local(addr, len, &self.stats) {
-                Ok(l) => l,
-                Err(reason) => break Err(reason),
-            };
-            if let Some(src) = copy_in {
-                local.copy_in(src);
-            }
             match self
-                .transfer(&rail, op, &held.lease, offset, &local, len)
+                .move_part(&chosen, op, &held.lease, offset, addr, whole, copy_in)
                 .await
             {
-                Ok(()) => break Ok(local),
-                Err(e) => {
-                    warn!(event = events::RDMA_ATTEMPT_FAILED, op = ?op, error = %e, retry = !attempted);
-                    if attempted {
-                        break Err(TcpReason::QpError);
-                    }
+                Ok(local) => break Ok(local),
+                Err(PartError::Local(reason)) => break Err(reason),
+                Err(PartError::Transfer) if attempted => break Err(TcpReason::QpError),
+                Err(PartError::Transfer) => {
                     attempted = true;
-                    drop(local);
-                    match self.rails.route(len, &self.client, &self.leases).await {
-                        Ok(r) if self.client.connection_epoch() == Some(rail.epoch) => rail = r,
+                    let failed = chosen.slot.index;
+                    let epoch = chosen.rail.epoch;
+                    match self
+                        .rails
+                        .pick(len, &self.client, &self.leases, Some(failed))
+                        .await
+                    {
+                        Ok(c) if self.client.connection_epoch() == Some(epoch) => chosen = c,
                         _ => break Err(TcpReason::QpError),
                     }
-                    held = match self.keyed(held, &rail, write, true).await {
+                    // The same rail brought up again: its keys died with
+                    // the old QP. Another rail: the lease's key there, if
+                    // it has one.
+                    let relet =
+                        chosen.slot.index == failed || !Self::keys_reach(&held.lease, &chosen);
+                    held = match self.keyed(held, &chosen, write, relet).await {
                         Ok(h) => h,
                         Err(reason) => {
                             self.stats.inc_op(op, |s| &s.rdma_declined, |o| &o.declined);
@@ -408,39 +549,129 @@ impl RdmaTransport {
             }
         };
         match result {
-            Ok(local) => Ok(Some(MoveDone { held, local })),
-            Err(reason) => {
-                if attempted {
-                    self.stats.inc_op(op, |s| &s.rdma_declined, |o| &o.declined);
-                }
-                // A write lease must still end; the TCP path then writes the range.
-                let _ = self.leases.unlease(&self.client, held, false).await;
-                Err(Carry::Tcp {
-                    reason,
-                    failover: attempted,
-                })
+            Ok(local) => {
+                self.stats
+                    .inc_op(op, |s| &s.rdma_transferred, |o| &o.transferred);
+                Ok(Some(MoveDone {
+                    held,
+                    parts: vec![(0, local)],
+                }))
             }
+            Err(reason) => Err(self.give_up(op, held, reason, attempted).await),
         }
     }
 
+    /// The payload split in two halves moved on both rails at once; a half
+    /// that fails is moved again on the rail that carried the other.
+    #[allow(clippy::too_many_arguments)]
+    async fn striped<'a>(
+        &'a self,
+        op: RdmaOp,
+        held: HeldLease,
+        offset: u32,
+        addr: usize,
+        len: usize,
+        copy_in: Option<&[u8]>,
+        rails: [Chosen<'a>; 2],
+    ) -> Result<Option<MoveDone<'a>>, Carry> {
+        // Halves on 4 KiB boundaries, so each is whole pages of the payload.
+        let cut = (len / 2).next_multiple_of(4096).min(len);
+        let parts = [
+            Part { at: 0, len: cut },
+            Part {
+                at: cut,
+                len: len - cut,
+            },
+        ];
+        let lease = &{ held.lease };
+        let (a, b) = futures::future::join(
+            self.move_part(&rails[0], op, lease, offset, addr, parts[0], copy_in),
+            self.move_part(&rails[1], op, lease, offset, addr, parts[1], copy_in),
+        )
+        .await;
+        let mut done = Vec::with_capacity(2);
+        let mut failed = Vec::new();
+        for (i, r) in [a, b].into_iter().enumerate() {
+            match r {
+                Ok(local) => done.push((parts[i].at, local)),
+                Err(PartError::Local(reason)) => {
+                    return Err(self.give_up(op, held, reason, false).await)
+                }
+                Err(PartError::Transfer) => failed.push(i),
+            }
+        }
+        let attempted = !failed.is_empty();
+        for i in failed {
+            // The rail that carried the other half (if it did).
+            let other = &rails[1 - i];
+            let again = if done.len() == 1 {
+                self.move_part(other, op, lease, offset, addr, parts[i], copy_in)
+                    .await
+                    .ok()
+            } else {
+                None
+            };
+            match again {
+                Some(local) => done.push((parts[i].at, local)),
+                None => {
+                    drop(done);
+                    return Err(self.give_up(op, held, TcpReason::QpError, true).await);
+                }
+            }
+        }
+        if attempted {
+            debug!(event = events::RDMA_ATTEMPT_FAILED, op = ?op, "a striped half moved on the other rail");
+        }
+        self.stats
+            .inc_op(op, |s| &s.rdma_transferred, |o| &o.transferred);
+        self.stats.inc(|s| &s.striped);
+        Ok(Some(MoveDone { held, parts: done }))
+    }
+
+    /// The payload goes inline on TCP for `reason`: the lease ends first (a
+    /// write lease must, before the TCP path writes the range).
+    async fn give_up(
+        &self,
+        op: RdmaOp,
+        held: HeldLease,
+        reason: TcpReason,
+        attempted: bool,
+    ) -> Carry {
+        if attempted {
+            self.stats.inc_op(op, |s| &s.rdma_declined, |o| &o.declined);
+        }
+        let _ = self.leases.unlease(&self.client, held, false).await;
+        Carry::Tcp {
+            reason,
+            failover: attempted,
+        }
+    }
+
+    /// Whether `lease` can be moved over `chosen`'s rail as it is: it has a
+    /// key there, or the rail has a key to the whole arena.
+    fn keys_reach(lease: &Lease, chosen: &Chosen<'_>) -> bool {
+        chosen.rail.remote.rkey != 0 || lease.rkeys[usize::from(chosen.slot.index)].is_some()
+    }
+
     /// Over a rail isolated per lease (its RAIL_CONNECT named no arena
-    /// key), the lease's own key must reach the slot through `rail`: after
-    /// a failed attempt (`retry`; the rail may be new, and the key died
-    /// with the old one, or was ended by force) the lease is given back
-    /// and leased anew, and a lease the peer answered without a key
-    /// (it could not register one) is given back and its payload goes
-    /// inline on TCP. Over a shared-region rail, `held` as is.
+    /// key), the lease's own key must reach the slot through `chosen`'s
+    /// rail: with `relet` (the rail is new, and the key died with the old
+    /// one, or was ended by force, or the lease has no key on it) the lease
+    /// is given back and leased anew, and a lease the peer answered
+    /// without a key on that rail (it could not register one) is given
+    /// back and its payload goes inline on TCP. Over a shared-region rail,
+    /// `held` as is.
     async fn keyed(
         &self,
         held: HeldLease,
-        rail: &Rail,
+        chosen: &Chosen<'_>,
         write: bool,
-        retry: bool,
+        relet: bool,
     ) -> Result<HeldLease, TcpReason> {
-        if rail.remote.rkey != 0 {
+        if chosen.rail.remote.rkey != 0 {
             return Ok(held);
         }
-        let held = if retry {
+        let held = if relet {
             self.leases
                 .relet(self, held, write)
                 .await
@@ -448,7 +679,7 @@ impl RdmaTransport {
         } else {
             held
         };
-        if held.lease.rkeys[0].is_none() {
+        if held.lease.rkeys[usize::from(chosen.slot.index)].is_none() {
             self.leases.give_back(&self.client, held).await;
             return Err(TcpReason::Declined);
         }
@@ -491,9 +722,9 @@ impl RdmaTransport {
                 out.fill(0);
                 Ok(Via::Nothing)
             }
-            Ok(Some(MoveDone { held, local })) => {
-                local.copy_out(out);
-                drop(local);
+            Ok(Some(done)) => {
+                done.copy_out(out);
+                let held = done.held;
                 self.leases.unlease(&self.client, held, false).await?;
                 Ok(Via::Rdma)
             }
@@ -545,8 +776,8 @@ impl RdmaTransport {
             )
             .await
         {
-            Ok(Some(MoveDone { held, local })) => {
-                drop(local);
+            Ok(Some(MoveDone { held, parts })) => {
+                drop(parts);
                 self.leases
                     .unlease(&self.client, held, true)
                     .await
