@@ -15,6 +15,7 @@ use crate::device_stats::StatsSnapshot;
 use target_rdma::service::config_file::Change;
 use target_rdma::service::local_socket::{self, Answer, Versioned};
 use target_rdma::service::size::{ApproxSize, HumanSize};
+use ublk_metrics::driver::RailValue;
 use ublk_metrics::DeviceDriverReport;
 
 /// The protocol version this build speaks.
@@ -282,6 +283,10 @@ pub struct DeviceInfo {
     pub transport_note: Option<String>,
     /// Logical block size.
     pub logical_block_size: u32,
+    /// RDMA rails over the device's queues (state, since when down, what
+    /// each carried); absent on TCP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rails: Vec<RailValue>,
     /// A replicated volume's members, epoch and rebuild; absent for a
     /// volume on one peer.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -48,6 +48,49 @@ pub struct GaugeValue {
     pub value: f64,
 }
 
+/// One RDMA rail of a device, over its queues (each queue has a QP on it).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RailValue {
+    /// Its index (0 or 1), as RAIL_CONNECT names it.
+    pub rail: u8,
+    /// The local RDMA device it uses.
+    pub rdma_device: String,
+    /// Queues with this rail.
+    pub queues: u32,
+    /// Queues whose QP on it is up.
+    pub queues_up: u32,
+    /// Why it is off (it will not be used: no local device, not served by
+    /// the peer), from the first queue where it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub off: Option<String>,
+    /// Since when (Unix time, ms) the QP of the queue down longest is down;
+    /// absent while it is up on every queue (or off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub down_since_ms: Option<u64>,
+    /// Transfers it moved (each half of a striped payload counts).
+    pub transfers: u64,
+    /// Payload bytes it moved.
+    pub bytes: u64,
+    /// Payload bytes posted on it and not completed yet.
+    pub outstanding: u64,
+    /// Times a QP on it failed under load (the rail was lost).
+    pub lost: u64,
+    /// QPs brought up on it (the first of each queue included).
+    pub connects: u64,
+}
+
+impl RailValue {
+    /// `up` (every queue), `degraded` (some), `down` (none), or `off`.
+    pub fn state(&self) -> &'static str {
+        match (self.off.is_some(), self.queues_up) {
+            (true, 0) => "off",
+            (_, 0) => "down",
+            (_, n) if n < self.queues => "degraded",
+            _ => "up",
+        }
+    }
+}
+
 /// A driver's statistics at one instant. Serializable so that `ublkctl`
 /// can fetch it over the control socket.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -58,9 +101,17 @@ pub struct DriverSnapshot {
     pub counters: Vec<CounterValue>,
     /// Gauges.
     pub gauges: Vec<GaugeValue>,
+    /// RDMA rails, by index (none for a TCP driver).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rails: Vec<RailValue>,
 }
 
 impl DriverSnapshot {
+    /// Whether it reports nothing.
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty() && self.gauges.is_empty() && self.rails.is_empty()
+    }
+
     /// Sum of a counter over ops and reasons, optionally for one op.
     pub fn counter(&self, name: &str, op: Option<IoOp>) -> u64 {
         self.counters
@@ -75,6 +126,14 @@ pub trait DriverStats: Send + Sync {
     /// Current statistics. Called at scrape time and by `ublkctl stats`,
     /// never on the I/O path; it may allocate.
     fn snapshot(&self) -> DriverSnapshot;
+}
+
+/// An RDMA device name as a label value: what sysfs names hold.
+fn valid_rdma_device(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
 fn valid_name(n: &str) -> bool {
@@ -92,6 +151,9 @@ struct Device {
     configured: Transport,
     source: Arc<dyn DriverStats>,
     driver: String,
+    /// Its rails at the last look (their counters go to the retired totals
+    /// when it goes).
+    rails: Vec<RailValue>,
     // Per statistic: last raw value seen and the monotonic total derived
     // from it (a driver restart that resets its counters adds, never
     // subtracts).
@@ -119,9 +181,43 @@ impl Device {
     }
 }
 
+/// Most `(rail, rdma_device)` label sets of the `ublk_driver_rail_*`
+/// families: two rails on a few devices a host has.
+pub const MAX_RAIL_SERIES: usize = 8;
+
+/// A rail's label set: its index and its RDMA device.
+type RailKey = (u8, String);
+
+/// The `ublk_driver_rail_*` counters of removed devices, and the handles.
+#[derive(Default)]
+struct RailSeries {
+    retired: BTreeMap<RailKey, [u64; 3]>,
+    counters: BTreeMap<(RailKey, &'static str), Counter>,
+    gauges: BTreeMap<(RailKey, &'static str), Gauge>,
+}
+
+/// The rail counters, in `RailSeries::retired` order.
+const RAIL_COUNTERS: [&str; 3] = [
+    "ublk_driver_rail_transfers_total",
+    "ublk_driver_rail_bytes_total",
+    "ublk_driver_rail_lost_total",
+];
+
+/// The rail gauges.
+const RAIL_GAUGES: [&str; 3] = [
+    "ublk_driver_rail_queues",
+    "ublk_driver_rail_queues_up",
+    "ublk_driver_rail_outstanding_bytes",
+];
+
+fn rail_counts(r: &RailValue) -> [u64; 3] {
+    [r.transfers, r.bytes, r.lost]
+}
+
 #[derive(Default)]
 struct Inner {
     devices: BTreeMap<u32, Device>,
+    rails: RailSeries,
     // (driver, name, reason) -> totals of removed devices.
     retired: BTreeMap<(String, String, Option<String>), u64>,
     counters: BTreeMap<(String, String, Option<String>), Counter>,
@@ -183,6 +279,7 @@ impl DriverStatsRegistry {
                 configured,
                 source,
                 driver: String::new(),
+                rails: Vec::new(),
                 seen: BTreeMap::new(),
             },
         );
@@ -200,6 +297,16 @@ impl DriverStatsRegistry {
     fn retire(inner: &mut Inner, mut dev: Device) {
         let snap = dev.source.snapshot();
         dev.absorb(&snap);
+        for r in &snap.rails {
+            let e = inner
+                .rails
+                .retired
+                .entry((r.rail, r.rdma_device.clone()))
+                .or_default();
+            for (t, v) in e.iter_mut().zip(rail_counts(r)) {
+                *t = t.saturating_add(v);
+            }
+        }
         for ((name, _op, reason), (_, total)) in dev.seen {
             let e = inner
                 .retired
@@ -218,7 +325,7 @@ impl DriverStatsRegistry {
             .iter()
             .map(|(id, d)| {
                 let snap = d.source.snapshot();
-                let empty = snap.counters.is_empty() && snap.gauges.is_empty();
+                let empty = snap.is_empty();
                 DeviceDriverReport {
                     device: *id,
                     configured: d.configured,
@@ -236,15 +343,17 @@ impl DriverStatsRegistry {
         let mut reporting = 0u32;
         for dev in inner.devices.values_mut() {
             let snap = dev.source.snapshot();
-            if snap.counters.is_empty() && snap.gauges.is_empty() {
+            if snap.is_empty() {
                 continue;
             }
             reporting += 1;
             dev.absorb(&snap);
+            dev.rails = snap.rails;
             for g in &snap.gauges {
                 *gauge_sums.entry(g.name.to_string()).or_insert(0.0) += g.value;
             }
         }
+        self.publish_rails(inner);
         let drivers: BTreeSet<String> = inner
             .devices
             .values()
@@ -282,6 +391,98 @@ impl DriverStatsRegistry {
                 }
             }
         }
+    }
+
+    /// The `ublk_driver_rail_*` families, summed over devices by rail and
+    /// RDMA device (a label set not seen this time reads 0 in the gauges).
+    fn publish_rails(&self, inner: &mut Inner) {
+        let mut gauges: BTreeMap<RailKey, [u64; 3]> = BTreeMap::new();
+        let mut counts: BTreeMap<RailKey, [u64; 3]> = inner.rails.retired.clone();
+        for r in inner.devices.values().flat_map(|d| &d.rails) {
+            let key = (r.rail, r.rdma_device.clone());
+            let g = gauges.entry(key.clone()).or_default();
+            for (t, v) in
+                g.iter_mut()
+                    .zip([u64::from(r.queues), u64::from(r.queues_up), r.outstanding])
+            {
+                *t = t.saturating_add(v);
+            }
+            let c = counts.entry(key).or_default();
+            for (t, v) in c.iter_mut().zip(rail_counts(r)) {
+                *t = t.saturating_add(v);
+            }
+        }
+        let series = &mut inner.rails;
+        for ((key, _), g) in &series.gauges {
+            if !gauges.contains_key(key) {
+                g.set(0.0);
+            }
+        }
+        for (key, values) in gauges {
+            for (family, v) in RAIL_GAUGES.into_iter().zip(values) {
+                if let Some(g) = self.rail_gauge(series, &key, family) {
+                    g.set(v as f64);
+                }
+            }
+        }
+        for (key, values) in counts {
+            for (family, v) in RAIL_COUNTERS.into_iter().zip(values) {
+                if let Some(c) = self.rail_counter(series, &key, family) {
+                    c.absolute(v);
+                }
+            }
+        }
+    }
+
+    fn rail_labels(key: &RailKey) -> Option<(String, &str)> {
+        valid_rdma_device(&key.1).then(|| (key.0.to_string(), key.1.as_str()))
+    }
+
+    /// Whether another label set fits (see [`MAX_RAIL_SERIES`]).
+    fn rail_admits(series: &RailSeries, key: &RailKey) -> bool {
+        let mut keys: BTreeSet<&RailKey> = series.gauges.keys().map(|(k, _)| k).collect();
+        keys.extend(series.counters.keys().map(|(k, _)| k));
+        keys.contains(key) || keys.len() < MAX_RAIL_SERIES
+    }
+
+    fn rail_gauge(
+        &self,
+        series: &mut RailSeries,
+        key: &RailKey,
+        family: &'static str,
+    ) -> Option<Gauge> {
+        if let Some(g) = series.gauges.get(&(key.clone(), family)) {
+            return Some(g.clone());
+        }
+        let (rail, device) = Self::rail_labels(key)?;
+        if !Self::rail_admits(series, key) {
+            return None;
+        }
+        let g = self
+            .telemetry
+            .gauge(family, &[("rail", &rail), ("rdma_device", device)]);
+        series.gauges.insert((key.clone(), family), g.clone());
+        Some(g)
+    }
+
+    fn rail_counter(
+        &self,
+        series: &mut RailSeries,
+        key: &RailKey,
+        family: &'static str,
+    ) -> Option<Counter> {
+        if let Some(c) = series.counters.get(&(key.clone(), family)) {
+            return Some(c.clone());
+        }
+        let (rail, device) = Self::rail_labels(key)?;
+        if !Self::rail_admits(series, key) {
+            return None;
+        }
+        let c = self
+            .telemetry
+            .counter(family, &[("rail", &rail), ("rdma_device", device)]);
+        series.counters.insert((key.clone(), family), c.clone());
+        Some(c)
     }
 
     fn admit_family(inner: &mut Inner, family: &str) -> bool {

@@ -217,6 +217,47 @@ pub const DRIVER: &[Family] = &[
     ),
 ];
 
+/// RDMA rails (ublkd), summed over devices by rail index and local RDMA
+/// device (at most `driver::MAX_RAIL_SERIES` label sets).
+pub const RAILS: &[Family] = &[
+    f(
+        "ublk_driver_rail_queues",
+        Gauge,
+        &["rail", "rdma_device"],
+        "Device queues with a QP on this rail.",
+    ),
+    f(
+        "ublk_driver_rail_queues_up",
+        Gauge,
+        &["rail", "rdma_device"],
+        "Device queues whose QP on this rail is up; below ublk_driver_rail_queues, queues run on their other rail.",
+    ),
+    f(
+        "ublk_driver_rail_outstanding_bytes",
+        Gauge,
+        &["rail", "rdma_device"],
+        "Payload bytes posted on this rail and not completed yet.",
+    ),
+    f(
+        "ublk_driver_rail_transfers_total",
+        Counter,
+        &["rail", "rdma_device"],
+        "RDMA transfers this rail moved (each half of a striped payload counts).",
+    ),
+    f(
+        "ublk_driver_rail_bytes_total",
+        Counter,
+        &["rail", "rdma_device"],
+        "Payload bytes this rail moved.",
+    ),
+    f(
+        "ublk_driver_rail_lost_total",
+        Counter,
+        &["rail", "rdma_device"],
+        "Times a QP on this rail failed under load (an error completion or a timeout): its transfers moved to the other rail.",
+    ),
+];
+
 /// Replicated volumes (ublkd): coordination on etcd (with `[etcd]`) and
 /// replica health.
 pub const COORDINATION: &[Family] = &[
@@ -708,6 +749,7 @@ pub fn exported() -> Vec<(String, Kind)> {
         .iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(RAILS)
         .chain(TCP)
         .chain(COORDINATION)
         .chain(ARENA)
@@ -744,6 +786,7 @@ pub(crate) fn help(name: &str) -> &'static str {
     IO.iter()
         .chain(ACCOUNTING)
         .chain(DRIVER)
+        .chain(RAILS)
         .chain(TCP)
         .chain(COORDINATION)
         .chain(ARENA)

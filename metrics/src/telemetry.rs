@@ -159,6 +159,7 @@ impl Telemetry {
                 .iter()
                 .chain(families::ACCOUNTING)
                 .chain(families::DRIVER)
+                .chain(families::RAILS)
                 .chain(families::TCP)
                 .chain(families::COORDINATION)
                 .chain(families::ARENA)

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use ublk_metrics::driver::{names, CounterValue, GaugeValue};
+use ublk_metrics::driver::{names, CounterValue, GaugeValue, RailValue};
 use ublk_metrics::families;
 use ublk_metrics::testing::{parse_openmetrics, run_promtool};
 use ublk_metrics::{
@@ -47,6 +47,20 @@ impl DriverStats for EveryStat {
                 .map(|n| GaugeValue {
                     name: Cow::Borrowed(n),
                     value: 2.0,
+                })
+                .collect(),
+            rails: (0..2u8)
+                .map(|rail| RailValue {
+                    rail,
+                    rdma_device: format!("mlx5_{rail}"),
+                    queues: 2,
+                    queues_up: 2 - u32::from(rail),
+                    transfers: 10,
+                    bytes: 40960,
+                    outstanding: 4096,
+                    lost: u64::from(rail),
+                    connects: 2,
+                    ..RailValue::default()
                 })
                 .collect(),
         }

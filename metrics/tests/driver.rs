@@ -3,7 +3,7 @@
 use parking_lot::Mutex;
 use std::borrow::Cow;
 use std::sync::Arc;
-use ublk_metrics::driver::{names, CounterValue, GaugeValue};
+use ublk_metrics::driver::{names, CounterValue, GaugeValue, RailValue};
 use ublk_metrics::testing::{exact_sample as sample, value};
 use ublk_metrics::{
     summarize, Daemon, DeviceDriverReport, DriverSnapshot, DriverStats, DriverStatsRegistry, IoOp,
@@ -18,6 +18,7 @@ impl Fake {
             driver: Cow::Borrowed(driver),
             counters: Vec::new(),
             gauges: Vec::new(),
+            rails: Vec::new(),
         })))
     }
     fn set(&self, name: &'static str, op: Option<IoOp>, reason: Option<&'static str>, v: u64) {
@@ -251,4 +252,62 @@ fn every_family_has_its_own_help_text() {
             "{family} not rendered:\n{text}"
         );
     }
+}
+
+fn rail(rail: u8, device: &str, queues_up: u32, bytes: u64) -> RailValue {
+    RailValue {
+        rail,
+        rdma_device: device.into(),
+        queues: 2,
+        queues_up,
+        transfers: bytes / 4096,
+        bytes,
+        lost: u64::from(2 - queues_up),
+        ..RailValue::default()
+    }
+}
+
+/// Rails are summed over devices by rail and RDMA device; a removed
+/// device's counts stay in the counters and leave the gauges; a device
+/// name that is no label value and label sets past the bound are dropped.
+#[test]
+fn rails_are_summed_by_rail_and_rdma_device_and_bounded() {
+    let t = Telemetry::isolated(Daemon::Ublkd, "test");
+    let reg = DriverStatsRegistry::new(&t);
+    let a = Fake::new("rdma");
+    let b = Fake::new("rdma");
+    a.0.lock().rails = vec![rail(0, "mlx5_0", 2, 8192), rail(1, "mlx5_1", 1, 4096)];
+    b.0.lock().rails = vec![rail(0, "mlx5_0", 2, 4096), rail(1, "mlx5_1", 2, 4096)];
+    reg.add_device(0, Transport::Rdma, a.clone());
+    reg.add_device(1, Transport::Rdma, b.clone());
+    let m = t.render().unwrap();
+    let r1 = [("rail", "1"), ("rdma_device", "mlx5_1")];
+    assert_eq!(value(&m, "ublk_driver_rail_queues", &r1), 4.0);
+    assert_eq!(value(&m, "ublk_driver_rail_queues_up", &r1), 3.0);
+    assert_eq!(value(&m, "ublk_driver_rail_lost_total", &r1), 1.0);
+    assert_eq!(
+        value(
+            &m,
+            "ublk_driver_rail_bytes_total",
+            &[("rail", "0"), ("rdma_device", "mlx5_0")]
+        ),
+        12288.0
+    );
+
+    reg.remove_device(1);
+    let m = t.render().unwrap();
+    assert_eq!(value(&m, "ublk_driver_rail_bytes_total", &r1), 8192.0);
+    assert_eq!(value(&m, "ublk_driver_rail_queues", &r1), 2.0);
+
+    a.0.lock().rails = (0..12u8)
+        .map(|i| rail(i % 2, &format!("dev{i}"), 2, 0))
+        .chain([rail(0, "bad device", 2, 0)])
+        .collect();
+    let m = t.render().unwrap();
+    let sets: std::collections::BTreeSet<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("ublk_driver_rail_queues{"))
+        .collect();
+    assert_eq!(sets.len(), ublk_metrics::driver::MAX_RAIL_SERIES);
+    assert!(!m.contains("bad device"));
 }

@@ -57,6 +57,12 @@ fn vm_rdma_over_soft_roce() {
 
 #[test]
 #[ignore = "boots a VM: run by scripts/test"]
+fn vm_two_rdma_rails_through_link_losses() {
+    suite("scripts/vm/rails", &["900"], 12);
+}
+
+#[test]
+#[ignore = "boots a VM: run by scripts/test"]
 fn vm_systemd_units_with_rdma_and_ublk() {
     suite("scripts/vm/units", &["900"], 11);
 }

@@ -8,6 +8,7 @@ use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use target_rdma::service::local_socket;
 use target_rdma::service::size::{parse_size, HumanSize};
+use ublk_metrics::driver::RailValue;
 use ublk_metrics::{summarize, DeviceDriverReport};
 use ublkd::config::{TransportChoice, UblkdConfig, DEFAULT_CONFIG_PATH};
 use ublkd::coordination::PeerRecord;
@@ -519,6 +520,39 @@ fn print_device(d: &DeviceInfo) {
     );
     if let Some(why) = &d.transport_note {
         println!("  tcp because {why}");
+    }
+    for r in &d.rails {
+        print_rail(r);
+    }
+}
+
+/// One line per RDMA rail: its device and state, since when it is down,
+/// what it carried.
+fn print_rail(r: &RailValue) {
+    let mut line = format!(
+        "  rail {}     {} {} ({}/{} queues up)",
+        r.rail,
+        r.rdma_device,
+        r.state(),
+        r.queues_up,
+        r.queues
+    );
+    if let Some(since) = r.down_since_ms {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        line += &format!(", down for {} s", now.saturating_sub(since) / 1000);
+    }
+    line += &format!(
+        ", {} moved in {} transfers, {} lost, {} connects",
+        HumanSize(r.bytes),
+        r.transfers,
+        r.lost,
+        r.connects
+    );
+    println!("{line}");
+    if let Some(why) = &r.off {
+        println!("    off because {why}");
     }
 }
 

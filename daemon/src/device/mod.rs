@@ -786,6 +786,7 @@ impl Manager {
             transport_requested: dev.spec.transport.name().into(),
             transport_note: negotiated.and_then(|(_, why)| why),
             logical_block_size: dev.spec.logical_block_size,
+            rails: self.obs.rails(id),
             replicas: dev.replicated.as_ref().map(|(r, _)| r.info()),
         }
     }

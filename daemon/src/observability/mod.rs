@@ -449,6 +449,15 @@ impl Observability {
         self.devices.lock().values().cloned().collect()
     }
 
+    /// Device `id`'s RDMA rails, as its driver reports them (none on TCP).
+    pub fn rails(&self, id: u32) -> Vec<ublk_metrics::driver::RailValue> {
+        self.driver_reports(Some(id))
+            .into_iter()
+            .find_map(|r| r.stats)
+            .map(|s| s.rails)
+            .unwrap_or_default()
+    }
+
     /// Driver statistics of one device or all, for `ublkctl stats`.
     pub fn driver_reports(&self, id: Option<u32>) -> Vec<DeviceDriverReport> {
         self.driver

@@ -64,6 +64,13 @@ impl RailSlot {
         stats: Arc<RdmaStats>,
         peer: String,
     ) -> Self {
+        let counters = &stats.rails[usize::from(index)];
+        if let Some(p) = &provider {
+            let _ = counters.device.set(p.device_name());
+        }
+        if let RailState::Off(_, why) = &state {
+            let _ = counters.off.set(why.clone());
+        }
         Self {
             index,
             state: Mutex::new(state),
@@ -87,7 +94,22 @@ impl RailSlot {
     /// RDMA will not be used on this rail: its payloads go elsewhere, for
     /// `reason`.
     pub(super) fn turn_off(&self, reason: TcpReason, why: String) {
+        let _ = self.counters().off.set(why.clone());
+        self.counters().up.store(false, Ordering::Relaxed);
         *self.state.lock() = RailState::Off(reason, why);
+    }
+
+    /// Its QP went down (lost, or a setup failed): since now, unless it
+    /// was down already.
+    fn went_down(&self) {
+        let c = self.counters();
+        c.up.store(false, Ordering::Relaxed);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_millis() as u64);
+        let _ = c
+            .down_since_ms
+            .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// Why this rail will not be used, when it will not.
@@ -208,12 +230,14 @@ impl RailSlot {
         *state = RailState::Down(now + wait);
         drop(state);
         self.counters().lost.fetch_add(1, Ordering::Relaxed);
+        self.went_down();
         warn!(event = events::RDMA_RAIL_LOST, peer = %self.peer, rail = self.index, device = %self.device(), retry_in_ms = wait.as_millis() as u64);
     }
 
     /// The transport is dropped: the QP is torn down (before the memory
     /// it may touch) and the driver ends.
     pub(super) fn shut_down(&self) {
+        self.counters().up.store(false, Ordering::Relaxed);
         *self.state.lock() = RailState::Down(Instant::now());
         if let Some(cq) = &self.cq {
             cq.close();
@@ -228,8 +252,15 @@ impl RailSlot {
     ) -> Result<Arc<Rail>, String> {
         let r = self.try_establish(client, leases).await;
         match &r {
-            Ok(_) => self.stats.inc(|s| &s.rail_connects),
+            Ok(_) => {
+                self.stats.inc(|s| &s.rail_connects);
+                let c = self.counters();
+                c.connects.fetch_add(1, Ordering::Relaxed);
+                c.down_since_ms.store(0, Ordering::Relaxed);
+                c.up.store(true, Ordering::Relaxed);
+            }
             Err(e) => {
+                self.went_down();
                 self.stats.inc(|s| &s.rail_connect_failures);
                 warn!(event = events::RDMA_RAIL_FAILED, peer = %self.peer, rail = self.index, error = %e);
             }

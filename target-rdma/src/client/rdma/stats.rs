@@ -15,10 +15,10 @@
 //! `rdma_protocol_errors` and is never posted.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
-use ublk_metrics::driver::{names, CounterValue, GaugeValue};
+use ublk_metrics::driver::{names, CounterValue, GaugeValue, RailValue};
 use ublk_metrics::{DriverSnapshot, IoOp};
 
 use crate::client::tcp::ClientStats;
@@ -156,9 +156,20 @@ pub struct RdmaStats {
     pub rails: [RailCounters; MAX_RAILS],
 }
 
-/// What one rail of a transport carried.
+/// One rail of a transport: its device, its state and what it carried.
 #[derive(Default, Debug)]
 pub struct RailCounters {
+    /// The local RDMA device (empty: none).
+    pub device: OnceLock<String>,
+    /// Why it will not be used, once it will not.
+    pub off: OnceLock<String>,
+    /// Its QP is up.
+    pub up: AtomicBool,
+    /// Since when (Unix ms) its QP is down after being lost or failing to
+    /// come up; 0 while up.
+    pub down_since_ms: AtomicU64,
+    /// QPs brought up on it.
+    pub connects: AtomicU64,
     /// Transfers it moved (each chunk of a striped payload counts).
     pub transfers: AtomicU64,
     /// Payload bytes it moved.
@@ -259,6 +270,42 @@ impl RdmaDriverStats {
             queues,
             client,
         }
+    }
+
+    /// Each rail with a device on some queue, over the queues.
+    fn rails(&self) -> Vec<RailValue> {
+        (0..MAX_RAILS)
+            .filter_map(|i| {
+                let rails = self.queues.iter().map(|q| &q.rails[i]);
+                let device = rails.clone().find_map(|r| r.device.get())?.clone();
+                let mut v = RailValue {
+                    rail: i as u8,
+                    rdma_device: device,
+                    ..RailValue::default()
+                };
+                for r in rails {
+                    v.queues += 1;
+                    v.queues_up += u32::from(r.up.load(Ordering::Relaxed));
+                    if v.off.is_none() {
+                        v.off = r.off.get().cloned();
+                    }
+                    let since = r.down_since_ms.load(Ordering::Relaxed);
+                    if since != 0 && !r.up.load(Ordering::Relaxed) {
+                        v.down_since_ms = Some(v.down_since_ms.map_or(since, |s| s.min(since)));
+                    }
+                    for (t, c) in [
+                        (&mut v.transfers, &r.transfers),
+                        (&mut v.bytes, &r.bytes),
+                        (&mut v.outstanding, &r.outstanding),
+                        (&mut v.lost, &r.lost),
+                        (&mut v.connects, &r.connects),
+                    ] {
+                        *t = t.saturating_add(c.load(Ordering::Relaxed));
+                    }
+                }
+                Some(v)
+            })
+            .collect()
     }
 
     fn sum(&self, f: impl Fn(&RdmaStats) -> &AtomicU64) -> u64 {
@@ -366,6 +413,7 @@ impl ublk_metrics::DriverStats for RdmaDriverStats {
             driver: Cow::Borrowed(self.driver),
             counters,
             gauges,
+            rails: self.rails(),
         }
     }
 }

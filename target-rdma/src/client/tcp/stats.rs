@@ -133,6 +133,7 @@ impl DriverStats for ClientStats {
             driver: Cow::Borrowed("tcp"),
             counters,
             gauges: Vec::new(),
+            rails: Vec::new(),
         }
     }
 }
