@@ -425,3 +425,59 @@ fn a_striped_half_that_fails_moves_on_the_other_rail() {
     assert!(out == whole);
     assert_eq!(tcp_payloads(&t), 0);
 }
+
+/// The one try of an unproven rail is given back however the request that
+/// took it ends: a read of a blob that does not exist moves nothing, and
+/// the rail is tried (and proven) by the next payload.
+#[test]
+fn a_request_that_moves_nothing_gives_the_rails_try_back() {
+    let devices = two_devices();
+    let (_peer, t, _dir) = two_rail_transport(&devices, devices.to_vec());
+    block_on(t.write(1, 0, &pattern(1, 6, 4096))).unwrap();
+    assert_eq!(
+        (rail(&t, 0).0, rail(&t, 1).0),
+        (1, 0),
+        "rail 0 proven first"
+    );
+    let mut out = vec![0; 4096];
+    assert_eq!(block_on(t.read(99, 0, &mut out)).unwrap(), Via::Nothing);
+    for k in 2..6u64 {
+        block_on(t.write(k, 0, &pattern(k, 6, 4096))).unwrap();
+    }
+    assert!(rail(&t, 1).0 > 0, "rail 1 was tried and carries payloads");
+}
+
+/// A request abandoned while its transfer is in flight takes its bytes
+/// off the rail's outstanding count (else the rail would look busy for
+/// good and carry nothing).
+#[test]
+fn an_abandoned_transfer_leaves_nothing_outstanding() {
+    let [a, b] = [LoopbackProvider::new(), LoopbackProvider::new()];
+    let devices = [
+        a.clone() as Arc<dyn RdmaProvider>,
+        b.clone() as Arc<dyn RdmaProvider>,
+    ];
+    let (_peer, t, _dir) = two_rail_transport(&devices, devices.to_vec());
+    a.delay_completions(Duration::from_secs(2));
+    b.delay_completions(Duration::from_secs(2));
+    let outstanding = |t: &RdmaTransport| -> u64 {
+        t.stats()
+            .rails
+            .iter()
+            .map(|r| r.outstanding.load(Ordering::Relaxed))
+            .sum()
+    };
+    let data = pattern(1, 7, 4096);
+    block_on(async {
+        let mut write = std::pin::pin!(t.write(1, 0, &data));
+        for _ in 0..200 {
+            assert!(futures::poll!(write.as_mut()).is_pending());
+            if outstanding(&t) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(outstanding(&t), 4096, "the transfer is in flight");
+    });
+    assert_eq!(outstanding(&t), 0);
+}

@@ -203,6 +203,12 @@ impl RailSlot {
         !self.probing.swap(true, Ordering::AcqRel)
     }
 
+    /// The request that took the one try is done with the rail (however
+    /// its payload went).
+    pub(super) fn end_probe(&self) {
+        self.probing.store(false, Ordering::Release);
+    }
+
     /// A transfer on `rail` got through: the rail is proven, its waits
     /// start over.
     pub(super) fn carried(&self) {

@@ -29,6 +29,27 @@ pub(super) struct Rails {
 pub(super) struct Chosen<'a> {
     pub(super) slot: &'a RailSlot,
     pub(super) rail: Arc<Rail>,
+    /// It holds the one try of the rail's unproven QP: given up when the
+    /// payload is done with the rail, however it ended.
+    probe: bool,
+}
+
+impl<'a> Chosen<'a> {
+    fn new(slot: &'a RailSlot, rail: Arc<Rail>) -> Self {
+        Self {
+            slot,
+            rail,
+            probe: false,
+        }
+    }
+}
+
+impl Drop for Chosen<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            self.slot.end_probe();
+        }
+    }
 }
 
 impl Rails {
@@ -182,7 +203,7 @@ impl Rails {
             .chain(self.slots.iter().filter(|s| Some(s.index) == after));
         for slot in order {
             match slot.route(len, client, leases).await {
-                Ok(rail) => return Ok(Chosen { slot, rail }),
+                Ok(rail) => return Ok(Chosen::new(slot, rail)),
                 Err(r) => {
                     reason.get_or_insert(r);
                 }
@@ -208,14 +229,16 @@ impl Rails {
             .slots
             .iter()
             .filter(|s| Some(s.index) != after)
-            .filter_map(|slot| slot.ready(epoch).map(|rail| Chosen { slot, rail }))
+            .filter_map(|slot| slot.ready(epoch).map(|rail| Chosen::new(slot, rail)))
             .collect();
         if up.iter().any(|c| c.slot.proven()) {
             if let Some(i) = up
                 .iter()
                 .position(|c| !c.slot.proven() && c.slot.try_probe())
             {
-                return up.into_iter().nth(i);
+                let mut probe = up.into_iter().nth(i)?;
+                probe.probe = true;
+                return Some(probe);
             }
         }
         up.into_iter()
@@ -231,6 +254,6 @@ impl Rails {
         self.slots
             .iter()
             .filter(|s| s.index != first.index && s.proven())
-            .find_map(|slot| slot.ready(epoch).map(|rail| Chosen { slot, rail }))
+            .find_map(|slot| slot.ready(epoch).map(|rail| Chosen::new(slot, rail)))
     }
 }

@@ -45,9 +45,12 @@ pub enum RdmaConnectError {
 }
 
 /// Fails the QP if a request is abandoned (its future dropped) mid-flight,
-/// so the device stops touching the buffer the request no longer owns.
+/// so the device stops touching the buffer the request no longer owns, and
+/// takes its bytes off the rail's outstanding count.
 struct InFlight<'a> {
     engine: &'a CompletionEngine,
+    slot: &'a RailSlot,
+    len: usize,
     done: bool,
 }
 
@@ -55,6 +58,7 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if !self.done {
             self.engine.fail("a request was abandoned while in flight");
+            self.slot.completed(self.len, false);
         }
     }
 }
@@ -358,6 +362,8 @@ impl RdmaTransport {
         chosen.slot.posted(len);
         let mut guard = InFlight {
             engine: &rail.engine,
+            slot: chosen.slot,
+            len,
             done: false,
         };
         let r = rx
