@@ -128,12 +128,13 @@ pub trait DriverStats: Send + Sync {
     fn snapshot(&self) -> DriverSnapshot;
 }
 
-/// An RDMA device name as a label value: what sysfs names hold.
+/// An RDMA device as a label value: its name as sysfs holds it, with the
+/// port and GID index the driver uses (`mlx5_0:1/gid3`).
 fn valid_rdma_device(n: &str) -> bool {
     !n.is_empty()
-        && n.len() <= 64
+        && n.len() <= 80
         && n.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':' | b'/'))
 }
 
 fn valid_name(n: &str) -> bool {

@@ -166,7 +166,7 @@ ID=${DEV#/dev/ublkb}
 rails "$ID" >"$R/rails-start.txt"
 ctl show "$ID" >"$R/show-start.txt" 2>&1
 [[ "$(rail_field "$ID" 0 2)" == up && "$(rail_field "$ID" 1 2)" == up ]] &&
-    grep -q 'rail 1 .*rxa1 up (2/2 queues up)' "$R/show-start.txt" &&
+    grep -q 'rail 1 .*rxa1:1/gid1 up (2/2 queues up)' "$R/show-start.txt" &&
     pass "show-both-rails-up" || fail show-both-rails-up "$(cat "$R/show-start.txt")"
 
 # ---- ext4 and fio verify over two rails ------------------------------------
@@ -194,8 +194,8 @@ if timeout 900 fio --output="$R/fio-verify.txt" --filename="$DEV" --direct=1 --i
     --name=rand --rw=randwrite --offset=16M --size=16M; then
     pass fio-verify
 else fail fio-verify "see fio-verify.txt"; fi
-b0=$(metric 'ublk_driver_rail_bytes_total{rail="0",rdma_device="rxa0"}')
-b1=$(metric 'ublk_driver_rail_bytes_total{rail="1",rdma_device="rxa1"}')
+b0=$(metric 'ublk_driver_rail_bytes_total{rail="0",rdma_device="rxa0:1/gid1"}')
+b1=$(metric 'ublk_driver_rail_bytes_total{rail="1",rdma_device="rxa1:1/gid1"}')
 tcp=$(stat_sum "$ID" tcp_payload_requests)
 if ((b0 > 0 && b1 > 0 && tcp == 0)); then
     pass "payloads-on-both-rails (rail 0 $b0 bytes, rail 1 $b1 bytes, 0 over TCP)"

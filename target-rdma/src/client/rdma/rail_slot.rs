@@ -218,26 +218,30 @@ impl RailSlot {
     }
 
     /// A transfer on `rail` failed (its QP is broken): unless a newer QP
-    /// replaced it meanwhile, the rail is down until a wait that doubles
-    /// with each loss since a transfer last got through (the first try is
-    /// at once), up to [`LOST_RAIL_MAX_WAIT`].
+    /// replaced it meanwhile, the rail is down until [`Self::next_wait`].
     pub(super) fn lost(&self, rail: &Arc<Rail>, now: Instant) {
         self.probing.store(false, Ordering::Release);
         let mut state = self.state.lock();
         if !matches!(&*state, RailState::Up(r) if Arc::ptr_eq(r, rail)) {
             return;
         }
-        let losses = self.losses.fetch_add(1, Ordering::Relaxed);
-        let wait = match losses {
-            0 => Duration::ZERO,
-            n => (RAIL_RETRY * 2u32.saturating_pow(n - 1)).min(LOST_RAIL_MAX_WAIT),
-        };
+        let wait = self.next_wait();
         self.proven.store(false, Ordering::Release);
         *state = RailState::Down(now + wait);
         drop(state);
         self.counters().lost.fetch_add(1, Ordering::Relaxed);
         self.went_down();
         warn!(event = events::RDMA_RAIL_LOST, peer = %self.peer, rail = self.index, device = %self.device(), retry_in_ms = wait.as_millis() as u64);
+    }
+
+    /// The wait before the next try after one more loss: none after the
+    /// first since a transfer got through, then [`RAIL_RETRY`] doubling
+    /// up to [`LOST_RAIL_MAX_WAIT`].
+    fn next_wait(&self) -> Duration {
+        match self.losses.fetch_add(1, Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            n => (RAIL_RETRY * 2u32.saturating_pow(n - 1)).min(LOST_RAIL_MAX_WAIT),
+        }
     }
 
     /// The transport is dropped: the QP is torn down (before the memory
@@ -273,7 +277,15 @@ impl RailSlot {
         }
         self.proven.store(false, Ordering::Release);
         self.probing.store(false, Ordering::Release);
-        self.state.lock().settle(&r, Instant::now());
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        state.settle(&r, now);
+        // A setup that failed counts as a loss: the next try waits at
+        // least RAIL_RETRY, longer while they keep failing.
+        if let (Err(_), RailState::Down(at)) = (&r, &mut *state) {
+            *at = now + self.next_wait().max(RAIL_RETRY);
+        }
+        drop(state);
         r
     }
 
