@@ -1,7 +1,7 @@
 # shellcheck shell=bash
-# Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, replicas,
-# handover, guest-vm, bench-rdma, bench-swap, bench-latency, bench-replicas,
-# bench-rebuild, bench-guest).
+# Helpers shared by the guest scenarios (demo, e2e, rdma-e2e, rails,
+# replicas, handover, guest-vm, bench-rdma, bench-rails, bench-swap,
+# bench-latency, bench-replicas, bench-rebuild, bench-guest).
 # Source it after setting BIN (the release binaries), SOCK (ublkd's control
 # socket) and W (the scenario's work dir holding ublkd.toml).
 
@@ -64,6 +64,48 @@ rdma_device() {
     RDMA_DEV=rxe0
     GID=1
     echo "no RDMA device; using soft-RoCE rxe0 on lo" >&2
+}
+
+# two_rdma_links: two soft-RoCE links in the init netns (docs/VM-TESTS.md,
+# "Two RDMA links"): veth pairs aN/bN (10.N+1.0.1 and .2), rxe rxaN on aN
+# (ublkd's rails) and rxbN on bN (arenad's), and the policy routes that
+# send each direction across its pair. Fails, saying why, if one is missing.
+two_rdma_links() {
+    modprobe -d "$UBLK_VM_MODDIR" veth && modprobe -d "$UBLK_VM_MODDIR" rdma_rxe ||
+        { echo "veth or rdma_rxe module missing" >&2; return 1; }
+    local ip=/usr/sbin/ip i n d
+    timeout 10 $ip link set lo up
+    sysctl -qw net.ipv4.conf.all.accept_local=1 net.ipv4.conf.all.rp_filter=0
+    # Local traffic would take the local table and lo: the policy routes
+    # send each direction out of its end of the pair first.
+    timeout 10 $ip rule del pref 0 lookup local && timeout 10 $ip rule add pref 100 lookup local || return 1
+    for i in 0 1; do
+        n=$((i + 1))
+        timeout 10 $ip link add a$i type veth peer name b$i || return 1
+        timeout 10 $ip addr add 10.$n.0.1/24 dev a$i
+        timeout 10 $ip addr add 10.$n.0.2/24 dev b$i
+        for d in a$i b$i; do
+            sysctl -qw net.ipv4.conf.$d.accept_local=1 net.ipv4.conf.$d.rp_filter=0
+            timeout 10 $ip link set $d up
+        done
+        timeout 10 $ip rule add pref 10 to 10.$n.0.2 iif lo lookup 1$n
+        timeout 10 $ip rule add pref 10 to 10.$n.0.1 iif lo lookup 2$n
+        link_routes $i || return 1
+        timeout 20 /usr/bin/rdma link add rxa$i type rxe netdev a$i &&
+            timeout 20 /usr/bin/rdma link add rxb$i type rxe netdev b$i ||
+            { echo "rxe on link $i failed" >&2; return 1; }
+    done
+    for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs3 ]] && return 0; sleep 0.1; done
+    echo "the rxe devices did not appear" >&2
+    return 1
+}
+
+# link_routes N: the policy routes of link N (taking the link down drops
+# them: add them again when it comes back up).
+link_routes() {
+    local n=$(($1 + 1))
+    timeout 10 /usr/sbin/ip route replace 10.$n.0.2 dev a$1 src 10.$n.0.1 table 1$n &&
+        timeout 10 /usr/sbin/ip route replace 10.$n.0.1 dev b$1 src 10.$n.0.2 table 2$n
 }
 
 # wait_listen PORT PID: until something listens on 127.0.0.1:PORT (up to

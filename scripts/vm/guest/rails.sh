@@ -36,36 +36,7 @@ for b in arenad ublkd ublkctl; do
 done
 
 # ---- two links: veth pairs aN/bN, rxe rxaN (ublkd) and rxbN (arenad) ----
-modprobe -d "$UBLK_VM_MODDIR" veth && modprobe -d "$UBLK_VM_MODDIR" rdma_rxe ||
-    { echo "FAIL setup (veth, rdma_rxe modules)"; exit 1; }
-ip link set lo up
-sysctl -qw net.ipv4.conf.all.accept_local=1 net.ipv4.conf.all.rp_filter=0
-# Local traffic would take the local table and lo: the policy routes
-# below send each direction out of its end of the pair first.
-ip rule del pref 0 lookup local && ip rule add pref 100 lookup local
-# routes N: the policy routes of link N (a link going down drops them).
-routes() {
-    local n=$(($1 + 1))
-    ip route replace 10.$n.0.2 dev a$1 src 10.$n.0.1 table 1$n
-    ip route replace 10.$n.0.1 dev b$1 src 10.$n.0.2 table 2$n
-}
-for i in 0 1; do
-    n=$((i + 1))
-    ip link add a$i type veth peer name b$i
-    ip addr add 10.$n.0.1/24 dev a$i
-    ip addr add 10.$n.0.2/24 dev b$i
-    for d in a$i b$i; do
-        sysctl -qw net.ipv4.conf.$d.accept_local=1 net.ipv4.conf.$d.rp_filter=0
-        ip link set $d up
-    done
-    ip rule add pref 10 to 10.$n.0.2 iif lo lookup 1$n
-    ip rule add pref 10 to 10.$n.0.1 iif lo lookup 2$n
-    routes $i
-    timeout 20 /usr/bin/rdma link add rxa$i type rxe netdev a$i &&
-        timeout 20 /usr/bin/rdma link add rxb$i type rxe netdev b$i ||
-        { echo "FAIL setup (rxe on link $i)"; exit 1; }
-done
-for _ in $(seq 100); do [[ -c /dev/infiniband/uverbs3 ]] && break; sleep 0.1; done
+two_rdma_links || { echo "FAIL setup (two RDMA links)"; exit 1; }
 pass "two-links-up ($(ls /sys/class/infiniband | tr '\n' ' '))"
 
 printf 'rails-volume-secret-0123456789abcdef\n' >"$W/vol.key"
@@ -222,7 +193,7 @@ flap() { # flap N: link N down for 6 s, then up with its routes again
     log "link $1 up"
     ip link set a$1 up
     ip link set b$1 up
-    routes "$1"
+    link_routes "$1"
     local waited
     if waited=$(wait_rail "$ID" "$1" up "$REJOIN_S"); then
         echo "rail $1 back up ${waited}s after its link came up" >>"$R/flaps.txt"
