@@ -419,16 +419,24 @@ impl DriverStatsRegistry {
                 g.set(0.0);
             }
         }
+        let tel = &self.telemetry;
         for (key, values) in gauges {
             for (family, v) in RAIL_GAUGES.into_iter().zip(values) {
-                if let Some(g) = self.rail_gauge(series, &key, family) {
+                let admitted = Self::rail_admits(series, &key);
+                let make = |labels: &[(&'static str, &str)]| tel.gauge(family, labels);
+                if let Some(g) = Self::rail_handle(&mut series.gauges, admitted, &key, family, make)
+                {
                     g.set(v as f64);
                 }
             }
         }
         for (key, values) in counts {
             for (family, v) in RAIL_COUNTERS.into_iter().zip(values) {
-                if let Some(c) = self.rail_counter(series, &key, family) {
+                let admitted = Self::rail_admits(series, &key);
+                let make = |labels: &[(&'static str, &str)]| tel.counter(family, labels);
+                if let Some(c) =
+                    Self::rail_handle(&mut series.counters, admitted, &key, family, make)
+                {
                     c.absolute(v);
                 }
             }
@@ -446,44 +454,25 @@ impl DriverStatsRegistry {
         keys.contains(key) || keys.len() < MAX_RAIL_SERIES
     }
 
-    fn rail_gauge(
-        &self,
-        series: &mut RailSeries,
+    /// The handle of `family` for `key`, made by `make` with its labels
+    /// the first time (`admitted`: the label set fits the bound).
+    fn rail_handle<T: Clone>(
+        handles: &mut BTreeMap<(RailKey, &'static str), T>,
+        admitted: bool,
         key: &RailKey,
         family: &'static str,
-    ) -> Option<Gauge> {
-        if let Some(g) = series.gauges.get(&(key.clone(), family)) {
-            return Some(g.clone());
+        make: impl FnOnce(&[(&'static str, &str)]) -> T,
+    ) -> Option<T> {
+        if let Some(h) = handles.get(&(key.clone(), family)) {
+            return Some(h.clone());
         }
         let (rail, device) = Self::rail_labels(key)?;
-        if !Self::rail_admits(series, key) {
+        if !admitted {
             return None;
         }
-        let g = self
-            .telemetry
-            .gauge(family, &[("rail", &rail), ("rdma_device", device)]);
-        series.gauges.insert((key.clone(), family), g.clone());
-        Some(g)
-    }
-
-    fn rail_counter(
-        &self,
-        series: &mut RailSeries,
-        key: &RailKey,
-        family: &'static str,
-    ) -> Option<Counter> {
-        if let Some(c) = series.counters.get(&(key.clone(), family)) {
-            return Some(c.clone());
-        }
-        let (rail, device) = Self::rail_labels(key)?;
-        if !Self::rail_admits(series, key) {
-            return None;
-        }
-        let c = self
-            .telemetry
-            .counter(family, &[("rail", &rail), ("rdma_device", device)]);
-        series.counters.insert((key.clone(), family), c.clone());
-        Some(c)
+        let h = make(&[("rail", &rail), ("rdma_device", device)]);
+        handles.insert((key.clone(), family), h.clone());
+        Some(h)
     }
 
     fn admit_family(inner: &mut Inner, family: &str) -> bool {

@@ -73,7 +73,8 @@ ARENAD=$!
 wait_listen 7070 $ARENAD || { echo "bench: arenad did not start"; exit 1; }
 declare -A PIDS=() DEVS=()
 for x in one two; do
-    W=$W/$x SOCK=$W/$x/run/ublkd.sock start_ublkd "$R/ublkd-$x.log" ||
+    # (SOCK first: a prefix assignment sees the ones before it.)
+    SOCK=$W/$x/run/ublkd.sock W=$W/$x start_ublkd "$R/ublkd-$x.log" ||
         { echo "bench: ublkd $x did not start"; exit 1; }
     PIDS[$x]=$UBLKD_PID
 done
@@ -117,7 +118,7 @@ for spec in "${JOBS[@]}"; do
     # shellcheck disable=SC2086
     read -r i2 b2 <<<"$(run_job "${DEVS[two]}" "$name" $args)" || { echo "bench: $name failed"; exit 1; }
     if [[ $name == *1m* ]]; then
-        a="$((b1 / 1048576)) MiB/s"; b="$((b2 / 1048576)) MiB/s"
+        a=$(python3 -c "print(f'{$b1 / 1048576:.1f} MiB/s')"); b=$(python3 -c "print(f'{$b2 / 1048576:.1f} MiB/s')")
         ratio=$(python3 -c "print(f'{$b2 / max($b1, 1):.2f}x')")
     else
         a="$i1 IOPS"; b="$i2 IOPS"
@@ -140,7 +141,9 @@ link_routes 1
 wait $FIO
 gap=$(cat "$W"/gap_lat*.log | awk -F, '{ print $1 + 0 }' | sort -n |
     awk 'NR > 1 && $1 - p > g { g = $1 - p } { p = $1 } END { print g + 0 }')
-echo "longest completion gap with link 1 down mid-run: $gap ms (transfer_timeout_ms $TIMEOUT_MS)" |
+# fio's latency log: completion time (ms), latency (ns), ...
+longest=$(cat "$W"/gap_lat*.log | awk -F, '$2 > m { m = $2 } END { printf "%d", m / 1000000 }')
+echo "link 1 down mid-run: longest completion gap $gap ms, longest request $longest ms (transfer_timeout_ms $TIMEOUT_MS)" |
     tee -a "$R/bench.txt"
 SOCK=$W/two/run/ublkd.sock ctl show "${DEVS[two]#/dev/ublkb}" | grep -E '^  rail' | tee -a "$R/bench.txt"
 echo "BENCH rails done: links shaped to $RATE each, $RUNTIME s per job"
