@@ -584,6 +584,20 @@ pub fn summarize(reports: &[DeviceDriverReport]) -> String {
         if !any_op {
             let _ = writeln!(out, "{dev}: {title} data path - no payload requests");
         }
+        for r in &s.rails {
+            let _ = writeln!(
+                out,
+                "{dev}:   rail {} ({}) {}, {}/{} queues up: {} bytes in {} transfers, {} lost",
+                r.rail,
+                r.rdma_device,
+                r.state(),
+                r.queues_up,
+                r.queues,
+                r.bytes,
+                r.transfers,
+                r.lost
+            );
+        }
         for problem in names::PROBLEMS {
             for c in s
                 .counters

@@ -180,6 +180,7 @@ fn summary_reports_transfers_problems_and_warnings() {
     a.set(names::RDMA_TRANSFERRED, Some(IoOp::Write), None, 5);
     a.set(names::RDMA_TIMED_OUT, Some(IoOp::Write), None, 2);
     a.set(names::REGISTRATION_FAILURES, None, None, 0);
+    a.0.lock().rails = vec![rail(0, "mlx5_0", 2, 8192), rail(1, "mlx5_1", 1, 4096)];
     let b = Fake::new("rdma");
     b.set(
         names::TCP_PAYLOAD_REQUESTS,
@@ -211,6 +212,8 @@ fn summary_reports_transfers_problems_and_warnings() {
     let expected = "\
 ublkb0: RDMA data path - Read: 237 transfers over RDMA, 3 payload requests over TCP
 ublkb0: RDMA data path - Write: 5 transfers over RDMA, 0 payload requests over TCP
+ublkb0:   rail 0 (mlx5_0) up, 2/2 queues up: 8192 bytes in 2 transfers, 0 lost
+ublkb0:   rail 1 (mlx5_1) degraded, 1/2 queues up: 4096 bytes in 1 transfers, 1 lost
 ublkb0:   rdma_timed_out (write): 2
 ublkb1: RDMA data path - Write: 0 transfers over RDMA, 9 payload requests over TCP
 ublkb1: warning: configured for RDMA but moved no payload over RDMA
