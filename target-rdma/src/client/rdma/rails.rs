@@ -225,27 +225,24 @@ impl Rails {
     /// one try is free (the request that takes it proves it), else the
     /// proven one with fewer bytes outstanding (or, even, fewer transfers).
     fn ready(&self, after: Option<u8>, epoch: Option<u64>) -> Option<Chosen<'_>> {
-        let up: Vec<Chosen<'_>> = self
-            .slots
-            .iter()
-            .filter(|s| Some(s.index) != after)
-            .filter_map(|slot| slot.ready(epoch).map(|rail| Chosen::new(slot, rail)))
-            .collect();
-        if up.iter().any(|c| c.slot.proven()) {
-            if let Some(i) = up
-                .iter()
-                .position(|c| !c.slot.proven() && c.slot.try_probe())
-            {
-                let mut probe = up.into_iter().nth(i)?;
-                probe.probe = true;
-                return Some(probe);
+        let others = || self.slots.iter().filter(move |s| Some(s.index) != after);
+        let any_proven = self.slots.iter().any(RailSlot::proven);
+        if any_proven {
+            for slot in others().filter(|s| !s.proven()) {
+                if let Some(rail) = slot.ready(epoch).filter(|_| slot.try_probe()) {
+                    let mut probe = Chosen::new(slot, rail);
+                    probe.probe = true;
+                    return Some(probe);
+                }
             }
         }
-        up.into_iter()
-            .filter(|c| c.slot.proven() || !self.slots.iter().any(RailSlot::proven))
+        others()
+            .filter(|s| s.proven() || !any_proven)
+            .filter_map(|slot| slot.ready(epoch).map(|rail| (slot, rail)))
             // Fewer bytes outstanding; when even, fewer transfers so far
             // (idle rails take turns).
-            .min_by_key(|c| (c.slot.outstanding(), c.slot.transfers()))
+            .min_by_key(|(s, _)| (s.outstanding(), s.transfers()))
+            .map(|(slot, rail)| Chosen::new(slot, rail))
     }
 
     /// The other rail, to carry half of a payload with `first`: only a

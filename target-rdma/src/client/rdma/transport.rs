@@ -589,7 +589,9 @@ impl RdmaTransport {
                 len: len - cut,
             },
         ];
-        let lease = &{ held.lease };
+        // A copy: `held` goes to `give_up` or `MoveDone` by value.
+        let lease: Lease = held.lease;
+        let lease = &lease;
         let (a, b) = futures::future::join(
             self.move_part(&rails[0], op, lease, offset, addr, parts[0], copy_in),
             self.move_part(&rails[1], op, lease, offset, addr, parts[1], copy_in),
