@@ -23,6 +23,14 @@ pub(super) struct Rail {
     pub(super) epoch: u64,
 }
 
+impl Rail {
+    /// Whether payloads may use it: its QP is healthy and it belongs to
+    /// control connection `epoch` (the live one).
+    pub(super) fn serves(&self, epoch: Option<u64>) -> bool {
+        self.engine.broken().is_none() && Some(self.epoch) == epoch
+    }
+}
+
 impl Drop for Rail {
     fn drop(&mut self) {
         self.engine.shutdown();
@@ -73,7 +81,7 @@ impl RailState {
         }
         match self {
             RailState::Off(reason, _) => return Route::Tcp(*reason),
-            RailState::Up(rail) if rail.engine.broken().is_none() && Some(rail.epoch) == epoch => {
+            RailState::Up(rail) if rail.serves(epoch) => {
                 if len > sizes.max {
                     return Route::Tcp(TcpReason::TooLarge);
                 }

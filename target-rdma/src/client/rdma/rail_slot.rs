@@ -138,15 +138,13 @@ impl RailSlot {
 
     /// Whether payloads may use it (up, or down and being re-established).
     pub(super) fn uses_rdma(&self) -> bool {
-        !matches!(*self.state.lock(), RailState::Off(..))
+        self.off_reason().is_none()
     }
 
     /// Its QP, when it is up, healthy and of control connection `epoch`.
     pub(super) fn ready(&self, epoch: Option<u64>) -> Option<Arc<Rail>> {
         match &*self.state.lock() {
-            RailState::Up(rail) if rail.engine.broken().is_none() && Some(rail.epoch) == epoch => {
-                Some(Arc::clone(rail))
-            }
+            RailState::Up(rail) if rail.serves(epoch) => Some(Arc::clone(rail)),
             _ => None,
         }
     }
@@ -156,7 +154,7 @@ impl RailSlot {
     pub(super) fn due(&self, epoch: Option<u64>, now: Instant) -> bool {
         match &*self.state.lock() {
             RailState::Down(at) => now >= *at,
-            RailState::Up(rail) => rail.engine.broken().is_some() || Some(rail.epoch) != epoch,
+            RailState::Up(rail) => !rail.serves(epoch),
             RailState::Connecting | RailState::Off(..) => false,
         }
     }
