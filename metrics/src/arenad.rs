@@ -110,7 +110,7 @@ closed_enum! {
         /// request naming a lease the session does not hold or a range
         /// outside the blob.
         Sequence => "sequence",
-        /// A version-2 frame whose tag does not verify (injected, replayed,
+        /// A version-2 or -3 frame whose tag does not verify (injected, replayed,
         /// reordered or altered).
         Tag => "tag",
         /// A field value the protocol forbids (volume name, epoch, RELEASE

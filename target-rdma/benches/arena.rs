@@ -29,7 +29,8 @@
 //! (default: a temp dir under target/); `BENCH_ONLY=swap` runs only the
 //! swap-bound cases, `BENCH_ONLY=cold` only the cold-read cases,
 //! `BENCH_ONLY=rtt` only the client-path round trips,
-//! `BENCH_ONLY=mac` only the cost of protocol version 2's frame tags (and the
+//! `BENCH_ONLY=mac` only the cost of protocol version 2's frame tags and of
+//! version 3's sealed frames against version 1's none (and the
 //! integrity constructions alone, which `BENCH_ONLY=tags` runs by
 //! themselves, no server: the way to measure them under `qemu-x86_64`), any other
 //! `BENCH_ONLY` only the resident cases whose name contains it
@@ -373,11 +374,15 @@ fn mac_cost(tmp: &tempfile::TempDir) {
     let session = |version: u8| {
         let mut cfg = peer.config("bench", SECRET);
         cfg.request_timeout = Duration::from_secs(30);
-        cfg.versions = version..=version;
+        if version == proto::VERSION_3 {
+            cfg.confidential = true;
+        } else {
+            cfg.versions = version..=version;
+        }
         ArenaClient::connect(cfg).unwrap()
     };
-    // One bench, its client swapped between a v2 and a v1 session.
-    let mut other = session(1);
+    // One bench, its client swapped between a v1, a v2 and a v3 session.
+    let mut clients = [session(1), session(2), session(3)];
     let mut b = Bench {
         client: session(2),
         blob: blob as usize,
@@ -385,28 +390,36 @@ fn mac_cost(tmp: &tempfile::TempDir) {
     };
     let span = 256 << 20;
     run(&b, Dir::Write, MIB, 32, span, true);
-    println!("\n| frame tags, arena-resident | v1 (no tags) ops/s | v2 (tags) ops/s | median v2/v1 |\n|---|---:|---:|---:|");
+    println!("\n| frame protection, arena-resident | v1 (none) ops/s | v2 (BLAKE3 tags) ops/s | v3 (AES-256-GCM sealed) ops/s | median v2/v1 | median v3/v1 | median v3/v2 |\n|---|---:|---:|---:|---:|---:|---:|");
     for (name, dir, size, qd, seq) in [
         ("1 MiB seq write QD32", Dir::Write, MIB, 32, true),
         ("1 MiB seq read QD32", Dir::Read, MIB, 32, true),
         ("4 KiB rand write QD32", Dir::Write, 4096, 32, false),
         ("4 KiB rand read QD32", Dir::Read, 4096, 32, false),
     ] {
-        let (mut offs, mut ons, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let mut iops: [Vec<f64>; 3] = Default::default();
+        let (mut v2, mut v3, mut v3v2) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds() {
-            std::mem::swap(&mut b.client, &mut other);
-            let off = run(&b, dir, size, qd, span, seq).iops();
-            std::mem::swap(&mut b.client, &mut other);
-            let on = run(&b, dir, size, qd, span, seq).iops();
-            ratios.push(on / off);
-            offs.push(off);
-            ons.push(on);
+            let mut round = [0.0; 3];
+            for (i, c) in clients.iter_mut().enumerate() {
+                std::mem::swap(&mut b.client, c);
+                round[i] = run(&b, dir, size, qd, span, seq).iops();
+                std::mem::swap(&mut b.client, c);
+                iops[i].push(round[i]);
+            }
+            v2.push(round[1] / round[0]);
+            v3.push(round[2] / round[0]);
+            v3v2.push(round[2] / round[1]);
         }
+        let [i1, i2, i3] = iops;
         println!(
-            "| {name} | {:.0} | {:.0} | {:.3}x |",
-            median(offs),
-            median(ons),
-            median(ratios)
+            "| {name} | {:.0} | {:.0} | {:.0} | {:.3}x | {:.3}x | {:.3}x |",
+            median(i1),
+            median(i2),
+            median(i3),
+            median(v2),
+            median(v3),
+            median(v3v2)
         );
     }
 }

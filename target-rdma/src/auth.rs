@@ -1,5 +1,6 @@
-//! Volume secrets, the HELLO challenge-response, and the tags that
-//! authenticate every frame after it (protocol version 2).
+//! Volume secrets, the HELLO challenge-response, and the keys that protect
+//! every frame after it (a tag in protocol version 2, AES-256-GCM sealing in
+//! version 3).
 //!
 //! The secret never crosses the wire: the server sends a fresh nonce, the
 //! client answers with an HMAC-SHA256 over the whole handshake transcript,
@@ -7,11 +8,14 @@
 //! client cannot be lured into talking to an impostor either. Tags are
 //! compared in constant time by `hmac`'s `verify_slice`.
 //!
-//! After a version-2 handshake each direction has a key of its own, derived
-//! from the secret and both nonces ([`Secret::session_keys`]), and every
-//! frame carries a [`FrameKey::tag`] over its sequence number in that
-//! direction, its header and a digest of its body: a frame cannot be
-//! injected, replayed, reordered or dropped without the receiver noticing.
+//! After a version-2 or -3 handshake each direction has a key of its own,
+//! derived from the secret and both nonces ([`Secret::session_keys`]), and
+//! every frame carries a tag bound to its sequence number in that
+//! direction, its header and its body: a frame cannot be injected,
+//! replayed, reordered or dropped without the receiver noticing. Version 2
+//! tags with keyed BLAKE3 ([`TagKey`]) and leaves the body readable;
+//! version 3 seals the body with AES-256-GCM ([`SealKey`]), so it also
+//! hides it.
 
 use std::fmt;
 use std::io::Read;
@@ -19,9 +23,10 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use hmac::{Hmac, Mac};
+use ring::aead;
 use sha2::Sha256;
 
-use crate::proto::{Challenge, Hello, Welcome, HEADER_LEN, MAC_LEN, TAG_LEN, VERSION_2};
+use crate::proto::{Challenge, Hello, Welcome, HEADER_LEN, MAC_LEN, TAG_LEN, VERSION_2, VERSION_3};
 
 /// Shortest secret accepted: 128 bits.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -212,23 +217,32 @@ impl Secret {
         self.mac(label, &parts)
     }
 
-    /// The keys of a version-2 session opened by this CHALLENGE and HELLO:
-    /// one per direction, from the secret and both (fresh) nonces, so no
-    /// two sessions share a key.
+    /// The keys of a version-2 or -3 session opened by this CHALLENGE and
+    /// HELLO (the HELLO's version says which): one per direction, from the
+    /// secret and both (fresh) nonces, so no two sessions share a key.
     pub fn session_keys(&self, ch: &Challenge, h: &Hello) -> SessionKeys {
-        let key = |label: &[u8]| {
-            let tag = self
-                .mac(
-                    label,
-                    &[&ch.server_nonce, &h.client_nonce, h.volume.as_bytes()],
-                )
-                .finalize()
-                .into_bytes();
-            FrameKey(tag.into())
+        let derive = |label: &[u8]| -> [u8; 32] {
+            self.mac(
+                label,
+                &[&ch.server_nonce, &h.client_nonce, h.volume.as_bytes()],
+            )
+            .finalize()
+            .into_bytes()
+            .into()
         };
+        if h.version >= u16::from(VERSION_3) {
+            return SessionKeys {
+                client_to_server: FrameKey::Seal(SealKey::new(&derive(
+                    b"arena-v3 frames client->server",
+                ))),
+                server_to_client: FrameKey::Seal(SealKey::new(&derive(
+                    b"arena-v3 frames server->client",
+                ))),
+            };
+        }
         SessionKeys {
-            client_to_server: key(b"arena-v2 frames client->server"),
-            server_to_client: key(b"arena-v2 frames server->client"),
+            client_to_server: FrameKey::Tag(TagKey(derive(b"arena-v2 frames client->server"))),
+            server_to_client: FrameKey::Tag(TagKey(derive(b"arena-v2 frames server->client"))),
         }
     }
 
@@ -253,12 +267,12 @@ impl Secret {
     }
 }
 
-/// Both directions' frame keys of one version-2 session.
+/// Both directions' frame keys of one version-2 or -3 session.
 #[derive(Clone)]
 pub struct SessionKeys {
-    /// Tags the client's frames.
+    /// Protects the client's frames.
     pub client_to_server: FrameKey,
-    /// Tags the server's frames.
+    /// Protects the server's frames.
     pub server_to_client: FrameKey,
 }
 
@@ -268,14 +282,58 @@ impl fmt::Debug for SessionKeys {
     }
 }
 
-/// The key of one direction of a session. A frame's tag is keyed BLAKE3
-/// over a label, the frame's sequence number in its direction (0 for the
-/// first frame after the handshake), its 24-byte header and the BLAKE3
-/// digest of its body, cut to [`TAG_LEN`] bytes. Hashing the body apart
-/// lets a sender digest a large payload before it knows the frame's place
-/// in the stream, and the tag itself costs one compression.
+/// How one direction of a session protects its frames: both put a
+/// [`TAG_LEN`]-byte tag after the body; a sealing key also encrypts the
+/// body in place.
 #[derive(Clone)]
-pub struct FrameKey([u8; 32]);
+pub enum FrameKey {
+    /// Version 2: keyed BLAKE3, the body in the clear.
+    Tag(TagKey),
+    /// Version 3: AES-256-GCM, the body sealed.
+    Seal(SealKey),
+}
+
+impl FrameKey {
+    /// Makes `body` frame `seq`'s with this header and returns its tag: a
+    /// tagging key leaves the body as it is, a sealing key encrypts it.
+    pub fn protect(&self, seq: u64, header: &[u8; HEADER_LEN], body: &mut [u8]) -> [u8; TAG_LEN] {
+        match self {
+            Self::Tag(k) => k.tag(seq, header, &body_digest(&[body])),
+            Self::Seal(k) => k.seal(seq, header, body),
+        }
+    }
+
+    /// Whether `tag` is frame `seq`'s with this header and body (checked
+    /// in constant time); a sealing key decrypts `body` in place when it
+    /// is, and leaves it unusable when it is not.
+    #[must_use]
+    pub fn open(
+        &self,
+        seq: u64,
+        header: &[u8; HEADER_LEN],
+        body: &mut [u8],
+        tag: &[u8; TAG_LEN],
+    ) -> bool {
+        match self {
+            Self::Tag(k) => k.verify(seq, header, &body_digest(&[body]), tag),
+            Self::Seal(k) => k.open(seq, header, body, tag),
+        }
+    }
+
+    /// Whether this key seals bodies (version 3).
+    pub fn seals(&self) -> bool {
+        matches!(self, Self::Seal(_))
+    }
+}
+
+/// A version-2 direction's key. A frame's tag is keyed BLAKE3 over a
+/// label, the frame's sequence number in its direction (0 for the first
+/// frame after the handshake), its 24-byte header and the BLAKE3 digest of
+/// its body, cut to [`TAG_LEN`] bytes. Hashing the body apart lets a sender
+/// digest a large payload before it knows the frame's place in the stream,
+/// and the tag itself costs one compression.
+#[derive(Clone)]
+pub struct TagKey([u8; 32]);
 
 /// The BLAKE3 digest of a frame body, given in pieces (fixed fields, then a
 /// payload sent or received apart).
@@ -287,7 +345,7 @@ pub fn body_digest(parts: &[&[u8]]) -> [u8; 32] {
     h.finalize().into()
 }
 
-impl FrameKey {
+impl TagKey {
     /// The tag of frame `seq` with this header and body digest.
     pub fn tag(&self, seq: u64, header: &[u8; HEADER_LEN], digest: &[u8; 32]) -> [u8; TAG_LEN] {
         let mut h = blake3::Hasher::new_keyed(&self.0);
@@ -315,6 +373,61 @@ impl FrameKey {
             .zip(tag)
             .fold(0u8, |acc, (a, b)| acc | std::hint::black_box(a ^ b));
         diff == 0
+    }
+}
+
+/// A version-3 direction's key: AES-256-GCM with the frame's header as
+/// associated data and its sequence number as the nonce (8 bytes
+/// little-endian, then 4 zero bytes). A key serves one direction of one
+/// session and the sequence number never repeats in it, so no nonce is
+/// used twice under a key.
+#[derive(Clone)]
+pub struct SealKey(std::sync::Arc<aead::LessSafeKey>);
+
+impl SealKey {
+    fn new(key: &[u8; 32]) -> Self {
+        let unbound =
+            aead::UnboundKey::new(&aead::AES_256_GCM, key).expect("AES-256 takes a 32-byte key");
+        Self(std::sync::Arc::new(aead::LessSafeKey::new(unbound)))
+    }
+
+    fn nonce(seq: u64) -> aead::Nonce {
+        let mut n = [0u8; aead::NONCE_LEN];
+        n[..8].copy_from_slice(&seq.to_le_bytes());
+        aead::Nonce::assume_unique_for_key(n)
+    }
+
+    /// Encrypts `body` in place as frame `seq` and returns its tag.
+    pub fn seal(&self, seq: u64, header: &[u8; HEADER_LEN], body: &mut [u8]) -> [u8; TAG_LEN] {
+        let tag = self
+            .0
+            .seal_in_place_separate_tag(Self::nonce(seq), aead::Aad::from(header), body)
+            // AES-GCM refuses only inputs over 64 GiB; a frame body is at
+            // most `MAX_BODY`.
+            .expect("a frame body is far below AES-GCM's limit");
+        let mut out = [0; TAG_LEN];
+        out.copy_from_slice(tag.as_ref());
+        out
+    }
+
+    /// Decrypts `body` in place if `tag` is frame `seq`'s (ring compares
+    /// it in constant time).
+    pub fn open(
+        &self,
+        seq: u64,
+        header: &[u8; HEADER_LEN],
+        body: &mut [u8],
+        tag: &[u8; TAG_LEN],
+    ) -> bool {
+        self.0
+            .open_in_place_separate_tag(
+                Self::nonce(seq),
+                aead::Aad::from(header),
+                aead::Tag::from(*tag),
+                body,
+                0..,
+            )
+            .is_ok()
     }
 }
 
@@ -422,29 +535,60 @@ mod tests {
 
     #[test]
     fn frame_tags_bind_key_direction_sequence_header_and_body() {
-        let (ch, h, _) = transcript();
+        let (ch, mut h, _) = transcript();
         let s = secret("correct horse battery staple");
-        let keys = s.session_keys(&ch, &h);
         let header = [7u8; HEADER_LEN];
-        let digest = body_digest(&[b"body", b" continued"]);
-        assert_eq!(digest, body_digest(&[b"body continued"]));
-        let tag = keys.client_to_server.tag(3, &header, &digest);
-        assert!(keys.client_to_server.verify(3, &header, &digest, &tag));
-        // Replayed at another place, reflected back, altered, or from
-        // another session (a fresh nonce): refused.
-        assert!(!keys.client_to_server.verify(4, &header, &digest, &tag));
-        assert!(!keys.server_to_client.verify(3, &header, &digest, &tag));
-        let mut other_header = header;
-        other_header[5] ^= 1;
-        assert!(!keys
-            .client_to_server
-            .verify(3, &other_header, &digest, &tag));
-        let other_body = body_digest(&[b"body continueD"]);
-        assert!(!keys.client_to_server.verify(3, &header, &other_body, &tag));
-        let mut other_session = h.clone();
-        other_session.client_nonce = nonce();
-        let other = s.session_keys(&ch, &other_session);
-        assert!(!other.client_to_server.verify(3, &header, &digest, &tag));
+        let plain = b"body continued".to_vec();
+        assert_eq!(
+            body_digest(&[b"body", b" continued"]),
+            body_digest(&[&plain])
+        );
+        for version in [VERSION_2, VERSION_3] {
+            h.version = u16::from(version);
+            let keys = s.session_keys(&ch, &h);
+            assert_eq!(keys.client_to_server.seals(), version == VERSION_3);
+            let mut sent = plain.clone();
+            let tag = keys.client_to_server.protect(3, &header, &mut sent);
+            // Version 3 hides the body; version 2 leaves it as it is.
+            assert_eq!(sent == plain, version == VERSION_2, "version {version}");
+            let opens = |key: &FrameKey, seq: u64, header: &[u8; HEADER_LEN], body: &[u8]| {
+                let mut b = body.to_vec();
+                key.open(seq, header, &mut b, &tag).then_some(b)
+            };
+            assert_eq!(
+                opens(&keys.client_to_server, 3, &header, &sent),
+                Some(plain.clone())
+            );
+            // Replayed at another place, reflected back, altered, or from
+            // another session (a fresh nonce): refused.
+            assert_eq!(opens(&keys.client_to_server, 4, &header, &sent), None);
+            assert_eq!(opens(&keys.server_to_client, 3, &header, &sent), None);
+            let mut other_header = header;
+            other_header[5] ^= 1;
+            assert_eq!(opens(&keys.client_to_server, 3, &other_header, &sent), None);
+            let mut other_body = sent.clone();
+            other_body[13] ^= 1;
+            assert_eq!(opens(&keys.client_to_server, 3, &header, &other_body), None);
+            let mut other_session = h.clone();
+            other_session.client_nonce = nonce();
+            let other = s.session_keys(&ch, &other_session);
+            assert_eq!(opens(&other.client_to_server, 3, &header, &sent), None);
+        }
+    }
+
+    #[test]
+    fn sealed_frames_use_a_fresh_nonce_per_frame() {
+        let (ch, mut h, _) = transcript();
+        h.version = u16::from(VERSION_3);
+        let keys = secret("correct horse battery staple").session_keys(&ch, &h);
+        let header = [7u8; HEADER_LEN];
+        let (mut a, mut b) = (vec![0u8; 64], vec![0u8; 64]);
+        let ta = keys.client_to_server.protect(0, &header, &mut a);
+        let tb = keys.client_to_server.protect(1, &header, &mut b);
+        // The same body sent twice is two different ciphertexts: the
+        // sequence number is the nonce.
+        assert_ne!(a, b);
+        assert_ne!(ta, tb);
     }
 
     #[test]

@@ -19,13 +19,18 @@ pub const VERSION_1: u8 = 1;
 /// tag keyed from the handshake; HELLO carries the writer's epoch, and
 /// EPOCH / `STALE_EPOCH` exist.
 pub const VERSION_2: u8 = 2;
+/// Version 3: version 2 with every frame body after the handshake sealed
+/// with AES-256-GCM (encrypted, the tag its GCM tag): the sessions of a
+/// volume that asks for confidentiality.
+pub const VERSION_3: u8 = 3;
 /// The newest protocol version this build speaks.
-pub const VERSION: u8 = VERSION_2;
+pub const VERSION: u8 = VERSION_3;
 /// The version byte of the handshake frames (CHALLENGE, HELLO and its
 /// answer), whatever the session negotiates: a client of any version can
 /// read the CHALLENGE and tell which versions the peer offers.
 pub const HANDSHAKE_VERSION: u8 = VERSION_1;
-/// Length of the tag that follows every version-2 frame after the handshake.
+/// Length of the tag that follows every version-2 or -3 frame after the
+/// handshake.
 pub const TAG_LEN: usize = 16;
 /// Size of the fixed frame header.
 pub const HEADER_LEN: usize = 24;
@@ -298,7 +303,7 @@ pub enum FrameError {
         /// Why it was unexpected.
         detail: &'static str,
     },
-    /// A version-2 frame whose tag does not verify: injected, replayed,
+    /// A version-2 or -3 frame whose tag does not verify: injected, replayed,
     /// reordered, or altered on the way.
     #[error("frame {seq} ({op}) fails its authentication tag: injected, replayed, reordered or altered in transit")]
     BadTag {

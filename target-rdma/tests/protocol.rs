@@ -224,16 +224,24 @@ fn connect_errors_name_the_peer() {
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
 }
 
-/// Opens a raw authenticated version-2 session of volume "a".
-fn raw_session(peer: &Peer) -> RawSession {
-    RawSession::open(peer.addr, "a", &secret(SECRET_A), proto::VERSION, 0)
+/// Opens a raw authenticated session of volume "a" in `version` (2, or 3
+/// with sealed bodies).
+fn raw_session(peer: &Peer, version: u8) -> RawSession {
+    RawSession::open(peer.addr, "a", &secret(SECRET_A), version, 0)
 }
 
-/// Sends `bytes` (as the session's next frame, tagged, or as they are when
-/// `tagged` is false), expects a PROTOCOL error frame whose message
-/// contains `needle`, then the connection closing.
-fn expect_protocol_error(peer: &Peer, bytes: &[u8], tagged: bool, needle: &str) -> Header {
-    let mut s = raw_session(peer);
+/// Sends `bytes` in a session of `version` (as the session's next frame,
+/// tagged, or as they are when `tagged` is false), expects a PROTOCOL
+/// error frame whose message contains `needle`, then the connection
+/// closing.
+fn expect_protocol_error(
+    peer: &Peer,
+    version: u8,
+    bytes: &[u8],
+    tagged: bool,
+    needle: &str,
+) -> Header {
+    let mut s = raw_session(peer, version);
     if tagged {
         s.send(bytes).unwrap();
     } else {
@@ -260,29 +268,48 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
 
     let mut good = Vec::new();
     proto::encode_request(&mut good, 1, &Request::Alloc { key: 1 });
+    for version in [proto::VERSION_2, proto::VERSION_3] {
+        malformed_frames_in(&peer, version, &good);
+    }
+    let errors = peer.protocol_errors();
+    assert_eq!(errors, 20, "{}", peer.obs.telemetry().render().unwrap());
+
+    // The bystander's session and data were untouched throughout.
+    let mut out = vec![0; 4096];
+    assert!(block_on(bystander.read_found(1, 0, &mut out)).unwrap());
+    assert_eq!(out, pattern(1, 1, 4096));
+}
+
+/// Ten malformed frames, each in a session of `version` of its own.
+fn malformed_frames_in(peer: &Peer, version: u8, good: &[u8]) {
+    let expect_protocol_error = |bytes: &[u8], tagged: bool, needle: &str| {
+        expect_protocol_error(peer, version, bytes, tagged, needle)
+    };
+    let good = good.to_vec();
 
     let mut b = good.clone();
     b[0] = b'Z';
-    expect_protocol_error(&peer, &b, false, "bad magic");
+    expect_protocol_error(&b, false, "bad magic");
+    // A frame of the other tagged version, and a version-1 frame.
+    let other = if version == proto::VERSION_2 { 3 } else { 2 };
     let mut b = good.clone();
-    b[4] = 3;
-    expect_protocol_error(&peer, &b, false, "unsupported protocol version 3");
-    // A version-1 frame in a version-2 session.
-    expect_protocol_error(&peer, &good, false, "unsupported protocol version 1");
+    b[4] = other;
+    expect_protocol_error(&b, false, &format!("unsupported protocol version {other}"));
+    expect_protocol_error(&good, false, "unsupported protocol version 1");
     let mut b = good.clone();
     b[5] = 0x55;
-    expect_protocol_error(&peer, &b, true, "unknown opcode 0x55");
+    expect_protocol_error(&b, true, "unknown opcode 0x55");
     let mut b = good.clone();
     b[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
     // The error frame names the request it answers.
-    let h = expect_protocol_error(&peer, &b, true, "exceeds the limit");
+    let h = expect_protocol_error(&b, true, "exceeds the limit");
     assert_eq!((h.opcode, h.request_id), (Opcode::Alloc, 1));
     let mut b = good.clone();
-    b[4] = proto::VERSION;
-    expect_protocol_error(&peer, &b[..HEADER_LEN + 3], false, "truncated");
+    b[4] = version;
+    expect_protocol_error(&b[..HEADER_LEN + 3], false, "truncated");
     let mut b = Vec::new();
     proto::encode_revoke(&mut b, 1, 1);
-    expect_protocol_error(&peer, &b, true, "unexpected revoke");
+    expect_protocol_error(&b, true, "unexpected revoke");
     // Semantically bad requests: unknown lease token, COMMIT without ALLOC,
     // a range past the end of the blob.
     proto::encode_request(
@@ -292,9 +319,9 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
             tokens: vec![12345],
         },
     );
-    expect_protocol_error(&peer, &b, true, "12345");
+    expect_protocol_error(&b, true, "12345");
     proto::encode_request(&mut b, 5, &Request::Commit { key: 9, token: 777 });
-    expect_protocol_error(&peer, &b, true, "777");
+    expect_protocol_error(&b, true, "777");
     proto::encode_request(
         &mut b,
         5,
@@ -304,22 +331,14 @@ fn malformed_frames_get_a_counted_error_and_only_their_connection_closes() {
             len: 1,
         },
     );
-    expect_protocol_error(&peer, &b, true, "65536");
-
-    let errors = peer.protocol_errors();
-    assert_eq!(errors, 10, "{}", peer.obs.telemetry().render().unwrap());
-
-    // The bystander's session and data were untouched throughout.
-    let mut out = vec![0; 4096];
-    assert!(block_on(bystander.read_found(1, 0, &mut out)).unwrap());
-    assert_eq!(out, pattern(1, 1, 4096));
+    expect_protocol_error(&b, true, "65536");
 }
 
 #[test]
 fn a_client_that_vanishes_mid_request_hurts_nobody() {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(dir.path(), PeerOpts::default());
-    let mut s = raw_session(&peer);
+    let mut s = raw_session(&peer, proto::VERSION_2);
     let mut f = Vec::new();
     proto::encode_request(
         &mut f,
@@ -839,7 +858,7 @@ fn a_hello_of_a_version_not_offered_is_a_version_mismatch_in_any_layout() {
     let dir = tempfile::tempdir().unwrap();
     let peer = Peer::start(dir.path(), PeerOpts::default());
     // (the layout the body has, the version its first two bytes name)
-    for (layout, named) in [(2u16, 0u16), (1, 3), (2, u16::MAX)] {
+    for (layout, named) in [(2u16, 0u16), (1, 4), (2, u16::MAX)] {
         let mut s = TcpStream::connect(peer.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let mut body = Vec::new();
@@ -868,7 +887,7 @@ fn a_hello_of_a_version_not_offered_is_a_version_mismatch_in_any_layout() {
         );
         assert!(
             msg.contains(&format!(
-                "client chose version {named}, server speaks 2..=2"
+                "client chose version {named}, server speaks 2..=3"
             )),
             "{msg}"
         );

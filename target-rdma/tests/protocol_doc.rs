@@ -225,7 +225,11 @@ fn the_worked_example_is_what_the_code_computes_and_the_document_quotes() {
         .try_into()
         .unwrap();
     let keys = secret.session_keys(&ch, &hello);
-    assert_eq!(tag, keys.client_to_server.tag(0, &header, &digest));
+    assert_eq!(
+        tag,
+        keys.client_to_server
+            .protect(0, &header, &mut body.to_vec())
+    );
     assert_eq!(digest, auth::body_digest(&[body]));
     // The server's first frame back (its ALLOC answer would do; an empty
     // FLUSH answer to request 2 shows the empty body's digest).
@@ -246,7 +250,58 @@ fn the_worked_example_is_what_the_code_computes_and_the_document_quotes() {
         .unwrap();
     assert_eq!(
         answer_tag,
-        keys.server_to_client.tag(0, &answer_header, &empty)
+        keys.server_to_client.protect(0, &answer_header, &mut [])
+    );
+
+    // Version 3: the same nonces and volume under the version-3 labels,
+    // and the same ALLOC (version byte 3) sealed with AES-256-GCM, the
+    // header as associated data, the nonce `seq` (8 bytes LE) and 4 zeros.
+    let k3_c2s = key(b"arena-v3 frames client->server");
+    let k3_s2c = key(b"arena-v3 frames server->client");
+    let mut frame3 = frame.clone();
+    frame3[4] = proto::VERSION_3;
+    let header3: [u8; HEADER_LEN] = frame3[..HEADER_LEN].try_into().unwrap();
+    let seal = |k: &[u8; 32], seq: u64, header: &[u8; HEADER_LEN], body: &[u8]| {
+        let key = ring::aead::LessSafeKey::new(
+            ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, k).unwrap(),
+        );
+        let mut nonce = [0u8; 12];
+        nonce[..8].copy_from_slice(&seq.to_le_bytes());
+        let mut sealed = body.to_vec();
+        let tag = key
+            .seal_in_place_separate_tag(
+                ring::aead::Nonce::assume_unique_for_key(nonce),
+                ring::aead::Aad::from(header),
+                &mut sealed,
+            )
+            .unwrap();
+        (sealed, tag.as_ref().to_vec())
+    };
+    let (sealed3, tag3) = seal(&k3_c2s, 0, &header3, &frame3[HEADER_LEN..]);
+    let hello3 = Hello {
+        version: u16::from(proto::VERSION_3),
+        ..hello.clone()
+    };
+    let keys3 = secret.session_keys(&ch, &hello3);
+    let mut ours = frame3[HEADER_LEN..].to_vec();
+    assert_eq!(
+        tag3,
+        keys3
+            .client_to_server
+            .protect(0, &header3, &mut ours)
+            .to_vec()
+    );
+    assert_eq!(ours, sealed3);
+    let mut answer3 = answer.clone();
+    answer3[4] = proto::VERSION_3;
+    let answer_header3: [u8; HEADER_LEN] = answer3[..HEADER_LEN].try_into().unwrap();
+    let (_, answer_tag3) = seal(&k3_s2c, 0, &answer_header3, &[]);
+    assert_eq!(
+        answer_tag3,
+        keys3
+            .server_to_client
+            .protect(0, &answer_header3, &mut [])
+            .to_vec()
     );
 
     let doc = read("docs/PROTOCOL.md");
@@ -266,6 +321,12 @@ fn the_worked_example_is_what_the_code_computes_and_the_document_quotes() {
         ("FLUSH answer header", spaced_hex(&answer_header)),
         ("BLAKE3 of an empty body", hex(&empty)),
         ("FLUSH answer tag", hex(&answer_tag)),
+        ("version-3 K_c2s", hex(&k3_c2s)),
+        ("version-3 K_s2c", hex(&k3_s2c)),
+        ("version-3 ALLOC header", spaced_hex(&header3)),
+        ("sealed ALLOC body", spaced_hex(&sealed3)),
+        ("sealed ALLOC tag", hex(&tag3)),
+        ("version-3 FLUSH answer tag", hex(&answer_tag3)),
     ]
     .into_iter()
     .filter(|(_, value)| !doc.contains(value))

@@ -10,7 +10,9 @@ use std::process::Command;
 use common::arenad::{terminate, Arenad};
 use common::*;
 use futures::executor::block_on;
-use target_rdma::proto::{self, Opcode, Request, Status, HEADER_LEN, VERSION};
+use target_rdma::proto::{
+    self, Opcode, Request, Status, HEADER_LEN, VERSION, VERSION_2, VERSION_3,
+};
 
 fn arenad(dir: &std::path::Path) -> Arenad {
     Arenad::new(dir, "4M", "64K", "16M", None)
@@ -27,38 +29,39 @@ fn a_frame_injected_after_the_handshake_ends_that_session_only() {
     let key = secret(SECRET_A);
     let mut good = Vec::new();
     proto::encode_request(&mut good, 7, &Request::Remove { start: 0, end: 100 });
-    // A well-formed frame of the session's version, with a tag an attacker
-    // without the session key can only guess: here, the one of the
-    // frame before it (a replay of its place in the stream).
-    let mut s = RawSession::open(a.addr(), "a", &key, VERSION, 0);
-    let mut frame = good.clone();
-    frame[4] = VERSION;
-    s.send(&{
-        let mut f = Vec::new();
-        proto::encode_request(&mut f, 6, &Request::Get { key: 1 });
-        f
-    })
-    .unwrap();
-    let (h, _) = s.recv().expect("the GET is answered");
-    assert_eq!(
-        (h.opcode, h.request_id, h.status),
-        (Opcode::Get, 6, Status::Ok)
-    );
-    frame.extend_from_slice(&[0u8; proto::TAG_LEN]);
-    s.inject(&frame).unwrap();
-    let (h, body) = s.recv().expect("an error frame");
-    assert_eq!(h.status, Status::Protocol);
-    let msg = proto::decode_error(&body);
-    assert!(msg.contains("authentication tag"), "{msg}");
-    assert!(s.recv().is_none(), "the session ends");
+    // In a tagged session and in a sealed one (a confidential volume's):
+    for version in [VERSION_2, VERSION_3] {
+        // A well-formed frame of the session's version, with a tag an
+        // attacker without the session key can only guess.
+        let mut s = RawSession::open(a.addr(), "a", &key, version, 0);
+        let mut frame = good.clone();
+        frame[4] = version;
+        s.send(&{
+            let mut f = Vec::new();
+            proto::encode_request(&mut f, 6, &Request::Get { key: 1 });
+            f
+        })
+        .unwrap();
+        let (h, _) = s.recv().expect("the GET is answered");
+        assert_eq!(
+            (h.opcode, h.request_id, h.status),
+            (Opcode::Get, 6, Status::Ok)
+        );
+        frame.extend_from_slice(&[0u8; proto::TAG_LEN]);
+        s.inject(&frame).unwrap();
+        let (h, body) = s.recv().expect("an error frame");
+        assert_eq!(h.status, Status::Protocol);
+        let msg = proto::decode_error(&body);
+        assert!(msg.contains("authentication tag"), "{msg}");
+        assert!(s.recv().is_none(), "the session ends");
 
-    // An unauthenticated version-1 frame in a version-2 session is refused
-    // from its header.
-    let mut s = RawSession::open(a.addr(), "a", &key, VERSION, 0);
-    s.inject(&good).unwrap();
-    let (h, body) = s.recv().expect("an error frame");
-    assert_eq!(h.status, Status::Protocol);
-    assert!(proto::decode_error(&body).contains("version 1"));
+        // An unauthenticated version-1 frame is refused from its header.
+        let mut s = RawSession::open(a.addr(), "a", &key, version, 0);
+        s.inject(&good).unwrap();
+        let (h, body) = s.recv().expect("an error frame");
+        assert_eq!(h.status, Status::Protocol);
+        assert!(proto::decode_error(&body).contains("version 1"));
+    }
 
     // Version 1 itself is refused (allow_protocol_v1 is off by default).
     let e = RawSession::try_open(a.addr(), "a", &key, 1, 0)
@@ -72,7 +75,7 @@ fn a_frame_injected_after_the_handshake_ends_that_session_only() {
     assert_eq!(&out, b"kept");
     let metrics = a.metrics();
     assert!(
-        metrics.contains("arenad_protocol_errors_total{class=\"tag\"} 1"),
+        metrics.contains("arenad_protocol_errors_total{class=\"tag\"} 2"),
         "{metrics}"
     );
     drop(bystander);

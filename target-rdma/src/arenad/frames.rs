@@ -1,6 +1,7 @@
 //! A session's frames on the server: each sent with the session's version
-//! and, in version 2, its tag; each received checked against its version,
-//! the body bound of its opcode (before the body is read) and its tag.
+//! and, from version 2, its tag (in version 3 its body sealed); each
+//! received checked against its version, the body bound of its opcode
+//! (before the body is read) and its tag (and opened, in version 3).
 
 use std::io;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::auth::{self, FrameKey};
+use crate::auth::FrameKey;
 use crate::proto::{self, FrameError, Header, Opcode, HEADER_LEN, TAG_LEN};
 
 /// Why [`FrameCheck::read`] got no frame.
@@ -30,13 +31,15 @@ pub(super) struct Tagger {
 
 impl Tagger {
     /// Makes an encoded frame (header and body) the session's frame number
-    /// `seq`: its version byte set and, in version 2, its tag appended.
+    /// `seq`: its version byte set and, from version 2, its tag appended
+    /// (in version 3 the body sealed in place, in the buffer the answer
+    /// was built in: no second copy).
     pub(super) fn seal(&self, seq: u64, frame: &mut Vec<u8>) {
         frame[4] = self.version;
         if let Some(key) = &self.key {
-            let header: &[u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().expect("a header");
-            let digest = auth::body_digest(&[&frame[HEADER_LEN..]]);
-            let tag = key.tag(seq, header, &digest);
+            let (header, body) = frame.split_at_mut(HEADER_LEN);
+            let header: &[u8; HEADER_LEN] = (&*header).try_into().expect("a header");
+            let tag = key.protect(seq, header, body);
             frame.extend_from_slice(&tag);
         }
     }
@@ -54,7 +57,7 @@ pub(super) struct Incoming {
 /// request but WRITE has one this small.
 const UNCOUNTED_BODY: u32 = 64;
 
-/// A session's receiving side: the version its frames carry and, in
+/// A session's receiving side: the version its frames carry and, from
 /// version 2, the key and sequence number their tags are checked with.
 pub(super) struct FrameCheck {
     pub(super) version: u8,
@@ -136,7 +139,7 @@ impl FrameCheck {
             r.read_exact(&mut tag).await.map_err(truncated)?;
             let seq = self.seq;
             self.seq += 1;
-            if !key.verify(seq, hb, &auth::body_digest(&[&body]), &tag) {
+            if !key.open(seq, hb, &mut body, &tag) {
                 return Err(FrameError::BadTag {
                     op: h.opcode.name(),
                     seq,

@@ -10,7 +10,7 @@ use std::io::{self, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::thread;
 
-use crate::auth::{self, FrameKey, Secret};
+use crate::auth::{self, FrameKey, Secret, TagKey};
 use crate::proto::{
     self, Challenge, Hello, Opcode, Request, Status, Welcome, CAP_TCP_DATA, HANDSHAKE_VERSION,
     MAC_LEN, TAG_LEN, VERSION_2,
@@ -89,7 +89,11 @@ fn serve(
     welcome.encode(&mut frame, hello.version);
     proto::write_vectored_all(&mut s, &[&frame])?;
     let keys = secret.session_keys(&ch, &hello);
-    let (check, sign) = (keys.client_to_server, keys.server_to_client);
+    let (FrameKey::Tag(check), FrameKey::Tag(sign)) =
+        (keys.client_to_server, keys.server_to_client)
+    else {
+        return Err(refuse("the echo peer speaks version 2 only"));
+    };
     let zeros = vec![0u8; blob_bytes as usize];
     let (mut got, mut sent) = (0u64, 0u64);
     while let Some(h) = proto::read_frame(&mut s, &mut body).map_err(|e| refuse(&e.to_string()))? {
@@ -131,7 +135,7 @@ fn serve(
 /// Sends one answer: its head, payload and tag in one vectored write.
 fn send(
     s: &mut TcpStream,
-    key: &FrameKey,
+    key: &TagKey,
     seq: &mut u64,
     head: &mut [u8],
     payload: &[u8],

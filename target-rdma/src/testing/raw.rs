@@ -111,21 +111,24 @@ impl RawSession {
     }
 
     /// Sends an encoded frame as the session's next: its version byte set,
-    /// and its tag appended in version 2.
+    /// and from version 2 its tag appended (in version 3 its body sealed).
     pub fn send(&mut self, frame: &[u8]) -> io::Result<()> {
         let mut f = frame.to_vec();
         f[4] = self.version;
         if let Some((key, _)) = &self.keys {
-            let header: &[u8; HEADER_LEN] = f[..HEADER_LEN].try_into().expect("a header");
-            let tag = key.tag(
-                self.sent,
-                header,
-                &auth::body_digest(&[&frame[HEADER_LEN..]]),
-            );
+            let (header, body) = f.split_at_mut(HEADER_LEN);
+            let header: &[u8; HEADER_LEN] = (&*header).try_into().expect("a header");
+            let tag = key.protect(self.sent, header, body);
             f.extend_from_slice(&tag);
         }
         self.sent += 1;
         self.stream.write_all(&f)
+    }
+
+    /// The key that protects this session's frames to the server (from
+    /// version 2): to forge a frame that is right but for one detail.
+    pub fn client_key(&self) -> Option<&FrameKey> {
+        self.keys.as_ref().map(|(k, _)| k)
     }
 
     /// Sends bytes as they are: what an attacker on the path injects.
@@ -147,12 +150,7 @@ impl RawSession {
             let mut tag = [0u8; TAG_LEN];
             io::Read::read_exact(&mut self.stream, &mut tag).expect("the frame's tag");
             assert!(
-                key.verify(
-                    self.received,
-                    &h.encode(),
-                    &auth::body_digest(&[&body]),
-                    &tag
-                ),
+                key.open(self.received, &h.encode(), &mut body, &tag),
                 "the server's frame {} fails its tag",
                 self.received
             );

@@ -291,7 +291,8 @@ impl ArenaClient {
         };
         // The body's digest is taken before the lock: only the tag, which
         // needs the frame's place in the stream, is computed under it.
-        let digest = (conn.version >= proto::VERSION_2)
+        let digest = conn
+            .digests_bodies()
             .then(|| crate::auth::body_digest(&[&head[proto::HEADER_LEN..], payload]));
         let sent = conn.writer.lock().send(&mut head, payload, digest.as_ref());
         if let Err(e) = sent {

@@ -42,12 +42,17 @@ pub struct ClientConfig {
     /// session whose epoch is below the volume's with `STALE_EPOCH`.
     /// [`ArenaClient::raise_epoch`] raises it for later connections too.
     pub epoch: u64,
-    /// The protocol versions this client accepts; it takes the newest the
-    /// peer offers. Version 1 has no frame tags and no epochs: only for
-    /// talking to an arenad that predates version 2 (or measuring what the
-    /// tags cost), never as a default (a peer, or anyone on the path, could
-    /// otherwise talk a client down to it).
+    /// The protocol versions this client accepts for a session that is not
+    /// confidential; it takes the newest the peer offers, up to version 2.
+    /// Version 1 has no frame tags and no epochs: only for talking to an
+    /// arenad that predates version 2 (or measuring what the tags cost),
+    /// never as a default (a peer, or anyone on the path, could otherwise
+    /// talk a client down to it).
     pub versions: std::ops::RangeInclusive<u8>,
+    /// The volume's payloads must not cross the network readable: the
+    /// session speaks version 3 (every frame body sealed with AES-256-GCM)
+    /// or fails, and asks for no RDMA (which moves payloads in the clear).
+    pub confidential: bool,
     /// Answers are read by the owner's loop, which must run the client's
     /// [`ArenaClient::driver`], instead of a reader thread per connection.
     pub driven: bool,
@@ -72,7 +77,8 @@ impl ClientConfig {
             flush_domain: Arc::default(),
             tcp_links: Arc::default(),
             epoch: 0,
-            versions: proto::VERSION..=proto::VERSION,
+            versions: proto::VERSION_2..=proto::VERSION_2,
+            confidential: false,
             driven: false,
             busy_poll: Duration::ZERO,
         }

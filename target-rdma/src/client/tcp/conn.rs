@@ -26,7 +26,7 @@ use crate::client::driven::{Handoff, TICK};
 use crate::proto::{
     self, Challenge, FrameError, Header, Hello, Lease, Opcode, RailAccept, Status, Welcome,
     CAP_COLD_GET, CAP_RAILS, CAP_RDMA, CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION,
-    HEADER_LEN, MAC_LEN, VERSION, VERSION_2,
+    HEADER_LEN, MAC_LEN, TAG_LEN, VERSION_2, VERSION_3,
 };
 
 /// A successful answer.
@@ -41,13 +41,17 @@ pub(super) enum Reply {
     Rail(RailAccept),
 }
 
-/// The sending half of a connection: the stream, and in a version-2
-/// session the key and sequence number that tag each frame.
+/// The sending half of a connection: the stream, and from version 2 the
+/// key and sequence number that protect each frame.
 pub(super) struct Writer {
     pub(super) stream: TcpStream,
     version: u8,
     key: Option<FrameKey>,
     seq: u64,
+    /// A version-3 frame's body, sealed here: a WRITE's payload is the
+    /// caller's, which stays as it is (a retry or another replica sends it
+    /// again). At most the largest body the peer takes, kept for the next.
+    sealed: Vec<u8>,
     /// In a driven connection, where its answers are read while a send
     /// waits for room (see [`NoWait`]).
     pub(super) driven: Option<(Arc<Handoff>, Duration)>,
@@ -55,9 +59,11 @@ pub(super) struct Writer {
 
 impl Writer {
     /// Sends a request: its encoded head, then the payload (vectored, so a
-    /// WRITE's payload is never copied), then its tag in a version-2
-    /// session. `digest` is the body's, computed by the caller without the
-    /// lock this writer is behind.
+    /// WRITE's payload is never copied in version 2), then its tag.
+    /// `digest` is the body's in a version-2 session, computed by the
+    /// caller without the lock this writer is behind; version 3 seals the
+    /// body while copying it, under the lock (its nonce is the frame's
+    /// place in the stream).
     pub(super) fn send(
         &mut self,
         head: &mut [u8],
@@ -65,22 +71,32 @@ impl Writer {
         digest: Option<&[u8; 32]>,
     ) -> io::Result<()> {
         head[4] = self.version;
-        let tag = match (&self.key, digest) {
-            (Some(key), Some(digest)) => {
-                let header: &[u8; HEADER_LEN] = head[..HEADER_LEN].try_into().expect("a header");
-                let tag = key.tag(self.seq, header, digest);
-                self.seq += 1;
-                Some(tag)
+        let (header, fixed) = head.split_at_mut(HEADER_LEN);
+        let header: &[u8; HEADER_LEN] = (&*header).try_into().expect("a header");
+        let (body, tag): ([&[u8]; 2], Option<[u8; TAG_LEN]>) = match (&self.key, digest) {
+            (Some(FrameKey::Tag(key)), Some(digest)) => {
+                ([fixed, payload], Some(key.tag(self.seq, header, digest)))
             }
-            _ => None,
+            (Some(FrameKey::Seal(key)), _) => {
+                self.sealed.clear();
+                self.sealed.extend_from_slice(fixed);
+                self.sealed.extend_from_slice(payload);
+                let tag = key.seal(self.seq, header, &mut self.sealed);
+                ([&self.sealed, &[]], Some(tag))
+            }
+            _ => ([fixed, payload], None),
         };
+        if tag.is_some() {
+            self.seq += 1;
+        }
         let tag: &[u8] = tag.as_ref().map_or(&[], |t| &t[..]);
+        let parts = [&header[..], body[0], body[1], tag];
         match &self.driven {
             Some((answers, limit)) => {
                 let mut out = NoWait::new(&self.stream, answers, *limit);
-                proto::write_vectored_all(&mut out, &[head, payload, tag])
+                proto::write_vectored_all(&mut out, &parts)
             }
-            None => proto::write_vectored_all(&mut self.stream, &[head, payload, tag]),
+            None => proto::write_vectored_all(&mut self.stream, &parts),
         }
     }
 }
@@ -129,11 +145,18 @@ pub(super) struct Conn {
     pub(super) epoch: u64,
     /// The protocol version the session speaks.
     pub(super) version: u8,
-    /// Checks the tags of the server's frames (version 2).
+    /// Checks the tags of the server's frames (from version 2) and opens
+    /// its sealed bodies (version 3).
     pub(super) server_key: Option<FrameKey>,
 }
 
 impl Conn {
+    /// Whether a request's body digest goes with it to the writer (version
+    /// 2; version 3 seals the body instead).
+    pub(super) fn digests_bodies(&self) -> bool {
+        self.version == VERSION_2
+    }
+
     pub(super) fn is_dead(&self) -> bool {
         self.pending.lock().dead.is_some()
     }
@@ -227,9 +250,14 @@ pub(super) fn handshake(
     let h = read_answer(&mut stream, &mut body).map_err(proto_err)?;
     refused(peer, &h, &body)?;
     let ch = Challenge::decode(&h, &body).map_err(proto_err)?;
-    // The newest version both speak; below VERSION only if the caller
-    // allows it (a downgrade would lose the frame tags).
-    let ours = u16::from(*cfg.versions.start())..=u16::from((*cfg.versions.end()).min(VERSION));
+    // The newest version both speak within what the caller allows (a
+    // downgrade below version 2 would lose the frame tags). Version 3 is
+    // the confidential sessions' and only theirs: it seals every body.
+    let ours = if cfg.confidential {
+        u16::from(VERSION_3)..=u16::from(VERSION_3)
+    } else {
+        u16::from(*cfg.versions.start())..=u16::from((*cfg.versions.end()).min(VERSION_2))
+    };
     let Some(version) = ours
         .clone()
         .rev()
@@ -238,18 +266,27 @@ pub(super) fn handshake(
         return Err(ArenaError::Refused {
             peer: peer.clone(),
             status: Status::VersionMismatch,
-            message: format!(
-                "peer speaks versions {}..={}, this client {}..={}",
-                ch.min_version,
-                ch.max_version,
-                ours.start(),
-                ours.end()
-            ),
+            message: if cfg.confidential {
+                format!(
+                    "peer speaks versions {}..={}; a confidential volume needs version 3 (sealed frames)",
+                    ch.min_version, ch.max_version
+                )
+            } else {
+                format!(
+                    "peer speaks versions {}..={}, this client {}..={}",
+                    ch.min_version,
+                    ch.max_version,
+                    ours.start(),
+                    ours.end()
+                )
+            },
         });
     };
     let mut hello = Hello {
         version,
-        caps: if cfg.offer_rdma {
+        // A confidential session's payloads stay on its sealed stream: RDMA
+        // would move them in the clear.
+        caps: if cfg.offer_rdma && !cfg.confidential {
             CAP_TCP_DATA | CAP_RDMA | CAP_RDMA_LEASE_KEYS | CAP_COLD_GET | CAP_RAILS
         } else {
             CAP_TCP_DATA
@@ -306,6 +343,7 @@ pub(super) fn handshake(
             version,
             key: client_key,
             seq: 0,
+            sealed: Vec::new(),
             driven: driven.map(|h| (h, cfg.request_timeout)),
         }),
         pending: Mutex::new(PendingTable::default()),

@@ -3,7 +3,8 @@
 //! The client's reader thread relies on this to wake up periodically and
 //! expire requests without a second thread. In a version-2 session each
 //! frame's tag is read after its body and handed out with the body's
-//! digest, computed as the bytes arrive.
+//! digest, computed as the bytes arrive; in a version-3 session with the
+//! sealed body, which the receiver opens in place.
 
 use std::io::{self, Read};
 use std::sync::Arc;
@@ -12,12 +13,12 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::proto::{FrameError, Header, HEADER_LEN, TAG_LEN};
 
-/// What a version-2 frame brings to check its tag: the digest of the body
-/// received and the tag that followed it.
+/// What a version-2 or -3 frame brings to check its tag: the digest of the
+/// body received (version 2) and the tag that followed it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Trailer {
-    /// BLAKE3 of the body.
-    pub digest: [u8; 32],
+    /// BLAKE3 of the body (version 2; a sealed body is opened instead).
+    pub digest: Option<[u8; 32]>,
     /// The tag the sender put after the body.
     pub tag: [u8; TAG_LEN],
 }
@@ -30,7 +31,7 @@ pub const OWNED_BODY_MIN: usize = 64 << 10;
 /// a large body already in the [`Landing`] its request offered.
 pub enum Body<'a> {
     /// Small body, valid until the next call.
-    Buffered(&'a [u8]),
+    Buffered(&'a mut [u8]),
     /// Large body, read directly from the stream.
     Owned(Vec<u8>),
     /// Large body of this many bytes, read directly into its landing.
@@ -44,6 +45,16 @@ impl Body<'_> {
             Body::Buffered(b) => b,
             Body::Owned(v) => v,
             Body::Landed(_) => &[],
+        }
+    }
+
+    /// The bytes the reader holds, to open a sealed body in place; empty
+    /// for a landed one.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Body::Buffered(b) => b,
+            Body::Owned(v) => v,
+            Body::Landed(_) => &mut [],
         }
     }
 
@@ -200,10 +211,26 @@ enum Large {
     Landing(Arc<Landing>, usize, Option<Box<blake3::Hasher>>),
 }
 
-/// A whole body waiting for its tag (tagged sessions).
+/// A whole body waiting for its tag (tagged sessions), with its digest
+/// (version 2).
 enum Tail {
-    Owned(Vec<u8>, [u8; 32]),
+    Owned(Vec<u8>, Option<[u8; 32]>),
     Landed(usize, [u8; 32]),
+}
+
+/// What follows a frame's body, and what the reader computes for it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Protection {
+    /// Nothing (version 1).
+    #[default]
+    Plain,
+    /// A tag over the body's digest, computed as the body arrives; large
+    /// bodies may land in their request's buffer (version 2).
+    Tagged,
+    /// A tag after a sealed body, handed out whole to be opened in place:
+    /// never landed, as the ciphertext must not reach the owner's buffer
+    /// (version 3).
+    Sealed,
 }
 
 /// Large-body buffers handed back by their consumers for reuse, so a
@@ -242,8 +269,8 @@ pub struct FrameReader {
     large: Option<(Header, Large)>,
     /// A large body complete, its tag still to come.
     tail: Option<(Header, Tail)>,
-    /// Frames carry a tag after their body (version 2).
-    tagged: bool,
+    /// What follows each frame's body.
+    protection: Protection,
     pool: std::sync::Arc<BodyPool>,
 }
 
@@ -255,7 +282,7 @@ impl Default for FrameReader {
             end: 0,
             large: None,
             tail: None,
-            tagged: false,
+            protection: Protection::Plain,
             pool: std::sync::Arc::default(),
         }
     }
@@ -265,12 +292,12 @@ impl Default for FrameReader {
 pub type Frame<'a> = (Header, Body<'a>, Option<Trailer>);
 
 impl FrameReader {
-    /// A reader that takes its large-body buffers from `pool`; with
-    /// `tagged` every frame is followed by a [`TAG_LEN`]-byte tag.
-    pub fn with_pool(pool: std::sync::Arc<BodyPool>, tagged: bool) -> Self {
+    /// A reader that takes its large-body buffers from `pool`; unless
+    /// `Plain`, every frame is followed by a [`TAG_LEN`]-byte tag.
+    pub fn with_pool(pool: std::sync::Arc<BodyPool>, protection: Protection) -> Self {
         Self {
             pool,
-            tagged,
+            protection,
             ..Self::default()
         }
     }
@@ -296,7 +323,7 @@ impl FrameReader {
                     };
                     let (body, digest) = match tail {
                         Tail::Owned(v, d) => (Body::Owned(v), d),
-                        Tail::Landed(n, d) => (Body::Landed(n), d),
+                        Tail::Landed(n, d) => (Body::Landed(n), Some(d)),
                     };
                     return Ok(Some((h, body, Some(Trailer { digest, tag }))));
                 }
@@ -364,15 +391,14 @@ impl FrameReader {
                 let Some((h, Large::Owned(body, hash))) = self.large.take() else {
                     unreachable!("owned body checked above")
                 };
-                if !self.tagged {
-                    return Ok(Some((h, Body::Owned(body), None)));
-                }
-                let digest = match hash {
-                    Some((mut hash, from)) => {
+                let digest = match (self.protection, hash) {
+                    (Protection::Plain, _) => return Ok(Some((h, Body::Owned(body), None))),
+                    (Protection::Sealed, _) => None,
+                    (Protection::Tagged, Some((mut hash, from))) => {
                         hash.update(&body[from..]);
-                        *hash.finalize().as_bytes()
+                        Some(*hash.finalize().as_bytes())
                     }
-                    None => crate::auth::body_digest(&[&body]),
+                    (Protection::Tagged, None) => Some(crate::auth::body_digest(&[&body])),
                 };
                 self.tail = Some((h, Tail::Owned(body, digest)));
                 continue;
@@ -384,26 +410,32 @@ impl FrameReader {
                     .expect("header");
                 let h = Header::decode(hb)?;
                 let len = h.body_len as usize;
-                let trailer = if self.tagged { TAG_LEN } else { 0 };
+                let tagged = self.protection != Protection::Plain;
+                let trailer = if tagged { TAG_LEN } else { 0 };
                 let total = HEADER_LEN + len + trailer;
                 if avail >= total {
                     let body = self.start + HEADER_LEN..self.start + HEADER_LEN + len;
                     self.start += total;
-                    let trailer = self.tagged.then(|| {
+                    let trailer = tagged.then(|| {
                         let mut tag = [0; TAG_LEN];
                         tag.copy_from_slice(&self.buf[body.end..body.end + TAG_LEN]);
                         Trailer {
-                            digest: crate::auth::body_digest(&[&self.buf[body.clone()]]),
+                            digest: (self.protection == Protection::Tagged)
+                                .then(|| crate::auth::body_digest(&[&self.buf[body.clone()]])),
                             tag,
                         }
                     });
-                    return Ok(Some((h, Body::Buffered(&self.buf[body]), trailer)));
+                    return Ok(Some((h, Body::Buffered(&mut self.buf[body]), trailer)));
                 }
                 if len >= OWNED_BODY_MIN && avail < HEADER_LEN + len {
                     let have = &self.buf[self.start + HEADER_LEN..self.end];
-                    let large = match land(&h).filter(|l| l.len() == len) {
+                    let landing = match self.protection {
+                        Protection::Sealed => None,
+                        _ => land(&h).filter(|l| l.len() == len),
+                    };
+                    let large = match landing {
                         Some(l) if l.fill_prefix(have) => {
-                            let hash = self.tagged.then(|| {
+                            let hash = tagged.then(|| {
                                 let mut hash = Box::new(blake3::Hasher::new());
                                 hash.update(have);
                                 hash

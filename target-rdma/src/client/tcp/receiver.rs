@@ -20,30 +20,46 @@ use tracing::debug;
 use ublk_metrics::events;
 
 use super::conn::{Conn, Pending, Reply};
-use super::frames::{Body, FrameReader, Trailer};
+use super::frames::{Body, FrameReader, Protection, Trailer};
 use super::shared::{Shared, MAX_QUEUED_REVOCATIONS};
 use super::source::Source;
 use super::tcp_info::Sampler;
+use crate::auth::FrameKey;
 use crate::blob::ArenaError;
 use crate::client::driven::{Receive, TICK};
 use crate::proto::{self, FrameError, Header, Opcode, RailAccept, Status};
 
-/// Checks a server frame's version and, in a version-2 session, its tag
-/// (the `seq`-th frame from the server).
+/// Checks a server frame's version and, from version 2, its tag (the
+/// `seq`-th frame from the server), opening a sealed body in place.
 fn check_frame(
     conn: &Conn,
     h: &Header,
     trailer: Option<&Trailer>,
     seq: u64,
+    body: &mut Body<'_>,
 ) -> Result<(), FrameError> {
     h.expect_version(conn.version)?;
-    match (&conn.server_key, trailer) {
-        (None, _) => Ok(()),
-        (Some(key), Some(t)) if key.verify(seq, &h.encode(), &t.digest, &t.tag) => Ok(()),
-        (Some(_), _) => Err(FrameError::BadTag {
+    let verified = match (&conn.server_key, trailer) {
+        (None, _) => true,
+        (
+            Some(FrameKey::Tag(key)),
+            Some(Trailer {
+                digest: Some(d),
+                tag,
+            }),
+        ) => key.verify(seq, &h.encode(), d, tag),
+        (Some(FrameKey::Seal(key)), Some(t)) => {
+            key.open(seq, &h.encode(), body.bytes_mut(), &t.tag)
+        }
+        (Some(_), _) => false,
+    };
+    if verified {
+        Ok(())
+    } else {
+        Err(FrameError::BadTag {
             op: h.opcode.name(),
             seq,
-        }),
+        })
     }
 }
 
@@ -86,7 +102,14 @@ impl Receiver {
     ) -> Self {
         Self {
             client: Arc::downgrade(shared),
-            reader: FrameReader::with_pool(Arc::clone(&shared.bodies), conn.server_key.is_some()),
+            reader: FrameReader::with_pool(
+                Arc::clone(&shared.bodies),
+                match &conn.server_key {
+                    None => Protection::Plain,
+                    Some(FrameKey::Tag(_)) => Protection::Tagged,
+                    Some(FrameKey::Seal(_)) => Protection::Sealed,
+                },
+            ),
             tcp: Some(Sampler::open(&shared.cfg.tcp_links, &stream)),
             peer: shared.cfg.peer.clone(),
             conn: Arc::clone(conn),
@@ -157,12 +180,12 @@ impl Receive for Receiver {
                     .flatten()
             };
             let why = match self.reader.next(&mut self.source, land) {
-                Ok(Some((h, body, trailer))) => {
+                Ok(Some((h, mut body, trailer))) => {
                     if let Some(t) = &mut self.tcp {
                         t.answered(&self.source.stream);
                     }
-                    let checked =
-                        check_frame(conn, &h, trailer.as_ref(), self.seq).map_err(Broken::Frame);
+                    let checked = check_frame(conn, &h, trailer.as_ref(), self.seq, &mut body)
+                        .map_err(Broken::Frame);
                     self.seq += 1;
                     match checked.and_then(|()| dispatch(shared, conn, &h, body)) {
                         Ok(()) => None,

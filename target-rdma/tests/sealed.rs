@@ -1,0 +1,213 @@
+//! Confidential sessions (protocol version 3): every frame body sealed
+//! with AES-256-GCM. What crosses the wire is looked at from a relay
+//! between the client and the peer, as anyone on the path would.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::thread;
+
+use common::*;
+use futures::executor::block_on;
+use target_rdma::blob::ArenaError;
+use target_rdma::client::tcp::{ArenaClient, ClientConfig};
+use target_rdma::proto::{self, Challenge, Opcode, Request, Status, VERSION_2, VERSION_3};
+
+/// Bytes a relay saw, per direction.
+#[derive(Default)]
+struct Seen {
+    to_peer: Vec<u8>,
+    to_client: Vec<u8>,
+}
+
+/// Relays one connection between a client and `peer`, recording both
+/// directions.
+fn relay(peer: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Mutex<Seen>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let record = Arc::clone(&seen);
+    thread::spawn(move || {
+        let (client, _) = listener.accept().unwrap();
+        let server = TcpStream::connect(peer).unwrap();
+        let pipe = |mut from: TcpStream, mut to: TcpStream, up: bool, seen: Arc<Mutex<Seen>>| {
+            thread::spawn(move || {
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = match from.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    {
+                        let mut s = seen.lock().unwrap();
+                        let dir = if up { &mut s.to_peer } else { &mut s.to_client };
+                        dir.extend_from_slice(&buf[..n]);
+                    }
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to.shutdown(Shutdown::Write);
+            })
+        };
+        let a = pipe(
+            client.try_clone().unwrap(),
+            server.try_clone().unwrap(),
+            true,
+            Arc::clone(&record),
+        );
+        let b = pipe(server, client, false, record);
+        let _ = (a.join(), b.join());
+    });
+    (addr, seen)
+}
+
+/// Whether any aligned 32-byte run of `needle` occurs in `hay`.
+fn leaks(hay: &[u8], needle: &[u8]) -> bool {
+    let runs: std::collections::HashSet<&[u8]> = needle.chunks_exact(32).collect();
+    hay.windows(32).any(|w| runs.contains(w))
+}
+
+/// Writes and reads back a small and a large payload through a relay, and
+/// returns the payloads and what the relay saw.
+fn through_relay(peer: &Peer, confidential: bool, driven: bool) -> (Vec<Vec<u8>>, Seen) {
+    let (addr, seen) = relay(peer.addr);
+    let mut cfg: ClientConfig = peer.config("a", SECRET_A);
+    cfg.peer = addr.to_string();
+    cfg.confidential = confidential;
+    cfg.driven = driven;
+    let c = if driven {
+        target_rdma::testing::driven(cfg)
+    } else {
+        ArenaClient::connect(cfg).unwrap()
+    };
+    // A 4 KiB payload (read from the reader's buffer) and a whole 64 KiB
+    // blob (a large body, which a tagged session lands in place).
+    let payloads = vec![pattern(1, 3, 4096), pattern(2, 5, 64 << 10)];
+    for (key, p) in payloads.iter().enumerate() {
+        block_on(c.write(key as u64 + 1, 0, p)).unwrap();
+    }
+    for (key, p) in payloads.iter().enumerate() {
+        let mut out = vec![0u8; p.len()];
+        assert!(block_on(c.read_found(key as u64 + 1, 0, &mut out)).unwrap());
+        assert_eq!(&out, p, "key {} read back", key + 1);
+    }
+    drop(c);
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    (payloads, seen)
+}
+
+#[test]
+fn a_confidential_session_never_shows_its_payloads_on_the_wire() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    for driven in [false, true] {
+        let (payloads, seen) = through_relay(&peer, true, driven);
+        for p in &payloads {
+            assert!(
+                !leaks(&seen.to_peer, p),
+                "a WRITE's payload crossed readable"
+            );
+            assert!(
+                !leaks(&seen.to_client, p),
+                "a READ's payload crossed readable"
+            );
+        }
+        // The frames after the handshake carry the session's version 3.
+        assert!(seen.to_peer.len() > (64 << 10) + 4096);
+    }
+    // The same traffic in a session that is not confidential shows the
+    // payloads both ways: what the check above would have caught.
+    let (payloads, seen) = through_relay(&peer, false, false);
+    for p in &payloads {
+        assert!(leaks(&seen.to_peer, p) && leaks(&seen.to_client, p));
+    }
+}
+
+#[test]
+fn a_confidential_client_refuses_a_peer_without_sealed_frames() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let ch = Challenge {
+            min_version: u16::from(VERSION_2),
+            max_version: u16::from(VERSION_2),
+            server_nonce: [1; 32],
+            max_inflight: 4,
+            max_inline: 4096,
+        };
+        let mut f = Vec::new();
+        ch.encode(&mut f);
+        s.write_all(&f).unwrap();
+        // The client leaves without a HELLO.
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        rest
+    });
+    let mut cfg = ClientConfig::new(addr.to_string(), "a", secret(SECRET_A));
+    cfg.confidential = true;
+    match ArenaClient::connect(cfg) {
+        Err(ArenaError::Refused {
+            status, message, ..
+        }) => {
+            assert_eq!(status, Status::VersionMismatch);
+            assert!(
+                message.contains("a confidential volume needs version 3"),
+                "{message}"
+            );
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a confidential session over version 2"),
+    }
+    assert!(server.join().unwrap().is_empty(), "no HELLO was sent");
+}
+
+#[test]
+fn an_altered_sealed_frame_ends_its_session_and_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = Peer::start(dir.path(), PeerOpts::default());
+    let bystander = peer.client("a", SECRET_A);
+    block_on(bystander.write(1, 0, b"kept")).unwrap();
+
+    let mut s = RawSession::open(peer.addr, "a", &secret(SECRET_A), VERSION_3, 0);
+    // A well-sealed GET is answered, and the answer opens.
+    let mut f = Vec::new();
+    proto::encode_request(&mut f, 6, &Request::Get { key: 1 });
+    s.send(&f).unwrap();
+    let (h, _) = s.recv().expect("the GET is answered");
+    assert_eq!((h.opcode, h.status), (Opcode::Get, Status::Ok));
+
+    // The next frame sealed right, then one bit of its ciphertext flipped
+    // on the way.
+    let mut f = Vec::new();
+    proto::encode_request(
+        &mut f,
+        7,
+        &Request::Write {
+            key: 1,
+            offset: 0,
+            data: b"evil",
+        },
+    );
+    f[4] = VERSION_3;
+    let key = s.client_key().expect("a sealed session");
+    let (header, body) = f.split_at_mut(proto::HEADER_LEN);
+    let header: &[u8; proto::HEADER_LEN] = (&*header).try_into().unwrap();
+    let tag = key.protect(1, header, body);
+    f.extend_from_slice(&tag);
+    f[proto::HEADER_LEN + 20] ^= 1;
+    s.inject(&f).unwrap();
+    let (h, body) = s.recv().expect("an error frame, itself sealed");
+    assert_eq!(h.status, Status::Protocol);
+    let msg = proto::decode_error(&body);
+    assert!(msg.contains("authentication tag"), "{msg}");
+    assert!(s.recv().is_none(), "the session ends");
+
+    let mut out = [0u8; 4];
+    assert!(block_on(bystander.read_found(1, 0, &mut out)).unwrap());
+    assert_eq!(&out, b"kept", "the altered WRITE did nothing");
+    assert_eq!(peer.protocol_errors(), 1);
+}
