@@ -105,7 +105,7 @@ pub enum Reply {
     Reloaded {
         /// Whether it was applied (`reload`) or only checked (`check`).
         applied: bool,
-        /// Per volume: added, removed, quota or secret.
+        /// Per volume: added, removed, quota, secret or confidentiality.
         volumes: Vec<String>,
         /// Other keys in force (or that would be).
         changed: Vec<Change>,
@@ -141,6 +141,11 @@ pub struct VolumeInfo {
     pub sessions: u64,
     /// Its writer epoch.
     pub epoch: u64,
+    /// Served to sealed sessions only (protocol version 3, `[[volume]]
+    /// confidential = true`); `false` for a volume no longer served.
+    /// Absent in the answers of an older arenad: `false`.
+    #[serde(default)]
+    pub confidential: bool,
 }
 
 /// One session as `arenactl sessions` shows it.
@@ -224,5 +229,23 @@ mod tests {
             ErrorKind::BadRequest
         );
         assert_eq!(kind("volumes"), ErrorKind::BadRequest);
+    }
+
+    #[test]
+    fn a_volume_listed_by_an_older_arenad_is_not_confidential() {
+        let older = r#"{"name":"vm1","served":true,"quota_bytes":1048576,"blobs":2,
+            "resident":1,"on_swap":1,"leases":0,"sessions":1,"epoch":4}"#;
+        let v: VolumeInfo = serde_json::from_str(older).unwrap();
+        assert_eq!(
+            (v.name.as_str(), v.epoch, v.confidential),
+            ("vm1", 4, false)
+        );
+        let now = VolumeInfo {
+            confidential: true,
+            ..v
+        };
+        let json = serde_json::to_value(&now).unwrap();
+        assert_eq!(json["confidential"], true);
+        assert_eq!(serde_json::from_value::<VolumeInfo>(json).unwrap(), now);
     }
 }

@@ -80,6 +80,9 @@ pub struct PeerOpts {
     pub rdma_isolation: Isolation,
     /// Volumes served, as (name, secret); by default "a" and "b".
     pub volumes: Vec<(String, String)>,
+    /// Names of the volumes served to sealed sessions only (protocol
+    /// version 3, `[[volume]] confidential = true`); by default none.
+    pub confidential: Vec<String>,
     /// Accept protocol version 1 sessions.
     pub allow_v1: bool,
     /// Most connections at once.
@@ -99,6 +102,7 @@ impl Default for PeerOpts {
             rdma: Vec::new(),
             rdma_isolation: Isolation::default(),
             volumes: vec![("a".into(), SECRET_A.into()), ("b".into(), SECRET_B.into())],
+            confidential: Vec::new(),
             allow_v1: false,
             max_connections: 64,
             promote_cold_after: 2,
@@ -179,6 +183,7 @@ impl Peer {
                 secret: secret(s),
                 id: i as u32,
                 quota_blobs: self.opts.quota_blobs,
+                confidential: self.opts.confidential.contains(n),
             })
             .collect();
         let rails = self.opts.rdma.iter().map(|p| {

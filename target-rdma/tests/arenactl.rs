@@ -101,6 +101,7 @@ fn an_operator_sees_volumes_and_sessions_and_ends_them() {
     assert_eq!(a["sessions"], 2);
     assert_eq!(a["quota_bytes"], 1u64 << 30);
     assert_eq!(a["served"], true);
+    assert_eq!(a["confidential"], false);
     let (resident, on_swap) = (
         a["resident"].as_u64().unwrap(),
         a["on_swap"].as_u64().unwrap(),
@@ -148,6 +149,10 @@ fn an_operator_sees_volumes_and_sessions_and_ends_them() {
     assert_eq!(volume(&all, "b")["sessions"], 1);
     let text = String::from_utf8(arenactl(&p, &["volumes"]).stdout).unwrap();
     assert!(text.starts_with("VOLUME"), "{text}");
+    assert!(
+        text.lines().next().unwrap().contains("CONFIDENTIAL"),
+        "{text}"
+    );
     assert!(text.lines().any(|l| l.starts_with("a ")), "{text}");
 
     let of_a = sessions(&p, Some("a"));

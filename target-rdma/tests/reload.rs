@@ -2,7 +2,9 @@
 //! a secret rotated without a restart (new sessions prove the new one,
 //! open sessions go on), a bad config kept out, keys that need a restart
 //! named, and no exit 129; a volume added by SIGHUP has a membership
-//! epoch like the others, kept across unserving and a restart.
+//! epoch like the others, kept across unserving and a restart; a volume
+//! made confidential by SIGHUP refuses new unsealed sessions while the
+//! open ones go on.
 
 mod common;
 
@@ -235,4 +237,127 @@ fn a_volume_added_by_sighup_has_a_membership_epoch_that_survives_a_restart() {
     let epochs = std::fs::read_to_string(p.swap_dir.join("epochs")).unwrap();
     assert!(epochs.contains("5 c\n"), "{epochs}");
     assert!(!epochs.contains(" a\n"), "a was never raised: {epochs}");
+}
+
+/// Whether `volume` is confidential, as `arenactl volumes` lists it.
+fn listed_confidential(p: &Arenad, volume: &str) -> bool {
+    use target_rdma::admin::{self, Reply, Request, Response};
+    match admin::call(&p.admin, Request::Volumes, Duration::from_secs(10)).unwrap() {
+        Response::Ok {
+            reply: Reply::Volumes { volumes, .. },
+        } => {
+            volumes
+                .iter()
+                .find(|v| v.name == volume)
+                .unwrap_or_else(|| panic!("no volume {volume} in {volumes:?}"))
+                .confidential
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A sealed (protocol version 3) client of `volume`.
+fn connect_sealed(p: &Arenad, volume: &str, secret_value: &str) -> ArenaClient {
+    let mut cfg = ClientConfig::new(
+        format!("127.0.0.1:{}", p.port),
+        volume,
+        secret(secret_value),
+    );
+    cfg.confidential = true;
+    ArenaClient::connect(cfg).expect("a sealed session")
+}
+
+#[test]
+fn sighup_makes_a_volume_confidential_for_new_sessions_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = Arenad::new(dir.path(), "512K", "64K", "64M", None);
+    let original = std::fs::read_to_string(&p.cfg).unwrap();
+    let (mut proc, lines) = p.spawn_logged(&[]);
+    until(&lines, arenad_events::ARENAD_READY);
+
+    // A version-2 session of "a", opened while a takes any.
+    let open = connect(&p, "a", SECRET_A).unwrap();
+    block_on(open.write(1, 0, &pattern(1, 1, BLOB))).unwrap();
+    assert!(!listed_confidential(&p, "a"));
+
+    // a's table (the first) gains confidential = true.
+    let on = original.replacen(
+        "quota = \"1G\"\n",
+        "quota = \"1G\"\nconfidential = true\n",
+        1,
+    );
+    assert_ne!(on, original);
+    std::fs::write(&p.cfg, &on).unwrap();
+    let seen = hup(&mut proc, &lines, events::CONFIG_RELOADED);
+    assert!(
+        has(
+            &seen,
+            arenad_events::VOLUME_CONFIDENTIAL_CHANGED,
+            "\"confidential\":true"
+        ) && has(
+            &seen,
+            arenad_events::VOLUME_CONFIDENTIAL_CHANGED,
+            "\"volume\":\"a\""
+        ),
+        "{seen:#?}"
+    );
+    assert!(
+        !has(
+            &seen,
+            arenad_events::VOLUME_CONFIDENTIAL_CHANGED,
+            "\"volume\":\"b\""
+        ),
+        "{seen:#?}"
+    );
+    assert!(listed_confidential(&p, "a"));
+    assert!(!listed_confidential(&p, "b"));
+
+    // A new version-2 session of a is refused, and told why.
+    match connect(&p, "a", SECRET_A) {
+        Err(ArenaError::Refused {
+            status, message, ..
+        }) => {
+            assert_eq!(status, target_rdma::proto::Status::VersionMismatch);
+            assert!(
+                message.contains("volume \"a\" is confidential")
+                    && message.contains("protocol version 3"),
+                "{message}"
+            );
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a version-2 session of a confidential volume"),
+    }
+    let seen = until(&lines, arenad_events::HELLO_REFUSED);
+    assert!(
+        seen.last()
+            .unwrap()
+            .contains("\"status\":\"version_mismatch\""),
+        "{seen:#?}"
+    );
+    // The open one goes on; a sealed one is served; b is unchanged.
+    block_on(open.write(2, 0, &pattern(2, 1, BLOB))).unwrap();
+    let sealed = connect_sealed(&p, "a", SECRET_A);
+    let mut out = vec![0; BLOB];
+    block_on(sealed.read_found(2, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(2, 1, BLOB));
+    block_on(open.read_found(1, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(1, 1, BLOB));
+    connect(&p, "b", SECRET_B).expect("b still takes version 2");
+
+    // Turned off again, version 2 opens a again.
+    std::fs::write(&p.cfg, &original).unwrap();
+    let seen = hup(&mut proc, &lines, events::CONFIG_RELOADED);
+    assert!(
+        has(
+            &seen,
+            arenad_events::VOLUME_CONFIDENTIAL_CHANGED,
+            "\"confidential\":false"
+        ),
+        "{seen:#?}"
+    );
+    assert!(!listed_confidential(&p, "a"));
+    let again = connect(&p, "a", SECRET_A).expect("a takes version 2 again");
+    block_on(again.read_found(2, 0, &mut out)).unwrap();
+    assert_eq!(out, pattern(2, 1, BLOB));
+    drop((open, sealed, again));
 }

@@ -1,6 +1,9 @@
 //! Confidential sessions (protocol version 3): every frame body sealed
 //! with AES-256-GCM. What crosses the wire is looked at from a relay
-//! between the client and the peer, as anyone on the path would.
+//! between the client and the peer, as anyone on the path would. A
+//! confidential volume (arenad `[[volume]] confidential = true`) takes
+//! only such sessions, and says so only to a client that proved its
+//! secret.
 
 mod common;
 
@@ -13,7 +16,9 @@ use common::*;
 use futures::executor::block_on;
 use target_rdma::blob::ArenaError;
 use target_rdma::client::tcp::{ArenaClient, ClientConfig};
-use target_rdma::proto::{self, Challenge, Opcode, Request, Status, VERSION_2, VERSION_3};
+use target_rdma::proto::{
+    self, Challenge, Opcode, Request, Status, VERSION_1, VERSION_2, VERSION_3,
+};
 
 /// Bytes a relay saw, per direction.
 #[derive(Default)]
@@ -210,4 +215,138 @@ fn an_altered_sealed_frame_ends_its_session_and_is_counted() {
     assert!(block_on(bystander.read_found(1, 0, &mut out)).unwrap());
     assert_eq!(&out, b"kept", "the altered WRITE did nothing");
     assert_eq!(peer.protocol_errors(), 1);
+}
+
+/// A peer serving "a" to sealed sessions only, "b" to any (and version 1
+/// allowed, so that refusal is the volume's, not the peer's offer).
+fn confidential_a(dir: &std::path::Path) -> Peer {
+    Peer::start(
+        dir,
+        PeerOpts {
+            confidential: vec!["a".into()],
+            allow_v1: true,
+            ..PeerOpts::default()
+        },
+    )
+}
+
+#[test]
+fn a_confidential_volume_takes_only_sealed_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = confidential_a(dir.path());
+
+    // A version-2 client with the right secret is told why, and nothing
+    // is opened.
+    match ArenaClient::connect(peer.config("a", SECRET_A)) {
+        Err(ArenaError::Refused {
+            status, message, ..
+        }) => {
+            assert_eq!(status, Status::VersionMismatch, "{message}");
+            assert_eq!(
+                message,
+                "volume \"a\" is confidential: it takes only sealed sessions \
+                 (protocol version 3), not version 2"
+            );
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a version-2 session of a confidential volume"),
+    }
+    // So is a version-1 HELLO, though the peer offers version 1.
+    let r = RawSession::try_open(peer.addr, "a", &secret(SECRET_A), VERSION_1, 0)
+        .err()
+        .expect("a version-1 session of a confidential volume");
+    assert_eq!(r.status, Status::VersionMismatch, "{}", r.message);
+    assert!(r.message.contains("not version 1"), "{}", r.message);
+    assert_eq!(peer.sessions(), 0);
+    assert_eq!(
+        peer.metric("arenad_protocol_errors_total", &[("class", "version")]),
+        2
+    );
+    assert_eq!(
+        peer.metric(
+            "arenad_ops_total",
+            &[("op", "hello"), ("outcome", "denied")]
+        ),
+        2
+    );
+    assert_eq!(peer.metric("arenad_auth_failures_total", &[]), 0);
+
+    // A confidential client is served, thread and driven alike.
+    for driven in [false, true] {
+        let mut cfg = peer.config("a", SECRET_A);
+        cfg.confidential = true;
+        cfg.driven = driven;
+        let c = if driven {
+            target_rdma::testing::driven(cfg)
+        } else {
+            ArenaClient::connect(cfg).expect("a sealed session of a confidential volume")
+        };
+        let key = u64::from(driven) + 1;
+        let data = pattern(key, 1, 64 << 10);
+        block_on(c.write(key, 0, &data)).unwrap();
+        let mut out = vec![0u8; data.len()];
+        assert!(block_on(c.read_found(key, 0, &mut out)).unwrap());
+        assert_eq!(out, data);
+    }
+    // A raw version-3 HELLO is accepted too.
+    let s = RawSession::open(peer.addr, "a", &secret(SECRET_A), VERSION_3, 0);
+    assert_eq!(s.version, VERSION_3);
+    drop(s);
+
+    // The other volume still takes version 2, and sealed sessions too.
+    let b = peer.client("b", SECRET_B);
+    block_on(b.write(1, 0, b"plain")).unwrap();
+    let mut cfg = peer.config("b", SECRET_B);
+    cfg.confidential = true;
+    let sealed_b = ArenaClient::connect(cfg).unwrap();
+    let mut out = [0u8; 5];
+    assert!(block_on(sealed_b.read_found(1, 0, &mut out)).unwrap());
+    assert_eq!(&out, b"plain");
+    assert_eq!(
+        peer.metric("arenad_protocol_errors_total", &[("class", "version")]),
+        2,
+        "nothing more refused"
+    );
+}
+
+#[test]
+fn a_client_without_the_secret_cannot_tell_a_confidential_volume_from_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = confidential_a(dir.path());
+    let wrong = secret("not-the-secret-of-anything-at-all");
+
+    // On the wire: the same error frame for a wrong secret to the
+    // confidential volume (whichever version the HELLO names), to a
+    // plain volume, and for a volume that does not exist.
+    let refusal = |volume: &str, version: u8| {
+        let r = RawSession::try_open(peer.addr, volume, &wrong, version, 0)
+            .err()
+            .expect("refused");
+        (r.status, r.message)
+    };
+    let unknown = refusal("nope", VERSION_2);
+    assert_eq!(
+        unknown,
+        (Status::AuthFailed, "authentication failed".to_owned())
+    );
+    for version in [VERSION_1, VERSION_2, VERSION_3] {
+        assert_eq!(refusal("a", version), unknown, "version {version}");
+        assert_eq!(refusal("nope", version), unknown, "version {version}");
+    }
+    assert_eq!(refusal("b", VERSION_2), unknown);
+
+    // Through the client: AUTH_FAILED, never VERSION_MISMATCH.
+    for confidential in [false, true] {
+        for volume in ["a", "nope"] {
+            let mut cfg = peer.config(volume, "not-the-secret-of-anything-at-all");
+            cfg.confidential = confidential;
+            let e = ArenaClient::connect(cfg).err().expect("refused");
+            assert!(
+                matches!(e, ArenaError::AuthFailed { .. }),
+                "{volume}, confidential {confidential}: {e}"
+            );
+        }
+    }
+    assert_eq!(peer.metric("arenad_auth_failures_total", &[]), 12);
+    assert_eq!(peer.protocol_errors(), 0, "no refusal of a version");
 }

@@ -81,6 +81,7 @@ impl Admin {
         let shared = &self.server.shared;
         let sessions = shared.sessions.all();
         let blob_bytes = u64::from(shared.store.blob_bytes());
+        let served = Arc::clone(&shared.volumes.read());
         let volumes = shared
             .store
             .volume_usage()
@@ -88,6 +89,7 @@ impl Admin {
             .map(|u| VolumeInfo {
                 sessions: sessions.iter().filter(|s| s.vol.name == u.name).count() as u64,
                 epoch: shared.fencing.epochs.epoch_of(&u.name),
+                confidential: u.served && served.iter().any(|v| v.name == u.name && v.confidential),
                 name: u.name,
                 served: u.served,
                 quota_bytes: u.quota_blobs * blob_bytes,

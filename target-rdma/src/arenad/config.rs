@@ -206,6 +206,10 @@ pub struct VolumeConfig {
     /// Most bytes of blobs the volume may hold (rounded up to whole blobs).
     #[serde(with = "serde_size")]
     pub quota: u64,
+    /// Only sealed sessions (protocol version 3) may open it: a HELLO of
+    /// an older version is refused `VERSION_MISMATCH`, after its MAC.
+    #[serde(default)]
+    pub confidential: bool,
 }
 
 fn default_listen() -> String {
@@ -795,6 +799,15 @@ quota = "10G"
             (d.handshake_source_prefix_v4, d.handshake_source_prefix_v6),
             (32, 64)
         );
+    }
+
+    #[test]
+    fn a_volume_is_confidential_only_when_it_says_so() {
+        assert!(!parse(GOOD).unwrap().volumes[0].confidential);
+        let c = parse(&format!("{GOOD}confidential = true\n")).unwrap();
+        assert!(c.volumes[0].confidential);
+        let e = err(&format!("{GOOD}confidential = \"yes\"\n"));
+        assert!(e.contains("confidential"), "{e}");
     }
 
     #[test]

@@ -223,6 +223,11 @@ pub const KEYS: &[KeyDoc] = &[
         ty: Type::Size,
         meaning: "Most bytes of blobs the volume may hold, rounded up to whole blobs and at least one blob; a change holds for new blobs.",
     },
+    KeyDoc {
+        key: "volume.confidential",
+        ty: Type::Bool,
+        meaning: "Serve the volume to sealed sessions only (protocol version 3: every frame body encrypted with AES-256-GCM, payloads inline on the TCP stream, never by RDMA). A HELLO of version 1 or 2 that proves the secret is refused with `VERSION_MISMATCH`; one that does not is refused `AUTH_FAILED` as for any volume, so it learns nothing. The clients need `confidential = true` (ublkd: `ublkctl add --confidential`). A change holds for new sessions; open ones go on. The blobs stay in the clear in the arena and swap file.",
+    },
 ];
 
 /// Whether a reload applies `key` (a key of [`KEYS`]), as
@@ -304,6 +309,7 @@ connection_max_leases = 16
 name = "vm1"
 secret_file = "/etc/arenad/vm1.key"
 quota = "1G"
+confidential = true
 "#;
         let cfg = ArenadConfig::parse(text, std::path::Path::new("test.toml")).unwrap();
         let entries = entries().unwrap();
@@ -335,7 +341,8 @@ quota = "1G"
                 "log_level",
                 "volume.name",
                 "volume.secret_file",
-                "volume.quota"
+                "volume.quota",
+                "volume.confidential"
             ]
         );
     }

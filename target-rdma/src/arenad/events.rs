@@ -93,6 +93,9 @@ pub const VOLUME_QUOTA_CHANGED: &str = "volume.quota_changed";
 /// A volume's secret changed: new sessions must prove the new one, open ones go
 /// on.
 pub const VOLUME_SECRET_CHANGED: &str = "volume.secret_changed";
+/// A volume was made confidential (new sessions must be sealed, protocol
+/// version 3) or no longer is; open sessions go on.
+pub const VOLUME_CONFIDENTIAL_CHANGED: &str = "volume.confidential_changed";
 
 // Swap reads of the workers.
 /// A worker got no swap read ring of its own; its cold reads use the swap's
@@ -148,6 +151,7 @@ pub const ALL: &[&str] = &[
     VOLUME_UNSERVED,
     VOLUME_QUOTA_CHANGED,
     VOLUME_SECRET_CHANGED,
+    VOLUME_CONFIDENTIAL_CHANGED,
     // Swap reads of the workers.
     SWAP_READ_RING_UNAVAILABLE,
     // The admin socket.

@@ -22,7 +22,7 @@ use crate::auth::{self, SessionKeys};
 use crate::proto::{
     Challenge, FrameError, Header, Hello, Status, Welcome, CAP_COLD_GET, CAP_RAILS, CAP_RDMA,
     CAP_RDMA_LEASE_KEYS, CAP_TCP_DATA, HANDSHAKE_VERSION, HEADER_LEN, MAC_LEN, MAX_HELLO_BODY,
-    MAX_INLINE, VERSION, VERSION_1, VERSION_2,
+    MAX_INLINE, VERSION, VERSION_1, VERSION_2, VERSION_3,
 };
 use crate::rdma::Isolation;
 use crate::store::HolderId;
@@ -143,6 +143,18 @@ async fn handshake_steps(
     // Authenticated: the place goes back before the WELCOME, so a
     // client that connects again once it has it finds the place free.
     drop(handshaking);
+    // Only now, past the MAC: a client without the secret must not learn
+    // that the volume exists, nor that it is confidential.
+    if vol.confidential && hello.version < u16::from(VERSION_3) {
+        return Err(Fatal::Hello(
+            Status::VersionMismatch,
+            format!(
+                "volume {:?} is confidential: it takes only sealed sessions (protocol version 3), \
+                 not version {}",
+                vol.name, hello.version
+            ),
+        ));
+    }
     let blob = shared.store.blob_bytes();
     if hello.blob_bytes != 0 && hello.blob_bytes != blob {
         return Err(Fatal::Hello(

@@ -1,9 +1,10 @@
 //! SIGHUP in arenad: the config (file and flags) is read again and what
 //! can change while sessions run is applied: the log filter and the
 //! volumes. A volume added is served, one removed is refused to new
-//! sessions (its blobs stay), a quota change holds for new blobs, and
-//! every secret file is read again, so a rotated secret is the one new
-//! sessions must prove; sessions already open keep going. Any other
+//! sessions (its blobs stay), a quota change holds for new blobs, a
+//! volume made confidential (or not) holds for new sessions, and every
+//! secret file is read again, so a rotated secret is the one new sessions
+//! must prove; sessions already open keep going. Any other
 //! changed key is logged as needing a restart. A config, or a secret file,
 //! that does not load changes nothing: the running config stays, and the
 //! error is logged.
@@ -52,7 +53,8 @@ pub enum ReloadError {
 pub const RELOADABLE: &[&str] = &["log_level"];
 
 /// Arrays of tables a reload applies, every key of every table: the
-/// volumes (added, removed, re-quoted, re-keyed; see [`VolumeChange`]).
+/// volumes (added, removed, re-quoted, re-keyed, made confidential or
+/// not; see [`VolumeChange`]).
 pub const RELOADABLE_TABLES: &[&str] = &["volume"];
 
 /// Whether a reload applies a change of `key`, spelled as
@@ -76,6 +78,8 @@ pub enum VolumeChange {
     Quota(String, u64),
     /// A new secret (file contents or path).
     Secret(String),
+    /// Whether new sessions must be sealed (protocol version 3).
+    Confidential(String, bool),
 }
 
 impl std::fmt::Display for VolumeChange {
@@ -85,6 +89,14 @@ impl std::fmt::Display for VolumeChange {
             VolumeChange::Removed(v) => write!(f, "volume {v:?} no longer served (its blobs stay)"),
             VolumeChange::Quota(v, blobs) => write!(f, "volume {v:?} quota now {blobs} blobs"),
             VolumeChange::Secret(v) => write!(f, "volume {v:?} has a new secret"),
+            VolumeChange::Confidential(v, true) => write!(
+                f,
+                "volume {v:?} is now confidential: new sessions must be sealed (protocol version 3)"
+            ),
+            VolumeChange::Confidential(v, false) => write!(
+                f,
+                "volume {v:?} is no longer confidential: new sessions may use protocol version 2"
+            ),
         }
     }
 }
@@ -92,7 +104,8 @@ impl std::fmt::Display for VolumeChange {
 /// What a reload did.
 #[derive(Debug, Default)]
 pub struct Reloaded {
-    /// Volumes added, removed, re-quoted or re-keyed.
+    /// Volumes added, removed, re-quoted, re-keyed or made confidential
+    /// (or not).
     pub volumes: Vec<VolumeChange>,
     /// Other changes now in force (`log_level`).
     pub applied: Vec<Change>,
@@ -150,6 +163,7 @@ pub fn served(
                 secret: secret.clone(),
                 id,
                 quota_blobs,
+                confidential: v.confidential,
             })
         })
         .collect()
@@ -233,6 +247,12 @@ impl Runtime {
                     volume = %name,
                     "new sessions must prove the new secret; open ones go on"
                 ),
+                VolumeChange::Confidential(name, confidential) => tracing::info!(
+                    event = events::VOLUME_CONFIDENTIAL_CHANGED,
+                    volume = %name,
+                    confidential,
+                    "holds for new sessions; open ones go on"
+                ),
             }
         }
         log_changes(&done.applied, &done.restart_needed, "arenad");
@@ -269,7 +289,8 @@ fn plan(
     done
 }
 
-/// Per volume name: added, removed, quota or secret changed.
+/// Per volume name: added, removed, quota, secret or confidentiality
+/// changed.
 fn volume_changes(
     old: &ArenadConfig,
     old_secrets: &[Secret],
@@ -294,6 +315,9 @@ fn volume_changes(
                 }
                 if !secret.same_as(&was_secret) || v.secret_file != was.secret_file {
                     out.push(VolumeChange::Secret(v.name.clone()));
+                }
+                if v.confidential != was.confidential {
+                    out.push(VolumeChange::Confidential(v.name.clone(), v.confidential));
                 }
             }
         }

@@ -23,6 +23,8 @@ pub struct ServedVolume {
     pub id: VolumeId,
     /// Quota in blobs, reported in WELCOME.
     pub quota_blobs: u64,
+    /// Only sealed sessions (protocol version 3) may open it.
+    pub confidential: bool,
 }
 
 /// Limits the server enforces.

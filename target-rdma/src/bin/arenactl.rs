@@ -207,15 +207,25 @@ fn text(reply: &Reply) -> String {
 
 fn volumes_table(volumes: &[VolumeInfo], blob_bytes: u64) -> String {
     let mut out = format!(
-        "{:<20} {:>8} {:>10} {:>10} {:>10} {:>10} {:>7} {:>8} {:>6}\n",
-        "VOLUME", "SERVED", "QUOTA", "IN RAM", "ON SWAP", "TOTAL", "LEASES", "SESSIONS", "EPOCH"
+        "{:<20} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7} {:>8} {:>6}\n",
+        "VOLUME",
+        "SERVED",
+        "CONFIDENTIAL",
+        "QUOTA",
+        "IN RAM",
+        "ON SWAP",
+        "TOTAL",
+        "LEASES",
+        "SESSIONS",
+        "EPOCH"
     );
     for v in volumes {
         let size = |blobs: u64| ApproxSize(blobs * blob_bytes).to_string();
         out += &format!(
-            "{:<20} {:>8} {:>10} {:>10} {:>10} {:>10} {:>7} {:>8} {:>6}\n",
+            "{:<20} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7} {:>8} {:>6}\n",
             v.name,
             if v.served { "yes" } else { "no" },
+            if v.confidential { "yes" } else { "no" },
             HumanSize(v.quota_bytes).to_string(),
             size(v.resident),
             size(v.on_swap),

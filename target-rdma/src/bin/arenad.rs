@@ -136,6 +136,7 @@ fn load_config(args: &Args) -> Result<ArenadConfig> {
             name: name.into(),
             secret_file: file.into(),
             quota,
+            confidential: false,
         });
     }
     cfg.validate()?;
