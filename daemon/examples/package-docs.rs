@@ -267,7 +267,8 @@ fn config_pages() -> [ConfigPage; 2] {
                     "[device]",
                     "Parameters of new devices. \\fBublkctl add\\fR overrides \\fIqueues\\fR, \
                      \\fIdepth\\fR, \\fIio_buf\\fR, \\fIblob_size\\fR and \\fItransport\\fR per \
-                     device; existing devices keep the parameters recorded in their definition.",
+                     device, and \\fB\\-\\-confidential\\fR turns \\fIconfidential\\fR on for one; \
+                     existing devices keep the parameters recorded in their definition.",
                 ),
                 (
                     "[metrics]",

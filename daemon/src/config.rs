@@ -450,7 +450,8 @@ impl Default for MetricsConfig {
 }
 
 /// `[device]`: parameters of new devices. `ublkctl add` overrides queues,
-/// depth, io_buf, blob_size and transport per device.
+/// depth, io_buf, blob_size and transport per device, and `--confidential`
+/// makes one device confidential.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceDefaults {
@@ -469,6 +470,11 @@ pub struct DeviceDefaults {
     /// `tcp`, `rdma` or `auto`.
     #[serde(default = "default_transport")]
     pub transport: TransportChoice,
+    /// New devices are confidential: every frame of their sessions sealed
+    /// (protocol version 3, TCP only). `ublkctl add --confidential` sets it
+    /// for one device.
+    #[serde(default)]
+    pub confidential: bool,
     /// Logical block size: 512, 1024, 2048 or 4096.
     #[serde(default = "default_lbs")]
     pub logical_block_size: u32,
@@ -760,6 +766,13 @@ impl DeviceDefaults {
                     "must be a non-zero multiple of 512 below 2T",
                 ));
             }
+        }
+        if self.confidential && self.transport == TransportChoice::Rdma {
+            return Err(invalid(
+                "device.confidential",
+                true,
+                "needs device.transport = \"tcp\" or \"auto\" (a confidential device's payloads stay on the sealed TCP stream; RDMA moves them in the clear)",
+            ));
         }
         if self.fua && !self.write_cache {
             return Err(invalid(
@@ -1068,6 +1081,27 @@ mod tests {
         assert!(e.contains("unknown variant `udp`"), "{e}");
         let e = err("[device]\nio_buf = \"12Q\"");
         assert!(e.contains("invalid size \"12Q\": unknown unit"), "{e}");
+    }
+
+    #[test]
+    fn confidential_is_off_by_default_and_refuses_rdma() {
+        let c = UblkdConfig::parse("", Path::new("x")).unwrap();
+        assert!(!c.device.confidential);
+        for transport in ["tcp", "auto"] {
+            let c = UblkdConfig::parse(
+                &format!("[device]\nconfidential = true\ntransport = \"{transport}\"\n"),
+                Path::new("x"),
+            )
+            .unwrap();
+            assert!(c.device.confidential, "{transport}");
+        }
+        assert_eq!(
+            err("[device]\nconfidential = true\ntransport = \"rdma\"\n"),
+            "invalid config: device.confidential = true: needs device.transport = \"tcp\" or \"auto\" \
+             (a confidential device's payloads stay on the sealed TCP stream; RDMA moves them in the clear)"
+        );
+        let e = err("[device]\nconfidential = \"yes\"");
+        assert!(e.contains("device.confidential: invalid type"), "{e}");
     }
 
     #[test]

@@ -91,6 +91,11 @@ pub const KEYS: &[KeyDoc] = &[
         meaning: "`tcp` moves the data inline on the control stream; `rdma` uses one-sided RDMA or fails clearly at `ublkctl add`; `auto` uses RDMA when this host has a device and the peer grants it, else TCP.",
     },
     KeyDoc {
+        key: "device.confidential",
+        ty: Type::Bool,
+        meaning: "New devices are confidential: every frame of their arena sessions, payloads included, is encrypted and authenticated with AES-256-GCM (protocol version 3, keyed per session from the volume secret), and their payloads stay on the TCP stream (RDMA moves them in the clear). Needs `transport` `tcp` or `auto` (which then means TCP); an arenad that does not speak version 3 is refused at `ublkctl add`. `ublkctl add --confidential` turns it on for one device.",
+    },
+    KeyDoc {
         key: "device.logical_block_size",
         ty: Type::Int,
         meaning: "Logical block size: 512, 1024, 2048 or 4096.",

@@ -119,6 +119,10 @@ pub struct AddArgs {
     pub blob_size: Option<u64>,
     /// Data path.
     pub transport: Option<TransportChoice>,
+    /// Seal every frame of the device's sessions (protocol version 3, TCP
+    /// only); false leaves it to `[device] confidential`.
+    #[serde(default)]
+    pub confidential: bool,
     /// Per-request buffer size.
     pub io_buf: Option<u64>,
     /// The device id to take (`add -n`); the kernel picks a free one when
@@ -281,6 +285,11 @@ pub struct DeviceInfo {
     /// Why a device asked to use RDMA (`auto`) serves TCP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport_note: Option<String>,
+    /// Every frame of its sessions is sealed (AES-256-GCM, protocol
+    /// version 3); else tagged (keyed BLAKE3, version 2). Absent from a
+    /// ublkd before the key: false.
+    #[serde(default)]
+    pub confidential: bool,
     /// Logical block size.
     pub logical_block_size: u32,
     /// RDMA rails over the device's queues (state, since when down, what
@@ -534,6 +543,25 @@ mod tests {
                 assert_eq!(a.depth, Some(2));
                 assert_eq!(a.transport, Some(TransportChoice::Tcp));
             }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `show --json` carries `confidential`; a device described by a ublkd
+    /// from before the key reads as not confidential.
+    #[test]
+    fn device_info_carries_confidential_and_old_answers_read_false() {
+        let old = r#"{"id":0,"node":"/dev/ublkb0","size":4096,"queues":1,"depth":64,"io_buf":524288,"blob_size":65536,"state":"live","error":null,"peer":"h:1","volume":"v","transport":"tcp","transport_requested":"auto","logical_block_size":512}"#;
+        let mut d: DeviceInfo = serde_json::from_str(old).unwrap();
+        assert!(!d.confidential);
+        assert_eq!(serde_json::to_value(&d).unwrap()["confidential"], false);
+        d.confidential = true;
+        let json = serde_json::to_value(&d).unwrap();
+        assert_eq!(json["confidential"], true);
+        assert_eq!(serde_json::from_value::<DeviceInfo>(json).unwrap(), d);
+        let add = r#"{"version":1,"op":"add","peers":["h:1"],"volume":"v","secret_file":"/s","size":4096,"queues":null,"depth":null,"blob_size":null,"transport":"tcp","confidential":true,"io_buf":null}"#;
+        match parse_request(add).unwrap() {
+            Request::Add(a) => assert!(a.confidential),
             other => panic!("{other:?}"),
         }
     }

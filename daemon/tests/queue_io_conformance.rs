@@ -9,7 +9,9 @@
 //! `ArenaTarget::new(io.volume(), size)` over it. The fixtures do the same
 //! with a clone of the volume (`VolumeIo` clones share their sessions),
 //! keeping the `QueueIo` alive after it as a queue thread does; that is the
-//! whole adapter. The blob suite runs on the same `VolumeIo`.
+//! whole adapter. The blob suite runs on the same `VolumeIo`. A
+//! confidential device (every session sealed, protocol version 3) runs
+//! the blob suite on one peer and the target suite replicated.
 
 mod common;
 
@@ -40,15 +42,32 @@ fn peers(n: usize, opts: &PeerOpts) -> Vec<(Peer, tempfile::TempDir)> {
 /// Queue 0 of a device on `n` peers started with `opts`, opened as ublkd
 /// opens it, with everything it needs kept alive after it.
 fn queue_io(n: usize, opts: PeerOpts, blob: u32, size: u64) -> Fixture<QueueIo> {
+    open_queue_io(n, opts, blob, size, false)
+}
+
+/// The same, confidential (`add --confidential`): every session sealed
+/// (protocol version 3).
+fn confidential_queue_io(n: usize, opts: PeerOpts, blob: u32, size: u64) -> Fixture<QueueIo> {
+    open_queue_io(n, opts, blob, size, true)
+}
+
+fn open_queue_io(
+    n: usize,
+    opts: PeerOpts,
+    blob: u32,
+    size: u64,
+    confidential: bool,
+) -> Fixture<QueueIo> {
     let peers = peers(n, &opts);
     let names: Vec<String> = peers.iter().map(|(p, _)| p.addr.to_string()).collect();
-    let spec = common::device_spec(
+    let mut spec = common::device_spec(
         &names,
         size,
         blob.into(),
         256 << 10,
         "unused: the secret is passed in".into(),
     );
+    spec.confidential = confidential;
     let connector = Connector::new(&UblkdConfig::defaults(), Arc::default());
     if n == 1 {
         // The device manager's `connect_single`: driven sessions, whose
@@ -110,12 +129,32 @@ fn replicated_2_target() -> Fixture<ArenaTarget<VolumeIo>> {
     block_target(queue_io(2, target::peer_opts(), target::BLOB, target::SIZE))
 }
 
+fn single_confidential_volume() -> Fixture<VolumeIo> {
+    volume(confidential_queue_io(
+        1,
+        blob::peer_opts(),
+        blob::BLOB,
+        1 << 30,
+    ))
+}
+
+fn replicated_2_confidential_target() -> Fixture<ArenaTarget<VolumeIo>> {
+    block_target(confidential_queue_io(
+        2,
+        target::peer_opts(),
+        target::BLOB,
+        target::SIZE,
+    ))
+}
+
 blob_conformance!(
     single_volume => Transport::Tcp,
     replicated_2_volume => Transport::Tcp,
+    single_confidential_volume => Transport::Tcp,
 );
 
 target_conformance!(
     single_target reference: 8,
     replicated_2_target reference: 4,
+    replicated_2_confidential_target reference: 4,
 );

@@ -181,6 +181,11 @@ struct Add {
     /// Data path: tcp, rdma or auto.
     #[arg(long, value_enum)]
     transport: Option<TransportChoice>,
+    /// Encrypt the device's traffic: every frame, payloads included, sealed
+    /// with AES-256-GCM (protocol version 3). TCP only: refused with
+    /// --transport rdma; auto means TCP.
+    #[arg(long)]
+    confidential: bool,
     /// Per-request buffer (and largest I/O), e.g. 512K.
     #[arg(long, value_parser = parse_size)]
     io_buf: Option<u64>,
@@ -358,6 +363,21 @@ fn del_all(cli: &Cli, force: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `add --confidential` answered by a ublkd that does not know the key
+/// (it ignores it, and its answer has no `confidential`): the device it
+/// made moves the volume's data readable, which must not pass unsaid.
+fn check_confidential(a: &Add, device: &DeviceInfo) -> anyhow::Result<()> {
+    if a.confidential && !device.confidential {
+        bail!(
+            "ublkd made {} without --confidential (it predates the option): its frames are \
+             not sealed; delete it (`ublkctl del {}`) and upgrade ublkd",
+            device.node,
+            device.id
+        );
+    }
+    Ok(())
+}
+
 /// `add --wait`: until the node is a block device, or the timeout.
 fn wait_for_node(node: &str, timeout: Duration) -> anyhow::Result<()> {
     use std::os::unix::fs::FileTypeExt;
@@ -426,6 +446,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
                 depth: a.depth,
                 blob_size: a.blob_size,
                 transport: a.transport,
+                confidential: a.confidential,
                 io_buf: a.io_buf,
                 id: a.number,
                 read_only: a.read_only,
@@ -458,6 +479,9 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         Cmd::UdevName(i) => return udev_name(cli, i.id),
     };
     let reply = call(cli, request)?;
+    if let (Cmd::Add(a), Reply::Device { device }) = (&cli.cmd, &reply) {
+        check_confidential(a, device)?;
+    }
     if let (Cmd::Add(Add { wait: true, .. }), Reply::Device { device }) = (&cli.cmd, &reply) {
         wait_for_node(&device.node, Duration::from_secs(cli.timeout))?;
     }
@@ -521,8 +545,18 @@ fn print_device(d: &DeviceInfo) {
     if let Some(why) = &d.transport_note {
         println!("  tcp because {why}");
     }
+    println!("  frames     {}", frames(d));
     for r in &d.rails {
         print_rail(r);
+    }
+}
+
+/// How the device's frames are protected on the wire.
+fn frames(d: &DeviceInfo) -> &'static str {
+    if d.confidential {
+        "sealed (AES-256-GCM, protocol v3)"
+    } else {
+        "tagged (BLAKE3, protocol v2)"
     }
 }
 
@@ -838,6 +872,55 @@ mod tests {
         assert_eq!((a.peer.len(), a.replicas), (0, Some(3)));
         assert!(add(&["--replicas", "6"]).is_err(), "1..=5");
         assert!(add(&[]).is_err(), "a peer or a replica count");
+    }
+
+    #[test]
+    fn add_confidential_is_a_flag_and_show_says_how_frames_are_protected() {
+        let argv = |extra: &[&'static str]| {
+            let mut v = vec![
+                "ublkctl",
+                "add",
+                "--peer",
+                "h:1",
+                "--volume",
+                "v",
+                "--secret-file",
+                "/s",
+                "--size",
+                "1G",
+            ];
+            v.extend_from_slice(extra);
+            v
+        };
+        let Cmd::Add(a) = Cli::try_parse_from(argv(&[])).unwrap().cmd else {
+            panic!("an add")
+        };
+        assert!(!a.confidential);
+        let Cmd::Add(a) = Cli::try_parse_from(argv(&["--confidential", "--transport", "tcp"]))
+            .unwrap()
+            .cmd
+        else {
+            panic!("an add")
+        };
+        assert!(a.confidential);
+        assert!(Cli::try_parse_from(argv(&["--confidential=yes"])).is_err());
+
+        let mut d: DeviceInfo = serde_json::from_str(
+            r#"{"id":3,"node":"/dev/ublkb3","size":4096,"queues":1,"depth":64,"io_buf":524288,"blob_size":65536,"state":"live","error":null,"peer":"h:1","volume":"v","transport":"tcp","transport_requested":"auto","logical_block_size":512}"#,
+        )
+        .unwrap();
+        assert_eq!(frames(&d), "tagged (BLAKE3, protocol v2)");
+        // A ublkd from before the option made the device in the clear:
+        // `add --confidential` must not pass as if it had not.
+        let e = check_confidential(&a, &d).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "ublkd made /dev/ublkb3 without --confidential (it predates the option): its frames \
+             are not sealed; delete it (`ublkctl del 3`) and upgrade ublkd"
+        );
+        d.confidential = true;
+        assert_eq!(frames(&d), "sealed (AES-256-GCM, protocol v3)");
+        check_confidential(&a, &d).unwrap();
     }
 
     #[test]

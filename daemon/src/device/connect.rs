@@ -72,7 +72,8 @@ impl Connector {
     /// Opens `spec`'s sessions to `peer` on its transport: one per entry of
     /// `bufs` (a queue's tag buffers), and a background one when
     /// `background`. `rdma` fails unless every session negotiated RDMA;
-    /// `auto` takes RDMA where it can and TCP otherwise. With `driven`, a
+    /// `auto` takes RDMA where it can and TCP otherwise (TCP only for a
+    /// confidential device, whose sessions are sealed). With `driven`, a
     /// TCP queue session's answers, or an RDMA queue session's completions,
     /// are reaped on its queue's ring (queue.rs) instead of by a thread of
     /// their own (an RDMA session's control stream keeps its reader
@@ -94,7 +95,10 @@ impl Connector {
         let client_cfg = || self.client_config(spec, peer, secret, &flush_domain);
         let count = bufs.len() + usize::from(background);
         let mut sessions = Vec::with_capacity(count);
-        let mode = match spec.transport {
+        // A confidential device never opens an RDMA provider: its `auto`
+        // is TCP, its `rdma` refused (a definition edited by hand).
+        spec.check_transport()?;
+        let mode = match spec.effective_transport() {
             TransportChoice::Tcp => None,
             TransportChoice::Rdma => Some(RdmaMode::On),
             TransportChoice::Auto => Some(RdmaMode::Auto),
@@ -195,6 +199,9 @@ impl Connector {
         cc.blob_bytes = spec.blob_size as u32;
         cc.connect_timeout = self.connect_timeout;
         cc.request_timeout = self.request_timeout;
+        // Every session of a confidential volume, whichever peer, queue or
+        // purpose (rebuild copies, a resize's HELLO), speaks version 3.
+        cc.confidential = spec.confidential;
         cc
     }
 

@@ -597,7 +597,7 @@ impl Manager {
         let Some(peer) = a.peers.first() else {
             return Err(DeviceError::BadRequest("--peer must be given".into()));
         };
-        Ok(DeviceSpec {
+        let spec = DeviceSpec {
             id: 0,
             peer: peer.clone(),
             volume: a.volume.clone(),
@@ -608,6 +608,7 @@ impl Manager {
             io_buf,
             blob_size,
             transport: a.transport.unwrap_or(d.transport),
+            confidential: a.confidential || d.confidential,
             logical_block_size: d.logical_block_size,
             physical_block_size: d.physical_block_size,
             max_io_size: d.effective_max_io(io_buf),
@@ -620,7 +621,8 @@ impl Manager {
             read_only: a.read_only,
             cpus: check_cpus(&a.cpus)?,
             replicas,
-        })
+        };
+        spec.check_transport().map(|()| spec)
     }
 
     /// `add`: creates a device and returns its description.
@@ -784,7 +786,8 @@ impl Manager {
                 .map_or("none", |(n, _)| n.as_str())
                 .into(),
             transport_requested: dev.spec.transport.name().into(),
-            transport_note: negotiated.and_then(|(_, why)| why),
+            transport_note: negotiated.and_then(|(_, why)| dev.spec.transport_note(why)),
+            confidential: dev.spec.confidential,
             logical_block_size: dev.spec.logical_block_size,
             rails: self.obs.rails(id),
             replicas: dev.replicated.as_ref().map(|(r, _)| r.info()),
@@ -929,6 +932,7 @@ mod tests {
             depth: None,
             blob_size: None,
             transport: None,
+            confidential: false,
             io_buf: None,
             id: None,
             read_only: false,
@@ -1290,6 +1294,133 @@ mod tests {
         assert_eq!(m.store.load_all().unwrap(), vec![s]);
     }
 
+    /// `--confidential` with `--transport rdma` (or over `[device]
+    /// transport = "rdma"`) is refused with what to do; with `auto` the
+    /// device is served on TCP, and `show` says why.
+    #[test]
+    fn confidential_devices_refuse_rdma_and_take_tcp_for_auto() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager(dir.path());
+        let refused = "--confidential keeps payloads on the sealed TCP stream, and RDMA moves \
+                       them in the clear: use --transport tcp or auto";
+        let rdma = AddArgs {
+            confidential: true,
+            transport: Some(TransportChoice::Rdma),
+            ..args()
+        };
+        let e = m.spec_for(&rdma).unwrap_err();
+        assert_eq!(
+            (e.kind(), e.to_string()),
+            (ErrorKind::BadRequest, refused.into())
+        );
+        // `add` refuses it before reading the secret or connecting.
+        let e = m.add(&rdma).unwrap_err();
+        assert_eq!(e.to_string(), refused);
+        assert!(m.store.load_all().unwrap().is_empty(), "nothing persisted");
+
+        let auto = m
+            .spec_for(&AddArgs {
+                confidential: true,
+                ..args()
+            })
+            .unwrap();
+        assert!(auto.confidential);
+        assert_eq!(auto.transport, TransportChoice::Auto, "kept as asked");
+        assert_eq!(auto.effective_transport(), TransportChoice::Tcp);
+        assert_eq!(
+            auto.transport_note(None).as_deref(),
+            Some("confidential: payloads stay on the sealed TCP stream")
+        );
+        let tcp = m
+            .spec_for(&AddArgs {
+                confidential: true,
+                transport: Some(TransportChoice::Tcp),
+                ..args()
+            })
+            .unwrap();
+        assert_eq!(tcp.effective_transport(), TransportChoice::Tcp);
+        assert_eq!(tcp.transport_note(None), None, "TCP was asked for");
+
+        // Not confidential: as before.
+        let plain = m.spec_for(&args()).unwrap();
+        assert!(!plain.confidential);
+        assert_eq!(plain.effective_transport(), TransportChoice::Auto);
+        assert_eq!(
+            plain.transport_note(Some("the arena peer declined RDMA".into())),
+            Some("the arena peer declined RDMA".into())
+        );
+        assert!(plain.check_transport().is_ok());
+
+        // A definition edited by hand into confidential RDMA does not
+        // connect either.
+        let mut edited = plain.clone();
+        edited.transport = TransportChoice::Rdma;
+        edited.confidential = true;
+        assert_eq!(edited.check_transport().unwrap_err().to_string(), refused);
+    }
+
+    /// `[device] confidential = true` makes every new device confidential
+    /// (the flag cannot turn it off); the flag alone makes one.
+    #[test]
+    fn the_config_default_and_the_flag_make_a_device_confidential() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = cfg(dir.path());
+        assert!(!c.device.confidential, "off by default");
+        c.device.confidential = true;
+        let obs = Observability::new(
+            ublk_metrics::Telemetry::isolated(ublk_metrics::Daemon::Ublkd, "test"),
+            &c.metrics,
+            &c.tracing,
+        );
+        let m = Manager::new(c, obs).unwrap();
+        assert!(m.spec_for(&args()).unwrap().confidential);
+        let e = m
+            .spec_for(&AddArgs {
+                transport: Some(TransportChoice::Rdma),
+                ..args()
+            })
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with("--confidential keeps payloads"),
+            "{e}"
+        );
+        let m = manager(&dir.path().join("other"));
+        assert!(!m.spec_for(&args()).unwrap().confidential);
+        assert!(
+            m.spec_for(&AddArgs {
+                confidential: true,
+                ..args()
+            })
+            .unwrap()
+            .confidential
+        );
+    }
+
+    /// A definition written before the key existed reads as not
+    /// confidential; a confidential one keeps it across a save and load,
+    /// and a plain one is written without the key.
+    #[test]
+    fn definitions_without_confidential_load_as_not_confidential() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manager(dir.path());
+        let old = r#"{"id":4,"peer":"h:1","volume":"v","secret_file":"/s","size":4096,"queues":1,"depth":64,"io_buf":524288,"blob_size":0,"transport":"auto","logical_block_size":512,"physical_block_size":4096,"max_io_size":524288,"discard":true,"max_discard_size":1073741824,"write_zeroes":true,"max_write_zeroes_size":1073741824,"write_cache":true,"fua":true,"read_only":false,"cpus":[]}"#;
+        let spec: DeviceSpec = serde_json::from_str(old).unwrap();
+        assert!(!spec.confidential);
+        assert!(!serde_json::to_string(&spec)
+            .unwrap()
+            .contains("confidential"));
+        let mut s = m
+            .spec_for(&AddArgs {
+                confidential: true,
+                ..args()
+            })
+            .unwrap();
+        s.id = 5;
+        assert_eq!(serde_json::to_value(&s).unwrap()["confidential"], true);
+        m.store.save(&s).unwrap();
+        assert_eq!(m.store.load_all().unwrap(), vec![s]);
+    }
+
     /// `add` requests of ublkctl from before replication (`"peer": "h:p"`)
     /// still parse.
     #[test]
@@ -1300,5 +1431,6 @@ mod tests {
             panic!("{r:?}")
         };
         assert_eq!((a.peers, a.replicas), (vec!["h:1".to_string()], None));
+        assert!(!a.confidential, "a request from before the key");
     }
 }

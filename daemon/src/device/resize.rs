@@ -250,6 +250,7 @@ mod tests {
                 depth: None,
                 blob_size: Some(64 << 10),
                 transport: None,
+                confidential: false,
                 io_buf: None,
                 id: None,
                 read_only: false,

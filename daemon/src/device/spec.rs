@@ -38,6 +38,13 @@ pub struct DeviceSpec {
     pub blob_size: u64,
     /// TransportChoice asked for.
     pub transport: TransportChoice,
+    /// Confidential (`add --confidential`, `[device] confidential`): every
+    /// session speaks protocol version 3, whose frame bodies are sealed
+    /// with AES-256-GCM, and none moves payloads by RDMA (in the clear).
+    /// Not written when false, so a definition from before the key reads,
+    /// and is written back, unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub confidential: bool,
     /// Logical block size.
     pub logical_block_size: u32,
     /// Physical block size.
@@ -192,6 +199,45 @@ fn read_spec(path: &Path) -> Result<DeviceSpec, String> {
     fs::read_to_string(path)
         .map_err(|e| e.to_string())
         .and_then(|t| serde_json::from_str::<DeviceSpec>(&t).map_err(|e| e.to_string()))
+}
+
+/// Why a confidential device asked for `auto` serves TCP (`ublkctl show`'s
+/// `tcp because`).
+pub const CONFIDENTIAL_TCP: &str = "confidential: payloads stay on the sealed TCP stream";
+
+impl DeviceSpec {
+    /// Refuses what cannot be served as asked: a confidential volume on
+    /// `transport = rdma` (RDMA moves payloads in the clear, and a
+    /// confidential session offers none).
+    pub fn check_transport(&self) -> Result<(), DeviceError> {
+        if self.confidential && self.transport == TransportChoice::Rdma {
+            return Err(DeviceError::BadRequest(
+                "--confidential keeps payloads on the sealed TCP stream, and RDMA moves them \
+                 in the clear: use --transport tcp or auto"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The transport the device's sessions are opened on: a confidential
+    /// device's `auto` is TCP (no RDMA provider is opened at all).
+    pub fn effective_transport(&self) -> TransportChoice {
+        match self.transport {
+            TransportChoice::Auto if self.confidential => TransportChoice::Tcp,
+            t => t,
+        }
+    }
+
+    /// Why the device serves TCP when its transport asked for RDMA where
+    /// it can (`auto`), given the reason its sessions gave (`negotiated`):
+    /// a confidential device's is its confidentiality.
+    pub fn transport_note(&self, negotiated: Option<String>) -> Option<String> {
+        match self.transport {
+            TransportChoice::Auto if self.confidential => Some(CONFIDENTIAL_TCP.into()),
+            _ => negotiated,
+        }
+    }
 }
 
 pub(super) fn shape(spec: &DeviceSpec) -> DeviceShape {

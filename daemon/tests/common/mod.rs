@@ -33,6 +33,7 @@ pub fn device_spec(
         io_buf: io,
         blob_size: blob,
         transport: ::ublkd::config::TransportChoice::Tcp,
+        confidential: false,
         logical_block_size: 512,
         physical_block_size: 4096,
         max_io_size: io,

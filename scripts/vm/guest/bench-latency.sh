@@ -3,10 +3,12 @@
 # host with ublk_drv: the same fio jobs on null_blk, loop on tmpfs, kernel
 # NBD -> nbdkit memory, libublk's `ramdisk` example (BENCH_RAMDISK_BIN, the
 # ceiling of a ublk device with no network), and ublkd over TCP and RDMA,
-# interleaved per job in one boot; prints a table, the ublkd/NBD and
-# ublkd/loop ratios and the share of the ramdisk ceiling.
+# interleaved per job in one boot, and ublkd over TCP with a confidential
+# volume (`sealed`: every frame sealed with AES-256-GCM, protocol version 3);
+# prints a table, the ublkd/NBD and ublkd/loop ratios, sealed/tcp (what
+# confidentiality costs) and the share of the ramdisk ceiling.
 # Env: BENCH_RUNTIME (s per job, default 10), BENCH_SIZE (default 128M),
-# BENCH_DEVICES (subset of "null loop nbd ramdisk tcp rdma"), BENCH_PERF=1,
+# BENCH_DEVICES (subset of "null loop nbd ramdisk tcp sealed rdma"), BENCH_PERF=1,
 # BENCH_BUSY_POLL_US / BENCH_LEASE_CACHE (busy_poll_us, [rdma] lease_cache of
 # this build's ublkd),
 # BENCH_BASELINE_BIN (a directory with another build's ublkd and ublkctl:
@@ -21,7 +23,7 @@ SOCK=$W/run/ublkd.sock
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 RUNTIME=${BENCH_RUNTIME:-10}
 SIZE=${BENCH_SIZE:-128M}
-WANT=" ${BENCH_DEVICES:-null loop nbd ramdisk tcp rdma} "
+WANT=" ${BENCH_DEVICES:-null loop nbd ramdisk tcp sealed rdma} "
 # The ramdisk example takes the device id it is given; ublkd numbers its
 # devices from 0.
 RAMDISK_ID=9
@@ -88,9 +90,9 @@ if want rdma; then
     rdma_device || RDMA_DEV=
 fi
 BASE=${BENCH_BASELINE_BIN:-}
-VOLUMES=(tcp rdma)
+VOLUMES=(tcp sealed rdma)
 [[ -n "$BASE" ]] && VOLUMES+=(tcp-base rdma-base)
-if want tcp || [[ -n "$RDMA_DEV" ]]; then
+if want tcp || want sealed || [[ -n "$RDMA_DEV" ]]; then
     rdma_mode=off
     [[ -n "$RDMA_DEV" ]] && rdma_mode=on
     printf 'bench-volume-secret-0123456789abcdef\n' >"$W/vol.key"
@@ -144,10 +146,12 @@ TOML
         sleep 0.1
     done
     start_ublkd "$R/ublkd.log" || { log "ublkd did not start; see $R/ublkd.log"; exit 1; }
-    for t in tcp rdma; do
+    for t in tcp sealed rdma; do
         want "$t" || continue
         [[ $t = rdma && -z "$RDMA_DEV" ]] && continue
-        if d=$(ctl add --peer 127.0.0.1:7070 --volume "$t" --secret-file "$W/vol.key" --size "$SIZE" --transport "$t") &&
+        how=(--transport "$t")
+        [[ $t = sealed ]] && how=(--transport tcp --confidential)
+        if d=$(ctl add --peer 127.0.0.1:7070 --volume "$t" --secret-file "$W/vol.key" --size "$SIZE" "${how[@]}") &&
             wait_node "$d"; then
             DEVS[$t]=$d
         else
@@ -175,7 +179,7 @@ TOML
 fi
 
 ORDER=()
-for d in null loop nbd ramdisk tcp rdma tcp-base rdma-base; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
+for d in null loop nbd ramdisk tcp sealed rdma tcp-base rdma-base; do [[ -n "${DEVS[$d]:-}" ]] && ORDER+=("$d"); done
 log "devices: $(for d in "${ORDER[@]}"; do printf '%s=%s ' "$d" "${DEVS[$d]}"; done)"
 for d in "${ORDER[@]}"; do
     # Prefill, so reads move real payloads (an unwritten blob reads as zeros without one).
@@ -243,8 +247,9 @@ for n in jobs:
         cells.append(f"{r['p50']:>8.0f}/{r['p99']:<9.0f}" if r else f"{'-':>18}")
     print(f"{n:<18} " + " ".join(cells))
 print()
-pairs = [(u, b) for u in ("tcp", "rdma", "tcp-base", "rdma-base") for b in ("nbd", "loop") if u in order and b in order]
+pairs = [(u, b) for u in ("tcp", "sealed", "rdma", "tcp-base", "rdma-base") for b in ("nbd", "loop") if u in order and b in order]
 pairs += [(u, u + "-base") for u in ("tcp", "rdma") if u in order and u + "-base" in order]
+pairs += [("sealed", "tcp")] if "sealed" in order and "tcp" in order else []
 print(f"{'ratio (IOPS)':<18} " + " ".join(f"{u + '/' + b:>10}" for u, b in pairs))
 for n in jobs:
     cells = []
@@ -252,7 +257,7 @@ for n in jobs:
         a, c = res[n, u], res[n, b]
         cells.append(f"{a['iops'] / c['iops']:>9.2f}x" if a and c and c["iops"] else f"{'-':>10}")
     print(f"{n:<18} " + " ".join(cells))
-ublk = [u for u in ("tcp", "rdma", "tcp-base", "rdma-base") if u in order]
+ublk = [u for u in ("tcp", "sealed", "rdma", "tcp-base", "rdma-base") if u in order]
 if "ramdisk" in order and ublk:
     print()
     print(f"{'of the ceiling':<18} " + " ".join(f"{u + '/ramdisk':>14}" for u in ublk))
