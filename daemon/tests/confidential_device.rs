@@ -11,16 +11,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::{Arc, Mutex};
-use std::thread;
+use std::sync::Arc;
 
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, Transport};
-use target_rdma::proto::{Header, Hello, HEADER_LEN, VERSION_2, VERSION_3};
+use target_rdma::proto::{VERSION_2, VERSION_3};
 use target_rdma::replica::clock::system;
 use target_rdma::replica::{Coordinator, Membership, MemoryCoordinator};
+use target_rdma::testing::relay::{leaks, Relay};
 use target_rdma::testing::{drive, pattern, secret, EchoPeer, Peer, PeerOpts, SECRET_A};
 use ublkd::config::{TransportChoice, UblkdConfig};
 use ublkd::coordination::ReplicationConfig;
@@ -31,88 +29,6 @@ use ublkd::queue_io::{negotiated, QueueIo, TagBuffers};
 
 const BLOB: usize = 64 << 10;
 const KEYS: u64 = 8;
-
-/// The bytes of one relayed connection, per direction.
-#[derive(Default)]
-struct Seen {
-    to_peer: Vec<u8>,
-    to_client: Vec<u8>,
-}
-
-impl Seen {
-    /// The version the client chose in its HELLO (the connection's first
-    /// frame): the session's protocol version.
-    fn version(&self) -> u16 {
-        let head: &[u8; HEADER_LEN] = self.to_peer[..HEADER_LEN].try_into().unwrap();
-        let h = Header::decode(head).unwrap();
-        let body = &self.to_peer[HEADER_LEN..HEADER_LEN + h.body_len as usize];
-        Hello::version_of(&h, body).unwrap()
-    }
-}
-
-/// A relay to `peer` that records every connection it carries.
-struct Relay {
-    addr: SocketAddr,
-    conns: Arc<Mutex<Vec<Arc<Mutex<Seen>>>>>,
-}
-
-impl Relay {
-    fn start(peer: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let conns: Arc<Mutex<Vec<Arc<Mutex<Seen>>>>> = Arc::default();
-        let all = Arc::clone(&conns);
-        thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(peer) else {
-                    continue;
-                };
-                let seen = Arc::new(Mutex::new(Seen::default()));
-                all.lock().unwrap().push(Arc::clone(&seen));
-                pipe(&client, &server, true, &seen);
-                pipe(&server, &client, false, &seen);
-            }
-        });
-        Self { addr, conns }
-    }
-
-    /// Every connection so far, what crossed it until now.
-    fn seen(&self) -> Vec<Arc<Mutex<Seen>>> {
-        self.conns.lock().unwrap().clone()
-    }
-}
-
-/// Copies `from` to `to`, recording first (so what an answer carried is
-/// recorded before the client has it).
-fn pipe(from: &TcpStream, to: &TcpStream, up: bool, seen: &Arc<Mutex<Seen>>) {
-    let (mut from, mut to) = (from.try_clone().unwrap(), to.try_clone().unwrap());
-    let seen = Arc::clone(seen);
-    thread::spawn(move || {
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            let n = match from.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            {
-                let mut s = seen.lock().unwrap();
-                let dir = if up { &mut s.to_peer } else { &mut s.to_client };
-                dir.extend_from_slice(&buf[..n]);
-            }
-            if to.write_all(&buf[..n]).is_err() {
-                break;
-            }
-        }
-        let _ = to.shutdown(Shutdown::Write);
-    });
-}
-
-/// Whether any aligned 32-byte run of `needle` occurs in `hay`.
-fn leaks(hay: &[u8], needle: &[u8]) -> bool {
-    let runs: std::collections::HashSet<&[u8]> = needle.chunks_exact(32).collect();
-    hay.windows(32).any(|w| runs.contains(w))
-}
 
 /// A device of `queues` queues on `peers` (replicated when more than
 /// one): confidential on `transport = auto` (which must mean TCP), or

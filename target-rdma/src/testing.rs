@@ -11,6 +11,7 @@ mod echo;
 pub mod log_lines;
 mod raw;
 mod raw_rail;
+pub mod relay;
 mod uring;
 
 pub use echo::EchoPeer;

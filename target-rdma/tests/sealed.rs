@@ -8,8 +8,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::net::TcpListener;
 use std::thread;
 
 use common::*;
@@ -19,68 +18,14 @@ use target_rdma::client::tcp::{ArenaClient, ClientConfig};
 use target_rdma::proto::{
     self, Challenge, Opcode, Request, Status, VERSION_1, VERSION_2, VERSION_3,
 };
-
-/// Bytes a relay saw, per direction.
-#[derive(Default)]
-struct Seen {
-    to_peer: Vec<u8>,
-    to_client: Vec<u8>,
-}
-
-/// Relays one connection between a client and `peer`, recording both
-/// directions.
-fn relay(peer: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Mutex<Seen>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let record = Arc::clone(&seen);
-    thread::spawn(move || {
-        let (client, _) = listener.accept().unwrap();
-        let server = TcpStream::connect(peer).unwrap();
-        let pipe = |mut from: TcpStream, mut to: TcpStream, up: bool, seen: Arc<Mutex<Seen>>| {
-            thread::spawn(move || {
-                let mut buf = vec![0u8; 64 << 10];
-                loop {
-                    let n = match from.read(&mut buf) {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => n,
-                    };
-                    {
-                        let mut s = seen.lock().unwrap();
-                        let dir = if up { &mut s.to_peer } else { &mut s.to_client };
-                        dir.extend_from_slice(&buf[..n]);
-                    }
-                    if to.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-                let _ = to.shutdown(Shutdown::Write);
-            })
-        };
-        let a = pipe(
-            client.try_clone().unwrap(),
-            server.try_clone().unwrap(),
-            true,
-            Arc::clone(&record),
-        );
-        let b = pipe(server, client, false, record);
-        let _ = (a.join(), b.join());
-    });
-    (addr, seen)
-}
-
-/// Whether any aligned 32-byte run of `needle` occurs in `hay`.
-fn leaks(hay: &[u8], needle: &[u8]) -> bool {
-    let runs: std::collections::HashSet<&[u8]> = needle.chunks_exact(32).collect();
-    hay.windows(32).any(|w| runs.contains(w))
-}
+use target_rdma::testing::relay::{leaks, Relay, Seen};
 
 /// Writes and reads back a small and a large payload through a relay, and
 /// returns the payloads and what the relay saw.
 fn through_relay(peer: &Peer, confidential: bool, driven: bool) -> (Vec<Vec<u8>>, Seen) {
-    let (addr, seen) = relay(peer.addr);
+    let relay = Relay::start(peer.addr);
     let mut cfg: ClientConfig = peer.config("a", SECRET_A);
-    cfg.peer = addr.to_string();
+    cfg.peer = relay.addr.to_string();
     cfg.confidential = confidential;
     cfg.driven = driven;
     let c = if driven {
@@ -100,7 +45,9 @@ fn through_relay(peer: &Peer, confidential: bool, driven: bool) -> (Vec<Vec<u8>>
         assert_eq!(&out, p, "key {} read back", key + 1);
     }
     drop(c);
-    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    let conns = relay.seen();
+    assert_eq!(conns.len(), 1, "one session");
+    let seen = std::mem::take(&mut *conns[0].lock().unwrap());
     (payloads, seen)
 }
 
