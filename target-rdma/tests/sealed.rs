@@ -9,6 +9,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::thread;
 
 use common::*;
@@ -16,8 +17,11 @@ use futures::executor::block_on;
 use target_rdma::blob::ArenaError;
 use target_rdma::client::tcp::{ArenaClient, ClientConfig};
 use target_rdma::proto::{
-    self, Challenge, Opcode, Request, Status, VERSION_1, VERSION_2, VERSION_3,
+    self, Challenge, Opcode, Request, Status, CAP_RAILS, CAP_RDMA, CAP_RDMA_LEASE_KEYS,
+    CAP_TCP_DATA, VERSION_1, VERSION_2, VERSION_3,
 };
+use target_rdma::rdma::loopback::LoopbackProvider;
+use target_rdma::rdma::RdmaProvider;
 use target_rdma::testing::relay::{leaks, Relay, Seen};
 
 /// Writes and reads back a small and a large payload through a relay, and
@@ -296,4 +300,41 @@ fn a_client_without_the_secret_cannot_tell_a_confidential_volume_from_none() {
     }
     assert_eq!(peer.metric("arenad_auth_failures_total", &[]), 12);
     assert_eq!(peer.protocol_errors(), 0, "no refusal of a version");
+}
+
+/// One-sided RDMA would carry a sealed session's payloads around the seal,
+/// in the clear: a version-3 HELLO that offers it anyway is granted none
+/// of the RDMA capabilities, where a version-2 one on the same peer gets
+/// them.
+#[test]
+fn a_sealed_session_is_granted_no_rdma() {
+    let dir = tempfile::tempdir().unwrap();
+    let rail: Arc<dyn RdmaProvider> = LoopbackProvider::new();
+    let peer = Peer::start(
+        dir.path(),
+        PeerOpts {
+            rdma: vec![rail],
+            ..PeerOpts::default()
+        },
+    );
+    let rdma = CAP_RDMA | CAP_RDMA_LEASE_KEYS | CAP_RAILS;
+    let open = |version| {
+        RawSession::try_open_offering(
+            peer.addr,
+            "a",
+            &secret(SECRET_A),
+            version,
+            0,
+            CAP_TCP_DATA | rdma,
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        open(VERSION_2).welcome.caps & CAP_RDMA,
+        CAP_RDMA,
+        "this peer grants RDMA to a tagged session"
+    );
+    let sealed = open(VERSION_3);
+    assert_eq!(sealed.welcome.caps & rdma, 0, "RDMA for a sealed session");
+    assert_eq!(sealed.welcome.caps & CAP_TCP_DATA, CAP_TCP_DATA);
 }

@@ -182,14 +182,19 @@ async fn handshake_steps(
         .await?;
     let rdma = hello.caps & CAP_RDMA != 0;
     let isolation = shared.rdma.isolation();
-    if rdma && isolation.is_none() {
-        info!(
-            event = events::RDMA_DECLINED,
-            conn = id,
-            reason = "no RDMA device on this peer"
-        );
+    // One-sided RDMA would move a sealed session's payloads around the
+    // seal, in the clear: such a session keeps them on its stream.
+    let declined = if version >= VERSION_3 {
+        Some("a sealed session (protocol version 3) moves its payloads on its stream only")
+    } else if isolation.is_none() {
+        Some("no RDMA device on this peer")
+    } else {
+        None
+    };
+    if let (true, Some(reason)) = (rdma, declined) {
+        info!(event = events::RDMA_DECLINED, conn = id, reason);
     }
-    let granted = rdma && isolation.is_some();
+    let granted = rdma && declined.is_none();
     let isolated = isolation == Some(Isolation::Lease);
     let mut welcome = Welcome {
         session_id: id,
