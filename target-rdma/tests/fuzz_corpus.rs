@@ -17,7 +17,7 @@ use target_rdma::arenad::epochs::{Epochs, EPOCHS_FILE};
 use target_rdma::fuzzing::{self, TARGETS};
 use target_rdma::proto::{
     self, Challenge, Endpoint, Hello, Lease, Opcode, RailAccept, Request, Status, Welcome, MAC_LEN,
-    NONCE_LEN, VERSION_1, VERSION_2,
+    NONCE_LEN, VERSION_1, VERSION_2, VERSION_3,
 };
 
 fn fuzz_dir() -> PathBuf {
@@ -86,6 +86,23 @@ fn every_corpus_and_regression_input_decodes_without_a_panic() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The `shipped` config seeds are the example configs as shipped now, so
+/// a key added to one reaches the fuzzer.
+#[test]
+fn the_shipped_config_seeds_are_the_shipped_configs() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for (target, shipped) in [
+        ("arenad_config", "systemd/arenad.toml"),
+        ("ublkd_config", "systemd/ublkd.toml"),
+    ] {
+        let seed = fuzz_dir().join("corpus").join(target).join("seed-shipped");
+        assert!(
+            fs::read(&seed).unwrap() == fs::read(repo.join(shipped)).unwrap(),
+            "fuzz/corpus/{target}/seed-shipped is not {shipped}: run this test's generator (--ignored)"
+        );
+    }
 }
 
 /// Replaces the `seed-*` files of `fuzz/corpus/<target>` by `seeds`.
@@ -257,6 +274,7 @@ fn write_the_seed_corpus() {
         &[
             ("v1", frame(|o| hello(VERSION_1).encode(o))),
             ("v2", frame(|o| hello(VERSION_2).encode(o))),
+            ("v3", frame(|o| hello(VERSION_3).encode(o))),
         ],
     );
 
