@@ -271,3 +271,13 @@ for f in "$R"/perf-*.txt; do
     echo "--- profile $(basename "$f" .txt) (top samples: comm, dso, symbol) ---"
     cat "$f"
 done
+# A daemon that died mid-run (the guest's OOM killer, say) leaves zeros in
+# every later cell: the figures are void, and the run says so and fails.
+dead=()
+for p in ARENAD UBLKD_PID BASE_PID; do
+    [[ -n "${!p:-}" ]] && ! kill -0 "${!p}" 2>/dev/null && dead+=("$p=${!p}")
+done
+if ((${#dead[@]})); then
+    echo "bench: FAIL: a daemon exited during the run (${dead[*]}; see console.log and the daemons' logs): the figures are void"
+    exit 1
+fi
