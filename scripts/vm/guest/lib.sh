@@ -214,9 +214,34 @@ role() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role; }
 role_reason() { SOCK=$W/$1/run/ublkd.sock replica_fact "$2" role_reason; }
 # dev_state X ID / dev_reason X ID: device ID's state on host X (live,
 # failed, ...) and why.
-dev_field() {
-    SOCK=$W/$1/run/ublkd.sock ctl --json show "$2" 2>/dev/null |
-        /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["device"].get(sys.argv[1], ""))' "$3" 2>/dev/null
-}
+dev_field() { SOCK=$W/$1/run/ublkd.sock show_field "$2" "$3"; }
 dev_state() { dev_field "$1" "$2" state; }
 dev_reason() { dev_field "$1" "$2" error; }
+
+# show_field ID KEY: a field of device ID in `ublkctl --json show` (empty
+# when the device or the field is missing).
+show_field() {
+    ctl --json show "$1" 2>/dev/null |
+        /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["device"].get(sys.argv[1], ""))' "$2" 2>/dev/null
+}
+# driver_stats ID: device ID's driver counters from `ublkctl --json stats`,
+# one "name op reason value" line each.
+driver_stats() {
+    ctl --json stats "$1" | /usr/bin/python3 -c '
+import json, sys
+for d in json.load(sys.stdin)["driver"]:
+    for c in (d.get("stats") or {}).get("counters", []):
+        print(c["name"], c.get("op", "-"), c.get("reason", "-"), c["value"])'
+}
+# stat_sum ID NAME [REASON]: driver counter NAME of device ID, summed over
+# ops (and reasons, unless one is named).
+stat_sum() {
+    driver_stats "$1" | awk -v n="$2" -v r="${3:-}" \
+        '$1 == n && (r == "" || $3 == r) { s += $4 } END { print s + 0 }'
+}
+# metric PREFIX: ublkd's exposition samples whose line starts with PREFIX,
+# summed (0 when none).
+metric() {
+    timeout 30 /usr/bin/curl -sf http://127.0.0.1:9477/metrics |
+        awk -v p="$1" 'index($0, p) == 1 { s += $NF } END { print s + 0 }'
+}

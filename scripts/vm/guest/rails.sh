@@ -105,19 +105,6 @@ for r in json.load(sys.stdin)["device"].get("rails", []):
     print(r["rail"], state, f"{up}/{q}", r["bytes"], r["lost"], (r.get("off") or "-").replace(" ", "_"))'
 }
 rail_field() { rails "$1" | awk -v r="$2" -v f="$3" '$1 == r { print $f }'; }
-# stat_sum ID NAME: a driver counter of device ID, over ops and reasons.
-stat_sum() {
-    ctl --json stats "$1" | python3 -c '
-import json, sys
-print(sum(c["value"] for d in json.load(sys.stdin)["driver"]
-          for c in (d.get("stats") or {}).get("counters", []) if c["name"] == sys.argv[1]))' "$2"
-}
-# metric PREFIX: the exposition samples whose line starts with PREFIX, summed.
-metric() {
-    timeout 30 /usr/bin/curl -sf http://127.0.0.1:9477/metrics |
-        awk -v p="$1" 'index($0, p) == 1 { s += $NF } END { print s + 0 }'
-}
-field() { ctl --json show "$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['device']['$2'])"; }
 # wait_rail ID RAIL STATE SECONDS: until the rail is in STATE; prints the wait.
 wait_rail() {
     local t0=$SECONDS
@@ -228,7 +215,7 @@ log "kill -9"
 timeout 60 dd if=/dev/urandom of="$W/pattern" bs=1M count=4 status=none
 timeout 120 dd if="$W/pattern" of="$DEV" bs=1M seek=40 oflag=direct conv=fsync status=none || fail pattern-write
 kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
-if start_ublkd "$R/ublkd.log" && [[ "$(field "$ID" state)" == live ]] &&
+if start_ublkd "$R/ublkd.log" && [[ "$(show_field "$ID" state)" == live ]] &&
     wait_rail "$ID" 0 up 30 >/dev/null && wait_rail "$ID" 1 up 30 >/dev/null &&
     timeout 120 dd if="$DEV" of="$W/readback" bs=1M skip=40 count=4 iflag=direct status=none &&
     cmp -s "$W/readback" "$W/pattern"; then

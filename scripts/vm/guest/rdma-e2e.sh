@@ -103,33 +103,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# The driver statistics of device $1 from `ublkctl --json stats`: prints
-# "name op reason value" lines.
-driver_stats() {
-    ctl --json stats "$1" | python3 -c '
-import json, sys
-for d in json.load(sys.stdin)["driver"]:
-    for c in (d.get("stats") or {}).get("counters", []):
-        print(c["name"], c.get("op", "-"), c.get("reason", "-"), c["value"])'
-}
-# Sum of counter $2 (optionally with reason $3) of device $1.
-stat_sum() {
-    driver_stats "$1" | awk -v n="$2" -v r="${3:-}" \
-        '$1 == n && (r == "" || $3 == r) { s += $4 } END { print s + 0 }'
-}
-# The value of the exposition sample whose line starts with $1 (summed).
-metric() {
-    timeout 30 /usr/bin/curl -sf http://127.0.0.1:9477/metrics |
-        awk -v p="$1" 'index($0, p) == 1 { s += $NF } END { print s + 0 }'
-}
 # reads_back DEV SKIP_MIB COUNT_MIB FILE: the device holds FILE there.
 # (No process substitution: the guest's devtmpfs has no /dev/fd.)
 reads_back() {
     timeout 120 dd if="$1" of="$W/readback" bs=1M skip="$2" count="$3" iflag=direct status=none &&
         cmp "$W/readback" "$4"
-}
-field() { # field ID KEY : a field of `ublkctl --json show`
-    ctl --json show "$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['device']['$2'])"
 }
 
 # `arenad --check` states what an RDMA key reaches (the default: per lease).
@@ -211,7 +189,7 @@ if [[ "$DEV2" =~ ^/dev/ublkb[0-9]+$ ]] && wait_node "$DEV2"; then
         timeout 120 dd if="$DEV2" of="$W/read2" bs=1M count=2 iflag=direct status=none &&
         cmp "$W/read2" "$W/pattern2" >"$R/auto-cmp.txt" 2>&1 && pass auto-io ||
         fail auto-io "$(cat "$R/auto-cmp.txt"; ls -l "$W/read2" "$W/pattern2")"
-    t=$(field "$ID2" transport); note=$(field "$ID2" transport_note)
+    t=$(show_field "$ID2" transport); note=$(show_field "$ID2" transport_note)
     declined=$(stat_sum "$ID2" tcp_payload_requests declined_by_peer)
     ctl stats "$ID2" >"$R/stats-auto.txt" 2>&1
     if [[ "$t" == tcp && "$note" == *declined* ]] && ((declined > 0)) && ! grep -q warning "$R/stats-auto.txt"; then
@@ -224,7 +202,7 @@ log "kill -9"
 timeout 120 dd if=/dev/urandom of="$W/pattern" bs=1M count=4 status=none
 timeout 120 dd if="$W/pattern" of="$DEV" bs=1M seek=40 oflag=direct conv=fsync status=none || fail pattern-write
 kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
-if start_ublkd "$R/ublkd.log" && [[ "$(field "$ID" state)" == live && "$(field "$ID" transport)" == rdma ]] &&
+if start_ublkd "$R/ublkd.log" && [[ "$(show_field "$ID" state)" == live && "$(show_field "$ID" transport)" == rdma ]] &&
     reads_back "$DEV" 40 4 "$W/pattern" &&
     (( $(stat_sum "$ID" rdma_transferred) > 0 )); then
     pass "rdma-kill9-recovery (same $DEV, over RDMA, data intact)"
@@ -256,15 +234,15 @@ if [[ -e "$W/delete.rc" && ! -e /sys/class/infiniband/rxe0 ]]; then pass fault-l
 else fail fault-link-deleted "$(cat "$R/link-delete.log")"; fi
 # No RDMA device now: arenad serves TCP only, the RDMA device fails naming why.
 start_arenad a-auto 7070 || fail "fault-arenad-auto"
-if start_ublkd "$R/ublkd.log" && [[ "$(field "$ID" state)" == failed && "$(field "$ID" error)" == *"RDMA"* ]]; then
-    pass "fault-rdma-device-failed-with-reason ($(field "$ID" error))"
+if start_ublkd "$R/ublkd.log" && [[ "$(show_field "$ID" state)" == failed && "$(show_field "$ID" error)" == *"RDMA"* ]]; then
+    pass "fault-rdma-device-failed-with-reason ($(show_field "$ID" error))"
 else fail fault-rdma-device-failed-with-reason "$(ctl list 2>&1)"; fi
 # The link returns: RDMA arenad again, recover, data intact, over RDMA.
 rxe_add || fail fault-link-readd
 stop_arenad a
 start_arenad a 7070 || fail fault-arenad-rdma-again
 if timeout 120 "$BIN/ublkctl" --socket "$SOCK" recover "$ID" >"$R/recover.txt" 2>&1 &&
-    [[ "$(field "$ID" transport)" == rdma ]] &&
+    [[ "$(show_field "$ID" transport)" == rdma ]] &&
     reads_back "$DEV" 40 4 "$W/pattern" &&
     (( $(stat_sum "$ID" rdma_transferred) > 0 )); then
     pass "fault-recovers-when-the-link-returns (over RDMA, data intact)"
