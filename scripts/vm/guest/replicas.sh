@@ -158,16 +158,6 @@ longest_pause() {
         { if (prev != "" && t - prev > max) max = t - prev; prev = t; if (t > to) exit }
         END { printf "%.2f\n", max + 0 }' "$W/acked-at"
 }
-# metric NAME: the sample of an unlabelled ublkd metric (0 when absent).
-metric() {
-    /usr/bin/python3 -c '
-import sys, urllib.request
-for l in urllib.request.urlopen("http://127.0.0.1:9477/metrics", timeout=10).read().decode().splitlines():
-    if l.split(" ")[0] == sys.argv[1]:
-        print(l.split(" ")[1]); break
-else:
-    print(0)' "$1" 2>/dev/null || echo 0
-}
 dev_state() {
     ctl --json show "$ID" 2>/dev/null | /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["device"]["state"])' 2>/dev/null
 }
