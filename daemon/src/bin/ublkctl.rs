@@ -843,22 +843,25 @@ mod tests {
         );
     }
 
+    /// `ublkctl add` of a 1G volume with `extra` arguments (a peer or a
+    /// replica count among them).
+    fn add(extra: &[&str]) -> Result<Cli, clap::Error> {
+        let mut argv = vec![
+            "ublkctl",
+            "add",
+            "--volume",
+            "v",
+            "--secret-file",
+            "/s",
+            "--size",
+            "1G",
+        ];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv)
+    }
+
     #[test]
     fn add_takes_peers_repeated_or_a_replica_count() {
-        let add = |extra: &[&str]| {
-            let mut argv = vec![
-                "ublkctl",
-                "add",
-                "--volume",
-                "v",
-                "--secret-file",
-                "/s",
-                "--size",
-                "1G",
-            ];
-            argv.extend_from_slice(extra);
-            Cli::try_parse_from(argv)
-        };
         let Cmd::Add(a) = add(&["--peer", "h:1", "--peer", "h:2"]).unwrap().cmd else {
             panic!("an add")
         };
@@ -876,34 +879,18 @@ mod tests {
 
     #[test]
     fn add_confidential_is_a_flag_and_show_says_how_frames_are_protected() {
-        let argv = |extra: &[&'static str]| {
-            let mut v = vec![
-                "ublkctl",
-                "add",
-                "--peer",
-                "h:1",
-                "--volume",
-                "v",
-                "--secret-file",
-                "/s",
-                "--size",
-                "1G",
-            ];
-            v.extend_from_slice(extra);
-            v
-        };
-        let Cmd::Add(a) = Cli::try_parse_from(argv(&[])).unwrap().cmd else {
+        let Cmd::Add(a) = add(&["--peer", "h:1"]).unwrap().cmd else {
             panic!("an add")
         };
         assert!(!a.confidential);
-        let Cmd::Add(a) = Cli::try_parse_from(argv(&["--confidential", "--transport", "tcp"]))
+        let Cmd::Add(a) = add(&["--peer", "h:1", "--confidential", "--transport", "tcp"])
             .unwrap()
             .cmd
         else {
             panic!("an add")
         };
         assert!(a.confidential);
-        assert!(Cli::try_parse_from(argv(&["--confidential=yes"])).is_err());
+        assert!(add(&["--peer", "h:1", "--confidential=yes"]).is_err());
 
         let mut d: DeviceInfo = serde_json::from_str(
             r#"{"id":3,"node":"/dev/ublkb3","size":4096,"queues":1,"depth":64,"io_buf":524288,"blob_size":65536,"state":"live","error":null,"peer":"h:1","volume":"v","transport":"tcp","transport_requested":"auto","logical_block_size":512}"#,
