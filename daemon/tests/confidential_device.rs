@@ -16,14 +16,11 @@ use std::sync::Arc;
 use futures::executor::block_on;
 use target_rdma::blob::{BlobIo, Transport};
 use target_rdma::proto::{VERSION_2, VERSION_3};
-use target_rdma::replica::clock::system;
-use target_rdma::replica::{Coordinator, Membership, MemoryCoordinator};
 use target_rdma::testing::relay::{leaks, Relay};
-use target_rdma::testing::{drive, pattern, secret, EchoPeer, Peer, PeerOpts, SECRET_A};
+use target_rdma::testing::{pattern, secret, EchoPeer, Peer, PeerOpts, SECRET_A};
 use ublkd::config::{TransportChoice, UblkdConfig};
-use ublkd::coordination::ReplicationConfig;
 use ublkd::ctl::{AddArgs, ErrorKind};
-use ublkd::device::{Connector, DeviceSpec, Manager, Replicated, Resolve};
+use ublkd::device::{Connector, DeviceSpec, Manager};
 use ublkd::observability::Observability;
 use ublkd::queue_io::{negotiated, QueueIo, TagBuffers};
 
@@ -76,22 +73,7 @@ fn write_and_verify(ios: &[QueueIo], gen: u64) -> Vec<Vec<u8>> {
 fn single(peer: &Peer, confidential: bool) -> (Relay, DeviceSpec, Vec<QueueIo>) {
     let relay = Relay::start(peer.addr);
     let spec = spec(&[relay.addr.to_string()], 2, confidential);
-    let connector = Connector::new(&UblkdConfig::defaults(), Arc::default());
-    let bufs: Vec<Arc<TagBuffers>> = (0..spec.queues)
-        .map(|_| Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize)))
-        .collect();
-    let sessions = connector
-        .connect(&spec, &spec.peer, &secret(SECRET_A), &bufs, false, true)
-        .unwrap();
-    let ios: Vec<QueueIo> = sessions
-        .queues
-        .into_iter()
-        .zip(bufs)
-        .map(|(s, b)| QueueIo::single(s, b))
-        .collect();
-    for io in &ios {
-        drive(io.session().client());
-    }
+    let ios = common::open_single(&spec);
     (relay, spec, ios)
 }
 
@@ -162,18 +144,7 @@ fn every_session_of_a_replicated_confidential_device_is_sealed() {
     let relays: Vec<Relay> = peers.iter().map(|p| Relay::start(p.addr)).collect();
     let names: Vec<String> = relays.iter().map(|r| r.addr.to_string()).collect();
     let spec = spec(&names, 2, true);
-    let connector = Connector::new(&UblkdConfig::defaults(), Arc::default());
-    let coord = MemoryCoordinator::new(system(), Membership::new_volume(&names).unwrap());
-    let resolve: Resolve = Arc::new(|n: &str| Ok(n.to_owned()));
-    let (ios, rep) = Replicated::open(
-        &connector,
-        &spec,
-        &secret(SECRET_A),
-        coord as Arc<dyn Coordinator>,
-        &resolve,
-        &ReplicationConfig::default(),
-    )
-    .unwrap();
+    let (ios, rep) = common::open_replicated(&spec);
     for io in &ios {
         assert_eq!(io.sessions().len(), 2, "a session to every member");
         assert!(io

@@ -15,19 +15,13 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use target_rdma::blob::Transport;
 use target_rdma::block::ArenaTarget;
-use target_rdma::replica::clock::system;
-use target_rdma::replica::{Coordinator, Membership, MemoryCoordinator, VolumeIo};
+use target_rdma::replica::VolumeIo;
 use target_rdma::testing::conformance::{blob, target, Fixture};
-use target_rdma::testing::{drive, secret, Peer, PeerOpts, SECRET_A};
+use target_rdma::testing::{Peer, PeerOpts};
 use target_rdma::{blob_conformance, target_conformance};
-use ublkd::config::UblkdConfig;
-use ublkd::coordination::ReplicationConfig;
-use ublkd::device::{Connector, Replicated, Resolve};
-use ublkd::queue_io::{QueueIo, TagBuffers};
+use ublkd::queue_io::QueueIo;
 
 /// `n` peers started with `opts`, each in a directory of its own.
 fn peers(n: usize, opts: &PeerOpts) -> Vec<(Peer, tempfile::TempDir)> {
@@ -68,36 +62,11 @@ fn open_queue_io(
         "unused: the secret is passed in".into(),
     );
     spec.confidential = confidential;
-    let connector = Connector::new(&UblkdConfig::defaults(), Arc::default());
     if n == 1 {
-        // The device manager's `connect_single`: driven sessions, whose
-        // drivers the queue thread's ring runs (here a loop thread's).
-        let bufs = Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize));
-        let mut sessions = connector
-            .connect(
-                &spec,
-                &spec.peer,
-                &secret(SECRET_A),
-                std::slice::from_ref(&bufs),
-                false,
-                true,
-            )
-            .unwrap();
-        let io = QueueIo::single(sessions.queues.remove(0), bufs);
-        drive(io.session().client());
+        let io = common::open_single(&spec).remove(0);
         return Fixture::new(io).keep(peers);
     }
-    let coord = MemoryCoordinator::new(system(), Membership::new_volume(&names).unwrap());
-    let resolve: Resolve = Arc::new(|n: &str| Ok(n.to_owned()));
-    let (mut ios, rep) = Replicated::open(
-        &connector,
-        &spec,
-        &secret(SECRET_A),
-        coord as Arc<dyn Coordinator>,
-        &resolve,
-        &ReplicationConfig::default(),
-    )
-    .unwrap();
+    let (mut ios, rep) = common::open_replicated(&spec);
     assert_eq!(ios[0].sessions().len(), n, "a session to every member");
     Fixture::new(ios.remove(0)).keep(rep).keep(peers)
 }

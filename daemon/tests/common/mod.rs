@@ -51,3 +51,60 @@ pub fn device_spec(
         }),
     }
 }
+
+/// Opens the volume of `spec` on one peer (the secret is `SECRET_A`) as
+/// the device manager's `connect_single` does: driven TCP sessions, one
+/// per queue, whose drivers loop threads run here as queue threads' rings
+/// do.
+pub fn open_single(spec: &::ublkd::device::DeviceSpec) -> Vec<::ublkd::queue_io::QueueIo> {
+    use ::ublkd::queue_io::{QueueIo, TagBuffers};
+    use std::sync::Arc;
+    let connector =
+        ::ublkd::device::Connector::new(&::ublkd::config::UblkdConfig::defaults(), Arc::default());
+    let bufs: Vec<Arc<TagBuffers>> = (0..spec.queues)
+        .map(|_| Arc::new(TagBuffers::new(spec.depth as usize, spec.io_buf as usize)))
+        .collect();
+    let sessions = connector
+        .connect(spec, &spec.peer, &secret(SECRET_A), &bufs, false, true)
+        .expect("the volume's sessions");
+    let ios: Vec<QueueIo> = sessions
+        .queues
+        .into_iter()
+        .zip(bufs)
+        .map(|(s, b)| QueueIo::single(s, b))
+        .collect();
+    for io in &ios {
+        target_rdma::testing::drive(io.session().client());
+    }
+    ios
+}
+
+/// Opens the replicated volume of `spec` (the secret is `SECRET_A`) as the
+/// device manager does, its membership kept by the memory coordinator
+/// instead of etcd.
+pub fn open_replicated(
+    spec: &::ublkd::device::DeviceSpec,
+) -> (
+    Vec<::ublkd::queue_io::QueueIo>,
+    std::sync::Arc<::ublkd::device::Replicated>,
+) {
+    use std::sync::Arc;
+    use target_rdma::replica::{Coordinator, Membership, MemoryCoordinator};
+    let names = &spec.replicas.as_ref().expect("a replicated spec").peers;
+    let connector =
+        ::ublkd::device::Connector::new(&::ublkd::config::UblkdConfig::defaults(), Arc::default());
+    let coord = MemoryCoordinator::new(
+        target_rdma::replica::clock::system(),
+        Membership::new_volume(names).expect("a membership"),
+    );
+    let resolve: ::ublkd::device::Resolve = Arc::new(|n: &str| Ok(n.to_owned()));
+    ::ublkd::device::Replicated::open(
+        &connector,
+        spec,
+        &secret(SECRET_A),
+        coord as Arc<dyn Coordinator>,
+        &resolve,
+        &::ublkd::coordination::ReplicationConfig::default(),
+    )
+    .expect("the replicated volume opens")
+}
