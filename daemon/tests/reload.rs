@@ -72,11 +72,7 @@ fn sighup_applies_metrics_settings_and_keeps_a_bad_config_out() {
 
     // New thresholds, a listener on another port, a changed log level and
     // on_shutdown; state_dir needs a restart.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = target_rdma::testing::free_port();
     let moved = config(
         dir.path(),
         "log_level = \"debug\"\non_shutdown = \"remove\"",

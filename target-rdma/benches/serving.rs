@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
 use target_rdma::client::{ArenaClient, ClientConfig};
-use target_rdma::testing::{secret, secret_file};
+use target_rdma::testing::{free_port, secret, secret_file};
 
 mod common;
 use common::{closed_loop, Dir};
@@ -114,14 +114,6 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A case: request size and direction, queue depth per connection, connections.

@@ -9,12 +9,14 @@ pub mod arenad;
 pub mod conformance;
 mod echo;
 pub mod log_lines;
+mod ports;
 mod raw;
 mod raw_rail;
 pub mod relay;
 mod uring;
 
 pub use echo::EchoPeer;
+pub use ports::free_port;
 pub use raw::{RawSession, Refusal};
 pub use raw_rail::RawRail;
 pub use uring::UringLoop;

@@ -212,11 +212,7 @@ fn the_client_refuses_an_impostor_peer() {
 
 #[test]
 fn connect_errors_name_the_peer() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = target_rdma::testing::free_port();
     let cfg =
         target_rdma::client::ClientConfig::new(format!("127.0.0.1:{port}"), "a", secret(SECRET_A));
     let e = ArenaClient::connect(cfg).err().unwrap();

@@ -1,23 +1,12 @@
 //! A real etcd (Debian's `etcd-server`) on loopback for one test: random
 //! ports, a temporary data dir, killed (`kill -9`) when dropped.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use target_rdma::testing::free_port;
 use ublkd::coordination::EtcdConfig;
-
-/// Two distinct ports the kernel had free a moment ago. Another process
-/// may still take one before etcd binds it: [`EtcdServer::start`] retries.
-fn free_ports() -> (u16, u16) {
-    let a = TcpListener::bind("127.0.0.1:0").unwrap();
-    let b = TcpListener::bind("127.0.0.1:0").unwrap();
-    (
-        a.local_addr().unwrap().port(),
-        b.local_addr().unwrap().port(),
-    )
-}
 
 /// A running single-member etcd.
 pub struct EtcdServer {
@@ -45,7 +34,7 @@ impl EtcdServer {
 
     fn try_start(name: &str) -> Option<Self> {
         let dir = tempfile::tempdir().unwrap();
-        let (client_port, peer_port) = free_ports();
+        let (client_port, peer_port) = (free_port(), free_port());
         let log = dir.path().join("etcd.log");
         let client = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::blob::ArenaError;
 use crate::client::{ArenaClient, ClientConfig, FlushDomain};
 
-use super::{secret, secret_file, SECRET_A, SECRET_B};
+use super::{free_port, secret, secret_file, SECRET_A, SECRET_B};
 
 /// The arenad binary: cargo names it to target-rdma's own tests; other
 /// packages' tests (ublkd's) find it beside their own executable, in the
@@ -33,14 +33,6 @@ pub fn arenad_bin() -> PathBuf {
         p.display()
     );
     p
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A running arenad, killed (`kill -9`) when dropped, so a failing test
