@@ -8,7 +8,9 @@
 # prints a table, the ublkd/NBD and ublkd/loop ratios, sealed/tcp (what
 # confidentiality costs) and the share of the ramdisk ceiling.
 # Env: BENCH_RUNTIME (s per job, default 10), BENCH_SIZE (default 128M),
-# BENCH_DEVICES (subset of "null loop nbd ramdisk tcp sealed rdma"), BENCH_PERF=1,
+# BENCH_DEVICES (subset of "null loop nbd ramdisk tcp sealed rdma"), BENCH_PERF
+# (1: ublkd and arenad during the ublkd QD1 jobs; system: the whole machine
+# during every job on nbd, tcp, sealed and rdma),
 # BENCH_BUSY_POLL_US / BENCH_LEASE_CACHE (busy_poll_us, [rdma] lease_cache of
 # this build's ublkd),
 # BENCH_BASELINE_BIN (a directory with another build's ublkd and ublkctl:
@@ -194,11 +196,23 @@ JOBS=(
     "randwrite-4k-qd32 --rw=randwrite --bs=4k --iodepth=32"
     "read-1m-qd8 --rw=read --bs=1M --iodepth=8"
 )
+# BENCH_PERF=1 samples ublkd and arenad (with call graphs) where a QD1
+# request's time goes; BENCH_PERF=system samples both vCPUs whatever runs
+# (fio, the kernel's NBD and ublk paths, soft-RoCE, the daemons, idle), for
+# the jobs that keep the machine busy: where its CPU goes, per process and
+# per symbol.
 perf_on() {
-    [[ "${BENCH_PERF:-0}" = 1 && "$1" == *-qd1 && ( "$2" = tcp || "$2" = rdma ) ]] || return 0
+    local what
+    case "${BENCH_PERF:-0}" in
+    1)
+        [[ "$1" == *-qd1 && ( "$2" = tcp || "$2" = rdma ) ]] || return 0
+        what=(-p "$UBLKD_PID,$ARENAD" -g)
+        ;;
+    system) [[ " nbd tcp sealed rdma " == *" $2 "* ]] || return 0; what=(-a) ;;
+    *) return 0 ;;
+    esac
     command -v perf >/dev/null || { log "perf not installed"; return 0; }
-    pids=$UBLKD_PID,$ARENAD
-    timeout $((RUNTIME + 30)) perf record -q -F 999 -g -e cpu-clock -p "$pids" \
+    timeout $((RUNTIME + 30)) perf record -q -F 999 -e cpu-clock "${what[@]}" \
         -o "$R/perf-$1-$2.data" -- sleep "$RUNTIME" >/dev/null 2>&1 &
     PERF_PID=$!
 }
@@ -206,8 +220,17 @@ perf_off() {
     [[ -n "${PERF_PID:-}" ]] || return 0
     wait "$PERF_PID"
     PERF_PID=
-    perf report -i "$R/perf-$1-$2.data" --stdio --no-children -g none --sort comm,dso,sym 2>/dev/null |
-        grep -v '^#' | grep -v '^$' | grep '%' | head -25 >"$R/perf-$1-$2.txt"
+    local data=$R/perf-$1-$2.data
+    {
+        if [[ "$BENCH_PERF" = system ]]; then
+            echo "share of both vCPUs by process (swapper: idle):"
+            perf report -i "$data" --stdio --no-children --sort comm 2>/dev/null |
+                grep -v '^#' | grep '%' | head -12
+            echo "top symbols:"
+        fi
+        perf report -i "$data" --stdio --no-children -g none --sort comm,dso,sym 2>/dev/null |
+            grep -v '^#' | grep -v '^$' | grep '%' | head -25
+    } >"$R/perf-$1-$2.txt"
 }
 for job in "${JOBS[@]}"; do
     read -r name args <<<"$job"
