@@ -52,19 +52,21 @@ use target_rdma::store::{Store, StoreConfig, VolumeSpec};
 use target_rdma::testing::{secret, EchoPeer, Peer, PeerOpts, UringLoop};
 
 mod common;
-use common::{closed_loop, Dir};
+use common::{closed_loop, median, sink, Dir};
+
+/// The time per run.
+fn secs() -> Duration {
+    common::secs(2.0)
+}
+
+/// Rounds per case: each round measures the baseline and then the case, so a
+/// ratio compares two runs seconds apart; the median ratio is reported.
+fn rounds() -> usize {
+    common::knob("BENCH_ROUNDS", 3)
+}
 
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
-
-fn secs() -> Duration {
-    Duration::from_secs_f64(
-        std::env::var("BENCH_SECS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(2.0),
-    )
-}
 
 /// Bytes/s and ops/s of one case.
 struct Rate {
@@ -84,20 +86,7 @@ impl Rate {
 
 /// Plain TCP: one thread sends `chunk`-sized writes, the receiver drains.
 fn raw_tcp_stream(chunk: usize) -> Rate {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let rx = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let mut buf = vec![0; chunk];
-        let mut total = 0u64;
-        while let Ok(n) = s.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-        }
-        total
-    });
+    let (addr, rx) = sink(chunk);
     let mut s = TcpStream::connect(addr).unwrap();
     let buf = vec![7u8; chunk];
     let start = Instant::now();
@@ -484,20 +473,6 @@ fn integrity_per_body() {
             gcm_seal / blake,
         );
     }
-}
-
-/// Rounds per case: each round measures the baseline and then the case, so a
-/// ratio compares two runs seconds apart; the median ratio is reported.
-fn rounds() -> usize {
-    std::env::var("BENCH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Resident: arena 1 GiB, data span 512 MiB; the cases whose name contains `only`.

@@ -14,12 +14,19 @@
 //! this machine can and cannot measure of them. docs/BENCHMARKS.md records
 //! the results. `BENCH_SECS` (default 2) sets the time per run.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, types, IoUring};
+
+mod common;
+use common::{median, sink};
+
+fn secs() -> Duration {
+    common::secs(2.0)
+}
 
 const MIB: usize = 1 << 20;
 
@@ -56,44 +63,10 @@ struct Run {
     copied: u64,
 }
 
-fn secs() -> Duration {
-    Duration::from_secs_f64(
-        std::env::var("BENCH_SECS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(2.0),
-    )
-}
-
-fn rounds() -> usize {
-    std::env::var("BENCH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Streams `chunk`-sized sends the `way` says to a receiver that drains
 /// them, for `secs()`; the rate is what the receiver got.
 fn stream(way: Way, chunk: usize) -> Run {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let rx = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let mut buf = vec![0; chunk];
-        let mut total = 0u64;
-        while let Ok(n) = s.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-        }
-        total
-    });
+    let (addr, rx) = sink(chunk);
     let mut s = TcpStream::connect(addr).unwrap();
     let buf = vec![7u8; chunk];
     let start = Instant::now();
@@ -179,7 +152,7 @@ fn main() {
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
     let mut notes = vec![(0u64, 0u64); ways.len()];
-    for _ in 0..rounds() {
+    for _ in 0..common::knob("BENCH_ROUNDS", 3) {
         let base = stream(Way::Write, MIB).mib_s;
         for (i, &way) in ways.iter().enumerate() {
             let r = stream(way, MIB);

@@ -30,31 +30,21 @@ use target_rdma::replica::{
 };
 use target_rdma::testing::{Peer, PeerOpts};
 
+mod common;
+use common::median;
+
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
 /// The span the requests address, in every store.
 const SPAN: u64 = 128 << 20;
 
 fn secs() -> Duration {
-    Duration::from_secs_f64(
-        std::env::var("BENCH_SECS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1.0),
-    )
+    common::secs(1.0)
 }
 
 fn rounds() -> usize {
     // Four: every configuration runs first once.
-    std::env::var("BENCH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    common::knob("BENCH_ROUNDS", 4)
 }
 
 fn client(peer: &Peer, domain: &Arc<FlushDomain>) -> ArenaClient {

@@ -27,7 +27,7 @@ use target_rdma::client::{ArenaClient, ClientConfig};
 use target_rdma::testing::{free_port, secret, secret_file};
 
 mod common;
-use common::{closed_loop, Dir};
+use common::{closed_loop, median, Dir};
 
 const MIB: usize = 1 << 20;
 const SECRET: &str = "benchmark-secret-0123456789";
@@ -35,14 +35,7 @@ const SECRET: &str = "benchmark-secret-0123456789";
 const BLOBS: u64 = 64;
 
 fn secs() -> Duration {
-    Duration::from_secs_f64(env_or("BENCH_SECS", 2.0))
-}
-
-fn env_or(name: &str, default: f64) -> f64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
+    common::secs(2.0)
 }
 
 /// One arenad process over a fresh swap directory.
@@ -272,11 +265,6 @@ fn idle_rss(bin: &Path, root: &Path) -> (u64, u64) {
     (before, with)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     let Some(baseline) = std::env::var_os("ARENAD_BASELINE").map(PathBuf::from) else {
         eprintln!("serving bench: set ARENAD_BASELINE to the arenad binary to compare against");
@@ -284,7 +272,7 @@ fn main() {
     };
     let candidate = PathBuf::from(env!("CARGO_BIN_EXE_arenad"));
     let root = tempfile::tempdir().unwrap();
-    let rounds = env_or("BENCH_ROUNDS", 3.0) as usize;
+    let rounds = common::knob("BENCH_ROUNDS", 3);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     println!(
         "serving bench: {} vs baseline {}",
