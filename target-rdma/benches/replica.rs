@@ -144,11 +144,7 @@ fn peer_pair(root: &std::path::Path, blob: u32) -> Vec<Peer> {
 }
 
 fn rebuild_cases(peers: &[Peer]) {
-    let mib: u64 = std::env::var("BENCH_REBUILD_MIB")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(128)
-        .min(SPAN / MIB as u64);
+    let mib = common::knob("BENCH_REBUILD_MIB", 128u64).min(SPAN / MIB as u64);
     // Every blob the rebuild copies holds data on the source.
     let src = client(&peers[0], &Arc::new(FlushDomain::default()));
     let blob = BlobIo::blob_bytes(&src) as usize;

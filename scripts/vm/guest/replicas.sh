@@ -158,10 +158,6 @@ longest_pause() {
         { if (prev != "" && t - prev > max) max = t - prev; prev = t; if (t > to) exit }
         END { printf "%.2f\n", max + 0 }' "$W/acked-at"
 }
-dev_state() {
-    ctl --json show "$ID" 2>/dev/null | /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["device"]["state"])' 2>/dev/null
-}
-
 cleanup() {
     [[ -n "${LOOP_PID:-}" ]] && { touch "$W/pg-stop"; wait "$LOOP_PID" 2>/dev/null; }
     [[ -e "$PG_DATA/postmaster.pid" ]] && pg_ctl stop -m immediate >/dev/null 2>&1
@@ -333,7 +329,7 @@ if ((av_ok)); then
     kill -9 "$UBLKD_PID"; wait "$UBLKD_PID" 2>/dev/null
     start_ublkd "$R/ublkd-restarted.log" || fail ublkd-restart "see ublkd-restarted.log"
     st=
-    for _ in $(seq 240); do st=$(dev_state); [[ "$st" == live ]] && break; sleep 0.5; done
+    for _ in $(seq 240); do st=$(show_field "$ID" state); [[ "$st" == live ]] && break; sleep 0.5; done
     n_c=$(acked)
     end=$((SECONDS + 120))
     while (($(acked) < n_c + 20 && SECONDS < end)) && loop_runs; do sleep 0.2; done
