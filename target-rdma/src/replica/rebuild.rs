@@ -1,8 +1,9 @@
 //! Rebuild: a replacement member (a spare, or a peer back after failing)
 //! joins as `syncing`, receives every new write like the others, and is
 //! brought up to date by a rate-limited copy of every blob from a healthy
-//! member; then it is recorded `healthy`, and a spare's failed predecessor
-//! `removed`, in the same change.
+//! member; then, once a FLUSH made the copy durable on it, it is recorded
+//! `healthy`, and a spare's failed predecessor `removed`, in the same
+//! change.
 //!
 //! The copy of a key holds the key's lock (keys.rs) from the read on the
 //! healthy member to the write on the new one, so it never overwrites a
@@ -206,8 +207,9 @@ impl<S: MemberIo> ReplicaSet<S> {
     /// Brings `peer` into the volume with the fresh `sessions`: records it
     /// `syncing` at a new epoch, copies every blob of `cfg.keys` from a
     /// healthy member on the background sessions at `cfg.bytes_per_sec` at
-    /// most, then records it `healthy`. Fails (and the new member, if it is
-    /// the one that failed, is removed) when a copy cannot be made.
+    /// most, flushes it, then records it `healthy`. Fails (and the new
+    /// member, if it is the one that failed, is removed) when a copy cannot
+    /// be made or made durable.
     pub async fn rebuild(
         &self,
         peer: &str,
@@ -255,6 +257,7 @@ impl<S: MemberIo> ReplicaSet<S> {
         // The last copies' share of the rate: the rebuild as a whole never
         // runs faster than the limit.
         self.clock.sleep_until(pacer.due()).await;
+        self.flush_copy(&member).await?;
         self.change(
             &format!("marking {peer} healthy"),
             deadline(),
@@ -421,15 +424,51 @@ impl<S: MemberIo> ReplicaSet<S> {
             if self.overtaken(&e, epoch, deadline) {
                 continue;
             }
-            if e.status() == Some(Status::StaleEpoch) {
-                self.fence_stale(&e);
-                self.not_fenced()?;
+            return Err(self.copy_failed(to, e).await);
+        }
+    }
+
+    /// Makes the copy durable on `to` before `to` counts as a copy: a
+    /// member that restarted during its rebuild lost part of it, and this
+    /// FLUSH says so. It also spares the guest's first FLUSH after `to`
+    /// turns healthy from writing the whole copy back on `to` alone while
+    /// the other members flush a few writes; the straggler bound, derived
+    /// from their latencies, would eject `to` again. A failure removes `to`,
+    /// as a failed copy does.
+    async fn flush_copy(&self, to: &Arc<Member<S>>) -> Result<(), ArenaError> {
+        let deadline = self.clock.now() + self.config.change_deadline;
+        loop {
+            let epoch = self.view().membership.epoch;
+            let result = async {
+                to.raise(Lane::Background, epoch).await?;
+                to.session(Lane::Background).flush().await
             }
-            to.suspect(e.to_string());
-            let deadline = self.clock.now() + self.config.change_deadline;
-            self.exclude(&[to.id].into_iter().collect(), deadline)
-                .await?;
-            return Err(e);
+            .await;
+            let Err(e) = result else {
+                return Ok(());
+            };
+            if self.overtaken(&e, epoch, deadline) {
+                continue;
+            }
+            return Err(self.copy_failed(to, e).await);
+        }
+    }
+
+    /// `to` failed a request of its rebuild with `e`: it leaves the
+    /// membership (a `STALE_EPOCH` of a newer writer fences this one
+    /// instead). Returns the error the rebuild ends with.
+    async fn copy_failed(&self, to: &Arc<Member<S>>, e: ArenaError) -> ArenaError {
+        if e.status() == Some(Status::StaleEpoch) {
+            self.fence_stale(&e);
+            if let Err(fenced) = self.not_fenced() {
+                return fenced;
+            }
+        }
+        to.suspect(e.to_string());
+        let deadline = self.clock.now() + self.config.change_deadline;
+        match self.exclude(&[to.id].into_iter().collect(), deadline).await {
+            Ok(()) => e,
+            Err(not_recorded) => not_recorded,
         }
     }
 

@@ -754,6 +754,72 @@ fn a_spare_is_rebuilt_and_becomes_healthy() {
     assert_eq!(&read(&io, 5)[..8], &5u64.to_le_bytes());
 }
 
+/// Fails `peers[1]` of `v` after writing blobs 0..8 and 9.
+fn fail_second_member(v: &Volume) {
+    let io = v.io();
+    for k in 0..8u64 {
+        block_on(io.write(k, 0, &k.to_le_bytes())).unwrap();
+    }
+    v.peers[1].set_fault(down());
+    block_on(io.write(9, 0, b"9.......")).unwrap();
+    assert_eq!(v.state(1), Some(MemberState::Failed));
+}
+
+/// The copy is durable on the new member before it counts as a copy: a
+/// crash of the new member right after its rebuild keeps every blob.
+#[test]
+fn a_rebuilt_copy_is_flushed_before_the_member_is_healthy() {
+    let v = volume(2);
+    fail_second_member(&v);
+    let spare = FakePeer::new("spare", BLOB, system());
+    let stats = RebuildStats::default();
+    block_on(
+        v.set
+            .rebuild("spare", spare.sessions(2), &rebuild_cfg(12, 0), &stats),
+    )
+    .unwrap();
+    assert_eq!(
+        v.set.membership().state("spare"),
+        Some(MemberState::Healthy)
+    );
+    spare.crash();
+    assert!(!spare.lost(), "the crash lost nothing the rebuild wrote");
+    for k in 0..12u64 {
+        assert_eq!(spare.blob(k), v.peers[0].blob(k), "key {k}");
+    }
+}
+
+/// A member whose peer restarts during its rebuild lost part of the copy:
+/// the rebuild fails and the member leaves, instead of being recorded
+/// healthy with holes.
+#[test]
+fn a_member_that_restarts_during_its_rebuild_is_not_recorded_healthy() {
+    let v = volume(2);
+    fail_second_member(&v);
+    // Copies read p0 slowly, one at a time, so the spare crashes between them.
+    v.peers[0].update_fault(|f| f.delay = Duration::from_millis(3));
+    let spare = FakePeer::new("spare", BLOB, system());
+    let stats = RebuildStats::default();
+    let cfg = RebuildConfig {
+        inflight: 1,
+        ..rebuild_cfg(12, 0)
+    };
+    let rebuild = v.set.rebuild("spare", spare.sessions(2), &cfg, &stats);
+    let crash = async {
+        while stats.bytes_copied.load(Ordering::Relaxed) < 4 * u64::from(BLOB) {
+            system().sleep(Duration::from_millis(1)).await;
+        }
+        spare.crash();
+    };
+    let (r, ()) = block_on(futures::future::join(rebuild, crash));
+    let e = r.expect_err("a rebuild whose copy was partly lost fails");
+    assert!(
+        matches!(e, crate::blob::ArenaError::UnflushedDataLost { .. }),
+        "{e}"
+    );
+    assert_eq!(v.set.membership().state("spare"), Some(MemberState::Failed));
+}
+
 #[test]
 fn a_peer_back_after_losing_writes_rejoins_with_fresh_sessions() {
     let v = volume(2);
