@@ -724,39 +724,54 @@ impl<S: MemberIo> ReplicaSet<S> {
     /// the coordination store, unless a change since took them out
     /// already. Returns once no member of the current view is in `failed`;
     /// errs when that cannot be recorded by `deadline`, when it would leave
-    /// no healthy member, or when this writer is fenced.
+    /// no healthy member, or when this writer is fenced. Each member it
+    /// takes out is logged with why it failed: the record says only that.
     pub(super) async fn exclude(
         &self,
         failed: &HashSet<u64>,
         deadline: Instant,
     ) -> Result<(), ArenaError> {
         let what = failed_names(&self.members.read(), failed).join(", ");
-        self.change(&format!("removing {what}"), deadline, |view| {
-            let still: Vec<_> = view
-                .active
-                .iter()
-                .filter(|(m, _)| failed.contains(&m.id))
-                .map(|(m, _)| Arc::clone(m))
-                .collect();
-            if still.is_empty() {
-                return Ok(None);
-            }
-            let next = next_of(&view.membership, &still);
-            if next.validate().is_err() {
-                // No healthy copy would be left: keep the last ones and let
-                // the caller fail; they may come back.
-                let why: Vec<_> = still.iter().map(|m| m.failure()).collect();
-                for m in &still {
-                    m.clear_suspect();
+        // (peer, why) of the members the last plan that had any took out;
+        // `change` plans once more after recording it, and finds none.
+        let out = Mutex::new(Vec::new());
+        let result = self
+            .change(&format!("removing {what}"), deadline, |view| {
+                let still: Vec<_> = view
+                    .active
+                    .iter()
+                    .filter(|(m, _)| failed.contains(&m.id))
+                    .map(|(m, _)| Arc::clone(m))
+                    .collect();
+                if still.is_empty() {
+                    return Ok(None);
                 }
-                return Err(self.refusal(
-                    ReplicaFailure::NoMember,
-                    format!("no healthy member left: {}", why.join("; ")),
-                ));
+                let next = next_of(&view.membership, &still);
+                if next.validate().is_err() {
+                    // No healthy copy would be left: keep the last ones and let
+                    // the caller fail; they may come back.
+                    let why: Vec<_> = still.iter().map(|m| m.failure()).collect();
+                    for m in &still {
+                        m.clear_suspect();
+                    }
+                    return Err(self.refusal(
+                        ReplicaFailure::NoMember,
+                        format!("no healthy member left: {}", why.join("; ")),
+                    ));
+                }
+                *out.lock() = still
+                    .iter()
+                    .map(|m| (m.peer.clone(), m.failure()))
+                    .collect();
+                Ok(Some((next, still.len() as u64)))
+            })
+            .await;
+        if result.is_ok() {
+            for (peer, why) in out.into_inner() {
+                tracing::warn!(event = events::REPLICAS_MEMBER_OUT, volume = %self.volume, peer, reason = why);
             }
-            Ok(Some((next, still.len() as u64)))
-        })
-        .await
+        }
+        result
     }
 
     /// Records the change `plan` makes to the current view, and installs

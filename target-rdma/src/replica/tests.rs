@@ -15,7 +15,7 @@ use super::fake::{FakeFault, FakePeer, FakeSession};
 use super::*;
 use crate::blob::{BlobIo, ErrorKind, ReplicaFailure};
 use crate::proto::Status;
-use ublk_metrics::ManualClock;
+use ublk_metrics::{events, ManualClock};
 
 const BLOB: u32 = 4096;
 
@@ -431,12 +431,24 @@ fn a_member_that_stops_answering_is_ejected_after_the_straggler_bound() {
     on_virtual_time(&clock, io.write(1, 0, b"warm-up."), |_| {}).unwrap();
     v.peers[1].update_fault(|f| f.delay = Duration::from_secs(600));
     let start = clock.elapsed();
-    let r = on_virtual_time(&clock, io.write(1, 0, b"12345678"), |_| {});
+    let (r, logs) = ublk_metrics::testing::capture_json_logs(|| {
+        on_virtual_time(&clock, io.write(1, 0, b"12345678"), |_| {})
+    });
     let took = clock.elapsed() - start;
     r.unwrap();
     assert_eq!(took, Duration::from_millis(100), "the floor of the bound");
     assert_eq!(v.state(1), Some(MemberState::Failed));
     assert_eq!(v.set.stats().stragglers.load(Ordering::Relaxed), 1);
+    // The log says which member went and why; the record says only that.
+    assert!(
+        logs.iter()
+            .any(|l| l["event"] == events::REPLICAS_MEMBER_OUT
+                && l["peer"] == "p1"
+                && l["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("timed out"))),
+        "{logs:#?}"
+    );
     let failures = v.set.member_failures();
     assert!(
         failures
