@@ -820,22 +820,9 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("invalid size \"64Q\": unknown unit"), "{e}");
-        let e = Cli::try_parse_from([
-            "ublkctl",
-            "add",
-            "--peer",
-            "h:1",
-            "--volume",
-            "v",
-            "--secret-file",
-            "/s",
-            "--size",
-            "1G",
-            "--transport",
-            "udp",
-        ])
-        .unwrap_err()
-        .to_string();
+        let e = add(&["--peer", "h:1", "--transport", "udp"])
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("invalid value 'udp' for '--transport <TRANSPORT>'")
                 && e.contains("[possible values: tcp, rdma, auto]"),

@@ -725,9 +725,8 @@ fn rebuild_cfg(keys: u64, bytes_per_sec: u64) -> RebuildConfig {
     }
 }
 
-#[test]
-fn a_spare_is_rebuilt_and_becomes_healthy() {
-    let v = volume(2);
+/// Fails `peers[1]` of `v` after writing blobs 0..8 and 9.
+fn fail_second_member(v: &Volume) {
     let io = v.io();
     for k in 0..8u64 {
         block_on(io.write(k, 0, &k.to_le_bytes())).unwrap();
@@ -735,6 +734,13 @@ fn a_spare_is_rebuilt_and_becomes_healthy() {
     v.peers[1].set_fault(down());
     block_on(io.write(9, 0, b"9.......")).unwrap();
     assert_eq!(v.state(1), Some(MemberState::Failed));
+}
+
+#[test]
+fn a_spare_is_rebuilt_and_becomes_healthy() {
+    let v = volume(2);
+    fail_second_member(&v);
+    let io = v.io();
     // Blob 3 was removed while p1 was out; the spare must not have it.
     block_on(io.remove(3, 4)).unwrap();
     let spare = FakePeer::new("spare", BLOB, system());
@@ -764,17 +770,6 @@ fn a_spare_is_rebuilt_and_becomes_healthy() {
     v.peers[0].set_fault(down());
     assert_eq!(read(&io, 9), b"9.......");
     assert_eq!(&read(&io, 5)[..8], &5u64.to_le_bytes());
-}
-
-/// Fails `peers[1]` of `v` after writing blobs 0..8 and 9.
-fn fail_second_member(v: &Volume) {
-    let io = v.io();
-    for k in 0..8u64 {
-        block_on(io.write(k, 0, &k.to_le_bytes())).unwrap();
-    }
-    v.peers[1].set_fault(down());
-    block_on(io.write(9, 0, b"9.......")).unwrap();
-    assert_eq!(v.state(1), Some(MemberState::Failed));
 }
 
 /// The copy is durable on the new member before it counts as a copy: a
