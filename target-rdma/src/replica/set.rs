@@ -733,7 +733,9 @@ impl<S: MemberIo> ReplicaSet<S> {
     ) -> Result<(), ArenaError> {
         let what = failed_names(&self.members.read(), failed).join(", ");
         // (peer, why) of the members the last plan that had any took out;
-        // `change` plans once more after recording it, and finds none.
+        // `change` plans once more after recording it, and finds none. Not
+        // a list made before `change` takes its lock: a concurrent exclude
+        // of the same member (another queue's) would log it too.
         let out = Mutex::new(Vec::new());
         let result = self
             .change(&format!("removing {what}"), deadline, |view| {
